@@ -1,0 +1,15 @@
+"""kforcing_kernels: prefix-window attention for parallel-decoding LLM training.
+
+    from kforcing_kernels import WindowLayout, window_attention
+    layout = WindowLayout.kforcing_single(n_ctx=N, k=4)
+    out = window_attention(q, k, v, layout)      # q, k, v: [B, H, L, D]
+    layout.dense_mask()                          # bool [Lq, Lk], the oracle
+"""
+
+from .attention import window_attention
+from .backends import BACKENDS, backends_available, default_backend
+from .layouts import WindowLayout
+
+__version__ = "0.1.0"
+
+__all__ = ["WindowLayout", "window_attention", "backends_available", "default_backend", "BACKENDS", "__version__"]

@@ -1,0 +1,173 @@
+"""``window_attention``: the public prefix-window attention op.
+
+Non-reference backends run behind one ``torch.library.custom_op`` pair (forward
+and backward) so the op is opaque to autograd and traceable by torch.compile;
+the layout travels as its range tensors plus a few ints.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Union
+
+import torch
+
+from .backends import BACKENDS, default_backend, get_backend
+from .backends._lse_attention import acc_dtype
+from .layouts import WindowLayout
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def window_attention(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    layout: WindowLayout,
+    *,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention under the prefix-window mask ``layout.dense_mask()``.
+
+    Args:
+        q: queries ``[B, H, Lq, D]`` with ``Lq == layout.n_queries`` in the layout's
+            storage order (``[context | windows]`` or windows only).
+        k, v: keys/values ``[B, Hkv, Lk, D]`` with ``Lk == layout.n_keys``
+            (``[context | windows]``); ``H % Hkv == 0`` (GQA).
+        layout: the mask.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"`` or None
+            (fastest available for the device; env ``KFORCING_BACKEND`` overrides).
+        return_lse: also return the natural-log log-sum-exp ``[B, H, Lq]`` (fp32; fp64 for fp64 inputs),
+            which is not differentiated through.
+
+    Returns:
+        ``out [B, H, Lq, D]`` in q's dtype (and ``lse`` if asked).
+    """
+    _validate(q, k, v, layout, scale, backend)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    name = backend or default_backend(q.device)
+    if name == "reference":
+        out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
+    else:
+        out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
+    return (out, lse.detach()) if return_lse else out
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def _validate(q, k, v, layout, scale, backend) -> None:
+    if not isinstance(layout, WindowLayout):
+        raise ValueError(f"layout: expected a WindowLayout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected rank 4 [B, H, L, D], got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: expected dtype in {SUPPORTED_DTYPES}, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: expected dtype {q.dtype} (q's), got k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"k, v: expected device {q.device} (q's), got k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k: expected batch {b} (q's), got {k.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"k: expected head dim {d} (q's), got {k.shape[3]}")
+    if h % k.shape[1] != 0:
+        raise ValueError(f"q: expected a head count that is a multiple of k's {k.shape[1]} (GQA), got {h}")
+    if lq != layout.n_queries:
+        raise ValueError(f"q: expected length {layout.n_queries} (layout.n_queries), got {lq}")
+    if k.shape[2] != layout.n_keys:
+        raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
+    if layout.batch_size is not None and layout.batch_size != b:
+        raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+
+
+# ---------------------------------------------------------------------- custom op
+
+
+def _layout_args(layout: WindowLayout):
+    geometry = [layout.n_ctx, layout.num_windows, layout.window_size, layout.last_window_size, layout.n_streams]
+    return layout.prefix_lo, layout.prefix_hi, geometry, layout.intra == "causal", layout.queries == "all"
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(key: tuple) -> WindowLayout:
+    geometry, causal, queries_all, shape, lo_bytes, hi_bytes = key
+    n_ctx, m, w, last, streams = geometry
+    lo = torch.frombuffer(bytearray(lo_bytes), dtype=torch.int64).view(shape) if m else torch.zeros(shape, dtype=torch.int64)
+    hi = torch.frombuffer(bytearray(hi_bytes), dtype=torch.int64).view(shape) if m else torch.zeros(shape, dtype=torch.int64)
+    return WindowLayout(
+        n_ctx, m, w, lo, hi, last_window_size=last, intra="causal" if causal else "full",
+        queries="all" if queries_all else "windows", n_streams=streams,
+    )
+
+
+def layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all) -> WindowLayout:
+    """Rebuild (and cache) the layout a custom-op call describes."""
+    lo, hi = prefix_lo.cpu().contiguous(), prefix_hi.cpu().contiguous()
+    key = (tuple(geometry), bool(intra_causal), bool(queries_all), tuple(lo.shape), lo.numpy().tobytes(), hi.numpy().tobytes())
+    return _cached_layout(key)
+
+
+@torch.library.custom_op("kforcing_kernels::window_attention", mutates_args=())
+def _window_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lo: torch.Tensor, prefix_hi: torch.Tensor,
+    geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
+    out, lse = get_backend(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
+    return out, lse
+
+
+@_window_attention_op.register_fake
+def _(q, k, v, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("kforcing_kernels::window_attention_backward", mutates_args=())
+def _window_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    prefix_lo: torch.Tensor, prefix_hi: torch.Tensor, geometry: list[int], intra_causal: bool, queries_all: bool,
+    scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
+    tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
+    return get_backend(backend).backward(*tensors, layout, scale)
+
+
+@_window_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, prefix_lo, prefix_hi)
+    ctx.meta = (geometry, intra_causal, queries_all, scale, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, prefix_lo, prefix_hi = ctx.saved_tensors
+    geometry, intra_causal, queries_all, scale, backend = ctx.meta
+    dq, dk, dv = torch.ops.kforcing_kernels.window_attention_backward(
+        dout, q, k, v, out, lse, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_window_attention_op.register_autograd(_backward, setup_context=_setup_context)

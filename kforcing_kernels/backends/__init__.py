@@ -1,0 +1,59 @@
+"""Backend registry for prefix-window attention.
+
+Every backend is a module with ``available() -> None | reason`` and
+``forward(q, k, v, layout, scale) -> (out, lse)`` /
+``backward(dout, q, k, v, out, lse, layout, scale) -> (dq, dk, dv)``
+(``reference`` instead exposes a differentiable ``attention``). A backend that is
+not built or cannot import is reported absent with its reason; it is never faked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+_MODULES = {
+    "reference": "kforcing_kernels.backends.reference",
+    "composite": "kforcing_kernels.backends.composite",
+    "cpp": "kforcing_kernels.backends.cpp",
+    "triton": "kforcing_kernels.backends.triton",
+}
+BACKENDS = tuple(_MODULES)
+
+
+def _load(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
+    try:
+        module = importlib.import_module(_MODULES[name])
+    except ImportError as exc:  # not built / dependency missing
+        return None, f"cannot import {_MODULES[name]}: {exc}"
+    return module, module.available()
+
+
+def backends_available() -> dict[str, Optional[str]]:
+    """``{backend: None if usable here, else the reason it is absent}``."""
+    return {name: _load(name)[1] for name in BACKENDS}
+
+
+def get_backend(name: str) -> ModuleType:
+    if name not in _MODULES:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {name!r}")
+    module, reason = _load(name)
+    if reason is not None:
+        raise RuntimeError(f"backend {name!r} is not available: {reason}")
+    return module
+
+
+def default_backend(device: torch.device) -> str:
+    """The fastest available backend for ``device`` (override with KFORCING_BACKEND)."""
+    forced = os.environ.get("KFORCING_BACKEND")
+    if forced:
+        return forced
+    preference = ("triton", "composite") if device.type == "cuda" else ("cpp", "composite")
+    for name in preference:
+        if _load(name)[1] is None:
+            return name
+    return "composite"

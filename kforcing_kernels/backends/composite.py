@@ -1,0 +1,286 @@
+"""Composite backend: prefix-window attention as a few standard attention calls.
+
+The mask splits into three kinds of pieces (DESIGN.md §2):
+
+* context triangle: one causal call over the C context queries (queries="all");
+* window -> prefix rectangles: all windows batched. For the K-Forcing staircase
+  (window t sees context [0, t+1)) we regroup window queries *slot-major*: slot i
+  of windows 0..M-1 is a length-M sequence whose row t sees keys [0, t+1), i.e.
+  plain causal attention, so the w slots become w extra query heads of one causal
+  call (GQA lets them share the context K/V). Any other layout is cut into chunks
+  of consecutive windows, each one masked call over its key span;
+* intra-window tiles: batched over windows (einsum for small windows, a causal
+  call per window folded into the batch for large ones).
+
+Window rows are merged by log-sum-exp. Backward reuses the merged output and LSE:
+each piece's backward gets them, so no autograd runs through the merge.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layouts import WindowLayout
+from ._lse_attention import acc_dtype, attend, attend_backward
+
+# Query rows per masked call in the general prefix path: bounds the staircase
+# padding a chunk carries (~ rows/2 keys per row) against per-call overhead.
+CHUNK_ROWS = 256
+# Windows at least this large use fused causal calls for their intra tile.
+FOLD_WINDOW_MIN = 32
+
+
+def available() -> Optional[str]:
+    return None
+
+
+# ---------------------------------------------------------------------- storage order
+
+
+def _to_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """[B, H, Nw, *] window rows in storage order -> [B, H, M, w, *] position-major (short last window zero-padded)."""
+    b, h, n = x.shape[:3]
+    tail = x.shape[3:]
+    m, w, st, s = layout.num_windows, layout.window_size, layout.n_streams, layout.slots_per_stream
+    if st > 1:
+        return x.view(b, h, st, m, s, *tail).transpose(2, 3).reshape(b, h, m, w, *tail)
+    pad = m * w - n
+    if pad:
+        x = torch.cat([x, x.new_zeros(b, h, pad, *tail)], 2)
+    return x.reshape(b, h, m, w, *tail)
+
+
+def _from_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """Inverse of :func:`_to_windows`."""
+    b, h, m, w = x.shape[:4]
+    tail = x.shape[4:]
+    st, s = layout.n_streams, layout.slots_per_stream
+    if st > 1:
+        return x.view(b, h, m, st, s, *tail).transpose(2, 3).reshape(b, h, m * w, *tail)
+    return x.reshape(b, h, m * w, *tail)[:, :, : layout.n_window_tokens]
+
+
+def _slot_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, M, w, *] -> [B, H*w, M, *]: slot i of every window becomes head h*w + i."""
+    b, h, m, w = x.shape[:4]
+    return x.transpose(2, 3).reshape(b, h * w, m, *x.shape[4:])
+
+
+def _from_slot_major(x: torch.Tensor, h: int) -> torch.Tensor:
+    b, hw, m = x.shape[:3]
+    return x.view(b, h, hw // h, m, *x.shape[3:]).transpose(2, 3)
+
+
+def is_staircase(layout: WindowLayout) -> bool:
+    """Window t sees context [0, t+1) (K-Forcing Single/DoubleForward): slot-major causal applies."""
+    m = layout.num_windows
+    return (
+        layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
+        and not bool(layout.prefix_lo.any()) and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
+    )
+
+
+# ---------------------------------------------------------------------- prefix pieces
+
+
+def _prefix_chunks(layout: WindowLayout):
+    """Yield (m0, m1, klo, khi, allowed or None) per chunk of windows with a non-empty key span."""
+    m, w = layout.num_windows, layout.window_size
+    lo = layout.prefix_lo.reshape(-1, m)
+    hi = layout.prefix_hi.reshape(-1, m)
+    per = max(1, CHUNK_ROWS // w)
+    for m0 in range(0, m, per):
+        m1 = min(m, m0 + per)
+        lo_c, hi_c = lo[:, m0:m1], hi[:, m0:m1]
+        nonempty = hi_c > lo_c
+        if not bool(nonempty.any()):
+            continue
+        klo, khi = int(lo_c[nonempty].min()), int(hi_c[nonempty].max())
+        if bool((lo_c == klo).all()) and bool((hi_c == khi).all()):
+            yield m0, m1, klo, khi, None
+            continue
+        cols = torch.arange(klo, khi)
+        row_lo = lo_c.repeat_interleave(w, 1)[:, :, None]  # [B', rows, 1]
+        row_hi = hi_c.repeat_interleave(w, 1)[:, :, None]
+        allowed = ((row_lo <= cols) & (cols < row_hi))[:, None]  # [B', 1, rows, keys]
+        yield m0, m1, klo, khi, allowed
+
+
+def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
+    # [B, H, M, w, *] -> rows of windows m0..m1 as [B, H, (m1-m0)*w, *]
+    b, h, _, w = x.shape[:4]
+    return x[:, :, m0:m1].reshape(b, h, (m1 - m0) * w, *x.shape[4:])
+
+
+def _prefix_forward(qw, k, v, layout, scale):
+    """Window -> context attention: (out [B, H, M, w, D], lse [B, H, M, w])."""
+    b, h, m, w, d = qw.shape
+    if is_staircase(layout):
+        o, l = attend(_slot_major(qw), k[:, :, :m], v[:, :, :m], causal=True, scale=scale)
+        return _from_slot_major(o, h), _from_slot_major(l, h)
+    out = qw.new_zeros(b, h, m, w, d)
+    lse = torch.full((b, h, m, w), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
+    for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
+        allowed = None if allowed is None else allowed.to(qw.device)
+        o, l = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
+        out[:, :, m0:m1] = o.view(b, h, m1 - m0, w, d)
+        lse[:, :, m0:m1] = l.view(b, h, m1 - m0, w)
+    return out, lse
+
+
+def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
+    """Gradients of the prefix piece: (dq [B, H, M, w, D], dk_ctx, dv_ctx [B, Hkv, C, D])."""
+    b, h, m, w, d = qw.shape
+    dk = torch.zeros(k.shape[0], k.shape[1], layout.n_ctx, d, dtype=acc_dtype(k.dtype), device=k.device)
+    dv = torch.zeros_like(dk)
+    if is_staircase(layout):
+        dq, dk_p, dv_p = attend_backward(
+            _slot_major(dow), _slot_major(qw), k[:, :, :m], v[:, :, :m], _slot_major(ow), _slot_major(lw), causal=True, scale=scale
+        )
+        dk[:, :, :m] += dk_p
+        dv[:, :, :m] += dv_p
+        return _from_slot_major(dq, h), dk, dv
+    dq = torch.zeros_like(qw)
+    for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
+        allowed = None if allowed is None else allowed.to(qw.device)
+        dq_c, dk_c, dv_c = attend_backward(
+            _rows(dow, m0, m1), _rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], _rows(ow, m0, m1), _rows(lw, m0, m1),
+            causal=False, scale=scale, allowed=allowed,
+        )
+        dq[:, :, m0:m1] = dq_c.view(b, h, m1 - m0, w, d)
+        dk[:, :, klo:khi] += dk_c
+        dv[:, :, klo:khi] += dv_c
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------- intra-window pieces
+
+
+def _intra_visible(layout: WindowLayout, device) -> torch.Tensor:
+    """bool [M, w, w]: slot i sees slot j of its own window (padding keys of a short last window hidden)."""
+    w = layout.window_size
+    i = torch.arange(w, device=device)
+    vis = (i[None, :] <= i[:, None]) if layout.intra == "causal" else torch.ones(w, w, dtype=torch.bool, device=device)
+    key_ok = i[None, :] < layout.window_lengths().to(device)[:, None]  # [M, w]
+    return vis[None] & key_ok[:, None, :]
+
+
+def _use_fold(layout: WindowLayout) -> bool:
+    return layout.window_size >= FOLD_WINDOW_MIN
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    # [B, H, M, w, *] -> [B*M, H, w, *]: one small attention problem per window.
+    b, h, m, w = x.shape[:4]
+    return x.transpose(1, 2).reshape(b * m, h, w, *x.shape[4:])
+
+
+def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
+    bm, h, w = x.shape[:3]
+    return x.view(b, bm // b, h, w, *x.shape[3:]).transpose(1, 2)
+
+
+def _fold_mask(layout: WindowLayout, b: int, device) -> Optional[torch.Tensor]:
+    if layout.intra == "causal" or layout.last_window_size == layout.window_size:
+        return None
+    return _intra_visible(layout, device)[None, :, None].expand(b, -1, -1, -1, -1).reshape(-1, 1, layout.window_size, layout.window_size)
+
+
+def _scores(qw, kw, scale, layout):
+    # qw [B, H, M, w, D], kw [B, Hkv, M, w, D] -> fp32 scores [B, Hkv, g, M, w, w], masked.
+    b, h, m, w, d = qw.shape
+    hkv = kw.shape[1]
+    ct = acc_dtype(qw.dtype)
+    q6 = qw.view(b, hkv, h // hkv, m, w, d).to(ct)
+    s = torch.einsum("bkgmid,bkmjd->bkgmij", q6, kw.to(ct)) * scale
+    return s.masked_fill(~_intra_visible(layout, qw.device), float("-inf")), q6
+
+
+def _intra_forward(qw, kw, vw, layout, scale):
+    b, h, m, w, d = qw.shape
+    if _use_fold(layout):
+        causal = layout.intra == "causal"
+        o, l = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
+        return _unfold(o, b), _unfold(l, b)
+    s, _ = _scores(qw, kw, scale, layout)
+    lse = torch.logsumexp(s, -1)
+    o = torch.einsum("bkgmij,bkmjd->bkgmid", torch.exp(s - lse[..., None]), vw.to(s.dtype))
+    return o.reshape(b, h, m, w, d).to(qw.dtype), lse.reshape(b, h, m, w)
+
+
+def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
+    b, h, m, w, d = qw.shape
+    if _use_fold(layout):
+        causal = layout.intra == "causal"
+        dq, dk, dv = attend_backward(
+            _fold(dow), _fold(qw), _fold(kw), _fold(vw), _fold(ow), _fold(lw),
+            causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device),
+        )
+        return _unfold(dq, b), _unfold(dk, b), _unfold(dv, b)
+    hkv = kw.shape[1]
+    s, q6 = _scores(qw, kw, scale, layout)
+    ct = s.dtype
+    p = torch.exp(s - lw.view(b, hkv, h // hkv, m, w, 1).to(ct))
+    do6 = dow.view(b, hkv, h // hkv, m, w, d).to(ct)
+    delta = (do6 * ow.view_as(do6).to(ct)).sum(-1, keepdim=True)
+    dp = torch.einsum("bkgmid,bkmjd->bkgmij", do6, vw.to(ct))
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bkgmij,bkmjd->bkgmid", ds, kw.to(ct)).reshape(b, h, m, w, d)
+    dk = torch.einsum("bkgmij,bkgmid->bkmjd", ds, q6)
+    dv = torch.einsum("bkgmij,bkgmid->bkmjd", p, do6)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------- entry points
+
+
+def forward(q, k, v, layout: WindowLayout, scale: float):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs)."""
+    c, nw = layout.n_ctx, layout.n_window_tokens
+    out = torch.empty_like(q)
+    ct = acc_dtype(q.dtype)
+    lse = torch.empty(q.shape[:3], dtype=ct, device=q.device)
+    if layout.queries == "all" and c:
+        out[:, :, :c], lse[:, :, :c] = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], causal=True, scale=scale)
+    if nw:
+        qw = _to_windows(q[:, :, -nw:], layout)
+        o_i, l_i = _intra_forward(qw, _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout), layout, scale)
+        o_p, l_p = _prefix_forward(qw, k, v, layout, scale)
+        l = torch.logaddexp(l_p, l_i)
+        o = o_p.to(ct) * torch.exp(l_p - l)[..., None] + o_i.to(ct) * torch.exp(l_i - l)[..., None]
+        out[:, :, -nw:] = _from_windows(o.to(q.dtype), layout)
+        lse[:, :, -nw:] = _from_windows(l, layout)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
+    c, nw = layout.n_ctx, layout.n_window_tokens
+    dq = torch.empty_like(q)
+    ct = acc_dtype(q.dtype)
+    dk_ctx = torch.zeros(k.shape[0], k.shape[1], c, k.shape[3], dtype=ct, device=k.device)
+    dv_ctx = torch.zeros_like(dk_ctx)
+    if layout.queries == "all" and c:
+        dq_c, dk_c, dv_c = attend_backward(
+            dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True, scale=scale
+        )
+        dq[:, :, :c] = dq_c
+        dk_ctx += dk_c
+        dv_ctx += dv_c
+    dk_win = dv_win = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
+    if nw:
+        win = lambda x: _to_windows(x[:, :, -nw:], layout)  # noqa: E731
+        qw, dow, ow, lw = win(q), win(dout), win(out), win(lse)
+        kw, vw = _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout)
+        dq_i, dk_i, dv_i = _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale)
+        dq_p, dk_p, dv_p = _prefix_backward(dow, qw, ow, lw, k, v, layout, scale)
+        dq[:, :, -nw:] = _from_windows((dq_i.to(ct) + dq_p.to(ct)).to(q.dtype), layout)
+        dk_ctx += dk_p
+        dv_ctx += dv_p
+        dk_win, dv_win = _from_windows(dk_i, layout), _from_windows(dv_i, layout)
+    dk = torch.cat([dk_ctx.to(k.dtype), dk_win.to(k.dtype)], 2)
+    dv = torch.cat([dv_ctx.to(v.dtype), dv_win.to(v.dtype)], 2)
+    return dq, dk, dv
+
