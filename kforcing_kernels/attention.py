@@ -3,6 +3,17 @@
 Non-reference backends run behind one ``torch.library.custom_op`` pair (forward
 and backward) so the op is opaque to autograd and traceable by torch.compile;
 the layout travels as its range tensors plus a few ints.
+
+torch.compile policy (tested in python_tests/test_compile.py): ``window_attention``
+traces with ``fullgraph=True`` for every backend. The layout's geometry ints enter
+the op schema as ``SymInt[]`` and its range tensors as graph inputs of shape
+``[M]``/``[B, M]``, so with ``dynamic=True`` (or after dynamo's one automatic-dynamic
+recompile on the first size change) one graph serves every N >= 2 of a layout
+family. A family (the "bucket") is fixed by the N-independent constants: window
+size, last-window size, streams, intra and query mode; changing one of those, or
+N in {0, 1} (size specialisation), compiles a new graph. Under compile the
+``reference`` backend runs inside the op too (dense mask + math attention), since
+building the dense mask is not traceable.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from .backends import BACKENDS, default_backend, get_backend
-from .backends._lse_attention import acc_dtype
+from .backends._lse_attention import acc_dtype, attend, attend_backward
 from .layouts import WindowLayout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -49,12 +60,19 @@ def window_attention(
     """
     _validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    name = backend or default_backend(q.device)
-    if name == "reference":
+    name = backend or _default_backend_for(q.device.type)
+    if name == "reference" and not torch.compiler.is_compiling():
         out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
+
+
+@torch.compiler.assume_constant_result
+def _default_backend_for(device_type: str) -> str:
+    # Backend discovery imports modules, which dynamo cannot trace; under compile the
+    # choice is a trace-time constant (changing KFORCING_BACKEND later does not recompile).
+    return default_backend(torch.device(device_type))
 
 
 # ---------------------------------------------------------------------- validation
@@ -128,8 +146,16 @@ def _window_attention_op(
     geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
+    if backend == "reference":  # reached under torch.compile only; eager uses the differentiable path
+        return attend(q, k, v, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     out, lse = get_backend(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
     return out, lse
+
+
+def _dense_allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
+    """bool [B or 1, 1, Lq, Lk]: the layout's dense mask, shaped for ``attend``."""
+    mask = layout.dense_mask().to(device)
+    return mask[:, None] if mask.dim() == 3 else mask[None, None]
 
 
 @_window_attention_op.register_fake
@@ -145,6 +171,8 @@ def _window_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
+    if backend == "reference":
+        return attend_backward(*tensors, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     return get_backend(backend).backward(*tensors, layout, scale)
 
 
