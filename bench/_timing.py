@@ -19,19 +19,85 @@ def pin_threads(n: int | None) -> int:
     return n
 
 
-def measure(fn: Callable[[], object], *, warmup: int = 2, reps: int = 5) -> dict:
-    """Run ``fn`` ``warmup`` times, then time ``reps`` runs; milliseconds."""
+def measure(fn: Callable[[], object], *, warmup: int = 2, reps: int = 5, max_seconds: float | None = None, min_reps: int = 3) -> dict:
+    """Run ``fn`` ``warmup`` times, then time up to ``reps`` runs; milliseconds.
+
+    ``first_ms`` is the first warm-up call (compilation, caches). With ``max_seconds``
+    the timed loop stops early once ``min_reps`` runs are in and that much time has
+    passed, so one slow shape cannot eat a whole sweep; ``reps`` is the count timed.
+    """
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
+    first_ms = None
+    for i in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    sync()
+        sync()
+        if i == 0:
+            first_ms = (time.perf_counter() - t0) * 1e3
     times = []
-    for _ in range(reps):
+    start = time.perf_counter()
+    for i in range(reps):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": reps}
+        if max_seconds is not None and i + 1 >= min_reps and time.perf_counter() - start > max_seconds:
+            break
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": len(times), "first_ms": first_ms}
+
+
+def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: float | None = None, min_reps: int = 3) -> dict:
+    """Time several callables round-robin: each round runs every one of them once.
+
+    Interleaving puts every method under the same background load, so ratios
+    between them (the numbers this project reports) survive a busy machine far
+    better than back-to-back blocks. Returns ``{key: measure()-style dict}``, or
+    ``{key: exception}`` for a callable that raised (it leaves the rotation).
+    With ``max_seconds`` the rounds stop once ``min_reps`` are in and the rounds
+    have taken ``max_seconds`` per callable.
+    """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    results: dict = {}
+    first: dict = {}
+    live = list(fns)
+    for key in list(live):
+        try:
+            for i in range(warmup):
+                t0 = time.perf_counter()
+                fns[key]()
+                sync()
+                if i == 0:
+                    first[key] = (time.perf_counter() - t0) * 1e3
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, not swallowed
+            results[key] = exc
+            live.remove(key)
+    times: dict = {key: [] for key in live}
+    budget = None if max_seconds is None else max_seconds * max(1, len(live))
+    start = time.perf_counter()
+    for r in range(reps):
+        for key in list(live):
+            try:
+                t0 = time.perf_counter()
+                fns[key]()
+                sync()
+                times[key].append((time.perf_counter() - t0) * 1e3)
+            except Exception as exc:  # noqa: BLE001
+                results[key] = exc
+                live.remove(key)
+        if budget is not None and r + 1 >= min_reps and time.perf_counter() - start > budget:
+            break
+    for key in live:
+        ts = times[key]
+        results[key] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": len(ts), "first_ms": first.get(key)}
+    return results
+
+
+def busy_cores() -> float | None:
+    """The 1-minute load average (None where the OS has none): context for contended timings."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def machine_info() -> dict:

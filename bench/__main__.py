@@ -1,0 +1,51 @@
+"""``python -m bench <command> [options]`` (same as ``python bench/run.py``).
+
+Commands:
+    attention   the attention microbenchmark sweep (default; ``--quick`` for a short one)
+    train       one self-forcing training step, dense-mask attention vs ours
+    infer       inference throughput, AR vs K-Forcing
+    validate    check an attention JSON report against its schema
+Run ``python -m bench <command> --help`` for a command's options.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+COMMANDS = ("attention", "train", "infer", "validate")
+
+
+def main(argv=None, prog="python -m bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "attention"
+    if argv and not argv[0].startswith("-") and command != "validate":
+        print(f"unknown command {argv[0]!r}; expected one of {COMMANDS}", file=sys.stderr)
+        return 2
+    name = f"{prog} {command}"
+    if command == "attention":
+        from bench import sweep
+
+        sweep.main(argv, prog=name)
+    elif command == "train":
+        from bench import train_step
+
+        train_step.main(argv, prog=name)
+    elif command == "infer":
+        from bench import inference
+
+        inference.main(argv, prog=name)
+    else:
+        from bench import schema
+
+        return schema.main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

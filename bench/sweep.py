@@ -1,0 +1,382 @@
+"""Attention microbenchmark sweep: every layout x N x k x D, ours vs the peers vs the ideal.
+
+    python -m bench attention --quick          # all layouts at N=256, under 2 minutes on 2 cores
+    python -m bench attention                  # the full sweep: N 256..2048, k 1..8, D 64 and 128
+    python -m bench attention --layouts single,double --n 1024 --dims 64
+
+Methods, timed forward and forward+backward in one process, each against the
+ideal measured right next to it:
+
+* ``ideal``: ``|M| / causal(N)`` x causal SDPA over the N context tokens, the cost of
+  the mask's non-zero pairs at causal-attention speed (``~(1 + k) x`` for K-Forcing
+  SingleForward, ``~2k x`` for DoubleForward);
+* ``dense_sdpa``: SDPA with the layout's dense bool mask, which is what the paper's
+  code does and what the ``reference`` backend computes (O(k^2));
+* ``flex_blockmask`` / ``flex_create_block_mask``: ``torch.compile``d FlexAttention
+  with our analytic ``layout.to_block_mask()`` / with ``create_block_mask(layout.mask_mod())``
+  (same tiles; the second shows the cost of building them by sweeping the mask).
+  Forward only on CPU, where Flex has no backward;
+* ``flash_attn_ideal``: the ideal at FlashAttention speed (CUDA with flash-attn only;
+  flash-attn has no way to express these masks itself);
+* ours: ``window_attention(backend=...)`` for ``composite``, ``cpp``, ``triton`` when
+  ``backends_available()`` says they are built (triton is timed on CUDA only).
+
+Mask/plan build times (dense mask, analytic BlockMask, create_block_mask) are
+reported as phase ``build``. A method that is not present here is listed with
+the reason and never timed. Ratios are only meaningful inside one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import sys
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._timing import busy_cores, machine_info, measure, measure_many, pin_threads  # noqa: E402
+from bench.attention import LAYOUTS  # noqa: E402
+from kforcing_kernels import backends_available, window_attention  # noqa: E402
+from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
+
+SCHEMA_ID = "kforcing-bench/attention/v1"
+OURS = ("composite", "cpp", "triton")
+PEERS = ("dense_sdpa", "flex_blockmask", "flex_create_block_mask", "flash_attn_ideal")
+METHODS = ("ideal",) + PEERS + OURS
+METHOD_KIND = {"ideal": "ideal", **{m: "peer" for m in PEERS}, **{m: "ours" for m in OURS}}
+METHOD_DESCRIPTION = {
+    "ideal": "|M|/causal(N) x causal SDPA over N (the non-zero pairs at causal-attention speed)",
+    "dense_sdpa": "SDPA with the dense bool mask: the paper's code, = the reference backend",
+    "flex_blockmask": "torch.compile(flex_attention) with the analytic layout.to_block_mask()",
+    "flex_create_block_mask": "torch.compile(flex_attention) with create_block_mask(layout.mask_mod())",
+    "flash_attn_ideal": "|M|/causal(N) x flash-attn causal over N (the ideal at FlashAttention speed)",
+    "composite": "window_attention(backend='composite')",
+    "cpp": "window_attention(backend='cpp')",
+    "triton": "window_attention(backend='triton')",
+}
+PHASES = ("fwd", "fwd_bwd")
+FLEX_BLOCK = 128
+# create_block_mask evaluates mask_mod over the full Lq x Lk grid; peak memory measured
+# at ~15 bytes per element (torch 2.13, CPU), so cap it to keep a shared machine alive.
+CBM_MAX_ELEMENTS = 3 * 10**8
+
+FULL = {"layouts": list(LAYOUTS), "n": [256, 512, 1024, 2048], "k": [1, 2, 4, 8], "dims": [64, 128], "warmup": 1, "reps": 5, "max_seconds": 10.0,
+        "k_by_layout": {}}
+# Quick: the k sweep where the work grows with k (the O(k) vs O(k^2) story), one k elsewhere.
+QUICK = {"layouts": list(LAYOUTS), "n": [256], "k": [1, 2, 4, 8], "dims": [64], "warmup": 1, "reps": 5, "max_seconds": 0.5,
+         "k_by_layout": {"sbd": [4], "ptp": [4]}}
+
+
+# ---------------------------------------------------------------------- availability
+
+
+def method_availability(args, device: torch.device, dtype: torch.dtype) -> dict[str, Optional[str]]:
+    """``{method: None if it will be timed here, else why not}`` for every method in METHODS."""
+    reasons: dict[str, Optional[str]] = {"ideal": None, "dense_sdpa": "skipped (--skip-dense)" if args.skip_dense else None}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+
+        flex = "skipped (--no-flex)" if args.no_flex else None
+    except ImportError as exc:
+        flex = f"FlexAttention not in this torch: {exc}"
+    reasons["flex_blockmask"] = reasons["flex_create_block_mask"] = flex
+    reasons["flash_attn_ideal"] = _flash_attn_reason(device, dtype)
+    built = backends_available()
+    wanted = set(args.backends)
+    for name in OURS:
+        if name not in wanted:
+            reasons[name] = "not selected (--backends)"
+        elif built.get(name) is not None:
+            reasons[name] = built[name]
+        elif name == "triton" and device.type != "cuda":
+            reasons[name] = f"GPU kernel: not timed on device {device.type} (the interpreter measures nothing useful)"
+        else:
+            reasons[name] = None
+    return reasons
+
+
+def _flash_attn_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device (device is {device.type})"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as exc:
+        return f"flash-attn not installed: {exc}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16/bfloat16, got {dtype}"
+    return None
+
+
+# ---------------------------------------------------------------------- one configuration
+
+
+def _failure(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:240]}"
+
+
+def _step(fn: Callable[[], object], grad_inputs=None, dout=None) -> Callable[[], None]:
+    """Forward under no_grad (``grad_inputs`` None) or forward+backward of ``fn``."""
+    if grad_inputs is None:
+        def step():
+            with torch.no_grad():
+                fn()
+    else:
+        def step():
+            torch.autograd.grad(fn(), grad_inputs, dout)
+    return step
+
+
+def _useful_tflops(pairs: float, batch: int, heads: int, dim: int, phase: str, ms: float) -> float:
+    # 2 matmuls x 2 flops per attended pair and head dim; backward ~2.5x forward.
+    flops = 4.0 * pairs * dim * batch * heads * (1.0 if phase == "fwd" else 3.5)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, args, avail, device, dtype) -> list[dict]:
+    """All rows (ideal, peers, ours; fwd, fwd_bwd, build) for one (layout, N, k, D).
+
+    Every timed callable of the configuration runs round-robin (``measure_many``), so
+    the ideal and each method see the same background load.
+    """
+    b, h = args.batch, args.heads
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(length, grad=True):
+        return torch.randn(b, h, length, d, generator=gen).to(device, dtype).requires_grad_(grad)
+
+    pairs = layout.num_pairs()
+    pairs = float(pairs) if isinstance(pairs, int) else float(pairs.float().mean())
+    mult = pairs / ideal_causal_pairs(layout.n_ctx)
+    base = {
+        "layout": layout_name, "n": n, "k": k, "d": d, "lq": layout.n_queries, "lk": layout.n_keys,
+        "num_pairs": pairs, "ideal_multiplier": mult,
+    }
+    rows: list[dict] = []
+
+    def add(method, phase, status, timing=None, reason=None, scale=1.0):
+        row = {**base, "method": method, "kind": METHOD_KIND[method], "phase": phase, "status": status, "reason": reason,
+               "median_ms": None, "min_ms": None, "first_ms": None, "reps": 0, "ratio_to_ideal": None, "ratio_to_ideal_min": None,
+               "tflops": None}
+        if timing is not None:
+            row.update(median_ms=timing["median_ms"] * scale, min_ms=timing["min_ms"] * scale, first_ms=timing["first_ms"], reps=timing["reps"])
+            if phase in PHASES:
+                row["tflops"] = _useful_tflops(pairs, b, h, d, phase, row["median_ms"])
+        rows.append(row)
+
+    jobs: dict[tuple[str, str], Callable[[], None]] = {}
+    scales: dict[str, float] = {}
+
+    def add_jobs(method, fn, grad_inputs, dout, *, bwd_reason=None, scale=1.0):
+        scales[method] = scale
+        jobs[(method, "fwd")] = _step(fn)
+        if bwd_reason is None:
+            jobs[(method, "fwd_bwd")] = _step(fn, grad_inputs, dout)
+        else:
+            add(method, "fwd_bwd", "unsupported", reason=bwd_reason)
+
+    def time_build(method, fn):
+        try:
+            add(method, "build", "ok", measure(fn, warmup=1, reps=args.reps, max_seconds=args.max_seconds))
+        except Exception as exc:  # an honest failure row beats a crashed sweep
+            add(method, "build", "error", reason=_failure(exc))
+
+    # The ideal: causal attention over the N context tokens, scaled to |M| pairs.
+    c = layout.n_ctx
+    qc, kc, vc = rand(c), rand(c), rand(c)
+    dc = rand(c, grad=False)
+    add_jobs("ideal", lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True), (qc, kc, vc), dc, scale=mult)
+    if avail["flash_attn_ideal"] is None:
+        from flash_attn import flash_attn_func
+
+        fq, fk, fv = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (qc, kc, vc))
+        add_jobs("flash_attn_ideal", lambda: flash_attn_func(fq, fk, fv, causal=True), (fq, fk, fv), dc.transpose(1, 2).contiguous(), scale=mult)
+
+    q, kk, v = rand(layout.n_queries), rand(layout.n_keys), rand(layout.n_keys)
+    dout = rand(layout.n_queries, grad=False)
+    grads = (q, kk, v)
+    on_gpu = device.type == "cuda"
+
+    if avail["dense_sdpa"] is None:
+        time_build("dense_sdpa", lambda: layout.dense_mask().to(device))
+        mask = layout.dense_mask().to(device)
+        mask = mask[:, None] if mask.dim() == 3 else mask
+        add_jobs("dense_sdpa", lambda: F.scaled_dot_product_attention(q, kk, v, attn_mask=mask), grads, dout)
+
+    if avail["flex_blockmask"] is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.reset()  # one compile per shape; never hit dynamo's recompile limit mid-sweep
+        compiled = torch.compile(flex_attention, dynamic=False)
+        # Flex refuses CPU inputs that require grad (no CPU backward): hand it detached ones there.
+        fq, fk, fv = grads if on_gpu else (q.detach(), kk.detach(), v.detach())
+        no_bwd = None if on_gpu else "FlexAttention has no CPU backward (it refuses CPU inputs that require grad)"
+        time_build("flex_blockmask", lambda: layout.to_block_mask(FLEX_BLOCK, device=device))
+        analytic = layout.to_block_mask(FLEX_BLOCK, device=device)
+        add_jobs("flex_blockmask", lambda: compiled(fq, fk, fv, block_mask=analytic), grads, dout, bwd_reason=no_bwd)
+        elements = layout.n_queries * layout.n_keys * (layout.batch_size or 1)
+        if elements > args.cbm_max_elements:
+            why = (f"create_block_mask would evaluate mask_mod over {layout.n_queries}x{layout.n_keys} elements "
+                   f"(> --cbm-max-elements {args.cbm_max_elements:.0e}, ~15 B each on CPU)")
+            for phase in ("build",) + PHASES:
+                add("flex_create_block_mask", phase, "skipped", reason=why)
+        else:
+            mask_mod = layout.mask_mod(device)
+
+            def build():
+                return create_block_mask(mask_mod, layout.batch_size, None, layout.n_queries, layout.n_keys, device=device, BLOCK_SIZE=FLEX_BLOCK)
+
+            time_build("flex_create_block_mask", build)
+            swept = build()
+            add_jobs("flex_create_block_mask", lambda: compiled(fq, fk, fv, block_mask=swept), grads, dout, bwd_reason=no_bwd)
+
+    for name in OURS:
+        if avail[name] is None:
+            add_jobs(name, lambda name=name: window_attention(q, kk, v, layout, backend=name), grads, dout)
+
+    timings = measure_many(jobs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
+    for (method, phase), timing in timings.items():
+        if isinstance(timing, BaseException):
+            add(method, phase, "error", reason=_failure(timing))
+        else:
+            add(method, phase, "ok", timing, scale=scales[method])
+
+    order = {m: i for i, m in enumerate(METHODS)}
+    phase_order = {"build": 0, "fwd": 1, "fwd_bwd": 2}
+    rows.sort(key=lambda r: (order[r["method"]], phase_order[r["phase"]]))
+    ideal = {row["phase"]: row for row in rows if row["method"] == "ideal" and row["status"] == "ok"}
+    for row in rows:
+        if row["status"] == "ok" and row["phase"] in ideal:
+            row["ratio_to_ideal"] = row["median_ms"] / ideal[row["phase"]]["median_ms"]
+            row["ratio_to_ideal_min"] = row["min_ms"] / ideal[row["phase"]]["min_ms"]
+    del jobs, q, kk, v, dout, grads
+    gc.collect()
+    return rows
+
+
+# ---------------------------------------------------------------------- the sweep
+
+
+def configurations(layouts: list[str], ns: list[int], ks: list[int], k_by_layout: Optional[dict] = None):
+    """(layout name, N, k or None, layout) in sweep order; a layout whose mask does not
+    depend on k (Jacobi here) is measured once, with k None. ``k_by_layout`` overrides
+    the k list per layout."""
+    for name in layouts:
+        for n in ns:
+            if LAYOUTS[name](n, 1).cache_key == LAYOUTS[name](n, 2).cache_key:
+                yield name, n, None, LAYOUTS[name](n, 1)
+                continue
+            for k in (k_by_layout or {}).get(name, ks):
+                yield name, n, k, LAYOUTS[name](n, k)
+
+
+def fit_n(ns: list[int]) -> int:
+    """The N at which exponents are fitted: 1024 when swept, else the largest N."""
+    return 1024 if 1024 in ns else max(ns)
+
+
+def run_sweep(args) -> dict:
+    threads = pin_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    avail = method_availability(args, device, dtype)
+    meta = {
+        **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
+        "dtype": args.dtype, "batch": args.batch, "heads": args.heads, "threads": threads, "warmup": args.warmup,
+        "reps": args.reps, "max_seconds": args.max_seconds, "layouts": args.layouts, "n": args.n, "k": args.k,
+        "dims": args.dims, "k_by_layout": args.k_by_layout, "fit_n": fit_n(args.n), "loadavg_start": busy_cores(),
+    }
+    stamp = {key: meta[key] for key in ("machine", "torch", "triton", "git_commit", "timestamp")}
+    rows = []
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Flex/inductor chatter on CPU
+        for d in args.dims:
+            for name, n, k, layout in configurations(args.layouts, args.n, args.k, args.k_by_layout):
+                t0 = time.perf_counter()
+                for row in bench_config(name, n, k, d, layout, args, avail, device, dtype):
+                    rows.append({**stamp, **row})
+                if args.verbose:
+                    print(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} {time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
+    meta["wall_s"] = time.perf_counter() - start
+    meta["loadavg_end"] = busy_cores()
+    methods = {
+        m: {"kind": METHOD_KIND[m], "status": "measured" if avail[m] is None else "unavailable", "reason": avail[m], "description": METHOD_DESCRIPTION[m]}
+        for m in METHODS
+    }
+    from bench.report import fit_exponents
+
+    report = {"schema": SCHEMA_ID, "meta": meta, "methods": methods, "rows": rows}
+    report["fits"] = fit_exponents(report)
+    return report
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None, prog="python -m bench attention"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"small sweep, under 2 minutes on 2 cores: {QUICK}")
+    p.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    p.add_argument("--n", default=None, help="comma-separated context lengths N")
+    p.add_argument("--k", default=None, help="comma-separated window sizes k (block size for sbd)")
+    p.add_argument("--dims", default=None, help="comma-separated head dims D")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    p.add_argument("--backends", default=",".join(OURS), help="comma-separated backends of ours to time")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--max-seconds", type=float, default=None, help="stop repeating a measurement after this long (>= 3 reps)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
+    p.add_argument("--cbm-max-elements", type=float, default=CBM_MAX_ELEMENTS, help="skip create_block_mask above this many mask elements")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench-<UTC time>)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="progress per configuration on stderr")
+    args = p.parse_args(argv)
+    profile = QUICK if args.quick else FULL
+    args.layouts = args.layouts.split(",") if args.layouts else list(profile["layouts"])
+    unknown = [name for name in args.layouts if name not in LAYOUTS]
+    if unknown:
+        p.error(f"--layouts: expected names from {list(LAYOUTS)}, got {unknown}")
+    args.n = _ints(args.n) if args.n else list(profile["n"])
+    args.k_by_layout = {} if args.k else dict(profile["k_by_layout"])
+    args.k = _ints(args.k) if args.k else list(profile["k"])
+    args.dims = _ints(args.dims) if args.dims else list(profile["dims"])
+    for key in ("warmup", "reps", "max_seconds"):
+        if getattr(args, key) is None:
+            setattr(args, key, profile[key])
+    if args.reps < 1:
+        p.error(f"--reps: expected >= 1, got {args.reps}")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.backends = [name for name in args.backends.split(",") if name]
+    args.out = args.out or os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    args.command = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def main(argv=None, prog="python bench/sweep.py") -> dict:
+    from bench.report import print_report, write_outputs
+
+    args = parse_args(argv, prog)
+    report = run_sweep(args)
+    print_report(report)
+    paths = write_outputs(report, args.out, plots=not args.no_plots)
+    print("\nwrote " + ", ".join(paths))
+    return report
+
+
+if __name__ == "__main__":
+    main()
