@@ -5,15 +5,18 @@ and backward) so the op is opaque to autograd and traceable by torch.compile;
 the layout travels as its range tensors plus a few ints.
 
 torch.compile policy (tested in python_tests/test_compile.py): ``window_attention``
-traces with ``fullgraph=True`` for every backend. The layout's geometry ints enter
-the op schema as ``SymInt[]`` and its range tensors as graph inputs of shape
-``[M]``/``[B, M]``, so with ``dynamic=True`` (or after dynamo's one automatic-dynamic
-recompile on the first size change) one graph serves every N >= 2 of a layout
-family. A family (the "bucket") is fixed by the N-independent constants: window
-size, last-window size, streams, intra and query mode; changing one of those, or
-N in {0, 1} (size specialisation), compiles a new graph. Under compile the
-``reference`` backend runs inside the op too (dense mask + math attention), since
-building the dense mask is not traceable.
+traces with ``fullgraph=True`` for every backend. A layout enters the graph as its
+two range tensors (graph inputs of shape ``[M]``/``[B, M]``) and its geometry ints,
+which the op schema takes as ``SymInt[]``, so no size is baked into the graph.
+Buckets: with ``dynamic=True`` one graph serves every layout with the same intra
+mode, query mode and range rank (shared vs per-batch), for all sizes >= 2: N, k,
+block and last-window sizes may all change without a recompile. With the default
+``dynamic=None`` dynamo compiles the first sizes statically and recompiles once
+when a size first changes (marking it dynamic); later changes are free. New graphs
+come from another mode or range rank, a size of 0 or 1 (dynamo specialises those),
+or sizes that were equal by coincidence at the first trace (duck sizing). Under
+compile the ``reference`` backend runs inside the op too (dense mask + math
+attention), since building the dense mask is not traceable.
 """
 
 from __future__ import annotations

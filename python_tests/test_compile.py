@@ -1,0 +1,83 @@
+"""window_attention under torch.compile(fullgraph=True): no graph breaks, same numbers, no recompiles across N.
+
+The recompile policy is stated in kforcing_kernels/attention.py's module docstring.
+Compiles are slow on 2 cores, so shapes are tiny and most graphs use the
+``aot_eager`` backend (dynamo + AOTAutograd, which is where breaks and guards
+arise); one test runs inductor end to end.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from conftest import make_qkv, run_with_grads
+
+from kforcing_kernels import WindowLayout, backends_available, window_attention
+
+CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _attend(backend):
+    def fn(q, k, v, layout):
+        return window_attention(q, k, v, layout, backend=backend) * 2.0
+
+    return fn
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fullgraph_matches_eager_forward_and_backward(backend):
+    layout = WindowLayout.kforcing_double(5, 2)
+    explanation = torch._dynamo.explain(_attend(backend))(*make_qkv(layout, requires_grad=False), layout)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(_attend(backend), backend="aot_eager", fullgraph=True)
+    q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2)
+    dout = torch.randn(2, 4, layout.n_queries, 16)
+    got = run_with_grads(lambda q, k, v: compiled(q, k, v, layout), q, k, v, dout)
+    want = run_with_grads(lambda q, k, v: _attend(backend)(q, k, v, layout), q, k, v, dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_default_backend_matches_eager():
+    layout = WindowLayout.kforcing_single(6, 2)
+    compiled = torch.compile(_attend(None), fullgraph=True)
+    q, k, v = make_qkv(layout, heads=2)
+    dout = torch.randn_like(q)
+    got = run_with_grads(lambda q, k, v: compiled(q, k, v, layout), q, k, v, dout)
+    want = run_with_grads(lambda q, k, v: _attend(None)(q, k, v, layout), q, k, v, dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _count_compiles(make_layout, sizes, *, dynamic):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_attend("composite"), backend=counter, fullgraph=True, dynamic=dynamic)
+    for n in sizes:
+        layout = make_layout(n)
+        q, k, v = make_qkv(layout, heads=2, head_dim=8)
+        got = compiled(q, k, v, layout)
+        torch.testing.assert_close(got, _attend("composite")(q, k, v, layout), atol=1e-5, rtol=1e-5)
+    return counter.frame_count
+
+
+def test_changing_sizes_within_a_bucket_does_not_recompile():
+    single = lambda n: WindowLayout.kforcing_single(n, 3)  # noqa: E731
+    assert _count_compiles(single, (4, 5, 9, 16), dynamic=True) == 1
+    # Default dynamic=None: dynamo specialises the first size, then makes it symbolic once.
+    assert _count_compiles(single, (4, 5, 9, 16), dynamic=None) == 2
+    # Geometry ints are symbolic too: k, the SBD block and its short last block may change.
+    assert _count_compiles(lambda n: WindowLayout.kforcing_single(n, n // 3), (6, 9, 13), dynamic=True) == 1
+    assert _count_compiles(lambda n: WindowLayout.sbd(n, 4 if n < 14 else 5), (12, 13, 14, 17), dynamic=True) == 1
+
+
+def test_a_new_bucket_compiles_a_new_graph():
+    family = lambda n: WindowLayout.kforcing_single(n, 2) if n < 10 else WindowLayout.kforcing_double(n, 2)  # noqa: E731
+    assert _count_compiles(family, (5, 7, 10, 12), dynamic=True) == 2  # queries: all -> windows
+    assert _count_compiles(lambda n: WindowLayout.kforcing_single(n, 2), (5, 1), dynamic=True) == 2  # N = 1 is specialised
