@@ -173,7 +173,7 @@ def write_json(report: dict, path: str) -> None:
 
 def write_csv(report: dict, path: str) -> None:
     rows = report["rows"]
-    fields = list(rows[0]) if rows else []
+    fields = list(dict.fromkeys(key for row in rows for key in row))  # union, first-seen order
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

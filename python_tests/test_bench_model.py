@@ -1,0 +1,56 @@
+"""The training-step and inference benchmarks on the micro model: complete rows, like-for-like
+comparisons (same loss for dense and ours), files written. Timings are never asserted."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytest.importorskip("kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout")
+
+from bench import inference, train_step  # noqa: E402
+
+TINY = ["--preset", "micro", "--threads", "1", "--warmup", "0", "--reps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    # The benches pin torch's thread count; give the rest of the suite its own back.
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
+    report = train_step.main(TINY + ["--k", "1,2", "--seq-len", "16", "--batch", "2", "--out", str(tmp_path)])
+    rows = report["rows"]
+    assert [(r["teacher_k"], r["variant"]) for r in rows] == [(1, "dense"), (1, "ours"), (2, "dense"), (2, "ours")]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
+    assert {r["backend"] for r in rows if r["variant"] == "dense"} == {"reference"}
+    assert all(r["backend"] != "reference" for r in rows if r["variant"] == "ours")
+    for k in (1, 2):
+        dense, ours = (next(r for r in rows if r["teacher_k"] == k and r["variant"] == v) for v in ("dense", "ours"))
+        assert ours["loss"] == pytest.approx(dense["loss"], rel=1e-4)  # dense mask vs ours: one computation
+        assert ours["speedup_vs_dense"] == pytest.approx(dense["median_ms"] / ours["median_ms"])
+    assert set(report["exponent_vs_k"]) == {"dense", "ours"}
+    with open(tmp_path / "train_step.json") as f:
+        assert json.load(f)["meta"]["git_commit"] == report["meta"]["git_commit"]
+    assert (tmp_path / "train_step.csv").read_text().count("\n") == 1 + len(rows)
+    assert "1->2" in capsys.readouterr().out
+
+
+def test_inference_bench_rows(tmp_path, capsys):
+    report = inference.main(TINY + ["--k", "1,2", "--batch", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)])
+    rows = report["rows"]
+    assert [(r["batch"], r["method"], r["k"]) for r in rows] == [
+        (2, "ar", None), (2, "kforcing", 1), (2, "kforcing", 2), (3, "ar", None), (3, "kforcing", 1), (3, "kforcing", 2)]
+    assert [r["forward_passes"] for r in rows[:3]] == [4, 4, 2]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["method"] == "ar")
+    assert (tmp_path / "inference.json").exists() and (tmp_path / "inference.csv").exists()
+    assert "K-Forcing k=2" in capsys.readouterr().out
