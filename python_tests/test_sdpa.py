@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import make_qkv, run_with_grads
 from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_by_name
 
+import kforcing_kernels.sdpa
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.sdpa import match_layout, route_dense_masks, scaled_dot_product_attention
 
@@ -110,15 +111,24 @@ def test_per_batch_masks_match_only_a_per_batch_candidate():
     assert match_layout(mask[:, 0], [layout]) is None  # a 3-D mask varies over heads (SDPA aligns right), not batch
 
 
-def test_auto_routes_exact_masks_and_falls_back_otherwise():
+def test_auto_routes_exact_masks_and_falls_back_otherwise(monkeypatch):
+    routed_layouts = []
+
+    def counting_window_attention(q, k, v, layout, **kwargs):
+        routed_layouts.append(layout)
+        return window_attention(q, k, v, layout, **kwargs)
+
+    monkeypatch.setattr(kforcing_kernels.sdpa, "window_attention", counting_window_attention)
     layout = WindowLayout.kforcing_single(6, 3)
     q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2, requires_grad=False)
     mask = layout.dense_mask()
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, layout="auto")
     torch.testing.assert_close(out, window_attention(q, k, v, layout, backend="reference"), atol=2e-6, rtol=2e-6)
+    assert len(routed_layouts) == 1 and torch.equal(routed_layouts[0].dense_mask(), mask)
     near = _flip_one(mask)
     out = scaled_dot_product_attention(q, k, v, attn_mask=near, enable_gqa=True, layout="auto")
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=near, enable_gqa=True))
+    assert len(routed_layouts) == 1
 
 
 def test_context_manager_routes_legacy_sdpa_calls():
