@@ -4,8 +4,15 @@ Convention (DESIGN.md §5): ``token = min{v : F(v) > z}`` where F is the cumulat
 sum of ``softmax(logits / tau)`` over the vocabulary, clamped to ``V - 1`` so that
 rounding in the cumulative sum never yields an out-of-range id.
 
-This module holds the torch reference implementation; faster fused versions
-(C++ for CPU, Triton for CUDA) plug in behind the same functions.
+Implementations, picked by device (:func:`sampler_backend` says which one runs):
+
+* ``cpp`` (CPU, ``kforcing_kernels._C``): float64 math, one pass over each row
+  computing per-block (max, sum of exp), then a walk over the block totals and one
+  block; the [..., V] cumulative sum is never stored.
+* ``triton`` (CUDA): the same algorithm as a Triton kernel
+  (``kforcing_kernels.kernels.sampler_triton``).
+* ``reference``: softmax + cumsum + searchsorted in torch (float32; float64 for
+  float64 logits). The fallback when neither of the above is available.
 """
 
 from __future__ import annotations
@@ -14,25 +21,54 @@ from typing import Optional, Union
 
 import torch
 
+from . import _extension
+
 Temperature = Union[float, torch.Tensor]
 
 
 def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperature: Temperature) -> torch.Tensor:
+    """Validates the arguments; returns the temperature as a tensor (float64 for Python numbers)."""
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point or logits.dim() < 1:
         raise ValueError(f"logits: expected a floating tensor [..., V], got {getattr(logits, 'shape', type(logits))}")
+    if not isinstance(other, torch.Tensor):
+        raise ValueError(f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got {type(other).__name__}")
     if other.shape != logits.shape[:-1]:
         raise ValueError(f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(other.shape)}")
-    tau = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if other.device != logits.device:
+        raise ValueError(f"{other_name}: expected device {logits.device} (logits'), got {other.device}")
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(logits.device)
+    else:
+        tau = torch.tensor(float(temperature), dtype=torch.float64, device=logits.device)
     if tau.dim() and tau.shape != logits.shape[:-1]:
         raise ValueError(f"temperature: expected a scalar or shape {tuple(logits.shape[:-1])}, got {tuple(tau.shape)}")
-    if not bool((tau > 0).all()):
-        raise ValueError("temperature: expected values > 0")
+    if not bool(((tau > 0) & torch.isfinite(tau)).all()):
+        raise ValueError("temperature: expected finite values > 0")
     return tau
 
 
 def _cdf(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    scaled = logits.to(torch.float32) / (tau[..., None] if tau.dim() else tau)
+    ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scaled = logits.to(ct) / (tau[..., None] if tau.dim() else tau).to(ct)
     return torch.softmax(scaled, -1).cumsum(-1)
+
+
+def _triton_sampler():
+    try:
+        from .kernels import sampler_triton
+    except ImportError:
+        return None
+    return sampler_triton if sampler_triton.available() is None else None
+
+
+def sampler_backend(device: Union[str, torch.device] = "cpu") -> str:
+    """Which implementation :func:`inverse_cdf_sample` uses on ``device``: ``cpp``, ``triton`` or ``reference``."""
+    device = torch.device(device)
+    if device.type == "cpu" and _extension.load() is not None:
+        return "cpp"
+    if device.type == "cuda" and _triton_sampler() is not None:
+        return "triton"
+    return "reference"
 
 
 def inverse_cdf_sample_reference(logits: torch.Tensor, z: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
@@ -50,24 +86,64 @@ def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, temperature: Tempe
         logits: ``[..., V]`` float.
         z: ``[...]`` uniform noise in [0, 1).
         temperature: scalar or ``[...]``, > 0.
+
+    On CPU and CUDA the fused samplers compute in float64 without storing the CDF;
+    a row without a distribution (all ``-inf``, or ``+inf``/NaN logits) raises
+    ValueError on CPU.
     """
+    tau = _check(logits, z, "z", temperature)
+    backend = sampler_backend(logits.device)
+    if backend == "cpp":
+        return _extension.load().inverse_cdf_sample(logits, z, tau)
+    if backend == "triton":
+        return _triton_sampler().inverse_cdf_sample(logits, z, tau)
     return inverse_cdf_sample_reference(logits, z, temperature)
 
 
-def noise_inversion(
+def noise_inversion_reference(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
-    """z uniform inside each token's CDF bin ``[F(t-1), F(t))`` (the PTP baseline).
-
-    Sampling that z with :func:`inverse_cdf_sample` gives ``tokens`` back
-    (up to bins of zero width, which hold no probability mass).
-    """
+    """Torch version of :func:`noise_inversion` (materialises the CDF)."""
     tau = _check(logits, tokens, "tokens", temperature)
     cdf = _cdf(logits, tau)
     t = tokens.long()[..., None]
     upper = cdf.gather(-1, t)[..., 0]
     lower = torch.where(t[..., 0] > 0, cdf.gather(-1, (t - 1).clamp(min=0))[..., 0], torch.zeros_like(upper))
-    u = torch.rand(tokens.shape, generator=generator, device=logits.device if generator is None else generator.device)
-    z = lower + u.to(lower.device) * (upper - lower)
+    u = _uniform(tokens, logits.device, generator)
+    z = lower + u.to(lower.dtype) * (upper - lower)
     # Stay strictly below the bin's upper edge so the round trip lands in the bin.
     return torch.minimum(z, torch.nextafter(upper, torch.zeros_like(upper))).clamp(min=0.0)
+
+
+def _uniform(tokens: torch.Tensor, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    u = torch.rand(tokens.shape, generator=generator, device=device if generator is None else generator.device)
+    return u.to(device)
+
+
+def noise_inversion(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """z uniform inside each token's CDF bin ``[F(t-1), F(t))`` (the PTP baseline), float32 ``[...]``.
+
+    Args:
+        logits: ``[..., V]`` float.
+        tokens: ``[...]`` integer ids in ``[0, V)``.
+        temperature: scalar or ``[...]``, > 0.
+        generator: the source of the uniform position inside the bin.
+
+    Sampling that z with :func:`inverse_cdf_sample` gives ``tokens`` back (up to
+    bins too narrow to hold a float32, which carry almost no probability mass).
+    """
+    tau = _check(logits, tokens, "tokens", temperature)
+    backend = sampler_backend(logits.device)
+    if backend == "reference":
+        return noise_inversion_reference(logits, tokens, temperature, generator)
+    u = _uniform(tokens, logits.device, generator)
+    if backend == "cpp":
+        return _extension.load().noise_inversion(logits, tokens, tau, u)
+    return _triton_sampler().noise_inversion(logits, tokens, tau, u)
+
+
+__all__ = [
+    "inverse_cdf_sample", "inverse_cdf_sample_reference", "noise_inversion", "noise_inversion_reference", "sampler_backend",
+]

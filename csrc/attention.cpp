@@ -1,0 +1,399 @@
+// CPU prefix-window attention: validation, the tile plan, packing, and the
+// parallel loop over (batch, head, query tile). The per-tile math is in kf_isa_impl.h.
+//
+// Tile plan. Every query row sees 1 + S half-open key intervals (slot 0: its
+// context part; slots 1..S: its own window, one per storage stream), exactly
+// WindowLayout.row_intervals(). Query tiles hold up to kTileRows rows and never mix
+// context and window rows: windows of w <= kTileRows are packed whole (k = 4 gives
+// 16 windows per tile), larger windows are cut into row tiles. For each slot a tile
+// walks the union of its rows' intervals in chunks of kChunkCols keys, so a context
+// K/V chunk is loaded once and applied to every window packed in the tile; rows
+// that see no key of a chunk are left out of its products. Windows of w <= 16 do
+// their intra-window part row by row (a few dot products) instead of a tile product
+// that would be mostly masked.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "kf_kernels.h"
+#include "ops.h"
+
+namespace kf {
+namespace {
+
+constexpr int64_t kTileRows = 64;
+constexpr int64_t kChunkCols = 256;
+constexpr int64_t kDirectWindowMax = 16;  // must not exceed kMaxDirect in kf_isa_impl.h
+
+struct Geometry {
+  int64_t n_ctx, M, w, last, S, s;  // s: slots per stream
+  bool causal, queries_all;
+  int64_t n_win, Lk, Lq, qoff;
+
+  int64_t window_len(int64_t m) const { return m == M - 1 ? last : w; }
+  int64_t key_of(int64_t m, int64_t i) const {  // key index of slot i of window m
+    return S == 1 ? n_ctx + m * w + i : n_ctx + (i / s) * M * s + m * s + i % s;
+  }
+};
+
+Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool causal, bool queries_all) {
+  TORCH_CHECK_VALUE(n_ctx >= 0, "n_ctx: expected >= 0, got ", n_ctx);
+  TORCH_CHECK_VALUE(M >= 0, "num_windows: expected >= 0, got ", M);
+  TORCH_CHECK_VALUE(w >= 1, "window_size: expected >= 1, got ", w);
+  TORCH_CHECK_VALUE(last >= 1 && last <= w, "last_window_size: expected a value in [1, ", w, "], got ", last);
+  TORCH_CHECK_VALUE(S >= 1 && w % S == 0, "n_streams: expected a divisor of window_size=", w, ", got ", S);
+  TORCH_CHECK_VALUE(S == 1 || M == 0 || last == w, "last_window_size: stream-major storage (n_streams=", S,
+                    ") needs equal windows, got ", last, " != ", w);
+  TORCH_CHECK_VALUE(n_ctx + M > 0, "n_ctx: a layout needs at least one token (n_ctx=0 and num_windows=0)");
+  TORCH_CHECK_VALUE(queries_all || M > 0, "num_windows: queries='windows' needs at least one window, got 0");
+  Geometry g{n_ctx, M, w, M ? last : w, S, w / S, causal, queries_all, 0, 0, 0, 0};
+  g.n_win = M ? (M - 1) * w + g.last : 0;
+  g.Lk = n_ctx + g.n_win;
+  g.Lq = queries_all ? g.Lk : g.n_win;
+  g.qoff = queries_all ? 0 : n_ctx;
+  TORCH_CHECK_VALUE(g.Lk < (int64_t(1) << 31), "k: expected fewer than 2^31 keys, got ", g.Lk);
+  return g;
+}
+
+// int64 [B', M] copies of the prefix ranges, checked against the geometry.
+std::pair<at::Tensor, at::Tensor> check_ranges(const at::Tensor& lo, const at::Tensor& hi, const Geometry& g,
+                                               int64_t batch) {
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"prefix_lo", lo}, {"prefix_hi", hi}}) {
+    TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()) &&
+                          t.scalar_type() != at::kBool,
+                      name, ": expected an integer tensor, got dtype ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, name, ": expected shape [M] or [B, M], got ", t.sizes());
+    TORCH_CHECK_VALUE(t.size(-1) == g.M, name, ": expected ", g.M, " windows in the last dim, got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.dim() == 1 || t.size(0) == batch, name, ": expected per-batch ranges for batch ", batch,
+                      ", got shape ", t.sizes());
+  }
+  TORCH_CHECK_VALUE(lo.sizes() == hi.sizes(), "prefix_hi: expected the shape of prefix_lo ", lo.sizes(), ", got ",
+                    hi.sizes());
+  at::Tensor l = lo.to(at::kCPU, at::kLong).contiguous().view({lo.dim() == 2 ? lo.size(0) : 1, g.M});
+  at::Tensor h = hi.to(at::kCPU, at::kLong).contiguous().view({lo.dim() == 2 ? lo.size(0) : 1, g.M});
+  const int64_t* lp = l.data_ptr<int64_t>();
+  const int64_t* hp = h.data_ptr<int64_t>();
+  for (int64_t i = 0; i < l.numel(); ++i) {
+    TORCH_CHECK_VALUE(lp[i] >= 0, "prefix_lo: expected values >= 0, got ", lp[i], " for window ", i % g.M);
+    TORCH_CHECK_VALUE(hp[i] <= g.n_ctx, "prefix_hi: expected values <= n_ctx=", g.n_ctx, ", got ", hp[i],
+                      " for window ", i % g.M);
+    TORCH_CHECK_VALUE(lp[i] <= hp[i], "prefix_lo: expected lo <= hi for every window, window ", i % g.M, " has ",
+                      lp[i], " > ", hp[i]);
+  }
+  return {l, h};
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Geometry& g, double scale) {
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+    TORCH_CHECK_VALUE(t.dim() == 4, name, ": expected rank 4 [B, H, L, D], got shape ", t.sizes());
+    const auto dt = t.scalar_type();
+    TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf, name,
+                      ": expected dtype float32, bfloat16, float16 or float64, got ", dt);
+  }
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "k, v: expected dtype ",
+                    q.scalar_type(), " (q's), got k ", k.scalar_type(), ", v ", v.scalar_type());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "v: expected the shape of k ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "k: expected batch ", q.size(0), " (q's), got ", k.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3), "k: expected head dim ", q.size(3), " (q's), got ", k.size(3));
+  TORCH_CHECK_VALUE(q.size(3) >= 1, "q: expected head dim >= 1, got ", q.size(3));
+  TORCH_CHECK_VALUE(k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
+                    "q: expected a head count that is a multiple of k's ", k.size(1), " (GQA), got ", q.size(1));
+  TORCH_CHECK_VALUE(q.size(2) == g.Lq, "q: expected length ", g.Lq, " (the layout's queries), got ", q.size(2));
+  TORCH_CHECK_VALUE(k.size(2) == g.Lk, "k: expected length ", g.Lk, " (the layout's keys), got ", k.size(2));
+  TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0, "scale: expected a positive finite number, got ", scale);
+}
+
+struct Plan {
+  int64_t Bp = 1, n_slots = 2, first_direct = 2, kt_cols = 0;
+  std::vector<int32_t> intervals;   // [Bp, Lq, n_slots, 2]
+  std::vector<int32_t> row_order;   // tile order -> query row
+  std::vector<int32_t> tile_begin;  // [n_tiles + 1]
+  std::vector<double> tile_cost;    // visible pairs of batch 0, plus a per-row overhead
+  int64_t n_tiles() const { return (int64_t)tile_begin.size() - 1; }
+};
+
+Plan make_plan(const Geometry& g, const at::Tensor& lo, const at::Tensor& hi) {
+  Plan p;
+  p.Bp = lo.size(0);
+  p.n_slots = 1 + g.S;
+  p.first_direct = (g.M > 0 && g.w <= kDirectWindowMax) ? 1 : p.n_slots;
+  p.kt_cols = p.first_direct == 1 ? g.n_ctx : g.Lk;
+  const int64_t ns = p.n_slots;
+  p.intervals.assign(p.Bp * g.Lq * ns * 2, 0);
+  const int64_t* lp = lo.data_ptr<int64_t>();
+  const int64_t* hp = hi.data_ptr<int64_t>();
+  for (int64_t bp = 0; bp < p.Bp; ++bp) {
+    int32_t* iv = p.intervals.data() + bp * g.Lq * ns * 2;
+    if (g.queries_all)
+      for (int64_t i = 0; i < g.n_ctx; ++i) iv[i * ns * 2 + 1] = (int32_t)(i + 1);
+    for (int64_t m = 0; m < g.M; ++m) {
+      const int64_t len = g.window_len(m);
+      for (int64_t i = 0; i < len; ++i) {
+        int32_t* row = iv + (g.key_of(m, i) - g.qoff) * ns * 2;
+        row[0] = (int32_t)lp[bp * g.M + m];
+        row[1] = (int32_t)hp[bp * g.M + m];
+        const int64_t n_j = std::min(len, g.s), stream = i / g.s, within = i % g.s;
+        for (int64_t j = 0; j < g.S; ++j) {
+          const int64_t seen = !g.causal ? n_j : (j < stream ? n_j : (j == stream ? within + 1 : 0));
+          if (seen == 0) continue;
+          row[2 * (1 + j)] = (int32_t)g.key_of(m, j * g.s);
+          row[2 * (1 + j) + 1] = (int32_t)(g.key_of(m, j * g.s) + seen);
+        }
+      }
+    }
+  }
+  auto close_tile = [&] { p.tile_begin.push_back((int32_t)p.row_order.size()); };
+  p.tile_begin.push_back(0);
+  if (g.queries_all) {
+    for (int64_t r0 = 0; r0 < g.n_ctx; r0 += kTileRows) {
+      for (int64_t r = r0; r < std::min(g.n_ctx, r0 + kTileRows); ++r) p.row_order.push_back((int32_t)r);
+      close_tile();
+    }
+  }
+  if (g.w <= kTileRows) {
+    const int64_t per_tile = kTileRows / g.w;
+    for (int64_t m0 = 0; m0 < g.M; m0 += per_tile) {
+      for (int64_t m = m0; m < std::min(g.M, m0 + per_tile); ++m)
+        for (int64_t i = 0; i < g.window_len(m); ++i) p.row_order.push_back((int32_t)(g.key_of(m, i) - g.qoff));
+      close_tile();
+    }
+  } else {
+    for (int64_t m = 0; m < g.M; ++m) {
+      for (int64_t i0 = 0; i0 < g.window_len(m); i0 += kTileRows) {
+        for (int64_t i = i0; i < std::min(g.window_len(m), i0 + kTileRows); ++i)
+          p.row_order.push_back((int32_t)(g.key_of(m, i) - g.qoff));
+        close_tile();
+      }
+    }
+  }
+  p.tile_cost.assign(p.n_tiles(), 0.0);
+  for (int64_t t = 0; t < p.n_tiles(); ++t) {
+    double cost = 0;
+    for (int32_t r = p.tile_begin[t]; r < p.tile_begin[t + 1]; ++r) {
+      const int32_t* row = p.intervals.data() + p.row_order[r] * ns * 2;
+      for (int64_t j = 0; j < ns; ++j) cost += row[2 * j + 1] - row[2 * j] + 16.0;
+    }
+    p.tile_cost[t] = cost;
+  }
+  return p;
+}
+
+// Runs f(item, scratch) for item in [0, n_items) on torch's intra-op threads
+// (OpenMP), handing out items dynamically: tiles differ in cost.
+template <typename T, typename F>
+void run_items(int64_t n_items, int64_t scratch_elems, const F& f) {
+  if (n_items == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    std::vector<T> scratch(scratch_elems);
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) f(item, scratch.data());
+  });
+}
+
+at::ScalarType math_type(at::ScalarType dt) { return dt == at::kDouble ? at::kDouble : at::kFloat; }
+
+int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// Row-major [B, Hkv, Lk, Dp] in the math dtype (the input itself when it already is).
+at::Tensor rows_packed(const at::Tensor& x, at::ScalarType mt, int64_t Dp) {
+  if (x.scalar_type() == mt && x.size(3) == Dp) return x.contiguous();
+  at::Tensor r = at::zeros({x.size(0), x.size(1), x.size(2), Dp}, x.options().dtype(mt));
+  r.narrow(3, 0, x.size(3)).copy_(x);
+  return r;
+}
+
+// Transposed [B, Hkv, Dp, ld] of keys [0, cols), zero padded; ld leaves room for a
+// chunk's last vector and breaks 4 KiB aliasing between the rows of D.
+at::Tensor transposed_packed(const at::Tensor& x, at::ScalarType mt, int64_t Dp, int64_t cols, int64_t& ld) {
+  ld = round16(cols) + 16;
+  at::Tensor t = at::zeros({x.size(0), x.size(1), Dp, ld}, x.options().dtype(mt));
+  if (cols > 0) t.narrow(2, 0, x.size(3)).narrow(3, 0, cols).copy_(x.narrow(2, 0, cols).transpose(2, 3));
+  return t;
+}
+
+template <typename T>
+auto forward_kernel() {
+  if constexpr (std::is_same<T, float>::value) return active_kernels().forward_f;
+  else return active_kernels().forward_d;
+}
+
+template <typename T>
+auto backward_kernel() {
+  if constexpr (std::is_same<T, float>::value) return active_kernels().backward_f;
+  else return active_kernels().backward_d;
+}
+
+template <typename T>
+AttnArgs<T> base_args(const at::Tensor& q, const at::Tensor& k, const Plan& p, double scale) {
+  AttnArgs<T> a{};
+  a.B = q.size(0);
+  a.H = q.size(1);
+  a.Hkv = k.size(1);
+  a.Lq = q.size(2);
+  a.Lk = k.size(2);
+  a.D = q.size(3);
+  a.Dp = round16(a.D);
+  a.scale = (T)scale;
+  a.tile_rows = kTileRows;
+  a.chunk_cols = kChunkCols;
+  a.row_order = p.row_order.data();
+  a.tile_begin = p.tile_begin.data();
+  a.intervals = p.intervals.data();
+  a.iv_batch = p.Bp > 1 ? a.Lq * p.n_slots * 2 : 0;
+  a.n_slots = p.n_slots;
+  a.first_direct = p.first_direct;
+  return a;
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const Plan& p, const Geometry& g, double scale) {
+  const at::ScalarType mt = math_type(q.scalar_type());
+  AttnArgs<T> a = base_args<T>(q, k, p, scale);
+  a.window_granule = g.s;
+  const at::Tensor qf = q.to(mt).contiguous();
+  const at::Tensor kt = transposed_packed(k, mt, a.Dp, p.kt_cols, a.kt_ld);
+  const at::Tensor kr = rows_packed(k, mt, a.Dp), vr = rows_packed(v, mt, a.Dp);
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(mt));
+  at::Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(mt));
+  a.q = qf.data_ptr<T>();
+  a.kt = kt.data_ptr<T>();
+  a.kr = kr.data_ptr<T>();
+  a.kr_ld = kr.size(3);
+  a.vr = vr.data_ptr<T>();
+  a.vr_ld = vr.size(3);
+  a.out = out.data_ptr<T>();
+  a.lse = lse.data_ptr<T>();
+
+  // Costliest tiles first (over all heads), so the dynamic schedule ends evenly.
+  std::vector<int32_t> order(p.n_tiles());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
+  const int64_t BH = a.B * a.H;
+  const auto kernel = forward_kernel<T>();
+  run_items<T>(p.n_tiles() * BH, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, false),
+               [&](int64_t item, T* scratch) {
+                 const int64_t bh = item % BH;
+                 kernel(a, bh / a.H, bh % a.H, order[item / BH], scratch);
+               });
+  return {out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type()), lse};
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& dout, const at::Tensor& q,
+                                                             const at::Tensor& k, const at::Tensor& v,
+                                                             const at::Tensor& out, const at::Tensor& lse,
+                                                             const Plan& p, const Geometry& g, double scale) {
+  const at::ScalarType mt = math_type(q.scalar_type());
+  AttnArgs<T> a = base_args<T>(q, k, p, scale);
+  a.window_granule = g.s;
+  const at::Tensor qf = q.to(mt).contiguous(), df = dout.to(mt).contiguous(), of = out.to(mt).contiguous();
+  const at::Tensor lf = lse.to(mt).contiguous();
+  int64_t ld = 0;
+  const at::Tensor kt = transposed_packed(k, mt, a.Dp, p.kt_cols, a.kt_ld);
+  const at::Tensor vt = transposed_packed(v, mt, a.Dp, p.kt_cols, ld);
+  const at::Tensor kr = rows_packed(k, mt, a.Dp), vr = rows_packed(v, mt, a.Dp);
+  at::Tensor dq = at::empty(q.sizes(), q.options().dtype(mt));
+  a.q = qf.data_ptr<T>();
+  a.dout = df.data_ptr<T>();
+  a.out_in = of.data_ptr<T>();
+  a.lse_in = lf.data_ptr<T>();
+  a.kt = kt.data_ptr<T>();
+  a.vt = vt.data_ptr<T>();
+  a.kr = kr.data_ptr<T>();
+  a.kr_ld = kr.size(3);
+  a.vr = vr.data_ptr<T>();
+  a.vr_ld = vr.size(3);
+  a.dq = dq.data_ptr<T>();
+
+  // Work items are (batch, head, part): a head's tiles are split into parts only when
+  // there are too few heads to keep the threads busy; each item owns a dK/dV buffer.
+  const int64_t BH = a.B * a.H, group = a.H / a.Hkv;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(p.n_tiles(), BH >= 2 * threads ? 1 : (2 * threads + BH - 1) / BH));
+  std::vector<std::vector<int32_t>> part_tiles(parts);
+  {
+    std::vector<int32_t> order(p.n_tiles());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
+    std::vector<double> load(parts, 0.0);
+    for (int32_t t : order) {
+      const int64_t lightest = std::min_element(load.begin(), load.end()) - load.begin();
+      part_tiles[lightest].push_back(t);
+      load[lightest] += p.tile_cost[t];
+    }
+  }
+  const bool in_place = parts == 1 && group == 1 && a.Dp == a.D && k.scalar_type() == mt;
+  at::Tensor dk_acc, dv_acc;
+  if (in_place) {
+    dk_acc = at::zeros(k.sizes(), k.options());
+    dv_acc = at::zeros(v.sizes(), v.options());
+  } else {
+    dk_acc = at::zeros({a.B, a.H, parts, a.Lk, a.Dp}, q.options().dtype(mt));
+    dv_acc = at::zeros_like(dk_acc);
+  }
+  T* dk_base = dk_acc.data_ptr<T>();
+  T* dv_base = dv_acc.data_ptr<T>();
+  const auto kernel = backward_kernel<T>();
+  run_items<T>(BH * parts, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, true), [&](int64_t item, T* scratch) {
+    const int64_t bh = item / parts, part = item % parts;
+    const int64_t offset = (bh * parts + part) * a.Lk * a.Dp;
+    const auto& tiles = part_tiles[part];
+    kernel(a, bh / a.H, bh % a.H, tiles.data(), (int64_t)tiles.size(), dk_base + offset, dv_base + offset, scratch);
+  });
+  at::Tensor dk = dk_acc, dv = dv_acc;
+  if (!in_place) {
+    dk = dk_acc.view({a.B, a.Hkv, group * parts, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(k.scalar_type()).contiguous();
+    dv = dv_acc.view({a.B, a.Hkv, group * parts, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(v.scalar_type()).contiguous();
+  }
+  return {dq.scalar_type() == q.scalar_type() ? dq : dq.to(q.scalar_type()), dk, dv};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& prefix_lo, const at::Tensor& prefix_hi,
+                                                     int64_t n_ctx, int64_t num_windows, int64_t window_size,
+                                                     int64_t last_window_size, int64_t n_streams, bool intra_causal,
+                                                     bool queries_all, double scale) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, intra_causal, queries_all);
+  check_qkv(q, k, v, g, scale);
+  const auto [lo, hi] = check_ranges(prefix_lo, prefix_hi, g, q.size(0));
+  const Plan p = make_plan(g, lo, hi);
+  if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, p, g, scale);
+  return forward_impl<float>(q, k, v, p, g, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& prefix_lo, const at::Tensor& prefix_hi, int64_t n_ctx,
+    int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams, bool intra_causal,
+    bool queries_all, double scale) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, intra_causal, queries_all);
+  check_qkv(q, k, v, g, scale);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"dout", dout}, {"out", out}}) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+    TORCH_CHECK_VALUE(t.sizes() == q.sizes(), name, ": expected shape ", q.sizes(), " (q's), got ", t.sizes());
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(), " (q's), got ",
+                      t.scalar_type());
+  }
+  TORCH_CHECK_VALUE(lse.device().is_cpu(), "lse: expected a CPU tensor, got device ", lse.device());
+  TORCH_CHECK_VALUE(lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
+                    " ([B, H, Lq]), got ", lse.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(lse.scalar_type()), "lse: expected a floating dtype, got ", lse.scalar_type());
+  const auto [lo, hi] = check_ranges(prefix_lo, prefix_hi, g, q.size(0));
+  const Plan p = make_plan(g, lo, hi);
+  if (q.scalar_type() == at::kDouble) return backward_impl<double>(dout, q, k, v, out, lse, p, g, scale);
+  return backward_impl<float>(dout, q, k, v, out, lse, p, g, scale);
+}
+
+}  // namespace kf

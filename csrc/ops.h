@@ -1,0 +1,36 @@
+// Entry points of kforcing_kernels._C (bound in module.cpp). All validate their
+// arguments with TORCH_CHECK_VALUE (ValueError in Python), naming the argument and
+// giving the expected vs the actual shape / dtype / device / value.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace kf {
+
+// Prefix-window attention (DESIGN.md §2) described by the WindowLayout fields.
+// q [B, H, Lq, D], k/v [B, Hkv, Lk, D] (float32, bfloat16, float16 or float64, CPU);
+// prefix_lo/prefix_hi integer [M] or [B, M]. Returns out [B, H, Lq, D] (q's dtype) and
+// lse [B, H, Lq] (natural log; float32, float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix_lo,
+    const at::Tensor& prefix_hi, int64_t n_ctx, int64_t num_windows, int64_t window_size, int64_t last_window_size,
+    int64_t n_streams, bool intra_causal, bool queries_all, double scale);
+
+// Gradients (dq, dk, dv) given the forward's out and lse.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& prefix_lo, const at::Tensor& prefix_hi, int64_t n_ctx,
+    int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams, bool intra_causal,
+    bool queries_all, double scale);
+
+// token = min{v : F(v) > z} of softmax(logits / temperature), clamped to V - 1.
+// logits [..., V] float (CPU); z [...]; temperature a 0-dim tensor or [...]. Returns int64 [...].
+at::Tensor inverse_cdf_sample(const at::Tensor& logits, const at::Tensor& z, const at::Tensor& temperature);
+
+// z inside each token's CDF bin [F(t-1), F(t)) at fraction u [...] of it (float32 [...]).
+at::Tensor noise_inversion(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& temperature,
+                           const at::Tensor& u);
+
+}  // namespace kf

@@ -1,0 +1,50 @@
+"""Loads the optional C++ extension ``kforcing_kernels._C`` once.
+
+``load()`` returns the module, or None when it is not there: not built
+(``KFORCING_BUILD_EXT=0``, no compiler at install time), failing to import, or
+disabled with ``KFORCING_DISABLE_EXT=1``. Everything that uses it falls back to
+the Python implementations; a missing or broken extension says so in one warning,
+and ``reason()`` gives the why (``kforcing_kernels.backends_available()['cpp']``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from types import ModuleType
+from typing import Optional
+
+DISABLE_ENV = "KFORCING_DISABLE_EXT"
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[Optional[ModuleType], Optional[str]]:
+    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
+        return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    try:
+        module = importlib.import_module("kforcing_kernels._C")
+    except ImportError as exc:
+        why = f"kforcing_kernels._C is not available ({exc})"
+        warnings.warn(
+            f"{why}; falling back to the Python backends. Build it with "
+            "`pip install --no-build-isolation -e .` (see README).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None, why
+    isa = os.environ.get("KFORCING_CPP_ISA")
+    if isa and module.isa() != isa:
+        warnings.warn(f"KFORCING_CPP_ISA={isa} is not supported here; using {module.isa()}", RuntimeWarning, stacklevel=3)
+    return module, None
+
+
+def load() -> Optional[ModuleType]:
+    """The ``_C`` module, or None (warned once) when it is absent or disabled."""
+    return _load()[0]
+
+
+def reason() -> Optional[str]:
+    """None when ``_C`` is loaded, else why not."""
+    return _load()[1]

@@ -1,0 +1,47 @@
+"""C++ backend: the compiled CPU kernels of ``kforcing_kernels._C`` (csrc/).
+
+Per (batch, head, query tile) the kernel walks the layout's tile plan: each
+context K/V chunk is loaded once and applied to every window packed in the tile,
+with an online softmax in fp32 (fp64 for fp64 inputs) and register-blocked
+AVX-512 / AVX2 / portable micro-kernels chosen at run time. bf16 and fp16 inputs
+are computed in fp32. CPU tensors only; absent (with the reason) when the
+extension is not built.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _extension
+from ..layouts import WindowLayout
+
+
+def available() -> Optional[str]:
+    return _extension.reason()
+
+
+def _layout_args(layout: WindowLayout):
+    return (
+        layout.prefix_lo, layout.prefix_hi, layout.n_ctx, layout.num_windows, layout.window_size,
+        layout.last_window_size, layout.n_streams, layout.intra == "causal", layout.queries == "all",
+    )
+
+
+def forward(q, k, v, layout: WindowLayout, scale: float):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] (CPU) -> (out [B, H, Lq, D], lse [B, H, Lq] natural log, fp32; fp64 for fp64)."""
+    return _extension.load().attention_forward(q, k, v, *_layout_args(layout), float(scale))
+
+
+def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """Gradients (dq, dk, dv) given the forward's ``out`` and ``lse``."""
+    return _extension.load().attention_backward(dout, q, k, v, out, lse, *_layout_args(layout), float(scale))
+
+
+def isa() -> str:
+    """Instruction set the kernels run with here (``generic``, ``avx2`` or ``avx512``)."""
+    return _extension.load().isa()
+
+
+__all__ = ["available", "forward", "backward", "isa"]
