@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 DEPS   := setup.py Makefile $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench bench-quick
 
 $(STAMP): $(DEPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/attention.py
+
+bench-quick: $(STAMP)
+	$(PY) -m bench attention --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info kforcing_kernels/*.so

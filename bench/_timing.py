@@ -103,8 +103,11 @@ def busy_cores() -> float | None:
 def machine_info() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        # Uncommitted changes to the code being measured (others' work in progress counts too).
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "kforcing_kernels", "csrc", "bench"],
+                                    capture_output=True, text=True, check=False).stdout.strip())
     except OSError:
-        commit = ""
+        commit, dirty = "", None
     try:
         import triton
 
@@ -120,5 +123,6 @@ def machine_info() -> dict:
         "triton": triton_version,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "git_commit": commit,
+        "git_dirty": dirty,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

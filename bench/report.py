@@ -75,7 +75,8 @@ def format_report(report: dict) -> str:
         f"attention sweep: {meta['command']}",
         f"  {meta['device']} ({meta['cuda'] or meta['processor']}), {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
         f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps (<= {meta['max_seconds']} s each), median (x ideal)",
-        f"  torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit'] or '?'}, {meta['timestamp']}, {meta['wall_s']:.0f} s",
+        f"  torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, "
+        f"{meta['timestamp']}, {meta['wall_s']:.0f} s",
         f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on {meta['cpus']} cores"
         + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers **" if _busy(meta) else ""),
     ]
