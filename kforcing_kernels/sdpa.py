@@ -288,7 +288,9 @@ class route_dense_masks(TorchFunctionMode):
 
     A call is routed only when its mask equals a candidate's ``dense_mask()``
     exactly, ``dropout_p == 0``, ``is_causal`` is False and the tensors are plain
-    4-D tensors on one device; every other call runs SDPA untouched.
+    4-D tensors on one device; every other call runs SDPA untouched. Every torch
+    call inside the context passes through this mode (one Python call each), so
+    wrap the model call rather than a whole loop with data loading.
     """
 
     def __init__(self, candidates: Optional[Iterable[WindowLayout]] = None, *, backend: Optional[str] = None):
