@@ -54,7 +54,8 @@ def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: floa
     better than back-to-back blocks. Returns ``{key: measure()-style dict}``, or
     ``{key: exception}`` for a callable that raised (it leaves the rotation).
     With ``max_seconds`` the rounds stop once ``min_reps`` are in and the rounds
-    have taken ``max_seconds`` per callable.
+    have taken ``max_seconds`` per callable. ``times_ms[r]`` is round r, so two
+    callables can be compared round by round.
     """
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     results: dict = {}
@@ -88,8 +89,17 @@ def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: floa
             break
     for key in live:
         ts = times[key]
-        results[key] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": len(ts), "first_ms": first.get(key)}
+        results[key] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": len(ts), "first_ms": first.get(key), "times_ms": ts}
     return results
+
+
+def paired_ratio(times: list[float], reference_times: list[float]) -> float:
+    """Median over rounds of ``times[r] / reference_times[r]`` (two ``measure_many`` series).
+
+    Both ran in the same round, seconds apart, so background load that comes and goes
+    between rounds cancels; the ratio of two medians would mix different rounds.
+    """
+    return statistics.median(t / r for t, r in zip(times, reference_times))
 
 
 def busy_cores() -> float | None:

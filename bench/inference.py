@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import busy_cores, machine_info, measure_many, pin_threads  # noqa: E402
+from bench._timing import busy_cores, machine_info, measure_many, paired_ratio, pin_threads  # noqa: E402
 from bench.report import write_csv, write_json  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
 
@@ -67,7 +67,7 @@ def run(args) -> dict:
                            median_ms=None, min_ms=None, reps=0, tokens_per_s=None)
             else:
                 row.update(status="ok", reason=None, median_ms=timing["median_ms"], min_ms=timing["min_ms"], reps=timing["reps"],
-                           tokens_per_s=b * t / (timing["median_ms"] * 1e-3))
+                           times_ms=timing["times_ms"], tokens_per_s=b * t / (timing["median_ms"] * 1e-3))
             rows.append(row)
         if args.verbose:
             print(f"  batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
@@ -75,7 +75,7 @@ def run(args) -> dict:
         ar = next((r for r in rows if r["batch"] == b and r["method"] == "ar" and r["status"] == "ok"), None)
         for r in rows:
             if r["batch"] == b:
-                r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar and r["status"] == "ok" else None
+                r["speedup_vs_ar"] = paired_ratio(ar["times_ms"], r["times_ms"]) if ar and r["status"] == "ok" else None
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()
     return {"schema": SCHEMA_ID, "meta": meta, "rows": rows}

@@ -74,11 +74,13 @@ def format_report(report: dict) -> str:
     lines = [
         f"attention sweep: {meta['command']}",
         f"  {meta['device']} ({meta['cuda'] or meta['processor']}), {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-        f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps (<= {meta['max_seconds']} s each), median (x ideal)",
+        f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} round-robin rounds (<= {meta['max_seconds']} s per method)",
+        "  cells: median ms (x ideal = median over rounds of time / ideal time in the same round)",
         f"  torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, "
         f"{meta['timestamp']}, {meta['wall_s']:.0f} s",
         f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on {meta['cpus']} cores"
-        + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers **" if _busy(meta) else ""),
+        + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers; "
+           "--threads 1 is steadier **" if _busy(meta) else ""),
     ]
     by_block = defaultdict(list)
     for row in rows:
@@ -90,7 +92,7 @@ def format_report(report: dict) -> str:
         methods = [m for m in METHODS if any(r["method"] == m for r in block)]
         for phase in PHASES:
             lines.append("")
-            lines.append(f"{layout} N={n} D={d} {PHASE_LABEL[phase]}: ms median (x ideal)")
+            lines.append(f"{layout} N={n} D={d} {PHASE_LABEL[phase]}")
             lines.append(f"{'method':<24}" + "".join(f"{_k_label(k):>{width}}" for k in ks))
             for m in methods:
                 lines.append(f"{m:<24}" + "".join(_cell(index.get((m, phase, k)), width, gpu) for k in ks))
