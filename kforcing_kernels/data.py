@@ -1,0 +1,225 @@
+"""Training data: a corpus that needs no download, a locally trained tokenizer, a fixed split.
+
+The default corpus is the Python standard-library source of the running
+interpreter (real code and prose in docstrings, ~10 MB, always present where
+Python is). Users point ``source`` at their own text file or directory instead.
+
+A byte-level BPE tokenizer is trained on the corpus with the ``tokenizers``
+library; tokenizer and token arrays are cached under ``$KFORCING_CACHE``
+(default ``~/.cache/kforcing_kernels``), keyed by the corpus content and the
+settings, so the second run starts at once. The train/validation split is by
+document (a hash of its name), so it never changes when documents are added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_SOURCE = "stdlib"
+EOS = "<|eos|>"
+FORMAT_VERSION = 1
+# Directories of the standard library that are not representative source.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
+_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java", ".json", ".html", ".tex", ".csv"}
+# Files larger than this are mostly data tables, not text.
+_MAX_FILE_BYTES = 512 * 1024
+
+
+# ---------------------------------------------------------------------- documents
+
+
+def stdlib_documents() -> list[tuple[str, str]]:
+    """``[(relative path, text)]`` of the interpreter's standard-library ``.py`` files, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or path.stat().st_size > _MAX_FILE_BYTES:
+            continue
+        docs.append((str(rel), path.read_text(encoding="utf-8", errors="replace")))
+    if not docs:
+        raise RuntimeError(f"source: the standard library at {root} has no .py sources; pass your own text with --data PATH")
+    return docs
+
+
+def file_documents(source: str) -> list[tuple[str, str]]:
+    """``[(name, text)]`` from a text file, or from every text file under a directory (sorted)."""
+    path = Path(source)
+    if path.is_file():
+        return [(path.name, path.read_text(encoding="utf-8", errors="replace"))]
+    if not path.is_dir():
+        raise ValueError(f"source: expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (not found)")
+    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES]
+    if not files:
+        raise ValueError(f"source: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) under {source!r}")
+    return [(str(p.relative_to(path)), p.read_text(encoding="utf-8", errors="replace")) for p in files]
+
+
+def load_documents(source: Optional[str] = None) -> list[tuple[str, str]]:
+    return stdlib_documents() if source in (None, DEFAULT_SOURCE) else file_documents(source)
+
+
+def is_validation(name: str, val_fraction: float) -> bool:
+    """Deterministic document-level split: a stable hash of the name, not Python's salted hash()."""
+    h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "big")
+    return h < val_fraction * 2**32
+
+
+# ---------------------------------------------------------------------- tokenizer + token arrays
+
+
+@dataclass
+class Corpus:
+    """Token streams (documents joined by EOS) and the tokenizer that made them."""
+
+    train: torch.Tensor  # int64 [T_train]
+    val: torch.Tensor  # int64 [T_val]
+    tokenizer: object  # tokenizers.Tokenizer
+    eos_id: int
+    source: str
+    n_documents: tuple[int, int]  # (train, val)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KFORCING_CACHE", Path.home() / ".cache" / "kforcing_kernels"))
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, array)
+
+
+def load_corpus(
+    source: Optional[str] = None,
+    *,
+    vocab_size: int = 2048,
+    val_fraction: float = 0.02,
+    tokenizer_train_bytes: int = 4_000_000,
+    cache_dir: Optional[str] = None,
+    verbose: bool = False,
+) -> Corpus:
+    """Documents -> tokenizer -> token streams, cached.
+
+    Args:
+        source: ``"stdlib"``/None (default corpus), a text file, or a directory of text files.
+        vocab_size: BPE vocabulary size including the EOS token (>= 257: the 256 bytes + EOS).
+        val_fraction: fraction of documents held out (by a hash of their name).
+        tokenizer_train_bytes: the tokenizer learns its merges on the first this-many bytes of
+            training documents (all of them are tokenized).
+        cache_dir: where tokenizer and tokens are cached (default :func:`default_cache_dir`).
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 257:
+        raise ValueError(f"vocab_size: expected an int >= 257 (256 byte tokens + EOS), got {vocab_size!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction: expected a number in (0, 1), got {val_fraction!r}")
+    from tokenizers import Tokenizer, __version__ as tokenizers_version
+
+    docs = load_documents(source)
+    digest = hashlib.sha256(json.dumps([FORMAT_VERSION, vocab_size, val_fraction, tokenizer_train_bytes, tokenizers_version]).encode())
+    for name, text in docs:
+        digest.update(name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
+    key = digest.hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir else default_cache_dir()
+    folder = folder / f"corpus-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {name: folder / f"{name}" for name in ("tokenizer.json", "train.npy", "val.npy", "meta.json")}
+
+    if not paths["meta.json"].exists():
+        is_val = [is_validation(name, val_fraction) for name, _ in docs]
+        if all(is_val) or not any(is_val):  # too few documents to split by name: split by position
+            cut = max(1, int(len(docs) * (1 - val_fraction)))
+            is_val = [i >= cut for i in range(len(docs))]
+        train_texts = [t for (_, t), v in zip(docs, is_val) if not v]
+        val_texts = [t for (_, t), v in zip(docs, is_val) if v]
+        sample, size = [], 0
+        for text in train_texts:
+            if size >= tokenizer_train_bytes:
+                break
+            sample.append(text)
+            size += len(text)
+        if verbose:
+            print(f"[data] training a {vocab_size}-token BPE tokenizer on {size / 1e6:.1f} MB of {len(docs)} documents", flush=True)
+        tok = _train_tokenizer(sample, vocab_size)
+        eos = tok.token_to_id(EOS)
+        dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
+
+        def stream(texts: list[str]) -> np.ndarray:
+            out = []
+            for enc in tok.encode_batch(texts):
+                out.append(np.asarray(enc.ids, dtype=dtype))
+                out.append(np.asarray([eos], dtype=dtype))
+            return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
+
+        train, val = stream(train_texts), stream(val_texts)
+        if len(docs) == 1:  # one document: hold out its tail
+            joined = train
+            cut = int(len(joined) * (1 - val_fraction))
+            train, val = joined[:cut], joined[cut:]
+        _atomic_write(paths["tokenizer.json"], lambda p: tok.save(p))
+        _atomic_write(paths["train.npy"], lambda p: _save_npy(p, train))
+        _atomic_write(paths["val.npy"], lambda p: _save_npy(p, val))
+        meta = {"source": source or DEFAULT_SOURCE, "documents": [len(train_texts), len(val_texts)], "vocab_size": tok.get_vocab_size()}
+        _atomic_write(paths["meta.json"], lambda p: Path(p).write_text(json.dumps(meta)))  # written last: marks the entry complete
+
+    meta = json.loads(paths["meta.json"].read_text())
+    tok = Tokenizer.from_file(str(paths["tokenizer.json"]))
+    train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
+    val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))
+    if verbose:
+        print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, vocab {tok.get_vocab_size()}, cache {folder}", flush=True)
+    return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]))
+
+
+# ---------------------------------------------------------------------- batches
+
+
+def sample_windows(tokens: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, length]`` int64 windows at uniformly random offsets of a token stream ``[T]``."""
+    if tokens.numel() < length + 1:
+        raise ValueError(f"tokens: the stream has {tokens.numel()} tokens, fewer than one window of {length} + 1")
+    starts = torch.randint(0, tokens.numel() - length, (batch,), generator=generator)
+    return tokens[starts[:, None] + torch.arange(length)]

@@ -1,0 +1,312 @@
+"""A GPT-style decoder that runs as an AR model or as a push-forward LM (PFLM).
+
+One backbone (token embedding, pre-norm blocks with RoPE, one shared output head)
+plus a noise encoder that turns a uniform noise scalar z and a temperature tau
+into a token embedding (paper Section 3.3, "fully causal": one token per noise
+variable, decoded by the shared head). Every attention call goes through
+:func:`kforcing_kernels.window_attention`; the mask is always a ``WindowLayout``:
+
+* AR forward: ``WindowLayout.causal(N)``;
+* SingleForward (eq. 18): ``kforcing_single(N, k)`` over ``[ctx (N) | noise (N*k)]``;
+* DoubleForward (eq. 19): ``kforcing_double(N, k)``; queries ``[Future-1 | Future-2]``,
+  keys ``[ctx (N, K/V reused from round one) | Future-1 | Future-2]``;
+* KV-cached inference: one window per request after the cached context
+  (see ``kforcing_kernels.inference``).
+
+Positions (RoPE): context token t sits at t; slot i of the window after context
+token t sits at t + 1 + i, i.e. where the token it predicts will sit once it is
+appended to the context.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..attention import window_attention
+from ..layouts import WindowLayout
+from .config import ModelConfig
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each [B, H, L, D]
+Temperature = Union[float, torch.Tensor]
+
+
+# ---------------------------------------------------------------------- layouts (cached: they are pure functions of the sizes)
+
+
+@functools.lru_cache(maxsize=32)
+def causal_layout(n: int) -> WindowLayout:
+    return WindowLayout.causal(n)
+
+
+@functools.lru_cache(maxsize=32)
+def single_layout(n: int, k: int) -> WindowLayout:
+    return WindowLayout.kforcing_single(n_ctx=n, k=k)
+
+
+@functools.lru_cache(maxsize=32)
+def double_layout(n: int, k: int) -> WindowLayout:
+    return WindowLayout.kforcing_double(n_ctx=n, k=k)
+
+
+def single_positions(n: int, k: int, device=None) -> torch.Tensor:
+    """int64 [N + N*k]: positions of ``[ctx | noise]``; noise slot i of window t at t + 1 + i."""
+    t = torch.arange(n, device=device)
+    return torch.cat([t, (t[:, None] + 1 + torch.arange(k, device=device)).flatten()])
+
+
+def double_positions(n: int, k: int, device=None) -> torch.Tensor:
+    """int64 [2*N*k]: positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t at t + 1 + i."""
+    t = torch.arange(n, device=device)[:, None]
+    i = torch.arange(k, device=device)
+    return torch.cat([(t + 1 + i).flatten(), (t + 1 + k + i).flatten()])
+
+
+# ---------------------------------------------------------------------- building blocks
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions int [L] or [B, L] -> (cos, sin), each fp32 [1 or B, 1, L, head_dim/2]."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) L, D/2]
+    if angles.dim() == 2:
+        angles = angles[None]
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, L, D] by the angles of its positions (halves convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.backend = cfg.attention_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, L, C]: the query tokens
+        cos: torch.Tensor,  # [1 or B, 1, L, D/2]
+        sin: torch.Tensor,
+        layout: WindowLayout,
+        past: Optional[KV] = None,  # cached context K/V [B, H, P, D], prepended to the keys
+    ) -> tuple[torch.Tensor, KV]:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
+        return self.proj(y.transpose(1, 2).reshape(b, n, c)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layout, past=None):
+        a, kv = self.attn(self.norm1(x), cos, sin, layout, past)
+        x = x + a
+        return x + self.mlp(self.norm2(x)), kv
+
+
+class NoiseEncoder(nn.Module):
+    """(z, tau) -> a token embedding: sinusoidal features of each scalar, then an MLP (paper App. C.2).
+
+    The frequencies span periods from ~0.006 to ~60 in z units, so the encoder
+    can resolve the narrow inverse-CDF bins that decide a token.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        half = cfg.noise_features // 2 or 1
+        self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(4 * half, cfg.n_embd), nn.SiLU(), nn.Linear(cfg.n_embd, cfg.n_embd))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        angles = x.to(torch.float32)[..., None] * self.freqs  # [..., F/2]
+        return torch.cat([angles.sin(), angles.cos()], -1)
+
+    def forward(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        """z [...] in [0, 1), tau broadcastable to z -> [..., C]."""
+        tau = torch.broadcast_to(tau, z.shape)
+        feats = torch.cat([self.features(z), self.features(tau)], -1)
+        return self.mlp(feats.to(self.mlp[0].weight.dtype))
+
+
+# ---------------------------------------------------------------------- the model
+
+
+class KForcingLM(nn.Module):
+    """AR teacher and PFLM student in one class; see the module docstring for the masks.
+
+    ``model(tokens)`` is the AR forward (logits ``[B, N, V]``); ``model(tokens, noise, tau)``
+    is SingleForward (logits ``[B, N, k, V]`` for the k noise slots after each context token).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.noise_encoder = NoiseEncoder(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.wte.weight
+        self.reset_parameters()
+
+    # -------------------------------------------------------------- parameters
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm_f.weight":
+                nn.init.ones_(p)
+            elif p.dim() == 1:
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std, generator=generator)
+
+    def reset_noise_encoder(self, generator: Optional[torch.Generator] = None) -> None:
+        """A fresh noise encoder (Stage 1 starts from the AR teacher with one)."""
+        for p in self.noise_encoder.parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, 0.0, 0.02, generator=generator)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -------------------------------------------------------------- the shared trunk
+
+    def trunk(
+        self,
+        x: torch.Tensor,  # [B, L, C] embeddings of the query tokens
+        positions: torch.Tensor,  # int [L] or [B, L]
+        layout: WindowLayout,
+        past: Optional[Sequence[KV]] = None,  # per layer, cached context K/V [B, H, P, D]
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Run all blocks; returns (final-normed hidden [B, L, C], per-layer K/V of the L query tokens)."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base)
+        kvs = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, cos, sin, layout, None if past is None else past[i])
+            kvs.append(kv)
+        return self.norm_f(x), kvs
+
+    def embed_noise(self, noise: torch.Tensor, tau: Temperature) -> torch.Tensor:
+        """noise [B, *S] in [0, 1), tau scalar or [B] -> embeddings [B, *S, C]."""
+        tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
+        if tau.dim() == 1:
+            if tau.shape[0] != noise.shape[0]:
+                raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}")
+            tau = tau.view(-1, *([1] * (noise.dim() - 1)))
+        elif tau.dim() != 0:
+            raise ValueError(f"tau: expected a scalar or shape [B], got {tuple(tau.shape)}")
+        return self.noise_encoder(noise, tau)
+
+    # -------------------------------------------------------------- the three training-time forwards
+
+    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0) -> torch.Tensor:
+        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``."""
+        if noise is None:
+            return self.ar_forward(tokens)
+        return self.single_forward(tokens, noise, tau)[0]
+
+    def ar_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, N] -> next-token logits [B, N, V] (plain causal attention)."""
+        _check_tokens(tokens, self.config)
+        n = tokens.shape[1]
+        h, _ = self.trunk(self.wte(tokens), torch.arange(n, device=tokens.device), causal_layout(n))
+        return self.head(h)
+
+    def single_forward(
+        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """SingleForward (paper eq. 18): k tokens after every context position in one call.
+
+        Args:
+            tokens: context ``[B, N]``.
+            noise: ``[B, N, k]`` uniform in [0, 1); ``noise[:, t, i]`` drives the (i+1)-th token after ``tokens[:, t]``.
+            tau: temperature, scalar or ``[B]``.
+
+        Returns:
+            (logits ``[B, N, k, V]``, per-layer context K/V ``[B, H, N, D]``, the cache DoubleForward reuses).
+        """
+        _check_tokens(tokens, self.config)
+        b, n = tokens.shape
+        if noise.dim() != 3 or noise.shape[:2] != (b, n):
+            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
+        k = noise.shape[2]
+        x = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)  # [B, N + N*k, C]
+        h, kvs = self.trunk(x, single_positions(n, k, tokens.device), single_layout(n, k))
+        logits = self.head(h[:, n:]).view(b, n, k, -1)
+        return logits, [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
+
+    def double_forward(
+        self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0
+    ) -> torch.Tensor:
+        """DoubleForward (paper eq. 19): the second round, conditioned on the first round's tokens.
+
+        Args:
+            context_kv: per layer, the context K/V ``[B, H, N, D]`` returned by :meth:`single_forward` (reused, not recomputed).
+            first: ``[B, N, k]`` tokens predicted in round one (Future-1, embedded as ordinary tokens).
+            noise: ``[B, N, k]`` fresh noise for round two (Future-2).
+            tau: temperature, scalar or ``[B]``.
+
+        Returns:
+            logits ``[B, N, k, V]``: ``[:, t, j]`` predicts token t + k + 1 + j given context ``<= t`` and ``first[:, t]``.
+        """
+        b, n, k = first.shape
+        if noise.shape != first.shape:
+            raise ValueError(f"noise: expected the shape of first {tuple(first.shape)}, got {tuple(noise.shape)}")
+        if len(context_kv) != self.config.n_layer or context_kv[0][0].shape[2] != n:
+            raise ValueError(f"context_kv: expected {self.config.n_layer} layers of K/V over N={n} context tokens")
+        _check_tokens(first, self.config)
+        x = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
+        h, _ = self.trunk(x, double_positions(n, k, first.device), double_layout(n, k), past=context_kv)
+        return self.head(h[:, n * k:]).view(b, n, k, -1)
+
+
+def _check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens: expected an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens))}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
+        raise ValueError(f"tokens: expected ids in [0, {cfg.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
