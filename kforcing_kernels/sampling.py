@@ -11,8 +11,8 @@ Implementations, picked by device (:func:`sampler_backend` says which one runs):
   block; the [..., V] cumulative sum is never stored.
 * ``triton`` (CUDA): the same algorithm as a Triton kernel
   (``kforcing_kernels.kernels.sampler_triton``).
-* ``reference``: softmax + cumsum + searchsorted in torch (float32; float64 for
-  float64 logits). The fallback when neither of the above is available.
+* ``reference``: softmax + cumsum + searchsorted in torch, float64. The fallback
+  when neither of the above is available.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
 
 
 def _cdf(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    ct = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    scaled = logits.to(ct) / (tau[..., None] if tau.dim() else tau).to(ct)
+    """float64 [..., V] cumulative sum of softmax(logits / tau)."""
+    scaled = logits.to(torch.float64) / (tau[..., None] if tau.dim() else tau).to(torch.float64)
     return torch.softmax(scaled, -1).cumsum(-1)
 
 
@@ -72,10 +72,15 @@ def sampler_backend(device: Union[str, torch.device] = "cpu") -> str:
 
 
 def inverse_cdf_sample_reference(logits: torch.Tensor, z: torch.Tensor, temperature: Temperature = 1.0) -> torch.Tensor:
-    """softmax + cumsum + searchsorted; materialises the [..., V] CDF."""
+    """softmax + cumsum + searchsorted in float64; materialises the [..., V] CDF.
+
+    z is compared with ``z * F(V-1)`` rather than with 1 - so that a total that rounds
+    below 1 cannot send z just below 1 to an impossible (-inf) last token.
+    """
     tau = _check(logits, z, "z", temperature)
     cdf = _cdf(logits, tau)
-    ids = torch.searchsorted(cdf, z.to(cdf.dtype)[..., None].contiguous(), right=True)[..., 0]
+    target = z.to(cdf.dtype)[..., None] * cdf[..., -1:]
+    ids = torch.searchsorted(cdf, target.contiguous(), right=True)[..., 0]
     return ids.clamp_(max=logits.shape[-1] - 1)
 
 
@@ -103,16 +108,22 @@ def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, temperature: Tempe
 def noise_inversion_reference(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
-    """Torch version of :func:`noise_inversion` (materialises the CDF)."""
+    """Torch version of :func:`noise_inversion` (float64, materialises the CDF)."""
     tau = _check(logits, tokens, "tokens", temperature)
     cdf = _cdf(logits, tau)
     t = tokens.long()[..., None]
     upper = cdf.gather(-1, t)[..., 0]
     lower = torch.where(t[..., 0] > 0, cdf.gather(-1, (t - 1).clamp(min=0))[..., 0], torch.zeros_like(upper))
-    u = _uniform(tokens, logits.device, generator)
-    z = lower + u.to(lower.dtype) * (upper - lower)
-    # Stay strictly below the bin's upper edge so the round trip lands in the bin.
-    return torch.minimum(z, torch.nextafter(upper, torch.zeros_like(upper))).clamp(min=0.0)
+    total = cdf[..., -1]
+    u = _uniform(tokens, logits.device, generator).to(torch.float64)
+    z = ((lower + u * (upper - lower)) / total).to(torch.float32)
+    z = torch.minimum(z, torch.tensor(1.0, device=z.device).nextafter(torch.tensor(0.0, device=z.device)))
+    # Nudge by float32 ulps until z * total lands in [lower, upper), as the sampler compares.
+    for _ in range(4):
+        z = torch.where((z.double() * total >= upper) & (z > 0), z.nextafter(torch.zeros_like(z)), z)
+    for _ in range(4):
+        z = torch.where(z.double() * total < lower, z.nextafter(torch.ones_like(z)), z)
+    return z
 
 
 def _uniform(tokens: torch.Tensor, device: torch.device, generator: Optional[torch.Generator]) -> torch.Tensor:

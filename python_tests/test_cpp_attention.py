@@ -1,0 +1,197 @@
+"""The ``cpp`` backend (kforcing_kernels._C) vs the dense-mask reference: outputs and gradients."""
+
+import math
+
+import pytest
+import torch
+from conftest import make_qkv, run_with_grads
+
+from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels import _extension
+
+pytestmark = pytest.mark.skipif(backends_available()["cpp"] is not None, reason=f"cpp backend: {backends_available()['cpp']}")
+
+LAYOUTS = {
+    "causal": WindowLayout.causal(13),
+    "causal_n1": WindowLayout.causal(1),
+    "single_n1": WindowLayout.kforcing_single(1, 3),
+    "single_k1": WindowLayout.kforcing_single(9, 1),
+    "single_k3_odd": WindowLayout.kforcing_single(17, 3),
+    "single_k16": WindowLayout.kforcing_single(7, 16),
+    "single_multi_chunk": WindowLayout.kforcing_single(270, 1),  # > 1 key chunk, > 1 query tile
+    "double_k2": WindowLayout.kforcing_double(11, 2),
+    "double_k9": WindowLayout.kforcing_double(5, 9),  # window 18: tile products over 2 streams
+    "sbd_short_last": WindowLayout.sbd(23, 4),
+    "sbd_large_block": WindowLayout.sbd(70, 33),
+    "ptp": WindowLayout.ptp(20, [5, 12, 20, 0], 6, [0, 4, 0, 0]),
+    "ptp_empty_prefixes": WindowLayout.ptp(10, [0, 3, 10], 4, [0, 3, 2]),
+    "ptp_per_batch": WindowLayout.ptp(16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]]),
+    "jacobi": WindowLayout.jacobi(6, 10),
+    "jacobi_long_window": WindowLayout.jacobi(40, 150),  # one window cut into several row tiles
+    "single_large_window": WindowLayout.kforcing_single(5, 40),
+    "general_streams_full": WindowLayout(10, 4, 6, [0, 2, 5, 10], [3, 2, 9, 10], intra="full", queries="windows", n_streams=3),
+    "general_streams_causal": WindowLayout(10, 3, 60, [0, 2, 5], [3, 2, 9], intra="causal", queries="windows", n_streams=3),
+}
+
+
+def _compare(layout, *, dtype=torch.float32, heads=4, kv_heads=2, head_dim=16, batch=None):
+    batch = layout.batch_size or batch or 2
+    q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    dout = torch.randn(batch, heads, layout.n_queries, head_dim, dtype=torch.float64)
+    ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="cpp"), q, k, v, dout)
+    ref64 = run_with_grads(
+        lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), *(t.double() for t in (q, k, v)), dout
+    )
+    ref_lp = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), q, k, v, dout)
+    return ours, ref64, ref_lp
+
+
+def _assert_close(ours, ref, atol, rtol):
+    for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        assert torch.isfinite(a).all(), label
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m: f"{label}: {m}")
+
+
+def _other_isas():
+    ext = _extension.load()
+    return [name for name in ext.available_isas().split(",") if name != ext.isa()] if ext else []
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cpp_matches_reference_fp32(name):
+    ours, ref64, _ = _compare(LAYOUTS[name])
+    assert ours[0].dtype == torch.float32
+    _assert_close(ours, ref64, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["causal", "single_k3_odd", "double_k9", "ptp_per_batch", "jacobi_long_window", "general_streams_full"])
+@pytest.mark.parametrize("isa", _other_isas())
+def test_cpp_other_isa_builds_match_reference(name, isa):
+    """The narrower instruction-set builds of the kernels (picked on older CPUs) are exercised here too."""
+    ext = _extension.load()
+    before = ext.isa()
+    ext.set_isa(isa)
+    try:
+        ours, ref64, _ = _compare(LAYOUTS[name])
+    finally:
+        ext.set_isa(before)
+    _assert_close(ours, ref64, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["single_k3_odd", "double_k9", "ptp_per_batch", "jacobi_long_window", "general_streams_full"])
+def test_cpp_matches_reference_fp64(name):
+    ours, ref64, _ = _compare(LAYOUTS[name], dtype=torch.float64)
+    assert ours[0].dtype == torch.float64
+    _assert_close(ours, ref64, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "name", ["single_k3_odd", "single_k16", "double_k2", "double_k9", "sbd_short_last", "ptp_per_batch", "jacobi_long_window"]
+)
+def test_cpp_low_precision_within_2x_torch_error(name, dtype):
+    """Our error vs fp64 is at most 2x PyTorch's own low-precision error (plus a small floor)."""
+    ours, ref64, ref_lp = _compare(LAYOUTS[name], dtype=dtype)
+    floor = 1e-3 if dtype == torch.float16 else 8e-3
+    for label, a, b, c in zip(("out", "dq", "dk", "dv"), ours, ref64, ref_lp):
+        assert a.dtype == dtype
+        our_err = (a.double() - b).abs().max().item()
+        torch_err = (c.double() - b).abs().max().item()
+        assert our_err <= 2 * torch_err + floor, f"{label}: ours {our_err:.3g} vs torch {torch_err:.3g}"
+
+
+@pytest.mark.parametrize("head_dim", [1, 24, 64, 80, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+def test_cpp_head_dims_and_gqa(head_dim, heads, kv_heads):
+    ours, ref64, _ = _compare(WindowLayout.kforcing_single(12, 4), heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    _assert_close(ours, ref64, atol=3e-5, rtol=3e-5)
+
+
+def test_cpp_lse_and_scale_match_reference():
+    layout = LAYOUTS["double_k2"]
+    q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2, dtype=torch.float32, requires_grad=False)
+    out, lse = window_attention(q, k, v, layout, backend="cpp", return_lse=True, scale=0.37)
+    ref_out, ref_lse = window_attention(q.double(), k.double(), v.double(), layout, backend="reference", return_lse=True, scale=0.37)
+    assert lse.shape == (2, 4, layout.n_queries) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_forward_does_not_depend_on_thread_count():
+    layout = LAYOUTS["single_multi_chunk"]
+    q, k, v = make_qkv(layout, batch=1, heads=2, head_dim=32, requires_grad=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = window_attention(q, k, v, layout, backend="cpp")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, window_attention(q, k, v, layout, backend="cpp"))
+
+
+def test_cpp_large_logits_stay_finite():
+    """Scores far from 0 (large q, k) must not overflow the online softmax."""
+    layout = LAYOUTS["single_k3_odd"]
+    q, k, v = make_qkv(layout, batch=1, heads=2, head_dim=16, scale_std=30.0)
+    dout = torch.randn(1, 2, layout.n_queries, 16, dtype=torch.float64)
+    ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="cpp"), q, k, v, dout)
+    ref = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), *(t.double() for t in (q, k, v)), dout)
+    for a, b in zip(ours, ref):
+        assert torch.isfinite(a).all()
+        # Scores ~ 30^2 * 16 / 4: fp32 rounding of q.k is amplified; compare relative to the gradient scale.
+        assert (a.double() - b).abs().max() <= 2e-3 * (1 + b.abs().max())
+
+
+# ---------------------------------------------------------------------- C++-side validation
+
+_LAYOUT = WindowLayout.kforcing_single(5, 2)
+_GEOM = (_LAYOUT.n_ctx, _LAYOUT.num_windows, _LAYOUT.window_size, _LAYOUT.last_window_size, _LAYOUT.n_streams, True, True)
+
+
+def _forward_args(**override):
+    q, k, v = make_qkv(_LAYOUT, batch=1, heads=2, head_dim=8, requires_grad=False)
+    args = dict(q=q, k=k, v=v, prefix_lo=_LAYOUT.prefix_lo, prefix_hi=_LAYOUT.prefix_hi, n_ctx=_GEOM[0], num_windows=_GEOM[1],
+                window_size=_GEOM[2], last_window_size=_GEOM[3], n_streams=_GEOM[4], intra_causal=True, queries_all=True, scale=0.5)
+    args.update(override)
+    return args
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(q=torch.randn(1, 2, 14, 8)), r"q: expected length 15 .* got 14"),
+        (dict(q=torch.randn(1, 2, 15, 8, dtype=torch.float64)), r"k, v: expected dtype Double \(q's\), got k Float"),
+        (dict(k=torch.randn(1, 3, 15, 8), v=torch.randn(1, 3, 15, 8)), r"q: expected a head count that is a multiple of k's 3"),
+        (dict(q=torch.randn(2, 2, 15, 8)), r"k: expected batch 2 \(q's\), got 1"),
+        (dict(v=torch.randn(1, 2, 15, 4)), r"v: expected the shape of k"),
+        (dict(q=torch.randn(1, 2, 15, 8, device="meta")), r"q: expected a CPU tensor, got device meta"),
+        (dict(q=torch.randn(1, 2, 15, 8).to(torch.int32)), r"q: expected dtype float32, bfloat16, float16 or float64, got Int"),
+        (dict(prefix_lo=torch.tensor([0, 0, 0, 0, 9])), r"prefix_lo: expected lo <= hi for every window, window 4"),
+        (dict(prefix_hi=torch.tensor([1, 2, 3, 4, 6])), r"prefix_hi: expected values <= n_ctx=5, got 6"),
+        (dict(prefix_lo=torch.zeros(4, dtype=torch.long)), r"prefix_lo: expected 5 windows in the last dim"),
+        (dict(prefix_lo=torch.zeros(5)), r"prefix_lo: expected an integer tensor, got dtype Float"),
+        (dict(n_streams=3), r"n_streams: expected a divisor of window_size=2, got 3"),
+        (dict(last_window_size=3), r"last_window_size: expected a value in \[1, 2\], got 3"),
+        (dict(scale=-1.0), r"scale: expected a positive finite number, got -1"),
+    ],
+)
+def test_cpp_validation_names_the_argument(override, match):
+    with pytest.raises(ValueError, match=match):
+        _extension.load().attention_forward(**_forward_args(**override))
+
+
+def test_cpp_backward_validation():
+    a = _forward_args()
+    out, lse = _extension.load().attention_forward(**a)
+    geom = {key: a[key] for key in ("prefix_lo", "prefix_hi", "n_ctx", "num_windows", "window_size", "last_window_size", "n_streams", "intra_causal", "queries_all", "scale")}
+    with pytest.raises(ValueError, match=r"lse: expected shape \[1, 2, 15\] \(\[B, H, Lq\]\), got \[1, 2\]"):
+        _extension.load().attention_backward(out, a["q"], a["k"], a["v"], out, lse[..., 0], **geom)
+    with pytest.raises(ValueError, match=r"dout: expected shape \[1, 2, 15, 8\] \(q's\)"):
+        _extension.load().attention_backward(out[:, :1], a["q"], a["k"], a["v"], out, lse, **geom)
+
+
+def test_cpp_isa_selection():
+    ext = _extension.load()
+    assert ext.isa() in ext.available_isas().split(",")
+    with pytest.raises(ValueError, match="isa: expected one of generic, avx2, avx512"):
+        ext.set_isa("sse9")
