@@ -195,3 +195,19 @@ def test_cpp_isa_selection():
     assert ext.isa() in ext.available_isas().split(",")
     with pytest.raises(ValueError, match="isa: expected one of generic, avx2, avx512"):
         ext.set_isa("sse9")
+
+
+def test_default_backend_prefers_cpp_only_with_a_vector_build():
+    """The portable build is slower than composite (bench/cpu_kernels.py), so it is not the default."""
+    from kforcing_kernels import default_backend
+
+    ext = _extension.load()
+    before = ext.isa()
+    try:
+        ext.set_isa("generic")
+        assert default_backend(torch.device("cpu")) == "composite"
+        for isa in set(ext.available_isas().split(",")) - {"generic"}:
+            ext.set_isa(isa)
+            assert default_backend(torch.device("cpu")) == "cpp"
+    finally:
+        ext.set_isa(before)

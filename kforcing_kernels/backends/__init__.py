@@ -54,6 +54,8 @@ def default_backend(device: torch.device) -> str:
         return forced
     preference = ("triton", "composite") if device.type == "cuda" else ("cpp", "composite")
     for name in preference:
-        if _load(name)[1] is None:
+        module, reason = _load(name)
+        # A backend can be present yet slower than the next one here (see cpp.preferred).
+        if reason is None and getattr(module, "preferred", lambda: True)():
             return name
     return "composite"

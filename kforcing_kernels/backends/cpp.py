@@ -39,9 +39,19 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     return _extension.load().attention_backward(dout, q, k, v, out, lse, *_layout_args(layout), float(scale))
 
 
+def preferred() -> bool:
+    """Whether ``cpp`` should be the default CPU backend here.
+
+    Its AVX2 and AVX-512 builds beat ``composite`` by 1.6-3x (bench/cpu_kernels.py);
+    the portable 128-bit build is slower than ``composite`` on x86, so there the
+    default stays ``composite`` (``backend="cpp"`` still works).
+    """
+    return available() is None and isa() in ("avx2", "avx512")
+
+
 def isa() -> str:
     """Instruction set the kernels run with here (``generic``, ``avx2`` or ``avx512``)."""
     return _extension.load().isa()
 
 
-__all__ = ["available", "forward", "backward", "isa"]
+__all__ = ["available", "preferred", "forward", "backward", "isa"]
