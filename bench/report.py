@@ -26,7 +26,10 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 def fit_exponents(report: dict) -> list[dict]:
     """Per (layout, D, method, phase) at the fit N: the exponent p of time ~ k^p and of
     time ~ |M|^p (an O(|M|) kernel gives 1 for the latter, dense-mask SDPA ~2 for
-    SingleForward). Needs timings at two or more k."""
+    SingleForward). Needs timings at two or more k.
+
+    Three series: median times, min times, and ``causal_units`` (time over causal attention
+    timed in the same rounds; ``_norm``), which cancels load drift between configurations."""
     n_fit = report["meta"]["fit_n"]
     series = defaultdict(list)
     for row in report["rows"]:
@@ -38,14 +41,15 @@ def fit_exponents(report: dict) -> list[dict]:
         if len(rows) < 2:
             continue
         ks = [r["k"] for r in rows]
-        medians, mins = [r["median_ms"] for r in rows], [r["min_ms"] for r in rows]
+        medians, mins, units = [r["median_ms"] for r in rows], [r["min_ms"] for r in rows], [r["causal_units"] for r in rows]
         work = [r["num_pairs"] for r in rows]
         spread = max(work) / min(work) >= MIN_WORK_SPREAD
         fits.append({
             "layout": layout, "n": n_fit, "d": d, "method": method, "phase": phase, "k": ks, "num_pairs": work,
-            "median_ms": medians, "min_ms": mins,
-            "slope_k": _slope(ks, medians), "slope_k_min": _slope(ks, mins),
+            "median_ms": medians, "min_ms": mins, "causal_units": units,
+            "slope_k": _slope(ks, medians), "slope_k_min": _slope(ks, mins), "slope_k_norm": _slope(ks, units),
             "slope_work": _slope(work, medians) if spread else None, "slope_work_min": _slope(work, mins) if spread else None,
+            "slope_work_norm": _slope(work, units) if spread else None,
         })
     return fits
 
@@ -114,23 +118,30 @@ def format_report(report: dict) -> str:
 
     fits = report["fits"]
     if fits:
-        lines += ["", f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p, from medians/mins "
-                  "(an O(|M|) kernel: p_|M| = 1; dense-mask SDPA on SingleForward: ~2)"]
-        lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}{'p_k fwd':>12}{'p_k f+b':>12}{'p_|M| fwd':>12}{'p_|M| f+b':>12}")
+        lines += ["", f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p (an O(|M|) kernel: p_|M| = 1; "
+                  "dense-mask SDPA: ~2)",
+                  "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load drift)"]
+        lines.append(f"{'':<39}{'---------- raw -----------':>28}{'--------- norm -----------':>28}")
+        lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}" + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2)
         index = {(f["layout"], f["d"], f["method"], f["phase"]): f for f in fits}
 
-        def fmt(f, key):
-            return f"{f[key]:.2f}/{f[key + '_min']:.2f}" if f and f[key] is not None else "-"
+        def fmt(f, key, width):
+            return f"{f[key]:>{width}.2f}" if f and f[key] is not None else f"{'-':>{width}}"
 
         for layout, d in sorted({(f["layout"], f["d"]) for f in fits}, key=lambda t: (meta["layouts"].index(t[0]), t[1])):
             for m in METHODS:
                 fw, fb = index.get((layout, d, m, "fwd")), index.get((layout, d, m, "fwd_bwd"))
                 if fw or fb:
-                    lines.append(f"{layout:<8}{d:>5}  {m:<24}{fmt(fw, 'slope_k'):>12}{fmt(fb, 'slope_k'):>12}{fmt(fw, 'slope_work'):>12}{fmt(fb, 'slope_work'):>12}")
+                    cells = "".join(
+                        fmt(fw, f"slope_k{s}", 8) + fmt(fb, f"slope_k{s}", 6) + fmt(fw, f"slope_work{s}", 10) + fmt(fb, f"slope_work{s}", 6)
+                        for s in ("", "_norm")
+                    )
+                    lines.append(f"{layout:<8}{d:>5}  {m:<24}{cells}")
             best = best_of_ours(fits, layout, d)
             if best:
-                lines.append(f"{'':<15}best of ours by f+b time at the largest k: {best['method']} (p_k {best['slope_k']:.2f}"
-                             + (f", p_|M| {best['slope_work']:.2f})" if best["slope_work"] is not None else ")"))
+                lines.append(f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k {best['slope_k']:.2f} raw / "
+                             f"{best['slope_k_norm']:.2f} norm"
+                             + (f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}" if best["slope_work"] is not None else ""))
 
     lines += ["", "methods not timed here:"]
     absent = [(m, info["reason"]) for m, info in report["methods"].items() if info["status"] != "measured"]
@@ -218,7 +229,8 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
                 if f is None:
                     continue
                 style = "--" if m == "ideal" else "-"
-                ax.plot(f["k"], f["median_ms"], style, marker="o", color=_COLORS.get(m), label=f"{m} (p={f['slope_k']:.2f})")
+                ax.plot(f["k"], f["median_ms"], style, marker="o", color=_COLORS.get(m),
+                        label=f"{m} (p={f['slope_k']:.2f}, norm {f['slope_k_norm']:.2f})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks(meta["k"], [str(k) for k in meta["k"]])
@@ -229,7 +241,8 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-                 f"{meta['threads']} threads); p = fitted log-log slope", fontsize=10)
+                 f"{meta['threads']} threads); p = fitted log-log slope of these medians; norm = of time / same-round causal time",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

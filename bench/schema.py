@@ -27,7 +27,7 @@ ROW = {
     "required": [
         "machine", "torch", "triton", "git_commit", "timestamp", "layout", "n", "k", "d", "lq", "lk", "num_pairs",
         "ideal_multiplier", "method", "kind", "phase", "status", "reason", "median_ms", "min_ms", "first_ms", "reps",
-        "ratio_to_ideal", "ratio_to_ideal_min", "tflops",
+        "ratio_to_ideal", "ratio_to_ideal_min", "causal_units", "tflops",
     ],
     "properties": {
         "machine": _STR, "torch": _STR, "triton": {"type": ["string", "null"]}, "git_commit": _STR, "timestamp": _STR,
@@ -38,7 +38,7 @@ ROW = {
         "phase": {"type": "string", "enum": ["build", *PHASES]},
         "status": {"type": "string", "enum": ["ok", "unsupported", "skipped", "error"]},
         "reason": {"type": ["string", "null"]}, "median_ms": _OPT_NUM, "min_ms": _OPT_NUM, "first_ms": _OPT_NUM,
-        "reps": {"type": "integer", "minimum": 0}, "ratio_to_ideal": _OPT_NUM, "ratio_to_ideal_min": _OPT_NUM, "tflops": _OPT_NUM,
+        "reps": {"type": "integer", "minimum": 0}, "ratio_to_ideal": _OPT_NUM, "ratio_to_ideal_min": _OPT_NUM, "causal_units": _OPT_NUM, "tflops": _OPT_NUM,
     },
 }
 
@@ -81,8 +81,10 @@ SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["layout", "n", "d", "method", "phase", "k", "median_ms", "min_ms", "slope_k", "slope_k_min", "slope_work", "slope_work_min"],
-                "properties": {"slope_k": _NUM, "slope_k_min": _NUM, "slope_work": _OPT_NUM, "slope_work_min": _OPT_NUM},
+                "required": ["layout", "n", "d", "method", "phase", "k", "median_ms", "min_ms", "causal_units", "slope_k", "slope_k_min",
+                             "slope_k_norm", "slope_work", "slope_work_min", "slope_work_norm"],
+                "properties": {"slope_k": _NUM, "slope_k_min": _NUM, "slope_k_norm": _NUM,
+                               "slope_work": _OPT_NUM, "slope_work_min": _OPT_NUM, "slope_work_norm": _OPT_NUM},
             },
         },
     },

@@ -165,7 +165,7 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
     def add(method, phase, status, timing=None, reason=None, scale=1.0):
         row = {**base, "method": method, "kind": METHOD_KIND[method], "phase": phase, "status": status, "reason": reason,
                "median_ms": None, "min_ms": None, "first_ms": None, "reps": 0, "ratio_to_ideal": None, "ratio_to_ideal_min": None,
-               "tflops": None}
+               "causal_units": None, "tflops": None}
         if timing is not None:
             row.update(median_ms=timing["median_ms"] * scale, min_ms=timing["min_ms"] * scale, first_ms=timing["first_ms"], reps=timing["reps"])
             rounds[(method, phase)] = [t * scale for t in timing.get("times_ms", [])]
@@ -259,6 +259,9 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
         if row["status"] == "ok" and row["phase"] in ideal:
             row["ratio_to_ideal"] = paired_ratio(rounds[(row["method"], row["phase"])], rounds[("ideal", row["phase"])])
             row["ratio_to_ideal_min"] = row["min_ms"] / ideal[row["phase"]]["min_ms"]
+            # Time in units of causal attention over N timed in the same round: comparable across
+            # configurations even when the machine's load drifts between them.
+            row["causal_units"] = row["ratio_to_ideal"] * mult
     del jobs, q, kk, v, dout, grads
     gc.collect()
     return rows

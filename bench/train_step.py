@@ -56,7 +56,7 @@ def make_step(teacher, student, optimizer, batch, k: int):
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = compute_loss(student, teacher, k, batch)
+        loss, _ = compute_loss(student, teacher, teacher_k=k, k=2 * k, batch=batch)
         loss.backward()
         optimizer.step()
 
@@ -68,7 +68,7 @@ def first_loss(teacher, student, batch, k: int) -> float:
     from kforcing_kernels.train import compute_loss
 
     with torch.no_grad():
-        return float(compute_loss(student, teacher, k, batch)[0])
+        return float(compute_loss(student, teacher, teacher_k=k, k=2 * k, batch=batch)[0])
 
 
 def run(args) -> dict:

@@ -119,8 +119,12 @@ def _synthetic(times_of_k, pairs_of_k):
     for k in (1, 2, 4, 8):
         t = times_of_k(k)
         rows.append({"layout": "single", "n": 1024, "k": k, "d": 64, "method": "dense_sdpa", "phase": "fwd", "status": "ok",
-                     "median_ms": t, "min_ms": 0.9 * t, "num_pairs": pairs_of_k(k)})
+                     "median_ms": t, "min_ms": 0.9 * t, "causal_units": t / (7.0 + k), "num_pairs": pairs_of_k(k)})
     return {"meta": {"fit_n": 1024}, "rows": rows}
+
+
+def ks_array():
+    return np.array([1.0, 2.0, 4.0, 8.0])
 
 
 def test_fit_exponents_recovers_known_power_laws():
@@ -128,6 +132,9 @@ def test_fit_exponents_recovers_known_power_laws():
     fit = fit_exponents(_synthetic(lambda k: 3.0 * (1 + k) ** 2, lambda k: 1000.0 * (1 + k)))[0]
     assert fit["slope_work"] == pytest.approx(2.0)
     assert fit["slope_work_min"] == pytest.approx(2.0)
+    # causal_units divide by a causal time that drifted with the machine's load (7 + k): the fit follows the units.
+    units = 3.0 * (1 + ks_array()) ** 2 / (7.0 + ks_array())
+    assert fit["slope_work_norm"] == pytest.approx(np.polyfit(np.log(1 + ks_array()), np.log(units), 1)[0])
     ks = np.array([1.0, 2.0, 4.0, 8.0])
     assert fit["slope_k"] == pytest.approx(np.polyfit(np.log(ks), np.log(3.0 * (1 + ks) ** 2), 1)[0])  # least squares, all k
     # Work that does not move with k gives no work exponent rather than a division by ~0.
