@@ -7,8 +7,8 @@
 // Attention (per query tile, see attention.cpp for the plan): scores of a row
 // block against a chunk of context/window keys come from one register-blocked
 // GEMM against K^T, an online softmax in the log2 domain turns them into P, and a
-// second GEMM adds P.V; small windows (w <= 16) do their few intra-window keys row
-// by row instead of through a mostly-masked tile. The backward recomputes P per
+// second GEMM adds P.V; small windows (w <= kDirectWindowMax) do their few
+// intra-window keys row by row instead of through a mostly masked tile. The backward recomputes P per
 // chunk and does the five products of FlashAttention-2 with the same micro-kernel.
 //
 // Sampler: one pass over each row computes per-block (max, sum of exp) in float64;
@@ -24,7 +24,6 @@ namespace {
 constexpr int kVecBytes = KF_VL * 4;
 constexpr int kRB = KF_RB;  // micro-kernel rows
 constexpr int kNV = KF_NV;  // micro-kernel vectors per row
-constexpr int64_t kMaxDirect = 16;  // keys a small window row sees inside its window, at most
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
@@ -356,7 +355,7 @@ struct TileView {
   int64_t direct_keys(int64_t row, int32_t* keys) const {
     int64_t n = 0;
     for (int64_t slot = a.first_direct; slot < a.n_slots; ++slot)
-      for (int64_t u = lo(row, slot); u < hi(row, slot) && n < kMaxDirect; ++u) keys[n++] = (int32_t)u;
+      for (int64_t u = lo(row, slot); u < hi(row, slot) && n < kDirectWindowMax; ++u) keys[n++] = (int32_t)u;
     return n;
   }
 };
@@ -397,8 +396,8 @@ void forward_item(const AttnArgs<T>& a, int64_t b, int64_t h, int64_t tile, T* s
   }
 
   if (a.first_direct < a.n_slots) {
-    int32_t keys[kMaxDirect];
-    T sc[kMaxDirect];
+    int32_t keys[kDirectWindowMax];
+    T sc[kDirectWindowMax];
     for (int64_t r = 0; r < nr; ++r) {
       const int64_t n = tv.direct_keys(rows[r], keys);
       if (n == 0) continue;
@@ -485,7 +484,7 @@ void backward_item(const AttnArgs<T>& a, int64_t b, int64_t h, const int32_t* ti
     }
 
     if (a.first_direct < a.n_slots) {
-      int32_t keys[kMaxDirect];
+      int32_t keys[kDirectWindowMax];
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t n = tv.direct_keys(rows[r], keys);
         for (int64_t i = 0; i < n; ++i) {

@@ -71,6 +71,10 @@ struct Kernels {
   float (*invert_bf16)(const uint16_t* x, int64_t V, double tau, int64_t t, double u, double* scratch);
 };
 
+// Windows of at most this many tokens do their intra-window part row by row (a few
+// dot products) instead of through a mostly masked tile product.
+constexpr int64_t kDirectWindowMax = 16;
+
 constexpr int64_t kSampleBlock = 1024;  // logits per block of the sampler's one pass
 int64_t sample_scratch_elems(int64_t V);
 
