@@ -1,0 +1,80 @@
+"""Triton backend: the fused prefix-window kernels of ``kforcing_kernels.kernels``.
+
+Runs compiled on CUDA tensors (float16 / bfloat16), or in Triton's interpreter
+on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was first
+imported (float32 / float16; the Triton 3.9 interpreter's ``tl.dot`` is wrong
+for bfloat16, so that combination is refused).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ..layouts import WindowLayout
+
+_KERNELS = "kforcing_kernels.kernels.window_attention_triton"
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_active() -> bool:
+    """Whether triton.language itself was built for the interpreter (decided when triton is first imported)."""
+    import triton
+    import triton.language as tl
+
+    return not isinstance(tl.zeros, triton.runtime.JITFunction)
+
+
+def available() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable: {exc}"
+    if _interpret_requested():
+        if not _interpreter_active():
+            return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
+        return None
+    if torch.cuda.is_available():
+        return None
+    return "no CUDA device, and TRITON_INTERPRET=1 is not set"
+
+
+def kernels() -> ModuleType:
+    """The kernel module (compiled, or interpreted under TRITON_INTERPRET=1)."""
+    module = importlib.import_module(_KERNELS)
+    if module.interpreting() != _interpret_requested():
+        raise RuntimeError(
+            f"{_KERNELS} was built with TRITON_INTERPRET={'1' if module.interpreting() else 'unset'} but it is now "
+            f"{os.environ.get('TRITON_INTERPRET')!r}; set the variable before triton is first imported"
+        )
+    return module
+
+
+def _check(q: torch.Tensor) -> None:
+    if _interpret_requested():
+        allowed = (torch.float32, torch.float16)
+        why = "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
+    else:
+        allowed = (torch.float16, torch.bfloat16)
+        why = "on CUDA (use backend='composite' for other dtypes)"
+    if q.dtype not in allowed:
+        raise ValueError(f"q: the triton backend takes dtype in {allowed} {why}, got {q.dtype}")
+
+
+def forward(q, k, v, layout: WindowLayout, scale: float):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D] q.dtype, lse [B, H, Lq] fp32, natural log)."""
+    _check(q)
+    return kernels().attention_forward(q, k, v, layout, scale)
+
+
+def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """Gradients (dq, dk, dv) like (q, k, v), from the forward's ``out`` and ``lse``."""
+    _check(q)
+    return kernels().attention_backward(dout, q, k, v, out, lse, layout, scale)

@@ -1,0 +1,723 @@
+"""Fused Triton kernels for prefix-window attention: forward and backward.
+
+FlashAttention-2 style: online softmax in base 2 with fp32 accumulators, the
+natural-log LSE saved for the backward, which recomputes probabilities. Which
+tile products run is decided by the analytic :mod:`tile_plan`; the kernels
+locate every row and key by index arithmetic on the layout geometry, so both
+storage orders (position-major, and the stream-major DoubleForward storage
+``[ctx | Future-1 | Future-2]``) are read in place.
+
+Kernels (launch order):
+
+* ``_slot_fwd_kernel`` (small windows only): the intra-window part, one block of
+  whole windows per program, w slot steps; writes a partial ``(out, lse)``.
+* ``_fwd_kernel``: one program per (batch x head, query tile), seeded with the
+  slot kernel's partial for window rows. Per interval of the plan it walks key
+  tiles of BLOCK_N; only tiles outside the plan's full range are masked.
+* ``_delta_kernel``: ``delta = rowsum(dO * O)``.
+* ``_slot_bwd_kernel`` (small windows only): per (batch x kv head, block of
+  windows): the window keys' dK/dV (complete: only their own window sees them)
+  and the intra-window part of dQ.
+* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the slot part.
+* ``_dkdv_kernel``: one program per (batch x kv head, key tile) over the
+  transposed plan (the query tiles that see the key tile) for every query head
+  of its GQA group, so dK/dV need no atomics.
+
+Launchers take contiguous ``[B, H, L, D]`` tensors. Under ``TRITON_INTERPRET=1``
+the kernels run in Triton's interpreter on CPU tensors with a fixed config; on
+a GPU each kernel is autotuned over its entries in ``KERNEL_CONFIGS``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layouts import WindowLayout
+from .tile_plan import DEFAULT_TILES, TilePlan, Tiles, tile_plan
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+# Argument roles (the AOT report builds kernel signatures from these).
+IO_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")  # in the inputs' dtype
+FP32_POINTERS = ("Lse", "OPart", "LsePart", "Delta", "DQPart")  # other pointers are int32 plan tensors
+FLOAT_ARGS = ("qk_scale", "sm_scale")
+# Strides of q/k/v/dout are multiples of the head dim (>= 32), so Triton may assume 16-divisibility.
+ALIGNED_STRIDES = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")
+
+
+def _kernel(fn):
+    """``triton.jit`` specialising only pointers and the aligned strides: layout sizes (which
+    may be 1 or multiples of 16) would otherwise fork new variants at run time that the AOT
+    report never compiled."""
+    shape_args = [name for name in inspect.signature(fn).parameters
+                  if name[0].islower() and name not in ALIGNED_STRIDES and name not in FLOAT_ARGS]
+    return triton.jit(do_not_specialize=shape_args)(fn)
+
+
+def interpreting() -> bool:
+    """True when the kernels of this module were built for Triton's interpreter."""
+    return not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+
+
+# ====================================================================== index arithmetic
+#
+# Window storage is stream-major (position-major is the one-stream case): slot i of
+# window m lives at key  n_ctx + (i // s) * (M * s) + m * s + i % s,  s = slots per stream.
+
+
+@triton.jit
+def _window_of(pos, n_ctx, num_windows, window_size, last_window_size, slots_per_stream):
+    """Tokens at key positions ``pos`` (window tokens only): (window m, stream j, slot u in the stream,
+    key of the window's slot 0, window length)."""
+    stream_len = tl.maximum(num_windows * slots_per_stream, 1)  # no windows: plain causal
+    wp = tl.maximum(pos - n_ctx, 0)
+    j = wp // stream_len
+    m = (wp - j * stream_len) // slots_per_stream
+    u = wp - j * stream_len - m * slots_per_stream
+    wlen = tl.where(m == num_windows - 1, last_window_size, window_size)
+    return m, j, u, n_ctx + m * slots_per_stream, wlen
+
+
+@triton.jit
+def _slot_offset(i, num_windows, slots_per_stream):
+    """Key offset of window-local slot ``i`` from its window's slot 0 (a scalar)."""
+    j = i // slots_per_stream
+    return j * (num_windows * slots_per_stream - slots_per_stream) + i
+
+
+@triton.jit
+def _query_rows(rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
+                last_window_size, slots_per_stream):
+    """What the intervals of query ``rows`` need: the context interval ([0, r+1) for a context row,
+    the window's prefix range for a window row, [0, 0) outside ``ok``) and the row's window."""
+    pos = rows + query_offset
+    win_row = ok & (pos >= n_ctx)
+    m, j, u, win_base, wlen = _window_of(pos, n_ctx, num_windows, window_size, last_window_size, slots_per_stream)
+    ctx_lo = tl.load(RangeLo + b * ranges_bstride + m, mask=win_row, other=0)
+    ctx_hi = tl.load(RangeHi + b * ranges_bstride + m, mask=win_row, other=0)
+    ctx_hi = tl.where(win_row | ~ok, ctx_hi, pos + 1)
+    return ctx_lo, ctx_hi, win_row, j, u, win_base, wlen
+
+
+@triton.jit
+def _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream, causal):
+    """Key interval ``interval`` of each row: 0 = context part, 1 + j' = stream j' of its own window
+    (causal: earlier streams whole, its own stream up to itself, later streams nothing)."""
+    if interval == 0:
+        lo = ctx_lo
+        hi = ctx_hi
+    else:
+        jp = interval - 1
+        lo = win_base + jp * (num_windows * slots_per_stream)
+        in_stream = tl.minimum(tl.maximum(wlen - jp * slots_per_stream, 0), slots_per_stream)
+        seen = tl.where(causal != 0, tl.where(jp < j, in_stream, tl.where(jp == j, u + 1, 0)), in_stream)
+        hi = lo + tl.where(win_row, seen, 0)
+    return lo, hi
+
+
+@triton.jit
+def _slot_block(block, windows_per_block, n_ctx, num_windows, window_size, last_window_size, slots_per_stream,
+                BLOCK_T: tl.constexpr):
+    """Tokens of slot block ``block`` (whole windows, window-major): (ok, slot, length, key of the
+    window's slot 0, own key)."""
+    t = tl.arange(0, BLOCK_T)
+    m = block * windows_per_block + t // window_size
+    slot = t % window_size
+    wlen = tl.where(m == num_windows - 1, last_window_size, window_size)
+    ok = (t < windows_per_block * window_size) & (m < num_windows) & (slot < wlen)
+    win_base = n_ctx + m * slots_per_stream
+    key = win_base + (slot // slots_per_stream) * (num_windows * slots_per_stream - slots_per_stream) + slot
+    return ok, slot, wlen, win_base, key
+
+
+# ====================================================================== forward
+
+
+@_kernel
+def _slot_fwd_kernel(
+    Q, K, V, OPart, LsePart,  # q [B, H, Lq, D], k/v [B, Hkv, Lk, D]; partial out [B, H, Nw, D] fp32, lse [B, H, Nw] (log2)
+    Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_pb, stride_ph, stride_lb, stride_lh,
+    n_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
+    windows_per_block, causal, qk_scale,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    kvh = h // kv_group
+    ok, slot, wlen, win_base, key = _slot_block(tl.program_id(1), windows_per_block, n_ctx, num_windows,
+                                                window_size, last_window_size, slots_per_stream, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = key - query_offset
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    kv_slot0 = b * stride_kb + kvh * stride_kh + win_base[:, None] * stride_kn + offs_d[None, :]
+    k_slot0 = K + kv_slot0
+    v_slot0 = V + kv_slot0
+    last_seen = tl.where(ok, tl.minimum(wlen - 1, tl.where(causal != 0, slot, window_size)), -1)
+    m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
+    for i in range(0, window_size):
+        visible = i <= last_seen
+        step = _slot_offset(i, num_windows, slots_per_stream) * stride_kn
+        k_i = tl.load(k_slot0 + step, mask=visible[:, None], other=0.0)
+        v_i = tl.load(v_slot0 + step, mask=visible[:, None], other=0.0)
+        s_i = tl.where(visible, tl.sum(q * k_i.to(tl.float32), 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, s_i)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p_i = tl.exp2(s_i - m_sub)
+        l_i = l_i * alpha + p_i
+        acc = acc * alpha[:, None] + p_i[:, None] * v_i.to(tl.float32)
+        m_i = m_new
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 1, 1)
+    l_safe = tl.where(ok, l_i, 1.0)  # every real token sees itself
+    wrow = key - n_ctx
+    tl.store(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
+             acc / l_safe[:, None], mask=ok[:, None])
+    tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, m_i + tl.log2(l_safe), mask=ok)
+
+
+@_kernel
+def _fwd_kernel(
+    Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
+    OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles)
+    QueryTiles, Bounds, Order, RangeLo, RangeHi, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_wb, stride_wh, bounds_bstride, ranges_bstride,
+    n_heads, kv_group, n_keys, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
+    n_intervals, causal, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    kvh = h // kv_group
+    tile = tl.load(Order + tl.program_id(1))
+    q_start = tl.load(QueryTiles + tile * 3)
+    q_len = tl.load(QueryTiles + tile * 3 + 1)
+    seeded = tl.load(QueryTiles + tile * 3 + 2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = q_start + offs_m
+    ok = offs_m < q_len
+    q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+    kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    k_tile0 = K + kv_tile0
+    v_tile0 = V + kv_tile0
+    ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
+        rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
+        last_window_size, slots_per_stream)
+
+    if seeded != 0:  # start from the intra-window partial: normalised out, l = 1
+        wrow = rows + query_offset - n_ctx
+        acc = tl.load(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=ok[:, None], other=0.0)
+        m_i = tl.load(LsePart + b * stride_wb + h * stride_wh + wrow, mask=ok, other=float("-inf"))
+        l_i = tl.where(ok, 1.0, 0.0)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    bounds = Bounds + b * bounds_bstride + tile * n_intervals * 4
+    for interval in range(0, n_intervals):
+        key_start = tl.load(bounds + interval * 4)
+        n_tiles = tl.load(bounds + interval * 4 + 1)
+        full_begin = tl.load(bounds + interval * 4 + 2)
+        full_end = tl.load(bounds + interval * 4 + 3)
+        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
+                           causal)
+        for t in range(0, n_tiles):
+            start = key_start + t * BLOCK_N
+            keys = start + offs_n
+            in_range = (keys < n_keys)[:, None]
+            k = tl.load(k_tile0 + start * stride_kn, mask=in_range, other=0.0)
+            v = tl.load(v_tile0 + start * stride_kn, mask=in_range, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            if (t < full_begin) | (t >= full_end):  # boundary tile: apply the row intervals
+                s = tl.where((keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so no inf - inf appears.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+            if INSTRUMENT:
+                tl.atomic_add(Counters, 1)
+
+    l_safe = tl.where(ok, l_i, 1.0)  # every real row sees >= 1 key, so l > 0 there
+    tl.store(Out + q_off, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=ok[:, None])
+    tl.store(Lse + b * stride_lb + h * stride_lh + rows, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=ok)
+
+
+# ====================================================================== backward
+
+
+@_kernel
+def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """delta[r] = sum_d dO[r, d] * O[r, d] over the flattened contiguous [B*H*Lq] rows."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < n_rows
+    o = tl.load(Out + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DOut + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(Delta + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+@_kernel
+def _slot_bwd_kernel(
+    Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
+    Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    n_kv_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
+    windows_per_block, causal, qk_scale, sm_scale,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // n_kv_heads
+    kvh = pid_bh % n_kv_heads
+    ok, slot, wlen, win_base, key = _slot_block(tl.program_id(1), windows_per_block, n_ctx, num_windows,
+                                                window_size, last_window_size, slots_per_stream, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_own = b * stride_kb + kvh * stride_kh + key[:, None] * stride_kn + offs_d[None, :]
+    kv_slot0 = b * stride_kb + kvh * stride_kh + win_base[:, None] * stride_kn + offs_d[None, :]
+    rows = key - query_offset
+    rows_slot0 = win_base - query_offset
+    last_seen = tl.where(ok, tl.minimum(wlen - 1, tl.where(causal != 0, slot, window_size)), -1)  # as a query
+    first_seen = tl.where(causal != 0, slot, 0)  # as a key: lowest query slot that sees it
+    wlen_ok = tl.where(ok, wlen, 0)
+
+    # Phase 1, the block's tokens as queries: dQ over the key slots of their window, per query head.
+    for g in range(0, kv_group):
+        h = kvh * kv_group + g
+        q_head = b * stride_qb + h * stride_qh
+        l_head = b * stride_lb + h * stride_lh
+        q_t = tl.load(Q + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
+        do_t = tl.load(DOut + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
+        q_t = q_t.to(tl.float32)
+        do_t = do_t.to(tl.float32)
+        lse2_t = tl.load(Lse + l_head + rows, mask=ok, other=0.0) * 1.4426950408889634
+        delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
+        dq = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
+        for i in range(0, window_size):
+            visible = i <= last_seen
+            step = _slot_offset(i, num_windows, slots_per_stream) * stride_kn
+            k_i = tl.load(K + kv_slot0 + step, mask=visible[:, None], other=0.0).to(tl.float32)
+            v_i = tl.load(V + kv_slot0 + step, mask=visible[:, None], other=0.0)
+            p_i = tl.where(visible, tl.exp2(tl.sum(q_t * k_i, 1) * qk_scale - lse2_t), 0.0)
+            ds_i = p_i * (tl.sum(do_t * v_i.to(tl.float32), 1) - delta_t)
+            dq += ds_i[:, None] * k_i
+            if INSTRUMENT:
+                tl.atomic_add(Counters + 3, 1)
+        tl.store(DQPart + b * stride_pb + h * stride_ph + (key - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
+                 mask=ok[:, None])
+
+    # Phase 2, the block's tokens as keys: dK/dV over the query slots of their window, summed over the group.
+    k_t = tl.load(K + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
+    v_t = tl.load(V + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
+    dk = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
+    for g in range(0, kv_group):
+        h = kvh * kv_group + g
+        q_slot0 = b * stride_qb + h * stride_qh + rows_slot0[:, None] * stride_qm + offs_d[None, :]
+        l_slot0 = b * stride_lb + h * stride_lh + rows_slot0
+        for i in range(0, window_size):
+            visible = (i >= first_seen) & (i < wlen_ok)
+            offset = _slot_offset(i, num_windows, slots_per_stream)
+            q_i = tl.load(Q + q_slot0 + offset * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
+            do_i = tl.load(DOut + q_slot0 + offset * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
+            lse2_i = tl.load(Lse + l_slot0 + offset, mask=visible, other=0.0) * 1.4426950408889634
+            delta_i = tl.load(Delta + l_slot0 + offset, mask=visible, other=0.0)
+            p_i = tl.where(visible, tl.exp2(tl.sum(k_t * q_i, 1) * qk_scale - lse2_i), 0.0)
+            dv += p_i[:, None] * do_i
+            dk += (p_i * (tl.sum(v_t * do_i, 1) - delta_i))[:, None] * q_i
+            if INSTRUMENT:
+                tl.atomic_add(Counters + 3, 1)
+    tl.store(DK + kv_own, (dk * sm_scale).to(DK.dtype.element_ty), mask=ok[:, None])
+    tl.store(DV + kv_own, dv.to(DV.dtype.element_ty), mask=ok[:, None])
+
+
+@_kernel
+def _dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DQPart,
+    QueryTiles, Bounds, Order, RangeLo, RangeHi, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    bounds_bstride, ranges_bstride,
+    n_heads, kv_group, n_keys, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
+    n_intervals, causal, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    kvh = h // kv_group
+    tile = tl.load(Order + tl.program_id(1))
+    q_start = tl.load(QueryTiles + tile * 3)
+    q_len = tl.load(QueryTiles + tile * 3 + 1)
+    seeded = tl.load(QueryTiles + tile * 3 + 2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = q_start + offs_m
+    ok = offs_m < q_len
+    q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+    do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
+    lse2 = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0)
+    kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    k_tile0 = K + kv_tile0
+    v_tile0 = V + kv_tile0
+    ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
+        rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
+        last_window_size, slots_per_stream)
+
+    if seeded != 0:
+        wrow = rows + query_offset - n_ctx
+        dq = tl.load(DQPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
+                     mask=ok[:, None], other=0.0)
+    else:
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    bounds = Bounds + b * bounds_bstride + tile * n_intervals * 4
+    for interval in range(0, n_intervals):
+        key_start = tl.load(bounds + interval * 4)
+        n_tiles = tl.load(bounds + interval * 4 + 1)
+        full_begin = tl.load(bounds + interval * 4 + 2)
+        full_end = tl.load(bounds + interval * 4 + 3)
+        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
+                           causal)
+        for t in range(0, n_tiles):
+            start = key_start + t * BLOCK_N
+            keys = start + offs_n
+            in_range = (keys < n_keys)[:, None]
+            k = tl.load(k_tile0 + start * stride_kn, mask=in_range, other=0.0)
+            v = tl.load(v_tile0 + start * stride_kn, mask=in_range, other=0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+            if (t < full_begin) | (t >= full_end):
+                p = tl.where((keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]), p, 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+            if INSTRUMENT:
+                tl.atomic_add(Counters + 2, 1)
+
+    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+
+
+@_kernel
+def _dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    QueryTiles, KeyTiles, KeyPtr, KeyEntries, KeyOrder, RangeLo, RangeHi, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+    keyptr_bstride, ranges_bstride,
+    n_kv_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
+    causal, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // n_kv_heads
+    kvh = pid_bh % n_kv_heads
+    ktile = tl.load(KeyOrder + tl.program_id(1))
+    k_start = tl.load(KeyTiles + ktile * 2)
+    k_len = tl.load(KeyTiles + ktile * 2 + 1)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    cols = k_start + offs_n
+    col_ok = offs_n < k_len
+    kv_off = b * stride_kb + kvh * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    q_tile0 = b * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :]
+    l_tile0 = b * stride_lb + offs_m
+
+    e_begin = tl.load(KeyPtr + b * keyptr_bstride + ktile)
+    e_end = tl.load(KeyPtr + b * keyptr_bstride + ktile + 1)
+    for e in range(e_begin, e_end):
+        qtile = tl.load(KeyEntries + e * 3)
+        interval = tl.load(KeyEntries + e * 3 + 1)
+        full = tl.load(KeyEntries + e * 3 + 2)
+        q_start = tl.load(QueryTiles + qtile * 3)
+        q_len = tl.load(QueryTiles + qtile * 3 + 1)
+        ok = offs_m < q_len
+        ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
+            q_start + offs_m, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
+            last_window_size, slots_per_stream)
+        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
+                           causal)
+        for g in range(0, kv_group):
+            h = kvh * kv_group + g
+            q_off = q_tile0 + h * stride_qh + q_start * stride_qm
+            q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+            do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
+            l_off = l_tile0 + h * stride_lh + q_start
+            # Padding rows: lse = inf makes p = 0 there, also on full entries.
+            lse2 = tl.load(Lse + l_off, mask=ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(Delta + l_off, mask=ok, other=0.0)
+            p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+            if full == 0:
+                p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
+            dv += tl.dot(p.to(do.dtype), do)
+            ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(ds.to(q.dtype), q)
+            if INSTRUMENT:
+                tl.atomic_add(Counters + 4, 1)
+
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+# ====================================================================== configs + autotune
+
+KERNELS = {
+    "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
+    "dq": _dq_kernel, "dkdv": _dkdv_kernel,
+}
+# (num_warps, num_stages) per kernel and head dim, pruned to what compiles without
+# spills or shared-memory overflow on sm80 and sm90 in fp16 and bf16 at the tiles
+# of TILES_BY_HEAD_DIM (`python -m kforcing_kernels.tools.aot_report --all` shows
+# every candidate). The first entry is the default.
+KERNEL_CONFIGS: dict[str, dict[int, list[tuple[int, int]]]] = {
+    "fwd": {32: [(4, 2), (4, 3), (8, 2)], 64: [(4, 2), (4, 3), (8, 2)], 128: [(8, 2), (8, 3)]},
+    "slot_fwd": {32: [(4, 1)], 64: [(4, 1)], 128: [(8, 1)]},
+    "delta": {32: [(4, 1)], 64: [(4, 1)], 128: [(4, 1)]},
+    "slot_bwd": {32: [(4, 1)], 64: [(8, 1)], 128: [(8, 1)]},
+    "dq": {32: [(4, 2), (4, 3), (8, 2)], 64: [(4, 1), (8, 1)], 128: [(8, 2), (8, 1)]},
+    "dkdv": {32: [(4, 1), (8, 1)], 64: [(4, 2), (8, 2), (4, 1)], 128: [(8, 1)]},
+}
+# Candidates the AOT report compiles to prune the table above.
+CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
+TILES_BY_HEAD_DIM = {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)}
+DELTA_BLOCK = 64
+GPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _autotuned(kernel_name: str):
+    def prune(configs, named_args, **kwargs):
+        allowed = KERNEL_CONFIGS[kernel_name][int(kwargs["HEAD_DIM"])]
+        return [c for c in configs if (c.num_warps, c.num_stages) in allowed]
+
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CANDIDATE_CONFIGS]
+    return triton.autotune(configs, key=["HEAD_DIM"], prune_configs_by={"early_config_prune": prune})(
+        KERNELS[kernel_name])
+
+
+_tuned_lock = threading.Lock()
+_tuned: dict[str, object] = {}
+
+
+def _launch(kernel_name: str, grid: tuple, *args, **kwargs) -> None:
+    """Launch under the interpreter with a fixed config, on a GPU through the autotuner."""
+    if grid[0] * grid[1] == 0:
+        return
+    if interpreting():
+        KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
+        return
+    with _tuned_lock:
+        if kernel_name not in _tuned:
+            _tuned[kernel_name] = _autotuned(kernel_name)
+    _tuned[kernel_name][grid](*args, **kwargs)
+
+
+# ====================================================================== launchers
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+_device_plans: dict[tuple, dict] = {}
+_device_plans_lock = threading.Lock()
+
+
+def _plan_tensors(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
+    """The plan and the layout's prefix ranges as int32 tensors on ``device`` (cached)."""
+    key = (plan.layout_key, plan.tiles, str(device))
+    with _device_plans_lock:
+        cached = _device_plans.get(key)
+    if cached is not None:
+        return cached
+    nb = layout.batch_size or 1
+    lo = layout.prefix_lo.reshape(nb, -1)
+    hi = layout.prefix_hi.reshape(nb, -1)
+    if lo.shape[1] == 0:  # plain causal: nothing to gather, but the pointers must be valid
+        lo = hi = torch.zeros(1, 1, dtype=torch.int64)
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
+        return x.to(device=device, dtype=torch.int32).contiguous()
+
+    tensors = dict(
+        query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
+        key_tiles=dev(plan.key_tiles), key_ptr=dev(plan.key_ptr), key_entries=dev(plan.key_entries),
+        key_order=dev(plan.key_order), range_lo=dev(lo), range_hi=dev(hi),
+        bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
+        keyptr_bstride=plan.key_ptr.shape[1] if plan.key_ptr.shape[0] > 1 else 0,
+        ranges_bstride=lo.shape[1] if lo.shape[0] > 1 else 0,
+    )
+    with _device_plans_lock:
+        if len(_device_plans) >= 64:
+            _device_plans.clear()
+        _device_plans[key] = tensors
+    return tensors
+
+
+def _geometry(plan: TilePlan) -> tuple:
+    g = plan.geometry
+    return (g.n_ctx, g.num_windows, g.window_size, g.last_window_size, g.slots_per_stream, g.query_offset)
+
+
+# Counter slots of an instrumented run (int32 [5]), per (batch, query head) summed over the grid.
+COUNTER_NAMES = ("fwd_tiles", "fwd_slot_steps", "dq_tiles", "bwd_slot_steps", "dkdv_tiles")
+
+
+def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
+    if counters is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if counters.dtype != torch.int32 or counters.numel() != len(COUNTER_NAMES):
+        raise ValueError(f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} {tuple(counters.shape)}")
+    return counters
+
+
+def tiles_for(head_dim: int) -> Tiles:
+    """The tiles the dispatcher uses for ``head_dim``."""
+    check_head_dim(head_dim)
+    return TILES_BY_HEAD_DIM[head_dim]
+
+
+def attention_forward(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    layout: WindowLayout,
+    scale: float,
+    *,
+    tiles: Optional[Tiles] = None,  # default: tiles_for(D)
+    counters: Optional[torch.Tensor] = None,  # int32 [5]: count executed products (interpreter tests)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused forward: ``(out [B, H, Lq, D] in q.dtype, lse [B, H, Lq] fp32, natural log)``."""
+    bsz, n_heads, lq, d = q.shape
+    tiles = tiles or tiles_for(d)
+    check_head_dim(d)
+    plan = tile_plan(layout, tiles)
+    g = plan.geometry
+    pt = _plan_tensors(plan, layout, q.device)
+    counters = _counters(q.device, counters)
+    instrument = counters.numel() > 1
+    kv_group = n_heads // k.shape[1]
+    q_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+
+    n_window_rows = lq - (g.n_ctx - g.query_offset)
+    o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
+    lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
+    _launch(
+        "slot_fwd", (bsz * n_heads, plan.intra_blocks),
+        q, k, v, o_part, lse_part, counters,
+        *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        n_heads, kv_group, *_geometry(plan), plan.windows_per_block, int(g.causal), scale * LOG2E,
+        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
+    _launch(
+        "fwd", (bsz * n_heads, plan.num_query_tiles),
+        q, k, v, out, lse, o_part, lse_part,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["range_lo"], pt["range_hi"], counters,
+        *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        lse_part.stride(1), pt["bounds_bstride"], pt["ranges_bstride"],
+        n_heads, kv_group, g.n_keys, *_geometry(plan), g.n_intervals, int(g.causal), scale * LOG2E,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,  # [B, H, Lq, D]
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    out: torch.Tensor,  # [B, H, Lq, D]
+    lse: torch.Tensor,  # [B, H, Lq] fp32, natural log
+    layout: WindowLayout,
+    scale: float,
+    *,
+    tiles: Optional[Tiles] = None,
+    counters: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``q, k, v``."""
+    bsz, n_heads, lq, d = q.shape
+    n_kv = k.shape[1]
+    tiles = tiles or tiles_for(d)
+    check_head_dim(d)
+    plan = tile_plan(layout, tiles)
+    g = plan.geometry
+    pt = _plan_tensors(plan, layout, q.device)
+    counters = _counters(q.device, counters)
+    instrument = counters.numel() > 1
+    lse = lse.to(torch.float32).contiguous()
+    kv_group = n_heads // n_kv
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
+               lse.stride(1))
+
+    delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
+    n_rows = bsz * n_heads * lq
+    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK, HEAD_DIM=d)
+
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    n_window_rows = lq - (g.n_ctx - g.query_offset)
+    dq_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
+    _launch(
+        "slot_bwd", (bsz * n_kv, plan.intra_blocks),
+        q, k, v, dout, lse, delta, dq_part, dk, dv, counters,
+        *strides, dq_part.stride(0), dq_part.stride(1),
+        n_kv, kv_group, *_geometry(plan), plan.windows_per_block, int(g.causal), scale * LOG2E, scale,
+        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    dq = torch.empty_like(q)
+    _launch(
+        "dq", (bsz * n_heads, plan.num_query_tiles),
+        q, k, v, dout, lse, delta, dq, dq_part,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["range_lo"], pt["range_hi"], counters,
+        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["ranges_bstride"],
+        n_heads, kv_group, g.n_keys, *_geometry(plan), g.n_intervals, int(g.causal), scale * LOG2E, scale,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    _launch(
+        "dkdv", (bsz * n_kv, plan.num_key_tiles),
+        q, k, v, dout, lse, delta, dk, dv,
+        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["range_lo"],
+        pt["range_hi"], counters,
+        *strides, pt["keyptr_bstride"], pt["ranges_bstride"],
+        n_kv, kv_group, *_geometry(plan), int(g.causal), scale * LOG2E, scale,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    return dq, dk, dv
+
+
+__all__ = [
+    "attention_forward", "attention_backward", "interpreting", "check_head_dim", "tiles_for", "SUPPORTED_HEAD_DIMS",
+    "KERNELS", "KERNEL_CONFIGS", "IO_POINTERS", "FP32_POINTERS", "FLOAT_ARGS", "ALIGNED_STRIDES", "CANDIDATE_CONFIGS", "TILES_BY_HEAD_DIM", "COUNTER_NAMES", "GPU_DTYPES",
+]

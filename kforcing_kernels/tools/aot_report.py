@@ -1,0 +1,215 @@
+"""Compile the Triton kernels for real GPU targets without a GPU and report their resources.
+
+    python -m kforcing_kernels.tools.aot_report              # every config the dispatcher can choose
+    python -m kforcing_kernels.tools.aot_report --defaults   # only each kernel's default config
+    python -m kforcing_kernels.tools.aot_report --all        # every candidate (to re-prune KERNEL_CONFIGS)
+
+For each (target, kernel, head dim, dtype, num_warps, num_stages) this runs
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80|90, 32))`` and reads
+the cubin's registers, stack (spill frame), local and shared memory with the
+``cuobjdump --dump-resource-usage`` that ships with Triton. Dynamic shared memory
+comes from the compiled kernel's metadata. It prints one table and exits 1 if a
+config the dispatcher can choose spills (STACK or LOCAL > 0) or needs more shared
+memory than the target has; 2 if Triton's ptxas/cuobjdump are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Optional
+
+TARGETS = (80, 90)
+# Max dynamic shared memory per block (bytes): A100 / H100.
+SHARED_LIMIT = {80: 166912, 90: 232448}
+DTYPES = ("fp16", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    arch: int
+    kernel: str
+    head_dim: int
+    dtype: str
+    num_warps: int
+    num_stages: int
+    chosen: bool  # in KERNEL_CONFIGS, i.e. the dispatcher can pick it
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    job: Job
+    registers: int
+    stack: int
+    local: int
+    shared: int  # dynamic, from Triton's metadata
+    static_shared: int
+    error: Optional[str] = None
+
+    @property
+    def spills(self) -> int:
+        return self.stack + self.local
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.spills == 0 and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch]
+
+
+def tools_missing() -> Optional[str]:
+    """Why Triton's NVIDIA tools cannot run here, or None."""
+    try:
+        import triton
+    except ImportError as exc:
+        return f"triton is not importable: {exc}"
+    for tool in ("ptxas", "cuobjdump"):
+        path = getattr(triton.knobs.nvidia, tool).path
+        if not path or not os.access(path, os.X_OK):
+            return f"Triton's {tool} is missing ({path!r})"
+    return None
+
+
+def _signature(fn, dtype: str, constexprs: dict):
+    from ..kernels import window_attention_triton as kernels
+
+    signature, attrs = {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name in kernels.IO_POINTERS:
+            signature[name] = "*" + dtype
+        elif name in kernels.FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name[0].isupper():
+            signature[name] = "*i32"
+        elif name in kernels.FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        # What the launcher specialises: torch allocations are aligned, and so are q/k strides.
+        if signature[name].startswith("*") or name in kernels.ALIGNED_STRIDES:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def _constexprs(kernel: str, head_dim: int) -> dict:
+    from ..kernels import window_attention_triton as kernels
+
+    tiles = kernels.TILES_BY_HEAD_DIM[head_dim]
+    if kernel in ("slot_fwd", "slot_bwd"):
+        return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "delta":
+        return dict(BLOCK_M=kernels.DELTA_BLOCK, HEAD_DIM=head_dim)
+    block_n = tiles.block_n_dkdv if kernel == "dkdv" else tiles.block_n
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
+
+
+_RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def compile_one(job: Job) -> Row:
+    """Compile one job and read its resource usage."""
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..kernels import window_attention_triton as kernels
+
+    fn = kernels.KERNELS[job.kernel]
+    constexprs = _constexprs(job.kernel, job.head_dim)
+    signature, attrs = _signature(fn, job.dtype, constexprs)
+    try:
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", job.arch, 32),
+            options=dict(num_warps=job.num_warps, num_stages=job.num_stages),
+        )
+    except Exception as exc:  # a config that does not compile is reported, not hidden
+        return Row(job, 0, 0, 0, 0, 0, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        dump = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
+                              capture_output=True, text=True, check=True).stdout
+    match = _RESOURCES.search(dump)
+    if match is None:
+        return Row(job, 0, 0, 0, 0, 0, error=f"cannot parse cuobjdump output: {dump[:200]!r}")
+    reg, stack, static_shared, local = (int(x) for x in match.groups())
+    return Row(job, reg, stack, local, int(compiled.metadata.shared), static_shared)
+
+
+def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
+    """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate)."""
+    from ..kernels import window_attention_triton as kernels
+
+    out = []
+    for arch in archs:
+        for name in kernels_subset or kernels.KERNELS:
+            for d in head_dims or kernels.SUPPORTED_HEAD_DIMS:
+                chosen = kernels.KERNEL_CONFIGS[name][d]
+                if scope == "defaults":
+                    configs = chosen[:1]
+                elif scope == "chosen":
+                    configs = chosen
+                else:
+                    configs = sorted(set(kernels.CANDIDATE_CONFIGS) | set(chosen))
+                for dtype in dtypes:
+                    for w, s in configs:
+                        out.append(Job(arch, name, d, dtype, w, s, (w, s) in chosen))
+    return out
+
+
+def run(job_list: list[Job], workers: int = 1) -> list[Row]:
+    if workers <= 1:
+        return [compile_one(j) for j in job_list]
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(compile_one, job_list))
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("target", "kernel", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit", "chosen", "status")
+    lines = [header]
+    for r in rows:
+        j = r.job
+        status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
+        lines.append((f"sm_{j.arch}", j.kernel, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
+                      str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
+                      "yes" if j.chosen else "no", status))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--defaults", action="store_const", const="defaults", dest="scope", help="only default configs")
+    scope.add_argument("--all", action="store_const", const="all", dest="scope", help="every candidate config")
+    parser.add_argument("--head-dims", type=int, nargs="*", help="subset of head dims")
+    parser.add_argument("--kernels", nargs="*", help="subset of kernels")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
+    args = parser.parse_args(argv)
+    missing = tools_missing()
+    if missing:
+        print(f"aot_report: cannot compile: {missing}", file=sys.stderr)
+        return 2
+    rows = run(jobs(args.scope or "chosen", args.head_dims, args.kernels, tuple(args.dtypes)), args.workers)
+    print(format_table(rows))
+    bad = [r for r in rows if r.job.chosen and not r.ok]
+    print(f"\n{len(rows)} compiles; {len(bad)} chosen configs spill, overflow shared memory or fail to compile")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The fused Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1) against the reference backend.
+
+Every case checks out, LSE and dq/dk/dv against the dense-mask reference (fp64),
+that nothing is NaN, and, with the kernels instrumented, that exactly the tile
+products and slot steps of the plan ran. fp32 and fp16 only: the Triton 3.9
+interpreter's tl.dot is wrong for bf16 (bf16 is covered by the AOT compile).
+
+Triton picks interpreter vs compiled when triton.language is first imported, so
+this module only runs in a process started with TRITON_INTERPRET=1:
+``test_triton_interpreter.py`` launches it that way (or run
+``TRITON_INTERPRET=1 pytest python_tests/test_triton_interpreter_cases.py``).
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_triton_interpreter.py", allow_module_level=True)
+pytest.importorskip("triton")
+
+from conftest import make_qkv  # noqa: E402
+from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
+from kforcing_kernels.backends import reference  # noqa: E402
+from kforcing_kernels.kernels.tile_plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
+
+SMALL = Tiles(16, 16, 16, 16)
+MID = Tiles(32, 32, 16, 32)
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel module, built for the interpreter."""
+    from kforcing_kernels.backends import triton as backend
+
+    assert backend.available() is None
+    module = backend.kernels()
+    assert module.interpreting()
+    return module
+
+
+# ---------------------------------------------------------------------- the case matrix
+
+
+def _cases():
+    cases = []
+
+    def add(name, layout, tiles):
+        i = len(cases)
+        # Cycle head dim, dtype and head layout (MHA, GQA, batch 2 + MHA) through the cases.
+        d = (32, 64)[i % 2]
+        dtype = (torch.float32, torch.float16)[(i // 2) % 2]
+        batch, heads, kv_heads = ((1, 2, 2), (1, 2, 1), (2, 1, 1))[i % 3]
+        if layout.batch_size:
+            batch = layout.batch_size
+        cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads,
+                                  id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}"))
+
+    # (N, k, tiles): every k at small N, a few at larger N (slot steps are the interpreter's slow part,
+    # so long windows get larger slot blocks).
+    grid = [(1, k, SMALL) for k in (1, 2, 3, 4, 8)] + [(17, k, SMALL) for k in (1, 2, 3, 4)]
+    grid += [(17, 8, MID), (64, 2, MID), (64, 3, MID), (130, 1, DEFAULT_TILES), (130, 4, DEFAULT_TILES)]
+    for n, k, tiles in grid:
+        add(f"single-N{n}-k{k}", WindowLayout.kforcing_single(n, k), tiles)
+        add(f"double-N{n}-k{k}", WindowLayout.kforcing_double(n, k), tiles)
+    add("single-N64-k8", WindowLayout.kforcing_single(64, 8), DEFAULT_TILES)
+    for n, block, tiles in ((1, 4, SMALL), (17, 2, SMALL), (17, 8, SMALL), (64, 3, MID), (130, 1, DEFAULT_TILES),
+                            (130, 8, MID)):
+        add(f"sbd-N{n}-b{block}", WindowLayout.sbd(n, block), tiles)
+    add("ptp-shared", WindowLayout.ptp(40, [5, 17, 40, 22], 6, [0, 5, 30, 22]), SMALL)
+    add("ptp-batched", WindowLayout.ptp(33, [[0, 12, 33], [7, 7, 30]], 5, [[0, 3, 20], [0, 7, 1]]), SMALL)
+    add("ptp-long-batched", WindowLayout.ptp(30, [[10, 30], [4, 17]], 24, [[0, 12], [4, 2]]), MID)
+    add("jacobi-slots", WindowLayout.jacobi(17, 8), SMALL)
+    add("jacobi-long", WindowLayout.jacobi(64, 40), MID)
+    add("jacobi-N1", WindowLayout.jacobi(1, 130), DEFAULT_TILES)
+    for n, tiles in ((1, SMALL), (17, SMALL), (64, MID), (130, DEFAULT_TILES)):
+        add(f"causal-N{n}", WindowLayout.causal(n), tiles)
+    general = {
+        "empty-ranges": WindowLayout(12, 5, 3, [0, 4, 4, 0, 7], [0, 9, 4, 12, 7], last_window_size=2),
+        "full-streams": WindowLayout(9, 4, 6, [0, 2, 3, 1], [3, 5, 9, 9], intra="full", queries="windows", n_streams=2),
+        "long-streams": WindowLayout(20, 3, 40, [0, 5, 20], [10, 20, 20], queries="all", n_streams=2),
+        "long-full-short-last": WindowLayout(11, 3, 37, [2, 0, 3], [9, 11, 3], last_window_size=5, intra="full"),
+        "no-context": WindowLayout(0, 4, 5, [0, 0, 0, 0], [0, 0, 0, 0]),
+    }
+    for name, layout in general.items():
+        add(f"general-{name}", layout, SMALL)
+    return cases
+
+
+def _reference(q, k, v, dout, layout, scale):
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, lse = reference.attention(q, k, v, layout, scale)
+    grads = torch.autograd.grad(out, (q, k, v), dout.double())
+    return out, lse, grads
+
+
+def _expected_counts(plan, batch, heads):
+    per_bh = plan.tile_products().sum() * (heads if plan.bounds.shape[0] > 1 else batch * heads)
+    slot = plan.slot_steps() * batch * heads
+    dkdv = plan.dkdv_tile_products().sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
+    return [int(per_bh), slot, int(per_bh), 2 * slot, int(dkdv)]
+
+
+@pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads", _cases())
+def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_heads):
+    q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype,
+                       requires_grad=False)
+    dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
+    scale = d ** -0.5
+    counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
+    out, lse = kernels.attention_forward(q, k, v, layout, scale, tiles=tiles, counters=counters)
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles, counters=counters)
+
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, layout, scale)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    want = {"out": ref_out, "lse": ref_lse, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
+    for name, t in got.items():
+        assert bool(torch.isfinite(t).all()), f"{name} has non-finite values"
+        assert t.dtype == (torch.float32 if name == "lse" else dtype)
+        torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m: f"{name}: {m}")
+    plan = tile_plan(layout, tiles)
+    assert counters.tolist() == _expected_counts(plan, batch, heads), dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
+
+
+# ---------------------------------------------------------------------- work accounting at the contract's shape
+
+
+@pytest.mark.parametrize("which", ["single", "double"])
+def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, which):
+    """The kernels run exactly the tile products the work-accounting test counts (ratio <= 1.10 there)."""
+    layout = (WindowLayout.kforcing_single if which == "single" else WindowLayout.kforcing_double)(1024, 4)
+    q, k, v = make_qkv(layout, heads=1, head_dim=32, requires_grad=False)
+    counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
+    out, _ = kernels.attention_forward(q, k, v, layout, 32 ** -0.5, counters=counters)
+    plan = tile_plan(layout, DEFAULT_TILES)
+    assert counters[0].item() == int(plan.tile_products()) == {"single": 680, "double": 1088}[which]
+    assert counters[1].item() == plan.slot_steps()
+    assert plan.waste_ratio(layout.num_pairs()) <= 1.10
+    # Spot-check the output on a few rows (the full reference is O(L^2) memory at this size).
+    rows = torch.tensor([0, 1, layout.n_queries // 2, layout.n_queries - 1])
+    mask = layout.dense_mask()[rows]
+    s = (q[0, 0, rows].double() @ k[0, 0].double().T) * 32 ** -0.5
+    ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[0, 0].double()
+    torch.testing.assert_close(out[0, 0, rows].double(), ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- the public op
+
+
+@pytest.mark.parametrize("layout", [WindowLayout.kforcing_single(9, 2), WindowLayout.kforcing_double(7, 3)], ids=str)
+def test_public_op_with_autograd(kernels, layout):
+    q, k, v = make_qkv(layout, heads=2, kv_heads=1, head_dim=32)
+    dout = torch.randn(q.shape, dtype=torch.float64).float()
+    out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, layout, 32 ** -0.5)
+    for got, want in zip((out, lse, dq, dk, dv), (ref_out, ref_lse, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_tensors_never_dispatch_to_triton_by_default(kernels):
+    from kforcing_kernels import default_backend
+
+    assert default_backend(torch.device("cpu")) != "triton"
+
+
+# ---------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("d", [16, 48, 256])
+def test_unsupported_head_dim_raises(kernels, d):
+    layout = WindowLayout.kforcing_single(4, 2)
+    q, k, v = make_qkv(layout, head_dim=d, requires_grad=False)
+    with pytest.raises(ValueError, match=r"head dims \(32, 64, 128\)"):
+        window_attention(q, k, v, layout, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_unsupported_dtype_in_interpreter_raises(kernels, dtype):
+    layout = WindowLayout.kforcing_single(4, 2)
+    q, k, v = make_qkv(layout, head_dim=32, dtype=dtype, requires_grad=False)
+    with pytest.raises(ValueError, match="q: the triton backend takes dtype"):
+        window_attention(q, k, v, layout, backend="triton")
