@@ -46,9 +46,10 @@ from safetensors.torch import load_file, save_file
 
 from .data import DEFAULT_SOURCE, Corpus, load_corpus, sample_windows
 from .model import PRESETS, KForcingLM, ModelConfig
-from .sampling import inverse_cdf_sample
+from .sampling import inverse_cdf_sample, noise_inversion
 
 STAGES = ("stage0", "stage1", "stage2")
+SUPERVISIONS = ("forward", "noise_inversion")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINT_FORMAT = 1
 
@@ -77,6 +78,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     tau_min: float = 0.5
     tau_max: float = 1.0
+    # stage1 only: "forward" (Algorithm 2, k=1) or "noise_inversion" (the PTP baseline of the
+    # paper's ablation: real next-k tokens, z inverted from the AR teacher's CDF bins, any k).
+    supervision: str = "forward"
+    k: int = 1
     seed: int = 0
     precision: str = "auto"
     device: str = "auto"
@@ -93,7 +98,7 @@ class TrainConfig:
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "seed", "precision")
+                   "tau_min", "tau_max", "supervision", "k", "seed", "precision")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -311,25 +316,48 @@ def self_forcing_targets(teacher: KForcingLM, context: torch.Tensor, z: torch.Te
     return torch.cat([first, second], -1)
 
 
+def noise_inversion_supervision(
+    teacher: KForcingLM, tokens: torch.Tensor, k: int, tau: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PTP baseline (paper Section 3.2.1): real tokens as targets, their noise recovered from the AR teacher.
+
+    tokens ``[B, N + k]`` of real text -> (context ``[B, N]``, z ``[B, N, k]``, targets ``[B, N, k]``):
+    slot j of window t targets ``tokens[t + 1 + j]`` with z uniform in its CDF bin under
+    ``softmax(logits / tau)`` of the teacher given the real text up to ``t + j``.
+    """
+    n = tokens.shape[1] - k
+    logits = teacher(tokens[:, :-1])  # [B, N + k - 1, V]: position p predicts tokens[p + 1]
+    reads = torch.arange(n, device=tokens.device)[:, None] + torch.arange(k, device=tokens.device)  # [N, k]
+    targets = tokens[:, 1:][:, reads]  # [B, N, k]
+    z = noise_inversion(logits[:, reads], targets, tau[:, None, None].expand(targets.shape), generator)
+    return tokens[:, :n], z, targets
+
+
 @dataclass
 class Batch:
-    tokens: torch.Tensor  # [B, N + 1] (stage 0) or context [B, N]
+    tokens: torch.Tensor  # [B, N + 1] (stage 0), [B, N + k] (noise inversion) or context [B, N]
     noise: Optional[torch.Tensor] = None  # [B, N, k]
     tau: Optional[torch.Tensor] = None  # [B]
+    seed: Optional[int] = None  # noise inversion: seeds the in-bin uniforms of this shard
 
     def shard(self, index: int, count: int) -> "Batch":
         size = self.tokens.shape[0] // count
         part = slice(index * size, (index + 1) * size)
-        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)))
+        seed = None if self.seed is None else (self.seed * 1009 + index + 1) % 2**62
+        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed)
 
     def to(self, device) -> "Batch":
-        return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)))
+        return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)), self.seed)
 
 
 def make_batch(cfg: TrainConfig, k: int, stream: torch.Tensor, generator: torch.Generator) -> Batch:
     """The global batch for one step: windows of the token stream, and for k >= 1 noise and temperatures."""
     if k == 0:
         return Batch(sample_windows(stream, cfg.batch_size, cfg.seq_len + 1, generator))
+    if cfg.supervision == "noise_inversion":
+        tokens = sample_windows(stream, cfg.batch_size, cfg.seq_len + k, generator)
+        tau = cfg.tau_min + (cfg.tau_max - cfg.tau_min) * torch.rand(cfg.batch_size, generator=generator)
+        return Batch(tokens, None, tau, int(torch.randint(0, 2**40, (), generator=generator)))
     tokens = sample_windows(stream, cfg.batch_size, cfg.seq_len, generator)
     noise = torch.rand(cfg.batch_size, cfg.seq_len, k, generator=generator)
     tau = cfg.tau_min + (cfg.tau_max - cfg.tau_min) * torch.rand(cfg.batch_size, generator=generator)
@@ -340,18 +368,25 @@ def step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 8 + salt)
 
 
-def compute_loss(model, teacher: Optional[KForcingLM], teacher_k: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss, per-position mean loss ``[k]``) of one (micro-)batch; ``teacher_k`` 0 means an AR teacher."""
+def compute_loss(model, teacher: Optional[KForcingLM], teacher_k: int, k: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, per-position mean loss ``[k]``) of one (micro-)batch of a student PFLM(k) (k=0: AR).
+
+    ``teacher_k`` 0 means an AR teacher (Stage 1), else a PFLM(teacher_k) teacher (Stage 2).
+    """
     if teacher is None:  # Stage 0: next-token prediction on the data
         logits = model(batch.tokens[:, :-1])  # [B, N, V]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
         return loss, loss.detach()[None]
+    context, noise = batch.tokens, batch.noise
     with torch.no_grad():
-        if teacher_k == 0:  # Stage 1
-            targets = forward_distillation_targets(teacher(batch.tokens), batch.noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
-        else:  # Stage 2
-            targets = self_forcing_targets(teacher, batch.tokens, batch.noise, batch.tau)  # [B, N, 2k]
-    logits = model(batch.tokens, batch.noise, batch.tau)  # [B, N, k, V]
+        if batch.seed is not None:  # Stage 1, noise-inversion baseline
+            generator = torch.Generator(device=context.device).manual_seed(batch.seed)
+            context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator)
+        elif teacher_k == 0:  # Stage 1, forward distillation
+            targets = forward_distillation_targets(teacher(context), noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
+        else:  # Stage 2, self-forcing
+            targets = self_forcing_targets(teacher, context, noise, batch.tau)  # [B, N, 2k]
+    logits = model(context, noise, batch.tau)  # [B, N, k, V]
     per_token = F.cross_entropy(logits.flatten(0, 2).float(), targets.flatten(), reduction="none").view(targets.shape)
     return per_token.mean(), per_token.detach().mean((0, 1))
 
@@ -372,7 +407,7 @@ class Progress:
     """A one-line progress bar on a terminal; plain lines (about ten per run) otherwise."""
 
     def __init__(self, total: int, start: int, label: str, live: Optional[bool]):
-        self.total, self.label = total, label
+        self.total, self.start, self.label = total, start, label
         self.live = sys.stderr.isatty() if live is None else live
         self.every = max(1, (total - start) // 10)
         self.t0, self.last_draw = time.perf_counter(), 0.0
@@ -382,7 +417,7 @@ class Progress:
         done = step == self.total
         if self.live and (now - self.last_draw > 0.2 or done):
             filled = int(30 * step / self.total)
-            eta = (now - self.t0) / max(step, 1) * (self.total - step)
+            eta = (now - self.t0) / max(step - self.start, 1) * (self.total - step)
             bar = "#" * filled + "." * (30 - filled)
             print(f"\r[{self.label}] [{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta:.0f}s",
                   end="\n" if done else "", file=sys.stderr, flush=True)
@@ -435,14 +470,15 @@ def _build(cfg: TrainConfig, info: DistInfo):
             raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}")
         student = copy.deepcopy(teacher).cpu()
         student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
-        k = 1
+        k = cfg.k
     else:
         if tinfo["k"] == 0:
             raise ConfigError(f"teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in {cfg.teacher}")
         student = copy.deepcopy(teacher).cpu()
         k = 2 * tinfo["k"]
     student.requires_grad_(True)
-    return student, teacher, tinfo["k"], k, {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"]}
+    info = {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"], "supervision": cfg.supervision}
+    return student, teacher, tinfo["k"], k, info
 
 
 def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
@@ -463,6 +499,12 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    if cfg.supervision not in SUPERVISIONS:
+        raise ConfigError(f"supervision: expected one of {SUPERVISIONS}, got {cfg.supervision!r}")
+    if cfg.supervision == "noise_inversion" and cfg.stage != "stage1":
+        raise ConfigError(f"supervision: noise_inversion distils the AR teacher (stage1), got stage {cfg.stage!r}")
+    if cfg.k != 1 and not (cfg.stage == "stage1" and cfg.supervision == "noise_inversion"):
+        raise ConfigError(f"k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 doubles its teacher's), got {cfg.k}")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
     if not 0 < cfg.tau_min <= cfg.tau_max:
@@ -547,7 +589,7 @@ def train(cfg: TrainConfig) -> dict:
             part = batch.shard(micro, cfg.grad_accum).to(info.device)
             sync = micro == cfg.grad_accum - 1 or info.world == 1
             with (nullcontext() if sync else model.no_sync()), autocast():
-                loss, per_pos = compute_loss(model, teacher, teacher_k, part)
+                loss, per_pos = compute_loss(model, teacher, teacher_k, k, part)
             scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum, pos_sum = loss_sum + loss.detach(), pos_sum + per_pos
         if cfg.dump_grads and step == start and info.main:
@@ -598,7 +640,7 @@ def evaluate_loss(student, teacher, teacher_k, k, cfg: TrainConfig, corpus: Corp
     for i in range(cfg.eval_batches):
         batch = make_batch(cfg, k, corpus.val, step_generator(cfg.seed, i, salt=1)).to(device)
         with autocast():
-            loss, pos = compute_loss(student, teacher, teacher_k, batch)
+            loss, pos = compute_loss(student, teacher, teacher_k, k, batch)
         total, per_pos = total + float(loss), per_pos + pos.float()
     student.train(was_training)
     return total / cfg.eval_batches, (per_pos / cfg.eval_batches).tolist()
@@ -736,6 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill)
         if name != "stage0":
             p.add_argument("--teacher", required=True, help="the previous stage's output folder")
+        if name == "stage1":
+            p.add_argument("--supervision", choices=("forward", "noise-inversion"), default="forward",
+                           help="forward: Algorithm 2 (k=1); noise-inversion: the PTP baseline on real text (any --k)")
+            p.add_argument("--k", type=_positive_int, default=1, help="student window (noise-inversion only)")
         p.add_argument("--stop-at", type=_positive_int, help="stop (with a checkpoint) after this step; --resume continues")
         p.add_argument("--dump-grads", help="debugging: write the first step's averaged gradients (safetensors) here")
     pp = sub.add_parser("pipeline", help="all stages: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=--k-final)")
@@ -757,6 +803,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values["model_overrides"] = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None) is not None}
     if args.command in STAGES:
         values["stage"] = args.command
+    if "supervision" in values:
+        values["supervision"] = values["supervision"].replace("-", "_")
     return TrainConfig(**values)
 
 

@@ -14,7 +14,7 @@ from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.sampling import inverse_cdf_sample
 from kforcing_kernels.train import (
     CheckpointError, TrainConfig, forward_distillation_targets, latest_checkpoint, learning_rate, load_checkpoint,
-    load_model, main, read_metrics, save_checkpoint, self_forcing_targets, train, _optimizer,
+    load_model, main, noise_inversion_supervision, read_metrics, save_checkpoint, self_forcing_targets, train, _optimizer,
 )
 
 VOCAB = 300
@@ -129,6 +129,34 @@ def test_stage1_targets_use_the_sampler_convention():
     assert forward_distillation_targets(sparse.expand(1, 4, 4), z, tau)[0].tolist() == [1, 1, 3, 3]
     # rounding can leave F(V-1) < 1: z close to 1 still gives a valid id
     assert forward_distillation_targets(logits[None], torch.tensor([[1.0 - 1e-9]]), tau).item() == 3
+
+
+def test_noise_inversion_baseline_recovers_the_real_tokens():
+    teacher = KForcingLM(ModelConfig.micro(vocab_size=29)).eval()
+    b, n, k = 2, 5, 3
+    tokens = torch.randint(0, 29, (b, n + k))
+    tau = torch.tensor([0.7, 1.0])
+    with torch.no_grad():
+        context, z, targets = noise_inversion_supervision(teacher, tokens, k, tau, torch.Generator().manual_seed(0))
+        logits = teacher(tokens[:, :-1])
+    assert torch.equal(context, tokens[:, :n])
+    for t in range(n):
+        for j in range(k):
+            assert torch.equal(targets[:, t, j], tokens[:, t + 1 + j])  # the real next-k tokens
+            # the teacher's inverse-CDF sampler maps the inverted noise back to the real token
+            assert torch.equal(inverse_cdf_sample(logits[:, t + j], z[:, t, j], tau), targets[:, t, j])
+    assert bool(((z >= 0) & (z < 1)).all())
+
+
+def test_noise_inversion_stage_trains_any_k(tmp_path, corpus_dir, chain):
+    train(micro(tmp_path / "ni", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), steps=2,
+                supervision="noise_inversion", k=3))
+    _, info, _ = load_model(str(tmp_path / "ni"))
+    assert info["k"] == 3 and info["supervision"] == "noise_inversion"
+    val = [m for m in read_metrics(tmp_path / "ni" / "metrics.jsonl") if "val_loss_pos" in m][-1]
+    assert len(val["val_loss_pos"]) == 3
+    with pytest.raises(ValueError, match="k: only stage1 with noise_inversion"):
+        train(micro(tmp_path / "bad", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), k=2))
 
 
 # ---------------------------------------------------------------------- checkpoints and resume
