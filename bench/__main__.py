@@ -5,6 +5,7 @@ Commands:
     train       one self-forcing training step, dense-mask attention vs ours
     infer       inference throughput, AR vs K-Forcing
     validate    check an attention JSON report against its schema
+    report      reprint an attention JSON report and redraw its plots
 Run ``python -m bench <command> --help`` for a command's options.
 """
 
@@ -15,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COMMANDS = ("attention", "train", "infer", "validate")
+COMMANDS = ("attention", "train", "infer", "validate", "report")
 
 
 def main(argv=None, prog="python -m bench") -> int:
@@ -24,7 +25,7 @@ def main(argv=None, prog="python -m bench") -> int:
         print(__doc__)
         return 0
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "attention"
-    if argv and not argv[0].startswith("-") and command != "validate":
+    if argv and not argv[0].startswith("-") and command not in ("validate", "report"):
         print(f"unknown command {argv[0]!r}; expected one of {COMMANDS}", file=sys.stderr)
         return 2
     name = f"{prog} {command}"
@@ -40,6 +41,10 @@ def main(argv=None, prog="python -m bench") -> int:
         from bench import inference
 
         inference.main(argv, prog=name)
+    elif command == "report":
+        from bench import report
+
+        return report.main(argv)
     else:
         from bench import schema
 

@@ -89,7 +89,7 @@ def format_report(report: dict) -> str:
         f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
         f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens; attention backend {meta['backend']!r}",
         f"  {meta['device']}, threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps; torch {meta['torch']}, "
-        f"commit {meta['git_commit'] or '?'}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
+        f"commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
         f"{'batch':>6}  {'method':<14}{'passes':>8}{'ms':>10}{'tokens/s':>11}{'vs AR':>8}",

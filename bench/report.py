@@ -201,11 +201,12 @@ _COLORS = {
 
 
 def _plain_log_ticks(ax) -> None:
-    from matplotlib.ticker import FormatStrFormatter
+    """Log y axis labelled 1, 2, 5, 10, 20, ... in plain numbers."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
@@ -241,7 +242,7 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-                 f"{meta['threads']} threads); p = fitted log-log slope of these medians; norm = of time / same-round causal time",
+                 f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / same-round causal time",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -289,7 +290,7 @@ def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
             if sel:
                 ax.legend(fontsize=7)
     fig.suptitle(f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-                 f"{meta['threads']} threads); 1 = the non-zero pairs at causal-attention speed", fontsize=10)
+                 f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round ratios)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -309,3 +310,24 @@ def write_outputs(report: dict, out: str, *, plots: bool = True) -> list[str]:
                 if plot(report, d, path):
                     paths.append(path)
     return paths
+
+
+def main(argv=None) -> int:
+    """``python -m bench report REPORT.json [--out DIR]``: reprint an attention report and redraw its plots."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench report", description=main.__doc__)
+    p.add_argument("report", help="attention.json written by the sweep")
+    p.add_argument("--out", default=None, help="where to draw the plots (default: next to the JSON)")
+    args = p.parse_args(argv)
+    with open(args.report) as f:
+        report = json.load(f)
+    print_report(report)
+    out = args.out or os.path.dirname(os.path.abspath(args.report))
+    os.makedirs(out, exist_ok=True)
+    for d in report["meta"]["dims"]:
+        for name, plot in (("time_vs_k", plot_time_vs_k), ("ratio_to_ideal", plot_ratio_to_ideal)):
+            path = os.path.join(out, f"{name}_d{d}.png")
+            if plot(report, d, path):
+                print(f"drew {path}")
+    return 0

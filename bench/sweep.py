@@ -98,6 +98,8 @@ def method_availability(args, device: torch.device, dtype: torch.dtype) -> dict[
             reasons[name] = built[name]
         elif name == "triton" and device.type != "cuda":
             reasons[name] = f"GPU kernel: not timed on device {device.type} (the interpreter measures nothing useful)"
+        elif name == "cpp" and device.type != "cpu":
+            reasons[name] = f"CPU kernel: not timed on device {device.type}"
         else:
             reasons[name] = None
     return reasons

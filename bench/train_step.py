@@ -142,7 +142,7 @@ def format_report(report: dict) -> str:
         f"N={meta['seq_len']}, B={meta['batch']}; {meta['device']}, threads={meta['threads']} (pinned), "
         f"warm-up {meta['warmup']}, up to {meta['reps']} reps",
         f"  dense = attention_backend 'reference' (dense mask + SDPA); ours = {meta['variants']['ours']!r}",
-        f"  torch {meta['torch']}, commit {meta['git_commit'] or '?'}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
+        f"  torch {meta['torch']}, commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
         f"{'stage':<10}{'dense ms':>12}{'ours ms':>12}{'speed-up':>10}{'(from mins)':>13}{'ours ctx tok/s':>16}{'loss dense/ours':>20}",
