@@ -4,7 +4,8 @@
     python bench/cpu_kernels.py --only sampler --rows 1024
     python bench/cpu_kernels.py --json out.json
 
-Attention (K-Forcing SingleForward by default: B=1, H=12, D=64, fp32, N=1024, k=4):
+Attention (K-Forcing SingleForward by default: B=1, H=12, D=64, fp32, N=1024, k=4;
+``--layout``, ``--dtype``, ``--n``, ``--k`` change it):
 ``cpp`` and ``composite`` forward and forward+backward against the *ideal*, causal
 SDPA over the context scaled by |M| / (N(N+1)/2) (= 1 + k + k(k+1)/(N+1)).
 Sampler (V=50257, rows=4096, fp32 logits): the fused C++ sampler against
@@ -13,6 +14,8 @@ reference), with the peak resident memory each adds on top of the logits.
 
 Methods are timed interleaved (one repetition of each in turn) and reported as
 medians, so a busy machine slows them alike; compare ratios, not milliseconds.
+``--threads 1 --clock cpu`` times process CPU time instead of wall time, which
+other jobs on a shared machine disturb much less.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ LAYOUTS = {
     "single": WindowLayout.kforcing_single,
     "double": WindowLayout.kforcing_double,
     "sbd": WindowLayout.sbd,
+    "jacobi": lambda n, k: WindowLayout.jacobi(n // 2, n // 2),
+    "ptp": lambda n, k: WindowLayout.ptp(n, torch.arange(n // 4, n + 1, max(1, n // 8)), 4 * k),
 }
+
+
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (meaningful with --threads 1)
 
 
 def interleaved(methods: dict, *, warmup: int, reps: int) -> dict:
@@ -48,9 +56,9 @@ def interleaved(methods: dict, *, warmup: int, reps: int) -> dict:
     times = {name: [] for name in methods}
     for _ in range(reps):
         for name, fn in methods.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append((CLOCK() - t0) * 1e3)
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t)} for name, t in times.items()}
 
 
@@ -60,19 +68,22 @@ def interleaved(methods: dict, *, warmup: int, reps: int) -> dict:
 def bench_attention(args) -> dict:
     layout = LAYOUTS[args.layout](args.n, args.k)
     b, h, d = 1, args.heads, args.dim
+    dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    make = lambda length: torch.randn(b, h, length, d, generator=gen).requires_grad_(True)  # noqa: E731
+    make = lambda length: torch.randn(b, h, length, d, generator=gen).to(dtype).requires_grad_(True)  # noqa: E731
     q, k, v = make(layout.n_queries), make(layout.n_keys), make(layout.n_keys)
-    dout = torch.randn(b, h, layout.n_queries, d, generator=gen)
+    dout = torch.randn(b, h, layout.n_queries, d, generator=gen).to(dtype)
     c = layout.n_ctx
-    qc, kc, vc = (t[:, :, :c].detach().clone().requires_grad_(True) for t in (q, k, v))
+    # Fresh context tensors: with queries="windows" q holds window rows only (maybe fewer than c).
+    qc, kc, vc = make(c), make(c), make(c)
     ideal_mult = layout.num_pairs() / (c * (c + 1) // 2)
 
     def causal():
         return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
 
     fwd = {"causal_sdpa": causal}
-    step = {"causal_sdpa": lambda: torch.autograd.grad(causal(), (qc, kc, vc), dout[:, :, :c])}
+    dout_c = torch.randn(b, h, c, d, generator=gen).to(dtype)
+    step = {"causal_sdpa": lambda: torch.autograd.grad(causal(), (qc, kc, vc), dout_c)}
     backends = [name for name in ("composite", "cpp") if backends_available()[name] is None]
     for name in backends:
         fwd[name] = lambda name=name: window_attention(q, k, v, layout, backend=name)
@@ -89,7 +100,7 @@ def bench_attention(args) -> dict:
         row["fwd_x_ideal"] = row["fwd_ms"] / ideal_fwd
         row["fwd_bwd_x_ideal"] = row["fwd_bwd_ms"] / ideal_fb
     return {
-        "config": {"layout": args.layout, "n": args.n, "k": args.k, "heads": h, "dim": d, "dtype": "float32",
+        "config": {"layout": args.layout, "n": args.n, "k": args.k, "heads": h, "dim": d, "dtype": args.dtype,
                    "ideal_multiplier": ideal_mult, "isa": _extension.load().isa() if _extension.load() else None},
         "rows": rows,
     }
@@ -98,7 +109,7 @@ def bench_attention(args) -> dict:
 def format_attention(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        f"attention: layout={cfg['layout']} N={cfg['n']} k={cfg['k']} B=1 H={cfg['heads']} D={cfg['dim']} fp32 "
+        f"attention: layout={cfg['layout']} N={cfg['n']} k={cfg['k']} B=1 H={cfg['heads']} D={cfg['dim']} {cfg['dtype']} "
         f"(ideal = {cfg['ideal_multiplier']:.3f} x causal SDPA over N; cpp isa={cfg['isa']})",
         "| method | fwd ms | x ideal | fwd+bwd ms | x ideal |",
         "|---|---|---|---|---|",
@@ -184,20 +195,25 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--sampler-reps", type=int, default=3)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time, robust to other jobs on the machine; use with --threads 1")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
 def main(argv=None):
+    global CLOCK
     args = parse_args(argv)
     threads = pin_threads(args.threads)
-    report = {"machine": machine_info(), "threads": threads}
-    print(f"threads={threads}, torch {torch.__version__}, cpp: {backends_available()['cpp'] or 'available'}")
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    report = {"machine": machine_info(), "threads": threads, "clock": args.clock}
+    print(f"threads={threads}, clock={args.clock}, torch {torch.__version__}, cpp: {backends_available()['cpp'] or 'available'}")
     if args.only in (None, "attention"):
         report["attention"] = bench_attention(args)
         print(format_attention(report["attention"]))

@@ -1,7 +1,5 @@
 """The ``cpp`` backend (kforcing_kernels._C) vs the dense-mask reference: outputs and gradients."""
 
-import math
-
 import pytest
 import torch
 from conftest import make_qkv, run_with_grads

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from .. import _extension
 from ..layouts import WindowLayout
 
