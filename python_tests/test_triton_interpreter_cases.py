@@ -61,11 +61,12 @@ def _cases():
     # (N, k, tiles): every k at small N, a few at larger N (slot steps are the interpreter's slow part,
     # so long windows get larger slot blocks).
     grid = [(1, k, SMALL) for k in (1, 2, 3, 4, 8)] + [(17, k, SMALL) for k in (1, 2, 3, 4)]
-    grid += [(17, 8, MID), (64, 2, MID), (64, 3, MID), (130, 1, DEFAULT_TILES), (130, 4, DEFAULT_TILES)]
+    grid += [(17, 8, MID), (64, 2, MID), (64, 3, MID), (64, 8, DEFAULT_TILES), (130, 1, DEFAULT_TILES),
+             (130, 4, DEFAULT_TILES)]
     for n, k, tiles in grid:
         add(f"single-N{n}-k{k}", WindowLayout.kforcing_single(n, k), tiles)
         add(f"double-N{n}-k{k}", WindowLayout.kforcing_double(n, k), tiles)
-    add("single-N64-k8", WindowLayout.kforcing_single(64, 8), DEFAULT_TILES)
+    add("single-N130-k8", WindowLayout.kforcing_single(130, 8), DEFAULT_TILES)
     for n, block, tiles in ((1, 4, SMALL), (17, 2, SMALL), (17, 8, SMALL), (64, 3, MID), (130, 1, DEFAULT_TILES),
                             (130, 8, MID)):
         add(f"sbd-N{n}-b{block}", WindowLayout.sbd(n, block), tiles)

@@ -105,7 +105,7 @@ class Geometry:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TilePlan:
     """Which tile products the forward, dQ and dK/dV kernels run for one layout and tile shape.
 
