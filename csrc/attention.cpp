@@ -320,8 +320,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   // there are too few heads to keep the threads busy; each item owns a dK/dV buffer.
   const int64_t BH = a.B * a.H, group = a.H / a.Hkv;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t parts =
-      std::max<int64_t>(1, std::min<int64_t>(p.n_tiles(), BH >= 2 * threads ? 1 : (2 * threads + BH - 1) / BH));
+  const int64_t parts = BH == 0 || BH >= 2 * threads
+                            ? 1
+                            : std::max<int64_t>(1, std::min<int64_t>(p.n_tiles(), (2 * threads + BH - 1) / BH));
   std::vector<std::vector<int32_t>> part_tiles(parts);
   {
     std::vector<int32_t> order(p.n_tiles());

@@ -127,6 +127,17 @@ def test_cpp_forward_does_not_depend_on_thread_count():
     assert torch.equal(one, window_attention(q, k, v, layout, backend="cpp"))
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads", [(0, 2, 2), (1, 0, 1)])
+def test_cpp_empty_batch_or_heads(batch, heads, kv_heads):
+    layout = LAYOUTS["single_k3_odd"]
+    q = torch.randn(batch, heads, layout.n_queries, 8, requires_grad=True)
+    k = torch.randn(batch, kv_heads, layout.n_keys, 8, requires_grad=True)
+    out = window_attention(q, k, k, layout, backend="cpp")
+    dq, dk = torch.autograd.grad(out.sum(), (q, k), allow_unused=True)
+    assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape
+    assert not bool(dk.any())
+
+
 def test_cpp_large_logits_stay_finite():
     """Scores far from 0 (large q, k) must not overflow the online softmax."""
     layout = LAYOUTS["single_k3_odd"]
