@@ -63,7 +63,7 @@ def window_attention(
     """
     _validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    name = backend or _default_backend_for(q.device.type)
+    name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
     if name == "reference" and not torch.compiler.is_compiling():
         out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
     else:
@@ -72,10 +72,10 @@ def window_attention(
 
 
 @torch.compiler.assume_constant_result
-def _default_backend_for(device_type: str) -> str:
+def _default_backend_for(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
     # Backend discovery imports modules, which dynamo cannot trace; under compile the
     # choice is a trace-time constant (changing KFORCING_BACKEND later does not recompile).
-    return default_backend(torch.device(device_type))
+    return default_backend(torch.device(device_type), dtype, head_dim)
 
 
 # ---------------------------------------------------------------------- validation

@@ -147,6 +147,21 @@ def test_default_backend_is_available_and_used():
     torch.testing.assert_close(window_attention(q, k, v, layout), window_attention(q, k, v, layout, backend="reference"), atol=2e-5, rtol=2e-5)
 
 
+def test_default_backend_skips_backends_that_cannot_take_the_inputs(monkeypatch):
+    """On CUDA, triton takes fp16/bf16 and D in {32, 64, 128}; anything else defaults to composite."""
+    from kforcing_kernels import backends
+    from kforcing_kernels.backends import triton as triton_backend
+
+    monkeypatch.delenv("KFORCING_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real_load = backends._load
+    monkeypatch.setattr(backends, "_load", lambda name: (triton_backend, None) if name == "triton" else real_load(name))
+    cuda = torch.device("cuda")
+    assert backends.default_backend(cuda, torch.bfloat16, 64) == "triton"
+    assert backends.default_backend(cuda, torch.float32, 64) == "composite"
+    assert backends.default_backend(cuda, torch.float16, 80) == "composite"
+
+
 def test_torch_compile_matches_eager():
     layout = LAYOUTS["double_k2"]
     q, k, v = make_qkv(layout, batch=1, heads=2, kv_heads=1)

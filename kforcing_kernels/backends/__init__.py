@@ -47,15 +47,24 @@ def get_backend(name: str) -> ModuleType:
     return module
 
 
-def default_backend(device: torch.device) -> str:
-    """The fastest available backend for ``device`` (override with KFORCING_BACKEND)."""
+def default_backend(device: torch.device, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
+    """The fastest available backend for inputs on ``device`` (override with KFORCING_BACKEND).
+
+    With ``dtype``/``head_dim`` given, backends that cannot take them (e.g. triton
+    on fp32 CUDA tensors) are skipped in favour of the next one.
+    """
     forced = os.environ.get("KFORCING_BACKEND")
     if forced:
         return forced
     preference = ("triton", "composite") if device.type == "cuda" else ("cpp", "composite")
     for name in preference:
         module, reason = _load(name)
+        if reason is not None:
+            continue
         # A backend can be present yet slower than the next one here (see cpp.preferred).
-        if reason is None and getattr(module, "preferred", lambda: True)():
-            return name
+        if not getattr(module, "preferred", lambda: True)():
+            continue
+        if dtype is not None and head_dim is not None and not getattr(module, "supports", lambda d, h: True)(dtype, head_dim):
+            continue
+        return name
     return "composite"

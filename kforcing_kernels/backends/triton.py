@@ -57,13 +57,19 @@ def kernels() -> ModuleType:
     return module
 
 
-def _check(q: torch.Tensor) -> None:
+def _allowed_dtypes() -> tuple[tuple[torch.dtype, ...], str]:
     if _interpret_requested():
-        allowed = (torch.float32, torch.float16)
-        why = "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
-    else:
-        allowed = (torch.float16, torch.bfloat16)
-        why = "on CUDA (use backend='composite' for other dtypes)"
+        return (torch.float32, torch.float16), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
+    return (torch.float16, torch.bfloat16), "on CUDA (use backend='composite' for other dtypes)"
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether inputs of this dtype and head dim run here (the default choice skips us otherwise)."""
+    return dtype in _allowed_dtypes()[0] and head_dim in (32, 64, 128)
+
+
+def _check(q: torch.Tensor) -> None:
+    allowed, why = _allowed_dtypes()
     if q.dtype not in allowed:
         raise ValueError(f"q: the triton backend takes dtype in {allowed} {why}, got {q.dtype}")
 
