@@ -102,6 +102,35 @@ def paired_ratio(times: list[float], reference_times: list[float]) -> float:
     return statistics.median(t / r for t, r in zip(times, reference_times))
 
 
+def failure_reason(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 240 characters), for a row that was not timed."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:240]}"
+
+
+def timing_fields(timing, throughput_key: str, work: float) -> dict:
+    """Row fields for one ``measure_many`` result: status, times and ``throughput_key`` = ``work`` per second.
+
+    ``timing`` is the result dict, or the exception the callable raised (an "error" row).
+    """
+    if isinstance(timing, BaseException):
+        return {"status": "error", "reason": failure_reason(timing), "median_ms": None, "min_ms": None, "reps": 0, throughput_key: None}
+    return {"status": "ok", "reason": None, "median_ms": timing["median_ms"], "min_ms": timing["min_ms"], "reps": timing["reps"],
+            "times_ms": timing["times_ms"], throughput_key: work / (timing["median_ms"] * 1e-3)}
+
+
+def phase_step(fn: Callable[[], object], grad_inputs=None, dout=None) -> Callable[[], None]:
+    """Forward under no_grad (``grad_inputs`` None) or forward+backward of ``fn``."""
+    if grad_inputs is None:
+        def step():
+            with torch.no_grad():
+                fn()
+    else:
+        def step():
+            torch.autograd.grad(fn(), grad_inputs, dout)
+    return step
+
+
 def busy_cores() -> float | None:
     """The 1-minute load average (None where the OS has none): context for contended timings."""
     try:
@@ -136,3 +165,13 @@ def machine_info() -> dict:
         "git_dirty": dirty,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def row_stamp(meta: dict) -> dict:
+    """The ``machine_info`` fields every result row repeats, so a row read alone says where it came from."""
+    return {key: meta[key] for key in ("machine", "torch", "triton", "git_commit", "timestamp")}
+
+
+def commit_label(meta: dict) -> str:
+    """``abc1234``, ``abc1234+uncommitted`` or ``?`` for a report's header line."""
+    return f"{meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 
@@ -22,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import busy_cores, machine_info, measure_many, paired_ratio, pin_threads  # noqa: E402
-from bench.report import write_csv, write_json  # noqa: E402
+from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, write_report_files  # noqa: E402
+from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
@@ -47,7 +46,7 @@ def run(args) -> dict:
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
         "reps": args.reps, "max_seconds": args.max_seconds, "loadavg_start": busy_cores(),
     }
-    stamp = {key: meta[key] for key in ("machine", "torch", "triton", "git_commit", "timestamp")}
+    stamp = row_stamp(meta)
     rows = []
     start = time.perf_counter()
     t = args.new_tokens
@@ -62,12 +61,7 @@ def run(args) -> dict:
             k = None if label == "ar" else int(label.split("=")[1])
             row = {**stamp, "batch": b, "method": "ar" if k is None else "kforcing", "k": k,
                    "forward_passes": t if k is None else -(-t // k), "new_tokens": t, "prompt_len": args.prompt_len}
-            if isinstance(timing, BaseException):
-                row.update(status="error", reason=f"{type(timing).__name__}: {str(timing).splitlines()[0][:240]}",
-                           median_ms=None, min_ms=None, reps=0, tokens_per_s=None)
-            else:
-                row.update(status="ok", reason=None, median_ms=timing["median_ms"], min_ms=timing["min_ms"], reps=timing["reps"],
-                           times_ms=timing["times_ms"], tokens_per_s=b * t / (timing["median_ms"] * 1e-3))
+            row.update(timing_fields(timing, "tokens_per_s", b * t))
             rows.append(row)
         if args.verbose:
             print(f"  batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
@@ -89,7 +83,7 @@ def format_report(report: dict) -> str:
         f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
         f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens; attention backend {meta['backend']!r}",
         f"  {meta['device']}, threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps; torch {meta['torch']}, "
-        f"commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
+        f"commit {commit_label(meta)}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
         f"{'batch':>6}  {'method':<14}{'passes':>8}{'ms':>10}{'tokens/s':>11}{'vs AR':>8}",
@@ -110,31 +104,17 @@ def parse_args(argv=None, prog="python bench/inference.py"):
     p.add_argument("--batch", default=None, help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
-    p.add_argument("--preset", default="tiny", help="model preset: micro, tiny or paper")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT", help="model config override, e.g. n_layer=2")
+    add_model_args(p)
     p.add_argument("--backend", default=None, help="attention backend (default: default_backend for the device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--max-seconds", type=float, default=None)
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-infer-<UTC time>)")
-    p.add_argument("--verbose", action="store_true")
+    add_run_args(p, "bench-infer-")
     args = p.parse_args(argv)
     profile = QUICK if args.quick else FULL
     args.k = [int(x) for x in args.k.split(",")] if args.k else list(profile["k"])
     args.batch = [int(x) for x in args.batch.split(",")] if args.batch else list(profile["batch"])
-    for key in ("prompt_len", "new_tokens", "warmup", "reps", "max_seconds"):
-        if getattr(args, key) is None:
-            setattr(args, key, profile[key])
-    args.overrides = {}
-    for item in args.override:
-        field, _, value = item.partition("=")
-        if not value.lstrip("-").isdigit():
-            p.error(f"--override: expected FIELD=INT, got {item!r}")
-        args.overrides[field] = int(value)
-    args.out = args.out or os.path.join("runs", "bench-infer-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-    args.command = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+    apply_profile(args, profile, ("prompt_len", "new_tokens", "warmup", "reps", "max_seconds"))
+    args.overrides = parse_overrides(p, args.override)
+    args.out = args.out or default_out("bench-infer-")
+    args.command = command_line(prog, argv)
     return args
 
 
@@ -142,10 +122,7 @@ def main(argv=None, prog="python bench/inference.py") -> dict:
     args = parse_args(argv, prog)
     report = run(args)
     print(format_report(report))
-    os.makedirs(args.out, exist_ok=True)
-    write_json(report, os.path.join(args.out, "inference.json"))
-    write_csv(report, os.path.join(args.out, "inference.csv"))
-    print(f"\nwrote {args.out}/inference.json, {args.out}/inference.csv")
+    write_report_files(report, args.out, "inference")
     return report
 
 

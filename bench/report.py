@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 from collections import defaultdict
 from typing import Optional
 
+from bench._cli import write_csv, write_json
+from bench._timing import commit_label
 from bench.sweep import METHODS, OURS, PHASES
 
 PHASE_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}
@@ -80,7 +81,7 @@ def format_report(report: dict) -> str:
         f"  {meta['device']} ({meta['cuda'] or meta['processor']}), {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
         f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} round-robin rounds (<= {meta['max_seconds']} s per method)",
         "  cells: median ms (x ideal = median over rounds of time / ideal time in the same round)",
-        f"  torch {meta['torch']}, triton {meta['triton']}, commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, "
+        f"  torch {meta['torch']}, triton {meta['triton']}, commit {commit_label(meta)}, "
         f"{meta['timestamp']}, {meta['wall_s']:.0f} s",
         f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on {meta['cpus']} cores"
         + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers; "
@@ -178,20 +179,6 @@ def print_report(report: dict) -> None:
 
 
 # ---------------------------------------------------------------------- files
-
-
-def write_json(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-
-
-def write_csv(report: dict, path: str) -> None:
-    rows = report["rows"]
-    fields = list(dict.fromkeys(key for row in rows for key in row))  # union, first-seen order
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 _COLORS = {

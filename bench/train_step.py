@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import sys
 import time
 
@@ -26,8 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import busy_cores, machine_info, measure_many, paired_ratio, pin_threads  # noqa: E402
-from bench.report import _slope, write_csv, write_json  # noqa: E402
+from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, write_report_files  # noqa: E402
+from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
+from bench.report import _slope  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/train-step/v1"
@@ -88,7 +88,7 @@ def run(args) -> dict:
         "k": args.k, "variants": variants, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "loadavg_start": busy_cores(),
     }
-    stamp = {key: meta[key] for key in ("machine", "torch", "triton", "git_commit", "timestamp")}
+    stamp = row_stamp(meta)
     rows = []
     start = time.perf_counter()
     for k in args.k:
@@ -108,12 +108,7 @@ def run(args) -> dict:
         for label, timing in timings.items():
             row = {**stamp, "teacher_k": k, "student_k": 2 * k, "n": n, "batch": b, "variant": label, "backend": variants[label],
                    "loss": losses[label]}
-            if isinstance(timing, BaseException):
-                row.update(status="error", reason=f"{type(timing).__name__}: {str(timing).splitlines()[0][:240]}",
-                           median_ms=None, min_ms=None, reps=0, context_tokens_per_s=None)
-            else:
-                row.update(status="ok", reason=None, median_ms=timing["median_ms"], min_ms=timing["min_ms"], reps=timing["reps"],
-                           times_ms=timing["times_ms"], context_tokens_per_s=b * n / (timing["median_ms"] * 1e-3))
+            row.update(timing_fields(timing, "context_tokens_per_s", b * n))
             rows.append(row)
         del steps
         if args.verbose:
@@ -142,7 +137,7 @@ def format_report(report: dict) -> str:
         f"N={meta['seq_len']}, B={meta['batch']}; {meta['device']}, threads={meta['threads']} (pinned), "
         f"warm-up {meta['warmup']}, up to {meta['reps']} reps",
         f"  dense = attention_backend 'reference' (dense mask + SDPA); ours = {meta['variants']['ours']!r}",
-        f"  torch {meta['torch']}, commit {meta['git_commit'] or '?'}{'+uncommitted' if meta.get('git_dirty') else ''}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
+        f"  torch {meta['torch']}, commit {commit_label(meta)}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
         f"{'stage':<10}{'dense ms':>12}{'ours ms':>12}{'speed-up':>10}{'(from mins)':>13}{'ours ctx tok/s':>16}{'loss dense/ours':>20}",
@@ -170,30 +165,16 @@ def parse_args(argv=None, prog="python bench/train_step.py"):
     p.add_argument("--k", default=None, help="comma-separated teacher window sizes k (the student gets 2k)")
     p.add_argument("--seq-len", type=int, default=None, help="context length N")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--preset", default="tiny", help="model preset: micro, tiny or paper")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT", help="model config override, e.g. n_layer=2")
+    add_model_args(p)
     p.add_argument("--ours", default=None, help="our backend (default: default_backend for the device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--max-seconds", type=float, default=None)
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-train-<UTC time>)")
-    p.add_argument("--verbose", action="store_true")
+    add_run_args(p, "bench-train-")
     args = p.parse_args(argv)
     profile = QUICK if args.quick else FULL
     args.k = [int(x) for x in args.k.split(",")] if args.k else list(profile["k"])
-    for key in ("seq_len", "batch", "warmup", "reps", "max_seconds"):
-        if getattr(args, key) is None:
-            setattr(args, key, profile[key])
-    args.overrides = {}
-    for item in args.override:
-        field, _, value = item.partition("=")
-        if not value.lstrip("-").isdigit():
-            p.error(f"--override: expected FIELD=INT, got {item!r}")
-        args.overrides[field] = int(value)
-    args.out = args.out or os.path.join("runs", "bench-train-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-    args.command = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+    apply_profile(args, profile, ("seq_len", "batch", "warmup", "reps", "max_seconds"))
+    args.overrides = parse_overrides(p, args.override)
+    args.out = args.out or default_out("bench-train-")
+    args.command = command_line(prog, argv)
     return args
 
 
@@ -201,10 +182,7 @@ def main(argv=None, prog="python bench/train_step.py") -> dict:
     args = parse_args(argv, prog)
     report = run(args)
     print(format_report(report))
-    os.makedirs(args.out, exist_ok=True)
-    write_json(report, os.path.join(args.out, "train_step.json"))
-    write_csv(report, os.path.join(args.out, "train_step.csv"))
-    print(f"\nwrote {args.out}/train_step.json, {args.out}/train_step.csv")
+    write_report_files(report, args.out, "train_step")
     return report
 
 
