@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import pin_threads  # noqa: E402
+from bench._timing import phase_step, pin_threads  # noqa: E402
 from bench.attention import LAYOUTS  # noqa: E402
 from bench.sweep import OURS, method_availability, parse_args  # noqa: E402
 from kforcing_kernels import window_attention  # noqa: E402
@@ -47,13 +47,7 @@ def problem():
 
 
 def _run(benchmark, fn, inputs, dout, phase):
-    if phase == "fwd":
-        def step():
-            with torch.no_grad():
-                fn()
-    else:
-        def step():
-            torch.autograd.grad(fn(), inputs, dout)
+    step = phase_step(fn) if phase == "fwd" else phase_step(fn, inputs, dout)
     step()  # warm-up (compilation, caches)
     benchmark.pedantic(step, rounds=5, iterations=1, warmup_rounds=1)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shlex
 import sys
 import time
 import warnings
@@ -42,7 +41,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import busy_cores, machine_info, measure, measure_many, paired_ratio, pin_threads  # noqa: E402
+from bench._cli import apply_profile, command_line, default_out  # noqa: E402
+from bench._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp  # noqa: E402
 from bench.attention import LAYOUTS  # noqa: E402
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
@@ -120,23 +120,6 @@ def _flash_attn_reason(device: torch.device, dtype: torch.dtype) -> Optional[str
 # ---------------------------------------------------------------------- one configuration
 
 
-def _failure(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first[:240]}"
-
-
-def _step(fn: Callable[[], object], grad_inputs=None, dout=None) -> Callable[[], None]:
-    """Forward under no_grad (``grad_inputs`` None) or forward+backward of ``fn``."""
-    if grad_inputs is None:
-        def step():
-            with torch.no_grad():
-                fn()
-    else:
-        def step():
-            torch.autograd.grad(fn(), grad_inputs, dout)
-    return step
-
-
 def _useful_tflops(pairs: float, batch: int, heads: int, dim: int, phase: str, ms: float) -> float:
     # 2 matmuls x 2 flops per attended pair and head dim; backward ~2.5x forward.
     flops = 4.0 * pairs * dim * batch * heads * (1.0 if phase == "fwd" else 3.5)
@@ -181,9 +164,9 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
 
     def add_jobs(method, fn, grad_inputs, dout, *, bwd_reason=None, scale=1.0):
         scales[method] = scale
-        jobs[(method, "fwd")] = _step(fn)
+        jobs[(method, "fwd")] = phase_step(fn)
         if bwd_reason is None:
-            jobs[(method, "fwd_bwd")] = _step(fn, grad_inputs, dout)
+            jobs[(method, "fwd_bwd")] = phase_step(fn, grad_inputs, dout)
         else:
             add(method, "fwd_bwd", "unsupported", reason=bwd_reason)
 
@@ -191,7 +174,7 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
         try:
             add(method, "build", "ok", measure(fn, warmup=1, reps=args.reps, max_seconds=args.max_seconds))
         except Exception as exc:  # an honest failure row beats a crashed sweep
-            add(method, "build", "error", reason=_failure(exc))
+            add(method, "build", "error", reason=failure_reason(exc))
 
     # The ideal: causal attention over the N context tokens, scaled to |M| pairs.
     c = layout.n_ctx
@@ -249,7 +232,7 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
     timings = measure_many(jobs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
     for (method, phase), timing in timings.items():
         if isinstance(timing, BaseException):
-            add(method, phase, "error", reason=_failure(timing))
+            add(method, phase, "error", reason=failure_reason(timing))
         else:
             add(method, phase, "ok", timing, scale=scales[method])
 
@@ -301,7 +284,7 @@ def run_sweep(args) -> dict:
         "reps": args.reps, "max_seconds": args.max_seconds, "layouts": args.layouts, "n": args.n, "k": args.k,
         "dims": args.dims, "k_by_layout": args.k_by_layout, "fit_n": fit_n(args.n), "loadavg_start": busy_cores(),
     }
-    stamp = {key: meta[key] for key in ("machine", "torch", "triton", "git_commit", "timestamp")}
+    stamp = row_stamp(meta)
     rows = []
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -362,15 +345,13 @@ def parse_args(argv=None, prog="python -m bench attention"):
     args.k_by_layout = {} if args.k else dict(profile["k_by_layout"])
     args.k = _ints(args.k) if args.k else list(profile["k"])
     args.dims = _ints(args.dims) if args.dims else list(profile["dims"])
-    for key in ("warmup", "reps", "max_seconds"):
-        if getattr(args, key) is None:
-            setattr(args, key, profile[key])
+    apply_profile(args, profile, ("warmup", "reps", "max_seconds"))
     if args.reps < 1:
         p.error(f"--reps: expected >= 1, got {args.reps}")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.backends = [name for name in args.backends.split(",") if name]
-    args.out = args.out or os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
-    args.command = " ".join([prog] + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+    args.out = args.out or default_out("bench-")
+    args.command = command_line(prog, argv)
     return args
 
 
