@@ -14,7 +14,6 @@ Ratios are only meaningful inside one run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,8 +22,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._cli import write_json  # noqa: E402
 from bench._timing import machine_info, measure, pin_threads  # noqa: E402
 from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
+from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 LAYOUTS = {
     "single": lambda n, k: WindowLayout.kforcing_single(n, k),
@@ -35,8 +36,10 @@ LAYOUTS = {
 }
 
 
-def causal_pairs(n: int) -> int:
-    return n * (n + 1) // 2
+def mean_pairs(layout: WindowLayout) -> float:
+    """|M|, averaged over the batch when the layout's prefix ranges are per batch element."""
+    pairs = layout.num_pairs()
+    return float(pairs) if isinstance(pairs, int) else float(pairs.float().mean())
 
 
 def build_methods(layout, q, k, v, backends, flex: bool):
@@ -93,7 +96,7 @@ def run(args) -> dict:
     # Fresh [B, H, C, D] tensors: with queries="windows" (ptp, double) q has no context rows.
     qc, kc, vc = make(c), make(c), make(c)
     dout_c = torch.randn(b, h, c, d, generator=gen).to(device, dtype)
-    ideal_mult = (layout.num_pairs() if isinstance(layout.num_pairs(), int) else float(layout.num_pairs().float().mean())) / causal_pairs(c)
+    ideal_mult = mean_pairs(layout) / ideal_causal_pairs(c)
 
     def causal_fwd():
         return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
@@ -171,8 +174,7 @@ def main(argv=None):
     report = run(args)
     print(format_table(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, args.json, indent=2)
     return report
 
 

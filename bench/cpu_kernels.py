@@ -21,7 +21,6 @@ other jobs on a shared machine disturb much less.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,17 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._cli import write_json  # noqa: E402
 from bench._timing import machine_info, pin_threads  # noqa: E402
-from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
+from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
+from kforcing_kernels import backends_available, window_attention  # noqa: E402
 from kforcing_kernels import _extension, sampling  # noqa: E402
-
-LAYOUTS = {
-    "single": WindowLayout.kforcing_single,
-    "double": WindowLayout.kforcing_double,
-    "sbd": WindowLayout.sbd,
-    "jacobi": lambda n, k: WindowLayout.jacobi(n // 2, n // 2),
-    "ptp": lambda n, k: WindowLayout.ptp(n, torch.arange(n // 4, n + 1, max(1, n // 8)), 4 * k),
-}
+from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (meaningful with --threads 1)
@@ -76,7 +70,7 @@ def bench_attention(args) -> dict:
     c = layout.n_ctx
     # Fresh context tensors: with queries="windows" q holds window rows only (maybe fewer than c).
     qc, kc, vc = make(c), make(c), make(c)
-    ideal_mult = layout.num_pairs() / (c * (c + 1) // 2)
+    ideal_mult = mean_pairs(layout) / ideal_causal_pairs(c)
 
     def causal():
         return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
@@ -221,8 +215,7 @@ def main(argv=None):
         report["sampler"] = bench_sampler(args)
         print(format_sampler(report["sampler"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, args.json, indent=2)
     return report
 
 

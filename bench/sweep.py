@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._cli import apply_profile, command_line, default_out  # noqa: E402
 from bench._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp  # noqa: E402
-from bench.attention import LAYOUTS  # noqa: E402
+from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
@@ -138,8 +138,7 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
     def rand(length, grad=True):
         return torch.randn(b, h, length, d, generator=gen).to(device, dtype).requires_grad_(grad)
 
-    pairs = layout.num_pairs()
-    pairs = float(pairs) if isinstance(pairs, int) else float(pairs.float().mean())
+    pairs = mean_pairs(layout)
     mult = pairs / ideal_causal_pairs(layout.n_ctx)
     base = {
         "layout": layout_name, "n": n, "k": k, "d": d, "lq": layout.n_queries, "lk": layout.n_keys,

@@ -21,7 +21,6 @@ TFLOP/s. On a machine without CUDA this prints why and measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -31,10 +30,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import attention  # noqa: E402
+from bench._cli import write_json  # noqa: E402
 from bench._timing import machine_info, measure  # noqa: E402
 from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
 
-LAYOUTS = {"single": WindowLayout.kforcing_single, "double": WindowLayout.kforcing_double}
+LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5
 
 
@@ -192,8 +193,7 @@ def main(argv=None) -> int:
         report.append(row)
         print(format_row(row), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "config": vars(args), "rows": report}, f, indent=2)
+        write_json({"machine": machine_info(), "config": vars(args), "rows": report}, args.json, indent=2)
     return 0
 
 
