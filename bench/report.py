@@ -196,13 +196,25 @@ def _plain_log_ticks(ax) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
-    """Log-log time vs k at the fit N, one panel per layout that sweeps k, fitted slope in the legend."""
+def _pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _pyplot().close(fig)
+
+
+def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
+    """Log-log time vs k at the fit N, one panel per layout that sweeps k, fitted slope in the legend."""
+    plt = _pyplot()
     meta = report["meta"]
     fits = {(f["layout"], f["method"], f["phase"]): f for f in report["fits"] if f["d"] == d}
     layouts = [lay for lay in meta["layouts"] if any(key[0] == lay for key in fits)]
@@ -231,19 +243,13 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
     fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
                  f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / same-round causal time",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
 def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
     """Bars of time / ideal per backend and k at the fit N, one panel per layout and phase."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     meta = report["meta"]
     rows = [r for r in report["rows"] if r["d"] == d and r["n"] == meta["fit_n"] and r["status"] == "ok"
             and r["phase"] in PHASES and r["method"] != "ideal"]
@@ -278,9 +284,7 @@ def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
                 ax.legend(fontsize=7)
     fig.suptitle(f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
                  f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round ratios)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -291,11 +295,18 @@ def write_outputs(report: dict, out: str, *, plots: bool = True) -> list[str]:
     write_json(report, paths[0])
     write_csv(report, paths[1])
     if plots:
-        for d in report["meta"]["dims"]:
-            for name, plot in (("time_vs_k", plot_time_vs_k), ("ratio_to_ideal", plot_ratio_to_ideal)):
-                path = os.path.join(out, f"{name}_d{d}.png")
-                if plot(report, d, path):
-                    paths.append(path)
+        paths += write_plots(report, out)
+    return paths
+
+
+def write_plots(report: dict, out: str) -> list[str]:
+    """time_vs_k_d<D>.png and ratio_to_ideal_d<D>.png per head dim under ``out``; returns the paths drawn."""
+    paths = []
+    for d in report["meta"]["dims"]:
+        for name, plot in (("time_vs_k", plot_time_vs_k), ("ratio_to_ideal", plot_ratio_to_ideal)):
+            path = os.path.join(out, f"{name}_d{d}.png")
+            if plot(report, d, path):
+                paths.append(path)
     return paths
 
 
@@ -312,9 +323,6 @@ def main(argv=None) -> int:
     print_report(report)
     out = args.out or os.path.dirname(os.path.abspath(args.report))
     os.makedirs(out, exist_ok=True)
-    for d in report["meta"]["dims"]:
-        for name, plot in (("time_vs_k", plot_time_vs_k), ("ratio_to_ideal", plot_ratio_to_ideal)):
-            path = os.path.join(out, f"{name}_d{d}.png")
-            if plot(report, d, path):
-                print(f"drew {path}")
+    for path in write_plots(report, out):
+        print(f"drew {path}")
     return 0
