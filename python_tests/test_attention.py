@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_qkv, run_with_grads
+from conftest import assert_within_2x_torch_error, compare_with_reference, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,19 +31,9 @@ def layouts():
 LAYOUTS = layouts()
 
 
-def _compare(layout, *, dtype=torch.float32, heads=4, kv_heads=2, head_dim=16, backend="composite"):
-    batch = layout.batch_size or 2
-    q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    dout = torch.randn(batch, heads, layout.n_queries, head_dim, dtype=torch.float64)
-    ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend=backend), q, k, v, dout)
-    ref64 = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), *(t.double() for t in (q, k, v)), dout)
-    ref_lp = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), q, k, v, dout)
-    return ours, ref64, ref_lp
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_composite_matches_reference_fp32(name):
-    ours, ref64, _ = _compare(LAYOUTS[name])
+    ours, ref64, _ = compare_with_reference(LAYOUTS[name], "composite")
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref64):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5, msg=label)
@@ -53,19 +43,14 @@ def test_composite_matches_reference_fp32(name):
 @pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "jacobi", "sbd_large_block"])
 def test_composite_low_precision_within_2x_torch_error(name, dtype):
     """Our error vs fp64 is at most 2x PyTorch's own low-precision error (plus a floor)."""
-    ours, ref64, ref_lp = _compare(LAYOUTS[name], dtype=dtype)
-    floor = 1e-3 if dtype == torch.float16 else 8e-3
-    for label, a, b, c in zip(("out", "dq", "dk", "dv"), ours, ref64, ref_lp):
-        assert a.dtype == dtype
-        our_err = (a.double() - b).abs().max().item()
-        torch_err = (c.double() - b).abs().max().item()
-        assert our_err <= 2 * torch_err + floor, f"{label}: ours {our_err:.3g} vs torch {torch_err:.3g}"
+    ours, ref64, ref_lp = compare_with_reference(LAYOUTS[name], "composite", dtype=dtype)
+    assert_within_2x_torch_error(ours, ref64, ref_lp, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
 def test_composite_head_dims_and_gqa(head_dim, heads, kv_heads):
-    ours, ref64, _ = _compare(WindowLayout.kforcing_single(12, 4), heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    ours, ref64, _ = compare_with_reference(WindowLayout.kforcing_single(12, 4), "composite", heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     for a, b in zip(ours, ref64):
         torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=3e-5)
 
@@ -134,7 +119,7 @@ def test_composite_portable_path_end_to_end(monkeypatch):
     """The whole composite backend on the portable path (as on a non-CPU device)."""
     monkeypatch.setattr(_lse_attention, "_use_flash_cpu", lambda q: False)
     for name in ("single_k3_odd", "ptp_per_batch", "sbd_large_block"):
-        ours, ref64, _ = _compare(LAYOUTS[name])
+        ours, ref64, _ = compare_with_reference(LAYOUTS[name], "composite")
         for a, b in zip(ours, ref64):
             torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
 
@@ -209,7 +194,7 @@ def general_layouts(draw):
 @settings(max_examples=40, deadline=None)
 @given(layout=general_layouts())
 def test_random_layouts_match_reference(layout):
-    ours, ref64, _ = _compare(layout, heads=2, kv_heads=1, head_dim=8)
+    ours, ref64, _ = compare_with_reference(layout, "composite", heads=2, kv_heads=1, head_dim=8)
     for a, b in zip(ours, ref64):
         torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=3e-5)
 

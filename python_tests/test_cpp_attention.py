@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_qkv, run_with_grads
+from conftest import assert_within_2x_torch_error, compare_with_reference, make_qkv, run_with_grads
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels import _extension
@@ -32,18 +32,6 @@ LAYOUTS = {
 }
 
 
-def _compare(layout, *, dtype=torch.float32, heads=4, kv_heads=2, head_dim=16, batch=None):
-    batch = layout.batch_size or batch or 2
-    q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    dout = torch.randn(batch, heads, layout.n_queries, head_dim, dtype=torch.float64)
-    ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="cpp"), q, k, v, dout)
-    ref64 = run_with_grads(
-        lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), *(t.double() for t in (q, k, v)), dout
-    )
-    ref_lp = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), q, k, v, dout)
-    return ours, ref64, ref_lp
-
-
 def _assert_close(ours, ref, atol, rtol):
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(a).all(), label
@@ -57,7 +45,7 @@ def _other_isas():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cpp_matches_reference_fp32(name):
-    ours, ref64, _ = _compare(LAYOUTS[name])
+    ours, ref64, _ = compare_with_reference(LAYOUTS[name], "cpp")
     assert ours[0].dtype == torch.float32
     _assert_close(ours, ref64, atol=2e-5, rtol=2e-5)
 
@@ -70,7 +58,7 @@ def test_cpp_other_isa_builds_match_reference(name, isa):
     before = ext.isa()
     ext.set_isa(isa)
     try:
-        ours, ref64, _ = _compare(LAYOUTS[name])
+        ours, ref64, _ = compare_with_reference(LAYOUTS[name], "cpp")
     finally:
         ext.set_isa(before)
     _assert_close(ours, ref64, atol=2e-5, rtol=2e-5)
@@ -78,7 +66,7 @@ def test_cpp_other_isa_builds_match_reference(name, isa):
 
 @pytest.mark.parametrize("name", ["single_k3_odd", "double_k9", "ptp_per_batch", "jacobi_long_window", "general_streams_full"])
 def test_cpp_matches_reference_fp64(name):
-    ours, ref64, _ = _compare(LAYOUTS[name], dtype=torch.float64)
+    ours, ref64, _ = compare_with_reference(LAYOUTS[name], "cpp", dtype=torch.float64)
     assert ours[0].dtype == torch.float64
     _assert_close(ours, ref64, atol=1e-11, rtol=1e-11)
 
@@ -89,19 +77,14 @@ def test_cpp_matches_reference_fp64(name):
 )
 def test_cpp_low_precision_within_2x_torch_error(name, dtype):
     """Our error vs fp64 is at most 2x PyTorch's own low-precision error (plus a small floor)."""
-    ours, ref64, ref_lp = _compare(LAYOUTS[name], dtype=dtype)
-    floor = 1e-3 if dtype == torch.float16 else 8e-3
-    for label, a, b, c in zip(("out", "dq", "dk", "dv"), ours, ref64, ref_lp):
-        assert a.dtype == dtype
-        our_err = (a.double() - b).abs().max().item()
-        torch_err = (c.double() - b).abs().max().item()
-        assert our_err <= 2 * torch_err + floor, f"{label}: ours {our_err:.3g} vs torch {torch_err:.3g}"
+    ours, ref64, ref_lp = compare_with_reference(LAYOUTS[name], "cpp", dtype=dtype)
+    assert_within_2x_torch_error(ours, ref64, ref_lp, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [1, 24, 64, 80, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
 def test_cpp_head_dims_and_gqa(head_dim, heads, kv_heads):
-    ours, ref64, _ = _compare(WindowLayout.kforcing_single(12, 4), heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    ours, ref64, _ = compare_with_reference(WindowLayout.kforcing_single(12, 4), "cpp", heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     _assert_close(ours, ref64, atol=3e-5, rtol=3e-5)
 
 
