@@ -167,6 +167,10 @@ def test_torch_compile_matches_eager():
 # ---------------------------------------------------------------- random general layouts
 
 
+# Every compiled CPU backend present here is held to the same random layouts.
+CPU_BACKENDS = [name for name in ("composite", "cpp") if backends_available()[name] is None]
+
+
 @st.composite
 def general_layouts(draw):
     n_ctx = draw(st.integers(0, 12))
@@ -193,8 +197,9 @@ def general_layouts(draw):
 
 @settings(max_examples=40, deadline=None)
 @given(layout=general_layouts())
-def test_random_layouts_match_reference(layout):
-    ours, ref64, _ = compare_with_reference(layout, "composite", heads=2, kv_heads=1, head_dim=8)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_random_layouts_match_reference(backend, layout):
+    ours, ref64, _ = compare_with_reference(layout, backend, heads=2, kv_heads=1, head_dim=8)
     for a, b in zip(ours, ref64):
         torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=3e-5)
 
