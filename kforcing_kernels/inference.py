@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
@@ -226,15 +227,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    if args.max_new_tokens < 1:
+        parser.error(f"argument --max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        parser.error(f"argument --temperature: expected a number >= 0, got {args.temperature}")
+    if not (Path(args.model) / "model.json").exists():
+        parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     model, info, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
-    prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    eos = tokenizer.token_to_id("<|eos|>")
+    prompts = [tokenizer.encode(p).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
     if info["k"] == 0:
         out = generate_ar(model, prompts, args.max_new_tokens, temperature=args.temperature, generator=gen)
     else:
         k = info["k"] if args.k is None else args.k
         if not 1 <= k <= info["k"]:
-            parser.error(f"--k: expected 1 <= k <= k_train={info['k']}, got {k}")
+            parser.error(f"argument --k: expected 1 <= k <= k_train={info['k']}, got {k}")
+        if args.temperature == 0:
+            parser.error("argument --temperature: K-Forcing models take tau > 0 (decoding is argmax already)")
         out = generate_kforcing(model, prompts, k, args.max_new_tokens, temperature=args.temperature, generator=gen)
     for p, o in zip(args.prompt, out.tolist()):
         print(p + tokenizer.decode(o, skip_special_tokens=False))

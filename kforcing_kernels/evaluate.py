@@ -1,0 +1,303 @@
+"""Evaluation of a trained pipeline: per-position NLL, agreement, throughput and teacher-scored quality.
+
+    python -m kforcing_kernels.evaluate runs/x            # the folder `train pipeline` wrote
+
+* Per-position validation NLL (paper Table 2): for each student PFLM(k), the NLL of
+  its j-th token against its own teacher's target (the Stage-1/Stage-2 targets, on
+  held-out text, with fresh noise), and how often its argmax equals the target.
+* Throughput (paper Table 1): generated tokens / wall time of KV-cached generation,
+  AR (the Stage-0 teacher) vs K-Forcing with k in {1, 2, 4} from the final PFLM,
+  at several batch sizes; one warm-up call is excluded and the timed calls of all
+  methods are interleaved so machine-load drift does not favour any of them.
+* Quality: the Stage-0 AR teacher scores the generated tokens (mean NLL and
+  perplexity of each completion given its prompt, truncated at the first EOS).
+  This is a *teacher-scored* perplexity, not the paper's GPT-2-large Gen-PPL: it says
+  how typical the samples are for the distribution the students were distilled
+  from. Low values can also come from repetitive text, so the distinct-4-gram
+  ratio is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .data import load_corpus, sample_windows
+from .inference import generate_ar, generate_kforcing
+from .model import KForcingLM
+from .train import forward_distillation_targets, load_model, self_forcing_targets
+
+
+# ---------------------------------------------------------------------- NLL
+
+
+@torch.no_grad()
+def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int, seed: int = 0) -> float:
+    """Mean next-token NLL of an AR model on held-out windows (the reference row of Table 2)."""
+    gen = torch.Generator().manual_seed(seed)
+    device = model.wte.weight.device
+    total = 0.0
+    for _ in range(batches):
+        x = sample_windows(val, batch_size, seq_len + 1, gen).to(device)
+        total += float(F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()))
+    return total / batches
+
+
+@torch.no_grad()
+def per_position_nll(
+    student: KForcingLM, teacher: KForcingLM, teacher_k: int, val: torch.Tensor, *,
+    batches: int, batch_size: int, seq_len: int, tau: float, seed: int = 0,
+) -> dict:
+    """``{"k", "nll": [k], "agreement": [k]}`` of a student PFLM(k) against its teacher's targets.
+
+    ``teacher_k == 0``: the AR teacher's inverse-CDF samples (Stage 1); otherwise the two-round
+    self-forcing targets of the PFLM(teacher_k) teacher (Stage 2), with ``k = 2 * teacher_k``.
+    """
+    k = 1 if teacher_k == 0 else 2 * teacher_k
+    gen = torch.Generator().manual_seed(seed)
+    device = student.wte.weight.device
+    nll = torch.zeros(k, dtype=torch.float64)
+    agree = torch.zeros(k, dtype=torch.float64)
+    for _ in range(batches):
+        ctx = sample_windows(val, batch_size, seq_len, gen).to(device)
+        z = torch.rand(batch_size, seq_len, k, generator=gen).to(device)
+        taus = torch.full((batch_size,), tau, device=device)
+        if teacher_k == 0:
+            targets = forward_distillation_targets(teacher(ctx), z[..., 0], taus)[..., None]
+        else:
+            targets = self_forcing_targets(teacher, ctx, z, taus)
+        logits = student(ctx, z, taus).float()  # [B, N, k, V]
+        per_token = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view(targets.shape)
+        nll += per_token.mean((0, 1)).double().cpu()
+        agree += (logits.argmax(-1) == targets).double().mean((0, 1)).cpu()
+    return {"k": k, "nll": (nll / batches).tolist(), "agreement": (agree / batches).tolist()}
+
+
+# ---------------------------------------------------------------------- quality under the teacher
+
+
+@torch.no_grad()
+def teacher_score(teacher: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None) -> dict:
+    """Teacher NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
+
+    Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct4": unique/total 4-grams, "tokens": scored}``.
+    """
+    device = teacher.wte.weight.device
+    p = prompts.shape[1]
+    seq = torch.cat([prompts, completions], 1).to(device)
+    logp = torch.log_softmax(teacher(seq[:, :-1]).float(), -1)  # [B, P+T-1, V]
+    token_logp = logp[:, p - 1:].gather(-1, seq[:, p:, None])[..., 0]  # [B, T]
+    keep = torch.ones_like(completions, dtype=torch.bool)
+    if eos_id is not None:
+        is_eos = completions == eos_id
+        after_first = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
+        keep = ~after_first
+    keep = keep.to(device)
+    n = int(keep.sum())
+    nll = float(-(token_logp * keep).sum() / max(n, 1))
+    grams, unique = 0, set()
+    for row, mask in zip(completions.tolist(), keep.tolist()):
+        row = [t for t, m in zip(row, mask) if m]
+        for i in range(len(row) - 3):
+            unique.add(tuple(row[i:i + 4]))
+            grams += 1
+    return {"nll": nll, "ppl": math.exp(nll), "distinct4": len(unique) / max(grams, 1), "tokens": n}
+
+
+# ---------------------------------------------------------------------- throughput
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
+    """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call."""
+    for fn in fns.values():
+        fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+# ---------------------------------------------------------------------- the whole run
+
+
+def evaluate_pipeline(
+    run: str | Path, *,
+    batch_sizes: Sequence[int] = (4, 16, 128),
+    ks: Sequence[int] = (1, 2, 4),
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    temperature: float = 0.8,
+    reps: int = 3,
+    nll_batches: int = 8,
+    nll_batch_size: int = 16,
+    device: str = "cpu",
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Evaluate the stage folders of a pipeline run (``stage0``, ``stage1``, ``stage2_k*``)."""
+    run = Path(run)
+    batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
+    teacher, tinfo, _ = load_model(run / "stage0", device)
+    corpus = load_corpus(tinfo["data"], vocab_size=teacher.config.vocab_size)
+    stages = [run / "stage1"] + sorted(run.glob("stage2_k*"), key=lambda p: int(p.name.split("_k")[1]))
+    seq_len = tinfo["train_config"]["seq_len"]
+    summary: dict = {"run": str(run), "temperature": temperature, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads()}
+
+    # Table 2: per-position NLL of every student against its own teacher's targets.
+    log("[eval] per-position validation NLL")
+    nll_rows = [{"model": "AR teacher (next token, data)", "k": 0,
+                 "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size, seq_len=seq_len, seed=seed)],
+                 "agreement": None}]
+    models, prev = {}, teacher
+    for folder in stages:
+        student, info, _ = load_model(folder, device)
+        row = per_position_nll(student, prev, info["teacher_k"], corpus.val, batches=nll_batches, batch_size=nll_batch_size,
+                               seq_len=seq_len, tau=temperature, seed=seed)
+        nll_rows.append({"model": f"PFLM(k={info['k']}) [{folder.name}]", **row})
+        models[info["k"]] = student
+        prev = student
+    summary["per_position_nll"] = nll_rows
+    final_k = max(models)
+    pflm = models[final_k]
+    ks = [k for k in ks if k <= final_k]
+
+    # Table 1: throughput per batch size, quality from the largest batch (most samples).
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts_all = sample_windows(corpus.val, max(batch_sizes), prompt_len, gen)
+    noise_ar = torch.rand(max(batch_sizes), new_tokens, generator=gen)
+    noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
+    throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
+    outputs: dict[str, torch.Tensor] = {}
+    for b in batch_sizes:
+        prompts = prompts_all[:b].to(device)
+        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=temperature, noise=noise_ar[:b]))}
+        for k in ks:
+            fns[f"K-Forcing k={k}"] = (lambda k=k: outputs.__setitem__(
+                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=temperature, noise=noise_kf[k][:b])))
+        log(f"[eval] throughput at batch {b}")
+        times = interleaved_timings(fns, reps, torch.device(device))
+        for name, ts in times.items():
+            throughput[name][b] = b * new_tokens / statistics.median(ts)
+    quality = {name: teacher_score(teacher, prompts_all.to(device), out, corpus.eos_id) for name, out in outputs.items()}
+    reference = sample_windows(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
+    quality["data (held-out text)"] = teacher_score(teacher, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
+    summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
+    summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}
+    summary["quality"] = quality
+    summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name, out in outputs.items()}
+    summary["final_k"] = final_k
+    return summary
+
+
+# ---------------------------------------------------------------------- tables
+
+
+def format_table1(summary: dict) -> str:
+    bs = summary["batch_sizes"]
+    head = "| method | k | " + " | ".join(f"tok/s @ B={b}" for b in bs) + " | " + " | ".join(f"speedup @ B={b}" for b in bs)
+    head += " | teacher NLL | teacher PPL | distinct-4 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, row in summary["throughput"].items():
+        k = "1" if name == "AR" else name.split("=")[1]
+        q = summary["quality"][name]
+        cells = [f"{row[str(b)]:,.0f}" for b in bs] + [f"{summary['speedup'][name][str(b)]:.2f}x" for b in bs]
+        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {q['distinct4']:.3f} |")
+    ref = summary["quality"]["data (held-out text)"]
+    blank = " | ".join("-" for _ in bs)
+    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {ref['distinct4']:.3f} |")
+    return "\n".join(lines)
+
+
+def format_nll_table(summary: dict) -> str:
+    rows = summary["per_position_nll"]
+    kmax = max(r["k"] for r in rows)
+    head = "| model | " + " | ".join(f"NLL j={j}" for j in range(1, kmax + 1)) + " | " + " | ".join(f"agree j={j}" for j in range(1, kmax + 1)) + " |"
+    lines = [head, "|" + "---|" * (2 * kmax + 1)]
+    for r in rows:
+        nll = [f"{v:.3f}" for v in r["nll"]] + ["-"] * (kmax - len(r["nll"]))
+        agree = [f"{v:.3f}" for v in (r["agreement"] or [])]
+        agree += ["-"] * (kmax - len(agree))
+        lines.append(f"| {r['model']} | " + " | ".join(nll) + " | " + " | ".join(agree) + " |")
+    return "\n".join(lines)
+
+
+def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
+    """Speed-up and teacher-scored perplexity vs k; returns None, or why no plot was drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"matplotlib unavailable ({exc})"
+    names = [n for n in summary["throughput"] if n != "AR"]
+    ks = [int(n.split("=")[1]) for n in names]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for b in summary["batch_sizes"]:
+        ax1.plot(ks, [summary["speedup"][n][str(b)] for n in names], marker="o", label=f"batch {b}")
+    ax1.axhline(1.0, color="gray", linestyle="--", label="AR")
+    ax1.set(xlabel="k (tokens per forward)", ylabel="speed-up over AR (tokens/s)", xticks=ks, title="Throughput")
+    ax1.legend()
+    ppl = [summary["quality"][n]["ppl"] for n in names]
+    ax2.plot(ks, ppl, marker="o", label="K-Forcing (distinct-4 beside each point)")
+    for k, p, n in zip(ks, ppl, names):
+        ax2.annotate(f" {summary['quality'][n]['distinct4']:.2f}", (k, p))
+    ax2.axhline(summary["quality"]["AR"]["ppl"], color="gray", linestyle="--", label="AR teacher samples")
+    ax2.axhline(summary["quality"]["data (held-out text)"]["ppl"], color="green", linestyle=":", label="held-out text")
+    ax2.set(xlabel="k (tokens per forward)", ylabel="perplexity under the AR teacher", xticks=ks,
+            title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.evaluate", description="Evaluate a `train pipeline` run folder.")
+    parser.add_argument("run", help="the pipeline folder (holds stage0, stage1, stage2_k*)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16, 128])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    for name in ("prompt_len", "new_tokens", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error(f"argument --batch-sizes: expected positive integers, got {args.batch_sizes}")
+    if not (Path(args.run) / "stage0" / "model.json").exists():
+        parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
+    summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                temperature=args.temperature, reps=args.reps, device=args.device)
+    print(format_table1(summary))
+    print()
+    print(format_nll_table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
