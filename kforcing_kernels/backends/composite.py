@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import torch
 
 from ..layouts import WindowLayout
@@ -159,12 +161,19 @@ def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
 
 
 def _intra_visible(layout: WindowLayout, device) -> torch.Tensor:
-    """bool [M, w, w]: slot i sees slot j of its own window (padding keys of a short last window hidden)."""
-    w = layout.window_size
+    """bool [M or 1, w, w]: slot i sees slot j of its own window (padding keys of a short last window hidden)."""
+    return _intra_visible_cached(layout.window_size, layout.last_window_size, layout.num_windows, layout.intra, str(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _intra_visible_cached(w: int, last: int, m: int, intra: str, device: str) -> torch.Tensor:
     i = torch.arange(w, device=device)
-    vis = (i[None, :] <= i[:, None]) if layout.intra == "causal" else torch.ones(w, w, dtype=torch.bool, device=device)
-    key_ok = i[None, :] < layout.window_lengths().to(device)[:, None]  # [M, w]
-    return vis[None] & key_ok[:, None, :]
+    vis = (i[None, :] <= i[:, None]) if intra == "causal" else torch.ones(w, w, dtype=torch.bool, device=device)
+    if last == w:
+        return vis[None]
+    lengths = torch.full((m,), w, device=device)
+    lengths[-1] = last
+    return vis[None] & (i[None, :] < lengths[:, None])[:, None, :]
 
 
 def _use_fold(layout: WindowLayout) -> bool:
@@ -185,17 +194,18 @@ def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
 def _fold_mask(layout: WindowLayout, b: int, device) -> Optional[torch.Tensor]:
     if layout.intra == "causal" or layout.last_window_size == layout.window_size:
         return None
-    return _intra_visible(layout, device)[None, :, None].expand(b, -1, -1, -1, -1).reshape(-1, 1, layout.window_size, layout.window_size)
+    vis = _intra_visible(layout, device).expand(layout.num_windows, -1, -1)
+    return vis[None, :, None].expand(b, -1, -1, -1, -1).reshape(-1, 1, layout.window_size, layout.window_size)
 
 
 def _scores(qw, kw, scale, layout):
-    # qw [B, H, M, w, D], kw [B, Hkv, M, w, D] -> fp32 scores [B, Hkv, g, M, w, w], masked.
+    # qw [B, H, M, w, D], kw [B, Hkv, M, w, D] -> scores [B, Hkv, g, M, w, w] (acc dtype, masked), q as [B, Hkv, g, M, w, D].
     b, h, m, w, d = qw.shape
     hkv = kw.shape[1]
     ct = acc_dtype(qw.dtype)
     q6 = qw.view(b, hkv, h // hkv, m, w, d).to(ct)
-    s = torch.einsum("bkgmid,bkmjd->bkgmij", q6, kw.to(ct)) * scale
-    return s.masked_fill(~_intra_visible(layout, qw.device), float("-inf")), q6
+    s = torch.matmul(q6, kw.to(ct).unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    return s.masked_fill_(~_intra_visible(layout, qw.device), float("-inf")), q6
 
 
 def _intra_forward(qw, kw, vw, layout, scale):
@@ -205,9 +215,11 @@ def _intra_forward(qw, kw, vw, layout, scale):
         o, l = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
         return _unfold(o, b), _unfold(l, b)
     s, _ = _scores(qw, kw, scale, layout)
-    lse = torch.logsumexp(s, -1)
-    o = torch.einsum("bkgmij,bkmjd->bkgmid", torch.exp(s - lse[..., None]), vw.to(s.dtype))
-    return o.reshape(b, h, m, w, d).to(qw.dtype), lse.reshape(b, h, m, w)
+    row_max = s.amax(-1, keepdim=True)  # finite: every slot sees itself
+    p = s.sub_(row_max).exp_()
+    denom = p.sum(-1, keepdim=True)
+    o = torch.matmul(p, vw.to(p.dtype).unsqueeze(2)).div_(denom)
+    return o.view(b, h, m, w, d).to(qw.dtype), (row_max + denom.log()).view(b, h, m, w)
 
 
 def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
@@ -249,7 +261,8 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
         o_i, l_i = _intra_forward(qw, _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout), layout, scale)
         o_p, l_p = _prefix_forward(qw, k, v, layout, scale)
         l = torch.logaddexp(l_p, l_i)
-        o = o_p.to(ct) * torch.exp(l_p - l)[..., None] + o_i.to(ct) * torch.exp(l_i - l)[..., None]
+        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i.
+        o = torch.lerp(o_i.to(ct), o_p.to(ct), torch.sigmoid(l_p - l_i)[..., None])
         out[:, :, -nw:] = _from_windows(o.to(q.dtype), layout)
         lse[:, :, -nw:] = _from_windows(l, layout)
     return out, lse
