@@ -124,6 +124,16 @@ def test_composite_portable_path_end_to_end(monkeypatch):
             torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("loop_min_rows", [0, 10**9])
+@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "general_streams"])
+def test_composite_intra_loop_and_batched_paths(monkeypatch, name, loop_min_rows):
+    """Both intra-window product paths (per-head bmm loop, batched matmul) match the reference."""
+    monkeypatch.setattr(composite, "LOOP_MIN_ROWS", loop_min_rows)
+    ours, ref64, _ = compare_with_reference(LAYOUTS[name], "composite", heads=6, kv_heads=2)
+    for a, b in zip(ours, ref64):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
+
+
 def test_default_backend_is_available_and_used():
     status = backends_available()
     assert status["reference"] is None and status["composite"] is None

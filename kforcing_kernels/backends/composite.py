@@ -32,6 +32,10 @@ from ._lse_attention import acc_dtype, attend, attend_backward
 CHUNK_ROWS = 256
 # Windows at least this large use fused causal calls for their intra tile.
 FOLD_WINDOW_MIN = 32
+# Smaller windows: on CPU, once a head holds this many window rows, one bmm per
+# (batch, head) on strided views beats a 5-D matmul, which first copies the
+# non-contiguous window slices of q, k and v.
+LOOP_MIN_ROWS = 256
 
 
 def available() -> Optional[str]:
@@ -198,32 +202,55 @@ def _fold_mask(layout: WindowLayout, b: int, device) -> Optional[torch.Tensor]:
     return vis[None, :, None].expand(b, -1, -1, -1, -1).reshape(-1, 1, layout.window_size, layout.window_size)
 
 
+def _window_mm(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-window products: x [B, H, M, w, a] @ y [B, Hy, M, a, c] -> [B, H, M, w, c]; head h uses y's head h // group."""
+    b, h, m, w = x.shape[:4]
+    c = y.shape[-1]
+    if x.device.type == "cpu" and m * w >= LOOP_MIN_ROWS:
+        out = x.new_empty(b, h, m, w, c)
+        for bi in range(b):
+            for hi in range(h):
+                torch.bmm(x[bi, hi], y[bi, hi // group], out=out[bi, hi])
+        return out
+    return torch.matmul(x.view(b, y.shape[1], group, m, w, -1), y.unsqueeze(2)).view(b, h, m, w, c)
+
+
+def _window_mm_t_sum(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
+    """x [B, H, M, w, w]^T @ y [B, H, M, w, c], summed over each group of query heads -> [B, H/group, M, w, c]."""
+    b, h, m, w = x.shape[:4]
+    c = y.shape[-1]
+    if x.device.type == "cpu" and m * w >= LOOP_MIN_ROWS:
+        out = y.new_zeros(b, h // group, m, w, c)
+        for bi in range(b):
+            for hi in range(h):
+                out[bi, hi // group].baddbmm_(x[bi, hi].transpose(1, 2), y[bi, hi])
+        return out
+    return torch.matmul(x.transpose(-1, -2), y).view(b, h // group, group, m, w, c).sum(2)
+
+
 def _scores(qw, kw, scale, layout):
-    # qw [B, H, M, w, D], kw [B, Hkv, M, w, D] -> scores [B, Hkv, g, M, w, w] (acc dtype, masked), q as [B, Hkv, g, M, w, D].
-    b, h, m, w, d = qw.shape
-    hkv = kw.shape[1]
+    # qw [B, H, M, w, D], kw [B, Hkv, M, w, D] -> masked scores [B, H, M, w, w] in the accumulation dtype.
     ct = acc_dtype(qw.dtype)
-    q6 = qw.view(b, hkv, h // hkv, m, w, d).to(ct)
-    s = torch.matmul(q6, kw.to(ct).unsqueeze(2).transpose(-1, -2)).mul_(scale)
-    return s.masked_fill_(~_intra_visible(layout, qw.device), float("-inf")), q6
+    s = _window_mm(qw.to(ct), kw.to(ct).transpose(-1, -2), qw.shape[1] // kw.shape[1]).mul_(scale)
+    return s.masked_fill_(~_intra_visible(layout, qw.device), float("-inf"))
 
 
 def _intra_forward(qw, kw, vw, layout, scale):
-    b, h, m, w, d = qw.shape
+    b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal"
         o, l = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
         return _unfold(o, b), _unfold(l, b)
-    s, _ = _scores(qw, kw, scale, layout)
+    s = _scores(qw, kw, scale, layout)
     row_max = s.amax(-1, keepdim=True)  # finite: every slot sees itself
     p = s.sub_(row_max).exp_()
     denom = p.sum(-1, keepdim=True)
-    o = torch.matmul(p, vw.to(p.dtype).unsqueeze(2)).div_(denom)
-    return o.view(b, h, m, w, d).to(qw.dtype), (row_max + denom.log()).view(b, h, m, w)
+    o = _window_mm(p, vw.to(p.dtype), qw.shape[1] // vw.shape[1]).div_(denom)
+    return o.to(qw.dtype), (row_max + denom.log()).squeeze(-1)
 
 
 def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
-    b, h, m, w, d = qw.shape
+    b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal"
         dq, dk, dv = attend_backward(
@@ -231,18 +258,14 @@ def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
             causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device),
         )
         return _unfold(dq, b), _unfold(dk, b), _unfold(dv, b)
-    hkv = kw.shape[1]
-    s, q6 = _scores(qw, kw, scale, layout)
-    ct = s.dtype
-    p = torch.exp(s - lw.view(b, hkv, h // hkv, m, w, 1).to(ct))
-    do6 = dow.view(b, hkv, h // hkv, m, w, d).to(ct)
-    delta = (do6 * ow.view_as(do6).to(ct)).sum(-1, keepdim=True)
-    dp = torch.einsum("bkgmid,bkmjd->bkgmij", do6, vw.to(ct))
-    ds = p * (dp - delta) * scale
-    dq = torch.einsum("bkgmij,bkmjd->bkgmid", ds, kw.to(ct)).reshape(b, h, m, w, d)
-    dk = torch.einsum("bkgmij,bkgmid->bkmjd", ds, q6)
-    dv = torch.einsum("bkgmij,bkgmid->bkmjd", p, do6)
-    return dq, dk, dv
+    ct = acc_dtype(qw.dtype)
+    group = qw.shape[1] // kw.shape[1]
+    p = _scores(qw, kw, scale, layout).sub_(lw.to(ct).unsqueeze(-1)).exp_()
+    do = dow.to(ct)
+    delta = (do * ow.to(ct)).sum(-1, keepdim=True)
+    ds = _window_mm(do, vw.to(ct).transpose(-1, -2), group).sub_(delta).mul_(p).mul_(scale)
+    dq = _window_mm(ds, kw.to(ct), group)
+    return dq, _window_mm_t_sum(ds, qw.to(ct), group), _window_mm_t_sum(p, do, group)
 
 
 # ---------------------------------------------------------------------- entry points
