@@ -35,7 +35,8 @@ from bench._cli import write_json  # noqa: E402
 from bench._timing import machine_info, pin_threads  # noqa: E402
 from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
-from kforcing_kernels import _extension, sampling  # noqa: E402
+from kforcing_kernels import _extension
+from kforcing_kernels.ops import sampling  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 

@@ -6,10 +6,11 @@
     layout.dense_mask()                          # bool [Lq, Lk], the oracle
 """
 
-from .attention import window_attention
-from .backends import BACKENDS, backends_available, default_backend
+from .ops.window_attention import window_attention
+from .ops.window_attention import BACKENDS, backends_available, default_backend
+from .ops.sampling import inverse_cdf_sample, noise_inversion
 from .layouts import WindowLayout
 
 __version__ = "0.1.0"
 
-__all__ = ["WindowLayout", "window_attention", "backends_available", "default_backend", "BACKENDS", "__version__"]
+__all__ = ["WindowLayout", "window_attention", "inverse_cdf_sample", "noise_inversion", "backends_available", "default_backend", "BACKENDS", "__version__"]

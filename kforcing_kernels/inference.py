@@ -25,7 +25,7 @@ import torch
 
 from .layouts import WindowLayout
 from .model import KForcingLM
-from .sampling import inverse_cdf_sample
+from .ops.sampling import inverse_cdf_sample
 
 Prompts = Union[torch.Tensor, Sequence[Sequence[int]], Sequence[torch.Tensor]]
 Temperature = Union[float, torch.Tensor]

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from .data import DEFAULT_SOURCE, Corpus, load_corpus, sample_windows
 from .model import PRESETS, KForcingLM, ModelConfig
-from .sampling import inverse_cdf_sample, noise_inversion
+from .ops.sampling import inverse_cdf_sample, noise_inversion
 
 STAGES = ("stage0", "stage1", "stage2")
 SUPERVISIONS = ("forward", "noise_inversion")

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
-from kforcing_kernels.backends import _lse_attention, composite
+from kforcing_kernels.ops.window_attention import composite
+from kforcing_kernels.ops.window_attention import lse_attention as _lse_attention
 
 
 def layouts():
@@ -144,8 +145,8 @@ def test_default_backend_is_available_and_used():
 
 def test_default_backend_skips_backends_that_cannot_take_the_inputs(monkeypatch):
     """On CUDA, triton takes fp16/bf16 and D in {32, 64, 128}; anything else defaults to composite."""
-    from kforcing_kernels import backends
-    from kforcing_kernels.backends import triton as triton_backend
+    from kforcing_kernels.ops.window_attention import backends
+    from kforcing_kernels.ops.window_attention import triton as triton_backend
 
     monkeypatch.delenv("KFORCING_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

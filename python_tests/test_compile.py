@@ -1,6 +1,6 @@
 """window_attention under torch.compile(fullgraph=True): no graph breaks, same numbers, no recompiles across N.
 
-The recompile policy is stated in kforcing_kernels/attention.py's module docstring.
+The recompile policy is stated in kforcing_kernels/ops/window_attention/op.py's module docstring.
 Compiles are slow on 2 cores, so shapes are tiny and most graphs use the
 ``aot_eager`` backend (dynamo + AOTAutograd, which is where breaks and guards
 arise); one test runs inductor end to end.

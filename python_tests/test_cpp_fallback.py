@@ -16,7 +16,7 @@ USE_PACKAGE = textwrap.dedent(
     warnings.simplefilter("always")
     import torch
     from kforcing_kernels import WindowLayout, backends_available, default_backend, window_attention
-    from kforcing_kernels.sampling import inverse_cdf_sample, noise_inversion, sampler_backend
+    from kforcing_kernels.ops.sampling import inverse_cdf_sample, noise_inversion, sampler_backend
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

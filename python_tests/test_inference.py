@@ -7,7 +7,7 @@ import torch
 
 from kforcing_kernels.inference import generate_ar, generate_kforcing, pad_prompts
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.sampling import inverse_cdf_sample
+from kforcing_kernels.ops.sampling import inverse_cdf_sample
 
 CFG = ModelConfig.micro(vocab_size=50, n_embd=32, n_head=2, n_layer=2)
 LENGTHS = (3, 8, 5)  # ragged prompts in one batch

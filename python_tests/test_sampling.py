@@ -8,8 +8,9 @@ of test_cpp_fallback.py), plus the C++ one explicitly and per instruction-set bu
 import pytest
 import torch
 
-from kforcing_kernels import _extension, sampling
-from kforcing_kernels.sampling import inverse_cdf_sample, noise_inversion, sampler_backend
+from kforcing_kernels import _extension
+from kforcing_kernels.ops import sampling
+from kforcing_kernels.ops.sampling import inverse_cdf_sample, noise_inversion, sampler_backend
 
 EXT = _extension.load()
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"C++ extension: {_extension.reason()}")

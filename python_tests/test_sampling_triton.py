@@ -1,4 +1,4 @@
-"""Triton sampler (kernels/sampler_triton.py) without a GPU.
+"""Triton sampler (ops/sampling/triton_kernels.py) without a GPU.
 
 1. Correctness in Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so the
    variable is set before any kernel is decorated): exact agreement with the float64
@@ -25,7 +25,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from kforcing_kernels import _extension
-    from kforcing_kernels.kernels import sampler_triton as st
+    from kforcing_kernels.ops.sampling import triton_kernels as st
 
     def reference64(logits, z, tau):
         cdf = torch.softmax(logits.double() / tau, -1).cumsum(-1)
@@ -97,7 +97,7 @@ def test_triton_sampler_compiles_for_gpus_without_spills(arch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kforcing_kernels.kernels import sampler_triton as st
+    from kforcing_kernels.ops.sampling import triton_kernels as st
 
     if _tools_missing():
         pytest.skip(_tools_missing())

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from kforcing_kernels.data import load_corpus
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.sampling import inverse_cdf_sample
+from kforcing_kernels.ops.sampling import inverse_cdf_sample
 from kforcing_kernels.train import (
     CheckpointError, TrainConfig, forward_distillation_targets, latest_checkpoint, learning_rate, load_checkpoint,
     load_model, main, noise_inversion_supervision, read_metrics, save_checkpoint, self_forcing_targets, train, _optimizer,

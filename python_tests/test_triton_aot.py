@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_kernel_argument_has_a_type():
     """The report derives signatures from argument roles; a new argument must not slip through untyped."""
-    from kforcing_kernels.kernels import window_attention_triton as kernels
+    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
 
     if kernels.interpreting():
         pytest.skip("kernels were built for the interpreter in this process")
@@ -32,7 +32,7 @@ def test_every_kernel_argument_has_a_type():
 
 
 def test_configs_table_is_consistent():
-    from kforcing_kernels.kernels import window_attention_triton as kernels
+    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
 
     for name in kernels.KERNELS:
         for d in kernels.SUPPORTED_HEAD_DIMS:
@@ -49,7 +49,7 @@ def test_default_configs_compile_for_sm80_and_sm90_without_spills():
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    from kforcing_kernels.kernels import window_attention_triton as kernels
+    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
 
     expected = len(aot_report.TARGETS) * len(kernels.KERNELS) * len(kernels.SUPPORTED_HEAD_DIMS) * len(aot_report.DTYPES)
     assert len(rows) == expected, out[-3000:]

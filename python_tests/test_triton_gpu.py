@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_qkv
 from kforcing_kernels import WindowLayout, default_backend, window_attention
-from kforcing_kernels.backends import reference
+from kforcing_kernels.ops.window_attention import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

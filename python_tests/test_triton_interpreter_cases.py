@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 
 from conftest import make_qkv  # noqa: E402
 from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
-from kforcing_kernels.backends import reference  # noqa: E402
-from kforcing_kernels.kernels.tile_plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
+from kforcing_kernels.ops.window_attention import reference  # noqa: E402
+from kforcing_kernels.ops.window_attention.tile_plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
 
 SMALL = Tiles(16, 16, 16, 16)
 MID = Tiles(32, 32, 16, 32)
@@ -33,7 +33,7 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2,
 @pytest.fixture(scope="module")
 def kernels():
     """The kernel module, built for the interpreter."""
-    from kforcing_kernels.backends import triton as backend
+    from kforcing_kernels.ops.window_attention import triton as backend
 
     assert backend.available() is None
     module = backend.kernels()

@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "`pip install transformers` (or `pip install kforcing_kernels[hf]`)"
     ) from exc
 
-from ..attention import window_attention
+from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..sdpa import scaled_dot_product_attention
 

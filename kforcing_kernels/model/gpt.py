@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import window_attention
+from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from .config import ModelConfig
 

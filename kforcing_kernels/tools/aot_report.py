@@ -76,7 +76,7 @@ def tools_missing() -> Optional[str]:
 
 
 def _signature(fn, dtype: str, constexprs: dict):
-    from ..kernels import window_attention_triton as kernels
+    from ..ops.window_attention import triton_kernels as kernels
 
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
@@ -101,7 +101,7 @@ def _signature(fn, dtype: str, constexprs: dict):
 
 
 def _constexprs(kernel: str, head_dim: int) -> dict:
-    from ..kernels import window_attention_triton as kernels
+    from ..ops.window_attention import triton_kernels as kernels
 
     tiles = kernels.TILES_BY_HEAD_DIM[head_dim]
     if kernel in ("slot_fwd", "slot_bwd"):
@@ -122,7 +122,7 @@ def compile_one(job: Job) -> Row:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ..kernels import window_attention_triton as kernels
+    from ..ops.window_attention import triton_kernels as kernels
 
     fn = kernels.KERNELS[job.kernel]
     constexprs = _constexprs(job.kernel, job.head_dim)
@@ -149,7 +149,7 @@ def compile_one(job: Job) -> Row:
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
     """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate)."""
-    from ..kernels import window_attention_triton as kernels
+    from ..ops.window_attention import triton_kernels as kernels
 
     out = []
     for arch in archs:

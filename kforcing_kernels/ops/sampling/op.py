@@ -10,7 +10,7 @@ Implementations, picked by device (:func:`sampler_backend` says which one runs):
   computing per-block (max, sum of exp), then a walk over the block totals and one
   block; the [..., V] cumulative sum is never stored.
 * ``triton`` (CUDA): the same algorithm as a Triton kernel
-  (``kforcing_kernels.kernels.sampler_triton``).
+  (``kforcing_kernels.ops.sampling.triton_kernels``).
 * ``reference``: softmax + cumsum + searchsorted in torch, float64. The fallback
   when neither of the above is available.
 """
@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _extension
+from ... import _extension
 
 Temperature = Union[float, torch.Tensor]
 
@@ -55,7 +55,7 @@ def _cdf(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
 
 def _triton_sampler():
     try:
-        from .kernels import sampler_triton
+        from . import triton_kernels as sampler_triton
     except ImportError:
         return None
     return sampler_triton if sampler_triton.available() is None else None

@@ -24,8 +24,8 @@ import functools
 
 import torch
 
-from ..layouts import WindowLayout
-from ._lse_attention import acc_dtype, attend, attend_backward
+from ...layouts import WindowLayout
+from .lse_attention import acc_dtype, attend, attend_backward
 
 # Query rows per masked call in the general prefix path: bounds the staircase
 # padding a chunk carries (~ rows/2 keys per row) against per-call overhead.

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import _extension
-from ..layouts import WindowLayout
+from ... import _extension
+from ...layouts import WindowLayout
 
 
 def available() -> Optional[str]:

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..layouts import WindowLayout
-from ._lse_attention import acc_dtype
+from ...layouts import WindowLayout
+from .lse_attention import acc_dtype
 
 
 def available() -> Optional[str]:

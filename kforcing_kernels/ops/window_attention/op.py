@@ -28,8 +28,8 @@ from typing import Optional, Union
 import torch
 
 from .backends import BACKENDS, default_backend, get_backend
-from .backends._lse_attention import acc_dtype, attend, attend_backward
-from .layouts import WindowLayout
+from .lse_attention import acc_dtype, attend, attend_backward
+from ...layouts import WindowLayout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

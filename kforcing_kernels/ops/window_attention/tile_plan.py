@@ -41,7 +41,7 @@ from typing import Union
 
 import torch
 
-from ..layouts import WindowLayout
+from ...layouts import WindowLayout
 
 
 @dataclasses.dataclass(frozen=True)

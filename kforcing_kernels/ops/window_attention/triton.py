@@ -1,4 +1,4 @@
-"""Triton backend: the fused prefix-window kernels of ``kforcing_kernels.kernels``.
+"""Triton backend: the fused prefix-window kernels of ``triton_kernels.py`` (run over ``tile_plan.py``).
 
 Runs compiled on CUDA tensors (float16 / bfloat16), or in Triton's interpreter
 on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was first
@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from ..layouts import WindowLayout
+from ...layouts import WindowLayout
 
-_KERNELS = "kforcing_kernels.kernels.window_attention_triton"
+_KERNELS = "kforcing_kernels.ops.window_attention.triton_kernels"
 
 
 def _interpret_requested() -> bool:

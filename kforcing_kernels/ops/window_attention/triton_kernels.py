@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layouts import WindowLayout
+from ...layouts import WindowLayout
 from .tile_plan import DEFAULT_TILES, TilePlan, Tiles, tile_plan
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)

@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 
 _MODULES = {
-    "reference": "kforcing_kernels.backends.reference",
-    "composite": "kforcing_kernels.backends.composite",
-    "cpp": "kforcing_kernels.backends.cpp",
-    "triton": "kforcing_kernels.backends.triton",
+    "reference": "kforcing_kernels.ops.window_attention.reference",
+    "composite": "kforcing_kernels.ops.window_attention.composite",
+    "cpp": "kforcing_kernels.ops.window_attention.cpp",
+    "triton": "kforcing_kernels.ops.window_attention.triton",
 }
 BACKENDS = tuple(_MODULES)
 
