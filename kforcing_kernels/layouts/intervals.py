@@ -1,0 +1,122 @@
+"""The one derivation of a layout's semantics: per query row, the key intervals it sees.
+
+Every backend, the dense mask, FlexAttention's ``mask_mod``/``BlockMask`` and the
+kernels' tile plans read the tensor built here; nothing else re-derives which key
+a row sees. Row ``r`` sees the union of ``1 + S`` half-open key intervals:
+
+    interval 0        its context part: a context row i sees [context_lo[i], context_hi[i])
+                      (default [0, i+1)); a row of window m sees [prefix_lo[m], prefix_hi[m])
+    interval 1 + j    stream j of its own window (causal: earlier streams whole, its own
+                      stream up to itself, later streams nothing; full: every live slot)
+
+A blank row (a window slot ``>= live_slots[m]``) sees nothing: all its intervals are
+``[0, 0)``; blank slots are also seen by no row. Empty intervals are ``[0, 0)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .window_layout import WindowLayout
+
+
+def window_slot_keys(layout: "WindowLayout") -> torch.Tensor:
+    """int64 [M, w]: key index of slot i of window m (-1 past the end of a short last window).
+
+    Stream-major storage (S streams of s = w/S slots): slot i of window m sits at
+    ``n_ctx + (i // s) * (M * s) + m * s + i % s``; S = 1 is position-major. This is
+    the only place the formula is written.
+    """
+    m_idx = torch.arange(layout.num_windows)[:, None]
+    slot = torch.arange(layout.window_size)[None, :]
+    s = layout.slots_per_stream
+    keys = layout.n_ctx + (slot // s) * (layout.num_windows * s) + m_idx * s + slot % s
+    valid = slot < layout.window_lengths()[:, None]
+    return torch.where(valid, keys, torch.full_like(keys, -1))
+
+
+def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
+    """int64 [B', Lq, 1 + S, 2] (B' = layout.range_batch or 1), in O(Lq * S)."""
+    nb = layout.range_batch or 1
+    S, s = layout.n_streams, layout.slots_per_stream
+    c = layout.n_ctx
+    iv = torch.zeros(nb, layout.n_keys, 1 + S, 2, dtype=torch.int64)  # indexed by key position
+    if layout.context_lo is None:
+        iv[:, :c, 0, 1] = torch.arange(1, c + 1)
+    else:
+        iv[:, :c, 0, 0] = layout.context_lo.reshape(-1, c)
+        iv[:, :c, 0, 1] = layout.context_hi.reshape(-1, c)
+    if layout.num_windows:
+        keys = window_slot_keys(layout)  # [M, w]
+        valid = keys >= 0
+        m_of = torch.arange(layout.num_windows)[:, None].expand_as(keys)[valid]
+        slot_of = torch.arange(layout.window_size)[None, :].expand_as(keys)[valid]
+        key_of = keys[valid]
+        live = layout.live_lengths().reshape(-1, layout.num_windows)[:, m_of]  # [B'|1, Nw]
+        alive = slot_of[None] < live
+        lo = layout.prefix_lo.reshape(-1, layout.num_windows)[:, m_of]
+        hi = layout.prefix_hi.reshape(-1, layout.num_windows)[:, m_of]
+        iv[:, key_of, 0, 0] = torch.where(alive, lo, 0)
+        iv[:, key_of, 0, 1] = torch.where(alive, hi, 0)
+        # Live slots of stream j in each row's window; for S = 1 the stream is the whole window.
+        stream, within = slot_of // s, slot_of % s
+        for j in range(S):
+            n_j = torch.clamp(live - j * s, min=0, max=s)
+            if layout.intra == "full":
+                seen = n_j
+            else:
+                seen = torch.where(stream > j, n_j, torch.where(stream == j, within + 1, 0))
+            seen = torch.where(alive, torch.minimum(seen, n_j), 0)
+            start = keys[m_of, j * s]
+            iv[:, key_of, 1 + j, 0] = torch.where(seen > 0, start, 0)
+            iv[:, key_of, 1 + j, 1] = torch.where(seen > 0, start + seen, 0)
+    return iv[:, layout.query_offset:].contiguous()
+
+
+def dense_mask_from(iv: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """bool [B', Lq, Lk]: the union of each row's intervals."""
+    cols = torch.arange(n_keys)
+    mask = torch.zeros(iv.shape[0], iv.shape[1], n_keys, dtype=torch.bool)
+    for j in range(iv.shape[2]):
+        mask |= (iv[:, :, j, 0, None] <= cols) & (cols < iv[:, :, j, 1, None])
+    return mask
+
+
+def count_pairs(iv: torch.Tensor) -> torch.Tensor:
+    """int64 [B']: attended (query, key) pairs (a row's intervals never overlap)."""
+    return (iv[..., 1] - iv[..., 0]).clamp(min=0).sum((1, 2))
+
+
+def reduce_over_tiles(iv: torch.Tensor, tile_of_row: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """int64 [B', T, J, 4] ``(klo, khi, flo, fhi)`` per tile and interval, in O(Lq * J).
+
+    ``[klo, khi)`` is the union of the tile rows' non-empty intervals (``[0, 0)`` when
+    all are empty); ``[flo, fhi)`` their intersection, empty unless every row of the
+    tile sees a non-empty interval (keys there need no mask). ``tile_of_row`` is
+    int64 [Lq] (-1: row in no tile).
+    """
+    nb, lq, nj, _ = iv.shape
+    lo, hi = iv[..., 0], iv[..., 1]
+    nonempty = hi > lo
+    big = torch.iinfo(torch.int64).max
+    idx = tile_of_row.clamp(min=0)[None, :, None].expand(nb, lq, nj)
+    in_tile = (tile_of_row >= 0)[None, :, None]
+    sel = nonempty & in_tile
+
+    def reduce(values, fill, how):
+        out = torch.full((nb, n_tiles, nj), fill, dtype=torch.int64)
+        return out.scatter_reduce(1, idx, torch.where(in_tile, values, fill), reduce=how, include_self=True)
+
+    klo = reduce(torch.where(sel, lo, big), big, "amin")
+    khi = reduce(torch.where(sel, hi, -1), -1, "amax")
+    flo = reduce(torch.where(in_tile, lo, -1), -1, "amax")
+    fhi = reduce(torch.where(in_tile, hi, big), big, "amin")
+    all_seen = reduce(torch.where(in_tile, nonempty.long(), 1), 1, "amin") > 0
+    any_seen = khi >= 0
+    has_full = all_seen & (fhi > flo)
+    zero = torch.zeros_like(klo)
+    return torch.stack([torch.where(any_seen, klo, zero), torch.where(any_seen, khi, zero),
+                        torch.where(has_full, flo, zero), torch.where(has_full, fhi, zero)], -1)
