@@ -1,9 +1,10 @@
 // CPU prefix-window attention: validation, the tile plan, packing, and the
 // parallel loop over (batch, head, query tile). The per-tile math is in kf_isa_impl.h.
 //
-// Tile plan. Every query row sees 1 + S half-open key intervals (slot 0: its
-// context part; slots 1..S: its own window, one per storage stream), exactly
-// WindowLayout.row_intervals(). Query tiles hold up to kTileRows rows and never mix
+// Tile plan. Every query row sees 1 + S half-open key intervals (interval 0: its
+// context part; 1..S: its own window, one per storage stream). They are computed once,
+// in Python (WindowLayout.row_intervals(), kforcing_kernels/layouts/intervals.py), and
+// passed in as a tensor: this file never re-derives what a row sees. Query tiles hold up to kTileRows rows and never mix
 // context and window rows: windows of w <= kTileRows are packed whole (k = 4 gives
 // 16 windows per tile), larger windows are cut into row tiles. For each slot a tile
 // walks the union of its rows' intervals in chunks of kChunkCols keys, so a context
@@ -35,16 +36,16 @@ constexpr int64_t kChunkCols = 256;
 
 struct Geometry {
   int64_t n_ctx, M, w, last, S, s;  // s: slots per stream
-  bool causal, queries_all;
+  bool queries_all;
   int64_t n_win, Lk, Lq, qoff;
 
   int64_t window_len(int64_t m) const { return m == M - 1 ? last : w; }
-  int64_t key_of(int64_t m, int64_t i) const {  // key index of slot i of window m
-    return S == 1 ? n_ctx + m * w + i : n_ctx + (i / s) * M * s + m * s + i % s;
-  }
+  // Key index of slot i of window m: the stream-major storage formula of
+  // layouts/intervals.py (window_slot_keys), needed here only to order a tile's rows.
+  int64_t key_of(int64_t m, int64_t i) const { return n_ctx + (i / s) * M * s + m * s + i % s; }
 };
 
-Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool causal, bool queries_all) {
+Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool queries_all) {
   TORCH_CHECK_VALUE(n_ctx >= 0, "n_ctx: expected >= 0, got ", n_ctx);
   TORCH_CHECK_VALUE(M >= 0, "num_windows: expected >= 0, got ", M);
   TORCH_CHECK_VALUE(w >= 1, "window_size: expected >= 1, got ", w);
@@ -54,7 +55,7 @@ Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64
                     ") needs equal windows, got ", last, " != ", w);
   TORCH_CHECK_VALUE(n_ctx + M > 0, "n_ctx: a layout needs at least one token (n_ctx=0 and num_windows=0)");
   TORCH_CHECK_VALUE(queries_all || M > 0, "num_windows: queries='windows' needs at least one window, got 0");
-  Geometry g{n_ctx, M, w, M ? last : w, S, w / S, causal, queries_all, 0, 0, 0, 0};
+  Geometry g{n_ctx, M, w, M ? last : w, S, w / S, queries_all, 0, 0, 0, 0};
   g.n_win = M ? (M - 1) * w + g.last : 0;
   g.Lk = n_ctx + g.n_win;
   g.Lq = queries_all ? g.Lk : g.n_win;
@@ -63,32 +64,21 @@ Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64
   return g;
 }
 
-// int64 [B', M] copies of the prefix ranges, checked against the geometry.
-std::pair<at::Tensor, at::Tensor> check_ranges(const at::Tensor& lo, const at::Tensor& hi, const Geometry& g,
-                                               int64_t batch) {
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"prefix_lo", lo}, {"prefix_hi", hi}}) {
-    TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()) &&
-                          t.scalar_type() != at::kBool,
-                      name, ": expected an integer tensor, got dtype ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == 1 || t.dim() == 2, name, ": expected shape [M] or [B, M], got ", t.sizes());
-    TORCH_CHECK_VALUE(t.size(-1) == g.M, name, ": expected ", g.M, " windows in the last dim, got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.dim() == 1 || t.size(0) == batch, name, ": expected per-batch ranges for batch ", batch,
-                      ", got shape ", t.sizes());
+// The row intervals: int32 [B', Lq, 1 + S, 2] with B' = 1 (shared) or the batch,
+// each interval half-open inside [0, Lk).
+at::Tensor check_intervals(const at::Tensor& iv, const Geometry& g, int64_t batch) {
+  TORCH_CHECK_VALUE(iv.scalar_type() == at::kInt, "row_intervals: expected dtype int32, got ", iv.scalar_type());
+  TORCH_CHECK_VALUE(iv.device().is_cpu(), "row_intervals: expected a CPU tensor, got device ", iv.device());
+  TORCH_CHECK_VALUE(iv.dim() == 4 && (iv.size(0) == 1 || iv.size(0) == batch) && iv.size(1) == g.Lq &&
+                        iv.size(2) == 1 + g.S && iv.size(3) == 2,
+                    "row_intervals: expected shape [1 or ", batch, ", ", g.Lq, ", ", 1 + g.S, ", 2], got ", iv.sizes());
+  at::Tensor c = iv.contiguous();
+  const int32_t* p = c.data_ptr<int32_t>();
+  for (int64_t i = 0; i < c.numel(); i += 2) {
+    TORCH_CHECK_VALUE(p[i] >= 0 && p[i] <= p[i + 1] && p[i + 1] <= g.Lk, "row_intervals: expected 0 <= lo <= hi <= ",
+                      g.Lk, ", got [", p[i], ", ", p[i + 1], ") at flat index ", i / 2);
   }
-  TORCH_CHECK_VALUE(lo.sizes() == hi.sizes(), "prefix_hi: expected the shape of prefix_lo ", lo.sizes(), ", got ",
-                    hi.sizes());
-  at::Tensor l = lo.to(at::kCPU, at::kLong).contiguous().view({lo.dim() == 2 ? lo.size(0) : 1, g.M});
-  at::Tensor h = hi.to(at::kCPU, at::kLong).contiguous().view({lo.dim() == 2 ? lo.size(0) : 1, g.M});
-  const int64_t* lp = l.data_ptr<int64_t>();
-  const int64_t* hp = h.data_ptr<int64_t>();
-  for (int64_t i = 0; i < l.numel(); ++i) {
-    TORCH_CHECK_VALUE(lp[i] >= 0, "prefix_lo: expected values >= 0, got ", lp[i], " for window ", i % g.M);
-    TORCH_CHECK_VALUE(hp[i] <= g.n_ctx, "prefix_hi: expected values <= n_ctx=", g.n_ctx, ", got ", hp[i],
-                      " for window ", i % g.M);
-    TORCH_CHECK_VALUE(lp[i] <= hp[i], "prefix_lo: expected lo <= hi for every window, window ", i % g.M, " has ",
-                      lp[i], " > ", hp[i]);
-  }
-  return {l, h};
+  return c;
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Geometry& g, double scale) {
@@ -121,36 +111,13 @@ struct Plan {
   int64_t n_tiles() const { return (int64_t)tile_begin.size() - 1; }
 };
 
-Plan make_plan(const Geometry& g, const at::Tensor& lo, const at::Tensor& hi) {
+Plan make_plan(const Geometry& g, const at::Tensor& iv) {
   Plan p;
-  p.Bp = lo.size(0);
+  p.Bp = iv.size(0);
   p.n_slots = 1 + g.S;
   p.first_direct = (g.M > 0 && g.w <= kDirectWindowMax) ? 1 : p.n_slots;
   p.kt_cols = p.first_direct == 1 ? g.n_ctx : g.Lk;
-  const int64_t ns = p.n_slots;
-  p.intervals.assign(p.Bp * g.Lq * ns * 2, 0);
-  const int64_t* lp = lo.data_ptr<int64_t>();
-  const int64_t* hp = hi.data_ptr<int64_t>();
-  for (int64_t bp = 0; bp < p.Bp; ++bp) {
-    int32_t* iv = p.intervals.data() + bp * g.Lq * ns * 2;
-    if (g.queries_all)
-      for (int64_t i = 0; i < g.n_ctx; ++i) iv[i * ns * 2 + 1] = (int32_t)(i + 1);
-    for (int64_t m = 0; m < g.M; ++m) {
-      const int64_t len = g.window_len(m);
-      for (int64_t i = 0; i < len; ++i) {
-        int32_t* row = iv + (g.key_of(m, i) - g.qoff) * ns * 2;
-        row[0] = (int32_t)lp[bp * g.M + m];
-        row[1] = (int32_t)hp[bp * g.M + m];
-        const int64_t n_j = std::min(len, g.s), stream = i / g.s, within = i % g.s;
-        for (int64_t j = 0; j < g.S; ++j) {
-          const int64_t seen = !g.causal ? n_j : (j < stream ? n_j : (j == stream ? within + 1 : 0));
-          if (seen == 0) continue;
-          row[2 * (1 + j)] = (int32_t)g.key_of(m, j * g.s);
-          row[2 * (1 + j) + 1] = (int32_t)(g.key_of(m, j * g.s) + seen);
-        }
-      }
-    }
-  }
+  p.intervals.assign(iv.data_ptr<int32_t>(), iv.data_ptr<int32_t>() + iv.numel());
   auto close_tile = [&] { p.tile_begin.push_back((int32_t)p.row_order.size()); };
   p.tile_begin.push_back(0);
   if (g.queries_all) {
@@ -179,8 +146,8 @@ Plan make_plan(const Geometry& g, const at::Tensor& lo, const at::Tensor& hi) {
   for (int64_t t = 0; t < p.n_tiles(); ++t) {
     double cost = 0;
     for (int32_t r = p.tile_begin[t]; r < p.tile_begin[t + 1]; ++r) {
-      const int32_t* row = p.intervals.data() + p.row_order[r] * ns * 2;
-      for (int64_t j = 0; j < ns; ++j) cost += row[2 * j + 1] - row[2 * j] + 16.0;
+      const int32_t* row = p.intervals.data() + p.row_order[r] * p.n_slots * 2;
+      for (int64_t j = 0; j < p.n_slots; ++j) cost += row[2 * j + 1] - row[2 * j] + 16.0;
     }
     p.tile_cost[t] = cost;
   }
@@ -316,47 +283,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   a.vr_ld = vr.size(3);
   a.dq = dq.data_ptr<T>();
 
-  // Work items are (batch, head, part): a head's tiles are split into parts only when
-  // there are too few heads to keep the threads busy; each item owns a dK/dV buffer.
+  // One work item per (batch, head), its tiles in cost order. Splitting a head's tiles
+  // over several dK/dV buffers would keep more threads busy when B * H is small, but the
+  // final sum over buffers would then depend on the thread count and on the batch size;
+  // we promise bitwise-identical results for any thread count and batch composition.
   const int64_t BH = a.B * a.H, group = a.H / a.Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t parts = BH == 0 || BH >= 2 * threads
-                            ? 1
-                            : std::max<int64_t>(1, std::min<int64_t>(p.n_tiles(), (2 * threads + BH - 1) / BH));
-  std::vector<std::vector<int32_t>> part_tiles(parts);
-  {
-    std::vector<int32_t> order(p.n_tiles());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
-    std::vector<double> load(parts, 0.0);
-    for (int32_t t : order) {
-      const int64_t lightest = std::min_element(load.begin(), load.end()) - load.begin();
-      part_tiles[lightest].push_back(t);
-      load[lightest] += p.tile_cost[t];
-    }
-  }
-  const bool in_place = parts == 1 && group == 1 && a.Dp == a.D && k.scalar_type() == mt;
+  std::vector<int32_t> tiles(p.n_tiles());
+  std::iota(tiles.begin(), tiles.end(), 0);
+  std::stable_sort(tiles.begin(), tiles.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
+  const bool in_place = group == 1 && a.Dp == a.D && k.scalar_type() == mt;
   at::Tensor dk_acc, dv_acc;
   if (in_place) {
     dk_acc = at::zeros(k.sizes(), k.options());
     dv_acc = at::zeros(v.sizes(), v.options());
   } else {
-    dk_acc = at::zeros({a.B, a.H, parts, a.Lk, a.Dp}, q.options().dtype(mt));
+    dk_acc = at::zeros({a.B, a.H, a.Lk, a.Dp}, q.options().dtype(mt));
     dv_acc = at::zeros_like(dk_acc);
   }
   T* dk_base = dk_acc.data_ptr<T>();
   T* dv_base = dv_acc.data_ptr<T>();
   const auto kernel = backward_kernel<T>();
-  run_items<T>(BH * parts, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, true), [&](int64_t item, T* scratch) {
-    const int64_t bh = item / parts, part = item % parts;
-    const int64_t offset = (bh * parts + part) * a.Lk * a.Dp;
-    const auto& tiles = part_tiles[part];
+  run_items<T>(BH, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, true), [&](int64_t bh, T* scratch) {
+    const int64_t offset = bh * a.Lk * a.Dp;
     kernel(a, bh / a.H, bh % a.H, tiles.data(), (int64_t)tiles.size(), dk_base + offset, dv_base + offset, scratch);
   });
   at::Tensor dk = dk_acc, dv = dv_acc;
-  if (!in_place) {
-    dk = dk_acc.view({a.B, a.Hkv, group * parts, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(k.scalar_type()).contiguous();
-    dv = dv_acc.view({a.B, a.Hkv, group * parts, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(v.scalar_type()).contiguous();
+  if (!in_place) {  // GQA: the group's query heads summed in a fixed order
+    dk = dk_acc.view({a.B, a.Hkv, group, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(k.scalar_type()).contiguous();
+    dv = dv_acc.view({a.B, a.Hkv, group, a.Lk, a.Dp}).sum(2).narrow(3, 0, a.D).to(v.scalar_type()).contiguous();
   }
   return {dq.scalar_type() == q.scalar_type() ? dq : dq.to(q.scalar_type()), dk, dv};
 }
@@ -364,24 +318,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& prefix_lo, const at::Tensor& prefix_hi,
-                                                     int64_t n_ctx, int64_t num_windows, int64_t window_size,
-                                                     int64_t last_window_size, int64_t n_streams, bool intra_causal,
-                                                     bool queries_all, double scale) {
-  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, intra_causal, queries_all);
+                                                     const at::Tensor& row_intervals, int64_t n_ctx,
+                                                     int64_t num_windows, int64_t window_size,
+                                                     int64_t last_window_size, int64_t n_streams, bool queries_all,
+                                                     double scale) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
   check_qkv(q, k, v, g, scale);
-  const auto [lo, hi] = check_ranges(prefix_lo, prefix_hi, g, q.size(0));
-  const Plan p = make_plan(g, lo, hi);
+  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)));
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, p, g, scale);
   return forward_impl<float>(q, k, v, p, g, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& prefix_lo, const at::Tensor& prefix_hi, int64_t n_ctx,
-    int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams, bool intra_causal,
-    bool queries_all, double scale) {
-  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, intra_causal, queries_all);
+    const at::Tensor& lse, const at::Tensor& row_intervals, int64_t n_ctx, int64_t num_windows, int64_t window_size,
+    int64_t last_window_size, int64_t n_streams, bool queries_all, double scale) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
   check_qkv(q, k, v, g, scale);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"dout", dout}, {"out", out}}) {
     TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
@@ -393,8 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   TORCH_CHECK_VALUE(lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
                     " ([B, H, Lq]), got ", lse.sizes());
   TORCH_CHECK_VALUE(at::isFloatingType(lse.scalar_type()), "lse: expected a floating dtype, got ", lse.scalar_type());
-  const auto [lo, hi] = check_ranges(prefix_lo, prefix_hi, g, q.size(0));
-  const Plan p = make_plan(g, lo, hi);
+  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)));
   if (q.scalar_type() == at::kDouble) return backward_impl<double>(dout, q, k, v, out, lse, p, g, scale);
   return backward_impl<float>(dout, q, k, v, out, lse, p, g, scale);
 }

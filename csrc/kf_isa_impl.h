@@ -424,10 +424,11 @@ void forward_item(const AttnArgs<T>& a, int64_t b, int64_t h, int64_t tile, T* s
   T* out = a.out + (b * a.H + h) * a.Lq * a.D;
   T* lse = a.lse + (b * a.H + h) * a.Lq;
   for (int64_t r = 0; r < nr; ++r) {
-    const T inv = T(1) / l[r];
+    // A row that sees no key (a blank slot) has l = 0: output 0, LSE -inf.
+    const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);
     T* dst = out + rows[r] * a.D;
     for (int64_t d = 0; d < a.D; ++d) dst[d] = o[r * Dp + d] * inv;
-    lse[rows[r]] = (m[r] + std::log2(l[r])) * T(kLn2);
+    lse[rows[r]] = l[r] > T(0) ? (m[r] + std::log2(l[r])) * T(kLn2) : -std::numeric_limits<T>::infinity();
   }
 }
 
@@ -463,7 +464,8 @@ void backward_item(const AttnArgs<T>& a, int64_t b, int64_t h, const int32_t* ti
       T dl = 0;
       for (int64_t d = 0; d < D; ++d) dl += dout[row * D + d] * out[row * D + d];
       delta[r] = dl;
-      lse2[r] = lse[row] * T(kLog2e);
+      // LSE -inf (a row that sees no key): +inf makes every p = 0, so no gradient flows.
+      lse2[r] = lse[row] == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : lse[row] * T(kLog2e);
     }
     std::memset(dqp, 0, sizeof(T) * nr * Dp);
 

@@ -9,14 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("attention_forward", &kf::attention_forward,
         "Prefix-window attention forward: (out [B, H, Lq, D], lse [B, H, Lq] natural log)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("prefix_lo"), py::arg("prefix_hi"), py::arg("n_ctx"),
-        py::arg("num_windows"), py::arg("window_size"), py::arg("last_window_size"), py::arg("n_streams"),
-        py::arg("intra_causal"), py::arg("queries_all"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("k"), py::arg("v"), py::arg("row_intervals"), py::arg("n_ctx"), py::arg("num_windows"),
+        py::arg("window_size"), py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_backward", &kf::attention_backward, "Prefix-window attention backward: (dq, dk, dv)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-        py::arg("prefix_lo"), py::arg("prefix_hi"), py::arg("n_ctx"), py::arg("num_windows"), py::arg("window_size"),
-        py::arg("last_window_size"), py::arg("n_streams"), py::arg("intra_causal"), py::arg("queries_all"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("row_intervals"), py::arg("n_ctx"), py::arg("num_windows"), py::arg("window_size"),
+        py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("inverse_cdf_sample", &kf::inverse_cdf_sample,
         "min{v : F(v) > z} of softmax(logits / temperature) per row (int64), float64 math, one pass per row",
         py::arg("logits"), py::arg("z"), py::arg("temperature"), py::call_guard<py::gil_scoped_release>());

@@ -9,21 +9,21 @@
 
 namespace kf {
 
-// Prefix-window attention (DESIGN.md §2) described by the WindowLayout fields.
-// q [B, H, Lq, D], k/v [B, Hkv, Lk, D] (float32, bfloat16, float16 or float64, CPU);
-// prefix_lo/prefix_hi integer [M] or [B, M]. Returns out [B, H, Lq, D] (q's dtype) and
-// lse [B, H, Lq] (natural log; float32, float64 for float64 inputs).
+// Prefix-window attention (docs/DESIGN.md). q [B, H, Lq, D], k/v [B, Hkv, Lk, D]
+// (float32, bfloat16, float16 or float64, CPU); row_intervals int32 [1 or B, Lq, 1 + S, 2]
+// (WindowLayout.row_intervals(): what each query row sees); the geometry ints order the
+// rows into tiles. Returns out [B, H, Lq, D] (q's dtype) and lse [B, H, Lq] (natural
+// log; float32, float64 for float64 inputs). A row that sees no key gets out 0, lse -inf.
 std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix_lo,
-    const at::Tensor& prefix_hi, int64_t n_ctx, int64_t num_windows, int64_t window_size, int64_t last_window_size,
-    int64_t n_streams, bool intra_causal, bool queries_all, double scale);
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_intervals, int64_t n_ctx,
+    int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams, bool queries_all,
+    double scale);
 
 // Gradients (dq, dk, dv) given the forward's out and lse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& prefix_lo, const at::Tensor& prefix_hi, int64_t n_ctx,
-    int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams, bool intra_causal,
-    bool queries_all, double scale);
+    const at::Tensor& lse, const at::Tensor& row_intervals, int64_t n_ctx, int64_t num_windows, int64_t window_size,
+    int64_t last_window_size, int64_t n_streams, bool queries_all, double scale);
 
 // token = min{v : F(v) > z} of softmax(logits / temperature), clamped to V - 1.
 // logits [..., V] float (CPU); z [...]; temperature a 0-dim tensor or [...]. Returns int64 [...].

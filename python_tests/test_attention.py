@@ -9,27 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.layouts import zoo
 from kforcing_kernels.ops.window_attention import composite
 from kforcing_kernels.ops.window_attention import lse_attention as _lse_attention
 
 
-def layouts():
-    return {
-        "causal": WindowLayout.causal(13),
-        "single_k1": WindowLayout.kforcing_single(9, 1),
-        "single_k3_odd": WindowLayout.kforcing_single(17, 3),
-        "double_k2": WindowLayout.kforcing_double(11, 2),
-        "sbd_short_last": WindowLayout.sbd(23, 4),
-        "ptp": WindowLayout.ptp(20, [5, 12, 20, 0], 6, [0, 4, 0, 0]),
-        "ptp_per_batch": WindowLayout.ptp(16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]]),
-        "jacobi": WindowLayout.jacobi(6, 10),
-        "single_large_window": WindowLayout.kforcing_single(5, 40),
-        "sbd_large_block": WindowLayout.sbd(70, 33),
-        "general_streams": WindowLayout(10, 4, 6, [0, 2, 5, 10], [3, 2, 9, 10], intra="full", queries="windows", n_streams=3),
-    }
-
-
-LAYOUTS = layouts()
+LAYOUTS = zoo.small()
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -4,32 +4,13 @@ import pytest
 import torch
 from conftest import assert_within_2x_torch_error, compare_with_reference, make_qkv, run_with_grads
 
+from kforcing_kernels.layouts import zoo
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels import _extension
 
 pytestmark = pytest.mark.skipif(backends_available()["cpp"] is not None, reason=f"cpp backend: {backends_available()['cpp']}")
 
-LAYOUTS = {
-    "causal": WindowLayout.causal(13),
-    "causal_n1": WindowLayout.causal(1),
-    "single_n1": WindowLayout.kforcing_single(1, 3),
-    "single_k1": WindowLayout.kforcing_single(9, 1),
-    "single_k3_odd": WindowLayout.kforcing_single(17, 3),
-    "single_k16": WindowLayout.kforcing_single(7, 16),
-    "single_multi_chunk": WindowLayout.kforcing_single(270, 1),  # > 1 key chunk, > 1 query tile
-    "double_k2": WindowLayout.kforcing_double(11, 2),
-    "double_k9": WindowLayout.kforcing_double(5, 9),  # window 18: tile products over 2 streams
-    "sbd_short_last": WindowLayout.sbd(23, 4),
-    "sbd_large_block": WindowLayout.sbd(70, 33),
-    "ptp": WindowLayout.ptp(20, [5, 12, 20, 0], 6, [0, 4, 0, 0]),
-    "ptp_empty_prefixes": WindowLayout.ptp(10, [0, 3, 10], 4, [0, 3, 2]),
-    "ptp_per_batch": WindowLayout.ptp(16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]]),
-    "jacobi": WindowLayout.jacobi(6, 10),
-    "jacobi_long_window": WindowLayout.jacobi(40, 150),  # one window cut into several row tiles
-    "single_large_window": WindowLayout.kforcing_single(5, 40),
-    "general_streams_full": WindowLayout(10, 4, 6, [0, 2, 5, 10], [3, 2, 9, 10], intra="full", queries="windows", n_streams=3),
-    "general_streams_causal": WindowLayout(10, 3, 60, [0, 2, 5], [3, 2, 9], intra="causal", queries="windows", n_streams=3),
-}
+LAYOUTS = zoo.small()
 
 
 def _assert_close(ours, ref, atol, rtol):

@@ -2,7 +2,8 @@
 
 The mask splits into three kinds of pieces (DESIGN.md §2):
 
-* context triangle: one causal call over the C context queries (queries="all");
+* context rows: one causal call over the C context queries (queries="all"), or,
+  for packed documents / block-causal contexts, masked calls over chunks of rows;
 * window -> prefix rectangles: all windows batched. For the K-Forcing staircase
   (window t sees context [0, t+1)) we regroup window queries *slot-major*: slot i
   of windows 0..M-1 is a length-M sequence whose row t sees keys [0, t+1), i.e.
@@ -14,6 +15,10 @@ The mask splits into three kinds of pieces (DESIGN.md §2):
 
 Window rows are merged by log-sum-exp. Backward reuses the merged output and LSE:
 each piece's backward gets them, so no autograd runs through the merge.
+
+What each row sees comes from ``layout.row_intervals()`` only (interval 0 for the
+context and prefix pieces, intervals 1..S for the intra-window piece). A row that
+sees no key gets out 0 and LSE -inf, and no gradient.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def is_staircase(layout: WindowLayout) -> bool:
     m = layout.num_windows
     return (
         layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
+        and not layout.has_blank_slots
         and not bool(layout.prefix_lo.any()) and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
     )
 
@@ -91,27 +97,49 @@ def is_staircase(layout: WindowLayout) -> bool:
 # ---------------------------------------------------------------------- prefix pieces
 
 
-def _prefix_chunks(layout: WindowLayout):
-    """Yield (m0, m1, klo, khi, allowed or None) per chunk of windows with a non-empty key span."""
-    m, w = layout.num_windows, layout.window_size
-    lo = layout.prefix_lo.reshape(-1, m)
-    hi = layout.prefix_hi.reshape(-1, m)
-    per = max(1, CHUNK_ROWS // w)
-    for m0 in range(0, m, per):
-        m1 = min(m, m0 + per)
-        lo_c, hi_c = lo[:, m0:m1], hi[:, m0:m1]
+@functools.lru_cache(maxsize=32)
+def _window_row_intervals(layout: WindowLayout) -> torch.Tensor:
+    """int64 [B', M, w, 1 + S, 2]: the window rows' intervals, position-major (padding rows empty)."""
+    iv = layout.row_intervals()[:, layout.n_queries - layout.n_window_tokens:]
+    nb, n, j = iv.shape[0], iv.shape[1], iv.shape[2]
+    m, w, st, s = layout.num_windows, layout.window_size, layout.n_streams, layout.slots_per_stream
+    if st > 1:
+        return iv.view(nb, st, m, s, j, 2).transpose(1, 2).reshape(nb, m, w, j, 2)
+    return torch.cat([iv, iv.new_zeros(nb, m * w - n, j, 2)], 1).view(nb, m, w, j, 2)
+
+
+def _interval_chunks(lo: torch.Tensor, hi: torch.Tensor, rows_per_chunk: int):
+    """Yield ``(r0, r1, klo, khi, allowed or None)`` over chunks of rows with some visible key.
+
+    lo/hi: int64 [B', R], one interval per row. ``allowed`` is bool [B', 1, r1-r0, khi-klo],
+    None when every row of the chunk sees exactly ``[klo, khi)``.
+    """
+    for r0 in range(0, lo.shape[1], rows_per_chunk):
+        r1 = min(lo.shape[1], r0 + rows_per_chunk)
+        lo_c, hi_c = lo[:, r0:r1], hi[:, r0:r1]
         nonempty = hi_c > lo_c
         if not bool(nonempty.any()):
             continue
         klo, khi = int(lo_c[nonempty].min()), int(hi_c[nonempty].max())
         if bool((lo_c == klo).all()) and bool((hi_c == khi).all()):
-            yield m0, m1, klo, khi, None
+            yield r0, r1, klo, khi, None
             continue
         cols = torch.arange(klo, khi)
-        row_lo = lo_c.repeat_interleave(w, 1)[:, :, None]  # [B', rows, 1]
-        row_hi = hi_c.repeat_interleave(w, 1)[:, :, None]
-        allowed = ((row_lo <= cols) & (cols < row_hi))[:, None]  # [B', 1, rows, keys]
-        yield m0, m1, klo, khi, allowed
+        yield r0, r1, klo, khi, ((lo_c[..., None] <= cols) & (cols < hi_c[..., None]))[:, None]
+
+
+def _prefix_chunks(layout: WindowLayout):
+    """Yield (m0, m1, klo, khi, allowed or None) per chunk of windows with a non-empty key span."""
+    w = layout.window_size
+    iv = _window_row_intervals(layout)[..., 0, :].flatten(1, 2)  # [B', M*w, 2]
+    for r0, r1, klo, khi, allowed in _interval_chunks(iv[..., 0], iv[..., 1], max(1, CHUNK_ROWS // w) * w):
+        yield r0 // w, r1 // w, klo, khi, allowed
+
+
+def _context_chunks(layout: WindowLayout):
+    """Context rows of a layout whose context is not plain causal (documents, blocks)."""
+    iv = layout.row_intervals()[:, : layout.n_ctx, 0]  # [B', C, 2]
+    return _interval_chunks(iv[..., 0], iv[..., 1], CHUNK_ROWS)
 
 
 def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
@@ -165,19 +193,17 @@ def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
 
 
 def _intra_visible(layout: WindowLayout, device) -> torch.Tensor:
-    """bool [M or 1, w, w]: slot i sees slot j of its own window (padding keys of a short last window hidden)."""
-    return _intra_visible_cached(layout.window_size, layout.last_window_size, layout.num_windows, layout.intra, str(device))
+    """bool [B', 1, M, w, w]: slot i of window m sees slot j of the same window (padding slots hidden)."""
+    return _intra_visible_cached(layout, str(device))
 
 
 @functools.lru_cache(maxsize=32)
-def _intra_visible_cached(w: int, last: int, m: int, intra: str, device: str) -> torch.Tensor:
-    i = torch.arange(w, device=device)
-    vis = (i[None, :] <= i[:, None]) if intra == "causal" else torch.ones(w, w, dtype=torch.bool, device=device)
-    if last == w:
-        return vis[None]
-    lengths = torch.full((m,), w, device=device)
-    lengths[-1] = last
-    return vis[None] & (i[None, :] < lengths[:, None])[:, None, :]
+def _intra_visible_cached(layout: WindowLayout, device: str) -> torch.Tensor:
+    iv = _window_row_intervals(layout)[..., 1:, :]  # [B', M, w, S, 2]
+    keys = layout.window_token_keys  # [M, w], -1 for padding
+    keys = keys[None, :, None, None, :]  # [1, M, 1, 1, w]
+    seen = (iv[..., 0, None] <= keys) & (keys < iv[..., 1, None]) & (keys >= 0)  # [B', M, w, S, w]
+    return seen.any(3)[:, None].to(device)
 
 
 def _use_fold(layout: WindowLayout) -> bool:
@@ -195,11 +221,17 @@ def _unfold(x: torch.Tensor, b: int) -> torch.Tensor:
     return x.view(b, bm // b, h, w, *x.shape[3:]).transpose(1, 2)
 
 
+def _plain_windows(layout: WindowLayout) -> bool:
+    """Every window whole and live, so a fused call's own causal / no mask is exact."""
+    return layout.last_window_size == layout.window_size and not layout.has_blank_slots
+
+
 def _fold_mask(layout: WindowLayout, b: int, device) -> Optional[torch.Tensor]:
-    if layout.intra == "causal" or layout.last_window_size == layout.window_size:
+    if _plain_windows(layout):
         return None
-    vis = _intra_visible(layout, device).expand(layout.num_windows, -1, -1)
-    return vis[None, :, None].expand(b, -1, -1, -1, -1).reshape(-1, 1, layout.window_size, layout.window_size)
+    w = layout.window_size
+    vis = _intra_visible(layout, device)[:, 0]  # [B', M, w, w]
+    return vis.expand(b, -1, -1, -1).reshape(-1, 1, w, w)
 
 
 def _window_mm(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
@@ -238,21 +270,22 @@ def _scores(qw, kw, scale, layout):
 def _intra_forward(qw, kw, vw, layout, scale):
     b = qw.shape[0]
     if _use_fold(layout):
-        causal = layout.intra == "causal"
+        causal = layout.intra == "causal" and _plain_windows(layout)
         o, l = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
         return _unfold(o, b), _unfold(l, b)
     s = _scores(qw, kw, scale, layout)
-    row_max = s.amax(-1, keepdim=True)  # finite: every slot sees itself
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(row_max > float("-inf"), row_max, 0.0)  # a blank slot sees nothing
     p = s.sub_(row_max).exp_()
     denom = p.sum(-1, keepdim=True)
-    o = _window_mm(p, vw.to(p.dtype), qw.shape[1] // vw.shape[1]).div_(denom)
+    o = _window_mm(p, vw.to(p.dtype), qw.shape[1] // vw.shape[1]).div_(denom.clamp(min=torch.finfo(p.dtype).tiny))
     return o.to(qw.dtype), (row_max + denom.log()).squeeze(-1)
 
 
 def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
     b = qw.shape[0]
     if _use_fold(layout):
-        causal = layout.intra == "causal"
+        causal = layout.intra == "causal" and _plain_windows(layout)
         dq, dk, dv = attend_backward(
             _fold(dow), _fold(qw), _fold(kw), _fold(vw), _fold(ow), _fold(lw),
             causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device),
@@ -278,14 +311,24 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
     ct = acc_dtype(q.dtype)
     lse = torch.empty(q.shape[:3], dtype=ct, device=q.device)
     if layout.queries == "all" and c:
-        out[:, :, :c], lse[:, :, :c] = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], causal=True, scale=scale)
+        if layout.has_default_context:
+            out[:, :, :c], lse[:, :, :c] = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], causal=True, scale=scale)
+        else:
+            out[:, :, :c] = 0
+            lse[:, :, :c] = float("-inf")
+            for r0, r1, klo, khi, allowed in _context_chunks(layout):
+                allowed = None if allowed is None else allowed.to(q.device)
+                out[:, :, r0:r1], lse[:, :, r0:r1] = attend(
+                    q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
     if nw:
         qw = _to_windows(q[:, :, -nw:], layout)
         o_i, l_i = _intra_forward(qw, _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout), layout, scale)
         o_p, l_p = _prefix_forward(qw, k, v, layout, scale)
         l = torch.logaddexp(l_p, l_i)
-        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i.
-        o = torch.lerp(o_i.to(ct), o_p.to(ct), torch.sigmoid(l_p - l_i)[..., None])
+        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
+        # and a blank row (both -inf) keeps o_i = 0.
+        weight = torch.where(l > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
+        o = torch.lerp(o_i.to(ct), o_p.to(ct), weight[..., None])
         out[:, :, -nw:] = _from_windows(o.to(q.dtype), layout)
         lse[:, :, -nw:] = _from_windows(l, layout)
     return out, lse
@@ -298,13 +341,24 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     ct = acc_dtype(q.dtype)
     dk_ctx = torch.zeros(k.shape[0], k.shape[1], c, k.shape[3], dtype=ct, device=k.device)
     dv_ctx = torch.zeros_like(dk_ctx)
+    # Rows that saw no key (LSE -inf): +inf makes every probability exp(s - lse) zero.
+    lse = torch.where(lse > float("-inf"), lse, float("inf"))
     if layout.queries == "all" and c:
-        dq_c, dk_c, dv_c = attend_backward(
-            dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True, scale=scale
-        )
-        dq[:, :, :c] = dq_c
-        dk_ctx += dk_c
-        dv_ctx += dv_c
+        if layout.has_default_context:
+            dq[:, :, :c], dk_c, dv_c = attend_backward(
+                dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True, scale=scale
+            )
+            dk_ctx += dk_c
+            dv_ctx += dv_c
+        else:
+            dq[:, :, :c] = 0
+            for r0, r1, klo, khi, allowed in _context_chunks(layout):
+                allowed = None if allowed is None else allowed.to(q.device)
+                dq[:, :, r0:r1], dk_c, dv_c = attend_backward(
+                    dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], out[:, :, r0:r1],
+                    lse[:, :, r0:r1], causal=False, scale=scale, allowed=allowed)
+                dk_ctx[:, :, klo:khi] += dk_c
+                dv_ctx[:, :, klo:khi] += dv_c
     dk_win = dv_win = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
     if nw:
         win = lambda x: _to_windows(x[:, :, -nw:], layout)  # noqa: E731

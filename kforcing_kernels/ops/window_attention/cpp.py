@@ -21,9 +21,10 @@ def available() -> Optional[str]:
 
 
 def _layout_args(layout: WindowLayout):
+    # The row intervals say what each row sees; the geometry only orders rows into tiles.
     return (
-        layout.prefix_lo, layout.prefix_hi, layout.n_ctx, layout.num_windows, layout.window_size,
-        layout.last_window_size, layout.n_streams, layout.intra == "causal", layout.queries == "all",
+        layout.row_intervals_int32, layout.n_ctx, layout.num_windows, layout.window_size,
+        layout.last_window_size, layout.n_streams, layout.queries == "all",
     )
 
 

@@ -119,36 +119,49 @@ def _validate(q, k, v, layout, scale, backend) -> None:
 # ---------------------------------------------------------------------- custom op
 
 
+_NONE = torch.zeros(0, dtype=torch.int64)
+_RANGE_FIELDS = ("_prefix_lo", "_prefix_hi", "_context_lo", "_context_hi", "_live")
+
+
 def _layout_args(layout: WindowLayout):
+    """The layout as custom-op arguments: its range tensors (empty for "default"), geometry ints and flags."""
+    ranges = [getattr(layout, name) if getattr(layout, name) is not None else _NONE for name in _RANGE_FIELDS]
     geometry = [layout.n_ctx, layout.num_windows, layout.window_size, layout.last_window_size, layout.n_streams]
-    return layout.prefix_lo, layout.prefix_hi, geometry, layout.intra == "causal", layout.queries == "all"
+    return ranges, geometry, layout.intra == "causal", layout.queries == "all"
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_layout(key: tuple) -> WindowLayout:
-    geometry, causal, queries_all, shape, lo_bytes, hi_bytes = key
+    geometry, causal, queries_all, blobs = key
     n_ctx, m, w, last, streams = geometry
-    lo = torch.frombuffer(bytearray(lo_bytes), dtype=torch.int64).view(shape) if m else torch.zeros(shape, dtype=torch.int64)
-    hi = torch.frombuffer(bytearray(hi_bytes), dtype=torch.int64).view(shape) if m else torch.zeros(shape, dtype=torch.int64)
+    prefix_lo, prefix_hi, context_lo, context_hi, live = (
+        None if blob is None else torch.frombuffer(bytearray(blob[1]), dtype=torch.int64).view(blob[0]) if blob[1]
+        else torch.zeros(blob[0], dtype=torch.int64)
+        for blob in blobs
+    )
     return WindowLayout(
-        n_ctx, m, w, lo, hi, last_window_size=last, intra="causal" if causal else "full",
-        queries="all" if queries_all else "windows", n_streams=streams,
+        n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra="causal" if causal else "full",
+        queries="all" if queries_all else "windows", n_streams=streams, context_lo=context_lo, context_hi=context_hi,
+        live_slots=live,
     )
 
 
-def layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all) -> WindowLayout:
+def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayout:
     """Rebuild (and cache) the layout a custom-op call describes."""
-    lo, hi = prefix_lo.cpu().contiguous(), prefix_hi.cpu().contiguous()
-    key = (tuple(geometry), bool(intra_causal), bool(queries_all), tuple(lo.shape), lo.numpy().tobytes(), hi.numpy().tobytes())
-    return _cached_layout(key)
+    blobs = []
+    for name, t in zip(_RANGE_FIELDS, ranges):
+        t = t.cpu().contiguous()
+        optional = name not in ("_prefix_lo", "_prefix_hi")
+        blobs.append(None if optional and t.dim() == 1 and t.numel() == 0 else (tuple(t.shape), t.numpy().tobytes()))
+    return _cached_layout((tuple(int(g) for g in geometry), bool(intra_causal), bool(queries_all), tuple(blobs)))
 
 
 @torch.library.custom_op("kforcing_kernels::window_attention", mutates_args=())
 def _window_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lo: torch.Tensor, prefix_hi: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[torch.Tensor],
     geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
+    layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
     if backend == "reference":  # reached under torch.compile only; eager uses the differentiable path
         return attend(q, k, v, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     out, lse = get_backend(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
@@ -162,17 +175,17 @@ def _dense_allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
 
 
 @_window_attention_op.register_fake
-def _(q, k, v, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend):
+def _(q, k, v, ranges, geometry, intra_causal, queries_all, scale, backend):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("kforcing_kernels::window_attention_backward", mutates_args=())
 def _window_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    prefix_lo: torch.Tensor, prefix_hi: torch.Tensor, geometry: list[int], intra_causal: bool, queries_all: bool,
+    ranges: list[torch.Tensor], geometry: list[int], intra_causal: bool, queries_all: bool,
     scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout = layout_from_args(prefix_lo, prefix_hi, geometry, intra_causal, queries_all)
+    layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
     if backend == "reference":
         return attend_backward(*tensors, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
@@ -180,25 +193,25 @@ def _window_attention_backward_op(
 
 
 @_window_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend):
+def _(dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend = inputs
+    q, k, v, ranges, geometry, intra_causal, queries_all, scale, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, prefix_lo, prefix_hi)
+    ctx.save_for_backward(q, k, v, out, lse, *ranges)
     ctx.meta = (geometry, intra_causal, queries_all, scale, backend)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, prefix_lo, prefix_hi = ctx.saved_tensors
+    q, k, v, out, lse, *ranges = ctx.saved_tensors
     geometry, intra_causal, queries_all, scale, backend = ctx.meta
     dq, dk, dv = torch.ops.kforcing_kernels.window_attention_backward(
-        dout, q, k, v, out, lse, prefix_lo, prefix_hi, geometry, intra_causal, queries_all, scale, backend
+        dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, [None] * len(ranges), None, None, None, None, None
 
 
 _window_attention_op.register_autograd(_backward, setup_context=_setup_context)

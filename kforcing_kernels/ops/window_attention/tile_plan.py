@@ -4,12 +4,13 @@ A plan says which (query tile, key tile) products a kernel runs, derived in
 closed form from a :class:`~kforcing_kernels.layouts.WindowLayout` (its prefix
 ranges and geometry) in O(number of tiles): no mask is ever materialised.
 
-Every query row sees a union of 1 + S half-open key intervals (DESIGN.md §2,
-``WindowLayout.row_intervals``): interval 0 is its context part (``[0, r+1)``
-for a context row, ``[lo_m, hi_m)`` for a row of window m), intervals 1..S its
-own window, one per storage stream. A query tile visits, per interval, the key
-tiles covering the union of its rows' intervals; key tiles inside the
-intersection of its rows' intervals are *full* and skip masking.
+Every query row sees a union of 1 + S half-open key intervals
+(``WindowLayout.row_intervals``, the one derivation of a layout's semantics):
+interval 0 is its context part, intervals 1..S its own window, one per storage
+stream. The plan is a reduction of that tensor: a query tile visits, per interval,
+the key tiles covering the union of its rows' intervals; key tiles inside the
+intersection of its rows' intervals are *full* and skip masking. The kernels
+mask boundary tiles with the same row intervals (passed to them as a tensor).
 
 Query tiles never mix context and window rows, and never split a window unless
 it is longer than a tile: windows of w <= BLOCK_M rows are packed
@@ -42,6 +43,7 @@ from typing import Union
 import torch
 
 from ...layouts import WindowLayout
+from ...layouts.intervals import reduce_over_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,62 +226,19 @@ def _query_tiles(g: Geometry, bm: int) -> dict:
 # ---------------------------------------------------------------------- key intervals per query tile
 
 
-def _context_intervals(layout: WindowLayout, g: Geometry, qt: dict) -> torch.Tensor:
-    """int64 [B', T, 4] ``(klo, khi, flo, fhi)``: union and intersection of the tile rows' context intervals."""
-    nb = layout.batch_size or 1
-    t = qt["q_start"].numel()
-    out = torch.zeros(nb, t, 4, dtype=torch.int64)
-    is_ctx = qt["m_a"] < 0
-    # Context rows r0..r1-1 see [0, r+1): union [0, r1), intersection [0, r0+1).
-    out[:, is_ctx, 1] = (qt["q_start"] + qt["q_len"])[is_ctx]
-    out[:, is_ctx, 3] = qt["q_start"][is_ctx] + 1
-    win = ~is_ctx
-    if bool(win.any()):
-        m_a, m_b = qt["m_a"][win], qt["m_b"][win]
-        width = int((m_b - m_a).max()) + 1  # windows per tile, at most BLOCK_M
-        idx = m_a[:, None] + torch.arange(width)[None, :]
-        valid = idx <= m_b[:, None]  # [Tw, width]
-        idx = torch.clamp(idx, max=g.num_windows - 1)
-        lo = layout.prefix_lo.reshape(nb, -1)[:, idx]  # [B', Tw, width]
-        hi = layout.prefix_hi.reshape(nb, -1)[:, idx]
-        nonempty = valid & (hi > lo)
-        klo = torch.where(nonempty, lo, _EMPTY).amin(-1)
-        khi = torch.where(nonempty, hi, -1).amax(-1)
-        any_seen = nonempty.any(-1)
-        flo = torch.where(valid, lo, -1).amax(-1)
-        fhi = torch.where(valid, hi, _EMPTY).amin(-1)
-        has_full = ~(valid & (hi <= lo)).any(-1) & (fhi > flo)
-        out[:, win, 0] = torch.where(any_seen, klo, 0)
-        out[:, win, 1] = torch.where(any_seen, khi, 0)
-        out[:, win, 2] = torch.where(has_full, flo, 0)
-        out[:, win, 3] = torch.where(has_full, fhi, 0)
-    return out
+def _tile_intervals(layout: WindowLayout, g: Geometry, qt: dict) -> torch.Tensor:
+    """int64 [B', T, J, 4] ``(klo, khi, flo, fhi)``: union and intersection of each tile's row intervals.
 
-
-def _intra_intervals(g: Geometry, qt: dict, key_stream: int) -> torch.Tensor:
-    """int64 [T, 4] ``(klo, khi, flo, fhi)`` of the tile rows' intervals in key stream ``key_stream`` of their own windows."""
-    s = g.slots_per_stream
-    m_a, m_b, u0, u_end, j = qt["m_a"], qt["m_b"], qt["u0"], qt["u_end"], qt["stream"]
-    kb_a = g.n_ctx + key_stream * g.stream_len + m_a * s  # key of the stream's first slot in window m_a
-    kb_b = g.n_ctx + key_stream * g.stream_len + m_b * s
-    whole = kb_b + _window_lengths_in_stream(g, m_b)  # end of that stream in window m_b
-    single = m_a == m_b
-    if not g.causal:
-        klo, khi = kb_a, whole
-        flo, fhi = torch.where(single, kb_a, 0), torch.where(single, whole, 0)
-        seen = torch.ones_like(m_a, dtype=torch.bool)
-    else:
-        # Earlier streams: whole; own stream: slot u sees slots 0..u; later streams: nothing.
-        own = j == key_stream
-        klo = kb_a
-        khi = torch.where(own, kb_b + u_end, whole)
-        full_end = torch.where(own, kb_a + u0 + 1, whole)
-        flo, fhi = torch.where(single, kb_a, 0), torch.where(single, full_end, 0)
-        seen = j >= key_stream
-    seen = seen & (m_a >= 0)  # context tiles have no intra part
-    z = torch.zeros_like(klo)
-    return torch.stack([torch.where(seen, klo, z), torch.where(seen, khi, z),
-                        torch.where(seen, flo, z), torch.where(seen, fhi, z)], -1)
+    A reduction of ``layout.row_intervals()`` (the one derivation of what a row sees)
+    over the rows of each query tile, in O(Lq * J).
+    """
+    iv = layout.row_intervals()[:, :, : g.n_intervals]
+    tile_of_row = torch.full((g.n_queries,), -1, dtype=torch.int64)
+    starts, lens = qt["q_start"], qt["q_len"]
+    owner = torch.repeat_interleave(torch.arange(starts.numel()), lens)
+    rows = starts[owner] + torch.arange(owner.numel()) - (torch.cumsum(lens, 0) - lens)[owner]
+    tile_of_row[rows] = owner
+    return reduce_over_tiles(iv, tile_of_row, starts.numel())
 
 
 def _to_tile_bounds(iv: torch.Tensor, bn: int) -> torch.Tensor:
@@ -346,11 +305,7 @@ def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
     g = Geometry.of(layout)
     bm, bn = tiles.block_m, tiles.block_n
     qt = _query_tiles(g, bm)
-    nb = layout.batch_size or 1
-    intervals = [_context_intervals(layout, g, qt)]
-    if g.n_intervals > 1:
-        intervals += [_intra_intervals(g, qt, j)[None].expand(nb, -1, -1) for j in range(g.n_streams)]
-    intervals = torch.stack(intervals, 2)  # [B', T, J, 4] (klo, khi, flo, fhi)
+    intervals = _tile_intervals(layout, g, qt)  # [B', T, J, 4] (klo, khi, flo, fhi)
     bounds = _to_tile_bounds(intervals, bn)
 
     seeded = (qt["m_a"] >= 0) & g.use_slots

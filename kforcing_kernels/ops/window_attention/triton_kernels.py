@@ -2,10 +2,11 @@
 
 FlashAttention-2 style: online softmax in base 2 with fp32 accumulators, the
 natural-log LSE saved for the backward, which recomputes probabilities. Which
-tile products run is decided by the analytic :mod:`tile_plan`; the kernels
-locate every row and key by index arithmetic on the layout geometry, so both
-storage orders (position-major, and the stream-major DoubleForward storage
-``[ctx | Future-1 | Future-2]``) are read in place.
+tile products run is decided by :mod:`tile_plan` (a reduction of the layout's
+row intervals); boundary tiles are masked with the same row intervals, read from
+a tensor, and window slots are located through the layout's slot-to-key table, so
+both storage orders (position-major, and the stream-major DoubleForward storage
+``[ctx | Future-1 | Future-2]``) are read in place and no kernel re-derives the mask.
 
 Kernels (launch order):
 
@@ -67,75 +68,57 @@ def interpreting() -> bool:
     return not isinstance(_fwd_kernel, triton.runtime.JITFunction)
 
 
-# ====================================================================== index arithmetic
+# ====================================================================== what a row sees
 #
-# Window storage is stream-major (position-major is the one-stream case): slot i of
-# window m lives at key  n_ctx + (i // s) * (M * s) + m * s + i % s,  s = slots per stream.
+# The kernels never re-derive the mask. RowIv is the layout's row intervals (int32
+# [B', Lq, n_iv, 2], WindowLayout.row_intervals()): row r sees keys [lo, hi) of each of
+# its n_iv intervals (0: context part, 1..S: its own window's streams). WindowKeys
+# (int32 [M * w], -1 past a short last window) is the key of each window slot, so the
+# slot kernels read both storage orders in place without a storage formula.
 
 
 @triton.jit
-def _window_of(pos, n_ctx, num_windows, window_size, last_window_size, slots_per_stream):
-    """Tokens at key positions ``pos`` (window tokens only): (window m, stream j, slot u in the stream,
-    key of the window's slot 0, window length)."""
-    stream_len = tl.maximum(num_windows * slots_per_stream, 1)  # no windows: plain causal
-    wp = tl.maximum(pos - n_ctx, 0)
-    j = wp // stream_len
-    m = (wp - j * stream_len) // slots_per_stream
-    u = wp - j * stream_len - m * slots_per_stream
-    wlen = tl.where(m == num_windows - 1, last_window_size, window_size)
-    return m, j, u, n_ctx + m * slots_per_stream, wlen
+def _row_interval(RowIv, iv_base, rows, ok, interval, n_iv):
+    """Interval ``interval`` of query ``rows``: ``(lo, hi)``, ``[0, 0)`` outside ``ok``."""
+    ptr = RowIv + iv_base + rows.to(tl.int64) * (n_iv * 2) + interval * 2
+    return tl.load(ptr, mask=ok, other=0), tl.load(ptr + 1, mask=ok, other=0)
 
 
 @triton.jit
-def _slot_offset(i, num_windows, slots_per_stream):
-    """Key offset of window-local slot ``i`` from its window's slot 0 (a scalar)."""
-    j = i // slots_per_stream
-    return j * (num_windows * slots_per_stream - slots_per_stream) + i
+def _sees(RowIv, iv_base, rows, ok, key, n_iv):
+    """Whether each of ``rows`` sees its ``key`` through its own-window intervals 1..n_iv-1."""
+    seen = key != key  # all False
+    for j in range(1, n_iv):
+        lo, hi = _row_interval(RowIv, iv_base, rows, ok, j, n_iv)
+        seen = seen | ((lo <= key) & (key < hi))
+    return seen & ok
 
 
 @triton.jit
-def _query_rows(rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
-                last_window_size, slots_per_stream):
-    """What the intervals of query ``rows`` need: the context interval ([0, r+1) for a context row,
-    the window's prefix range for a window row, [0, 0) outside ``ok``) and the row's window."""
-    pos = rows + query_offset
-    win_row = ok & (pos >= n_ctx)
-    m, j, u, win_base, wlen = _window_of(pos, n_ctx, num_windows, window_size, last_window_size, slots_per_stream)
-    ctx_lo = tl.load(RangeLo + b * ranges_bstride + m, mask=win_row, other=0)
-    ctx_hi = tl.load(RangeHi + b * ranges_bstride + m, mask=win_row, other=0)
-    ctx_hi = tl.where(win_row | ~ok, ctx_hi, pos + 1)
-    return ctx_lo, ctx_hi, win_row, j, u, win_base, wlen
-
-
-@triton.jit
-def _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream, causal):
-    """Key interval ``interval`` of each row: 0 = context part, 1 + j' = stream j' of its own window
-    (causal: earlier streams whole, its own stream up to itself, later streams nothing)."""
-    if interval == 0:
-        lo = ctx_lo
-        hi = ctx_hi
-    else:
-        jp = interval - 1
-        lo = win_base + jp * (num_windows * slots_per_stream)
-        in_stream = tl.minimum(tl.maximum(wlen - jp * slots_per_stream, 0), slots_per_stream)
-        seen = tl.where(causal != 0, tl.where(jp < j, in_stream, tl.where(jp == j, u + 1, 0)), in_stream)
-        hi = lo + tl.where(win_row, seen, 0)
-    return lo, hi
-
-
-@triton.jit
-def _slot_block(block, windows_per_block, n_ctx, num_windows, window_size, last_window_size, slots_per_stream,
-                BLOCK_T: tl.constexpr):
-    """Tokens of slot block ``block`` (whole windows, window-major): (ok, slot, length, key of the
-    window's slot 0, own key)."""
+def _slot_block(block, windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T: tl.constexpr):
+    """Tokens of slot block ``block`` (whole windows, window-major): (ok, index of the window's
+    slot 0 in WindowKeys, own key)."""
     t = tl.arange(0, BLOCK_T)
     m = block * windows_per_block + t // window_size
-    slot = t % window_size
-    wlen = tl.where(m == num_windows - 1, last_window_size, window_size)
-    ok = (t < windows_per_block * window_size) & (m < num_windows) & (slot < wlen)
-    win_base = n_ctx + m * slots_per_stream
-    key = win_base + (slot // slots_per_stream) * (num_windows * slots_per_stream - slots_per_stream) + slot
-    return ok, slot, wlen, win_base, key
+    in_block = (t < windows_per_block * window_size) & (m < num_windows)
+    slot0 = m * window_size
+    key = tl.load(WindowKeys + slot0 + t % window_size, mask=in_block, other=-1)
+    return key >= 0, slot0, key
+
+
+@triton.jit
+def _finish(m_i, l_i):
+    """(1 / l, LSE in log2 units) of an online softmax; a row that saw no key gets (0, -inf)."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    return tl.where(seen, 1.0 / l_safe, 0.0), tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def _lse2_for_grad(lse):
+    """LSE (natural log) -> log2 units for p = 2^(s - lse2); -inf (no key seen) -> +inf so p = 0."""
+    lse2 = lse * 1.4426950408889634
+    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
 
 
 # ====================================================================== forward
@@ -144,34 +127,31 @@ def _slot_block(block, windows_per_block, n_ctx, num_windows, window_size, last_
 @_kernel
 def _slot_fwd_kernel(
     Q, K, V, OPart, LsePart,  # q [B, H, Lq, D], k/v [B, Hkv, Lk, D]; partial out [B, H, Nw, D] fp32, lse [B, H, Nw] (log2)
-    Counters,
+    RowIv, WindowKeys, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_pb, stride_ph, stride_lb, stride_lh,
-    n_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
-    windows_per_block, causal, qk_scale,
+    n_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv, qk_scale,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     kvh = h // kv_group
-    ok, slot, wlen, win_base, key = _slot_block(tl.program_id(1), windows_per_block, n_ctx, num_windows,
-                                                window_size, last_window_size, slots_per_stream, BLOCK_T)
+    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
+    iv_base = b * iv_bstride
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = key - query_offset
+    rows = key.to(tl.int64) - query_offset
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                 mask=ok[:, None], other=0.0).to(tl.float32)
-    kv_slot0 = b * stride_kb + kvh * stride_kh + win_base[:, None] * stride_kn + offs_d[None, :]
-    k_slot0 = K + kv_slot0
-    v_slot0 = V + kv_slot0
-    last_seen = tl.where(ok, tl.minimum(wlen - 1, tl.where(causal != 0, slot, window_size)), -1)
+    kv_head = b * stride_kb + kvh * stride_kh + offs_d[None, :]
     m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
     for i in range(0, window_size):
-        visible = i <= last_seen
-        step = _slot_offset(i, num_windows, slots_per_stream) * stride_kn
-        k_i = tl.load(k_slot0 + step, mask=visible[:, None], other=0.0)
-        v_i = tl.load(v_slot0 + step, mask=visible[:, None], other=0.0)
+        key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
+        visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
+        at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn
+        k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0)
+        v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
         s_i = tl.where(visible, tl.sum(q * k_i.to(tl.float32), 1) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, s_i)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -182,22 +162,21 @@ def _slot_fwd_kernel(
         m_i = m_new
         if INSTRUMENT:
             tl.atomic_add(Counters + 1, 1)
-    l_safe = tl.where(ok, l_i, 1.0)  # every real token sees itself
-    wrow = key - n_ctx
+    inv_l, lse2 = _finish(m_i, l_i)
+    wrow = key.to(tl.int64) - n_ctx
     tl.store(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-             acc / l_safe[:, None], mask=ok[:, None])
-    tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, m_i + tl.log2(l_safe), mask=ok)
+             acc * inv_l[:, None], mask=ok[:, None])
+    tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, lse2, mask=ok)
 
 
 @_kernel
 def _fwd_kernel(
     Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
     OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles)
-    QueryTiles, Bounds, Order, RangeLo, RangeHi, Counters,
+    QueryTiles, Bounds, Order, RowIv, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    stride_wb, stride_wh, bounds_bstride, ranges_bstride,
-    n_heads, kv_group, n_keys, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
-    n_intervals, causal, qk_scale,
+    stride_wb, stride_wh, bounds_bstride, iv_bstride,
+    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
@@ -214,14 +193,12 @@ def _fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = q_start + offs_m
     ok = offs_m < q_len
+    iv_base = b * iv_bstride
     q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     k_tile0 = K + kv_tile0
     v_tile0 = V + kv_tile0
-    ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
-        rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
-        last_window_size, slots_per_stream)
 
     if seeded != 0:  # start from the intra-window partial: normalised out, l = 1
         wrow = rows + query_offset - n_ctx
@@ -240,8 +217,7 @@ def _fwd_kernel(
         n_tiles = tl.load(bounds + interval * 4 + 1)
         full_begin = tl.load(bounds + interval * 4 + 2)
         full_end = tl.load(bounds + interval * 4 + 3)
-        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
-                           causal)
+        lo, hi = _row_interval(RowIv, iv_base, rows, ok, interval, n_iv)
         for t in range(0, n_tiles):
             start = key_start + t * BLOCK_N
             keys = start + offs_n
@@ -262,9 +238,9 @@ def _fwd_kernel(
             if INSTRUMENT:
                 tl.atomic_add(Counters, 1)
 
-    l_safe = tl.where(ok, l_i, 1.0)  # every real row sees >= 1 key, so l > 0 there
-    tl.store(Out + q_off, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=ok[:, None])
-    tl.store(Lse + b * stride_lb + h * stride_lh + rows, (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=ok)
+    inv_l, lse2 = _finish(m_i, l_i)
+    tl.store(Out + q_off, (acc * inv_l[:, None]).to(Out.dtype.element_ty), mask=ok[:, None])
+    tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse2 * 0.6931471805599453, mask=ok)
 
 
 # ====================================================================== backward
@@ -284,25 +260,22 @@ def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.
 @_kernel
 def _slot_bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
-    Counters,
+    RowIv, WindowKeys, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    n_kv_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
-    windows_per_block, causal, qk_scale, sm_scale,
+    n_kv_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv,
+    qk_scale, sm_scale,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_kv_heads
     kvh = pid_bh % n_kv_heads
-    ok, slot, wlen, win_base, key = _slot_block(tl.program_id(1), windows_per_block, n_ctx, num_windows,
-                                                window_size, last_window_size, slots_per_stream, BLOCK_T)
+    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
+    iv_base = b * iv_bstride
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_own = b * stride_kb + kvh * stride_kh + key[:, None] * stride_kn + offs_d[None, :]
-    kv_slot0 = b * stride_kb + kvh * stride_kh + win_base[:, None] * stride_kn + offs_d[None, :]
-    rows = key - query_offset
-    rows_slot0 = win_base - query_offset
-    last_seen = tl.where(ok, tl.minimum(wlen - 1, tl.where(causal != 0, slot, window_size)), -1)  # as a query
-    first_seen = tl.where(causal != 0, slot, 0)  # as a key: lowest query slot that sees it
-    wlen_ok = tl.where(ok, wlen, 0)
+    key64 = key.to(tl.int64)
+    kv_head = b * stride_kb + kvh * stride_kh + offs_d[None, :]
+    kv_own = kv_head + key64[:, None] * stride_kn
+    rows = key64 - query_offset
 
     # Phase 1, the block's tokens as queries: dQ over the key slots of their window, per query head.
     for g in range(0, kv_group):
@@ -313,38 +286,41 @@ def _slot_bwd_kernel(
         do_t = tl.load(DOut + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
         q_t = q_t.to(tl.float32)
         do_t = do_t.to(tl.float32)
-        lse2_t = tl.load(Lse + l_head + rows, mask=ok, other=0.0) * 1.4426950408889634
+        lse2_t = _lse2_for_grad(tl.load(Lse + l_head + rows, mask=ok, other=0.0))
         delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
         dq = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
         for i in range(0, window_size):
-            visible = i <= last_seen
-            step = _slot_offset(i, num_windows, slots_per_stream) * stride_kn
-            k_i = tl.load(K + kv_slot0 + step, mask=visible[:, None], other=0.0).to(tl.float32)
-            v_i = tl.load(V + kv_slot0 + step, mask=visible[:, None], other=0.0)
+            key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
+            visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
+            at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn
+            k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0).to(tl.float32)
+            v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
             p_i = tl.where(visible, tl.exp2(tl.sum(q_t * k_i, 1) * qk_scale - lse2_t), 0.0)
             ds_i = p_i * (tl.sum(do_t * v_i.to(tl.float32), 1) - delta_t)
             dq += ds_i[:, None] * k_i
             if INSTRUMENT:
                 tl.atomic_add(Counters + 3, 1)
-        tl.store(DQPart + b * stride_pb + h * stride_ph + (key - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
+        tl.store(DQPart + b * stride_pb + h * stride_ph + (key64 - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
                  mask=ok[:, None])
 
-    # Phase 2, the block's tokens as keys: dK/dV over the query slots of their window, summed over the group.
+    # Phase 2, the block's tokens as keys: dK/dV over the query slots of their window that see
+    # them (only their own window can), summed over the group.
     k_t = tl.load(K + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
     v_t = tl.load(V + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
     dk = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
     for g in range(0, kv_group):
         h = kvh * kv_group + g
-        q_slot0 = b * stride_qb + h * stride_qh + rows_slot0[:, None] * stride_qm + offs_d[None, :]
-        l_slot0 = b * stride_lb + h * stride_lh + rows_slot0
+        q_head = b * stride_qb + h * stride_qh + offs_d[None, :]
+        l_head = b * stride_lb + h * stride_lh
         for i in range(0, window_size):
-            visible = (i >= first_seen) & (i < wlen_ok)
-            offset = _slot_offset(i, num_windows, slots_per_stream)
-            q_i = tl.load(Q + q_slot0 + offset * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
-            do_i = tl.load(DOut + q_slot0 + offset * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
-            lse2_i = tl.load(Lse + l_slot0 + offset, mask=visible, other=0.0) * 1.4426950408889634
-            delta_i = tl.load(Delta + l_slot0 + offset, mask=visible, other=0.0)
+            key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
+            row_i = key_i.to(tl.int64) - query_offset
+            visible = _sees(RowIv, iv_base, row_i, ok & (key_i >= 0), key, n_iv)
+            q_i = tl.load(Q + q_head + row_i[:, None] * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
+            do_i = tl.load(DOut + q_head + row_i[:, None] * stride_qm, mask=visible[:, None], other=0.0).to(tl.float32)
+            lse2_i = _lse2_for_grad(tl.load(Lse + l_head + row_i, mask=visible, other=0.0))
+            delta_i = tl.load(Delta + l_head + row_i, mask=visible, other=0.0)
             p_i = tl.where(visible, tl.exp2(tl.sum(k_t * q_i, 1) * qk_scale - lse2_i), 0.0)
             dv += p_i[:, None] * do_i
             dk += (p_i * (tl.sum(v_t * do_i, 1) - delta_i))[:, None] * q_i
@@ -357,11 +333,10 @@ def _slot_bwd_kernel(
 @_kernel
 def _dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DQPart,
-    QueryTiles, Bounds, Order, RangeLo, RangeHi, Counters,
+    QueryTiles, Bounds, Order, RowIv, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    bounds_bstride, ranges_bstride,
-    n_heads, kv_group, n_keys, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
-    n_intervals, causal, qk_scale, sm_scale,
+    bounds_bstride, iv_bstride,
+    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
@@ -378,17 +353,15 @@ def _dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = q_start + offs_m
     ok = offs_m < q_len
+    iv_base = b * iv_bstride
     q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
-    lse2 = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0) * 1.4426950408889634
+    lse2 = _lse2_for_grad(tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0))
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0)
     kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     k_tile0 = K + kv_tile0
     v_tile0 = V + kv_tile0
-    ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
-        rows, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
-        last_window_size, slots_per_stream)
 
     if seeded != 0:
         wrow = rows + query_offset - n_ctx
@@ -403,8 +376,7 @@ def _dq_kernel(
         n_tiles = tl.load(bounds + interval * 4 + 1)
         full_begin = tl.load(bounds + interval * 4 + 2)
         full_end = tl.load(bounds + interval * 4 + 3)
-        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
-                           causal)
+        lo, hi = _row_interval(RowIv, iv_base, rows, ok, interval, n_iv)
         for t in range(0, n_tiles):
             start = key_start + t * BLOCK_N
             keys = start + offs_n
@@ -425,11 +397,10 @@ def _dq_kernel(
 @_kernel
 def _dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV,
-    QueryTiles, KeyTiles, KeyPtr, KeyEntries, KeyOrder, RangeLo, RangeHi, Counters,
+    QueryTiles, KeyTiles, KeyPtr, KeyEntries, KeyOrder, RowIv, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-    keyptr_bstride, ranges_bstride,
-    n_kv_heads, kv_group, n_ctx, num_windows, window_size, last_window_size, slots_per_stream, query_offset,
-    causal, qk_scale, sm_scale,
+    keyptr_bstride, iv_bstride,
+    n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
@@ -442,6 +413,7 @@ def _dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    iv_base = b * iv_bstride
     cols = k_start + offs_n
     col_ok = offs_n < k_len
     kv_off = b * stride_kb + kvh * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
@@ -461,11 +433,7 @@ def _dkdv_kernel(
         q_start = tl.load(QueryTiles + qtile * 3)
         q_len = tl.load(QueryTiles + qtile * 3 + 1)
         ok = offs_m < q_len
-        ctx_lo, ctx_hi, win_row, j, u, win_base, wlen = _query_rows(
-            q_start + offs_m, ok, b, RangeLo, RangeHi, ranges_bstride, query_offset, n_ctx, num_windows, window_size,
-            last_window_size, slots_per_stream)
-        lo, hi = _interval(interval, ctx_lo, ctx_hi, win_row, j, u, win_base, wlen, num_windows, slots_per_stream,
-                           causal)
+        lo, hi = _row_interval(RowIv, iv_base, q_start + offs_m, ok, interval, n_iv)
         for g in range(0, kv_group):
             h = kvh * kv_group + g
             q_off = q_tile0 + h * stride_qh + q_start * stride_qm
@@ -473,7 +441,7 @@ def _dkdv_kernel(
             do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
             l_off = l_tile0 + h * stride_lh + q_start
             # Padding rows: lse = inf makes p = 0 there, also on full entries.
-            lse2 = tl.load(Lse + l_off, mask=ok, other=float("inf")) * 1.4426950408889634
+            lse2 = _lse2_for_grad(tl.load(Lse + l_off, mask=ok, other=float("inf")))
             delta = tl.load(Delta + l_off, mask=ok, other=0.0)
             p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
             if full == 0:
@@ -556,17 +524,13 @@ _device_plans_lock = threading.Lock()
 
 
 def _plan_tensors(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
-    """The plan and the layout's prefix ranges as int32 tensors on ``device`` (cached)."""
+    """The plan, the layout's row intervals and slot-to-key table as int32 tensors on ``device`` (cached)."""
     key = (plan.layout_key, plan.tiles, str(device))
     with _device_plans_lock:
         cached = _device_plans.get(key)
     if cached is not None:
         return cached
-    nb = layout.batch_size or 1
-    lo = layout.prefix_lo.reshape(nb, -1)
-    hi = layout.prefix_hi.reshape(nb, -1)
-    if lo.shape[1] == 0:  # plain causal: nothing to gather, but the pointers must be valid
-        lo = hi = torch.zeros(1, 1, dtype=torch.int64)
+    row_iv = layout.row_intervals_int32
 
     def dev(x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
@@ -575,21 +539,16 @@ def _plan_tensors(plan: TilePlan, layout: WindowLayout, device: torch.device) ->
     tensors = dict(
         query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
         key_tiles=dev(plan.key_tiles), key_ptr=dev(plan.key_ptr), key_entries=dev(plan.key_entries),
-        key_order=dev(plan.key_order), range_lo=dev(lo), range_hi=dev(hi),
+        key_order=dev(plan.key_order), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
         bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
         keyptr_bstride=plan.key_ptr.shape[1] if plan.key_ptr.shape[0] > 1 else 0,
-        ranges_bstride=lo.shape[1] if lo.shape[0] > 1 else 0,
+        iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0, n_iv=row_iv.shape[2],
     )
     with _device_plans_lock:
         if len(_device_plans) >= 64:
             _device_plans.clear()
         _device_plans[key] = tensors
     return tensors
-
-
-def _geometry(plan: TilePlan) -> tuple:
-    g = plan.geometry
-    return (g.n_ctx, g.num_windows, g.window_size, g.last_window_size, g.slots_per_stream, g.query_offset)
 
 
 # Counter slots of an instrumented run (int32 [5]), per (batch, query head) summed over the grid.
@@ -651,9 +610,10 @@ def attention_forward(
     lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
     _launch(
         "slot_fwd", (bsz * n_heads, plan.intra_blocks),
-        q, k, v, o_part, lse_part, counters,
+        q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
         *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-        n_heads, kv_group, *_geometry(plan), plan.windows_per_block, int(g.causal), scale * LOG2E,
+        n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+        pt["iv_bstride"], pt["n_iv"], scale * LOG2E,
         BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     out = torch.empty_like(q)
@@ -661,10 +621,10 @@ def attention_forward(
     _launch(
         "fwd", (bsz * n_heads, plan.num_query_tiles),
         q, k, v, out, lse, o_part, lse_part,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["range_lo"], pt["range_hi"], counters,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
         *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        lse_part.stride(1), pt["bounds_bstride"], pt["ranges_bstride"],
-        n_heads, kv_group, g.n_keys, *_geometry(plan), g.n_intervals, int(g.causal), scale * LOG2E,
+        lse_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     return out, lse
@@ -708,27 +668,27 @@ def attention_backward(
     dq_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
     _launch(
         "slot_bwd", (bsz * n_kv, plan.intra_blocks),
-        q, k, v, dout, lse, delta, dq_part, dk, dv, counters,
+        q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
         *strides, dq_part.stride(0), dq_part.stride(1),
-        n_kv, kv_group, *_geometry(plan), plan.windows_per_block, int(g.causal), scale * LOG2E, scale,
+        n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+        pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
         BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     dq = torch.empty_like(q)
     _launch(
         "dq", (bsz * n_heads, plan.num_query_tiles),
         q, k, v, dout, lse, delta, dq, dq_part,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["range_lo"], pt["range_hi"], counters,
-        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["ranges_bstride"],
-        n_heads, kv_group, g.n_keys, *_geometry(plan), g.n_intervals, int(g.causal), scale * LOG2E, scale,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
+        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E, scale,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     _launch(
         "dkdv", (bsz * n_kv, plan.num_key_tiles),
         q, k, v, dout, lse, delta, dk, dv,
-        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["range_lo"],
-        pt["range_hi"], counters,
-        *strides, pt["keyptr_bstride"], pt["ranges_bstride"],
-        n_kv, kv_group, *_geometry(plan), int(g.causal), scale * LOG2E, scale,
+        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"], counters,
+        *strides, pt["keyptr_bstride"], pt["iv_bstride"],
+        n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     return dq, dk, dv
