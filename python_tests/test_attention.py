@@ -111,7 +111,7 @@ def test_composite_portable_path_end_to_end(monkeypatch):
 
 
 @pytest.mark.parametrize("loop_min_rows", [0, 10**9])
-@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "general_streams"])
+@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "general_streams_full", "ptp_doc_ends", "double_packed"])
 def test_composite_intra_loop_and_batched_paths(monkeypatch, name, loop_min_rows):
     """Both intra-window product paths (per-head bmm loop, batched matmul) match the reference."""
     monkeypatch.setattr(composite, "LOOP_MIN_ROWS", loop_min_rows)

@@ -42,6 +42,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from . import flex as _flex
 from . import intervals as _iv
 from .documents import IntsLike, as_int, as_int_tensor, check_block_aligned, document_bounds, parse_cu_seqlens, stack_rows
 
@@ -404,65 +405,19 @@ class WindowLayout:
         mask = _iv.dense_mask_from(self._row_intervals, self.n_keys)
         return mask if self._range_batch is not None else mask[0]
 
-    # ------------------------------------------------------------------ FlexAttention interop
+    # ------------------------------------------------------------------ FlexAttention interop (layouts/flex.py)
 
     def mask_mod(self, device: Union[str, torch.device] = "cpu"):
         """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` equal to ``dense_mask()``."""
-        iv = self._row_intervals.to(device)
-        per_batch = self._range_batch is not None
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            bi = b if per_batch else 0
-            seen = (iv[bi, q_idx, 0, 0] <= kv_idx) & (kv_idx < iv[bi, q_idx, 0, 1])
-            for j in range(1, iv.shape[2]):
-                seen = seen | ((iv[bi, q_idx, j, 0] <= kv_idx) & (kv_idx < iv[bi, q_idx, j, 1]))
-            return seen
-
-        return mask_mod
+        return _flex.mask_mod(self._row_intervals, self._range_batch is not None, device)
 
     def block_counts(self, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tile classification at (block_q, block_k), computed from row intervals in O(L * Lk/block_k).
-
-        Returns bool ``(any, full)`` of shape [B', nQ, nK]: a tile has some visible pair,
-        or all of its pairs visible (tiles that overhang the sequence end count as full
-        when every in-range pair is visible).
-        """
-        iv = self._row_intervals  # [B', Lq, J, 2]
-        nb, lq = iv.shape[0], iv.shape[1]
-        nq, nk = -(-lq // block_q), -(-self.n_keys // block_k)
-        k0 = torch.arange(nk) * block_k
-        k1 = torch.clamp(k0 + block_k, max=self.n_keys)
-        overlap = (torch.minimum(iv[..., 1, None], k1) - torch.maximum(iv[..., 0, None], k0)).clamp(min=0).sum(2)
-        pad = nq * block_q - lq
-        seen_any = overlap > 0
-        seen_all = overlap == (k1 - k0)
-        if pad:
-            seen_any = torch.cat([seen_any, torch.zeros(nb, pad, nk, dtype=torch.bool)], 1)
-            seen_all = torch.cat([seen_all, torch.ones(nb, pad, nk, dtype=torch.bool)], 1)
-        tile_any = seen_any.view(nb, nq, block_q, nk).any(2)
-        tile_full = seen_all.view(nb, nq, block_q, nk).all(2) & tile_any
-        return tile_any, tile_full
+        """bool ``(any, full)`` [B', nQ, nK]: tiles with some / all pairs visible (see ``flex.block_counts``)."""
+        return _flex.block_counts(self._row_intervals, self.n_keys, block_q, block_k)
 
     def to_block_mask(self, block_size: int = 128, device: Union[str, torch.device] = "cpu"):
         """A FlexAttention ``BlockMask`` for this layout, built analytically (no mask_mod sweep)."""
-        from torch.nn.attention.flex_attention import BlockMask
-
-        tile_any, tile_full = self.block_counts(block_size, block_size)
-        partial = tile_any & ~tile_full
-
-        def to_indices(sel: torch.Tensor):
-            n = sel.sum(-1).to(torch.int32)
-            # Stable sort puts the selected key blocks first, in increasing order.
-            order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-            return n[:, None].to(device), order[:, None].to(device)
-
-        kv_num, kv_idx = to_indices(partial)
-        full_num, full_idx = to_indices(tile_full)
-        return BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx,
-            BLOCK_SIZE=block_size, mask_mod=self.mask_mod(device),
-            seq_lengths=(self.n_queries, self.n_keys),
-        )
+        return _flex.to_block_mask(self, block_size, device)
 
 
 # ---------------------------------------------------------------------- helpers

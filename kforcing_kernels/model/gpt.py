@@ -54,17 +54,43 @@ def double_layout(n: int, k: int) -> WindowLayout:
     return WindowLayout.kforcing_double(n_ctx=n, k=k)
 
 
-def single_positions(n: int, k: int, device=None) -> torch.Tensor:
-    """int64 [N + N*k]: positions of ``[ctx | noise]``; noise slot i of window t at t + 1 + i."""
+def context_positions(n: int, cu_seqlens: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
+    """int64 [N] (or [B, N] for per-batch ``cu_seqlens``): context positions, restarting at 0 per document."""
     t = torch.arange(n, device=device)
-    return torch.cat([t, (t[:, None] + 1 + torch.arange(k, device=device)).flatten()])
+    if cu_seqlens is None:
+        return t
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        cu = cu_seqlens.to(device)
+        return t - cu[torch.searchsorted(cu, t, right=True) - 1]
+    rows = [torch.as_tensor(row, device=device) for row in cu_seqlens]
+    return torch.stack([t - row[torch.searchsorted(row, t, right=True) - 1] for row in rows])
 
 
-def double_positions(n: int, k: int, device=None) -> torch.Tensor:
-    """int64 [2*N*k]: positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t at t + 1 + i."""
-    t = torch.arange(n, device=device)[:, None]
+def single_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tensor:
+    """int64 [N + N*k] (or [B, ...]): positions of ``[ctx | noise]``; noise slot i of window t at pos(t) + 1 + i."""
+    t = context_positions(n, cu_seqlens, device)
+    noise = (t[..., None] + 1 + torch.arange(k, device=device)).flatten(-2)
+    return torch.cat([t, noise], -1)
+
+
+def double_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tensor:
+    """int64 [2*N*k] (or [B, ...]): positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t at pos(t) + 1 + i."""
+    t = context_positions(n, cu_seqlens, device)[..., None]
     i = torch.arange(k, device=device)
-    return torch.cat([(t + 1 + i).flatten(), (t + 1 + k + i).flatten()])
+    return torch.cat([(t + 1 + i).flatten(-2), (t + 1 + k + i).flatten(-2)], -1)
+
+
+def _packed(cu_seqlens, n: int):
+    """``cu_seqlens`` as int64 CPU data: a tensor [D+1], or one tensor per batch element (None passes).
+
+    The layout constructors validate the offsets (start 0, end ``n``, non-decreasing).
+    """
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 or (
+            isinstance(cu_seqlens, (list, tuple)) and all(not isinstance(x, (list, tuple, torch.Tensor)) for x in cu_seqlens)):
+        return torch.as_tensor(cu_seqlens).detach().cpu().to(torch.int64)
+    return [torch.as_tensor(row).detach().cpu().to(torch.int64) for row in cu_seqlens]
 
 
 # ---------------------------------------------------------------------- building blocks
@@ -244,21 +270,28 @@ class KForcingLM(nn.Module):
 
     # -------------------------------------------------------------- the three training-time forwards
 
-    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
+                cu_seqlens=None) -> torch.Tensor:
         """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``."""
         if noise is None:
-            return self.ar_forward(tokens)
-        return self.single_forward(tokens, noise, tau)[0]
+            return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
+        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens)[0]
 
-    def ar_forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, N] -> next-token logits [B, N, V] (plain causal attention)."""
+    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """tokens [B, N] -> next-token logits [B, N, V] (plain causal attention).
+
+        ``cu_seqlens`` (FlashAttention's offsets, ``[D+1]`` or ``[B, D+1]``): the row packs
+        documents; attention never crosses a boundary and positions restart at 0 in each.
+        """
         _check_tokens(tokens, self.config)
         n = tokens.shape[1]
-        h, _ = self.trunk(self.wte(tokens), torch.arange(n, device=tokens.device), causal_layout(n))
+        cu = _packed(cu_seqlens, n)
+        layout = causal_layout(n) if cu is None else WindowLayout.causal(n, cu_seqlens=cu)
+        h, _ = self.trunk(self.wte(tokens), context_positions(n, cu, tokens.device), layout)
         return self.head(h)
 
     def single_forward(
-        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0
+        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None
     ) -> tuple[torch.Tensor, list[KV]]:
         """SingleForward (paper eq. 18): k tokens after every context position in one call.
 
@@ -266,6 +299,7 @@ class KForcingLM(nn.Module):
             tokens: context ``[B, N]``.
             noise: ``[B, N, k]`` uniform in [0, 1); ``noise[:, t, i]`` drives the (i+1)-th token after ``tokens[:, t]``.
             tau: temperature, scalar or ``[B]``.
+            cu_seqlens: packed documents (as in :meth:`ar_forward`): windows see only their document.
 
         Returns:
             (logits ``[B, N, k, V]``, per-layer context K/V ``[B, H, N, D]``, the cache DoubleForward reuses).
@@ -276,12 +310,15 @@ class KForcingLM(nn.Module):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
         k = noise.shape[2]
         x = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)  # [B, N + N*k, C]
-        h, kvs = self.trunk(x, single_positions(n, k, tokens.device), single_layout(n, k))
+        cu = _packed(cu_seqlens, n)
+        layout = single_layout(n, k) if cu is None else WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
+        h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
         logits = self.head(h[:, n:]).view(b, n, k, -1)
         return logits, [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
 
     def double_forward(
-        self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0
+        self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
+        cu_seqlens=None,
     ) -> torch.Tensor:
         """DoubleForward (paper eq. 19): the second round, conditioned on the first round's tokens.
 
@@ -290,6 +327,7 @@ class KForcingLM(nn.Module):
             first: ``[B, N, k]`` tokens predicted in round one (Future-1, embedded as ordinary tokens).
             noise: ``[B, N, k]`` fresh noise for round two (Future-2).
             tau: temperature, scalar or ``[B]``.
+            cu_seqlens: the packed documents the context K/V were computed with.
 
         Returns:
             logits ``[B, N, k, V]``: ``[:, t, j]`` predicts token t + k + 1 + j given context ``<= t`` and ``first[:, t]``.
@@ -301,7 +339,9 @@ class KForcingLM(nn.Module):
             raise ValueError(f"context_kv: expected {self.config.n_layer} layers of K/V over N={n} context tokens")
         _check_tokens(first, self.config)
         x = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        h, _ = self.trunk(x, double_positions(n, k, first.device), double_layout(n, k), past=context_kv)
+        cu = _packed(cu_seqlens, n)
+        layout = double_layout(n, k) if cu is None else WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
+        h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
         return self.head(h[:, n * k:]).view(b, n, k, -1)
 
 
