@@ -1,6 +1,6 @@
 """Inverse-CDF sampling with temperature (the push-forward sampler) and its inverse.
 
-Convention (DESIGN.md §5): ``token = min{v : F(v) > z}`` where F is the cumulative
+Convention (docs/DESIGN.md §5): ``token = min{v : F(v) > z}`` where F is the cumulative
 sum of ``softmax(logits / tau)`` over the vocabulary, clamped to ``V - 1`` so that
 rounding in the cumulative sum never yields an out-of-range id.
 

@@ -1,6 +1,6 @@
 """Composite backend: prefix-window attention as a few standard attention calls.
 
-The mask splits into three kinds of pieces (DESIGN.md §2):
+The mask splits into three kinds of pieces (docs/DESIGN.md §2):
 
 * context rows: one causal call over the C context queries (queries="all"), or,
   for packed documents / block-causal contexts, masked calls over chunks of rows;
