@@ -25,15 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._cli import write_json  # noqa: E402
 from bench._timing import machine_info, measure, pin_threads  # noqa: E402
 from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
-from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
+from kforcing_kernels.layouts import ideal_causal_pairs, zoo  # noqa: E402
 
-LAYOUTS = {
-    "single": lambda n, k: WindowLayout.kforcing_single(n, k),
-    "double": lambda n, k: WindowLayout.kforcing_double(n, k),
-    "sbd": lambda n, k: WindowLayout.sbd(n, k),
-    "ptp": lambda n, k: WindowLayout.ptp(n, torch.arange(n // 4, n + 1, max(1, n // 8)), 4 * k),
-    "jacobi": lambda n, k: WindowLayout.jacobi(n // 2, n // 2),
-}
+LAYOUTS = zoo.BENCH_FAMILIES  # the shared layout zoo (kforcing_kernels/layouts/zoo.py)
 
 
 def mean_pairs(layout: WindowLayout) -> float:

@@ -110,11 +110,11 @@ def test_composite_portable_path_end_to_end(monkeypatch):
             torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("loop_min_rows", [0, 10**9])
+@pytest.mark.parametrize("loop_per_head", [True, False])
 @pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "general_streams_full", "ptp_doc_ends", "double_packed"])
-def test_composite_intra_loop_and_batched_paths(monkeypatch, name, loop_min_rows):
-    """Both intra-window product paths (per-head bmm loop, batched matmul) match the reference."""
-    monkeypatch.setattr(composite, "LOOP_MIN_ROWS", loop_min_rows)
+def test_composite_intra_loop_and_batched_paths(monkeypatch, name, loop_per_head):
+    """Both intra-window product paths (per-head bmm loop on CPU, batched matmul elsewhere) match the reference."""
+    monkeypatch.setattr(composite, "_loop_per_head", lambda x: loop_per_head)
     ours, ref64, _ = compare_with_reference(LAYOUTS[name], "composite", heads=6, kv_heads=2)
     for a, b in zip(ours, ref64):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5)

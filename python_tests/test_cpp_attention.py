@@ -118,15 +118,21 @@ def test_cpp_large_logits_stay_finite():
 # ---------------------------------------------------------------------- C++-side validation
 
 _LAYOUT = WindowLayout.kforcing_single(5, 2)
-_GEOM = (_LAYOUT.n_ctx, _LAYOUT.num_windows, _LAYOUT.window_size, _LAYOUT.last_window_size, _LAYOUT.n_streams, True, True)
+_GEOM = dict(n_ctx=_LAYOUT.n_ctx, num_windows=_LAYOUT.num_windows, window_size=_LAYOUT.window_size,
+             last_window_size=_LAYOUT.last_window_size, n_streams=_LAYOUT.n_streams, queries_all=True)
 
 
 def _forward_args(**override):
     q, k, v = make_qkv(_LAYOUT, batch=1, heads=2, head_dim=8, requires_grad=False)
-    args = dict(q=q, k=k, v=v, prefix_lo=_LAYOUT.prefix_lo, prefix_hi=_LAYOUT.prefix_hi, n_ctx=_GEOM[0], num_windows=_GEOM[1],
-                window_size=_GEOM[2], last_window_size=_GEOM[3], n_streams=_GEOM[4], intra_causal=True, queries_all=True, scale=0.5)
+    args = dict(q=q, k=k, v=v, row_intervals=_LAYOUT.row_intervals_int32, **_GEOM, scale=0.5)
     args.update(override)
     return args
+
+
+def _intervals_with(row, interval, lo, hi):
+    iv = _LAYOUT.row_intervals_int32.clone()
+    iv[0, row, interval] = torch.tensor([lo, hi], dtype=torch.int32)
+    return iv
 
 
 @pytest.mark.parametrize(
@@ -139,10 +145,10 @@ def _forward_args(**override):
         (dict(v=torch.randn(1, 2, 15, 4)), r"v: expected the shape of k"),
         (dict(q=torch.randn(1, 2, 15, 8, device="meta")), r"q: expected a CPU tensor, got device meta"),
         (dict(q=torch.randn(1, 2, 15, 8).to(torch.int32)), r"q: expected dtype float32, bfloat16, float16 or float64, got Int"),
-        (dict(prefix_lo=torch.tensor([0, 0, 0, 0, 9])), r"prefix_lo: expected lo <= hi for every window, window 4"),
-        (dict(prefix_hi=torch.tensor([1, 2, 3, 4, 6])), r"prefix_hi: expected values <= n_ctx=5, got 6"),
-        (dict(prefix_lo=torch.zeros(4, dtype=torch.long)), r"prefix_lo: expected 5 windows in the last dim"),
-        (dict(prefix_lo=torch.zeros(5)), r"prefix_lo: expected an integer tensor, got dtype Float"),
+        (dict(row_intervals=_intervals_with(7, 0, 4, 2)), r"row_intervals: expected 0 <= lo <= hi <= 15, got \[4, 2\)"),
+        (dict(row_intervals=_intervals_with(7, 1, 3, 16)), r"row_intervals: expected 0 <= lo <= hi <= 15, got \[3, 16\)"),
+        (dict(row_intervals=_LAYOUT.row_intervals_int32[:, :14]), r"row_intervals: expected shape \[1 or 1, 15, 2, 2\]"),
+        (dict(row_intervals=_LAYOUT.row_intervals_int32.long()), r"row_intervals: expected dtype int32, got Long"),
         (dict(n_streams=3), r"n_streams: expected a divisor of window_size=2, got 3"),
         (dict(last_window_size=3), r"last_window_size: expected a value in \[1, 2\], got 3"),
         (dict(scale=-1.0), r"scale: expected a positive finite number, got -1"),
@@ -156,7 +162,7 @@ def test_cpp_validation_names_the_argument(override, match):
 def test_cpp_backward_validation():
     a = _forward_args()
     out, lse = _extension.load().attention_forward(**a)
-    geom = {key: a[key] for key in ("prefix_lo", "prefix_hi", "n_ctx", "num_windows", "window_size", "last_window_size", "n_streams", "intra_causal", "queries_all", "scale")}
+    geom = {key: a[key] for key in ("row_intervals", *_GEOM, "scale")}
     with pytest.raises(ValueError, match=r"lse: expected shape \[1, 2, 15\] \(\[B, H, Lq\]\), got \[1, 2\]"):
         _extension.load().attention_backward(out, a["q"], a["k"], a["v"], out, lse[..., 0], **geom)
     with pytest.raises(ValueError, match=r"dout: expected shape \[1, 2, 15, 8\] \(q's\)"):

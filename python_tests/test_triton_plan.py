@@ -145,11 +145,11 @@ def test_slot_mode_threshold():
 
 
 def test_plan_never_sweeps_the_mask(monkeypatch):
-    """The plan comes from the prefix ranges in closed form: no dense mask, row intervals or block sweep."""
+    """The plan is a reduction of the O(Lq) row intervals: no dense mask, mask_mod or block sweep."""
     def forbidden(*args, **kwargs):
         raise AssertionError("tile_plan swept the mask")
 
-    for name in ("dense_mask", "row_intervals", "block_counts"):
+    for name in ("dense_mask", "mask_mod", "block_counts"):
         monkeypatch.setattr(WindowLayout, name, forbidden)
     for layout in (WindowLayout.kforcing_single(8192, 4), WindowLayout.kforcing_double(4096, 8),
                    WindowLayout.ptp(4096, torch.randint(0, 4097, (2, 300)), 40), WindowLayout.jacobi(2048, 4096)):

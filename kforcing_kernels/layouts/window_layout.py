@@ -372,6 +372,20 @@ class WindowLayout:
             blob(self._context_hi), blob(self._live),
         )
 
+    def batch_element(self, b: int) -> "WindowLayout":
+        """The layout batch element ``b`` sees (itself when the ranges are shared by the batch)."""
+        if self._range_batch is None:
+            return self
+        b = as_int("b", b)
+        if not 0 <= b < self._range_batch:
+            raise ValueError(f"b: expected a batch index in [0, {self._range_batch}), got {b}")
+        pick = lambda t: None if t is None else (t[b] if t.dim() == 2 else t)  # noqa: E731
+        return WindowLayout(
+            self.n_ctx, self.num_windows, self.window_size, pick(self._prefix_lo), pick(self._prefix_hi),
+            last_window_size=self.last_window_size, intra=self.intra, queries=self.queries, n_streams=self.n_streams,
+            context_lo=pick(self._context_lo), context_hi=pick(self._context_hi), live_slots=pick(self._live),
+        )
+
     # ------------------------------------------------------------------ semantics (derived once)
 
     @functools.cached_property

@@ -37,10 +37,6 @@ from .lse_attention import acc_dtype, attend, attend_backward
 CHUNK_ROWS = 256
 # Windows at least this large use fused causal calls for their intra tile.
 FOLD_WINDOW_MIN = 32
-# Smaller windows: on CPU, once a head holds this many window rows, one bmm per
-# (batch, head) on strided views beats a 5-D matmul, which first copies the
-# non-contiguous window slices of q, k and v.
-LOOP_MIN_ROWS = 256
 
 
 def available() -> Optional[str]:
@@ -234,11 +230,19 @@ def _fold_mask(layout: WindowLayout, b: int, device) -> Optional[torch.Tensor]:
     return vis.expand(b, -1, -1, -1).reshape(-1, 1, w, w)
 
 
+def _loop_per_head(x: torch.Tensor) -> bool:
+    """On CPU, one bmm per (batch, head): a batched 5-D matmul may pick different kernels for
+    different batch sizes, and we promise the same bits for a sequence alone or in a batch.
+    It is also faster once a head holds a few hundred window rows (no copies of the strided
+    window slices). Elsewhere one batched matmul."""
+    return x.device.type == "cpu"
+
+
 def _window_mm(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
     """Per-window products: x [B, H, M, w, a] @ y [B, Hy, M, a, c] -> [B, H, M, w, c]; head h uses y's head h // group."""
     b, h, m, w = x.shape[:4]
     c = y.shape[-1]
-    if x.device.type == "cpu" and m * w >= LOOP_MIN_ROWS:
+    if _loop_per_head(x):
         out = x.new_empty(b, h, m, w, c)
         for bi in range(b):
             for hi in range(h):
@@ -251,7 +255,7 @@ def _window_mm_t_sum(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tens
     """x [B, H, M, w, w]^T @ y [B, H, M, w, c], summed over each group of query heads -> [B, H/group, M, w, c]."""
     b, h, m, w = x.shape[:4]
     c = y.shape[-1]
-    if x.device.type == "cpu" and m * w >= LOOP_MIN_ROWS:
+    if _loop_per_head(x):
         out = y.new_zeros(b, h // group, m, w, c)
         for bi in range(b):
             for hi in range(h):
@@ -304,8 +308,36 @@ def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
 # ---------------------------------------------------------------------- entry points
 
 
+def _per_element(fn, tensors, layout: WindowLayout, *args):
+    """On CPU, run ``fn`` once per batch element on fresh contiguous copies and concatenate.
+
+    BLAS and the fused CPU attention kernels may take different code paths for different
+    batch sizes and memory alignments; one element at a time, on freshly allocated
+    tensors, a sequence gets the same bits alone or in any batch (docs/DESIGN.md §3).
+    """
+    if tensors[0].device.type != "cpu" or tensors[0].shape[0] <= 1:
+        return fn(*tensors, layout, *args)
+    parts = [fn(*(t[b:b + 1].contiguous() for t in tensors), _element_layout(layout, b), *args)
+             for b in range(tensors[0].shape[0])]
+    return tuple(torch.cat(outs, 0) for outs in zip(*parts))
+
+
+@functools.lru_cache(maxsize=64)
+def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
+    return layout.batch_element(b)
+
+
 def forward(q, k, v, layout: WindowLayout, scale: float):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs)."""
+    return _per_element(_forward, (q, k, v), layout, scale)
+
+
+def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
+    return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)
+
+
+def _forward(q, k, v, layout: WindowLayout, scale: float):
     c, nw = layout.n_ctx, layout.n_window_tokens
     out = torch.empty_like(q)
     ct = acc_dtype(q.dtype)
@@ -334,8 +366,7 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
+def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     c, nw = layout.n_ctx, layout.n_window_tokens
     dq = torch.empty_like(q)
     ct = acc_dtype(q.dtype)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -63,6 +64,10 @@ def window_attention(
     """
     _validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # nothing to attend: empty outputs on every backend
+        out = q * 0.0 + (k.sum() + v.sum()) * 0.0  # empty, yet connected to q, k and v for autograd
+        lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
+        return (out, lse) if return_lse else out
     name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
     if name == "reference" and not torch.compiler.is_compiling():
         out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
@@ -102,7 +107,11 @@ def _validate(q, k, v, layout, scale, backend) -> None:
         raise ValueError(f"k: expected batch {b} (q's), got {k.shape[0]}")
     if k.shape[3] != d:
         raise ValueError(f"k: expected head dim {d} (q's), got {k.shape[3]}")
-    if h % k.shape[1] != 0:
+    if d == 0:
+        raise ValueError(f"q: expected head dim >= 1, got shape {tuple(q.shape)}")
+    if k.shape[1] == 0 and h != 0:
+        raise ValueError(f"k: expected at least one kv head for {h} query heads, got shape {tuple(k.shape)}")
+    if k.shape[1] and h % k.shape[1] != 0:
         raise ValueError(f"q: expected a head count that is a multiple of k's {k.shape[1]} (GQA), got {h}")
     if lq != layout.n_queries:
         raise ValueError(f"q: expected length {layout.n_queries} (layout.n_queries), got {lq}")
@@ -110,7 +119,9 @@ def _validate(q, k, v, layout, scale, backend) -> None:
         raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
     if layout.batch_size is not None and layout.batch_size != b:
         raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    # numbers.Real takes numpy floats too; a bool is a number by accident, not a scale.
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(float(scale)) or float(scale) <= 0):
         raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
