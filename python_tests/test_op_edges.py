@@ -53,3 +53,35 @@ def test_blank_rows_give_zero_output_minus_inf_lse_zero_grad(backend):
     out.square().sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
     assert torch.equal(q.grad[:, :, blank], torch.zeros_like(q.grad[:, :, blank]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["k_nan", "v_inf"])
+def test_nonfinite_values_at_masked_keys_do_not_reach_a_row(backend, where):
+    """Key 0 of window 2 (the first window slot) holds NaN/inf; rows that cannot see it stay exact."""
+    layout = WindowLayout.kforcing_single(6, 3)
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, layout.n_queries, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, layout.n_keys, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, layout.n_keys, 8, dtype=torch.float64)
+    bad_key = 6 + 2 * 3  # slot 0 of window 2: seen only by window 2's rows
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    if where == "k_nan":
+        poisoned_k[:, :, bad_key] = float("nan")
+    else:
+        poisoned_v[:, :, bad_key] = float("inf")
+    clean = [t.clone().requires_grad_() for t in (q, k, v)]
+    dirty = [t.clone().requires_grad_() for t in (q, poisoned_k, poisoned_v)]
+    out_clean = window_attention(*clean, layout, backend=backend)
+    out_dirty = window_attention(*dirty, layout, backend=backend)
+    sees = layout.dense_mask()[:, bad_key]
+    assert sees.sum() == 3
+    torch.testing.assert_close(out_dirty[:, :, ~sees], out_clean[:, :, ~sees], rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out_clean)
+    dout[:, :, sees] = 0  # only rows that do not see the bad key carry gradient
+    g_clean = torch.autograd.grad(out_clean, clean, dout)
+    g_dirty = torch.autograd.grad(out_dirty, dirty, dout)
+    keep = ~layout.dense_mask()[sees].any(0)  # keys no poisoned row touches (those rows' outputs are NaN/inf)
+    torch.testing.assert_close(g_dirty[0][:, :, ~sees], g_clean[0][:, :, ~sees], rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_dirty[1:], g_clean[1:]):
+        torch.testing.assert_close(a[:, :, keep], b[:, :, keep], rtol=1e-12, atol=1e-12)

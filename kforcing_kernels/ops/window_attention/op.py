@@ -29,6 +29,7 @@ from typing import Optional, Union
 import torch
 
 from .backends import BACKENDS, default_backend, get_backend
+from . import masked_keys
 from .lse_attention import acc_dtype, attend, attend_backward
 from ...layouts import WindowLayout
 
@@ -70,7 +71,10 @@ def window_attention(
         return (out, lse) if return_lse else out
     name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
     if name == "reference" and not torch.compiler.is_compiling():
-        out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
+        if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
+            out, lse = masked_keys.attention(q, k, v, layout, scale)
+        else:
+            out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
@@ -173,6 +177,8 @@ def _window_attention_op(
     geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
+    if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):  # keep them away from rows that cannot see them
+        return masked_keys.forward(q, k, v, layout, scale)
     if backend == "reference":  # reached under torch.compile only; eager uses the differentiable path
         return attend(q, k, v, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     out, lse = get_backend(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
@@ -197,6 +203,8 @@ def _window_attention_backward_op(
     scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
+    if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
+        return masked_keys.backward(dout, q, k, v, layout, scale)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
     if backend == "reference":
         return attend_backward(*tensors, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
