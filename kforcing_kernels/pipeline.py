@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .train import ConfigError, TrainConfig, _read_json, train
+from .checkpoint import read_json
+from .train import ConfigError, TrainConfig, train
+from .train_config import existing_run
 
 
 @dataclass
@@ -38,7 +40,12 @@ class PipelineConfig:
 
 
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
-    """Train every stage in turn; a finished stage (model.json present) is skipped, so the pipeline resumes."""
+    """Train every stage in turn.
+
+    A finished stage (model.json present) is skipped, unless ``base.overwrite`` (then every stage is
+    trained again). With ``base.resume`` a stage with checkpoints continues and a stage not yet
+    started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
+    """
     if pipe.k_final < 1 or pipe.k_final & (pipe.k_final - 1):
         raise ConfigError(f"k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got {pipe.k_final}")
     summaries, teacher = {}, None
@@ -50,9 +57,11 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
             lr=pipe.lr_distill if distill else pipe.lr_stage0,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
         )
-        if (folder / "model.json").exists():
+        if base.resume and not existing_run(folder):
+            cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
+        if (folder / "model.json").exists() and not base.overwrite:
             print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
-            summaries[folder.name] = _read_json(folder / "model.json").get("summary", {})
+            summaries[folder.name] = read_json(folder / "model.json").get("summary", {})
         else:
             summaries[folder.name] = train(cfg)
         teacher = folder
