@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -66,14 +67,17 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
         while True:
             tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             try:
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 break
             except FileExistsError:
                 continue
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # what the umask made of 0o666
+        os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc})") from exc
     try:
         write(str(tmp))
+        os.chmod(tmp, mode)  # writers that recreate the file (safetensors does, with 0o600) must not change it
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
