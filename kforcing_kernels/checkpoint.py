@@ -82,9 +82,9 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as exc:
-        hint = "; free some space, then --resume" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc}){hint}") from exc
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors
+        hint = "; free some space, then --resume" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(f"{path}: cannot write ({getattr(exc, 'strerror', None) or exc}){hint}") from exc
     finally:
         if tmp.exists():
             tmp.unlink()

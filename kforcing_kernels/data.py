@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -140,6 +141,18 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
+def _remove_stale_temporaries(folder: Path, age_s: float = 3600.0) -> None:
+    """Temporaries of a build that was killed. Another process may be building the same entry right now,
+    so only those untouched for ``age_s`` go (a build writes its files within seconds of each other)."""
+    now = time.time()
+    for tmp in folder.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > age_s:
+                tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _save_npy(path: str, array: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, array)
@@ -182,6 +195,7 @@ def load_corpus(
     paths = {name: folder / f"{name}" for name in ("tokenizer.json", "train.npy", "val.npy", "meta.json")}
 
     if not paths["meta.json"].exists():
+        _remove_stale_temporaries(folder)
         is_val = [is_validation(name, val_fraction) for name, _ in docs]
         if all(is_val) or not any(is_val):  # too few documents to split by name: split by position
             cut = max(1, int(len(docs) * (1 - val_fraction)))

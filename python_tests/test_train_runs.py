@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -386,3 +387,31 @@ def test_rerunning_the_cli_into_a_finished_run_is_refused(tmp_path, corpus_dir, 
         main(args)
     assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
     assert snapshot(finished) == before
+
+
+def test_pipeline_resume_starts_stages_not_yet_begun_and_refuses_half_begun_ones(tmp_path, corpus_dir):
+    from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
+
+    base = micro(tmp_path / "unused", corpus_dir, resume=True)
+    pipe = PipelineConfig(out=str(tmp_path / "pipe"), k_final=1, steps_stage0=2, steps_stage1=2)
+    (tmp_path / "pipe" / "stage1").mkdir(parents=True)  # an empty folder is no run
+    summaries = run_pipeline(pipe, base)  # --resume with nothing begun: every stage starts
+    assert sorted(summaries) == ["stage0", "stage1"] and (tmp_path / "pipe" / "stage1" / "model.json").exists()
+    for name in ("model.json", "model.safetensors"):
+        (tmp_path / "pipe" / "stage1" / name).unlink()
+    shutil.rmtree(tmp_path / "pipe" / "stage1" / "checkpoints")  # killed before its first checkpoint
+    with pytest.raises(ValueError, match="resume: no checkpoint.*stopped before its first checkpoint"):
+        run_pipeline(pipe, base)
+
+
+def test_corpus_cache_build_removes_stale_temporaries_only(tmp_path, corpus_dir, monkeypatch):
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    (meta,) = (tmp_path / "cache").rglob("meta.json")
+    stale, fresh = meta.parent / ".train.npy.0badf00d.tmp", meta.parent / ".val.npy.12345678.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"partial")
+    os.utime(stale, (1.0, 1.0))  # untouched for decades: a killed build's
+    meta.unlink()  # the entry is incomplete: the next load rebuilds it
+    load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    assert not stale.exists() and fresh.exists()  # a fresh one may belong to a build running now
