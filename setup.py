@@ -69,6 +69,7 @@ setup(
         "numpy",
         "safetensors",
         "tokenizers",
+        "tqdm",
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers"],

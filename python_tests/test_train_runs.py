@@ -1,0 +1,417 @@
+"""Trainer runs that must not lose or mix data (issue 12, items 9-14 and 16, and their siblings).
+
+Each test drives the public entry points (``train``, ``main``, ``load_checkpoint``,
+``load_model``) the way a user's interrupted, repeated or misconfigured run does.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kforcing_kernels.checkpoint import atomic_write
+from kforcing_kernels.data import load_corpus
+from kforcing_kernels.model import KForcingLM, ModelConfig
+from kforcing_kernels.train import (
+    CheckpointError, TrainConfig, latest_checkpoint, load_checkpoint, load_model, main, read_metrics, train, _optimizer,
+)
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    for path in sorted(Path(json.__file__).parent.glob("*.py")):
+        (folder / path.name).write_text(path.read_text())
+    return folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KFORCING_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def micro(out, corpus_dir, **kw) -> TrainConfig:
+    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=VOCAB, preset="micro", seq_len=16, steps=4,
+                batch_size=4, warmup_steps=1, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_record(folder: Path) -> list[tuple]:
+    """What a run computed, step by step (without the timings)."""
+    keys = ("step", "loss", "loss_pos", "lr", "grad_norm", "val_loss", "val_loss_pos")
+    return [tuple(m.get(k) for k in keys) for m in read_metrics(folder / "metrics.jsonl")]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus_dir):
+    """An uninterrupted 4-step run: the reference every recovered run must equal."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(micro(out, corpus_dir))
+    return out
+
+
+# ---------------------------------------------------------------------- item 9: one run per folder
+
+
+def test_rerun_into_a_finished_run_is_refused_and_leaves_it_untouched(tmp_path, corpus_dir, finished):
+    out = tmp_path / "run"
+    train(micro(out, corpus_dir))
+    before = snapshot(out)
+    with pytest.raises(ValueError, match="already holds a finished run.*--resume.*--overwrite"):
+        train(micro(out, corpus_dir, lr=1e-3))
+    assert snapshot(out) == before
+
+
+def test_rerun_into_a_partial_run_without_checkpoints_is_refused(tmp_path, corpus_dir):
+    # A run killed before its first checkpoint leaves its config and metrics behind.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_config.json").write_text(json.dumps({"note": "the first run"}))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    before = snapshot(out)
+    with pytest.raises(ValueError, match="already holds a partial run"):
+        train(micro(out, corpus_dir))
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_the_old_run_and_equals_a_fresh_one(tmp_path, corpus_dir, finished):
+    out = tmp_path / "run"
+    train(micro(out, corpus_dir, steps=6, stop_at=3))  # a different, partial run
+    (out / "notes.txt").write_text("mine")  # not a file of the run: must survive
+    train(micro(out, corpus_dir, overwrite=True))
+    assert run_record(out) == run_record(finished)  # nothing of the replaced run is mixed in
+    assert same_weights(out, finished)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.json", "step_00000004.safetensors"]
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="overwrite: .*pass one"):
+        train(micro(out, corpus_dir, overwrite=True, resume=True))
+
+
+# ---------------------------------------------------------------------- item 10: --resume needs a checkpoint
+
+
+def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path, corpus_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 5.0}) + "\n")
+    before = snapshot(out)
+    with pytest.raises(ValueError, match="resume: no checkpoint to continue from.*stopped before its first checkpoint"):
+        train(micro(out, corpus_dir, resume=True))
+    assert snapshot(out) == before
+    with pytest.raises(ValueError, match="resume: no checkpoint.*there is no run in"):
+        train(micro(tmp_path / "empty", corpus_dir, resume=True))
+
+
+def test_cli_resume_without_a_checkpoint_is_a_clear_error(tmp_path, corpus_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["stage0", "--out", str(tmp_path / "none"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--resume"])
+    assert exc.value.code == 2
+    assert "resume: no checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- item 11: data too short, evaluation errors
+
+
+@pytest.fixture(scope="module")
+def short_val_file(tmp_path_factory):
+    """One file: the validation split is its last 2%, here fewer tokens than one 96-token sequence."""
+    path = tmp_path_factory.mktemp("one") / "text.py"
+    path.write_text((Path(json.__file__).parent / "decoder.py").read_text()[:6000])
+    corpus = load_corpus(str(path), vocab_size=VOCAB)
+    assert corpus.val.numel() < 97 < corpus.train.numel()  # the premise of the test
+    return path
+
+
+def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_file):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="validation split of --data .* fewer than one sequence.*--seq-len"):
+        train(micro(out, short_val_file, seq_len=96))
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()  # nothing trained, nothing written
+    train(micro(tmp_path / "fits", short_val_file, seq_len=16, steps=1))  # a sequence that fits trains
+
+
+def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finished, monkeypatch):
+    import kforcing_kernels.train as trainer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer, "evaluate_loss", broken)
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            train(micro(out, corpus_dir))
+    assert latest_checkpoint(out).name == "step_00000004.json"  # all four steps are kept
+    train(micro(out, corpus_dir, resume=True))  # runs only the final evaluation
+    assert same_weights(out, finished)
+    assert run_record(out) == run_record(finished)  # the same steps, and one final evaluation
+    summary = json.loads((out / "model.json").read_text())["summary"]
+    expected = json.loads((finished / "model.json").read_text())["summary"]
+    assert [summary[k] for k in ("final_loss", "val_loss", "val_loss_pos")] == [expected[k] for k in ("final_loss", "val_loss", "val_loss_pos")]
+
+
+# ---------------------------------------------------------------------- item 12: torn metrics, full disks, leftovers
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, corpus_dir, finished, capsys):
+    out = tmp_path / "run"
+    train(micro(out, corpus_dir, stop_at=2))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')  # the write a kill interrupted
+    capsys.readouterr()
+    train(micro(out, corpus_dir, resume=True))
+    assert "dropped a torn last line" in capsys.readouterr().err
+    assert run_record(out) == run_record(finished)
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def test_corrupt_metrics_line_in_the_middle_names_the_file(tmp_path, corpus_dir):
+    out = tmp_path / "run"
+    train(micro(out, corpus_dir, stop_at=2))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(["{not json"] + lines) + "\n")
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl: line 1 is corrupt"):
+        train(micro(out, corpus_dir, resume=True))
+
+
+def _fail_replace(monkeypatch, pattern: str):
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).match(pattern):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("failing", ["step_00000004.json", "step_00000004.safetensors"])
+def test_a_full_disk_leaves_no_orphans_and_resume_recovers(tmp_path, corpus_dir, finished, monkeypatch, failing):
+    out = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        _fail_replace(mp, failing)
+        with pytest.raises(CheckpointError, match=f"{failing}: cannot write .*free some space, then --resume"):
+            train(micro(out, corpus_dir, ckpt_every=2))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000002.json", "step_00000002.safetensors"]  # the failed checkpoint left nothing behind
+    assert not list(out.rglob("*.tmp"))
+    train(micro(out, corpus_dir, ckpt_every=2, resume=True))
+    assert same_weights(out, finished)
+
+
+def test_resume_removes_leftover_temporaries_and_orphan_tensors(tmp_path, corpus_dir, capsys):
+    out = tmp_path / "run"
+    train(micro(out, corpus_dir, stop_at=2))
+    # What a process killed inside a write leaves: temporaries, and tensors whose JSON never came.
+    leftovers = [out / ".metrics.jsonl.0a1b2c3d.tmp", out / "checkpoints" / ".step_00000003.safetensors.deadbeef.tmp",
+                 out / "checkpoints" / "step_00000003.safetensors"]
+    for path in leftovers:
+        path.write_bytes(b"partial")
+    capsys.readouterr()
+    train(micro(out, corpus_dir, resume=True, stop_at=3))
+    assert "leftover" in capsys.readouterr().err
+    assert not list(out.rglob("*.tmp"))
+    assert load_file(str(out / "checkpoints" / "step_00000003.safetensors"))  # rewritten whole by the resumed run
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text("old")
+
+    def fail(p):
+        Path(p).write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="x.json: cannot write"):
+        atomic_write(path, fail)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+# ---------------------------------------------------------------------- item 13: malformed checkpoint JSON
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, corpus_dir):
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train(micro(out, corpus_dir, stop_at=2))
+    return latest_checkpoint(out)
+
+
+MALFORMED = {
+    "unchanged (the control: loads)": lambda m: m,
+    "a list": lambda m: [m],
+    "step as text": lambda m: {**m, "step": "2"},
+    "no param_groups": lambda m: {k: v for k, v in m.items() if k != "param_groups"},
+    "tensors as a list": lambda m: {**m, "tensors": [m["tensors"]]},
+    "tensors without sha256": lambda m: {**m, "tensors": {"file": m["tensors"]["file"], "bytes": m["tensors"]["bytes"]}},
+    "tensors elsewhere": lambda m: {**m, "tensors": {**m["tensors"], "file": "../../x.safetensors"}},
+    "param_groups wrong": lambda m: {**m, "param_groups": [{"lr": 1.0}]},
+    "scaler as a number": lambda m: {**m, "scaler": 3},
+    "model_config as text": lambda m: {**m, "model_config": "micro"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_checkpoint_json_of_the_wrong_structure_names_the_file(tmp_path, checkpoint, case):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    json_path = folder / checkpoint.name
+    (folder / checkpoint.with_suffix(".safetensors").name).write_bytes(checkpoint.with_suffix(".safetensors").read_bytes())
+    json_path.write_text(json.dumps(MALFORMED[case](json.loads(checkpoint.read_text()))))
+    model = KForcingLM(ModelConfig.from_dict(json.loads(checkpoint.read_text())["model_config"]))
+    model.noise_encoder.requires_grad_(False)  # as the stage-0 trainer: its optimizer has no noise-encoder parameters
+    opt = _optimizer(model, TrainConfig(), fused_ok=False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    if case.startswith("unchanged"):
+        assert load_checkpoint(json_path, model, opt, scaler)["step"] == 2
+        return
+    with pytest.raises(CheckpointError, match=re.escape(str(json_path))):
+        load_checkpoint(json_path, model, opt, scaler)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: {**m, "tensors": None}, lambda m: {k: v for k, v in m.items() if k != "k"},
+    lambda m: {**m, "model_config": {**m["model_config"], "n_embd": "wide"}},
+    lambda m: {**m, "model_config": {**m["model_config"], "colour": 1}},
+    lambda m: {**m, "model_config": {**m["model_config"], "n_embd": 2 * m["model_config"]["n_embd"]}},
+])
+def test_model_json_of_the_wrong_structure_names_the_file(tmp_path, finished, edit):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (folder / name).write_bytes((finished / name).read_bytes())
+    (folder / "model.json").write_text(json.dumps(edit(json.loads((finished / "model.json").read_text()))))
+    with pytest.raises(CheckpointError, match="model.json"):
+        load_model(str(folder))
+
+
+# ---------------------------------------------------------------------- item 14: the umask decides file modes
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_respect_the_umask(tmp_path, corpus_dir, umask, monkeypatch):
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))  # the tokenizer cache too
+    old = os.umask(umask)
+    try:
+        train(micro(tmp_path / "run", corpus_dir, steps=2, ckpt_every=1))
+        atomic_write(tmp_path / "single.txt", lambda p: Path(p).write_text("x"))
+    finally:
+        os.umask(old)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) >= 12
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in files}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+
+
+# ---------------------------------------------------------------------- item 16: data errors name --data
+
+
+def _missing(d):
+    return d / "missing"
+
+
+def _no_text_files(d):
+    return d
+
+
+def _empty_file(d):
+    (d / "empty.txt").write_text("")
+    return d / "empty.txt"
+
+
+def _blank_files(d):
+    (d / "blank.md").write_text(" \n\n")
+    return d
+
+
+def _tiny_file(d):
+    (d / "tiny.txt").write_text("hello world")
+    return d / "tiny.txt"
+
+
+@pytest.mark.parametrize("make, message", [
+    (_missing, "no such file or directory"),
+    (_no_text_files, "no text files"),
+    (_empty_file, "holds no text"),
+    (_blank_files, "holds no text"),
+    (_tiny_file, "too small to learn a 300-token vocabulary"),
+])
+def test_unusable_data_gives_a_clear_error_naming_data(tmp_path, capsys, make, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "binary.bin").write_bytes(b"\0\1")  # not a text file: ignored
+    source = make(data)
+    with pytest.raises(SystemExit) as exc:
+        main(["stage0", "--out", str(tmp_path / "run"), "--data", str(source), "--vocab-size", str(VOCAB), "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and message in err and "Traceback" not in err
+
+
+def test_a_damaged_corpus_cache_is_rebuilt(tmp_path, corpus_dir, monkeypatch):
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    first = load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    (meta,) = (tmp_path / "cache").rglob("meta.json")
+    meta.write_text('{"source": ')
+    again = load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    assert torch.equal(first.train, again.train) and torch.equal(first.val, again.val)
+    assert json.loads(meta.read_text())["vocab_size"] == VOCAB
+
+
+def test_rerunning_the_cli_into_a_finished_run_is_refused(tmp_path, corpus_dir, finished, capsys):
+    args = ["stage0", "--out", str(finished), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--steps", "4"]
+    before = snapshot(finished)
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert snapshot(finished) == before
+
+
+def test_pipeline_resume_starts_stages_not_yet_begun_and_refuses_half_begun_ones(tmp_path, corpus_dir):
+    from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
+
+    base = micro(tmp_path / "unused", corpus_dir, resume=True)
+    pipe = PipelineConfig(out=str(tmp_path / "pipe"), k_final=1, steps_stage0=2, steps_stage1=2)
+    (tmp_path / "pipe" / "stage1").mkdir(parents=True)  # an empty folder is no run
+    summaries = run_pipeline(pipe, base)  # --resume with nothing begun: every stage starts
+    assert sorted(summaries) == ["stage0", "stage1"] and (tmp_path / "pipe" / "stage1" / "model.json").exists()
+    for name in ("model.json", "model.safetensors"):
+        (tmp_path / "pipe" / "stage1" / name).unlink()
+    shutil.rmtree(tmp_path / "pipe" / "stage1" / "checkpoints")  # killed before its first checkpoint
+    with pytest.raises(ValueError, match="resume: no checkpoint.*stopped before its first checkpoint"):
+        run_pipeline(pipe, base)
+
+
+def test_corpus_cache_build_removes_stale_temporaries_only(tmp_path, corpus_dir, monkeypatch):
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    (meta,) = (tmp_path / "cache").rglob("meta.json")
+    stale, fresh = meta.parent / ".train.npy.0badf00d.tmp", meta.parent / ".val.npy.12345678.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"partial")
+    os.utime(stale, (1.0, 1.0))  # untouched for decades: a killed build's
+    meta.unlink()  # the entry is incomplete: the next load rebuilds it
+    load_corpus(str(corpus_dir), vocab_size=VOCAB)
+    assert not stale.exists() and fresh.exists()  # a fresh one may belong to a build running now
