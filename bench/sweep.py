@@ -44,25 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench._cli import apply_profile, command_line, default_out  # noqa: E402
 from bench._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp  # noqa: E402
 from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
+from bench.methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PEERS, PHASES  # noqa: E402,F401
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/attention/v1"
-OURS = ("composite", "cpp", "triton")
-PEERS = ("dense_sdpa", "flex_blockmask", "flex_create_block_mask", "flash_attn_ideal")
-METHODS = ("ideal",) + PEERS + OURS
-METHOD_KIND = {"ideal": "ideal", **{m: "peer" for m in PEERS}, **{m: "ours" for m in OURS}}
-METHOD_DESCRIPTION = {
-    "ideal": "|M|/causal(N) x causal SDPA over N (the non-zero pairs at causal-attention speed)",
-    "dense_sdpa": "SDPA with the dense bool mask: the paper's code, = the reference backend",
-    "flex_blockmask": "torch.compile(flex_attention) with the analytic layout.to_block_mask()",
-    "flex_create_block_mask": "torch.compile(flex_attention) with create_block_mask(layout.mask_mod())",
-    "flash_attn_ideal": "|M|/causal(N) x flash-attn causal over N (the ideal at FlashAttention speed)",
-    "composite": "window_attention(backend='composite')",
-    "cpp": "window_attention(backend='cpp')",
-    "triton": "window_attention(backend='triton')",
-}
-PHASES = ("fwd", "fwd_bwd")
 FLEX_BLOCK = 128
 # create_block_mask evaluates mask_mod over the full Lq x Lk grid; peak memory measured
 # at ~15 bytes per element (torch 2.13, CPU), so cap it to keep a shared machine alive.
