@@ -58,7 +58,7 @@ FULL = {"layouts": list(LAYOUTS), "n": [256, 512, 1024, 2048], "k": [1, 2, 4, 8]
         "k_by_layout": {}}
 # Quick: the k sweep where the work grows with k (the O(k) vs O(k^2) story), one k elsewhere.
 QUICK = {"layouts": list(LAYOUTS), "n": [256], "k": [1, 2, 4, 8], "dims": [64], "warmup": 1, "reps": 5, "max_seconds": 0.5,
-         "k_by_layout": {"sbd": [4], "ptp": [4]}}
+         "k_by_layout": {"sbd": [4], "ptp": [4], "bd3lm": [4], "single_packed8": [4]}}
 
 
 # ---------------------------------------------------------------------- availability
