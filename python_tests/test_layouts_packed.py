@@ -102,3 +102,13 @@ def test_numpy_integers_are_accepted():
     layout = WindowLayout.kforcing_single(np.int64(5), np.int32(2))
     assert torch.equal(layout.dense_mask(), WindowLayout.kforcing_single(5, 2).dense_mask())
     assert WindowLayout.sbd(np.int64(6), np.int16(2)).n_keys == 12
+
+
+def test_per_batch_cu_seqlens_for_block_layouts():
+    cus = [[0, 4, 8], [0, 8]]
+    for make, single in ((WindowLayout.bd3lm, bd3lm_block_diff_mask), (WindowLayout.sbd, None)):
+        layout = make(8, 2, cu_seqlens=cus)
+        assert layout.range_batch == 2
+        mask = layout.dense_mask()
+        for b, cu in enumerate(cus):
+            assert torch.equal(mask[b], make(8, 2, cu_seqlens=cu).dense_mask())

@@ -220,6 +220,7 @@ class WindowLayout:
         m = -(-n_ctx // block)
         hi = torch.arange(m) * block
         lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs]) if docs else torch.zeros_like(hi)
+        hi = hi.expand_as(lo).clone()
         return cls(n_ctx, m, block, lo, hi, last_window_size=n_ctx - (m - 1) * block, intra="full", queries="all",
                    **_context_ranges(n_ctx, cu_seqlens, context_block))
 
