@@ -236,6 +236,7 @@ def load_model(folder: str, device: str | torch.device = "cpu"):
     info = _read_json(folder_path / "model.json")
     model = KForcingLM(ModelConfig.from_dict(info["model_config"]))
     _load_model_tensors(model, _load_tensors(folder_path / "model.json", info["tensors"]), folder_path)
+    model.k_train = info["k"]  # the window it was trained with (0: AR); generate_kforcing checks k against it
     tok_path = folder_path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
     return model.to(device).eval(), info, tokenizer
