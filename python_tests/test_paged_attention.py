@@ -1,6 +1,7 @@
 """paged_attention against window_attention over the gathered contiguous cache (the queries="windows" layout)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.ops.paged_attention import PAGED_BACKENDS, paged_attention, paged_backends_available
 
 AVAILABLE = [name for name, why in paged_backends_available().items() if why is None]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -72,9 +74,10 @@ CASES = {
 def test_matches_window_attention_on_gathered_cache(backend, case):
     if backend not in AVAILABLE:
         pytest.skip(paged_backends_available()[backend])
-    args = make_case(**CASES[case])
+    dtype = torch.float32 if backend == "triton" else torch.float64  # triton computes in fp32 (tl.dot)
+    args = make_case(**CASES[case], dtype=dtype)
     out = paged_attention(*args, backend=backend)
-    torch.testing.assert_close(out, oracle(*args), atol=TOL[torch.float64], rtol=0)
+    torch.testing.assert_close(out.double(), oracle(*args), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("backend", [b for b in PAGED_BACKENDS if b != "reference"])
@@ -82,6 +85,8 @@ def test_matches_window_attention_on_gathered_cache(backend, case):
 def test_low_precision(backend, dtype):
     if backend not in AVAILABLE:
         pytest.skip(paged_backends_available()[backend])
+    if backend == "triton" and dtype == torch.bfloat16 and INTERPRETED:
+        pytest.skip("the Triton interpreter's tl.dot is wrong for bfloat16 (refused by the backend)")
     args = make_case([6, 21, 0, 12], page_size=8, window=4, dtype=dtype)
     out = paged_attention(*args, backend=backend)
     assert out.dtype == dtype and out.shape == args[0].shape
@@ -100,7 +105,7 @@ def test_request_result_does_not_depend_on_the_batch(backend):
 @pytest.mark.parametrize("backend", AVAILABLE)
 def test_pages_past_the_length_are_never_read(backend):
     """Junk (inf/NaN) in the unused tail of the last page and in unused pool pages does not reach any row."""
-    q, kn, vn, kp, vp, table, lens = make_case([5, 2], page_size=4, window=2)
+    q, kn, vn, kp, vp, table, lens = make_case([5, 2], page_size=4, window=2, dtype=torch.float32 if backend == "triton" else torch.float64)
     ref = paged_attention(q, kn, vn, kp, vp, table, lens, backend=backend)
     kp, vp = kp.clone(), vp.clone()
     used = {(int(table[i, t // 4]), t % 4) for i, n in enumerate(lens.tolist()) for t in range(n)}
@@ -110,7 +115,7 @@ def test_pages_past_the_length_are_never_read(backend):
                 kp[p, s] = float("nan")
                 vp[p, s] = float("inf")
     out = paged_attention(q, kn, vn, kp, vp, table, lens, backend=backend)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert torch.equal(out, ref)
 
 
 def test_reads_the_cache_in_place():
@@ -186,3 +191,26 @@ def test_mismatched_dtypes_devices_shapes():
     bad("q: expected rank 4", q=q[0])
     bad("scale: expected a positive finite number", scale=float("nan"))
     bad("backend: expected one of", backend="flash")
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_bitwise_independent_of_the_thread_count(backend):
+    args = make_case([40, 3, 17, 0, 25], page_size=4, window=4, heads=4, kv_heads=2, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*args, backend=backend)
+        torch.set_num_threads(2)
+        two = paged_attention(*args, backend=backend)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_registry_reports_why_a_backend_is_absent():
+    avail = paged_backends_available()
+    assert set(avail) == set(PAGED_BACKENDS) and avail["reference"] is None and avail["composite"] is None
+    assert avail["cpp"] is None or "kforcing_kernels._C" in avail["cpp"] or "disabled" in avail["cpp"]
+    if avail["cpp"] is not None:
+        with pytest.raises(RuntimeError, match="backend 'cpp' is not available"):
+            paged_attention(*make_case([3]), backend="cpp")

@@ -27,6 +27,7 @@ _MODULES = {
     "reference": "kforcing_kernels.ops.paged_attention.reference",
     "composite": "kforcing_kernels.ops.paged_attention.composite",
     "cpp": "kforcing_kernels.ops.paged_attention.cpp",
+    "triton": "kforcing_kernels.ops.paged_attention.triton",
 }
 PAGED_BACKENDS = tuple(_MODULES)
 
@@ -45,9 +46,10 @@ def paged_backends_available() -> dict[str, Optional[str]]:
 
 
 def default_paged_backend(device: torch.device) -> str:
-    """cpp on CPU when built, else composite."""
-    if device.type == "cpu" and _load("cpp")[1] is None:
-        return "cpp"
+    """cpp on CPU when built, triton on CUDA when importable, else composite."""
+    preferred = {"cpu": "cpp", "cuda": "triton"}.get(device.type)
+    if preferred and _load(preferred)[1] is None:
+        return preferred
     return "composite"
 
 
@@ -74,7 +76,8 @@ def paged_attention(
         block_table: int32 (or int64) ``[B, max_pages]``: request b's i-th page of context.
         context_lens: ``[B]`` cached context length of each request (``0 <= len_b <= max_pages * page_size``).
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: ``"reference"``, ``"composite"``, ``"cpp"`` or None (cpp on CPU when built, else composite).
+        backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"`` or None (cpp on CPU when
+            built, triton on CUDA, else composite).
 
     Returns:
         ``[B, H, W, D]`` in q's dtype: row i of request b attends to context ``[0, len_b)``
