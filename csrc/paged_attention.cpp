@@ -5,10 +5,11 @@
 // [0, context_lens[b]) and window slots 0..i.
 //
 // One work item per (batch, kv head): its g = H / Hkv query heads x W window rows are processed together, so
-// each cached key/value row is read (and converted to the math type) once per item, in place, one page at a
-// time: scores of all rows against the page, then one online-softmax update per row and page. The window's
-// own keys come last. Math in float (double for double inputs). Items are independent and each is computed by
-// one thread in a fixed order, so the result does not depend on the thread count or on the other requests.
+// each cached key/value row is read (and converted to the math type) once per item, in place, a chunk of whole
+// pages (~128 keys) at a time: scores of all rows against the chunk, then one online-softmax update per row and
+// chunk. The window's own keys come last. Math in float (double for double inputs). Items are independent and
+// each is computed by one thread in a fixed order, so the result does not depend on the thread count or on the
+// other requests.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,6 +25,8 @@
 namespace kf {
 namespace {
 
+constexpr int64_t kChunkKeys = 128;
+
 template <typename scalar_t, typename acc_t>
 void paged_kernel(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& k_pages,
                   const at::Tensor& v_pages, const std::vector<int64_t>& table, int64_t max_pages,
@@ -36,10 +39,12 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
   const scalar_t* kpp = k_pages.const_data_ptr<scalar_t>();
   const scalar_t* vpp = v_pages.const_data_ptr<scalar_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
-  const int64_t chunk = std::max<int64_t>(S, W);
+  // Context keys per fold: whole pages, about kChunkKeys of them (one max/rescale per row and chunk).
+  const int64_t ctx_chunk = S * std::max<int64_t>(1, kChunkKeys / S);
+  const int64_t chunk = std::max<int64_t>(ctx_chunk, W);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qs(R * D), acc(R * D), m(R), l(R), s(R * chunk), kc(chunk * D), vc(chunk * D);
+    std::vector<acc_t> qs(R * D), acc(R * D), m(R), l(R), s(R * chunk), kt(D * chunk), vc(chunk * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, hk = item % Hkv;
       // Rows r = gi * W + i: query head hk * G + gi, window slot i; pre-scaled.
@@ -52,21 +57,22 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
       std::fill(m.begin(), m.end(), -std::numeric_limits<acc_t>::infinity());
       std::fill(l.begin(), l.end(), acc_t(0));
 
-      // Fold the keys in kc/vc into every row; row r sees keys [0, visible(r)).
+      // Fold the keys in kt (transposed) / vc into every row; row r sees keys [0, visible(r)).
       auto fold = [&](auto visible) {
         for (int64_t r = 0; r < R; ++r) {
           const int64_t nv = visible(r);
           if (nv <= 0) continue;
           const acc_t* qr = &qs[r * D];
           acc_t* sr = &s[r * chunk];
-          acc_t mx = m[r];
-          for (int64_t j = 0; j < nv; ++j) {
-            const acc_t* kj = &kc[j * D];
-            acc_t dot = 0;
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
-            sr[j] = dot;
-            mx = std::max(mx, dot);
+          // Scores against K^T [D, chunk]: the inner loop runs over keys, no reduction, so it vectorises.
+          for (int64_t j = 0; j < nv; ++j) sr[j] = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const acc_t qd = qr[d];
+            const acc_t* kd = &kt[d * chunk];
+            for (int64_t j = 0; j < nv; ++j) sr[j] += qd * kd[j];
           }
+          acc_t mx = m[r];
+          for (int64_t j = 0; j < nv; ++j) mx = std::max(mx, sr[j]);
           const acc_t alpha = std::exp(m[r] - mx);  // 0 on the first fold (m = -inf)
           acc_t* ar = &acc[r * D];
           acc_t sum = 0;
@@ -83,12 +89,13 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
       };
 
       const int64_t len = lens[b];
-      for (int64_t t0 = 0; t0 < len; t0 += S) {
-        const int64_t page = table[b * max_pages + t0 / S], n = std::min(S, len - t0);
+      for (int64_t t0 = 0; t0 < len; t0 += ctx_chunk) {
+        const int64_t n = std::min(ctx_chunk, len - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t off = ((page * S + j) * Hkv + hk) * D;
+          const int64_t t = t0 + j, page = table[b * max_pages + t / S];
+          const int64_t off = ((page * S + t % S) * Hkv + hk) * D;
           for (int64_t d = 0; d < D; ++d) {
-            kc[j * D + d] = static_cast<acc_t>(kpp[off + d]);
+            kt[d * chunk + j] = static_cast<acc_t>(kpp[off + d]);
             vc[j * D + d] = static_cast<acc_t>(vpp[off + d]);
           }
         }
@@ -97,7 +104,7 @@ void paged_kernel(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor
       for (int64_t j = 0; j < W; ++j) {
         const int64_t off = ((b * Hkv + hk) * W + j) * D;
         for (int64_t d = 0; d < D; ++d) {
-          kc[j * D + d] = static_cast<acc_t>(knp[off + d]);
+          kt[d * chunk + j] = static_cast<acc_t>(knp[off + d]);
           vc[j * D + d] = static_cast<acc_t>(vnp[off + d]);
         }
       }

@@ -67,9 +67,12 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pages are reused most-recently-freed first
-        self._pages: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        self._next_row = 0
+        self._pages: dict[int, list[int]] = {}  # live rows -> their pages, in order
+        # The same on tensors (CPU), so a step's block table, lengths and slot mapping are a few tensor ops:
+        # table[row, j] = the row's j-th page (-1 past its pages), lens[row] = its length.
+        self._table = torch.full((8, num_pages), -1, dtype=torch.int32)
+        self._lens = torch.zeros(8, dtype=torch.int64)
+        self._free_rows: list[int] = []
 
     @classmethod
     def for_model(cls, model: KForcingLM, *, page_size: int = 16, num_pages: Optional[int] = None,
@@ -88,20 +91,29 @@ class PagedKVCache:
 
     def add_row(self) -> int:
         """A new empty row (no pages yet); returns its id."""
-        row = self._next_row
-        self._next_row += 1
-        self._pages[row], self._lengths[row] = [], 0
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._pages) + len(self._free_rows)
+            while row >= self._table.shape[0]:  # grow the row tensors geometrically
+                self._table = torch.cat([self._table, torch.full_like(self._table, -1)])
+                self._lens = torch.cat([self._lens, torch.zeros_like(self._lens)])
+        self._pages[row] = []
+        self._table[row] = -1
+        self._lens[row] = 0
         return row
 
     def free(self, row: int) -> None:
-        """Give the row's pages back to the pool; the row id is gone."""
+        """Give the row's pages back to the pool; the row id may be handed out again by :meth:`add_row`."""
         self._check_rows([row])
         self._free.extend(reversed(self._pages.pop(row)))
-        del self._lengths[row]
+        self._table[row] = -1
+        self._lens[row] = 0
+        self._free_rows.append(row)
 
     def length(self, row: int) -> int:
         self._check_rows([row])
-        return self._lengths[row]
+        return int(self._lens[row])
 
     def pages_of(self, row: int) -> list[int]:
         self._check_rows([row])
@@ -110,32 +122,31 @@ class PagedKVCache:
     def lengths(self, rows: Sequence[int]) -> torch.Tensor:
         """int64 ``[B]`` (CPU): each row's context length."""
         self._check_rows(rows)
-        return torch.tensor([self._lengths[r] for r in rows], dtype=torch.int64)
+        return self._lens[list(rows)]
 
     def block_table(self, rows: Sequence[int], min_pages: int = 1) -> torch.Tensor:
         """int32 ``[B, max_pages]`` on the pages' device; entries past a row's pages are -1."""
         self._check_rows(rows)
         width = max([min_pages] + [len(self._pages[r]) for r in rows])
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            pages = self._pages[r]
-            if pages:
-                table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return table.to(self.k[0].device)
+        return self._table[list(rows), :width].to(self.k[0].device)
 
     # -------------------------------------------------------------- writes
 
     def reserve(self, rows: Sequence[int], counts: Sequence[int]) -> None:
         """Make room for ``counts[i]`` more tokens in ``rows[i]``: all or nothing (:class:`PagePoolFull`)."""
         self._check_rows(rows)
-        need = [max(0, math.ceil((self._lengths[r] + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows, counts)]
+        need = [max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows, counts)]
         if sum(need) > len(self._free):
             raise PagePoolFull(
                 f"page pool full: {sum(need)} more pages of {self.page_size} tokens needed for {len(rows)} rows, "
                 f"{len(self._free)} of {self.num_pages} free; free finished rows or use a larger pool (num_pages)"
             )
         for r, n in zip(rows, need):
-            self._pages[r].extend(self._free.pop() for _ in range(n))
+            if n:
+                have = len(self._pages[r])
+                new = [self._free.pop() for _ in range(n)]
+                self._pages[r].extend(new)
+                self._table[r, have:have + n] = torch.tensor(new, dtype=torch.int32)
 
     def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]) -> None:
         """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``
@@ -152,21 +163,21 @@ class PagedKVCache:
         if k0.shape[0] != len(rows) or k0.shape[2] < width or k0.shape[1:2] + k0.shape[3:] != self.k[0].shape[2:]:
             raise ValueError(f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages {tuple(self.k[0].shape)}, got {tuple(k0.shape)}")
         self.reserve(rows, counts)
-        slots, src = [], []
-        for i, (r, c) in enumerate(zip(rows, counts)):
-            pos = torch.arange(self._lengths[r], self._lengths[r] + c)
-            pages = torch.tensor(self._pages[r], dtype=torch.int64)
-            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
-            src.append(torch.arange(c) + i * k0.shape[2])
+        idx = torch.tensor(list(rows), dtype=torch.int64)
+        cnt = torch.tensor(counts, dtype=torch.int64)
+        steps = torch.arange(width)
+        valid = steps[None] < cnt[:, None]  # [B, width]
+        pos = self._lens[idx][:, None] + steps  # position of each written token
+        pos = torch.where(valid, pos, 0)
+        page = self._table[idx[:, None], pos // self.page_size].to(torch.int64)
         device = self.k[0].device
-        slots = torch.cat(slots).to(device)  # flat slot of each written token in [num_pages * page_size]
-        src = torch.cat(src).to(device)  # its (batch row, token) as a flat index into [B * L]
+        slots = (page * self.page_size + pos % self.page_size)[valid].to(device)  # flat slot in [num_pages * page_size]
+        src = (torch.arange(len(rows))[:, None] * k0.shape[2] + steps)[valid].to(device)  # (batch row, token) in [B * L]
         for layer, (k, v) in enumerate(kvs):
             for pool, x in ((self.k[layer], k), (self.v[layer], v)):
                 flat = x.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B * L, Hkv, D]
                 pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, flat.index_select(0, src).to(pool.dtype))
-        for r, c in zip(rows, counts):
-            self._lengths[r] += c
+        self._lens[idx] += cnt
 
     def _check_rows(self, rows: Sequence[int]) -> None:
         for r in rows:
@@ -202,7 +213,8 @@ def paged_trunk(
         attn = block.attn  # mirrors Block.forward / Attention.forward with the paged op for the keys
         q, k, v = attn.qkv(block.norm1(x)).view(b, n, 3, attn.n_head, attn.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = paged_attention(q, k, v, cache.k[layer], cache.v[layer], table, lens, backend=backend)
+        # The table is the cache's own: scanned once per step, not once per layer.
+        y = paged_attention(q, k, v, cache.k[layer], cache.v[layer], table, lens, backend=backend, check_table=layer == 0)
         x = x + attn.proj(y.transpose(1, 2).reshape(b, n, c))
         x = x + block.mlp(block.norm2(x))
         kvs.append((k, v))

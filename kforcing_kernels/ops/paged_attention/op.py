@@ -64,6 +64,7 @@ def paged_attention(
     *,
     scale: Optional[float] = None,
     backend: Optional[str] = None,
+    check_table: bool = True,
 ) -> torch.Tensor:
     """Attention of a new window over each request's paged context cache and the window itself.
 
@@ -78,12 +79,15 @@ def paged_attention(
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"`` or None (cpp on CPU when
             built, triton on CUDA, else composite).
+        check_table: scan the block table and lengths (a host sync, O(B * max_pages)); a caller that
+            built them itself (``PagedKVCache``) may skip it on every layer after the first. Shapes,
+            dtypes and devices are always checked, and the cpp kernel checks the entries it reads.
 
     Returns:
         ``[B, H, W, D]`` in q's dtype: row i of request b attends to context ``[0, len_b)``
         and window slots ``0..i``. Dtypes fp32/bf16/fp16/fp64; math in fp32 (fp64 for fp64).
     """
-    lens = _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend)
+    lens = _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend, check_table)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.numel() == 0:
         return torch.empty_like(q)
@@ -97,7 +101,7 @@ def paged_attention(
 # ---------------------------------------------------------------------- validation
 
 
-def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend) -> torch.Tensor:
+def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend, check_table=True) -> torch.Tensor:
     """Checks every argument; returns context_lens as int64 [B] on CPU."""
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(t, torch.Tensor):
@@ -141,7 +145,7 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
             f"but block_table has {max_pages} per request"
         )
     used = torch.arange(max_pages)[None] < need[:, None]  # [B, max_pages]
-    if bool(used.any()):
+    if check_table and bool(used.any()):
         ids = block_table.cpu().long()
         bad = used & ((ids < 0) | (ids >= num_pages))
         if bool(bad.any()):
