@@ -1,13 +1,22 @@
-"""Inference throughput: AR decoding vs K-Forcing (k tokens per forward pass), KV-cached.
+"""Inference throughput: AR decoding vs K-Forcing (k tokens per forward pass), contiguous vs paged KV cache.
 
     python -m bench infer --quick
-    python -m bench infer                         # k = 1, 2, 4 at batch 4, 16, 128; the "tiny" model
+    python -m bench infer                         # k = 1, 2, 4 at batch 4, 16; prompt 64; 64 new tokens (short on CPU)
+    python -m bench infer --full                  # the issue's grid: batch 4, 16, 128; prompt 64 and 512; 256 new tokens
 
 Both use ``kforcing_kernels.inference`` (``generate_ar`` one token per forward,
 ``generate_kforcing`` k per forward, paper Algorithm 1) on the same random-weight
-model and prompts; throughput is generated tokens per second (batch x new tokens /
-time), timed round-robin in one process. Weights are random: the work per step
-does not depend on training, only the text does.
+model and prompts, each with ``cache="contiguous"`` (one buffer per layer; every
+decode step concatenates the cache with the new keys) and ``cache="paged"`` (pages
+read in place by ``paged_attention``); throughput is generated tokens per second
+(batch x new tokens / time), all timed round-robin in one process. Weights are
+random: the work per step does not depend on training, only the text does.
+
+Memory: ``kv_bytes_per_step`` is the analytic K/V traffic of one decode step at the
+mean context length (reads + writes of cached K/V, all layers); ``cache_bytes`` the
+K/V storage allocated (contiguous: B x capacity; paged: the pages the requests fill).
+On CUDA ``peak_bytes`` is measured (``torch.cuda.max_memory_allocated``); on CPU
+PyTorch keeps no allocator statistics, so it is left out rather than guessed.
 """
 
 from __future__ import annotations
@@ -26,53 +35,98 @@ from bench._timing import busy_cores, commit_label, machine_info, measure_many, 
 from kforcing_kernels import default_backend  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
-FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": 64, "new_tokens": 64, "reps": 3, "warmup": 1, "max_seconds": 20.0}
-QUICK = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": 32, "new_tokens": 16, "reps": 3, "warmup": 1, "max_seconds": 1.0}
+FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1, "max_seconds": 60.0}
+DEFAULT = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [64], "new_tokens": 64, "reps": 3, "warmup": 1, "max_seconds": 10.0}
+QUICK = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [32], "new_tokens": 16, "reps": 3, "warmup": 1, "max_seconds": 1.0}
+CACHES = ("contiguous", "paged")
+PAGE_SIZE = 16
+
+
+def kv_traffic(cfg, batch: int, prompt_len: int, new_tokens: int, k, cache: str, paged_backend: str, elt: int) -> dict:
+    """Analytic K/V bytes of one decode step at the mean context length L, and of the cache storage.
+
+    Per layer, K and V each, per request (row = n_head * head_dim * elt bytes):
+    contiguous: ``torch.cat([cache[:L], new])`` reads L and writes L + W rows, attention reads L + W, the
+    append writes c (c = k context tokens, 1 for AR): 3L + 2W + c rows. Paged, cpp backend: attention reads L
+    + W in place, the append writes c: L + W + c rows. Paged, composite backend: each chunk of pages is
+    gathered (read L, write L) and read again: 3L + W + c rows.
+    """
+    w = 1 if k is None else 2 * k
+    c = 1 if k is None else k
+    steps = new_tokens if k is None else -(-new_tokens // k)
+    mean_len = prompt_len + (steps - 1) * c / 2
+    if cache == "contiguous":
+        rows = 3 * mean_len + 2 * w + c
+        stored = prompt_len + steps * c  # KVCache capacity
+    else:
+        rows = (mean_len if paged_backend == "cpp" else 3 * mean_len) + w + c
+        stored = -(-(prompt_len + (steps - 1) * c) // PAGE_SIZE) * PAGE_SIZE
+    per_row = 2 * cfg.n_layer * batch * cfg.n_head * cfg.head_dim * elt  # K and V, all layers, all requests
+    return {"kv_bytes_per_step": int(rows * per_row), "cache_bytes": int(stored * per_row)}
 
 
 def run(args) -> dict:
     from kforcing_kernels.inference import generate_ar, generate_kforcing
     from kforcing_kernels.model import PRESETS, KForcingLM
+    from kforcing_kernels.ops.paged_attention.op import default_paged_backend
 
     threads = pin_threads(args.threads)
     device = torch.device(args.device)
     backend = args.backend or default_backend(device)
-    cfg = PRESETS[args.preset](seq_len=args.prompt_len + args.new_tokens, attention_backend=backend, **args.overrides)
+    paged_backend = backend if backend in ("reference", "composite", "cpp") else default_paged_backend(device)
+    cfg = PRESETS[args.preset](seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend, **args.overrides)
     torch.manual_seed(0)
     model = KForcingLM(cfg).to(device).eval()
+    elt = model.wte.weight.element_size()
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "threads": threads, "backend": backend, "preset": args.preset, "model": cfg.to_dict(), "k": args.k,
-        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
-        "reps": args.reps, "max_seconds": args.max_seconds, "loadavg_start": busy_cores(),
+        "threads": threads, "backend": backend, "paged_backend": paged_backend, "page_size": PAGE_SIZE,
+        "preset": args.preset, "model": cfg.to_dict(), "k": args.k, "batch": args.batch, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
+        "caches": args.cache, "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
     rows = []
     start = time.perf_counter()
     t = args.new_tokens
-    for b in args.batch:
-        gen = torch.Generator().manual_seed(b)
-        prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), generator=gen).to(device)
-        runs = {"ar": lambda: generate_ar(model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1))}
-        for k in args.k:
-            runs[f"kforcing k={k}"] = lambda k=k: generate_kforcing(model, prompts, k, t, generator=torch.Generator().manual_seed(1))
-        timings = measure_many(runs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
-        for label, timing in timings.items():
-            k = None if label == "ar" else int(label.split("=")[1])
-            row = {**stamp, "batch": b, "method": "ar" if k is None else "kforcing", "k": k,
-                   "forward_passes": t if k is None else -(-t // k), "new_tokens": t, "prompt_len": args.prompt_len}
-            row.update(timing_fields(timing, "tokens_per_s", b * t))
-            rows.append(row)
-        if args.verbose:
-            print(f"  batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
-    for b in args.batch:
-        ar = next((r for r in rows if r["batch"] == b and r["method"] == "ar" and r["status"] == "ok"), None)
-        for r in rows:
-            if r["batch"] == b:
-                r["speedup_vs_ar"] = paired_ratio(ar["times_ms"], r["times_ms"]) if ar and r["status"] == "ok" else None
+    for p_len in args.prompt_len:
+        for b in args.batch:
+            gen = torch.Generator().manual_seed(b)
+            prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).to(device)
+            runs = {}
+            for cache in args.cache:
+                runs[("ar", None, cache)] = lambda cache=cache: generate_ar(
+                    model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
+                for k in args.k:
+                    runs[("kforcing", k, cache)] = lambda k=k, cache=cache: generate_kforcing(
+                        model, prompts, k, t, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
+            timings = measure_many(runs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
+            for (method, k, cache), timing in timings.items():
+                row = {**stamp, "batch": b, "prompt_len": p_len, "method": method, "k": k, "cache": cache,
+                       "forward_passes": t if k is None else -(-t // k), "new_tokens": t,
+                       **kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt), "peak_bytes": None}
+                row.update(timing_fields(timing, "tokens_per_s", b * t))
+                if device.type == "cuda" and row["status"] == "ok":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    runs[(method, k, cache)]()
+                    row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                rows.append(row)
+            if args.verbose:
+                print(f"  prompt {p_len}, batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
+    for r in rows:
+        same = lambda o: o["batch"] == r["batch"] and o["prompt_len"] == r["prompt_len"] and o["status"] == "ok"  # noqa: E731
+        ar = next((o for o in rows if same(o) and o["method"] == "ar" and o["cache"] == r["cache"]), None)
+        contiguous = next((o for o in rows if same(o) and o["method"] == r["method"] and o["k"] == r["k"] and o["cache"] == "contiguous"), None)
+        ok = r["status"] == "ok"
+        r["speedup_vs_ar"] = paired_ratio(ar["times_ms"], r["times_ms"]) if ar and ok else None
+        r["paged_speedup"] = paired_ratio(contiguous["times_ms"], r["times_ms"]) if contiguous and ok and r["cache"] == "paged" else None
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()
     return {"schema": SCHEMA_ID, "meta": meta, "rows": rows}
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
 
 
 def format_report(report: dict) -> str:
@@ -81,37 +135,52 @@ def format_report(report: dict) -> str:
     lines = [
         f"inference throughput: {meta['command']}",
         f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
-        f"prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens; attention backend {meta['backend']!r}",
+        f"{meta['new_tokens']} new tokens; attention backend {meta['backend']!r}, paged backend {meta['paged_backend']!r}, "
+        f"page size {meta['page_size']}",
         f"  {meta['device']}, threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps; torch {meta['torch']}, "
         f"commit {commit_label(meta)}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
+        "  KV MiB/step: analytic K/V bytes read+written per decode step (mean context); cache MiB: K/V storage; "
+        "paged vs contig: time ratio, round by round",
         "",
-        f"{'batch':>6}  {'method':<14}{'passes':>8}{'ms':>10}{'tokens/s':>11}{'vs AR':>8}",
+        f"{'prompt':>6}{'batch':>6}  {'method':<14}{'cache':<11}{'passes':>7}{'ms':>9}{'tokens/s':>10}{'vs AR':>7}"
+        f"{'paged vs contig':>16}{'KV MiB/step':>12}{'cache MiB':>10}{'peak MiB':>9}",
     ]
     for r in report["rows"]:
         label = "AR" if r["method"] == "ar" else f"K-Forcing k={r['k']}"
+        head = f"{r['prompt_len']:>6}{r['batch']:>6}  {label:<14}{r['cache']:<11}{r['forward_passes']:>7}"
         if r["status"] != "ok":
-            lines.append(f"{r['batch']:>6}  {label:<14}{r['forward_passes']:>8}  {r['status']}: {r['reason']}")
+            lines.append(f"{head}  {r['status']}: {r['reason']}")
             continue
-        lines.append(f"{r['batch']:>6}  {label:<14}{r['forward_passes']:>8}{r['median_ms']:>10.0f}{r['tokens_per_s']:>11.0f}{r['speedup_vs_ar']:>7.2f}x")
+        paged = "" if r["paged_speedup"] is None else f"{r['paged_speedup']:.2f}x"
+        lines.append(f"{head}{r['median_ms']:>9.0f}{r['tokens_per_s']:>10.0f}{r['speedup_vs_ar']:>6.2f}x{paged:>16}"
+                     f"{_mib(r['kv_bytes_per_step']):>12}{_mib(r['cache_bytes']):>10}{_mib(r['peak_bytes']):>9}")
     return "\n".join(lines)
 
 
 def parse_args(argv=None, prog="python bench/inference.py"):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"small run: {QUICK}")
+    p.add_argument("--full", action="store_true", help=f"the issue's grid (long on CPU): {FULL}")
+    p.add_argument("--cache", default=None, help="comma-separated caches to time (default: contiguous,paged)")
     p.add_argument("--k", default=None, help="comma-separated K-Forcing k values")
     p.add_argument("--batch", default=None, help="comma-separated batch sizes")
-    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--prompt-len", default=None, help="comma-separated prompt lengths")
     p.add_argument("--new-tokens", type=int, default=None)
     add_model_args(p)
     p.add_argument("--backend", default=None, help="attention backend (default: default_backend for the device)")
     add_run_args(p, "bench-infer-")
     args = p.parse_args(argv)
-    profile = QUICK if args.quick else FULL
+    if args.quick and args.full:
+        p.error("argument --full: not allowed with --quick")
+    profile = QUICK if args.quick else FULL if args.full else DEFAULT
     args.k = [int(x) for x in args.k.split(",")] if args.k else list(profile["k"])
     args.batch = [int(x) for x in args.batch.split(",")] if args.batch else list(profile["batch"])
-    apply_profile(args, profile, ("prompt_len", "new_tokens", "warmup", "reps", "max_seconds"))
+    args.prompt_len = [int(x) for x in args.prompt_len.split(",")] if args.prompt_len else list(profile["prompt_len"])
+    args.cache = args.cache.split(",") if args.cache else list(CACHES)
+    if any(c not in CACHES for c in args.cache):
+        p.error(f"argument --cache: expected a comma-separated subset of {CACHES}, got {','.join(args.cache)!r}")
+    apply_profile(args, profile, ("new_tokens", "warmup", "reps", "max_seconds"))
     args.overrides = parse_overrides(p, args.override)
     args.out = args.out or default_out("bench-infer-")
     args.command = command_line(prog, argv)

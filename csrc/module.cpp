@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("row_intervals"), py::arg("n_ctx"), py::arg("num_windows"), py::arg("window_size"),
         py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_forward", &kf::paged_attention_forward,
+        "Decode attention over a paged KV cache [num_pages, page_size, Hkv, D]: out [B, H, W, D]", py::arg("q"),
+        py::arg("k_new"), py::arg("v_new"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),
+        py::arg("context_lens"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("inverse_cdf_sample", &kf::inverse_cdf_sample,
         "min{v : F(v) > z} of softmax(logits / temperature) per row (int64), float64 math, one pass per row",
         py::arg("logits"), py::arg("z"), py::arg("temperature"), py::call_guard<py::gil_scoped_release>());

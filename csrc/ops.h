@@ -25,6 +25,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& lse, const at::Tensor& row_intervals, int64_t n_ctx, int64_t num_windows, int64_t window_size,
     int64_t last_window_size, int64_t n_streams, bool queries_all, double scale);
 
+// Decode attention over a paged KV cache (paged_attention.cpp): q [B, H, W, D], k_new/v_new [B, Hkv, W, D],
+// k_pages/v_pages [num_pages, page_size, Hkv, D], block_table int32/int64 [B, max_pages], context_lens int64 [B].
+// Row i of request b sees context [0, context_lens[b]) and window slots 0..i. Returns out [B, H, W, D].
+at::Tensor paged_attention_forward(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                   const at::Tensor& k_pages, const at::Tensor& v_pages,
+                                   const at::Tensor& block_table, const at::Tensor& context_lens, double scale);
+
 // token = min{v : F(v) > z} of softmax(logits / temperature), clamped to V - 1.
 // logits [..., V] float (CPU); z [...]; temperature a 0-dim tensor or [...]. Returns int64 [...].
 at::Tensor inverse_cdf_sample(const at::Tensor& logits, const at::Tensor& z, const at::Tensor& temperature);

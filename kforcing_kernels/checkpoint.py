@@ -224,6 +224,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu"):
     info = read_model_info(folder_path)
     model = _model_from_config(json_path, info["model_config"])
     _load_model_tensors(model, load_tensors(json_path, info["tensors"]), json_path)
+    model.k_train = info["k"]  # the window it was trained with (0: AR); generate_kforcing checks k against it
     tok_path = folder_path / "tokenizer.json"
     try:
         tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None

@@ -12,12 +12,22 @@ one ``WindowLayout`` with per-request prefix ranges:
   those tokens are part of the context); for AR it is the one new token.
 
 Only context K/V enter the cache; the noise tokens' K/V are dropped after each step.
+
+Two caches give the same tokens for the same noise (``cache=``): ``"paged"``
+(:class:`~kforcing_kernels.paged_cache.PagedKVCache`: pages from a pool, decode
+attention reads them in place, no copy of the cache per step; the step API for
+continuous batching is :class:`~kforcing_kernels.serving.PagedGenerator`) and
+``"contiguous"`` (one ``[B, H, capacity, D]`` buffer per layer; each decode step
+concatenates the cache with the new keys, an O(L) copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -26,8 +36,10 @@ import torch
 from .layouts import WindowLayout
 from .model import KForcingLM
 from .ops.sampling import inverse_cdf_sample
+from .serving import PagedGenerator, Request, window_layout as _window_layout
 
-Prompts = Union[torch.Tensor, Sequence[Sequence[int]], Sequence[torch.Tensor]]
+Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
+CACHES = ("paged", "contiguous")
 Temperature = Union[float, torch.Tensor]
 
 
@@ -70,15 +82,51 @@ class KVCache:
         self.lengths += count
 
 
+def _is_token(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and x.dtype != torch.bool and not x.is_complex()
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _prompt_row(i: int, p) -> torch.Tensor:
+    t = p if isinstance(p, torch.Tensor) else torch.as_tensor(p) if not isinstance(p, (list, tuple)) else None
+    if t is None:
+        if not all(_is_token(x) for x in p):
+            raise ValueError(f"prompts: prompt {i}: expected integer token ids, got {list(p)!r}")
+        t = torch.tensor([int(x) for x in p], dtype=torch.int64)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex() or t.dim() > 1:
+        raise ValueError(f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"prompts: prompt {i} is empty; every prompt needs at least one token")
+    return t.flatten().to(torch.int64)
+
+
 def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged prompts -> (right-padded tokens ``[B, P_max]`` int64, lengths ``[B]`` int64 on CPU)."""
+    """Prompts -> (right-padded tokens ``[B, P_max]`` int64, lengths ``[B]`` int64 on CPU).
+
+    ``prompts`` is a ``[B, P]`` tensor, B sequences of ids (of any lengths), or one
+    flat sequence of ids / a 1-D tensor, which is ONE prompt (``[5, 6, 7, 8]`` is a
+    single four-token prompt, not four prompts).
+    """
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.shape[1] == 0:
-            raise ValueError(f"prompts: expected a [B, P] tensor with P >= 1, got shape {tuple(prompts.shape)}")
+        if prompts.dtype.is_floating_point or prompts.dtype == torch.bool or prompts.is_complex():
+            raise ValueError(f"prompts: expected integer token ids, got dtype {prompts.dtype}")
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if prompts.dim() != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0:
+            raise ValueError(f"prompts: expected a [B, P] tensor with B, P >= 1 (or a 1-D prompt), got shape {tuple(prompts.shape)}")
         return prompts.to(device=device, dtype=torch.int64), torch.full((prompts.shape[0],), prompts.shape[1], dtype=torch.int64)
-    rows = [torch.as_tensor(p, dtype=torch.int64).flatten() for p in prompts]
-    if not rows or any(r.numel() == 0 for r in rows):
-        raise ValueError("prompts: expected at least one prompt, each with at least one token")
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"prompts: expected token ids (encode text with the tokenizer first), got {type(prompts).__name__}")
+    items = list(prompts)
+    if not items:
+        raise ValueError("prompts: expected at least one prompt, got an empty batch")
+    if all(_is_token(x) for x in items):
+        rows = [torch.tensor([int(x) for x in items], dtype=torch.int64)]  # a flat list of ids is one prompt
+    elif any(_is_token(x) for x in items):
+        raise ValueError("prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids and sequences")
+    else:
+        rows = [_prompt_row(i, p) for i, p in enumerate(items)]
     lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
     tokens = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.int64)
     for i, r in enumerate(rows):
@@ -86,24 +134,73 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
     return tokens.to(device), lengths
 
 
-def _window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) -> WindowLayout:
-    """One window per request after ``n_ctx`` context keys; request b's window sees ``[0, lengths[b])``."""
-    if bool((lengths == lengths[0]).all()):  # one shared range: the backends' cheaper unbatched path
-        hi = lengths[:1]
-    else:
-        hi = lengths[:, None]
-    return WindowLayout(n_ctx, 1, window, torch.zeros_like(hi), hi, intra="causal", queries=queries)
-
-
-def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: int, cache: str) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size):
         raise ValueError(f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+    if cache not in CACHES:
+        raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
+
+
+def _check_temperature(temperature: Temperature, batch: int, *, allow_zero: bool) -> None:
+    """tau: a real number or a [B] tensor, finite, > 0 (>= 0 for AR, where a scalar 0 is greedy)."""
+    what = "a finite number >= 0 (0 = greedy)" if allow_zero else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)"
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
+        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != batch):
+            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got {tuple(temperature.shape)}")
+        values = temperature.detach().double().cpu().flatten()
+    elif isinstance(temperature, Real) and not isinstance(temperature, bool):
+        values = torch.tensor([float(temperature)], dtype=torch.float64)
+    else:
+        raise ValueError(f"temperature: expected {what}, got {temperature!r}")
+    ok = torch.isfinite(values) & (values > 0)
+    if allow_zero and not isinstance(temperature, torch.Tensor):
+        ok |= values == 0
+    if not bool(ok.all()):
+        bad = values[~ok][0].item()
+        raise ValueError(f"temperature: expected {what}, got {bad}")
+
+
+def _check_k(model: KForcingLM, k, k_train: Optional[int]) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k: expected a positive int (tokens per forward pass), got {k!r}")
+    k_train = getattr(model, "k_train", None) if k_train is None else k_train
+    if k_train is None:
+        return
+    if k_train == 0:
+        raise ValueError("k: this model was trained as an AR model (k_train=0); use generate_ar")
+    if k > k_train:
+        raise ValueError(f"k: expected 1 <= k <= k_train={k_train} (the window the model was trained with), got {k}")
 
 
 def _model_dtype(model: KForcingLM) -> torch.dtype:
     return model.wte.weight.dtype
+
+
+def _run_paged(model, requests: list[Request], k: Optional[int], page_size: int, return_logits: bool):
+    """All requests join at once; returns (tokens [B, T], logits [B, T, V] or None)."""
+    page_size = _check_page_size(page_size)
+    num_pages = sum(math.ceil((r.prompt.numel() if isinstance(r.prompt, torch.Tensor) else len(r.prompt)) / page_size)
+                    + math.ceil(r.max_new_tokens / page_size) + 1 for r in requests)
+    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits)
+    while not all(r.done for r in requests):
+        gen.step(requests)
+    out = torch.tensor([r.tokens for r in requests], dtype=torch.int64, device=model.wte.weight.device)
+    logits = torch.stack([torch.cat(r.logits) for r in requests]) if return_logits else None
+    return out, logits
+
+
+def _check_page_size(page_size) -> int:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size: expected a positive int, got {page_size!r}")
+    return page_size
+
+
+def _rows(tokens: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    return [tokens[i, : int(n)].cpu() for i, n in enumerate(lengths)]
 
 
 @torch.no_grad()
@@ -116,53 +213,74 @@ def generate_kforcing(
     temperature: Temperature = 1.0,
     noise: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
+    cache: str = "paged",
+    page_size: int = 16,
+    k_train: Optional[int] = None,
+    return_logits: bool = False,
+):
     """K-Forcing generation with a KV cache (paper Algorithm 1): k tokens per forward pass.
 
     Args:
         model: a PFLM trained with window ``k_train >= k``.
-        prompts: ``[B, P]`` tensor or B sequences of different lengths.
-        k: tokens per step (any k <= k_train).
+        prompts: ``[B, P]`` tensor, B sequences of different lengths, or one flat
+            sequence / 1-D tensor of ids (one prompt).
+        k: tokens per step, ``1 <= k <= k_train``.
         max_new_tokens: T; ``ceil(T / k)`` forward passes are made.
-        temperature: tau fed to the noise encoder, scalar or ``[B]`` (decoding is argmax, as in the paper).
+        temperature: tau > 0 fed to the noise encoder, scalar or ``[B]`` (decoding is argmax, as in the paper).
         noise: optional ``[B, ceil(T / k), k]`` uniforms; drawn from ``generator`` otherwise.
+        cache: ``"paged"`` (pages of ``page_size`` tokens, read in place) or ``"contiguous"``; same tokens.
+        k_train: the window the model was trained with; default ``model.k_train``
+            (set by ``train.load_model``), unchecked when neither is known.
+        return_logits: also return the logits ``[B, T, V]`` that decided each token.
 
     Returns:
-        int64 ``[B, T]``: the generated tokens (prompts not included).
+        int64 ``[B, T]``: the generated tokens (prompts not included); with ``return_logits``, ``(tokens, logits)``.
     """
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k: expected a positive int, got {k!r}")
+    _check_k(model, k, k_train)
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
-    _check_generation(model, tokens, max_new_tokens)
+    _check_generation(model, tokens, max_new_tokens, cache)
     b, p_max = tokens.shape
+    _check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
         noise = torch.rand((b, steps, k), generator=generator, device=generator.device if generator else "cpu")
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
+    if cache == "paged":
+        taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
+        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
+        out, logits = _run_paged(model, requests, k, page_size, return_logits)
+        return (out, logits) if return_logits else out
+
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-    cache = KVCache(model, b, p_max + steps * k, _model_dtype(model), device)
+    kv = KVCache(model, b, p_max + steps * k, _model_dtype(model), device)
     out = torch.empty(b, steps * k, dtype=torch.int64, device=device)
+    all_logits = []
 
     # Prefill: [prompt | k noise]; request b's noise slot i sits at position P_b + i.
     positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(device)
     x = torch.cat([model.wte(tokens), model.embed_noise(noise[:, 0], tau)], 1)  # [B, P_max + k, C]
     h, kvs = model.trunk(x, positions, _window_layout(p_max, lengths, k, "all"))
-    cache.append(kvs, p_max)  # the whole padded prompt; lengths are then set to the true ones
-    cache.lengths = lengths.clone()
-    out[:, :k] = model.head(h[:, p_max:]).argmax(-1)
+    kv.append(kvs, p_max)  # the whole padded prompt; lengths are then set to the true ones
+    kv.lengths = lengths.clone()
+    logits = model.head(h[:, p_max:])
+    out[:, :k] = logits.argmax(-1)
+    all_logits.append(logits)
 
     for s in range(1, steps):
         # Decode: [k tokens just produced | k fresh noise] at positions len_b .. len_b + 2k - 1.
         new = out[:, (s - 1) * k: s * k]
         x = torch.cat([model.wte(new), model.embed_noise(noise[:, s], tau)], 1)  # [B, 2k, C]
-        positions = (cache.lengths[:, None] + torch.arange(2 * k)).to(device)
-        h, kvs = model.trunk(x, positions, _window_layout(cache.max_length, cache.lengths, 2 * k, "windows"), past=cache.past())
-        cache.append(kvs, k)  # context K/V only; the noise K/V are dropped
-        out[:, s * k:(s + 1) * k] = model.head(h[:, k:]).argmax(-1)
-    return out[:, :max_new_tokens]
+        positions = (kv.lengths[:, None] + torch.arange(2 * k)).to(device)
+        h, kvs = model.trunk(x, positions, _window_layout(kv.max_length, kv.lengths, 2 * k, "windows"), past=kv.past())
+        kv.append(kvs, k)  # context K/V only; the noise K/V are dropped
+        logits = model.head(h[:, k:])
+        out[:, s * k:(s + 1) * k] = logits.argmax(-1)
+        all_logits.append(logits)
+    out = out[:, :max_new_tokens]
+    return (out, torch.cat(all_logits, 1)[:, :max_new_tokens]) if return_logits else out
 
 
 @torch.no_grad()
@@ -174,42 +292,55 @@ def generate_ar(
     temperature: Temperature = 1.0,
     noise: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
-) -> torch.Tensor:
+    cache: str = "paged",
+    page_size: int = 16,
+    return_logits: bool = False,
+):
     """AR generation with a KV cache (the baseline): one token per forward pass.
 
     Sampling is inverse-CDF of ``softmax(logits / temperature)`` at uniform noise (``[B, T]``,
-    drawn from ``generator`` when not given); ``temperature=0`` is greedy.
+    drawn from ``generator`` when not given); ``temperature=0`` is greedy. ``prompts``,
+    ``cache``, ``page_size`` and ``return_logits`` as in :func:`generate_kforcing`.
 
     Returns:
-        int64 ``[B, T]``.
+        int64 ``[B, T]`` (and the logits ``[B, T, V]`` with ``return_logits``).
     """
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
-    _check_generation(model, tokens, max_new_tokens)
+    _check_generation(model, tokens, max_new_tokens, cache)
     b, p_max = tokens.shape
+    _check_temperature(temperature, b, allow_zero=True)
     if noise is None:
         noise = torch.rand((b, max_new_tokens), generator=generator, device=generator.device if generator else "cpu")
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
+    if cache == "paged":
+        taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
+        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
+        out, logits = _run_paged(model, requests, None, page_size, return_logits)
+        return (out, logits) if return_logits else out
+
     greedy = isinstance(temperature, (int, float)) and temperature == 0
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)
 
-    cache = KVCache(model, b, p_max + max_new_tokens, _model_dtype(model), device)
+    kv = KVCache(model, b, p_max + max_new_tokens, _model_dtype(model), device)
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=device)
     h, kvs = model.trunk(model.wte(tokens), torch.arange(p_max, device=device), WindowLayout.causal(p_max))
-    cache.append(kvs, p_max)
-    cache.lengths = lengths.clone()
+    kv.append(kvs, p_max)
+    kv.lengths = lengths.clone()
     last = h[torch.arange(b, device=device), (lengths - 1).to(device)]  # [B, C]: each prompt's last token
-    out[:, 0] = pick(model.head(last), 0)
+    all_logits = [model.head(last)]
+    out[:, 0] = pick(all_logits[0], 0)
     for s in range(1, max_new_tokens):
-        positions = cache.lengths[:, None].to(device)  # [B, 1]
-        h, kvs = model.trunk(model.wte(out[:, s - 1: s]), positions, _window_layout(cache.max_length, cache.lengths, 1, "windows"), past=cache.past())
-        cache.append(kvs, 1)
-        out[:, s] = pick(model.head(h[:, 0]), s)
-    return out
+        positions = kv.lengths[:, None].to(device)  # [B, 1]
+        h, kvs = model.trunk(model.wte(out[:, s - 1: s]), positions, _window_layout(kv.max_length, kv.lengths, 1, "windows"), past=kv.past())
+        kv.append(kvs, 1)
+        all_logits.append(model.head(h[:, 0]))
+        out[:, s] = pick(all_logits[-1], s)
+    return (out, torch.stack(all_logits, 1)) if return_logits else out
 
 
 # ---------------------------------------------------------------------- CLI
@@ -225,14 +356,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
     args = parser.parse_args(argv)
 
     if args.max_new_tokens < 1:
         parser.error(f"argument --max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        parser.error(f"argument --temperature: expected a number >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"argument --temperature: expected a finite number >= 0, got {args.temperature}")
     if not (Path(args.model) / "model.json").exists():
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
+    if args.out:
+        _check_out(parser, args.out)  # before any work: a bad --out fails fast
     model, info, tokenizer = load_model(args.model)
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
@@ -248,9 +382,45 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.temperature == 0:
             parser.error("argument --temperature: K-Forcing models take tau > 0 (decoding is argmax already)")
         out = generate_kforcing(model, prompts, k, args.max_new_tokens, temperature=args.temperature, generator=gen)
+    records = []
     for p, o in zip(args.prompt, out.tolist()):
-        print(p + tokenizer.decode(o, skip_special_tokens=False))
+        text = tokenizer.decode(o, skip_special_tokens=False)
+        print(p + text)
         print("-" * 40)
+        records.append({"prompt": p, "completion": text, "tokens": o})
+    if args.out:
+        _write_out(parser, args.out, records)
+
+
+def _tmp_path(path: str) -> Path:
+    target = Path(path)
+    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
+
+
+def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
+    """Fail before any work when ``path`` cannot be written (probe: create and remove a temporary next to it)."""
+    if Path(path).is_dir():
+        parser.error(f"argument --out: {path!r} is a directory; expected a file path")
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "x"):
+            pass
+        tmp.unlink()
+    except OSError as exc:
+        parser.error(f"argument --out: cannot write {path!r}: {exc.strerror or exc}")
+
+
+def _write_out(parser: argparse.ArgumentParser, path: str, records: list) -> None:
+    """JSON Lines, written to a temporary and renamed over ``path`` (never a half-written file; mode from the umask)."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        parser.error(f"argument --out: cannot write {path!r}: {exc.strerror or exc}")
 
 
 if __name__ == "__main__":

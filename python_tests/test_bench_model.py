@@ -48,10 +48,16 @@ def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
 def test_inference_bench_rows(tmp_path, capsys):
     report = inference.main(TINY + ["--k", "1,2", "--batch", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)])
     rows = report["rows"]
-    assert [(r["batch"], r["method"], r["k"]) for r in rows] == [
-        (2, "ar", None), (2, "kforcing", 1), (2, "kforcing", 2), (3, "ar", None), (3, "kforcing", 1), (3, "kforcing", 2)]
+    expected = [(b, m, k, c) for b in (2, 3) for c in ("contiguous", "paged") for m, k in (("ar", None), ("kforcing", 1), ("kforcing", 2))]
+    assert sorted((r["batch"], r["method"], r["k"] or 0, r["cache"]) for r in rows) == sorted((b, m, k or 0, c) for b, m, k, c in expected)
     assert [r["forward_passes"] for r in rows[:3]] == [4, 4, 2]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["method"] == "ar")
+    assert all((r["paged_speedup"] is None) == (r["cache"] == "contiguous") for r in rows)
+    # The paged cache never copies the cache: fewer K/V bytes per step than the contiguous cat, for every method.
+    for r in rows:
+        if r["cache"] == "paged":
+            twin = next(o for o in rows if (o["batch"], o["method"], o["k"], o["cache"]) == (r["batch"], r["method"], r["k"], "contiguous"))
+            assert r["kv_bytes_per_step"] < twin["kv_bytes_per_step"]
     assert (tmp_path / "inference.json").exists() and (tmp_path / "inference.csv").exists()
     assert "K-Forcing k=2" in capsys.readouterr().out

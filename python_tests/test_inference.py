@@ -93,3 +93,156 @@ def test_bad_inputs_raise_clear_errors(model, prompts):
         generate_ar(model, [[1, 2], []], 3)
     with pytest.raises(ValueError, match="prompts"):
         generate_ar(model, [[1, CFG.vocab_size]], 3)
+
+
+# ---------------------------------------------------------------------- issue 12 items 5 and 17: refuse nonsense
+
+
+@pytest.mark.parametrize("tau", [0, 0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, float("nan"), 1.0]), True, "1"])
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_kforcing_refuses_bad_temperature(model, prompts, tau, cache):
+    with pytest.raises(ValueError, match="temperature: expected a finite number > 0"):
+        generate_kforcing(model, prompts, 2, 4, temperature=tau, cache=cache)
+
+
+@pytest.mark.parametrize("tau", [-0.5, float("nan"), float("inf"), float("-inf"), torch.tensor([0.0, 1.0, 1.0])])
+def test_ar_refuses_bad_temperature(model, prompts, tau):
+    with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
+        generate_ar(model, prompts, 3, temperature=tau)
+
+
+def test_temperature_shape_is_checked(model, prompts):
+    with pytest.raises(ValueError, match=r"temperature: expected a scalar or shape \[3\]"):
+        generate_kforcing(model, prompts, 2, 4, temperature=torch.ones(2))
+
+
+def test_k_beyond_the_trained_window_is_refused(model, prompts):
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= k_train=2"):
+        generate_kforcing(model, prompts, 3, 4, k_train=2)
+    model.k_train = 2  # what train.load_model records (model.json "k")
+    try:
+        with pytest.raises(ValueError, match="k: expected 1 <= k <= k_train=2"):
+            generate_kforcing(model, prompts, 4, 4)
+        assert generate_kforcing(model, prompts, 2, 4).shape == (3, 4)
+        model.k_train = 0
+        with pytest.raises(ValueError, match="k: this model was trained as an AR model"):
+            generate_kforcing(model, prompts, 1, 4)
+    finally:
+        del model.k_train
+
+
+@pytest.mark.parametrize("k", [True, 2.0, "2", -1])
+def test_k_must_be_a_positive_int_and_the_error_names_k(model, prompts, k):
+    with pytest.raises(ValueError, match=r"^k: expected a positive int"):
+        generate_kforcing(model, prompts, k, 4)
+
+
+@pytest.mark.parametrize("fn", ["ar", "kforcing"])
+def test_a_flat_list_is_one_prompt(model, fn):
+    """[5, 6, 7, 8] is one four-token prompt (as documented), not four one-token prompts."""
+    flat = [5, 6, 7, 8]
+    if fn == "ar":
+        noise = torch.rand(1, 3, dtype=torch.float64)
+        out = generate_ar(model, flat, 3, noise=noise)
+        assert out.tolist() == generate_ar(model, [flat], 3, noise=noise).tolist()
+        assert generate_ar(model, torch.tensor(flat), 3, noise=noise).tolist() == out.tolist()
+    else:
+        noise = torch.rand(1, 2, 2, dtype=torch.float64)
+        out = generate_kforcing(model, flat, 2, 4, noise=noise)
+        assert out.tolist() == generate_kforcing(model, [flat], 2, 4, noise=noise).tolist()
+    assert out.shape[0] == 1
+    tokens, lengths = pad_prompts(flat)
+    assert tokens.tolist() == [flat] and lengths.tolist() == [4]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "prompts: expected at least one prompt, got an empty batch"),
+    (torch.zeros(0, 3, dtype=torch.int64), "prompts: expected a"),
+    ([5, [6, 7]], "prompts: expected one flat list of ids .* a mix"),
+    ([[1.5, 2]], "prompts: prompt 0: expected integer token ids"),
+    ([[1, 2], [3, True]], "prompts: prompt 1: expected integer token ids"),
+    (torch.tensor([[1.0, 2.0]]), "prompts: expected integer token ids"),
+    ("hello", "prompts: expected token ids"),
+])
+def test_bad_prompt_batches(model, bad, match):
+    with pytest.raises(ValueError, match=match):
+        generate_ar(model, bad, 2)
+    with pytest.raises(ValueError, match=match):
+        generate_kforcing(model, bad, 1, 2)
+
+
+def test_max_new_tokens_and_cache_are_checked(model, prompts):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_kforcing(model, prompts, 1, True)
+    with pytest.raises(ValueError, match="cache: expected one of"):
+        generate_kforcing(model, prompts, 1, 2, cache="ring")
+    with pytest.raises(ValueError, match="page_size: expected a positive int"):
+        generate_ar(model, prompts, 2, page_size=0)
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    """A K-Forcing stage folder (k=2) with a byte-level tokenizer, as train.save_model writes it."""
+    from kforcing_kernels.data import _train_tokenizer
+    from kforcing_kernels.train import save_model
+
+    folder = tmp_path_factory.mktemp("stage")
+    tok = _train_tokenizer(["def f(x): return x"], 257)
+    torch.manual_seed(0)
+    save_model(folder, KForcingLM(ModelConfig.micro(vocab_size=tok.get_vocab_size())), {"kind": "pflm", "k": 2})
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_cli_writes_out_and_loaded_model_knows_its_k(stage, tmp_path, capsys):
+    import json
+
+    from kforcing_kernels.inference import main
+    from kforcing_kernels.train import load_model
+
+    assert load_model(str(stage))[0].k_train == 2
+    out = tmp_path / "gen.jsonl"
+    main([str(stage), "--prompt", "def", "--prompt", "x", "--max-new-tokens", "3", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["def", "x"] and all(len(r["tokens"]) == 3 for r in rows)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "missing_dir", "a_directory"])
+def test_cli_unwritable_out_is_a_clear_error(stage, tmp_path, capsys, where):
+    from kforcing_kernels.inference import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = {"under_a_file": blocker / "gen.jsonl", "missing_dir": tmp_path / "nope" / "gen.jsonl", "a_directory": tmp_path}[where]
+    with pytest.raises(SystemExit):
+        main([str(stage), "--prompt", "def", "--max-new-tokens", "2", "--out", str(out)])
+    assert "argument --out:" in capsys.readouterr().err
+
+
+def test_cli_read_only_out_dir(stage, tmp_path, capsys):
+    """A read-only folder (skipped when running as root, who can write anyway)."""
+    import os
+
+    from kforcing_kernels.inference import main
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who can write a 0500 folder (root)")
+        with pytest.raises(SystemExit):
+            main([str(stage), "--prompt", "def", "--max-new-tokens", "2", "--out", str(ro / "gen.jsonl")])
+        assert "argument --out: cannot write" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize("tau", ["nan", "inf", "-1"])
+def test_cli_bad_temperature(stage, capsys, tau):
+    from kforcing_kernels.inference import main
+
+    with pytest.raises(SystemExit):
+        main([str(stage), "--prompt", "def", "--temperature", tau])
+    assert "argument --temperature: expected a finite number >= 0" in capsys.readouterr().err

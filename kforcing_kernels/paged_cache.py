@@ -1,0 +1,221 @@
+"""A paged KV cache for KV-cached generation, and the model pass that reads it in place.
+
+:class:`PagedKVCache` keeps, per layer, K and V in a pool of fixed-size pages
+``[num_pages, page_size, Hkv, D]`` (the vLLM / FlashInfer layout). Each sequence
+(a cache row) owns a list of pages, taken from the pool as it grows and given
+back when it is freed; its block table row lists them in order, so its context
+token t sits in page ``table[row, t // page_size]`` at slot ``t % page_size``.
+Appending writes K/V in place (one ``index_copy_`` per layer through a slot
+mapping); nothing is ever copied to grow a sequence.
+
+:func:`paged_trunk` runs the model's blocks over a window of new tokens with
+:func:`~kforcing_kernels.ops.paged_attention.paged_attention` in place of the
+contiguous ``torch.cat([cached, new])`` keys of ``Attention.forward``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .model import KForcingLM
+from .model.gpt import apply_rope, rope_cos_sin
+from .ops.paged_attention import PAGED_BACKENDS, paged_attention, paged_backends_available
+
+
+class PagePoolFull(RuntimeError):
+    """The page pool cannot hold what was asked; nothing was allocated or written."""
+
+
+class PagedKVCache:
+    """Per-layer K/V pages, a free list, and each row's pages and length.
+
+    Args:
+        n_layer, n_kv_heads, head_dim: the model's attention sizes.
+        num_pages: pages in the pool (shared by all rows), or give ``capacity``
+            (tokens; a multiple of ``page_size``) instead.
+        page_size: tokens per page.
+        dtype, device: of the pages (the model's).
+
+    Rows are ids handed out by :meth:`add_row`; a row holds no page until tokens
+    are appended. All methods that can run out of pages check first and raise
+    :class:`PagePoolFull` before changing anything.
+    """
+
+    def __init__(
+        self, n_layer: int, n_kv_heads: int, head_dim: int, *, num_pages: Optional[int] = None,
+        capacity: Optional[int] = None, page_size: int = 16, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        for name, value in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if (num_pages is None) == (capacity is None):
+            raise ValueError(f"num_pages: give exactly one of num_pages or capacity, got num_pages={num_pages!r}, capacity={capacity!r}")
+        if capacity is not None:
+            if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+                raise ValueError(f"capacity: expected a positive int (tokens), got {capacity!r}")
+            if capacity % page_size:
+                raise ValueError(f"page_size: expected a divisor of capacity={capacity}, got {page_size}")
+            num_pages = capacity // page_size
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
+            raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
+        self.page_size, self.num_pages = page_size, num_pages
+        shape = (num_pages, page_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pages are reused most-recently-freed first
+        self._pages: dict[int, list[int]] = {}  # live rows -> their pages, in order
+        # The same on tensors (CPU), so a step's block table, lengths and slot mapping are a few tensor ops:
+        # table[row, j] = the row's j-th page (-1 past its pages), lens[row] = its length.
+        self._table = torch.full((8, num_pages), -1, dtype=torch.int32)
+        self._lens = torch.zeros(8, dtype=torch.int64)
+        self._free_rows: list[int] = []
+
+    @classmethod
+    def for_model(cls, model: KForcingLM, *, page_size: int = 16, num_pages: Optional[int] = None,
+                  capacity: Optional[int] = None) -> "PagedKVCache":
+        """A pool shaped for ``model`` (its dtype and device)."""
+        cfg = model.config
+        w = model.wte.weight
+        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, num_pages=num_pages, capacity=capacity,
+                   page_size=page_size, dtype=w.dtype, device=w.device)
+
+    # -------------------------------------------------------------- rows
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def add_row(self) -> int:
+        """A new empty row (no pages yet); returns its id."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self._pages) + len(self._free_rows)
+            while row >= self._table.shape[0]:  # grow the row tensors geometrically
+                self._table = torch.cat([self._table, torch.full_like(self._table, -1)])
+                self._lens = torch.cat([self._lens, torch.zeros_like(self._lens)])
+        self._pages[row] = []
+        self._table[row] = -1
+        self._lens[row] = 0
+        return row
+
+    def free(self, row: int) -> None:
+        """Give the row's pages back to the pool; the row id may be handed out again by :meth:`add_row`."""
+        self._check_rows([row])
+        self._free.extend(reversed(self._pages.pop(row)))
+        self._table[row] = -1
+        self._lens[row] = 0
+        self._free_rows.append(row)
+
+    def length(self, row: int) -> int:
+        self._check_rows([row])
+        return int(self._lens[row])
+
+    def pages_of(self, row: int) -> list[int]:
+        self._check_rows([row])
+        return list(self._pages[row])
+
+    def lengths(self, rows: Sequence[int]) -> torch.Tensor:
+        """int64 ``[B]`` (CPU): each row's context length."""
+        self._check_rows(rows)
+        return self._lens[list(rows)]
+
+    def block_table(self, rows: Sequence[int], min_pages: int = 1) -> torch.Tensor:
+        """int32 ``[B, max_pages]`` on the pages' device; entries past a row's pages are -1."""
+        self._check_rows(rows)
+        width = max([min_pages] + [len(self._pages[r]) for r in rows])
+        return self._table[list(rows), :width].to(self.k[0].device)
+
+    # -------------------------------------------------------------- writes
+
+    def reserve(self, rows: Sequence[int], counts: Sequence[int]) -> None:
+        """Make room for ``counts[i]`` more tokens in ``rows[i]``: all or nothing (:class:`PagePoolFull`)."""
+        self._check_rows(rows)
+        need = [max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows, counts)]
+        if sum(need) > len(self._free):
+            raise PagePoolFull(
+                f"page pool full: {sum(need)} more pages of {self.page_size} tokens needed for {len(rows)} rows, "
+                f"{len(self._free)} of {self.num_pages} free; free finished rows or use a larger pool (num_pages)"
+            )
+        for r, n in zip(rows, need):
+            if n:
+                have = len(self._pages[r])
+                new = [self._free.pop() for _ in range(n)]
+                self._pages[r].extend(new)
+                self._table[r, have:have + n] = torch.tensor(new, dtype=torch.int32)
+
+    def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]) -> None:
+        """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``
+        at ``rows[i]``'s current length, in place; lengths grow by ``counts``."""
+        counts = [int(c) for c in counts]
+        if len(counts) != len(rows) or any(c < 0 for c in counts):
+            raise ValueError(f"counts: expected {len(rows)} non-negative ints (one per row), got {counts}")
+        if len(kvs) != len(self.k):
+            raise ValueError(f"kvs: expected {len(self.k)} layers, got {len(kvs)}")
+        width = max(counts, default=0)
+        if width == 0:
+            return
+        k0 = kvs[0][0]
+        if k0.shape[0] != len(rows) or k0.shape[2] < width or k0.shape[1:2] + k0.shape[3:] != self.k[0].shape[2:]:
+            raise ValueError(f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages {tuple(self.k[0].shape)}, got {tuple(k0.shape)}")
+        self.reserve(rows, counts)
+        idx = torch.tensor(list(rows), dtype=torch.int64)
+        cnt = torch.tensor(counts, dtype=torch.int64)
+        steps = torch.arange(width)
+        valid = steps[None] < cnt[:, None]  # [B, width]
+        pos = self._lens[idx][:, None] + steps  # position of each written token
+        pos = torch.where(valid, pos, 0)
+        page = self._table[idx[:, None], pos // self.page_size].to(torch.int64)
+        device = self.k[0].device
+        slots = (page * self.page_size + pos % self.page_size)[valid].to(device)  # flat slot in [num_pages * page_size]
+        src = (torch.arange(len(rows))[:, None] * k0.shape[2] + steps)[valid].to(device)  # (batch row, token) in [B * L]
+        for layer, (k, v) in enumerate(kvs):
+            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+                flat = x.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B * L, Hkv, D]
+                pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, flat.index_select(0, src).to(pool.dtype))
+        self._lens[idx] += cnt
+
+    def _check_rows(self, rows: Sequence[int]) -> None:
+        for r in rows:
+            if r not in self._pages:
+                raise ValueError(f"rows: {r!r} is not a live row of this cache (freed or never added)")
+
+
+def paged_backend(model: KForcingLM) -> Optional[str]:
+    """The paged backend matching the model's attention backend when there is one (else the default)."""
+    name = model.config.attention_backend
+    return name if name in PAGED_BACKENDS and paged_backends_available()[name] is None else None
+
+
+def paged_trunk(
+    model: KForcingLM,
+    x: torch.Tensor,  # [B, W, C] embeddings of the window tokens
+    positions: torch.Tensor,  # int [B, W]
+    cache: PagedKVCache,
+    rows: Sequence[int],
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``model.trunk`` for a decode window over the rows' paged context (read in place, not written).
+
+    Window slot i of batch row b sees the row's cached context and slots 0..i. Returns
+    (final-normed hidden ``[B, W, C]``, per-layer window K/V ``[B, H, W, D]``) like ``model.trunk``.
+    """
+    cfg = model.config
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_base)
+    table, lens = cache.block_table(rows), cache.lengths(rows)
+    backend = paged_backend(model)
+    b, n, c = x.shape
+    kvs = []
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn  # mirrors Block.forward / Attention.forward with the paged op for the keys
+        q, k, v = attn.qkv(block.norm1(x)).view(b, n, 3, attn.n_head, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # The table is the cache's own: scanned once per step, not once per layer.
+        y = paged_attention(q, k, v, cache.k[layer], cache.v[layer], table, lens, backend=backend, check_table=layer == 0)
+        x = x + attn.proj(y.transpose(1, 2).reshape(b, n, c))
+        x = x + block.mlp(block.norm2(x))
+        kvs.append((k, v))
+    return model.norm_f(x), kvs

@@ -1,0 +1,213 @@
+"""Continuous batching at the API level: a step function over the current set of requests, on a paged KV cache.
+
+    gen = PagedGenerator(model, k=4, num_pages=1024)         # k=None: AR
+    reqs = [Request(prompt, max_new_tokens=64, eos_id=eos) for prompt in prompts]
+    while any(not r.done for r in reqs):
+        finished = gen.step(reqs)                            # new requests may be appended between steps
+    reqs[0].tokens                                           # the generated ids
+
+Each ``step`` advances every live request by one forward pass: requests that have
+not started are prefilled (prompt + first noise window, written into pages), the
+others decode one window over their pages, read in place. A request that reaches
+``max_new_tokens`` or produces ``eos_id`` is finished and its pages go back to the
+pool at once. Per request the computation is that of ``generate_kforcing`` /
+``generate_ar`` (same noise, same tokens), whichever other requests share the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .model import KForcingLM
+from .ops.sampling import inverse_cdf_sample
+from .paged_cache import PagedKVCache, PagePoolFull, paged_trunk
+from .layouts import WindowLayout
+
+
+def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) -> WindowLayout:
+    """One window per request after ``n_ctx`` context keys; request b's window sees ``[0, lengths[b])``."""
+    if bool((lengths == lengths[0]).all()):  # one shared range: the backends' cheaper unbatched path
+        hi = lengths[:1]
+    else:
+        hi = lengths[:, None]
+    return WindowLayout(n_ctx, 1, window, torch.zeros_like(hi), hi, intra="causal", queries=queries)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    Args:
+        prompt: token ids (1-D), at least one.
+        max_new_tokens: T >= 1.
+        noise: K-Forcing ``[ceil(T / k), k]`` uniforms, AR ``[T]``; drawn from ``generator`` when None.
+        temperature: tau (K-Forcing: > 0, fed to the noise encoder; AR: 0 is greedy).
+        eos_id: finish as soon as this id is produced (it is kept as the last token).
+    """
+
+    prompt: Union[Sequence[int], torch.Tensor]
+    max_new_tokens: int
+    noise: Optional[torch.Tensor] = None
+    temperature: float = 1.0
+    eos_id: Optional[int] = None
+    generator: Optional[torch.Generator] = None
+    tokens: list = field(default_factory=list)  # generated ids so far
+    logits: list = field(default_factory=list)  # per step [n, V] when the generator keeps logits
+    done: bool = False
+    row: Optional[int] = None  # cache row while running
+    steps: int = 0
+
+
+class PagedGenerator:
+    """Runs requests on a :class:`PagedKVCache` (made here from ``page_size``/``num_pages`` unless given).
+
+    Args:
+        model: the model (eval mode).
+        k: tokens per forward for K-Forcing; None for AR.
+        cache: an existing pool, or None to make one with ``num_pages`` pages of ``page_size``.
+        keep_logits: store each step's logits in ``Request.logits``.
+    """
+
+    def __init__(self, model: KForcingLM, k: Optional[int] = None, *, cache: Optional[PagedKVCache] = None,
+                 page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False):
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
+        self.model, self.k, self.keep_logits = model, k, keep_logits
+        if cache is None:
+            if num_pages is None:
+                raise ValueError("num_pages: expected the pool size in pages when no cache is given, got None")
+            cache = PagedKVCache.for_model(model, page_size=page_size, num_pages=num_pages)
+        self.cache = cache
+        self.device = model.wte.weight.device
+
+    # -------------------------------------------------------------- the step
+
+    @torch.no_grad()
+    def step(self, requests: Sequence[Request]) -> list[Request]:
+        """One forward pass for every live request in ``requests``; returns those that finished in it.
+
+        Raises :class:`PagePoolFull` before doing anything when the pool cannot take
+        this step's context tokens (nothing is computed, written or lost).
+        """
+        live = [r for r in requests if not r.done]
+        new = [r for r in live if r.row is None]
+        running = [r for r in live if r.row is not None]
+        for r in new:
+            self._admit(r)
+        self._check_room(new, running)
+        if new:
+            self._finish_step(new, *self._prefill(new))
+        if running:
+            self._finish_step(running, *self._decode(running))
+        return [r for r in live if r.done]
+
+    def _admit(self, r: Request) -> None:
+        prompt = torch.as_tensor(r.prompt).flatten()
+        if prompt.numel() == 0 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt: expected a non-empty sequence of token ids, got {r.prompt!r}")
+        if int(prompt.min()) < 0 or int(prompt.max()) >= self.model.config.vocab_size:
+            raise ValueError(f"prompt: expected token ids in [0, {self.model.config.vocab_size}), got {prompt.tolist()}")
+        if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected a positive int, got {r.max_new_tokens!r}")
+        shape = (r.max_new_tokens,) if self.k is None else (math.ceil(r.max_new_tokens / self.k), self.k)
+        if r.noise is None:
+            gen = r.generator
+            r.noise = torch.rand(shape, generator=gen, device=gen.device if gen else "cpu")
+        if tuple(r.noise.shape) != shape:
+            raise ValueError(f"noise: expected shape {shape}, got {tuple(r.noise.shape)}")
+        r.prompt = prompt.to(torch.int64)
+
+    def _check_room(self, new: list[Request], running: list[Request]) -> None:
+        page, cache = self.cache.page_size, self.cache
+        grow = 1 if self.k is None else self.k  # context tokens a decode step appends
+        need = sum(math.ceil(r.prompt.numel() / page) for r in new)
+        need += sum(max(0, math.ceil((cache.length(r.row) + grow) / page) - len(cache.pages_of(r.row))) for r in running)
+        if need > cache.free_pages:
+            raise PagePoolFull(
+                f"page pool full: this step needs {need} more pages of {page} tokens, {cache.free_pages} of "
+                f"{cache.num_pages} free; finish or drop requests, or use a larger pool (num_pages)"
+            )
+
+    def _finish_step(self, reqs: list[Request], new_tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """new_tokens [B, n] -> each request's tokens; finished requests free their pages."""
+        for r, ids, lg in zip(reqs, new_tokens.tolist(), logits):
+            room = r.max_new_tokens - len(r.tokens)
+            ids, lg = ids[:room], lg[:room]
+            if r.eos_id is not None and r.eos_id in ids:
+                cut = ids.index(r.eos_id) + 1
+                ids, lg, r.done = ids[:cut], lg[:cut], True
+            r.tokens.extend(ids)
+            if self.keep_logits:
+                r.logits.append(lg)
+            r.steps += 1
+            if len(r.tokens) >= r.max_new_tokens:
+                r.done = True
+            if r.done:
+                self.cache.free(r.row)
+                r.row = None
+
+    # -------------------------------------------------------------- prefill and decode
+
+    def _temperatures(self, reqs: list[Request]) -> torch.Tensor:
+        return torch.tensor([float(r.temperature) for r in reqs], dtype=torch.float64)
+
+    def _prefill(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        model, dev, b = self.model, self.device, len(reqs)
+        lengths = torch.tensor([r.prompt.numel() for r in reqs], dtype=torch.int64)
+        p_max = int(lengths.max())
+        tokens = torch.zeros(b, p_max, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            tokens[i, : r.prompt.numel()] = r.prompt
+        tokens = tokens.to(dev)
+        rows = [self.cache.add_row() for _ in reqs]
+        for r, row in zip(reqs, rows):
+            r.row = row
+        if self.k is None:
+            h, kvs = model.trunk(model.wte(tokens), torch.arange(p_max, device=dev), WindowLayout.causal(p_max))
+            self.cache.append(rows, kvs, lengths.tolist())  # each prompt's true tokens, straight into pages
+            logits = model.head(h[torch.arange(b, device=dev), (lengths - 1).to(dev)])  # [B, V]
+            return self._pick(reqs, logits, 0)[:, None], logits[:, None]
+        k = self.k
+        noise = torch.stack([r.noise[0] for r in reqs]).to(dev)
+        tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
+        positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(dev)
+        x = torch.cat([model.wte(tokens), model.embed_noise(noise, tau)], 1)  # [B, P_max + k, C]
+        h, kvs = model.trunk(x, positions, window_layout(p_max, lengths, k, "all"))
+        self.cache.append(rows, kvs, lengths.tolist())
+        logits = model.head(h[:, p_max:])  # [B, k, V]
+        return logits.argmax(-1), logits
+
+    def _decode(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        model, dev, b = self.model, self.device, len(reqs)
+        rows = [r.row for r in reqs]
+        lens = self.cache.lengths(rows)
+        if self.k is None:
+            last = torch.tensor([[r.tokens[-1]] for r in reqs], dtype=torch.int64, device=dev)
+            h, kvs = paged_trunk(model, model.wte(last), lens[:, None].to(dev), self.cache, rows)
+            self.cache.append(rows, kvs, [1] * b)
+            logits = model.head(h[:, 0])
+            return self._pick(reqs, logits, None)[:, None], logits[:, None]
+        k = self.k
+        prev = torch.tensor([r.tokens[-k:] for r in reqs], dtype=torch.int64, device=dev)  # the k tokens just produced
+        noise = torch.stack([r.noise[r.steps] for r in reqs]).to(dev)
+        tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
+        x = torch.cat([model.wte(prev), model.embed_noise(noise, tau)], 1)  # [B, 2k, C]
+        h, kvs = paged_trunk(model, x, (lens[:, None] + torch.arange(2 * k)).to(dev), self.cache, rows)
+        self.cache.append(rows, kvs, [k] * b)  # context K/V only; the noise K/V are dropped
+        logits = model.head(h[:, k:])
+        return logits.argmax(-1), logits
+
+    def _pick(self, reqs: list[Request], logits: torch.Tensor, step: Optional[int]) -> torch.Tensor:
+        """AR sampling: argmax where tau == 0, else inverse-CDF at each request's noise for this step."""
+        tau = self._temperatures(reqs).to(logits.device)
+        z = torch.stack([r.noise[len(r.tokens) if step is None else step] for r in reqs]).to(logits.device)
+        out = logits.argmax(-1)
+        hot = tau > 0
+        if bool(hot.any()):
+            idx = hot.nonzero().flatten()
+            out[idx] = inverse_cdf_sample(logits[idx], z[idx], tau[idx])
+        return out
