@@ -133,7 +133,7 @@ def test_sdist_holds_everything_the_build_needs(sdist):
 def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
     wheels = tmp_path / "wheels"
-    _ok(_run([python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(wheels), sdist],
+    _ok(_run([python, "-m", "pip", "wheel", "--no-cache-dir", "--no-build-isolation", "--no-deps", "-w", str(wheels), sdist],
              cwd=str(tmp_path), timeout=1500))
     (wheel,) = glob.glob(str(wheels / "*.whl"))
     assert re.search(rf"kforcing_kernels-{re.escape(VERSION)}-cp\d+-cp\d+-linux_\w+\.whl$", wheel), wheel
@@ -148,7 +148,7 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
     assert b".debug_info" not in so_bytes and b".symtab" not in so_bytes
     assert len(so_bytes) < 4 * 2**20, f"{len(so_bytes) / 2**20:.1f} MB: not a stripped release build"
 
-    _ok(_run([python, "-m", "pip", "install", "--no-deps", "--ignore-installed", wheel], cwd=str(tmp_path), timeout=300))
+    _ok(_run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", wheel], cwd=str(tmp_path), timeout=300))
     where, version, cpp = installed_state(python, str(tmp_path))
     assert where.startswith(str(tmp_path / "venv")), where
     assert version == VERSION
@@ -158,7 +158,7 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
 @pytest.mark.slow
 def test_isolated_install_fails_loudly_without_torch(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
-    proc = _run([python, "-m", "pip", "install", "--no-deps", sdist], cwd=str(tmp_path), timeout=600)
+    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", sdist], cwd=str(tmp_path), timeout=600)
     output = proc.stdout + proc.stderr
     if "No matching distribution found for setuptools" in output:
         pytest.skip("no package index reachable for pip's isolated build environment")
@@ -172,7 +172,7 @@ def test_isolated_install_fails_loudly_without_torch(sdist, tmp_path):
 @pytest.mark.slow
 def test_isolated_install_without_extension_on_request(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
-    proc = _run([python, "-m", "pip", "install", "--no-deps", "--ignore-installed", sdist], cwd=str(tmp_path),
+    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist], cwd=str(tmp_path),
                 timeout=600, KFORCING_BUILD_EXT="0")
     if "No matching distribution found for setuptools" in proc.stdout + proc.stderr:
         pytest.skip("no package index reachable for pip's isolated build environment")
