@@ -73,3 +73,27 @@ def test_snippet_runs(doc, line, marker, code, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{doc}:{line} failed\n--- code\n{code}--- stderr\n{proc.stderr[-4000:]}"
+
+
+def _slug(heading):
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_between_and_inside_the_docs_resolve():
+    anchors = {
+        doc: {_slug(line.lstrip("#")) for line in open(os.path.join(ROOT, doc), encoding="utf-8") if line.startswith("#")}
+        for doc in DOCS
+    }
+    for doc in DOCS:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = path or doc
+            assert os.path.exists(os.path.join(ROOT, linked)), f"{doc}: link to missing {linked}"
+            if anchor:
+                assert linked in anchors, f"{doc}: anchor into {linked}, which is not checked"
+                assert anchor in anchors[linked], f"{doc}: no heading for #{anchor} in {linked}"
