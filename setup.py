@@ -45,9 +45,11 @@ def extensions():
     except ImportError as exc:
         # Metadata and sdist builds need no torch; only building the extension does.
         # Declare it with a build_ext that stops the build with the reason.
+        why = f"torch is not importable in this build environment ({exc})"
+
         class NoTorchBuildExt(build_ext):
             def run(self):
-                _fail(f"torch is not importable in this build environment ({exc})")
+                _fail(why)
 
         return [Extension(NAME, sources)], {"build_ext": NoTorchBuildExt}
 
