@@ -144,7 +144,7 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
     assert "kforcing_kernels/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert not any(n.startswith("csrc/") for n in names)
-    # The release build carries no debug info and no symbol table (15.6 MB -> ~0.6 MB).
+    # The release build carries no debug info and no symbol table (15.6 MB -> 0.53 MB).
     assert b".debug_info" not in so_bytes and b".symtab" not in so_bytes
     assert len(so_bytes) < 4 * 2**20, f"{len(so_bytes) / 2**20:.1f} MB: not a stripped release build"
 
