@@ -20,9 +20,9 @@ configured package index. Marked slow (the wheel route compiles the extension, a
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -88,8 +88,6 @@ def make_venv(path):
 
 def installed_state(python, cwd):
     """(module file, version, cpp reason) of the kforcing_kernels that ``python`` imports from ``cwd``."""
-    import json
-
     proc = _ok(_run([python, "-c", CHECK_INSTALLED], cwd=cwd))
     state = json.loads(proc.stdout.strip().splitlines()[-1])
     return state["file"], state["version"], state["cpp"]
@@ -158,7 +156,7 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
 @pytest.mark.slow
 def test_isolated_install_fails_loudly_without_torch(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
-    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", sdist], cwd=str(tmp_path), timeout=600)
+    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist], cwd=str(tmp_path), timeout=600)
     output = proc.stdout + proc.stderr
     if "No matching distribution found for setuptools" in output:
         pytest.skip("no package index reachable for pip's isolated build environment")
