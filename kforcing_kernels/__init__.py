@@ -11,6 +11,6 @@ from .ops.window_attention import BACKENDS, backends_available, default_backend
 from .ops.sampling import inverse_cdf_sample, noise_inversion
 from .layouts import WindowLayout
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = ["WindowLayout", "window_attention", "inverse_cdf_sample", "noise_inversion", "backends_available", "default_backend", "BACKENDS", "__version__"]

@@ -1,10 +1,13 @@
 """Loads the optional C++ extension ``kforcing_kernels._C`` once.
 
-``load()`` returns the module, or None when it is not there: not built
-(``KFORCING_BUILD_EXT=0``, no compiler at install time), failing to import, or
+``load()`` returns the module, or None when it is not there: the package was
+installed with ``KFORCING_BUILD_EXT=0``, a source checkout was used without
+building it, it fails to import (e.g. built against another torch), or it is
 disabled with ``KFORCING_DISABLE_EXT=1``. Everything that uses it falls back to
-the Python implementations; a missing or broken extension says so in one warning,
-and ``reason()`` gives the why (``kforcing_kernels.backends_available()['cpp']``).
+the Python implementations; a missing or broken extension says so in one warning
+with the command that builds it, and ``reason()`` gives the why
+(``kforcing_kernels.backends_available()['cpp']``). An install never ends up
+without it by accident: setup.py fails when it cannot build it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
     except ImportError as exc:
         why = f"kforcing_kernels._C is not available ({exc})"
         warnings.warn(
-            f"{why}; falling back to the Python backends. Build it with "
-            "`pip install --no-build-isolation -e .` (see README).",
+            f"{why}; falling back to the Python backends (composite/reference; the fused "
+            "sampler uses torch). To build it, install torch first and then the package with "
+            "`pip install --no-build-isolation .` (`-e .` in a checkout); see README, Install.",
             RuntimeWarning,
             stacklevel=3,
         )
