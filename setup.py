@@ -75,35 +75,4 @@ def extensions():
 
 
 ext_modules, cmdclass = extensions()
-<<<<<<< HEAD
-
-setup(
-    name="kforcing_kernels",
-    version="0.1.0",
-    description="Prefix-window attention kernels for K-Forcing and related parallel-decoding training",
-    long_description=open(os.path.join(HERE, "README.md")).read(),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["kforcing_kernels", "kforcing_kernels.*"]),
-    python_requires=">=3.9",
-    # torch is a floor, not a pin: an existing torch >= 2.5 is kept. The Makefile
-    # installs the CPU wheel torch==2.13.0 first on a machine that has none.
-    install_requires=[
-        "torch>=2.5",
-        "triton>=3.2; platform_system == 'Linux'",
-        "numpy",
-        "safetensors",
-        "tokenizers",
-        "tqdm",
-    ],
-    extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers"],
-        "plots": ["matplotlib"],
-        "hf": ["transformers"],
-        "flash": ["flash-attn"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
-=======
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
->>>>>>> packaging
