@@ -19,7 +19,8 @@ whose target lies past the end of its document is left out of the loss: in AR, t
 position (it would predict the next document's first token); in a K-Forcing window t, slot j
 (target position ``t + 1 + j``) once a separator lies in ``tokens[t .. t + j]``. A document
 that runs past the window's right edge has no known end, so its slots all count. The loss is
-the mean over the predictions that count.
+the mean over the predictions that count (per micro-batch: with gradient accumulation or
+data parallelism the step averages those means, which weights a shard by 1, not by its count).
 """
 
 from __future__ import annotations
