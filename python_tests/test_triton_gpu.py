@@ -152,3 +152,24 @@ def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
     status = composite_cuda.status()
     assert status["sdpa_flash"] is None and status["sdpa_efficient"] is None, status
     assert status["disabled"] == {}, status["disabled"]
+
+
+def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
+    """bench/gpu_check.sh is only ever run on a GPU machine: keep it syntactically valid here."""
+    import re
+    import subprocess
+
+    script = os.path.join(ROOT, "bench", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+    text = open(script).read()
+    blocks = re.findall(r'cat > "\$WORK/(\w+\.py)" <<\'PYEOF\'\n(.*?)\nPYEOF\n', text, re.S)
+    assert {name for name, _ in blocks} == {"info.py", "smoke.py", "int64.py", "sampler.py"}
+    for name, body in blocks:
+        compile(body, name, "exec")
+    for cmd in re.findall(r'bench/triton_gpu\.py ((?:[^\n]|\\\n)*)', text):
+        argv = [a for a in cmd.replace("\\\n", " ").split() if a]
+        argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
+        sys.path.insert(0, ROOT)
+        from bench import triton_gpu
+
+        triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted
