@@ -166,7 +166,9 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     assert {name for name, _ in blocks} == {"info.py", "smoke.py", "int64.py", "sampler.py"}
     for name, body in blocks:
         compile(body, name, "exec")
-    for cmd in re.findall(r'bench/triton_gpu\.py ((?:[^\n]|\\\n)*)', text):
+    commands = re.findall(r'"\$PY" bench/triton_gpu\.py ((?:\\\n|[^\n])*)', text)
+    assert len(commands) == 4, commands
+    for cmd in commands:
         argv = [a for a in cmd.replace("\\\n", " ").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
         sys.path.insert(0, ROOT)
