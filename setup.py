@@ -65,7 +65,7 @@ setup(
     # installs the CPU wheel torch==2.13.0 first on a machine that has none.
     install_requires=[
         "torch>=2.5",
-        "triton>=3.2; platform_system == 'Linux'",
+        "triton>=3.6; platform_system == 'Linux'",  # oldest/newest checked by `make aot-check`
         "numpy",
         "safetensors",
         "tokenizers",

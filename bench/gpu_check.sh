@@ -19,6 +19,8 @@
 #   4 sampler: the Triton inverse-CDF sampler vs torch float64, noise-inversion round trip
 #   5 bench A: triton (auto and both tile sets) vs SDPA flash causal (same useful work), flash-attn,
 #     single layout, N 1024/4096/8192, k 2/4/8, D 128, B 1, H 16 (do_bench medians, TFLOP/s per useful FLOP)
+#   5b the same triton rows (N 1024/8192, k 8, single + double) with every window's intra part in-tile
+#     (--slot-window-max 0): the slot-kernel decision in README "Triton AOT resources" (tools/slot_cost)
 #   6 bench B: + composite (CUDA path) and dense-mask SDPA, N 1024/2048, k 4, D 64/128
 #   7 bench C: triton vs compiled FlexAttention (analytic BlockMask), N 1024/2048/8192, k 4, D 128
 #   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
@@ -359,30 +361,32 @@ main() {
     if [ "$have_cuda" -eq 0 ]; then
         echo "gpu_check: torch/triton not importable or no CUDA device; every GPU step is skipped"
         local s
-        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 6_bench_composite_dense 7_bench_flex 8_train_step; do
+        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step; do
             skip_step "$s" "no CUDA device or torch/triton not importable"
         done
     else
-        # Correctness first. The reserves hold back time for the benches (about 5 minutes).
-        run_step 1_smoke 130 330 "$PY" "$WORK/smoke.py"
+        # Correctness first. Each reserve is the sum of the later steps' caps (benches: about 4.5 minutes).
+        run_step 1_smoke 100 435 "$PY" "$WORK/smoke.py"
         if [ "$have_pytest" -eq 1 ]; then
-            run_step 2_pytest_gpu 150 290 "$PY" -m pytest python_tests/test_triton_gpu.py python_tests/test_compile.py \
+            run_step 2_pytest_gpu 100 335 "$PY" -m pytest python_tests/test_triton_gpu.py python_tests/test_compile.py \
                 -k "not test_changing_sizes and not test_a_new_bucket and not inductor" -q -p no:cacheprovider \
                 -rfEs --durations=10 --maxfail=4 --junitxml="$OUT_DIR/pytest_gpu.xml"
         else
             skip_step 2_pytest_gpu "pytest is not installed, and this script installs nothing"
         fi
-        run_step 3_int64_offsets 50 270 "$PY" "$WORK/int64.py"
-        run_step 4_sampler 40 250 "$PY" "$WORK/sampler.py"
+        run_step 3_int64_offsets 40 295 "$PY" "$WORK/int64.py"
+        run_step 4_sampler 30 265 "$PY" "$WORK/sampler.py"
         gpu_state
-        run_step 5_bench_single_d128 90 180 "$PY" bench/triton_gpu.py --layout single --n 1024 4096 8192 --k 2 4 8 \
+        run_step 5_bench_single_d128 70 195 "$PY" bench/triton_gpu.py --layout single --n 1024 4096 8192 --k 2 4 8 \
             --dim 128 --batch 1 --heads 16 --methods triton sdpa_flash_causal fa2_causal --triton-tiles auto base wide \
             --json "$OUT_DIR/bench_single_d128.json"
-        run_step 6_bench_composite_dense 50 130 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 --k 4 --dim 64 128 \
+        run_step 5b_bench_in_tile 35 160 "$PY" bench/triton_gpu.py --layout single double --n 1024 8192 --k 8 --dim 128 \
+            --batch 1 --heads 16 --methods triton --slot-window-max 0 --json "$OUT_DIR/bench_in_tile_d128.json"
+        run_step 6_bench_composite_dense 45 115 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 --k 4 --dim 64 128 \
             --batch 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
-        run_step 7_bench_flex 80 50 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 8192 --k 4 --dim 128 \
+        run_step 7_bench_flex 70 45 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 8192 --k 4 --dim 128 \
             --batch 1 --heads 16 --methods triton flex --json "$OUT_DIR/bench_flex_single_d128.json"
-        run_step 8_train_step 50 0 "$PY" bench/triton_gpu.py --train-step --n 1024 --k 2 --batch 4 \
+        run_step 8_train_step 45 0 "$PY" bench/triton_gpu.py --train-step --n 1024 --k 2 --batch 4 \
             --json "$OUT_DIR/train_step.json"
         gpu_state
     fi

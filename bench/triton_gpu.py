@@ -237,6 +237,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
+    p.add_argument("--slot-window-max", type=int, default=None,
+                   help="override tile_plan.SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
+                        "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")
     p.add_argument("--dense-max-elems", type=int, default=2**30, help="skip dense_sdpa above Lq*Lk mask elements")
     p.add_argument("--train-step", action="store_true", help="time the self-forcing training step instead")
     p.add_argument("--train-preset", default="paper", help="model preset for --train-step (paper: 12 layers, 768)")
@@ -265,6 +268,10 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"bench/triton_gpu.py: skipped, the triton backend is unavailable: {reason}")
         return 0
+    if args.slot_window_max is not None:
+        from kforcing_kernels.ops.window_attention import tile_plan
+
+        tile_plan.SLOT_WINDOW_MAX = args.slot_window_max  # read when a plan is built; set before the first
     report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time()}
     if args.train_step:
         report["train_step"] = train_step(args)

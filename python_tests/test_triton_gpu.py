@@ -167,7 +167,7 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     for name, body in blocks:
         compile(body, name, "exec")
     commands = re.findall(r'"\$PY" bench/triton_gpu\.py ((?:\\\n|[^\n])*)', text)
-    assert len(commands) == 4, commands
+    assert len(commands) == 5, commands
     for cmd in commands:
         argv = [a for a in cmd.replace("\\\n", " ").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
