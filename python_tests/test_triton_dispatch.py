@@ -136,3 +136,15 @@ def test_wide_tiles_match_reference_in_the_interpreter():
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count(" ok") == 3, out[-4000:]
+
+
+def test_slot_cost_compares_the_two_plans_of_one_layout():
+    from kforcing_kernels.ops.window_attention import tile_plan as tp
+    from kforcing_kernels.tools import slot_cost
+
+    before = tp.SLOT_WINDOW_MAX
+    r = slot_cost.row("single", 256, 4, 128, 16, tk.TILE_SETS["base"][128], 500.0, 3.35)
+    assert tp.SLOT_WINDOW_MAX == before  # restored
+    assert r["products_tile"] > r["products_slot"] > 0  # in-tile adds the block-diagonal tiles
+    assert r["partial_mib_fwd"] * 2**20 == 16 * 256 * 4 * (128 * 4 + 4) * 2
+    assert r["partial_us"] == pytest.approx(r["partial_mib_fwd"] * 2**20 / 3.35e12 * 1e6)
