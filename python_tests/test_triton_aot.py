@@ -54,6 +54,7 @@ def test_report_compiles_each_distinct_kernel_once():
     assert len(keys) == len(set(keys))
     assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {("fwd", "wide"), ("dq", "wide"),
                                                                             ("dkdv", "wide")}
+    assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
 
 
 @pytest.mark.skipif(aot_report.tools_missing() is not None, reason=f"{aot_report.tools_missing()}")

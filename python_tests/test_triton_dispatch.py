@@ -41,7 +41,9 @@ def test_wide_tiles_only_for_d128_long_rows_on_hopper(env):
     env.setenv("KFORCING_TRITON_TILES", "base")
     assert tk.tile_set_for(128, 8192, hopper) == "base"
     env.setenv("KFORCING_TRITON_TILES", "wide")
-    assert tk.tile_set_for(128, 16, ampere) == "wide" and tk.tile_set_for(32, 16, ampere) == "base"
+    assert tk.tile_set_for(128, 16, hopper) == "wide" and tk.tile_set_for(32, 16, hopper) == "base"
+    assert tk.tile_set_for(128, 8192, ampere) == "base"  # below the set's minimum capability: never forced
+    assert tk.tile_set_for(128, 16, torch.device("cpu")) == "wide"  # the interpreter runs any set
     env.setenv("KFORCING_TRITON_TILES", "huge")
     with pytest.raises(ValueError, match="KFORCING_TRITON_TILES"):
         tk.tile_set_for(128)

@@ -159,8 +159,8 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
     for arch in archs:
         for name in kernels_subset or kernels.KERNELS:
             for (tile_set, d), chosen in kernels.KERNEL_CONFIGS[name].items():
-                if head_dims and d not in head_dims:
-                    continue
+                if (head_dims and d not in head_dims) or arch // 10 < kernels.TILE_SET_MIN_CAPABILITY[tile_set]:
+                    continue  # a set is only dispatched on targets at or above its minimum capability
                 if scope == "defaults":
                     configs = chosen[:1]
                 elif scope == "chosen":

@@ -496,32 +496,37 @@ KERNELS = {
     "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
     "dq": _dq_kernel, "dkdv": _dkdv_kernel,
 }
-# Tile sets (tile shapes are part of the plan, so they are chosen by `tiles_for`, not by the autotuner):
-# "base" runs everywhere; "wide" is the H100-class D=128 set (FlexAttention's H100 forward tiles: 128
-# query rows x 64 keys), used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that, 128-row
-# tiles leave SMs idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs).
+# Tile sets (tile shapes are part of the plan, so they are chosen by `tile_set_for`, not by the autotuner):
+# "base" runs everywhere; "wide" is the H100-class D=128 set: FlexAttention's H100 forward tiles (128 query
+# rows x 64 keys) for the forward and dQ; dK/dV walk 128 query rows x 32 keys (64 keys spill at every
+# config under Triton 3.6). It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that,
+# 128-row tiles leave SMs idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
-    "wide": {128: Tiles(128, 64, 64, 32)},
+    "wide": {128: Tiles(128, 64, 32, 32)},
 }
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
-WIDE_MIN_CAPABILITY = 9
-# (num_warps, num_stages) per kernel and (tile set, head dim). Every entry compiles with 0 spill bytes and
-# within shared memory on sm_80 and sm_90a in fp16 and bf16 under both ends of the supported Triton range
-# (3.6.0 and 3.9.0): `make aot-check` re-measures; README "Triton AOT resources" has the tables. The first
-# entry of each list is the default (`aot_report --defaults`, the CI test) and what runs without
-# benchmarking (KFORCING_TRITON_AUTOTUNE=0, or by default under torch.distributed).
+# Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
+# for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
+TILE_SET_MIN_CAPABILITY = {"base": 0, "wide": 9}
+# (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
+# and within shared memory on sm_80 and sm_90a ("wide": sm_90a only) in fp16 and bf16 under both ends of
+# the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources"). Pruned
+# by that measurement: under 3.6, fwd D=128 4 warps, dq D=64 2-3 stages, dkdv D=32 (4, 2), slot_bwd
+# D=32 4 warps and every dkdv D=128 config but (8, 1) spill. The first entry of each list is the
+# default (`aot_report --defaults`, the CI test) and what runs without timing (KFORCING_TRITON_AUTOTUNE=0,
+# or by default under torch.distributed); H100-class entries (8 warps, 3 stages) lead the D=128 lists.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
-_SLOT_BWD = {32: [(4, 1), (8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
+_SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
 KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
     "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
-            ("base", 128): [(8, 2), (8, 3), (4, 2)], ("wide", 128): [(8, 3), (8, 2)]},
+            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)],
-           ("base", 128): [(8, 2), (8, 1), (8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
-    "dkdv": {("base", 32): [(4, 2), (4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
-             ("base", 128): [(8, 1)], ("wide", 128): [(8, 3), (8, 2)]},
+           ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
+             ("base", 128): [(8, 1)], ("wide", 128): [(8, 1)]},
     # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
     "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
     "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
@@ -702,18 +707,21 @@ def _capability(device: Optional[torch.device]) -> tuple[int, int]:
 def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
     """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
 
-    KFORCING_TRITON_TILES=base|wide forces a set (head dims it has no tiles for keep "base").
+    KFORCING_TRITON_TILES=base|wide forces a set where it applies (head dims it has no tiles for, and
+    CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base").
     """
     check_head_dim(head_dim)
     forced = os.environ.get("KFORCING_TRITON_TILES")
+    if forced and forced not in TILE_SETS:
+        raise ValueError(f"KFORCING_TRITON_TILES: expected one of {sorted(TILE_SETS)}, got {forced!r}")
+    cuda = device is not None and device.type == "cuda"
+
+    def fits(name: str) -> bool:  # the interpreter (CPU) runs any set
+        return head_dim in TILE_SETS[name] and (not cuda or _capability(device)[0] >= TILE_SET_MIN_CAPABILITY[name])
+
     if forced:
-        if forced not in TILE_SETS:
-            raise ValueError(f"KFORCING_TRITON_TILES: expected one of {sorted(TILE_SETS)}, got {forced!r}")
-        return forced if head_dim in TILE_SETS[forced] else "base"
-    if (head_dim in TILE_SETS["wide"] and rows >= WIDE_MIN_ROWS
-            and _capability(device)[0] >= WIDE_MIN_CAPABILITY):
-        return "wide"
-    return "base"
+        return forced if fits(forced) else "base"
+    return "wide" if rows >= WIDE_MIN_ROWS and cuda and fits("wide") else "base"
 
 
 def tiles_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> Tiles:
