@@ -212,8 +212,11 @@ def run_fuzz(first_seed: int, count: int, *, triton_only: bool = False, progress
     problems: list[str] = []
     for i in range(count):
         case = random_case(first_seed + i, triton=triton_only)
-        problems += check_case(case, backends)
-        if progress and (i + 1) % 500 == 0:
+        found = check_case(case, backends)
+        if found and progress:
+            print("\n".join(found), file=sys.stderr, flush=True)
+        problems += found
+        if progress and (i + 1) % (500 if not triton_only else 25) == 0:
             print(f"fuzz: {i + 1}/{count} layouts, {len(problems)} mismatches", file=sys.stderr, flush=True)
     return count, problems
 
@@ -278,7 +281,8 @@ def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 90
 @pytest.mark.fuzz_long
 def test_fuzz_long():
     count = int(os.environ.get("KFORCING_FUZZ_COUNT", "10000"))
-    done, problems = run_fuzz(1_000_000, count, progress=True)
+    first = int(os.environ.get("KFORCING_FUZZ_FIRST", "1000000"))  # shard a long run over processes by seed range
+    done, problems = run_fuzz(first, count, progress=True)
     print(f"fuzz in-process ({', '.join(_in_process_backends())}): {done} layouts, {len(problems)} mismatches")
     assert not problems, _report(problems)
 
@@ -288,4 +292,5 @@ def test_fuzz_long():
 def test_fuzz_long_triton_interpreter():
     pytest.importorskip("triton")
     count = int(os.environ.get("KFORCING_FUZZ_TRITON_COUNT", "10000"))
-    _run_interpreter_subprocess(count=count, first_seed=2_000_000, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT", "86400")))
+    first = int(os.environ.get("KFORCING_FUZZ_TRITON_FIRST", "2000000"))
+    _run_interpreter_subprocess(count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT", "86400")))
