@@ -294,3 +294,16 @@ def test_fuzz_long_triton_interpreter():
     count = int(os.environ.get("KFORCING_FUZZ_TRITON_COUNT", "10000"))
     first = int(os.environ.get("KFORCING_FUZZ_TRITON_FIRST", "2000000"))
     _run_interpreter_subprocess(count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT", "86400")))
+
+
+def test_fuzz_detects_a_wrong_backend(monkeypatch):
+    """The comparison itself can fail: a backend whose last output row is off by 1e-2 is reported."""
+    real = window_attention
+
+    def off(q, k, v, layout, backend=None, return_lse=False):
+        out, lse = real(q, k, v, layout, backend=backend, return_lse=True)
+        return out + torch.nn.functional.pad(torch.full_like(out[..., -1:, :], 1e-2), (0, 0, out.shape[-2] - 1, 0)), lse
+
+    monkeypatch.setattr(sys.modules[__name__], "window_attention", off)
+    _, problems = run_fuzz(0, 2)
+    assert problems and all(" out: rel err" in p for p in problems)
