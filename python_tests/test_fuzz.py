@@ -216,7 +216,7 @@ def run_fuzz(first_seed: int, count: int, *, triton_only: bool = False, progress
         if found and progress:
             print("\n".join(found), file=sys.stderr, flush=True)
         problems += found
-        if progress and (i + 1) % (500 if not triton_only else 25) == 0:
+        if progress and (i + 1) % int(os.environ.get("KFORCING_FUZZ_PROGRESS", "25" if triton_only else "500")) == 0:
             print(f"fuzz: {i + 1}/{count} layouts, {len(problems)} mismatches", file=sys.stderr, flush=True)
     return count, problems
 
