@@ -46,10 +46,29 @@ def main(argv=None, prog="python -m bench") -> int:
 
         return report.main(argv)
     else:
-        from bench import schema
-
-        return schema.main(argv)
+        return _validate(argv, prog=name)
     return 0
+
+
+def _validate(argv, prog: str) -> int:
+    """``validate REPORT.json [...]``: argparse front end (``--help``, and a clear error for a missing or bad file)."""
+    import argparse
+    import json
+
+    from bench import schema
+
+    p = argparse.ArgumentParser(prog=prog, description="Check attention JSON reports against bench/schema.py's schema.")
+    p.add_argument("reports", nargs="+", metavar="REPORT.json", help="reports written by the attention sweep")
+    args = p.parse_args(argv)
+    for path in args.reports:
+        if not os.path.isfile(path):
+            p.error(f"REPORT.json: no such file: {path}")
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            p.error(f"REPORT.json: cannot read {path} as JSON: {exc}")
+    return schema.main(args.reports)
 
 
 if __name__ == "__main__":
