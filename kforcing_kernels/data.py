@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from .checkpoint import atomic_write, write_json
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
@@ -36,6 +37,17 @@ _MAX_FILE_BYTES = 512 * 1024
 
 
 # ---------------------------------------------------------------------- documents
+
+
+class DataError(ValueError):
+    """The training text cannot be used (missing, empty, unreadable, too small); names ``source`` (CLI ``--data``)."""
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"source (--data): cannot read {str(path)!r} ({exc.strerror or exc})") from None
 
 
 def stdlib_documents() -> list[tuple[str, str]]:
@@ -53,16 +65,27 @@ def stdlib_documents() -> list[tuple[str, str]]:
 
 
 def file_documents(source: str) -> list[tuple[str, str]]:
-    """``[(name, text)]`` from a text file, or from every text file under a directory (sorted)."""
+    """``[(name, text)]`` from a text file, or from every text file under a directory (sorted).
+
+    Files with nothing but white space are left out; no text at all is an error.
+    """
     path = Path(source)
     if path.is_file():
-        return [(path.name, path.read_text(encoding="utf-8", errors="replace"))]
-    if not path.is_dir():
-        raise ValueError(f"source: expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (not found)")
-    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES]
-    if not files:
-        raise ValueError(f"source: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) under {source!r}")
-    return [(str(p.relative_to(path)), p.read_text(encoding="utf-8", errors="replace")) for p in files]
+        docs = [(path.name, _read_text(path))]
+    elif path.is_dir():
+        files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES]
+        if not files:
+            raise DataError(f"source (--data): no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) under {source!r}")
+        docs = [(str(p.relative_to(path)), _read_text(p)) for p in files]
+    elif not path.exists():
+        raise DataError(f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (no such file or directory)")
+    else:
+        raise DataError(f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (not a regular file)")
+    docs = [(name, text) for name, text in docs if text.strip()]
+    if not docs:
+        what = "the file" if path.is_file() else "every text file under it"
+        raise DataError(f"source (--data): {source!r} holds no text ({what} is empty or white space)")
+    return docs
 
 
 def load_documents(source: Optional[str] = None) -> list[tuple[str, str]]:
@@ -117,17 +140,6 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _save_npy(path: str, array: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, array)
@@ -141,6 +153,7 @@ def load_corpus(
     tokenizer_train_bytes: int = 4_000_000,
     cache_dir: Optional[str] = None,
     verbose: bool = False,
+    _rebuilt: bool = False,
 ) -> Corpus:
     """Documents -> tokenizer -> token streams, cached.
 
@@ -156,7 +169,7 @@ def load_corpus(
         raise ValueError(f"vocab_size: expected an int >= 257 (256 byte tokens + EOS), got {vocab_size!r}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a number in (0, 1), got {val_fraction!r}")
-    from tokenizers import Tokenizer, __version__ as tokenizers_version
+    from tokenizers import __version__ as tokenizers_version
 
     docs = load_documents(source)
     digest = hashlib.sha256(json.dumps([FORMAT_VERSION, vocab_size, val_fraction, tokenizer_train_bytes, tokenizers_version]).encode())
@@ -199,19 +212,42 @@ def load_corpus(
             joined = train
             cut = int(len(joined) * (1 - val_fraction))
             train, val = joined[:cut], joined[cut:]
-        _atomic_write(paths["tokenizer.json"], lambda p: tok.save(p))
-        _atomic_write(paths["train.npy"], lambda p: _save_npy(p, train))
-        _atomic_write(paths["val.npy"], lambda p: _save_npy(p, val))
+        if tok.get_vocab_size() < vocab_size:
+            raise DataError(f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token vocabulary "
+                            f"(the tokenizer stopped at {tok.get_vocab_size()}); give more text or a --vocab-size <= {tok.get_vocab_size()}")
+        atomic_write(paths["tokenizer.json"], lambda p: tok.save(p))
+        atomic_write(paths["train.npy"], lambda p: _save_npy(p, train))
+        atomic_write(paths["val.npy"], lambda p: _save_npy(p, val))
         meta = {"source": source or DEFAULT_SOURCE, "documents": [len(train_texts), len(val_texts)], "vocab_size": tok.get_vocab_size()}
-        _atomic_write(paths["meta.json"], lambda p: Path(p).write_text(json.dumps(meta)))  # written last: marks the entry complete
+        write_json(paths["meta.json"], meta)  # written last: marks the entry complete
 
-    meta = json.loads(paths["meta.json"].read_text())
-    tok = Tokenizer.from_file(str(paths["tokenizer.json"]))
-    train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
-    val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))
+    try:
+        meta, tok, train, val = _read_cache(paths)
+    except Exception as exc:  # OSError, ValueError, KeyError, and tokenizers' bare Exception
+        # A damaged cache entry (disk trouble, a hand edit): rebuild it from the documents, once.
+        if _rebuilt:
+            raise DataError(f"cache: {folder} is unreadable even after rebuilding it ({exc}); set $KFORCING_CACHE elsewhere") from exc
+        if verbose:
+            print(f"[data] cache entry {folder} is unreadable ({exc}); rebuilding it", flush=True)
+        paths["meta.json"].unlink(missing_ok=True)
+        return load_corpus(source, vocab_size=vocab_size, val_fraction=val_fraction,
+                           tokenizer_train_bytes=tokenizer_train_bytes, cache_dir=cache_dir, verbose=verbose, _rebuilt=True)
     if verbose:
         print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, vocab {tok.get_vocab_size()}, cache {folder}", flush=True)
     return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]))
+
+
+def _read_cache(paths: dict[str, Path]):
+    from tokenizers import Tokenizer
+
+    meta = json.loads(paths["meta.json"].read_text())
+    source, documents = meta["source"], tuple(meta["documents"])
+    if not isinstance(source, str) or len(documents) != 2:
+        raise ValueError(f"{paths['meta.json']}: malformed")
+    tok = Tokenizer.from_file(str(paths["tokenizer.json"]))
+    train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
+    val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))
+    return meta, tok, train, val
 
 
 # ---------------------------------------------------------------------- batches

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -30,8 +29,10 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from .checkpoint import write_json, write_text  # noqa: E402
 from .evaluate import evaluate_pipeline, format_nll_table, format_table1, plot_summary  # noqa: E402
-from .train import PipelineConfig, TrainConfig, run_pipeline  # noqa: E402
+from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
+from .train import TrainConfig  # noqa: E402
 
 # The full demo: ~6-8 minutes on two idle CPU cores (about 30 TFLOP of training).
 DEMO = dict(
@@ -85,8 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and how often "
                 "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
     text = f"{table1}\n\n{caption1}\n\n{table2}\n\n{caption2}\n"
-    (out / "tables.md").write_text(text)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text(out / "tables.md", text)
+    write_json(out / "summary.json", summary)
     why_not = plot_summary(summary, out / "plot.png")
 
     print()

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -32,8 +31,9 @@ import torch.nn.functional as F
 
 from .data import load_corpus, sample_windows
 from .inference import generate_ar, generate_kforcing
+from .checkpoint import atomic_write, load_model, write_json
 from .model import KForcingLM
-from .train import forward_distillation_targets, load_model, self_forcing_targets
+from .objectives import forward_distillation_targets, self_forcing_targets
 
 
 # ---------------------------------------------------------------------- NLL
@@ -267,7 +267,7 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
             title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
     plt.close(fig)
     return None
 
@@ -296,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print()
     print(format_nll_table(summary))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def generate_ar(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .train import load_model
+    from .checkpoint import load_model
 
     parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.inference", description="Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.train (holds model.safetensors)")

@@ -8,7 +8,9 @@ import torch
 
 from kforcing_kernels.evaluate import evaluate_pipeline, format_nll_table, format_table1, plot_summary, teacher_score
 from kforcing_kernels.inference import generate_kforcing
-from kforcing_kernels.train import PipelineConfig, TrainConfig, load_model, read_metrics, run_pipeline
+from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.checkpoint import load_model, read_metrics
+from kforcing_kernels.train import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ from kforcing_kernels.data import load_corpus
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.train import (
-    CheckpointError, TrainConfig, forward_distillation_targets, latest_checkpoint, learning_rate, load_checkpoint,
-    load_model, main, noise_inversion_supervision, read_metrics, save_checkpoint, self_forcing_targets, train, _optimizer,
+from kforcing_kernels.checkpoint import (
+    CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics, save_checkpoint,
 )
+from kforcing_kernels.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
+from kforcing_kernels.train import TrainConfig, learning_rate, main, train, _optimizer
 
 VOCAB = 300
 
@@ -190,7 +191,7 @@ def test_checkpoint_round_trip(tmp_path):
         opt.step()
         opt.zero_grad()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    path = save_checkpoint(tmp_path, 2, model, opt, scaler, cfg, {"kind": "ar", "k": 0}, keep=2)
+    path = save_checkpoint(tmp_path, 2, model, opt, scaler, cfg.to_dict(), {"kind": "ar", "k": 0}, keep=2)
     assert latest_checkpoint(tmp_path) == path
 
     model2 = KForcingLM(ModelConfig.micro())
@@ -209,7 +210,7 @@ def test_truncated_or_corrupt_checkpoints_give_clear_errors(tmp_path):
     cfg = TrainConfig(out=str(tmp_path))
     opt = _optimizer(model, cfg, fused_ok=False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    path = save_checkpoint(tmp_path, 1, model, opt, scaler, cfg, {"kind": "ar", "k": 0}, keep=2)
+    path = save_checkpoint(tmp_path, 1, model, opt, scaler, cfg.to_dict(), {"kind": "ar", "k": 0}, keep=2)
     tensors = path.with_suffix(".safetensors")
     data = tensors.read_bytes()
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.train import TrainConfig, read_metrics, train
+from kforcing_kernels.checkpoint import read_metrics
+from kforcing_kernels.train import TrainConfig, train
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")

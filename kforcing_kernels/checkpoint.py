@@ -1,0 +1,369 @@
+"""Files of a run: the one atomic writer of the package, checkpoints, final models, metrics.
+
+Every file the package writes goes through :func:`atomic_write`: the bytes go to a
+temporary file in the target's folder, are fsynced, and are renamed over the target,
+so a reader (or a run resumed after a kill or a full disk) sees the old file or the new
+one, never half of one. Temporaries are created with mode ``0o666`` and the process
+umask applies, as for any ``open(path, "w")``. Their names (``.NAME.XXXXXXXX.tmp``)
+let :func:`clean_run_folder` recognise leftovers of a killed process.
+
+A checkpoint is ``step_XXXXXXXX.safetensors`` (model and optimizer tensors) plus
+``step_XXXXXXXX.json`` (configs, optimizer hyper-parameters, the tensors' size and
+SHA-256); it exists once its JSON does, so the JSON is written last. Every way a
+file can be missing, torn, corrupt or of the wrong shape raises :class:`CheckpointError`
+naming the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_FORMAT = 1
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint, model or metrics file is missing, truncated, corrupt, malformed or cannot be written."""
+
+
+# ---------------------------------------------------------------------- the atomic writer
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
+    """``write(tmp_path)`` into a fresh temporary file next to ``path``, fsync, rename over ``path``.
+
+    On any error the temporary is removed and ``path`` is untouched; an ``OSError``
+    (disk full, read-only folder) becomes a :class:`CheckpointError` naming ``path``.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # os.open with 0o666 lets the umask decide the mode (tempfile.mkstemp would force 0o600).
+        while True:
+            tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+            try:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                break
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc})") from exc
+    try:
+        write(str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        hint = "; free some space, then --resume" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc}){hint}") from exc
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda p: Path(p).write_text(text))
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=1))
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """One JSON line appended. Not atomic (appends cannot be): :func:`recover_metrics` drops a torn last line."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot append ({exc.strerror or exc})") from exc
+
+
+# ---------------------------------------------------------------------- reading, checked
+
+
+def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
+    """A JSON object from ``path``; ``required`` maps keys to the type(s) their values must have.
+
+    Missing file, bad JSON, a non-object or a wrong key all raise :class:`CheckpointError` naming ``path``.
+    """
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: malformed: expected a JSON object, got {type(obj).__name__}")
+    for key, kind in (required or {}).items():
+        if key not in obj:
+            raise CheckpointError(f"{path}: malformed: no {key!r} entry")
+        # bool is an int in Python; a flag where a count belongs is malformed.
+        if not isinstance(obj[key], kind) or (kind is int and isinstance(obj[key], bool)):
+            raise CheckpointError(f"{path}: malformed: {key!r} has type {type(obj[key]).__name__}")
+    return obj
+
+
+_RECORD = {"file": str, "bytes": int, "sha256": str}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write ``tensors`` as safetensors; returns the record (file name, size, SHA-256) a JSON keeps."""
+    path = Path(path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    atomic_write(path, lambda p: save_file(tensors, p))
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
+    """Load the tensors a JSON record points at, after checking size and SHA-256."""
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in _RECORD.items()):
+        raise CheckpointError(f"{json_path}: malformed: 'tensors' must hold file, bytes and sha256, got {record!r}")
+    path = json_path.parent / record["file"]
+    if path.parent != json_path.parent:
+        raise CheckpointError(f"{json_path}: malformed: tensor file {record['file']!r} is not in the same folder")
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (referenced by {json_path.name})")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} (from {json_path.name})")
+    if _sha256(path) != record["sha256"]:
+        raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {json_path.name}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+
+
+# ---------------------------------------------------------------------- models
+
+
+def _model_tensors(model) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    if model.config.tie_embeddings:
+        sd.pop("head.weight")  # the same tensor as wte.weight
+    return sd
+
+
+def _load_model_tensors(model, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    try:
+        result = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(f"{where}: tensors do not match the model ({exc})") from None
+    missing = [k for k in result.missing_keys if not (k == "head.weight" and model.config.tie_embeddings)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{where}: tensors do not match the model (missing {missing}, unexpected {result.unexpected_keys})")
+
+
+def _model_from_config(json_path: Path, config: dict):
+    from .model import KForcingLM, ModelConfig
+
+    try:
+        return KForcingLM(ModelConfig.from_dict(config))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{json_path}: malformed 'model_config' ({exc})") from None
+
+
+def save_model(folder: str | Path, model, info: dict) -> None:
+    """Final weights of a stage: ``model.safetensors`` + ``model.json`` (config, k, provenance, checksum)."""
+    folder = Path(folder)
+    record = save_tensors(folder / "model.safetensors", _model_tensors(model))
+    write_json(folder / "model.json", {**info, "model_config": model.config.to_dict(), "tensors": record})
+
+
+def read_model_info(folder: str | Path) -> dict:
+    """``model.json`` of a stage folder, checked for the entries :func:`load_model` needs."""
+    return read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu"):
+    """``(model in eval mode, info dict, tokenizer or None)`` from a stage folder written by :func:`save_model`."""
+    from tokenizers import Tokenizer
+
+    folder_path = Path(folder)
+    json_path = folder_path / "model.json"
+    info = read_model_info(folder_path)
+    model = _model_from_config(json_path, info["model_config"])
+    _load_model_tensors(model, load_tensors(json_path, info["tensors"]), json_path)
+    tok_path = folder_path / "tokenizer.json"
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    except Exception as exc:  # tokenizers raises its own Exception type on bad JSON
+        raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
+    return model.to(device).eval(), info, tokenizer
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dir(out: str | Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def latest_checkpoint(out: str | Path) -> Optional[Path]:
+    """The JSON of the newest complete checkpoint (a checkpoint exists once its JSON does)."""
+    found = sorted(checkpoint_dir(out).glob("step_*.json"))
+    return found[-1] if found else None
+
+
+def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:
+    """Model + optimizer + scaler state after ``step``; keeps the newest ``keep`` checkpoints.
+
+    If writing fails (e.g. a full disk) nothing half-written is left: the tensors of a
+    checkpoint whose JSON could not be written are removed before the error propagates.
+    """
+    ckpt = checkpoint_dir(out)
+    stem = f"step_{step:08d}"
+    opt = optimizer.state_dict()
+    tensors = {f"model/{k}": v for k, v in _model_tensors(model).items()}
+    for pid, state in opt["state"].items():
+        for key, value in state.items():
+            tensors[f"optim/{pid}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    meta = {
+        "format": CHECKPOINT_FORMAT, "step": step, "train_config": train_config, "model_config": model.config.to_dict(),
+        "info": info, "param_groups": opt["param_groups"], "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+    }
+    tensor_path, json_path = ckpt / f"{stem}.safetensors", ckpt / f"{stem}.json"
+    try:
+        meta["tensors"] = save_tensors(tensor_path, tensors)
+        write_json(json_path, meta)  # last: the checkpoint now exists
+    except BaseException:
+        if not json_path.exists():
+            tensor_path.unlink(missing_ok=True)
+        raise
+    for old in sorted(ckpt.glob("step_*.json"))[:-keep]:
+        old.with_suffix(".safetensors").unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
+    return json_path
+
+
+_CHECKPOINT_KEYS = {"format": int, "step": int, "train_config": dict, "model_config": dict, "info": dict,
+                    "param_groups": list, "scaler": (dict, type(None)), "tensors": dict}
+
+
+def read_checkpoint_meta(json_path: Path) -> dict:
+    """A checkpoint's JSON, checked for format and structure."""
+    meta = read_json(json_path, {"format": int})
+    if meta["format"] != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{json_path}: unknown checkpoint format {meta['format']!r}, expected {CHECKPOINT_FORMAT}")
+    return read_json(json_path, _CHECKPOINT_KEYS)
+
+
+def load_checkpoint(json_path: Path, model, optimizer, scaler) -> dict:
+    """Restore model, optimizer and scaler state in place; returns the checkpoint's JSON."""
+    json_path = Path(json_path)
+    meta = read_checkpoint_meta(json_path)
+    tensors = load_tensors(json_path, meta["tensors"])
+    _load_model_tensors(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}, json_path)
+    state: dict[int, dict] = {}
+    try:
+        for key, value in tensors.items():
+            if key.startswith("optim/"):
+                _, pid, name = key.split("/", 2)
+                state.setdefault(int(pid), {})[name] = value
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        if meta["scaler"] is not None:
+            scaler.load_state_dict(meta["scaler"])
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{json_path}: optimizer or scaler state does not match the run ({exc})") from None
+    return meta
+
+
+def clean_run_folder(out: str | Path, log=None) -> list[Path]:
+    """Remove what an interrupted run can leave behind: temporaries of :func:`atomic_write` and
+    checkpoint tensors without their JSON (a checkpoint whose JSON was never written). Returns them."""
+    removed = []
+    for folder in (Path(out), checkpoint_dir(out)):
+        if not folder.is_dir():
+            continue
+        for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    for tensors in sorted(checkpoint_dir(out).glob("step_*.safetensors")):
+        if not tensors.with_suffix(".json").exists():
+            tensors.unlink(missing_ok=True)
+            removed.append(tensors)
+    if removed and log is not None:
+        log(f"removed {len(removed)} leftover file(s) of an interrupted run: {', '.join(p.name for p in removed)}")
+    return removed
+
+
+# ---------------------------------------------------------------------- metrics.jsonl
+
+
+def _parse_metrics(path: Path) -> tuple[list[dict], bool]:
+    """(records, whether a torn last line was dropped). A bad line anywhere but last is corruption."""
+    text = path.read_text()
+    lines = text.split("\n")
+    records, torn = [], False
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        last = i == len(lines) - 1  # no newline after it: the write of this line never finished
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            if last:
+                torn = True
+                continue
+            raise CheckpointError(f"{path}: line {i + 1} is corrupt ({exc})") from None
+        records.append(record)
+    return records, torn
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``, without a torn last line (the write a kill interrupted)."""
+    return _parse_metrics(Path(path))[0]
+
+
+def recover_metrics(path: str | Path, step: int, log=print) -> None:
+    """Before a resume from ``step``: drop a torn last line (saying so) and the records of later steps."""
+    path = Path(path)
+    if not path.exists():
+        return
+    records, torn = _parse_metrics(path)
+    if torn:
+        log(f"{path}: dropped a torn last line (a write that did not finish)")
+    keep = [r for r in records if isinstance(r.get("step", 0), int) and r.get("step", 0) <= step]
+    write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def stderr_log(prefix: str):
+    return lambda message: print(f"{prefix} {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,151 @@
+"""The settings of one training stage, and the checks that refuse settings that cannot work."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint
+from .data import DEFAULT_SOURCE
+from .model import PRESETS
+from .objectives import window_tokens
+
+STAGES = ("stage0", "stage1", "stage2")
+SUPERVISIONS = ("forward", "noise_inversion")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it."""
+
+
+@dataclass
+class TrainConfig:
+    """One training stage. ``batch_size`` is global (sequences per optimizer step, all ranks together)."""
+
+    stage: str = "stage0"
+    out: str = "runs/train"
+    teacher: Optional[str] = None  # stage folder of the teacher (stage1, stage2)
+    data: str = DEFAULT_SOURCE
+    vocab_size: int = 2048
+    preset: str = "tiny"  # stage0 only: the model size (later stages inherit the teacher's)
+    model_overrides: dict = field(default_factory=dict)
+    seq_len: int = 128
+    steps: int = 1000
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    tau_min: float = 0.5
+    tau_max: float = 1.0
+    # stage1 only: "forward" (Algorithm 2, k=1) or "noise_inversion" (the PTP baseline of the
+    # paper's ablation: real next-k tokens, z inverted from the AR teacher's CDF bins, any k).
+    supervision: str = "forward"
+    k: int = 1
+    seed: int = 0
+    precision: str = "auto"
+    device: str = "auto"
+    log_every: int = 10
+    ckpt_every: int = 200
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    resume: bool = False  # continue the run in `out` from its newest checkpoint
+    overwrite: bool = False  # replace the run in `out` (its files only) and start again
+    stop_at: Optional[int] = None  # leave (with a checkpoint) once this step is done; --resume continues
+    progress: Optional[bool] = None  # None: a live bar when stderr is a terminal
+    dump_grads: Optional[str] = None  # debugging: write the first step's averaged gradients here
+
+    # Fields that change what a step computes; a resumed run must agree on them.
+    RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
+                   "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                   "tau_min", "tau_max", "supervision", "k", "seed", "precision")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validate_config(cfg: TrainConfig, world: int = 1) -> None:
+    """Clear errors for settings that cannot work, naming the setting."""
+    if cfg.stage not in STAGES:
+        raise ConfigError(f"stage: expected one of {STAGES}, got {cfg.stage!r}")
+    if cfg.stage != "stage0" and not cfg.teacher:
+        raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
+    if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists():
+        raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    if cfg.supervision not in SUPERVISIONS:
+        raise ConfigError(f"supervision: expected one of {SUPERVISIONS}, got {cfg.supervision!r}")
+    if cfg.supervision == "noise_inversion" and cfg.stage != "stage1":
+        raise ConfigError(f"supervision: noise_inversion distils the AR teacher (stage1), got stage {cfg.stage!r}")
+    if cfg.k != 1 and not (cfg.stage == "stage1" and cfg.supervision == "noise_inversion"):
+        raise ConfigError(f"k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 doubles its teacher's), got {cfg.k}")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
+    if not 0 < cfg.tau_min <= cfg.tau_max:
+        raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
+    shards = world * cfg.grad_accum
+    if cfg.batch_size % shards:
+        raise ConfigError(f"batch_size: expected a multiple of world size x grad_accum = {world} x {cfg.grad_accum}, got {cfg.batch_size}")
+    if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
+        raise ConfigError(f"stop_at: expected a step in [1, steps={cfg.steps}], got {cfg.stop_at}")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("overwrite: --overwrite starts the run again and --resume continues it; pass one of them")
+
+
+# ---------------------------------------------------------------------- the output folder and the data
+
+
+RUN_FILES = ("model.json", "model.safetensors", "train_config.json", "metrics.jsonl", "tokenizer.json")
+
+
+def existing_run(out: Path) -> list[str]:
+    """The files of a run (finished or partial) in ``out``; empty when there is none."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if any(checkpoint_dir(out).glob("step_*")):
+        found.append("checkpoints/")
+    return found
+
+
+def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
+    """Refuse to mix two runs in one folder; with --overwrite remove the old run's files (only those)."""
+    out = Path(cfg.out)
+    if cfg.resume:
+        if main:
+            clean_run_folder(out, log)
+        if latest_checkpoint(out) is None:
+            found = existing_run(out)
+            where = f"the run in {out} ({', '.join(found)}) stopped before its first checkpoint" if found else f"there is no run in {out}"
+            raise ConfigError(f"resume: no checkpoint to continue from: {where}; start again with --overwrite "
+                              "(or without --resume), or check --out")
+        return
+    found = existing_run(out)
+    if found and not cfg.overwrite:
+        kind = "a finished run" if "model.json" in found else "a partial run"
+        raise ConfigError(f"out: {out} already holds {kind} ({', '.join(found)}); pass --resume to continue it, "
+                          "--overwrite to replace it, or choose another --out")
+    if found and main:
+        log(f"--overwrite: removing the previous run's files in {out}: {', '.join(found)}")
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+
+
+def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:
+    """Both splits must hold one sequence, or training (or the final evaluation) cannot draw a batch."""
+    need = window_tokens(objective, cfg.seq_len, k) + 1
+    for name, stream in (("training", corpus.train), ("validation", corpus.val)):
+        if stream.numel() < need:
+            raise ConfigError(
+                f"data: the {name} split of --data {cfg.data!r} has {stream.numel()} tokens, fewer than one sequence "
+                f"({need} tokens at --seq-len {cfg.seq_len}); give more text (the validation split is about 2% of the "
+                f"documents, or the tail of a single file) or a smaller --seq-len")
