@@ -26,7 +26,6 @@ defaults, so it reproduces the demo's tables for the demo's run folder.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import time

@@ -20,7 +20,8 @@ import torch
 
 from kforcing_kernels.data import load_corpus, sample_windows
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.train import TrainConfig, load_model, train
+from kforcing_kernels.checkpoint import load_model
+from kforcing_kernels.train import TrainConfig, train
 
 TAUS = (0.5, 0.8, 1.0)
 GRID = 256  # z values per context
