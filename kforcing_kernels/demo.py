@@ -39,17 +39,19 @@ from .train import TrainConfig  # noqa: E402
 
 _TRAIN = TrainConfig(preset="tiny", vocab_size=1024, seq_len=64, batch_size=16, warmup_steps=30, log_every=10, ckpt_every=250,
                      eval_batches=4)
-# The full demo: ~7 minutes on two idle CPU cores. The budget goes where it helps k=4 most:
-# PFLM(2k) starts as a copy of PFLM(k) whose slots k+1..2k are untrained, so the last
-# self-forcing round gets the most distillation steps (Stage 0 1000, Stage 1 450,
-# k=2 300, k=4 450 steps reach a better k=4 than 1500/500/300/300 at the same wall time).
+# The full demo: ~7 minutes on two idle CPU cores (issue 18's measurement of this allocation).
+# The budget goes where it helps k=4 most: PFLM(2k) starts as a copy of PFLM(k) whose slots
+# k+1..2k are untrained, so the last self-forcing round gets the most distillation steps
+# (issue 18: Stage 0 1000, Stage 1 450, k=2 300, k=4 450 steps gave k=4 a judge PPL of 35.6
+# where 1500/500/300/300 gave 46.2, at the same wall time).
 DEMO = dict(
     train=_TRAIN,
     pipeline=PipelineConfig(steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 450), lr_stage0=2e-3, lr_distill=2e-3),
     eval=DEMO_EVAL,
 )
-# --long: the same model and data with six times the training (~40 minutes on two idle
-# CPU cores, minutes on a GPU): how far the quality gap closes with more training.
+# --long: the same model, data and schedule with six times the steps (estimated ~40 minutes
+# on two idle CPU cores from the per-step costs of the stages; not yet run): how far the
+# quality gap closes with more training.
 LONG = dict(
     train=dataclasses.replace(_TRAIN, warmup_steps=100, ckpt_every=500),
     pipeline=PipelineConfig(steps_stage0=6000, steps_stage1=2700, steps_stage2=(1800, 2700), lr_stage0=2e-3, lr_distill=2e-3),
@@ -70,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", help="output folder (default runs/demo-<date>-<time>); a folder with finished stages resumes")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a much shorter run that only shows the pipeline works")
-    size.add_argument("--long", action="store_true", help="six times the training (~40 minutes on 2 CPU cores)")
+    size.add_argument("--long", action="store_true", help="six times the training (about 40 minutes on 2 idle CPU cores)")
     parser.add_argument("--judge", help="an AR stage folder that scores every method (default: this run's Stage-0 teacher)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
