@@ -1,10 +1,8 @@
 """Backend registry for prefix-window attention.
 
-Every backend is a module with ``available() -> None | reason`` and
-``forward(q, k, v, layout, scale) -> (out, lse)`` /
-``backward(dout, q, k, v, out, lse, layout, scale) -> (dq, dk, dv)``
-(``reference`` instead exposes a differentiable ``attention``). A backend that is
-not built or cannot import is reported absent with its reason; it is never faked.
+Every backend is a module implementing :class:`Backend`; the op treats them all alike
+(``reference`` included). A backend that is not built or cannot import is reported
+absent with its reason; it is never faked.
 """
 
 from __future__ import annotations
@@ -12,9 +10,25 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
+
+
+class Backend(Protocol):
+    """What ``window_attention`` needs of a backend (a module with these functions)."""
+
+    def available(self) -> Optional[str]:
+        """None when usable here, else why not (not built, no device, ...)."""
+
+    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether inputs of this dtype and head dim run here (the default choice skips it otherwise)."""
+
+    def forward(self, q, k, v, layout, scale: float):
+        """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] contiguous -> (out [B, H, Lq, D] contiguous, lse [B, H, Lq])."""
+
+    def backward(self, dout, q, k, v, out, lse, layout, scale: float):
+        """Gradients (dq, dk, dv), contiguous and shaped like (q, k, v)."""
 
 _MODULES = {
     "reference": "kforcing_kernels.ops.window_attention.reference",
@@ -64,7 +78,7 @@ def default_backend(device: torch.device, dtype: Optional[torch.dtype] = None, h
         # A backend can be present yet slower than the next one here (see cpp.preferred).
         if not getattr(module, "preferred", lambda: True)():
             continue
-        if dtype is not None and head_dim is not None and not getattr(module, "supports", lambda d, h: True)(dtype, head_dim):
+        if dtype is not None and head_dim is not None and not module.supports(dtype, head_dim):
             continue
         return name
     return "composite"

@@ -42,6 +42,11 @@ CHUNK_ROWS = 256
 FOLD_WINDOW_MIN = 32
 
 
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Every dtype the op accepts and any head dim."""
+    return True
+
+
 def available() -> Optional[str]:
     return None
 

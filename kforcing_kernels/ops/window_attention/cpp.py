@@ -12,8 +12,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ... import _extension
 from ...layouts import WindowLayout
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Every dtype the op accepts and any head dim."""
+    return True
 
 
 def available() -> Optional[str]:

@@ -1,12 +1,13 @@
 """``window_attention``: the public prefix-window attention op.
 
-Non-reference backends run behind one ``torch.library.custom_op`` pair (forward
-and backward) so the op is opaque to autograd and traceable by torch.compile;
-the layout travels as its range tensors plus a few ints.
+Every backend (``reference`` included: no special case) runs behind one
+``torch.library.custom_op`` pair (forward and backward), so the op is opaque to
+autograd and traceable by torch.compile; the layout travels as its range tensors
+(empty ones for defaults) plus a few ints.
 
 torch.compile policy (tested in python_tests/test_compile.py): ``window_attention``
 traces with ``fullgraph=True`` for every backend. A layout enters the graph as its
-two range tensors (graph inputs of shape ``[M]``/``[B, M]``) and its geometry ints,
+range tensors (graph inputs of shape ``[M]``/``[B, M]``, ``[C]``/``[B, C]``) and its geometry ints,
 which the op schema takes as ``SymInt[]``, so no size is baked into the graph.
 Buckets: with ``dynamic=True`` one graph serves every layout with the same intra
 mode, query mode and range rank (shared vs per-batch), for all sizes >= 2: N, k,
@@ -14,9 +15,7 @@ block and last-window sizes may all change without a recompile. With the default
 ``dynamic=None`` dynamo compiles the first sizes statically and recompiles once
 when a size first changes (marking it dynamic); later changes are free. New graphs
 come from another mode or range rank, a size of 0 or 1 (dynamo specialises those),
-or sizes that were equal by coincidence at the first trace (duck sizing). Under
-compile the ``reference`` backend runs inside the op too (dense mask + math
-attention), since building the dense mask is not traceable.
+or sizes that were equal by coincidence at the first trace (duck sizing).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 
 from .backends import BACKENDS, default_backend, get_backend
 from . import masked_keys
-from .lse_attention import acc_dtype, attend, attend_backward
+from .lse_attention import acc_dtype
 from ...layouts import WindowLayout
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,13 +69,7 @@ def window_attention(
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
     name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
-    if name == "reference" and not torch.compiler.is_compiling():
-        if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
-            out, lse = masked_keys.attention(q, k, v, layout, scale)
-        else:
-            out, lse = get_backend("reference").attention(q, k, v, layout, scale, with_lse=return_lse)
-    else:
-        out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
+    out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -181,16 +174,8 @@ def _window_attention_op(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):  # keep them away from rows that cannot see them
         return masked_keys.forward(q, k, v, layout, scale)
-    if backend == "reference":  # reached under torch.compile only; eager uses the differentiable path
-        return attend(q, k, v, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     out, lse = get_backend(backend).forward(q, k, v, layout, scale)
     return out, lse
-
-
-def _dense_allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
-    """bool [B or 1, 1, Lq, Lk]: the layout's dense mask, shaped for ``attend``."""
-    mask = layout.dense_mask().to(device)
-    return mask[:, None] if mask.dim() == 3 else mask[None, None]
 
 
 @_window_attention_op.register_fake
@@ -209,8 +194,6 @@ def _window_attention_backward_op(
     if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
         return masked_keys.backward(dout, q, k, v, layout, scale)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
-    if backend == "reference":
-        return attend_backward(*tensors, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
     return get_backend(backend).backward(*tensors, layout, scale)
 
 

@@ -1,4 +1,10 @@
-"""Reference backend: the layout's dense mask handed to SDPA. The oracle; O((C + Mw)^2)."""
+"""Reference backend: the layout's dense mask and plain attention math. The oracle; O((C + Mw)^2).
+
+``forward``/``backward`` (the backend protocol, what ``window_attention`` runs) use the
+portable fp32/fp64 math of ``lse_attention`` with the dense mask; ``attention`` is the
+same result through ``F.scaled_dot_product_attention`` and autograd, an independent
+path the tests use as an oracle.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,32 @@ import torch
 import torch.nn.functional as F
 
 from ...layouts import WindowLayout
-from .lse_attention import acc_dtype
+from .lse_attention import acc_dtype, attend, attend_backward
 
 
 def available() -> Optional[str]:
     return None
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return True
+
+
+def _allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
+    """bool [B or 1, 1, Lq, Lk]: the layout's dense mask, shaped for ``attend``."""
+    mask = layout.dense_mask().to(device)
+    return mask[:, None] if mask.dim() == 3 else mask[None, None]
+
+
+def forward(q, k, v, layout: WindowLayout, scale: float):
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64)."""
+    return attend(q, k, v, causal=False, scale=scale, allowed=_allowed(layout, q.device), force_math=True)
+
+
+def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """Gradients (dq, dk, dv) from the forward's ``out`` and ``lse``."""
+    return attend_backward(dout, q, k, v, out, lse, causal=False, scale=scale, allowed=_allowed(layout, q.device),
+                           force_math=True)
 
 
 def attention(q, k, v, layout: WindowLayout, scale: float, *, with_lse: bool = True):
