@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m kforcing_kernels.demo
 
 test: $(STAMP)
-	$(PY) -m pytest python_tests -q -p no:cacheprovider
+	$(PY) -m pytest python_tests -q -rs -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) bench/attention.py
