@@ -33,5 +33,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m bench attention --quick
 
+# Plants each bug of tools/mutations.py in a scratch copy and runs the tests that must catch it (slow; not part of test).
+.PHONY: mutate
+mutate: $(STAMP)
+	nice -n 5 $(PY) tools/mutate.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info kforcing_kernels/*.so
