@@ -48,6 +48,9 @@ MUTATIONS = [
     dict(id="cpp-sampler->= (C++)", file="csrc/kf_isa_impl.h", rebuild=True,
          old="run * st.brel[b] > target) return", new="run * st.brel[b] >= target) return",
          tests=["python_tests/test_sampler_oracle.py"]),
+    dict(id="cpp-gemm-ignores-accumulate (C++)", file="csrc/kf_isa_impl.h", rebuild=True,
+         old="acc[i][j] = accumulate ? vload(C + i * ldc + j * L) : V{};", new="acc[i][j] = V{};",
+         tests=["python_tests/test_cpp_attention.py"]),
     # --- masks: constructors and the row-interval rule
     dict(id="kforcing-staircase-sees-next-token", file="kforcing_kernels/layouts/window_layout.py",
          old="hi = torch.arange(1, n_ctx + 1)\n    docs", new="hi = torch.arange(2, n_ctx + 2).clamp(max=n_ctx)\n    docs",
