@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per test run (default 600)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs of each test selection")
+    parser.add_argument("--baseline-only", action="store_true", help="only the unmutated runs")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest (default: this one)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
     args = parser.parse_args(argv)
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
             if not ok:
                 print("baseline failures: fix them before reading the mutation results")
                 return 1
+        if args.baseline_only:
+            return 0
 
         rows = []
         so = {}
