@@ -134,3 +134,32 @@ def test_ar_shifted_decode_positions_are_caught(model, monkeypatch):
     assert (shifted[:, 0] - logits[:, 0]).abs().max() < TOL  # the prefill is untouched
     assert (shifted[:, 1] - logits[:, 1]).abs().max() > 100 * TOL
     assert (shifted - recompute_ar(model, out_shifted)).abs().max() > 100 * TOL
+
+
+def double_vs_single(model, monkeypatch=None, shift=0):
+    """Max |DoubleForward window t - SingleForward's last window over context[:t+1] + first[t]|."""
+    from kforcing_kernels.model import gpt
+
+    gen = torch.Generator().manual_seed(4)
+    n, k = 6, 2
+    ctx = torch.randint(0, VOCAB, (1, n), generator=gen)
+    z1, z2 = torch.rand(1, n, k, generator=gen), torch.rand(1, n, k, generator=gen)
+    logits1, kv = model.single_forward(ctx, z1, TAU)
+    first = logits1.argmax(-1)
+    if shift:
+        double_positions = gpt.double_positions
+        monkeypatch.setattr(gpt, "double_positions", lambda *a, **kw: double_positions(*a, **kw) + shift)
+    second = model.double_forward(kv, first, z2, TAU)  # [1, n, k, V]
+    worst = 0.0
+    for t in range(n):
+        ext = torch.cat([ctx[:, : t + 1], first[:, t]], 1)
+        z = torch.rand(1, ext.shape[1], k, generator=gen)
+        z[0, -1] = z2[0, t]
+        worst = max(worst, float((model(ext, z, TAU)[0, -1] - second[0, t]).abs().max()))
+    return worst
+
+
+def test_double_forward_matches_single_forward_on_the_extended_context(model, monkeypatch):
+    """DoubleForward's window t = SingleForward's last window after appending round one's tokens (Algorithm 3)."""
+    assert double_vs_single(model) < TOL
+    assert double_vs_single(model, monkeypatch, shift=1) > 100 * TOL

@@ -26,6 +26,9 @@ MUTATIONS = [
     dict(id="model-noise-positions-without+1", file="kforcing_kernels/model/gpt.py",
          old="noise = (t[..., None] + 1 + torch.arange(k, device=device))", new="noise = (t[..., None] + torch.arange(k, device=device))",
          tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_model.py"]),
+    dict(id="double-forward-future2-positions-1", file="kforcing_kernels/model/gpt.py",
+         old="(t + 1 + k + i).flatten(-2)", new="(t + k + i).flatten(-2)",
+         tests=["python_tests/test_sharp_behaviour.py"]),
     # --- loss wiring
     dict(id="stage1-loss-tau=1", file="kforcing_kernels/objectives.py",
          old="forward_distillation_targets(teacher(context), noise[..., 0], batch.tau)",
