@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m kforcing_kernels.demo
 
 test: $(STAMP)
-	$(PY) -m pytest python_tests -q -p no:cacheprovider
+	$(PY) -m pytest python_tests -q -rs -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) bench/attention.py
@@ -49,6 +49,11 @@ aot-check:
 		echo "== $$($$venv/bin/python -c 'import triton; print("triton", triton.__version__)')"; \
 		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
 	done
+
+# Plants each bug of tools/mutations.py in a scratch copy and runs the tests that must catch it (slow; not part of test).
+.PHONY: mutate
+mutate: $(STAMP)
+	nice -n 5 $(PY) tools/mutate.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kforcing_kernels/*.so
