@@ -28,7 +28,8 @@ def build_parser(prog: str = "kforcing-bench"):
     from kforcing_kernels.cli_common import add_command, make_parser
 
     parser = make_parser(prog, __doc__)
-    sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",
+                                help="the benchmark to run (`<command> --help` for its options)")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"bench.{module_name}")
         p = add_command(sub, name, help=help_text, description=module.__doc__)

@@ -143,7 +143,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
+def build_parser():
     p = make_parser("python bench/attention.py", __doc__)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single", help="mask layout")
     p.add_argument("--n", type=positive_int, default=1024, help="context length N")
@@ -160,7 +160,11 @@ def parse_args(argv=None):
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (saves the compile time)")
     p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
     p.add_argument("--json", default=None, help="write the report as JSON here")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None):

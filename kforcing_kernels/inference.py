@@ -346,10 +346,9 @@ def generate_ar(
 # ---------------------------------------------------------------------- CLI
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .checkpoint import load_model
-
-    from .cli_common import add_device, add_new_tokens, add_seed, add_temperature, add_threads, apply_threads, make_parser
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kforcing-generate`` command line (shared options from :mod:`kforcing_kernels.cli_common`)."""
+    from .cli_common import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.train (holds model.safetensors)")
@@ -361,6 +360,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     add_device(parser)
     add_threads(parser)
     parser.add_argument("--out", default=None, help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from .checkpoint import load_model
+    from .cli_common import apply_threads
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     apply_threads(args.threads)
 

@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = TrainConfig()
     parser = make_parser("kforcing-train", __doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{stage0,stage1,stage2,pipeline}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{stage0,stage1,stage2,pipeline}",
+                                help="what to train (`<command> --help` for its options)")
     for name, help_text in (("stage0", "AR teacher on the corpus"), ("stage1", "AR -> PFLM(k=1) forward distillation"),
                             ("stage2", "PFLM(k) -> PFLM(2k) self-forcing distillation")):
         p = add_command(sub, name, help=help_text, description=help_text)
