@@ -10,6 +10,17 @@
                         tokens; the PFLM(2k) student sees all 2k noises in one SingleForward.
 
 :func:`compute_loss` is told the objective; it never guesses it from which inputs are present.
+
+Packed documents (``Batch.separator`` set, the trainer's ``--packed-docs``): a window of the
+token stream holds pieces of several documents, each ending with the separator (EOS). Every
+model call, teacher and student, gets the window's ``cu_seqlens`` (:func:`~.data.document_offsets`),
+so attention never crosses a document and RoPE positions restart at 0 in each. A prediction
+whose target lies past the end of its document is left out of the loss: in AR, the separator
+position (it would predict the next document's first token); in a K-Forcing window t, slot j
+(target position ``t + 1 + j``) once a separator lies in ``tokens[t .. t + j]``. A document
+that runs past the window's right edge has no known end, so its slots all count. The loss is
+the mean over the predictions that count (per micro-batch: with gradient accumulation or
+data parallelism the step averages those means, which weights a shard by 1, not by its count).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .data import sample_windows
+from .data import document_offsets, sample_windows
 from .ops.sampling import inverse_cdf_sample, noise_inversion
 
 
@@ -59,31 +70,34 @@ def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, 
 
 
 @torch.no_grad()
-def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
     """Stage-2 targets: two teacher rounds (Algorithm 3, lines 4-9).
 
     context ``[B, N]``, z ``[B, N, 2k]``, tau ``[B]`` -> ``[B, N, 2k]``: round one decodes
     ``z[..., :k]`` with SingleForward; round two decodes ``z[..., k:]`` with DoubleForward,
-    conditioned on round one's tokens and reusing its context K/V.
+    conditioned on round one's tokens and reusing its context K/V. ``cu_seqlens``: the packed
+    documents of ``context`` (both rounds get them), or None.
     """
     k = z.shape[-1] // 2
-    logits1, context_kv = teacher.single_forward(context, z[..., :k], tau)
+    logits1, context_kv = teacher.single_forward(context, z[..., :k], tau, cu_seqlens=cu_seqlens)
     first = logits1.argmax(-1)  # [B, N, k]
-    second = teacher.double_forward(context_kv, first, z[..., k:], tau).argmax(-1)  # [B, N, k]
+    second = teacher.double_forward(context_kv, first, z[..., k:], tau, cu_seqlens=cu_seqlens).argmax(-1)  # [B, N, k]
     return torch.cat([first, second], -1)
 
 
 def noise_inversion_supervision(
-    teacher, tokens: torch.Tensor, k: int, tau: torch.Tensor, generator: torch.Generator
+    teacher, tokens: torch.Tensor, k: int, tau: torch.Tensor, generator: torch.Generator, cu_seqlens=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The PTP baseline (paper Section 3.2.1): real tokens as targets, their noise recovered from the AR teacher.
 
     tokens ``[B, N + k]`` of real text -> (context ``[B, N]``, z ``[B, N, k]``, targets ``[B, N, k]``):
     slot j of window t targets ``tokens[t + 1 + j]`` with z uniform in its CDF bin under
     ``softmax(logits / tau)`` of the teacher given the real text up to ``t + j``.
+    ``cu_seqlens``: the packed documents of the teacher's input ``tokens[:, :-1]``, or None.
     """
     n = tokens.shape[1] - k
-    logits = teacher(tokens[:, :-1])  # [B, N + k - 1, V]: position p predicts tokens[p + 1]
+    packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    logits = teacher(tokens[:, :-1], **packed)  # [B, N + k - 1, V]: position p predicts tokens[p + 1]
     reads = torch.arange(n, device=tokens.device)[:, None] + torch.arange(k, device=tokens.device)  # [N, k]
     targets = tokens[:, 1:][:, reads]  # [B, N, k]
     z = noise_inversion(logits[:, reads], targets, tau[:, None, None].expand(targets.shape), generator)
@@ -100,21 +114,29 @@ class Batch:
     AR: tokens ``[B, N + 1]``. FORWARD: context tokens ``[B, N]``, noise ``[B, N, 1]``, tau ``[B]``.
     NOISE_INVERSION: real tokens ``[B, N + k]``, tau ``[B]``, seed (of the in-bin uniforms).
     SELF_FORCING: context ``[B, N]``, noise ``[B, N, 2k]``, tau ``[B]``.
+    ``separator``: None, or the token id that ends each document of a packed window (EOS);
+    the documents of every row are read off ``tokens`` (see the module docstring).
     """
 
     tokens: torch.Tensor
     noise: Optional[torch.Tensor] = None
     tau: Optional[torch.Tensor] = None
     seed: Optional[int] = None
+    separator: Optional[int] = None
 
     def shard(self, index: int, count: int) -> "Batch":
         size = self.tokens.shape[0] // count
         part = slice(index * size, (index + 1) * size)
         seed = None if self.seed is None else (self.seed * 1009 + index + 1) % 2**62
-        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed)
+        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed, self.separator)
 
     def to(self, device) -> "Batch":
-        return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)), self.seed)
+        return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)), self.seed,
+                     self.separator)
+
+    def cu_seqlens(self, tokens: torch.Tensor):
+        """The documents of ``tokens`` (a prefix of every row of this batch): one ``[D_b + 1]`` per row, or None unpacked."""
+        return None if self.separator is None else document_offsets(tokens, self.separator)
 
 
 def window_tokens(objective: Objective, seq_len: int, k: int) -> int:
@@ -123,22 +145,27 @@ def window_tokens(objective: Objective, seq_len: int, k: int) -> int:
 
 
 def make_batch(objective: Objective, stream: torch.Tensor, batch_size: int, seq_len: int, k: int,
-               tau_range: tuple[float, float], generator: torch.Generator) -> Batch:
+               tau_range: tuple[float, float], generator: torch.Generator, separator: Optional[int] = None) -> Batch:
     """The global batch of one step: windows of the token stream ``[T]``, and for distillation noise and temperatures.
 
     ``k`` is the student's window (1 for FORWARD, twice the teacher's for SELF_FORCING).
+    ``separator`` (the corpus's EOS id) packs documents: the windows keep the stream's
+    document boundaries and every model call of :func:`compute_loss` respects them. The
+    random draws do not depend on it, so packed and unpacked batches hold the same tokens.
     """
     objective = Objective(objective)
+    if separator is not None and (isinstance(separator, bool) or not isinstance(separator, int)):
+        raise ValueError(f"separator: expected None or a token id (int), got {separator!r}")
     tokens = sample_windows(stream, batch_size, window_tokens(objective, seq_len, k), generator)
     if objective is Objective.AR:
-        return Batch(tokens)
+        return Batch(tokens, separator=separator)
     lo, hi = tau_range
     if objective is Objective.NOISE_INVERSION:
         tau = lo + (hi - lo) * torch.rand(batch_size, generator=generator)
-        return Batch(tokens, None, tau, int(torch.randint(0, 2**40, (), generator=generator)))
+        return Batch(tokens, None, tau, int(torch.randint(0, 2**40, (), generator=generator)), separator)
     noise = torch.rand(batch_size, seq_len, k, generator=generator)
     tau = lo + (hi - lo) * torch.rand(batch_size, generator=generator)
-    return Batch(tokens, noise, tau)
+    return Batch(tokens, noise, tau, separator=separator)
 
 
 def step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
@@ -147,6 +174,26 @@ def step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
 
 
 # ---------------------------------------------------------------------- the loss
+
+
+def document_mask(tokens: torch.Tensor, separator: int, n: int, k: int) -> torch.Tensor:
+    """bool ``[B, n, k]``: True where slot j of window t (target position ``t + 1 + j``) stays in its document.
+
+    tokens ``[B, L]`` (``L >= n``): slot j of window t counts unless a separator lies in
+    ``tokens[t .. t + j]`` (read up to the row's end: past it, the document's end is unknown).
+    """
+    seps = torch.nn.functional.pad((tokens == separator).to(torch.int64).cumsum(1), (1, 0))  # [B, L + 1]: in tokens[:i]
+    t = torch.arange(n, device=tokens.device)[:, None]
+    last = (t + torch.arange(k, device=tokens.device) + 1).clamp(max=tokens.shape[1])  # [n, k]
+    return (seps[:, last] - seps[:, t]) == 0
+
+
+def _masked_mean(per_token: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean over kept predictions, per-slot mean ``[k]`` detached) of ``per_token [B, N, k]``."""
+    kept = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    counts = keep.sum((0, 1))
+    loss = kept.sum() / counts.sum().clamp(min=1)
+    return loss, (kept.detach().sum((0, 1)) / counts.clamp(min=1))
 
 
 def _require(objective: Objective, batch: Batch, teacher, k: Optional[int]) -> None:
@@ -177,23 +224,37 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     AR model (FORWARD, NOISE_INVERSION) or the PFLM(k/2) model (SELF_FORCING), None for AR;
     ``k`` is the student window, needed by NOISE_INVERSION only (the batch fixes it otherwise).
     The loss is the mean cross-entropy of the student's logits against the targets over all
-    ``B * N * k`` predictions (AR: ``B * N``).
+    ``B * N * k`` predictions (AR: ``B * N``); with packed documents (``batch.separator``) over
+    those whose target lies inside their document (see the module docstring).
     """
     objective = Objective(objective)
     _require(objective, batch, teacher, k)
+    packed = batch.separator is not None
     if objective is Objective.AR:
-        logits = model(batch.tokens[:, :-1])  # [B, N, V]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
+        inputs = batch.tokens[:, :-1]
+        logits = model(inputs, **({"cu_seqlens": batch.cu_seqlens(inputs)} if packed else {}))  # [B, N, V]
+        if not packed:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
+            return loss, loss.detach()[None]
+        per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
+        loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1))
         return loss, loss.detach()[None]
     context, noise = batch.tokens, batch.noise
+    cu = batch.cu_seqlens(context[:, :batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context)
     with torch.no_grad():
         if objective is Objective.NOISE_INVERSION:
             generator = torch.Generator(device=context.device).manual_seed(batch.seed)
-            context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator)
+            context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator,
+                                                                  cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]))
         elif objective is Objective.FORWARD:
-            targets = forward_distillation_targets(teacher(context), noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
+            teacher_logits = teacher(context, **({"cu_seqlens": cu} if packed else {}))
+            targets = forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
         else:
-            targets = self_forcing_targets(teacher, context, noise, batch.tau)  # [B, N, 2k]
-    logits = model(context, noise, batch.tau)  # [B, N, k, V]
+            targets = self_forcing_targets(teacher, context, noise, batch.tau, cu_seqlens=cu)  # [B, N, 2k]
+    logits = model(context, noise, batch.tau, **({"cu_seqlens": cu} if packed else {}))  # [B, N, k, V]
     per_token = F.cross_entropy(logits.flatten(0, 2).float(), targets.flatten(), reduction="none").view(targets.shape)
-    return per_token.mean(), per_token.detach().mean((0, 1))
+    if not packed:
+        return per_token.mean(), per_token.detach().mean((0, 1))
+    # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
+    keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:])
+    return _masked_mean(per_token, keep)

@@ -149,8 +149,10 @@ def _resume_state(out: Path, cfg: TrainConfig) -> Path:
     ckpt = latest_checkpoint(out)
     saved = read_checkpoint_meta(ckpt)["train_config"]
     for key in TrainConfig.RESUME_KEYS:
-        if saved.get(key) != getattr(cfg, key):
-            raise ConfigError(f"{key}: --resume needs the settings of the run in {out}; it used {saved.get(key)!r}, got {getattr(cfg, key)!r}")
+        used = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key))
+        if used != getattr(cfg, key):
+            flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
+            raise ConfigError(f"{key}: --resume needs the settings of the run in {out}; it used {used!r}, got {getattr(cfg, key)!r}{flag}")
     return ckpt
 
 
@@ -203,6 +205,7 @@ def train(cfg: TrainConfig) -> dict:
     autocast = (lambda: torch.autocast(info.device.type, dtype=amp)) if amp is not None else nullcontext
     evaluate = lambda: evaluate_loss(student, teacher, objective, k, cfg, corpus, info.device, autocast)  # noqa: E731
     stop = cfg.stop_at or cfg.steps
+    separator = corpus.eos_id if cfg.packed_docs else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     live = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     bar = tqdm(total=cfg.steps, initial=start, desc=f"[{cfg.stage}]", disable=not (info.main and live), file=sys.stderr,
@@ -215,7 +218,7 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = make_batch(objective, corpus.train, cfg.batch_size, cfg.seq_len, k, (cfg.tau_min, cfg.tau_max),
-                           step_generator(cfg.seed, step)).shard(info.rank, info.world)
+                           step_generator(cfg.seed, step), separator).shard(info.rank, info.world)
         loss_sum, pos_sum = 0.0, 0.0
         for micro in range(cfg.grad_accum):
             part = batch.shard(micro, cfg.grad_accum).to(info.device)
@@ -283,7 +286,7 @@ def evaluate_loss(student, teacher, objective: Objective, k: int, cfg: TrainConf
     total, per_pos = 0.0, 0.0
     for i in range(cfg.eval_batches):
         batch = make_batch(objective, corpus.val, cfg.batch_size, cfg.seq_len, k, (cfg.tau_min, cfg.tau_max),
-                           step_generator(cfg.seed, i, salt=1)).to(device)
+                           step_generator(cfg.seed, i, salt=1), corpus.eos_id if cfg.packed_docs else None).to(device)
         with autocast():
             loss, pos = compute_loss(objective, student, batch, teacher, k=k)
         total, per_pos = total + float(loss), per_pos + pos.float()
@@ -311,6 +314,9 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--tau-min", type=_positive_float, default=defaults.tau_min, help="lowest training temperature tau (sampled per sequence)")
     p.add_argument("--tau-max", type=_positive_float, default=defaults.tau_max, help="highest training temperature tau")
     add_seed(p)
+    p.add_argument("--packed-docs", action="store_true", default=None,
+                   help="windows keep document boundaries: no attention across documents, positions restart per document, "
+                        "no loss on predictions past a document's end")
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
     add_device(p)
     add_threads(p)

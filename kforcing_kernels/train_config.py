@@ -50,6 +50,9 @@ class TrainConfig:
     # paper's ablation: real next-k tokens, z inverted from the AR teacher's CDF bins, any k).
     supervision: str = "forward"
     k: int = 1
+    # Packed documents: attention never crosses a document (the corpus's EOS ends each), RoPE
+    # positions restart per document, and predictions past a document's end leave the loss.
+    packed_docs: bool = False
     seed: int = 0
     precision: str = "auto"
     device: str = "auto"
@@ -67,7 +70,9 @@ class TrainConfig:
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "k", "seed", "precision")
+                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision")
+    # Resume keys added after runs were saved without them: the value those runs used.
+    RESUME_DEFAULTS = {"packed_docs": False}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
