@@ -76,6 +76,19 @@ def _int_list(text: str) -> list:
 int_list = checked(_int_list, lambda v: all(x >= 1 for x in v), "comma-separated positive integers, e.g. 4,16")
 
 
+def _float_list(text: str) -> list:
+    if str(text).strip().lower() in ("", "none"):
+        return []
+    items = [item.strip() for item in str(text).split(",")]
+    if any(not item for item in items):
+        raise ValueError(text)
+    return [float(item) for item in items]
+
+
+positive_float_list = checked(_float_list, lambda v: all(x > 0 and math.isfinite(x) for x in v),
+                              "comma-separated positive numbers, e.g. 0.5,0.8 (none: an empty list)")
+
+
 def resolve_device(name: str) -> str:
     """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; anything else is checked by torch."""
     import torch
