@@ -10,7 +10,7 @@ DEPS   := setup.py pyproject.toml Makefile $(wildcard csrc/*.cpp csrc/*.h)
 # Every extra the demo and the test suite use (pyproject.toml lists what each holds).
 EXTRAS ?= test,train,hf,plots,triton
 
-.PHONY: demo test install clean bench bench-quick
+.PHONY: demo test install clean bench bench-quick aot-check
 
 # --no-build-isolation: the C++ extension is compiled against the torch installed first.
 $(STAMP): $(DEPS)
@@ -35,6 +35,20 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m bench attention --quick
+
+# Triton AOT resources at both ends of the supported Triton range (setup.py: triton>=3.6): every config
+# the autotuner may pick, compiled for sm_80 and sm_90a, must have 0 spill bytes and fit shared memory.
+# Each end gets a scratch venv under /tmp (no GPU needed; ptxas/cuobjdump ship with triton).
+AOT_TRITONS ?= 3.6.0 newest
+AOT_VENVS   ?= /tmp/kforcing-aot
+aot-check:
+	set -e; for v in $(AOT_TRITONS); do \
+		venv=$(AOT_VENVS)-$$v; spec=$$( [ $$v = newest ] && echo triton || echo triton==$$v ); \
+		test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
+		$$venv/bin/python -m pip install -q --upgrade "$(TORCH_SPEC)" "$$spec" numpy; \
+		echo "== $$($$venv/bin/python -c 'import triton; print("triton", triton.__version__)')"; \
+		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kforcing_kernels/*.so

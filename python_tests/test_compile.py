@@ -6,6 +6,8 @@ Compiles are slow on 2 cores, so shapes are tiny and most graphs use the
 arise); one test runs inductor end to end.
 """
 
+import os
+
 import pytest
 import torch
 import torch._dynamo
@@ -15,6 +17,20 @@ from conftest import make_qkv, run_with_grads
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
 CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None]
+# On a CUDA machine the composite backend also runs its CUDA path (composite_cuda) under compile.
+CASES = CPU_BACKENDS + (["composite-cuda"] if torch.cuda.is_available() else [])
+
+
+def _inputs_for(case: str):
+    """(backend, device, dtype, head dim, tolerance): inputs each backend takes. triton runs compiled only on
+    CUDA in fp16/bf16 (fp32 on CPU under TRITON_INTERPRET=1), and only for head dims 32/64/128."""
+    if case == "triton":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton", torch.device("cpu"), torch.float32, 32, 1e-5
+        return "triton", torch.device("cuda"), torch.bfloat16, 32, 2e-2
+    if case == "composite-cuda":
+        return "composite", torch.device("cuda"), torch.bfloat16, 32, 2e-2
+    return case, torch.device("cpu"), torch.float32, 16, 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -31,18 +47,24 @@ def _attend(backend):
     return fn
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_fullgraph_matches_eager_forward_and_backward(backend):
+@pytest.mark.parametrize("case", CASES)
+def test_fullgraph_matches_eager_forward_and_backward(case):
+    backend, device, dtype, d, tol = _inputs_for(case)
     layout = WindowLayout.kforcing_double(5, 2)
-    explanation = torch._dynamo.explain(_attend(backend))(*make_qkv(layout, requires_grad=False), layout)
+
+    def qkv(**kw):
+        return tuple(t.detach().to(device).requires_grad_(True) for t in make_qkv(layout, head_dim=d, dtype=dtype, **kw))
+
+    explanation = torch._dynamo.explain(_attend(backend))(*qkv(), layout)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(_attend(backend), backend="aot_eager", fullgraph=True)
-    q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2)
-    dout = torch.randn(2, 4, layout.n_queries, 16)
+    q, k, v = qkv(batch=2, heads=4, kv_heads=2)
+    dout = torch.randn(2, 4, layout.n_queries, d, device=device)
     got = run_with_grads(lambda q, k, v: compiled(q, k, v, layout), q, k, v, dout)
     want = run_with_grads(lambda q, k, v: _attend(backend)(q, k, v, layout), q, k, v, dout)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert a.device.type == device.type and a.dtype == dtype
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_inductor_default_backend_matches_eager():

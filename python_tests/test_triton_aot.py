@@ -1,4 +1,9 @@
-"""The Triton kernels compile for sm_80 and sm_90 without a GPU, without spills or shared-memory overflow."""
+"""The Triton kernels compile for sm_80 and sm_90a without a GPU, without spills or shared-memory overflow.
+
+The thresholds are the hardware's (0 spill bytes, <= 255 registers, shared memory within the target's
+opt-in limit), not any Triton version's measured numbers, so the test holds for every Triton in the
+supported range (3.6.0 .. newest; `make aot-check` runs the full report for both ends).
+"""
 
 import os
 import re
@@ -35,9 +40,21 @@ def test_configs_table_is_consistent():
     from kforcing_kernels.ops.window_attention import triton_kernels as kernels
 
     for name in kernels.KERNELS:
-        for d in kernels.SUPPORTED_HEAD_DIMS:
-            configs = kernels.KERNEL_CONFIGS[name][d]
-            assert configs and set(configs) <= set(kernels.CANDIDATE_CONFIGS), (name, d)
+        assert set(kernels.KERNEL_CONFIGS[name]) == {(s, d) for s, by_d in kernels.TILE_SETS.items() for d in by_d}
+        for key, configs in kernels.KERNEL_CONFIGS[name].items():
+            assert configs and set(configs) <= set(kernels.CANDIDATE_CONFIGS), (name, key)
+            assert len(set(configs)) == len(configs), (name, key)
+
+
+def test_report_compiles_each_distinct_kernel_once():
+    """Tile sets that do not change a kernel's constexprs (slot, delta) are not compiled twice."""
+    jobs = aot_report.jobs("chosen")
+    keys = [(j.arch, j.kernel, tuple(sorted(aot_report._constexprs(j.kernel, j.head_dim, j.tile_set).items())),
+             j.dtype, j.num_warps, j.num_stages) for j in jobs]
+    assert len(keys) == len(set(keys))
+    assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {("fwd", "wide"), ("dq", "wide"),
+                                                                            ("dkdv", "wide")}
+    assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
 
 
 @pytest.mark.skipif(aot_report.tools_missing() is not None, reason=f"{aot_report.tools_missing()}")
@@ -49,13 +66,10 @@ def test_default_configs_compile_for_sm80_and_sm90_without_spills():
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-6000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
-
-    expected = len(aot_report.TARGETS) * len(kernels.KERNELS) * len(kernels.SUPPORTED_HEAD_DIMS) * len(aot_report.DTYPES)
-    assert len(rows) == expected, out[-3000:]
+    assert len(rows) == len(aot_report.jobs("defaults")), out[-3000:]
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        target, kernel, d, dtype, warps, stages, regs, spill, smem, limit, chosen, status = cells
+        target, kernel, tiles, d, dtype, warps, stages, regs, spill, smem, limit, chosen, status = cells
         assert status == "ok" and spill == "0" and int(smem) <= int(limit), line
         assert 0 < int(regs) <= 255
     assert re.search(r"0 chosen configs spill", result.stdout)

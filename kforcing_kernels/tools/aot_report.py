@@ -4,8 +4,9 @@
     python -m kforcing_kernels.tools.aot_report --defaults   # only each kernel's default config
     python -m kforcing_kernels.tools.aot_report --all        # every candidate (to re-prune KERNEL_CONFIGS)
 
-For each (target, kernel, head dim, dtype, num_warps, num_stages) this runs
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80|90, 32))`` and reads
+For each (target, kernel, tile set, head dim, dtype, num_warps, num_stages) this runs
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80|90, 32))`` (Triton builds
+capability 90 for sm_90a) and reads
 the cubin's registers, stack (spill frame), local and shared memory with the
 ``cuobjdump --dump-resource-usage`` that ships with Triton. Dynamic shared memory
 comes from the compiled kernel's metadata. It prints one table and exits 1 if a
@@ -36,6 +37,7 @@ DTYPES = ("fp16", "bf16")
 class Job:
     arch: int
     kernel: str
+    tile_set: str
     head_dim: int
     dtype: str
     num_warps: int
@@ -100,10 +102,10 @@ def _signature(fn, dtype: str, constexprs: dict):
     return signature, attrs
 
 
-def _constexprs(kernel: str, head_dim: int) -> dict:
+def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
     from ..ops.window_attention import triton_kernels as kernels
 
-    tiles = kernels.TILES_BY_HEAD_DIM[head_dim]
+    tiles = kernels.TILE_SETS[tile_set][head_dim]
     if kernel in ("slot_fwd", "slot_bwd"):
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
@@ -125,7 +127,7 @@ def compile_one(job: Job) -> Row:
     from ..ops.window_attention import triton_kernels as kernels
 
     fn = kernels.KERNELS[job.kernel]
-    constexprs = _constexprs(job.kernel, job.head_dim)
+    constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
     signature, attrs = _signature(fn, job.dtype, constexprs)
     try:
         compiled = triton.compile(
@@ -148,14 +150,17 @@ def compile_one(job: Job) -> Row:
 
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
-    """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate)."""
+    """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate).
+    A (kernel, tile set) whose constexprs equal another set's (the slot and delta kernels do not read
+    block_m/block_n) is compiled once."""
     from ..ops.window_attention import triton_kernels as kernels
 
-    out = []
+    out, seen = [], set()
     for arch in archs:
         for name in kernels_subset or kernels.KERNELS:
-            for d in head_dims or kernels.SUPPORTED_HEAD_DIMS:
-                chosen = kernels.KERNEL_CONFIGS[name][d]
+            for (tile_set, d), chosen in kernels.KERNEL_CONFIGS[name].items():
+                if (head_dims and d not in head_dims) or arch // 10 < kernels.TILE_SET_MIN_CAPABILITY[tile_set]:
+                    continue  # a set is only dispatched on targets at or above its minimum capability
                 if scope == "defaults":
                     configs = chosen[:1]
                 elif scope == "chosen":
@@ -164,7 +169,10 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
                     configs = sorted(set(kernels.CANDIDATE_CONFIGS) | set(chosen))
                 for dtype in dtypes:
                     for w, s in configs:
-                        out.append(Job(arch, name, d, dtype, w, s, (w, s) in chosen))
+                        what = (arch, name, tuple(sorted(_constexprs(name, d, tile_set).items())), dtype, w, s)
+                        if what not in seen:
+                            seen.add(what)
+                            out.append(Job(arch, name, tile_set, d, dtype, w, s, (w, s) in chosen))
     return out
 
 
@@ -176,12 +184,12 @@ def run(job_list: list[Job], workers: int = 1) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("target", "kernel", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit", "chosen", "status")
+    header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit", "chosen", "status")
     lines = [header]
     for r in rows:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
-        lines.append((f"sm_{j.arch}", j.kernel, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
+        lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
                       str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
                       "yes" if j.chosen else "no", status))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -204,7 +212,10 @@ def main(argv=None) -> int:
     if missing:
         print(f"aot_report: cannot compile: {missing}", file=sys.stderr)
         return 2
+    import triton
+
     rows = run(jobs(args.scope or "chosen", args.head_dims, args.kernels, tuple(args.dtypes)), args.workers)
+    print(f"triton {triton.__version__}, scope {args.scope or 'chosen'}")
     print(format_table(rows))
     bad = [r for r in rows if r.job.chosen and not r.ok]
     print(f"\n{len(rows)} compiles; {len(bad)} chosen configs spill, overflow shared memory or fail to compile")

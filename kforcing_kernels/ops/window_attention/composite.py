@@ -14,7 +14,9 @@ The mask splits into three kinds of pieces (docs/DESIGN.md §2):
   call per window folded into the batch for large ones).
 
 Window rows are merged by log-sum-exp. Backward reuses the merged output and LSE:
-each piece's backward gets them, so no autograd runs through the merge.
+each piece's backward gets them, so no autograd runs through the merge. On CUDA each
+call runs in a fused kernel that returns the LSE (composite_cuda.py: flash-attn varlen,
+torch's flash / memory-efficient SDPA kernels), elsewhere in lse_attention's paths.
 
 What each row sees comes from ``layout.row_intervals()`` only (interval 0 for the
 context and prefix pieces, intervals 1..S for the intra-window piece). A row that
@@ -30,7 +32,8 @@ import functools
 import torch
 
 from ...layouts import WindowLayout
-from .lse_attention import acc_dtype, attend, attend_backward
+from .composite_cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
+from .lse_attention import acc_dtype
 
 # Query rows per masked call in the general prefix path: bounds the staircase
 # padding a chunk carries (~ rows/2 keys per row) against per-call overhead.

@@ -31,7 +31,9 @@ a GPU each kernel is autotuned over its entries in ``KERNEL_CONFIGS``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import threading
 from typing import Optional
 
@@ -462,42 +464,89 @@ KERNELS = {
     "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
     "dq": _dq_kernel, "dkdv": _dkdv_kernel,
 }
-# (num_warps, num_stages) per kernel and head dim, pruned to what compiles without
-# spills or shared-memory overflow on sm80 and sm90 in fp16 and bf16 at the tiles
-# of TILES_BY_HEAD_DIM (`python -m kforcing_kernels.tools.aot_report --all` shows
-# every candidate). The autotuner times all entries on first use per head dim and
-# dtype; the first entry is the one `aot_report --defaults` (the CI test) compiles.
-KERNEL_CONFIGS: dict[str, dict[int, list[tuple[int, int]]]] = {
-    "fwd": {32: [(4, 3), (8, 2), (8, 3)], 64: [(4, 2), (4, 3), (8, 2), (8, 3)], 128: [(8, 2), (8, 3), (4, 2)]},
-    "slot_fwd": {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]},
-    "delta": {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]},
-    "slot_bwd": {32: [(4, 1), (8, 1)], 64: [(8, 1)], 128: [(8, 1)]},
-    "dq": {32: [(4, 2), (4, 3), (8, 2)], 64: [(4, 1), (8, 1)], 128: [(8, 2), (8, 1), (8, 3)]},
-    "dkdv": {32: [(4, 2), (4, 3), (8, 1), (8, 2)], 64: [(4, 2), (8, 2), (4, 1), (4, 3)], 128: [(8, 1)]},
+# Tile sets (tile shapes are part of the plan, so they are chosen by `tile_set_for`, not by the autotuner):
+# "base" runs everywhere; "wide" is the H100-class D=128 set: FlexAttention's H100 forward tiles (128 query
+# rows x 64 keys) for the forward and dQ; dK/dV walk 128 query rows x 32 keys (64 keys spill at every
+# config under Triton 3.6). It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that,
+# 128-row tiles leave SMs idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs).
+TILE_SETS: dict[str, dict[int, Tiles]] = {
+    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "wide": {128: Tiles(128, 64, 32, 32)},
 }
-# Candidates the AOT report compiles to prune the table above.
+TILES_BY_HEAD_DIM = TILE_SETS["base"]
+WIDE_MIN_ROWS = 2048
+# Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
+# for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
+TILE_SET_MIN_CAPABILITY = {"base": 0, "wide": 9}
+# (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
+# and within shared memory on sm_80 and sm_90a ("wide": sm_90a only) in fp16 and bf16 under both ends of
+# the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources"). Pruned
+# by that measurement: under 3.6, fwd D=128 4 warps, dq D=64 2-3 stages, dkdv D=32 (4, 2), slot_bwd
+# D=32 4 warps and every dkdv D=128 config but (8, 1) spill. The first entry of each list is the
+# default (`aot_report --defaults`, the CI test) and what runs without timing (KFORCING_TRITON_AUTOTUNE=0,
+# or by default under torch.distributed); H100-class entries (8 warps, 3 stages) lead the D=128 lists.
+_SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
+_SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
+_DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
+KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
+    "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
+            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)],
+           ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
+             ("base", 128): [(8, 1)], ("wide", 128): [(8, 1)]},
+    # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
+    "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
+    "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
+    "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
+}
+# Candidates the AOT report compiles to prune the table above (`aot_report --all`).
 CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
-TILES_BY_HEAD_DIM = {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)}
 DELTA_BLOCK = 64
 GPU_DTYPES = (torch.float16, torch.bfloat16)
+# Length buckets of the autotune key: next power of two of the query rows, clamped to this range.
+BUCKET_MIN, BUCKET_MAX = 1024, 16384
 
 
-def _autotuned(kernel_name: str):
-    def prune(configs, named_args, **kwargs):
-        allowed = KERNEL_CONFIGS[kernel_name][int(kwargs["HEAD_DIM"])]
-        return [c for c in configs if (c.num_warps, c.num_stages) in allowed]
+def length_bucket(rows: int) -> int:
+    """Autotune bucket of ``rows`` query rows per head: the next power of two in [BUCKET_MIN, BUCKET_MAX]."""
+    return min(BUCKET_MAX, max(BUCKET_MIN, 1 << max(0, int(rows) - 1).bit_length()))
 
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in CANDIDATE_CONFIGS]
-    return triton.autotune(configs, key=["HEAD_DIM"], prune_configs_by={"early_config_prune": prune})(
-        KERNELS[kernel_name])
+
+def autotune_enabled() -> bool:
+    """Whether launches benchmark their config list (else the first entry runs: deterministic).
+
+    KFORCING_TRITON_AUTOTUNE=1 / 0 forces it. Unset: on, except under an initialised torch.distributed
+    group of more than one rank, where per-rank timing noise could pick different configs (and so
+    different rounding) on different ranks; there the first entry runs everywhere.
+    """
+    forced = os.environ.get("KFORCING_TRITON_AUTOTUNE")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"KFORCING_TRITON_AUTOTUNE: expected '0' or '1', got {forced!r}")
+        return forced == "1"
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _tuned_kernel(kernel_name: str, key: tuple):
+    """One autotuner per (kernel, tile set, head dim, length bucket, mode, autotune on/off). Triton adds
+    the tensors' dtypes to its own key, so each autotuner times its configs once per dtype."""
+    tile_set, head_dim = key[0], key[1]
+    configs = KERNEL_CONFIGS[kernel_name][(tile_set, head_dim)]
+    if not autotune_enabled():
+        configs = configs[:1]
+    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs],
+                           key=["HEAD_DIM"])(KERNELS[kernel_name])
 
 
 _tuned_lock = threading.Lock()
-_tuned: dict[str, object] = {}
+_tuned: dict[tuple, object] = {}
 
 
-def _launch(kernel_name: str, grid: tuple, *args, **kwargs) -> None:
-    """Launch under the interpreter with a fixed config, on a GPU through the autotuner."""
+def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
+    """Launch under the interpreter with a fixed config, on a GPU through the autotuner for ``tune_key``
+    = (tile set, head dim, length bucket, mode); the caller holds the device guard."""
     if grid[0] * grid[1] == 0:
         return
     if grid[1] > 65535:  # CUDA's limit on grid dimension y
@@ -505,10 +554,12 @@ def _launch(kernel_name: str, grid: tuple, *args, **kwargs) -> None:
     if interpreting():
         KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
         return
+    key = (kernel_name, *tune_key, autotune_enabled())
     with _tuned_lock:
-        if kernel_name not in _tuned:
-            _tuned[kernel_name] = _autotuned(kernel_name)
-    _tuned[kernel_name][grid](*args, **kwargs)
+        tuned = _tuned.get(key)
+        if tuned is None:
+            tuned = _tuned[key] = _tuned_kernel(kernel_name, tune_key)
+    tuned[grid](*args, **kwargs)
 
 
 # ====================================================================== launchers
@@ -523,9 +574,18 @@ _device_plans: dict[tuple, dict] = {}
 _device_plans_lock = threading.Lock()
 
 
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
 def _plan_tensors(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
-    """The plan, the layout's row intervals and slot-to-key table as int32 tensors on ``device`` (cached)."""
-    key = (plan.layout_key, plan.tiles, str(device))
+    """The plan, the layout's row intervals and slot-to-key table as int32 tensors on ``device`` (cached).
+
+    Cached per (device, current stream): each copy is made and used on one stream, so the caching
+    allocator never hands its memory to another stream while a kernel there may still read it.
+    Call under the device guard of ``device``.
+    """
+    key = (plan.layout_key, plan.tiles, str(device), _stream_id(device))
     with _device_plans_lock:
         cached = _device_plans.get(key)
     if cached is not None:
@@ -559,7 +619,7 @@ _no_counters: dict[str, torch.Tensor] = {}
 
 
 def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
-    if counters is None:  # a valid pointer the uninstrumented kernels never touch
+    if counters is None:  # a valid pointer the uninstrumented kernels never touch (never freed)
         if str(device) not in _no_counters:
             _no_counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
         return _no_counters[str(device)]
@@ -568,19 +628,85 @@ def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
     return counters
 
 
-def _check_shapes(q, k, layout: WindowLayout) -> None:
+# Offsets inside one (batch, head) slice are int32 in the kernels (only the batch/head offset is int64).
+# That is safe because the 65535-tile grid limit caps a head at 65535 * 128 rows of <= 128 elements,
+# 2^30 < 2^31 elements; this check keeps the bound explicit should the tiles or the limit change.
+INT32_LIMIT = 2**31
+
+
+def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
     check_head_dim(q.shape[-1])
     if (q.shape[2], k.shape[2]) != (layout.n_queries, layout.n_keys):
         raise ValueError(f"q, k: expected lengths ({layout.n_queries}, {layout.n_keys}) from the layout, "
                          f"got ({q.shape[2]}, {k.shape[2]})")
     if layout.batch_size not in (None, q.shape[0]):
         raise ValueError(f"layout: expected per-batch ranges for batch {q.shape[0]}, got {layout.batch_size}")
+    for name, t in zip(("k", "v", "dout", "out", "lse"), (k, *others)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} like q, got {t.device}")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] * t.stride(2) >= INT32_LIMIT:
+            raise ValueError(f"{name}: one head spans {t.shape[2] * t.stride(2)} elements; the triton backend "
+                             f"indexes within a head in int32 (< 2^31)")
 
 
-def tiles_for(head_dim: int) -> Tiles:
-    """The tiles the dispatcher uses for ``head_dim``."""
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: Optional[torch.device]) -> tuple[int, int]:
+    """Compute capability of a CUDA ``device`` ((0, 0) for anything else)."""
+    if device is None or device.type != "cuda":
+        return (0, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
+    """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
+
+    KFORCING_TRITON_TILES=base|wide forces a set where it applies (head dims it has no tiles for, and
+    CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base").
+    """
     check_head_dim(head_dim)
-    return TILES_BY_HEAD_DIM[head_dim]
+    forced = os.environ.get("KFORCING_TRITON_TILES")
+    if forced and forced not in TILE_SETS:
+        raise ValueError(f"KFORCING_TRITON_TILES: expected one of {sorted(TILE_SETS)}, got {forced!r}")
+    cuda = device is not None and device.type == "cuda"
+
+    def fits(name: str) -> bool:  # the interpreter (CPU) runs any set
+        return head_dim in TILE_SETS[name] and (not cuda or _capability(device)[0] >= TILE_SET_MIN_CAPABILITY[name])
+
+    if forced:
+        return forced if fits(forced) else "base"
+    return "wide" if rows >= WIDE_MIN_ROWS and cuda and fits("wide") else "base"
+
+
+def tiles_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> Tiles:
+    """The tiles the dispatcher uses for ``rows`` query rows per head of ``head_dim`` on ``device``."""
+    return TILE_SETS[tile_set_for(head_dim, rows, device)][head_dim]
+
+
+def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]:
+    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs."""
+    d = q.shape[-1]
+    if tiles is None:
+        name = tile_set_for(d, q.shape[2], q.device)
+        return TILE_SETS[name][d], name
+    return tiles, next((n for n, by_d in TILE_SETS.items() if by_d.get(d) == tiles), "base")
+
+
+def _tune_key(tile_set: str, q: torch.Tensor, plan: TilePlan) -> tuple:
+    """What changes the best config: tile set, head dim, length bucket, mode (slot or tile intra part,
+    causal or full intra). Triton's autotuner adds the dtypes itself."""
+    mode = ("slot" if plan.intra_blocks else "tile") + ("-causal" if plan.geometry.causal else "-full")
+    return (tile_set, q.shape[-1], length_bucket(q.shape[2]), mode)
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on ``t``'s device: Triton launches on the current device and its current stream."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def attention_forward(
@@ -590,15 +716,23 @@ def attention_forward(
     layout: WindowLayout,
     scale: float,
     *,
-    tiles: Optional[Tiles] = None,  # default: tiles_for(D)
+    tiles: Optional[Tiles] = None,  # default: tiles_for(D, Lq, q.device)
     counters: Optional[torch.Tensor] = None,  # int32 [5]: count executed products (interpreter tests)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused forward: ``(out [B, H, Lq, D] in q.dtype, lse [B, H, Lq] fp32, natural log)``."""
+    """Fused forward: ``(out [B, H, Lq, D] in q.dtype, lse [B, H, Lq] fp32, natural log)``.
+
+    Runs on q's device (any ``cuda:i``) and that device's current stream."""
+    _check_shapes(q, k, layout, v)
+    with _device_guard(q):
+        return _forward(q, k, v, layout, scale, tiles, counters)
+
+
+def _forward(q, k, v, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
-    _check_shapes(q, k, layout)
-    tiles = tiles or tiles_for(d)
+    tiles, tile_set = _resolve_tiles(tiles, q)
     plan = tile_plan(layout, tiles)
     g = plan.geometry
+    key = _tune_key(tile_set, q, plan)
     pt = _plan_tensors(plan, layout, q.device)
     counters = _counters(q.device, counters)
     instrument = counters.numel() > 1
@@ -609,7 +743,7 @@ def attention_forward(
     o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
     lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
     _launch(
-        "slot_fwd", (bsz * n_heads, plan.intra_blocks),
+        "slot_fwd", (bsz * n_heads, plan.intra_blocks), key,
         q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
         *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
         n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
@@ -619,7 +753,7 @@ def attention_forward(
     out = torch.empty_like(q)
     lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     _launch(
-        "fwd", (bsz * n_heads, plan.num_query_tiles),
+        "fwd", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, out, lse, o_part, lse_part,
         pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
         *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
@@ -640,16 +774,22 @@ def attention_backward(
     layout: WindowLayout,
     scale: float,
     *,
-    tiles: Optional[Tiles] = None,
+    tiles: Optional[Tiles] = None,  # default: tiles_for(D, Lq, q.device), as in the forward
     counters: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``q, k, v``."""
+    """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``q, k, v``, on q's device and stream."""
+    _check_shapes(q, k, layout, v, dout, out, lse)
+    with _device_guard(q):
+        return _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters)
+
+
+def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
     n_kv = k.shape[1]
-    _check_shapes(q, k, layout)
-    tiles = tiles or tiles_for(d)
+    tiles, tile_set = _resolve_tiles(tiles, q)
     plan = tile_plan(layout, tiles)
     g = plan.geometry
+    key = _tune_key(tile_set, q, plan)
     pt = _plan_tensors(plan, layout, q.device)
     counters = _counters(q.device, counters)
     instrument = counters.numel() > 1
@@ -660,14 +800,15 @@ def attention_backward(
 
     delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     n_rows = bsz * n_heads * lq
-    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK, HEAD_DIM=d)
+    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
+            HEAD_DIM=d)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     n_window_rows = lq - (g.n_ctx - g.query_offset)
     dq_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
     _launch(
-        "slot_bwd", (bsz * n_kv, plan.intra_blocks),
+        "slot_bwd", (bsz * n_kv, plan.intra_blocks), key,
         q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
         *strides, dq_part.stride(0), dq_part.stride(1),
         n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
@@ -676,7 +817,7 @@ def attention_backward(
     )
     dq = torch.empty_like(q)
     _launch(
-        "dq", (bsz * n_heads, plan.num_query_tiles),
+        "dq", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, dout, lse, delta, dq, dq_part,
         pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
         *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
@@ -684,7 +825,7 @@ def attention_backward(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     _launch(
-        "dkdv", (bsz * n_kv, plan.num_key_tiles),
+        "dkdv", (bsz * n_kv, plan.num_key_tiles), key,
         q, k, v, dout, lse, delta, dk, dv,
         pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"], counters,
         *strides, pt["keyptr_bstride"], pt["iv_bstride"],
@@ -695,6 +836,8 @@ def attention_backward(
 
 
 __all__ = [
-    "attention_forward", "attention_backward", "interpreting", "check_head_dim", "tiles_for", "SUPPORTED_HEAD_DIMS",
-    "KERNELS", "KERNEL_CONFIGS", "IO_POINTERS", "FP32_POINTERS", "FLOAT_ARGS", "ALIGNED_STRIDES", "CANDIDATE_CONFIGS", "TILES_BY_HEAD_DIM", "COUNTER_NAMES", "GPU_DTYPES",
+    "attention_forward", "attention_backward", "interpreting", "check_head_dim", "tiles_for", "tile_set_for",
+    "length_bucket", "autotune_enabled", "SUPPORTED_HEAD_DIMS", "KERNELS", "KERNEL_CONFIGS", "IO_POINTERS",
+    "FP32_POINTERS", "FLOAT_ARGS", "ALIGNED_STRIDES", "CANDIDATE_CONFIGS", "TILE_SETS", "TILES_BY_HEAD_DIM",
+    "COUNTER_NAMES", "GPU_DTYPES",
 ]

@@ -1,0 +1,406 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh: the project's one-call GPU check (fits one 10-minute command).
+#
+#   bash bench/gpu_check.sh            # from the project root; logs and JSON under $OUT (else ./gpu-out)
+#
+# Nothing is installed (GPU machines here have no network): missing packages are reported and
+# the steps that need them skipped. Each step has its own cap, and a global deadline
+# (GPU_CHECK_BUDGET_S, default 570 s) keeps the whole run under 10 minutes; a failing or
+# timed-out step does not stop the ones after it; the last lines give every step's exit code.
+#
+# Steps (kept in step with python_tests/test_triton_gpu.py and bench/triton_gpu.py):
+#   0 machine: nvidia-smi, versions, packages, composite_cuda's kernels
+#   1 smoke: window_attention(backend="triton") fwd+bwd in bf16 vs the float64 reference (ours <= 2x
+#     torch's own bf16 error + 8e-3), D 128/64, slot and tile modes, both tile sets at D=128, then 3
+#     more runs that must match bit for bit (no atomics: a difference is a race); the composite CUDA
+#     path on the same cases
+#   2 pytest: python_tests/test_triton_gpu.py (CUDA tests) and test_compile.py's fullgraph cases
+#   3 int64 offsets: B*H*L*D > 2^31 elements per tensor, first/last batch element vs the reference
+#   4 sampler: the Triton inverse-CDF sampler vs torch float64, noise-inversion round trip
+#   5 bench A: triton (auto and both tile sets) vs SDPA flash causal (same useful work), flash-attn,
+#     single layout, N 1024/4096/8192, k 2/4/8, D 128, B 1, H 16 (do_bench medians, TFLOP/s per useful FLOP)
+#   5b the same triton rows (N 1024/8192, k 8, single + double) with every window's intra part in-tile
+#     (--slot-window-max 0): the slot-kernel decision in README "Triton AOT resources" (tools/slot_cost)
+#   6 bench B: + composite (CUDA path) and dense-mask SDPA, N 1024/2048, k 4, D 64/128
+#   7 bench C: triton vs compiled FlexAttention (analytic BlockMask), N 1024/2048/8192, k 4, D 128
+#   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
+set -uo pipefail
+
+ROOT=${KF_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+if [ ! -d "$ROOT/kforcing_kernels" ] || [ ! -f "$ROOT/bench/triton_gpu.py" ] || [ ! -d "$ROOT/python_tests" ]; then
+    echo "gpu_check: run this from the kforcing_kernels project root (or set KF_ROOT); $ROOT has no kforcing_kernels/, bench/triton_gpu.py or python_tests/" >&2
+    exit 2
+fi
+cd "$ROOT" || exit 2
+OUT_DIR=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT_DIR" || { echo "gpu_check: cannot create $OUT_DIR" >&2; exit 2; }
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOG=$OUT_DIR/gpu_check.log
+BUDGET=${GPU_CHECK_BUDGET_S:-570}
+START=$(date +%s)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || { echo "gpu_check: mktemp failed" >&2; exit 2; }
+trap 'rm -rf "$WORK"' EXIT
+
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif command -v python >/dev/null 2>&1; then PY=python
+else PY=python3
+fi
+
+# Compiled kernels, the package from this source tree (no install needed), no forced backend.
+for var in TRITON_INTERPRET KFORCING_BACKEND; do
+    if [ -n "${!var:-}" ]; then echo "gpu_check: unsetting $var=${!var}"; fi
+    unset "$var"
+done
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING=1   # the config each autotuned kernel picks, and how long tuning took
+
+# ---------------------------------------------------------------- the Python parts
+cat > "$WORK/info.py" <<'PYEOF'
+import importlib
+import platform
+import sys
+
+print("python", sys.version.split()[0], "on", platform.platform())
+required = {
+    "torch": "everything",
+    "triton": "the triton backend",
+    "numpy": "torch and Triton",
+    "pytest": "step 2 (python_tests/test_triton_gpu.py)",
+}
+optional = {
+    "flash_attn": "the bench's fa2_causal column (empty without it; sdpa_causal is always measured)",
+    "safetensors": "kforcing_kernels.train / inference checkpoints; not used by this script",
+    "tokenizers": "kforcing_kernels.data; not used by this script",
+    "hypothesis": "property tests elsewhere in python_tests; not run here",
+    "pytest_benchmark": "bench/pytest_attention.py; not run here",
+    "transformers": "python_tests/test_hf.py; not run here",
+}
+missing = []
+for name, why in {**required, **optional}.items():
+    try:
+        module = importlib.import_module(name)
+        print(f"  {name:17s} {getattr(module, '__version__', '(no __version__)')}")
+    except Exception as exc:  # noqa: BLE001 - report, never fail here
+        kind = "MISSING, REQUIRED for" if name in required else "missing (optional):"
+        print(f"  {name:17s} {kind} {why} [{type(exc).__name__}: {exc}]")
+        if name in required:
+            missing.append(name)
+if missing:
+    print(f"REQUIRED PACKAGES MISSING: {', '.join(missing)}. This script installs nothing (no network); "
+          "the steps that need them are skipped or fail.")
+try:
+    import torch
+
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+          "cuda available:", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        print(f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+              f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free), {torch.cuda.device_count()} device(s)")
+except Exception as exc:  # noqa: BLE001
+    print("torch check failed:", type(exc).__name__, exc)
+try:
+    import triton
+
+    print("triton", triton.__version__, "ptxas", getattr(triton.knobs.nvidia.ptxas, "path", "?"))
+except Exception as exc:  # noqa: BLE001
+    print("triton check failed:", type(exc).__name__, exc)
+try:
+    import kforcing_kernels
+
+    print("kforcing_kernels imported from", kforcing_kernels.__file__)
+    print("backends:", kforcing_kernels.backends_available())
+    from kforcing_kernels.ops.window_attention import composite_cuda, triton_kernels
+
+    print("composite_cuda kernels:", composite_cuda.status())
+    print("triton autotune:", "on" if triton_kernels.autotune_enabled() else "off (first config)",
+          "| tile sets:", {n: {d: tuple(t.__dict__.values()) for d, t in s.items()} for n, s in triton_kernels.TILE_SETS.items()})
+except Exception as exc:  # noqa: BLE001
+    print("kforcing_kernels import FAILED:", type(exc).__name__, exc)
+    sys.exit(1)
+sys.exit(1 if missing else 0)
+PYEOF
+
+cat > "$WORK/smoke.py" <<'PYEOF'
+import os
+import sys
+import time
+
+import torch
+
+from kforcing_kernels import WindowLayout, window_attention
+from kforcing_kernels.ops.window_attention import composite_cuda
+
+dev = torch.device("cuda")
+failures = 0
+
+
+def run(q, k, v, layout, dout, backend):
+    out, lse = window_attention(q, k, v, layout, backend=backend, return_lse=True)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def case(name, layout, dtype, d, batch=2, heads=4, kv_heads=2, backend="triton"):
+    global failures
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(h, length):
+        return torch.randn(batch, h, length, d, device=dev, dtype=dtype, generator=g)
+
+    q, k, v = rand(heads, layout.n_queries), rand(kv_heads, layout.n_keys), rand(kv_heads, layout.n_keys)
+    dout = rand(heads, layout.n_queries)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    label = f"{backend:9s} {name:26s} {str(dtype)[6:]:8s} D={d:3d} tiles={os.environ.get('KFORCING_TRITON_TILES', 'auto')}"
+    try:
+        t0 = time.perf_counter()
+        ours = run(q, k, v, layout, dout, backend)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ref64 = run(*(t.detach().double().requires_grad_(True) for t in (q, k, v)), layout, dout.double(), "reference")
+        ref_lp = run(*(t.detach().clone().requires_grad_(True) for t in (q, k, v)), layout, dout, "reference")
+        repeat_ok = True
+        for _ in range(3):
+            again = run(q, k, v, layout, dout, backend)
+            repeat_ok &= all(torch.equal(a, b) for a, b in zip(again, ours))
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        failures += 1
+        print(f"{label}: EXCEPTION {type(exc).__name__}: {exc}", flush=True)
+        return
+    floor = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    parts, ok = [], repeat_ok
+    for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_lp):
+        finite = bool(torch.isfinite(a).all())
+        err = (a.double() - b).abs().max().item()
+        torch_err = (c.double() - b).abs().max().item()
+        good = finite and err <= 2 * torch_err + floor
+        ok &= good
+        parts.append(f"{what} {err:.1e}/{torch_err:.1e}{'' if finite else ' NONFINITE'}{'' if good else ' BAD'}")
+    failures += not ok
+    print(f"{label}: first call {first_s:5.1f}s | max err ours/torch-same-dtype vs fp64: {', '.join(parts)} | "
+          f"bitwise repeatable: {repeat_ok} | {'OK' if ok else 'FAIL'}", flush=True)
+
+
+cases = [
+    ("single N=256 k=4", WindowLayout.kforcing_single(256, 4)),         # slot mode (w <= 16)
+    ("double N=128 k=4", WindowLayout.kforcing_double(128, 4)),         # slot mode, two streams
+    ("double N=64 k=12 (tiles)", WindowLayout.kforcing_double(64, 12)),  # w = 24: tile mode with streams
+    ("sbd N=300 b=7", WindowLayout.sbd(300, 7)),                        # full intra, short last window
+]
+for d in (128, 64):
+    for name, layout in cases:
+        case(name, layout, torch.bfloat16, d)
+big = WindowLayout.kforcing_single(1024, 4)
+for tiles in ("base", "wide"):  # both D=128 tile sets, whatever this GPU would pick
+    os.environ["KFORCING_TRITON_TILES"] = tiles
+    for name, layout in cases[:3]:
+        case(name, layout, torch.bfloat16, 128)
+    case("single N=1024 k=4 H=16", big, torch.bfloat16, 128, batch=1, heads=16, kv_heads=16)
+os.environ.pop("KFORCING_TRITON_TILES")
+for name, layout in cases:
+    case(name, layout, torch.bfloat16, 128, backend="composite")
+print("composite_cuda kernels:", composite_cuda.status())
+failures += bool(composite_cuda.status()["disabled"])
+print(f"smoke: {failures} failing case(s)")
+sys.exit(1 if failures else 0)
+PYEOF
+
+cat > "$WORK/int64.py" <<'PYEOF'
+import sys
+
+import torch
+
+from kforcing_kernels import WindowLayout, window_attention
+
+layout = WindowLayout.kforcing_single(64, 4)  # Lq = Lk = 320, 256 window rows
+heads, d, dtype = 16, 128, torch.bfloat16
+per_batch = heads * layout.n_queries * d
+batch = 2**31 // per_batch + 2
+elems = batch * per_batch
+window_rows = layout.n_queries - layout.n_ctx
+# Peak: q, k, v, out, dout, dq, dk, dv (bf16), the fp32 slot partial, lse/delta.
+need = 8 * elems * 2 + batch * heads * window_rows * d * 4 + 2 * batch * heads * layout.n_queries * 4
+free, total = torch.cuda.mem_get_info()
+print(f"B={batch} H={heads} L={layout.n_queries} D={d}: {elems} elements per tensor (2^31 = {2**31}); "
+      f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+if free < need * 1.1 + 2 * 2**30:
+    print("int64 offsets: SKIPPED (not enough free GPU memory)")
+    sys.exit(0)
+dev = torch.device("cuda")
+g = torch.Generator(device=dev).manual_seed(0)
+
+
+def rand():
+    return torch.randn(batch, heads, layout.n_queries, d, device=dev, dtype=dtype, generator=g)
+
+
+q, k, v = (rand().requires_grad_(True) for _ in range(3))
+dout = rand()
+out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
+dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+torch.cuda.synchronize()
+
+
+def reference(b, precision):
+    qr, kr, vr = (t[b:b + 1].detach().to(precision).requires_grad_(True) for t in (q, k, v))
+    ro, rl = window_attention(qr, kr, vr, layout, backend="reference", return_lse=True)
+    return (ro, rl, *torch.autograd.grad(ro, (qr, kr, vr), dout[b:b + 1].to(precision)))
+
+
+bad = 0
+for b in (0, batch - 1):
+    ref64, ref_lp = reference(b, torch.float64), reference(b, dtype)
+    parts = []
+    for what, a, r, c in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref64, ref_lp):
+        a = a[b:b + 1]
+        err = (a.double() - r).abs().max().item()
+        torch_err = (c.double() - r).abs().max().item()
+        good = bool(torch.isfinite(a).all()) and err <= 2 * torch_err + 8e-3
+        bad += not good
+        parts.append(f"{what} {err:.1e}/{torch_err:.1e}{'' if good else ' BAD'}")
+    print(f"batch element {b}: max err ours/torch-bf16 vs fp64: {', '.join(parts)}")
+print("int64 offsets:", "FAIL" if bad else "OK")
+sys.exit(1 if bad else 0)
+PYEOF
+
+cat > "$WORK/sampler.py" <<'PYEOF'
+import sys
+
+import torch
+
+from kforcing_kernels.ops import sampling
+
+dev = torch.device("cuda")
+print("sampler backend on cuda:", sampling.sampler_backend(dev))
+g = torch.Generator(device=dev).manual_seed(0)
+fails = 0
+for V in (7, 2500, 152064):
+    for dtype in (torch.float32, torch.bfloat16):
+        for tau in (0.3, 1.0):
+            logits = (torch.randn(256, V, device=dev, generator=g) * 3).to(dtype)
+            if V > 3:
+                logits[:, 2::5] = float("-inf")
+            z = torch.rand(256, device=dev, generator=g)
+            got = sampling.inverse_cdf_sample(logits, z, tau)
+            want = sampling.inverse_cdf_sample_reference(logits, z, tau)
+            mismatch = int((got != want).sum())
+            z_back = sampling.noise_inversion(logits, got, tau, generator=g)
+            round_trip = int((sampling.inverse_cdf_sample(logits, z_back, tau) != got).sum())
+            # A lone mismatch can be a 1-ulp float64 difference at a bin edge; more than 2 of 256 is a bug.
+            fails += mismatch > 2 or round_trip > 2
+            print(f"V={V:6d} {str(dtype)[6:]:8s} tau={tau}: {mismatch}/256 differ from the torch float64 reference, "
+                  f"{round_trip}/256 noise-inversion round trips fail")
+torch.cuda.synchronize()
+print("sampler:", "FAIL" if fails else "OK")
+sys.exit(1 if fails else 0)
+PYEOF
+
+# ---------------------------------------------------------------- steps
+elapsed() { echo $(( $(date +%s) - START )); }
+
+# run_step NAME CAP RESERVE CMD...: run CMD with min(CAP, time left - RESERVE) seconds; skip if < 20 s.
+run_step() {
+    local name=$1 cap=$2 reserve=$3
+    shift 3
+    local left=$(( BUDGET - $(elapsed) - reserve ))
+    local t=$(( cap < left ? cap : left ))
+    echo
+    echo "==================== [$name] $(date -u +%H:%M:%S)Z, elapsed $(elapsed)s, cap ${t}s"
+    echo "\$ $*"
+    if [ "$t" -lt 20 ]; then
+        echo "[$name] SKIPPED: only ${t}s left in the ${BUDGET}s budget"
+        SUMMARY+=("$name: skipped (no time left)")
+        return 0
+    fi
+    local t0 rc dt what
+    t0=$(date +%s)
+    timeout --kill-after=10 "$t" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+    rc=${PIPESTATUS[0]}
+    dt=$(( $(date +%s) - t0 ))
+    what="rc=$rc"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then what="rc=$rc (TIMED OUT at ${t}s)"; fi
+    echo "[$name] exit: $what, ${dt}s"
+    SUMMARY+=("$name: $what, ${dt}s")
+    return 0
+}
+
+skip_step() {
+    echo
+    echo "==================== [$1] SKIPPED: $2"
+    SUMMARY+=("$1: skipped ($2)")
+}
+
+gpu_state() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        timeout 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used,utilization.gpu --format=csv
+    fi
+}
+
+main() {
+    SUMMARY=()
+    echo "gpu_check: root $ROOT, out $OUT_DIR, python $(command -v "$PY" || echo "$PY (not found)"), budget ${BUDGET}s"
+    date -u
+    uname -a
+    if git -C "$ROOT" rev-parse HEAD >/dev/null 2>&1; then
+        echo "git: $(git -C "$ROOT" rev-parse HEAD), $(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l) changed paths"
+    else
+        echo "git: not a git checkout"
+    fi
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        timeout 30 nvidia-smi
+        timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
+    else
+        echo "nvidia-smi: NOT FOUND"
+    fi
+    run_step 0_versions 60 0 "$PY" "$WORK/info.py"
+
+    local have_cuda=0 have_pytest=0
+    if "$PY" -c "import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then have_cuda=1; fi
+    if "$PY" -c "import pytest" >/dev/null 2>&1; then have_pytest=1; fi
+    if [ "$have_cuda" -eq 0 ]; then
+        echo "gpu_check: torch/triton not importable or no CUDA device; every GPU step is skipped"
+        local s
+        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step; do
+            skip_step "$s" "no CUDA device or torch/triton not importable"
+        done
+    else
+        # Correctness first. Each reserve is the sum of the later steps' caps (benches: about 4.5 minutes).
+        run_step 1_smoke 100 435 "$PY" "$WORK/smoke.py"
+        if [ "$have_pytest" -eq 1 ]; then
+            run_step 2_pytest_gpu 100 335 "$PY" -m pytest python_tests/test_triton_gpu.py python_tests/test_compile.py \
+                -k "not test_changing_sizes and not test_a_new_bucket and not inductor" -q -p no:cacheprovider \
+                -rfEs --durations=10 --maxfail=4 --junitxml="$OUT_DIR/pytest_gpu.xml"
+        else
+            skip_step 2_pytest_gpu "pytest is not installed, and this script installs nothing"
+        fi
+        run_step 3_int64_offsets 40 295 "$PY" "$WORK/int64.py"
+        run_step 4_sampler 30 265 "$PY" "$WORK/sampler.py"
+        gpu_state
+        run_step 5_bench_single_d128 70 195 "$PY" bench/triton_gpu.py --layout single --n 1024 4096 8192 --k 2 4 8 \
+            --dim 128 --batch 1 --heads 16 --methods triton sdpa_flash_causal fa2_causal --triton-tiles auto base wide \
+            --json "$OUT_DIR/bench_single_d128.json"
+        run_step 5b_bench_in_tile 35 160 "$PY" bench/triton_gpu.py --layout single double --n 1024 8192 --k 8 --dim 128 \
+            --batch 1 --heads 16 --methods triton --slot-window-max 0 --json "$OUT_DIR/bench_in_tile_d128.json"
+        run_step 6_bench_composite_dense 45 115 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 --k 4 --dim 64 128 \
+            --batch 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
+        run_step 7_bench_flex 70 45 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 8192 --k 4 --dim 128 \
+            --batch 1 --heads 16 --methods triton flex --json "$OUT_DIR/bench_flex_single_d128.json"
+        run_step 8_train_step 45 0 "$PY" bench/triton_gpu.py --train-step --n 1024 --k 2 --batch 4 \
+            --json "$OUT_DIR/train_step.json"
+        gpu_state
+    fi
+
+    echo
+    echo "==================== summary (elapsed $(elapsed)s of ${BUDGET}s; outputs in $OUT_DIR)"
+    local s failed=0
+    for s in "${SUMMARY[@]}"; do
+        echo "  $s"
+        case "$s" in *"rc=0,"*|*skipped*) ;; *) failed=1 ;; esac
+    done
+    ls -la "$OUT_DIR"
+    return "$failed"
+}
+
+main 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
