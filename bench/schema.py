@@ -13,6 +13,7 @@ every row that carries no timing says why.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -178,6 +179,19 @@ def add_arguments(p) -> None:
     p.add_argument("reports", nargs="+", metavar="REPORT.json", help="attention reports written by the sweep")
 
 
+def finish_args(p, args, argv=None, prog=None):
+    """A clear usage error for a missing or unreadable report (before any checking)."""
+    for path in args.reports:
+        if not os.path.isfile(path):
+            p.error(f"REPORT.json: no such file: {path}")
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            p.error(f"REPORT.json: cannot read {path} as JSON: {exc}")
+    return args
+
+
 def execute(args) -> int:
     """Exit status 0 when every report is valid, 1 otherwise."""
     status = 0
@@ -197,7 +211,7 @@ def main(argv=None, prog="kforcing-bench validate") -> int:
 
     p = make_parser(prog, main.__doc__)
     add_arguments(p)
-    return execute(p.parse_args(argv))
+    return execute(finish_args(p, p.parse_args(argv)))
 
 
 if __name__ == "__main__":

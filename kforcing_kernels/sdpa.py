@@ -17,9 +17,13 @@ Detection is a verification, never a guess: structural probes only *propose*
 candidate layouts (from the mask's shape, its row counts and a few rows), and a
 candidate is accepted only if its ``dense_mask()`` equals the given mask in every
 element (after broadcasting over batch and heads). A mask that differs in one
-element falls back to SDPA. Each distinct mask tensor is verified once: results
-are remembered per tensor object and invalidated by any in-place write (tensor
-version counter), so a mask shared by all layers of a model costs one check.
+element falls back to SDPA. Each distinct mask tensor is verified once: the
+verdict is remembered per tensor object together with a copy of the content it
+was given for, and reused only while the mask still equals that copy (one
+``torch.equal``, far cheaper than matching), so a mask shared by all layers of a
+model costs one match. The content is compared rather than trusting the version
+counter, which in-place edits through ``.data``, numpy views or other aliases
+do not bump.
 Detection reads mask values, so it runs in eager mode only; under torch.compile
 these entry points call SDPA unless an explicit ``layout`` is given.
 """
@@ -40,8 +44,10 @@ from .layouts import WindowLayout
 
 __all__ = ["scaled_dot_product_attention", "match_layout", "route_dense_masks"]
 
-# Per-router memory of verified masks; one entry per distinct mask tensor seen recently.
+# Per-router memory of verified masks; one entry per distinct mask tensor seen recently. Each entry
+# keeps a copy of the verified content (one byte per element), bounded in total.
 _MATCH_CACHE_SIZE = 16
+_MATCH_CACHE_MAX_ELEMENTS = 1 << 26
 
 
 def scaled_dot_product_attention(
@@ -212,6 +218,19 @@ def _propose_ptp(mask: torch.Tensor, ctx: int) -> Optional[WindowLayout]:
 # ---------------------------------------------------------------------- routing
 
 
+def _content_view(mask: torch.Tensor) -> torch.Tensor:
+    """The mask without its broadcast (stride-0) dims: exactly the elements that carry information."""
+    return _collapse_broadcast_dims(mask.reshape((1,) * (4 - mask.dim()) + mask.shape) if mask.dim() < 4 else mask)
+
+
+def _same_content(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _cached_elements(seen: "OrderedDict[int, tuple]") -> int:
+    return sum(entry[1].numel() for entry in seen.values())
+
+
 class _Router:
     """Decides whether one SDPA call can run on ``window_attention``, remembering verified masks."""
 
@@ -223,18 +242,22 @@ class _Router:
                     raise ValueError(f"candidates: expected WindowLayouts, item {i} is a {type(c).__name__}")
         self.candidates = candidates
         self.backend = backend
-        self._seen: OrderedDict[int, tuple] = OrderedDict()  # id(mask) -> (weakref, version, layout or None)
+        self._seen: OrderedDict[int, tuple] = OrderedDict()  # id(mask) -> (weakref, verified content, layout or None)
 
     def _match(self, mask: torch.Tensor) -> Optional[WindowLayout]:
-        if mask.is_inference():  # no version counter to tell whether it changed: verify every time
-            return match_layout(mask, self.candidates)
+        # A remembered verdict is reused only if the mask's content is still exactly what was
+        # verified: in-place edits through .data, a numpy view or another alias do not bump the
+        # version counter, so identity + version alone could hand back a stale match.
+        content = _content_view(mask)
         entry = self._seen.get(id(mask))
-        if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        if entry is not None and entry[0]() is mask and _same_content(content, entry[1]):
             self._seen.move_to_end(id(mask))
             return entry[2]
         layout = match_layout(mask, self.candidates)
-        self._seen[id(mask)] = (weakref.ref(mask), mask._version, layout)
-        while len(self._seen) > _MATCH_CACHE_SIZE:
+        if content.numel() <= _MATCH_CACHE_MAX_ELEMENTS:
+            self._seen[id(mask)] = (weakref.ref(mask), content.clone(), layout)
+            self._seen.move_to_end(id(mask))
+        while len(self._seen) > _MATCH_CACHE_SIZE or _cached_elements(self._seen) > _MATCH_CACHE_MAX_ELEMENTS:
             self._seen.popitem(last=False)
         return layout
 

@@ -52,3 +52,17 @@ def assert_within_2x_torch_error(ours, ref64, ref_lp, dtype):
         our_err = (a.double() - b).abs().max().item()
         torch_err = (c.double() - b).abs().max().item()
         assert our_err <= 2 * torch_err + floor, f"{label}: ours {our_err:.3g} vs torch {torch_err:.3g}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fuzz_long: the long random-layout fuzzer (run with -m fuzz_long; counts from KFORCING_FUZZ_COUNT)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # The long fuzzer runs only when selected explicitly with -m fuzz_long.
+    if "fuzz_long" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="long fuzzer: run with -m fuzz_long")
+    for item in items:
+        if "fuzz_long" in item.keywords:
+            item.add_marker(skip)

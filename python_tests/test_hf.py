@@ -222,3 +222,39 @@ def test_transformers_is_imported_only_by_the_integration():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_compiled_training_step_matches_eager():
+    """torch.compile(model, fullgraph=True) (inductor) on the README's SingleForward training step: loss and every grad equal eager.
+
+    HF's q/k/v are transposed views; the custom op's fake kernels must report the
+    contiguous outputs the kernels really return or Inductor's stride asserts fire.
+    Inductor's caches are off so that a graph compiled against other fake kernels is not reused.
+    """
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    (model,) = twin_models(llama_config(), "kforcing")
+    emb = kf_hf.NoiseEmbedding(HIDDEN)
+    b, n, k = 2, 6, 2
+    ids, u, tgt = torch.randint(0, VOCAB, (b, n)), torch.rand(b, n, k), torch.randint(0, VOCAB, (b, n, k))
+    tau = torch.empty(b).uniform_(0.5, 1.5)
+
+    def step(forward):
+        model.zero_grad()
+        emb.zero_grad()
+        batch = kf_hf.single_forward_inputs(model, ids, u, emb, tau)
+        logits = forward(**batch).logits[:, n:].reshape(b, n, k, -1)
+        loss = F.cross_entropy(logits.flatten(0, 2), tgt.flatten())
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in (*model.parameters(), *emb.parameters())]
+
+    want = step(model)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got = step(torch.compile(model, fullgraph=True))
+    torch._dynamo.reset()
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for a, w in zip(got[1], want[1]):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)

@@ -167,3 +167,66 @@ def test_context_manager_with_explicit_candidates_and_mask_edits():
 def test_candidates_must_be_layouts():
     with pytest.raises(ValueError, match="candidates"):
         route_dense_masks([torch.ones(2, 2, dtype=torch.bool)])
+
+
+def _edit_without_version_bump(mask: torch.Tensor, how: str, row: int, col: int) -> None:
+    """Set mask[row, col] = True through a route that leaves mask._version unchanged."""
+    before = mask._version
+    if how == "data":
+        mask.data[row, col] = True
+    elif how == "numpy":
+        mask.numpy()[row, col] = True
+    elif how == "alias":  # a second tensor over the same memory, with its own version counter
+        torch.from_numpy(mask.numpy())[row, col] = True
+    assert mask._version == before and bool(mask[row, col])
+
+
+@pytest.mark.parametrize("how", ["data", "numpy", "alias"])
+@pytest.mark.parametrize("entry", ["auto", "context"])
+def test_edited_mask_is_never_matched_stale(how, entry):
+    """A mask edited in place without a version bump must be re-verified: the output follows the edited mask."""
+    layout = WindowLayout.kforcing_single(6, 3)
+    q, k, v = make_qkv(layout, batch=2, heads=2, requires_grad=False)
+    mask = layout.dense_mask()
+    row, col = torch.nonzero(~mask)[len(torch.nonzero(~mask)) // 2].tolist()
+
+    def call():
+        if entry == "auto":
+            return scaled_dot_product_attention(q, k, v, attn_mask=mask, layout="auto")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    with route_dense_masks() as router:
+        first = call()  # verified and remembered
+        _edit_without_version_bump(mask, how, row, col)
+        edited = call()
+    torch.testing.assert_close(first, window_attention(q, k, v, layout, backend="reference"), atol=2e-6, rtol=2e-6)
+    assert torch.equal(edited, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    if entry == "context":
+        assert (router.routed, router.passed_through) == (1, 1)
+
+
+def test_edited_back_mask_is_routed_again_and_unmatched_masks_stay_unmatched():
+    layout = WindowLayout.sbd(8, 3)
+    q, k, v = make_qkv(layout, heads=2, requires_grad=False)
+    mask = _flip_one(layout.dense_mask())  # not a layout: remembered as "no match"
+    with route_dense_masks() as router:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        mask.data.copy_(layout.dense_mask())  # now exactly the layout, version unchanged
+        routed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (router.routed, router.passed_through) == (2, 1)
+    torch.testing.assert_close(routed, window_attention(q, k, v, layout, backend="reference"), atol=2e-6, rtol=2e-6)
+
+
+def test_inference_mode_masks_are_remembered_by_content():
+    layout = WindowLayout.kforcing_single(6, 3)
+    q, k, v = make_qkv(layout, heads=2, requires_grad=False)
+    with torch.inference_mode():
+        mask = layout.dense_mask()
+        with route_dense_masks() as router:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            b = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            mask[3, 5] = True  # inference tensors have no version counter at all
+            c = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert (router.routed, router.passed_through) == (2, 1)
+        assert torch.equal(a, b) and torch.equal(c, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

@@ -83,7 +83,7 @@ def kforcing_attention_forward(
         if attention_mask is not None:
             raise ValueError(
                 "attention_mask: expected None or all ones with kforcing_layout (the layout is the mask; padding "
-                "is not supported), got a mask that hides tokens"
+                "and caches with unused slots, such as static caches, are not supported), got a mask that hides keys"
             )
         if dropout:
             raise ValueError(f"dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or attention_dropout=0), got {dropout}")
@@ -118,17 +118,36 @@ def kforcing_attention_forward(
 
 
 def kforcing_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
-    """transformers mask builder for ``"kforcing"``: no mask unless a 2-D padding mask hides a token.
+    """transformers mask builder for ``"kforcing"``: no mask when the call is plain causal over exactly its keys.
 
-    The structure comes from ``kforcing_layout`` (or is causal), so nothing is
-    materialised; a padding mask with zeros becomes SDPA's boolean 4-D mask, which
-    the attention function then runs with SDPA (or rejects alongside a layout).
+    The structure comes from ``kforcing_layout`` (or is causal, aligned to the end
+    of the keys), so nothing is materialised when that is exact: no token hidden by
+    the 2-D padding mask, and the keys are precisely the cached plus the new tokens
+    (``kv_offset == 0`` and ``kv_length == q_offset + q_length``). Otherwise (padding,
+    a static cache whose unused slots are keys too, a sliding cache) SDPA's boolean
+    4-D mask is built, which the attention function then runs with SDPA (or rejects
+    alongside a layout).
     """
-    if attention_mask is None:
-        return None
-    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
-        return None
+    if not torch.compiler.is_compiling() and _keys_are_exactly_the_sequence(kwargs):
+        if attention_mask is None or bool(attention_mask[:, : int(kwargs["kv_length"])].all()):
+            return None
+    if not _keys_are_exactly_the_sequence(kwargs):
+        # A causal skip would let the unused slots of a static cache be attended.
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _keys_are_exactly_the_sequence(kwargs: dict) -> bool:
+    """Whether the keys are the cached tokens then this call's, with nothing else (no empty static-cache slots)."""
+    values = [kwargs.get(name, 0) for name in ("q_length", "kv_length", "q_offset", "kv_offset")]
+    if torch.compiler.is_compiling() and any(isinstance(x, torch.Tensor) for x in values):
+        return False  # reading a traced offset (static caches) would break the graph
+    try:
+        q_length, kv_length = int(kwargs["q_length"]), int(kwargs["kv_length"])
+        q_offset, kv_offset = int(kwargs.get("q_offset", 0)), int(kwargs.get("kv_offset", 0))
+    except (KeyError, TypeError, RuntimeError):  # an unknown caller, or offsets that cannot be read while tracing
+        return False
+    return kv_offset == 0 and kv_length == q_offset + q_length
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:

@@ -27,15 +27,34 @@ Temperature = Union[float, torch.Tensor]
 
 
 def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperature: Temperature) -> torch.Tensor:
-    """Validates the arguments; returns the temperature as a tensor (float64 for Python numbers)."""
+    """Validates the arguments, identically for every backend; returns the temperature as a tensor.
+
+    ``other`` is ``z`` (floating, every value in [0, 1)) or ``tokens`` (integer ids in
+    [0, V)). Rows without a distribution are refused by :func:`_check_rows` (the
+    cpp kernels check those themselves, in the same pass that samples).
+    """
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point or logits.dim() < 1:
         raise ValueError(f"logits: expected a floating tensor [..., V], got {getattr(logits, 'shape', type(logits))}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if not isinstance(other, torch.Tensor):
         raise ValueError(f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got {type(other).__name__}")
     if other.shape != logits.shape[:-1]:
         raise ValueError(f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(other.shape)}")
     if other.device != logits.device:
         raise ValueError(f"{other_name}: expected device {logits.device} (logits'), got {other.device}")
+    if other_name == "z":
+        if not other.dtype.is_floating_point:
+            raise ValueError(f"z: expected a floating dtype, got {other.dtype}")
+        outside = ~((other >= 0) & (other < 1))  # NaN is outside too
+        if bool(outside.any()):
+            raise ValueError(f"z: expected values in [0, 1), got {other[outside].flatten()[0].item()}")
+    else:
+        if other.dtype.is_floating_point or other.dtype.is_complex or other.dtype == torch.bool:
+            raise ValueError(f"{other_name}: expected an integer dtype, got {other.dtype}")
+        outside = (other < 0) | (other >= logits.shape[-1])
+        if bool(outside.any()):
+            raise ValueError(f"{other_name}: expected ids in [0, {logits.shape[-1]}), got {other[outside].flatten()[0].item()}")
     if isinstance(temperature, torch.Tensor):
         tau = temperature.to(logits.device)
     else:
@@ -45,6 +64,25 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
     if not bool(((tau > 0) & torch.isfinite(tau)).all()):
         raise ValueError("temperature: expected finite values > 0")
     return tau
+
+
+def _check_rows(logits: torch.Tensor, tau: torch.Tensor) -> None:
+    """Refuses rows without a distribution, as the cpp kernels do: max(logits / tau) must be finite.
+
+    That one reduction catches a row of all -inf (max -inf), any +inf or a finite logit
+    that overflows when divided by tau (max +inf) and any NaN (max propagates NaN);
+    dividing the max by tau > 0 equals the max of the divided row.
+    """
+    if not logits.numel():
+        return
+    top = logits.amax(-1).to(torch.float64) / tau.to(torch.float64)
+    bad = ~torch.isfinite(top.reshape(-1))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"logits: expected every row to define a distribution, row {row} has no finite maximum or a non-finite "
+            "sum (all -inf, +inf or NaN)"
+        )
 
 
 def _cdf(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -78,6 +116,7 @@ def inverse_cdf_sample_reference(logits: torch.Tensor, z: torch.Tensor, temperat
     below 1 cannot send z just below 1 to an impossible (-inf) last token.
     """
     tau = _check(logits, z, "z", temperature)
+    _check_rows(logits, tau)
     cdf = _cdf(logits, tau)
     target = z.to(cdf.dtype)[..., None] * cdf[..., -1:]
     ids = torch.searchsorted(cdf, target.contiguous(), right=True)[..., 0]
@@ -92,15 +131,16 @@ def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, temperature: Tempe
         z: ``[...]`` uniform noise in [0, 1).
         temperature: scalar or ``[...]``, > 0.
 
-    On CPU and CUDA the fused samplers compute in float64 without storing the CDF;
-    a row without a distribution (all ``-inf``, or ``+inf``/NaN logits) raises
-    ValueError on CPU.
+    On CPU and CUDA the fused samplers compute in float64 without storing the CDF.
+    Every backend refuses the same inputs with ValueError: z outside [0, 1) (or
+    NaN) and a row without a distribution (all ``-inf``, any ``+inf`` or NaN).
     """
     tau = _check(logits, z, "z", temperature)
     backend = sampler_backend(logits.device)
     if backend == "cpp":
         return _extension.load().inverse_cdf_sample(logits, z, tau)
     if backend == "triton":
+        _check_rows(logits, tau)
         return _triton_sampler().inverse_cdf_sample(logits, z, tau)
     return inverse_cdf_sample_reference(logits, z, temperature)
 
@@ -110,6 +150,7 @@ def noise_inversion_reference(
 ) -> torch.Tensor:
     """Torch version of :func:`noise_inversion` (float64, materialises the CDF)."""
     tau = _check(logits, tokens, "tokens", temperature)
+    _check_rows(logits, tau)
     cdf = _cdf(logits, tau)
     t = tokens.long()[..., None]
     upper = cdf.gather(-1, t)[..., 0]
@@ -152,6 +193,7 @@ def noise_inversion(
     u = _uniform(tokens, logits.device, generator)
     if backend == "cpp":
         return _extension.load().noise_inversion(logits, tokens, tau, u)
+    _check_rows(logits, tau)
     return _triton_sampler().noise_inversion(logits, tokens, tau, u)
 
 

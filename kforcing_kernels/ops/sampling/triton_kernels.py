@@ -12,8 +12,9 @@ The algorithm of the C++ sampler (csrc/kf_isa_impl.h), in float64:
 
 The [..., V] cumulative sum is never stored: the extra memory is 16 bytes per
 block. Runs compiled on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``
-(set before this module is imported). Rows without a distribution (all -inf)
-give V - 1 here; the CPU path raises for them.
+(set before this module is imported). Rows without a distribution (all -inf,
++inf or NaN) and z outside [0, 1) are refused by the public functions in
+``op.py`` before these kernels run, exactly as on the other backends.
 """
 
 from __future__ import annotations

@@ -177,11 +177,13 @@ def _window_attention_op(
     geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
+    # Every backend gets (and returns) contiguous tensors: the fake below promises contiguous outputs.
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):  # keep them away from rows that cannot see them
         return masked_keys.forward(q, k, v, layout, scale)
     if backend == "reference":  # reached under torch.compile only; eager uses the differentiable path
         return attend(q, k, v, causal=False, scale=scale, allowed=_dense_allowed(layout, q.device), force_math=True)
-    out, lse = get_backend(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
+    out, lse = get_backend(backend).forward(q, k, v, layout, scale)
     return out, lse
 
 
@@ -193,7 +195,8 @@ def _dense_allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
 
 @_window_attention_op.register_fake
 def _(q, k, v, ranges, geometry, intra_causal, queries_all, scale, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
+    # Contiguous whatever q's strides (empty_like would copy a transposed q's): what every backend returns.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("kforcing_kernels::window_attention_backward", mutates_args=())
@@ -213,7 +216,7 @@ def _window_attention_backward_op(
 
 @_window_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -234,3 +237,18 @@ def _backward(ctx, dout, _dlse):
 
 
 _window_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _double_backward(ctx, *grads):
+    # Reached only when a graph built with create_graph=True is differentiated again.
+    raise RuntimeError(
+        f"double backward is not supported by window_attention (backend {ctx.backend!r}): "
+        "its backward is itself not differentiable"
+    )
+
+
+def _backward_setup_context(ctx, inputs, output):
+    ctx.backend = inputs[-1]
+
+
+_window_attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
