@@ -9,12 +9,18 @@
   AR (the Stage-0 teacher) vs K-Forcing with k in {1, 2, 4} from the final PFLM,
   at several batch sizes; one warm-up call is excluded and the timed calls of all
   methods are interleaved so machine-load drift does not favour any of them.
-* Quality: the Stage-0 AR teacher scores the generated tokens (mean NLL and
-  perplexity of each completion given its prompt, truncated at the first EOS).
-  This is a *teacher-scored* perplexity, not the paper's GPT-2-large Gen-PPL: it says
-  how typical the samples are for the distribution the students were distilled
-  from. Low values can also come from repetitive text, so the distinct-4-gram
-  ratio is reported beside it.
+* Quality, scored by one fixed *judge* (an AR model; default: the run's Stage-0
+  teacher, or any AR stage folder given as ``judge``), the same model object for
+  every row: mean NLL and perplexity of each completion given its prompt, truncated
+  at the first EOS, and the ratio to the AR teacher's samples at the same tau. This
+  is a judge-scored perplexity, not the paper's GPT-2-large Gen-PPL. Mode-seeking,
+  repetitive text also scores a low perplexity, so distinct-n (unique n-grams / all
+  n-grams, n = 2 and 4) is reported beside it. The same is repeated over a sweep of
+  temperatures (does the student follow tau like the teacher?).
+
+:data:`DEMO_EVAL` is the one place that defines the demo's evaluation settings
+(prompt length, new tokens, tau, seed, ...); ``evaluate RUN`` uses it as its
+defaults, so it reproduces the demo's tables for the demo's run folder.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import argparse
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +41,27 @@ from .inference import generate_ar, generate_kforcing
 from .checkpoint import atomic_write, load_model, write_json
 from .model import KForcingLM
 from .objectives import forward_distillation_targets, self_forcing_targets
+
+
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the evaluation measures and how; :data:`DEMO_EVAL` is the demo's (and ``evaluate RUN``'s default)."""
+
+    batch_sizes: tuple[int, ...] = (4, 16, 128)  # throughput per batch size; quality from the largest
+    ks: tuple[int, ...] = (1, 2, 4)  # decoding windows of the final PFLM
+    prompt_len: int = 16  # held-out tokens per prompt
+    new_tokens: int = 48
+    temperature: float = 0.8  # tau of Table 1 and of the per-position NLL table
+    taus: tuple[float, ...] = (0.5, 0.8, 1.0)  # the quality sweep over temperatures
+    reps: int = 5  # timed runs per method (median), after one warm-up
+    nll_batches: int = 8
+    nll_batch_size: int = 16
+    seed: int = 0  # prompts, noise and validation batches
+
+
+DEMO_EVAL = EvalSettings()
 
 
 # ---------------------------------------------------------------------- NLL
@@ -81,19 +109,28 @@ def per_position_nll(
     return {"k": k, "nll": (nll / batches).tolist(), "agreement": (agree / batches).tolist()}
 
 
-# ---------------------------------------------------------------------- quality under the teacher
+# ---------------------------------------------------------------------- quality under a fixed judge
+
+
+def distinct_n(rows: Sequence[Sequence[int]], n: int) -> float:
+    """Unique n-grams / all n-grams over token rows (n-grams do not cross rows); 0.0 when there are none."""
+    if n < 1:
+        raise ValueError(f"n: expected a positive integer, got {n}")
+    grams = [tuple(row[i:i + n]) for row in rows for i in range(len(row) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
 
 
 @torch.no_grad()
-def teacher_score(teacher: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None) -> dict:
-    """Teacher NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
+def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None) -> dict:
+    """The judge's NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
 
-    Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct4": unique/total 4-grams, "tokens": scored}``.
+    Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct2", "distinct4": unique/total
+    n-grams of the scored tokens, "tokens": scored}``.
     """
-    device = teacher.wte.weight.device
+    device = judge.wte.weight.device
     p = prompts.shape[1]
     seq = torch.cat([prompts, completions], 1).to(device)
-    logp = torch.log_softmax(teacher(seq[:, :-1]).float(), -1)  # [B, P+T-1, V]
+    logp = torch.log_softmax(judge(seq[:, :-1]).float(), -1)  # [B, P+T-1, V]
     token_logp = logp[:, p - 1:].gather(-1, seq[:, p:, None])[..., 0]  # [B, T]
     keep = torch.ones_like(completions, dtype=torch.bool)
     if eos_id is not None:
@@ -103,13 +140,8 @@ def teacher_score(teacher: KForcingLM, prompts: torch.Tensor, completions: torch
     keep = keep.to(device)
     n = int(keep.sum())
     nll = float(-(token_logp * keep).sum() / max(n, 1))
-    grams, unique = 0, set()
-    for row, mask in zip(completions.tolist(), keep.tolist()):
-        row = [t for t, m in zip(row, mask) if m]
-        for i in range(len(row) - 3):
-            unique.add(tuple(row[i:i + 4]))
-            grams += 1
-    return {"nll": nll, "ppl": math.exp(nll), "distinct4": len(unique) / max(grams, 1), "tokens": n}
+    rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(completions.tolist(), keep.tolist())]
+    return {"nll": nll, "ppl": math.exp(nll), "distinct2": distinct_n(rows, 2), "distinct4": distinct_n(rows, 4), "tokens": n}
 
 
 # ---------------------------------------------------------------------- throughput
@@ -138,29 +170,54 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
 # ---------------------------------------------------------------------- the whole run
 
 
+def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str) -> tuple[KForcingLM, str]:
+    """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher."""
+    if isinstance(judge, KForcingLM):
+        return judge.eval(), "a model given by the caller"
+    folder = Path(judge) if judge is not None else run / "stage0"
+    if not (folder / "model.json").exists():
+        raise ValueError(f"judge: expected an AR stage folder holding model.json, got {str(folder)!r}")
+    model, info, _ = load_model(folder, device)
+    if info.get("k", 0) != 0:
+        raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
+    steps = info.get("train_config", {}).get("steps")
+    what = "the run's Stage-0 AR teacher" if judge is None else "a separately trained AR model"
+    return model, f"{what} ({folder}, {steps} steps)"
+
+
 def evaluate_pipeline(
     run: str | Path, *,
-    batch_sizes: Sequence[int] = (4, 16, 128),
-    ks: Sequence[int] = (1, 2, 4),
-    prompt_len: int = 32,
-    new_tokens: int = 64,
-    temperature: float = 0.8,
-    reps: int = 3,
-    nll_batches: int = 8,
-    nll_batch_size: int = 16,
+    batch_sizes: Sequence[int] = DEMO_EVAL.batch_sizes,
+    ks: Sequence[int] = DEMO_EVAL.ks,
+    prompt_len: int = DEMO_EVAL.prompt_len,
+    new_tokens: int = DEMO_EVAL.new_tokens,
+    temperature: float = DEMO_EVAL.temperature,
+    taus: Sequence[float] = DEMO_EVAL.taus,
+    reps: int = DEMO_EVAL.reps,
+    nll_batches: int = DEMO_EVAL.nll_batches,
+    nll_batch_size: int = DEMO_EVAL.nll_batch_size,
+    judge: Union[str, Path, KForcingLM, None] = None,
     device: str = "cpu",
-    seed: int = 0,
+    seed: int = DEMO_EVAL.seed,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Evaluate the stage folders of a pipeline run (``stage0``, ``stage1``, ``stage2_k*``)."""
+    """Evaluate the stage folders of a pipeline run (``stage0``, ``stage1``, ``stage2_k*``).
+
+    ``judge``: the AR model that scores every generated text (a stage folder or a model);
+    None uses the run's Stage-0 teacher. Defaults are :data:`DEMO_EVAL`'s.
+    """
     run = Path(run)
     batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
     teacher, tinfo, _ = load_model(run / "stage0", device)
+    judge_model, judge_text = load_judge(run, judge, device)
     corpus = load_corpus(tinfo["data"], vocab_size=teacher.config.vocab_size)
+    if judge_model.config.vocab_size != teacher.config.vocab_size:
+        raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's ({teacher.config.vocab_size})")
     stages = [run / "stage1"] + sorted(run.glob("stage2_k*"), key=lambda p: int(p.name.split("_k")[1]))
     seq_len = tinfo["train_config"]["seq_len"]
     summary: dict = {"run": str(run), "temperature": temperature, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads()}
+                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads(), "seed": seed,
+                     "judge": judge_text, "reps": reps}
 
     # Table 2: per-position NLL of every student against its own teacher's targets.
     log("[eval] per-position validation NLL")
@@ -185,25 +242,39 @@ def evaluate_pipeline(
     prompts_all = sample_windows(corpus.val, max(batch_sizes), prompt_len, gen)
     noise_ar = torch.rand(max(batch_sizes), new_tokens, generator=gen)
     noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
+
+    def generators(prompts: torch.Tensor, tau: float, b: int, outputs: dict) -> dict:
+        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise_ar[:b]))}
+        for k in ks:
+            fns[f"K-Forcing k={k}"] = (lambda k=k: outputs.__setitem__(
+                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=tau, noise=noise_kf[k][:b])))
+        return fns
+
     throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
     outputs: dict[str, torch.Tensor] = {}
     for b in batch_sizes:
-        prompts = prompts_all[:b].to(device)
-        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=temperature, noise=noise_ar[:b]))}
-        for k in ks:
-            fns[f"K-Forcing k={k}"] = (lambda k=k: outputs.__setitem__(
-                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=temperature, noise=noise_kf[k][:b])))
         log(f"[eval] throughput at batch {b}")
-        times = interleaved_timings(fns, reps, torch.device(device))
+        times = interleaved_timings(generators(prompts_all[:b].to(device), temperature, b, outputs), reps, torch.device(device))
         for name, ts in times.items():
             throughput[name][b] = b * new_tokens / statistics.median(ts)
-    quality = {name: teacher_score(teacher, prompts_all.to(device), out, corpus.eos_id) for name, out in outputs.items()}
+    prompts_dev = prompts_all.to(device)
+    quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
     reference = sample_windows(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
-    quality["data (held-out text)"] = teacher_score(teacher, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
+    quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
     summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
     summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}
     summary["quality"] = quality
     summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name, out in outputs.items()}
+
+    # The temperature sweep: same prompts and noise, every method at every tau, one judge.
+    log(f"[eval] quality over tau in {list(taus)}")
+    sweep: dict[str, dict[str, dict]] = {}
+    for tau in taus:
+        outs: dict[str, torch.Tensor] = {}
+        for fn in generators(prompts_dev, tau, max(batch_sizes), outs).values():
+            fn()
+        sweep[str(tau)] = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outs.items()}
+    summary["tau_sweep"] = sweep
     summary["final_k"] = final_k
     return summary
 
@@ -211,20 +282,62 @@ def evaluate_pipeline(
 # ---------------------------------------------------------------------- tables
 
 
+def _ratio(q: dict, ar: dict) -> str:
+    return f"{q['ppl'] / ar['ppl']:.2f}x"
+
+
 def format_table1(summary: dict) -> str:
+    """Throughput, speed-up and judge-scored quality at the main tau (markdown)."""
     bs = summary["batch_sizes"]
     head = "| method | k | " + " | ".join(f"tok/s @ B={b}" for b in bs) + " | " + " | ".join(f"speedup @ B={b}" for b in bs)
-    head += " | teacher NLL | teacher PPL | distinct-4 |"
+    head += " | judge NLL | judge PPL | PPL / AR | distinct-4 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ar = summary["quality"]["AR"]
     for name, row in summary["throughput"].items():
         k = "1" if name == "AR" else name.split("=")[1]
         q = summary["quality"][name]
         cells = [f"{row[str(b)]:,.0f}" for b in bs] + [f"{summary['speedup'][name][str(b)]:.2f}x" for b in bs]
-        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {q['distinct4']:.3f} |")
+        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | {q['distinct4']:.3f} |")
     ref = summary["quality"]["data (held-out text)"]
     blank = " | ".join("-" for _ in bs)
-    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {ref['distinct4']:.3f} |")
+    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
     return "\n".join(lines)
+
+
+def format_tau_table(summary: dict) -> str:
+    """Judge perplexity (ratio to AR at the same tau) and distinct-4 of every method at every tau of the sweep."""
+    taus = list(summary["tau_sweep"])
+    head = "| method | " + " | ".join(f"tau={t}: judge PPL (x AR), distinct-4" for t in taus) + " |"
+    lines = [head, "|" + "---|" * (len(taus) + 1)]
+    for name in summary["tau_sweep"][taus[0]]:
+        cells = []
+        for t in taus:
+            q, ar = summary["tau_sweep"][t][name], summary["tau_sweep"][t]["AR"]
+            cells.append(f"{q['ppl']:.2f} ({_ratio(q, ar)}), {q['distinct4']:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_report(summary: dict) -> str:
+    """All tables with captions that say what is measured (markdown): what the demo and ``evaluate RUN`` print."""
+    bs = summary["batch_sizes"]
+    judge = summary.get("judge", "the run's Stage-0 AR teacher")
+    caption1 = (f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
+                f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, median of {summary.get('reps', '?')} timed runs "
+                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}). Quality of the {max(bs)} completions of the "
+                f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated tokens "
+                f"given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. Judge-scored, "
+                "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
+                "repetitive text can score a low perplexity).")
+    caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; the "
+                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau).")
+    caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and how often "
+                "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
+    parts = [format_table1(summary), caption1]
+    if summary.get("tau_sweep"):
+        parts += [format_tau_table(summary), caption_tau]
+    parts += [format_nll_table(summary), caption2]
+    return "\n\n".join(parts) + "\n"
 
 
 def format_nll_table(summary: dict) -> str:
@@ -241,7 +354,7 @@ def format_nll_table(summary: dict) -> str:
 
 
 def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
-    """Speed-up and teacher-scored perplexity vs k; returns None, or why no plot was drawn."""
+    """Speed-up and judge-scored perplexity vs k; returns None, or why no plot was drawn."""
     try:
         import matplotlib
 
@@ -263,7 +376,7 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
         ax2.annotate(f" {summary['quality'][n]['distinct4']:.2f}", (k, p))
     ax2.axhline(summary["quality"]["AR"]["ppl"], color="gray", linestyle="--", label="AR teacher samples")
     ax2.axhline(summary["quality"]["data (held-out text)"]["ppl"], color="green", linestyle=":", label="held-out text")
-    ax2.set(xlabel="k (tokens per forward)", ylabel="perplexity under the AR teacher", xticks=ks,
+    ax2.set(xlabel="k (tokens per forward)", ylabel="perplexity under the judge", xticks=ks,
             title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL")
     ax2.legend()
     fig.tight_layout()
@@ -272,29 +385,43 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
     return None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.evaluate", description="Evaluate a `train pipeline` run folder.")
+def build_parser() -> argparse.ArgumentParser:
+    d = DEMO_EVAL
+    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.evaluate",
+                                     description="Evaluate a `train pipeline` run folder (defaults: the demo's settings).")
     parser.add_argument("run", help="the pipeline folder (holds stage0, stage1, stage2_k*)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16, 128])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(d.batch_sizes))
+    parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--taus", type=float, nargs="*", default=list(d.taus), help="the quality sweep (none: skip it)")
+    parser.add_argument("--reps", type=int, default=d.reps)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--judge", help="an AR stage folder that scores all methods (default: the run's stage0)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the summary here")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("prompt_len", "new_tokens", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     if any(b < 1 for b in args.batch_sizes):
         parser.error(f"argument --batch-sizes: expected positive integers, got {args.batch_sizes}")
+    if not all(t > 0 and math.isfinite(t) for t in [args.temperature, *args.taus]):
+        parser.error(f"argument --temperature/--taus: expected positive numbers, got {args.temperature} / {args.taus}")
     if not (Path(args.run) / "stage0" / "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
-    summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                temperature=args.temperature, reps=args.reps, device=args.device)
-    print(format_table1(summary))
-    print()
-    print(format_nll_table(summary))
+    try:
+        summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                    temperature=args.temperature, taus=args.taus, reps=args.reps, seed=args.seed, judge=args.judge,
+                                    device=args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(format_report(summary))
     if args.json:
         write_json(args.json, summary)
 

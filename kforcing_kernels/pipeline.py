@@ -5,38 +5,92 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from .checkpoint import read_json
 from .train import ConfigError, TrainConfig, train
 from .train_config import existing_run
 
 
+PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
+
+
 @dataclass
 class PipelineConfig:
-    """All stages from one config: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=k_final)."""
+    """All stages from one config: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=k_final).
+
+    ``steps_stage2`` and ``lr_stage2`` are one value for every self-forcing round or a sequence with
+    one value per round (k=2, k=4, ...; ``log2(k_final)`` rounds): the slots k+1..2k of PFLM(2k)
+    start untrained, so the later rounds usually deserve more steps. ``lr_stage2=None`` uses
+    ``lr_distill`` (which is also Stage 1's learning rate).
+    """
 
     out: str = "runs/pipeline"
     k_final: int = 4
     steps_stage0: int = 1000
-    steps_stage1: int = 300
-    steps_stage2: int = 300  # each self-forcing round
-    lr_stage0: float = 1e-3
-    lr_distill: float = 5e-4
+    steps_stage1: int = 450
+    steps_stage2: PerRound = 300
+    lr_stage0: float = 2e-3
+    lr_distill: float = 2e-3
+    lr_stage2: Optional[PerRound] = None
     batch_size_distill: Optional[int] = None  # default: the stage-0 batch size
+
+    def num_rounds(self) -> int:
+        """Self-forcing rounds: k = 2, 4, ..., k_final."""
+        if not isinstance(self.k_final, int) or self.k_final < 1 or self.k_final & (self.k_final - 1):
+            raise ConfigError(f"k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got {self.k_final!r}")
+        return self.k_final.bit_length() - 1
+
+    def round_steps(self) -> list[int]:
+        """Steps of each self-forcing round, in order (k=2 first)."""
+        return [int(v) for v in _per_round(self.steps_stage2, self.num_rounds(), "steps_stage2", "--steps-stage2",
+                                           lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "positive integers")]
+
+    def round_lrs(self) -> list[float]:
+        """Learning rate of each self-forcing round, in order (k=2 first)."""
+        value = self.lr_distill if self.lr_stage2 is None else self.lr_stage2
+        return [float(v) for v in _per_round(value, self.num_rounds(), "lr_stage2", "--lr-stage2",
+                                             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+                                             "positive numbers")]
 
     def stage_folders(self) -> list[tuple[str, Path]]:
         out = Path(self.out)
-        rounds = [("stage0", out / "stage0"), ("stage1", out / "stage1")]
-        k = 2
-        while k <= self.k_final:
-            rounds.append(("stage2", out / f"stage2_k{k}"))
-            k *= 2
-        return rounds
+        return [("stage0", out / "stage0"), ("stage1", out / "stage1")] + [
+            ("stage2", out / f"stage2_k{2 ** (r + 1)}") for r in range(self.num_rounds())]
+
+
+def _per_round(value, rounds: int, name: str, option: str, accept, expected: str) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(accept(v) for v in values):
+        raise ConfigError(f"{name} ({option}): expected {expected}, got {value!r}")
+    if len(values) == 1:
+        return values * rounds
+    if len(values) != rounds:
+        raise ConfigError(f"{name} ({option}): expected one value or one per self-forcing round "
+                          f"({rounds} for k_final={2 ** rounds}: k={', '.join(str(2 ** (r + 1)) for r in range(rounds))}), "
+                          f"got {len(values)} ({','.join(str(v) for v in values)})")
+    return values
+
+
+def per_round_type(cast, expected: str):
+    """An argparse ``type`` for ``300`` or ``300,450``: a tuple of positive values (the count is checked against k_final later)."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(cast(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}") from None
+        if not all(0 < v < math.inf for v in values):
+            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}")
+        return values
+
+    return parse
 
 
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
@@ -46,15 +100,13 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     trained again). With ``base.resume`` a stage with checkpoints continues and a stage not yet
     started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
     """
-    if pipe.k_final < 1 or pipe.k_final & (pipe.k_final - 1):
-        raise ConfigError(f"k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got {pipe.k_final}")
+    steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
+    lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
     summaries, teacher = {}, None
-    for stage, folder in pipe.stage_folders():
+    for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
         distill = stage != "stage0"
         cfg = dataclasses.replace(
-            base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None,
-            steps={"stage0": pipe.steps_stage0, "stage1": pipe.steps_stage1, "stage2": pipe.steps_stage2}[stage],
-            lr=pipe.lr_distill if distill else pipe.lr_stage0,
+            base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
         )
         if base.resume and not existing_run(folder):

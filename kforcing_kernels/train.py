@@ -336,7 +336,7 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .pipeline import PipelineConfig  # pipeline.py imports this module
+    from .pipeline import PipelineConfig, per_round_type  # pipeline.py imports this module
 
     d = TrainConfig()
     parser = make_parser("kforcing-train", __doc__.split("\n\n")[0])
@@ -363,9 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--k-final", type=_positive_int, default=pd.k_final, help="window of the last self-forcing round (a power of 2)")
     pp.add_argument("--steps-stage0", type=_positive_int, default=pd.steps_stage0, help="steps of the AR teacher")
     pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1, help="steps of the k=1 forward distillation")
-    pp.add_argument("--steps-stage2", type=_positive_int, default=pd.steps_stage2, help="steps of each self-forcing round")
+    pp.add_argument("--steps-stage2", type=per_round_type(int, "positive integers"), default=pd.steps_stage2,
+                    help="steps of the self-forcing rounds: one value for all, or one per round (k=2,4,...), e.g. 300,450")
     pp.add_argument("--lr-stage0", type=_positive_float, default=pd.lr_stage0, help="peak learning rate of stage0")
-    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stages 1 and 2")
+    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
+    pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
+                    help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
     pp.add_argument("--batch-size-distill", type=_positive_int, default=None, help="global batch of stages 1 and 2 (None: --batch-size)")
     return parser
 
@@ -394,7 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
             pipe = PipelineConfig(
                 out=args.out, k_final=args.k_final, steps_stage0=args.steps_stage0, steps_stage1=args.steps_stage1,
-                steps_stage2=args.steps_stage2, lr_stage0=args.lr_stage0, lr_distill=args.lr_distill,
+                steps_stage2=args.steps_stage2, lr_stage0=args.lr_stage0, lr_distill=args.lr_distill, lr_stage2=args.lr_stage2,
                 batch_size_distill=args.batch_size_distill,
             )
             result = run_pipeline(pipe, cfg)

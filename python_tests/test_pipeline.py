@@ -6,11 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforcing_kernels.evaluate import evaluate_pipeline, format_nll_table, format_table1, plot_summary, teacher_score
+from kforcing_kernels.data import load_corpus, sample_windows
+from kforcing_kernels.evaluate import (
+    DEMO_EVAL, distinct_n, evaluate_pipeline, format_nll_table, format_report, format_table1, judge_score, plot_summary,
+)
 from kforcing_kernels.inference import generate_kforcing
+from kforcing_kernels.model import KForcingLM
 from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
-from kforcing_kernels.checkpoint import load_model, read_metrics
-from kforcing_kernels.train import TrainConfig
+from kforcing_kernels.checkpoint import load_model, read_json, read_metrics
+from kforcing_kernels.train import ConfigError, TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +28,15 @@ def run(tmp_path_factory):
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         base = TrainConfig(data=str(corpus), vocab_size=300, preset="micro", seq_len=16, batch_size=4, warmup_steps=2,
                            log_every=1, eval_batches=1, progress=False)
-        pipe = PipelineConfig(out=str(root / "run"), k_final=4, steps_stage0=8, steps_stage1=4, steps_stage2=4)
+        pipe = PipelineConfig(out=str(root / "run"), k_final=4, steps_stage0=8, steps_stage1=4, steps_stage2=(4, 6),
+                              lr_distill=1e-3, lr_stage2=(2e-3, 5e-4))
         summaries = run_pipeline(pipe, base)
-        summary = evaluate_pipeline(root / "run", batch_sizes=(2, 3), prompt_len=4, new_tokens=6, reps=1,
-                                    nll_batches=1, nll_batch_size=2, log=lambda s: None)
+        summary = evaluate_pipeline(root / "run", **EVAL)
         yield root / "run", summaries, summary
+
+
+EVAL = dict(batch_sizes=(2, 3), prompt_len=4, new_tokens=6, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2,
+            log=lambda s: None)
 
 
 def test_every_stage_is_trained_and_chained(run):
@@ -43,6 +51,9 @@ def test_every_stage_is_trained_and_chained(run):
         if name != "stage0":
             assert Path(info["teacher"]).name == {"stage1": "stage0", "stage2_k2": "stage1", "stage2_k4": "stage2_k2"}[name]
     assert ks == [0, 1, 2, 4]
+    # Per-round budgets: each self-forcing round trained with its own steps and learning rate.
+    used = {name: read_json(folder / name / "train_config.json") for name in summaries}
+    assert [(used[n]["steps"], used[n]["lr"]) for n in summaries] == [(8, 2e-3), (4, 1e-3), (4, 2e-3), (6, 5e-4)]
     # The final PFLM decodes any k <= k_train.
     model, _, _ = load_model(str(folder / "stage2_k4"))
     for k in (1, 2, 3, 4):
@@ -64,18 +75,18 @@ def test_evaluation_tables_and_plot(run, tmp_path):
     rows = summary["per_position_nll"]
     assert [r["k"] for r in rows] == [0, 1, 2, 4] and len(rows[-1]["nll"]) == 4
     table1, table2 = format_table1(summary), format_nll_table(summary)
-    assert "K-Forcing k=4" in table1 and "teacher PPL" in table1 and "data (held-out text)" in table1
+    assert "K-Forcing k=4" in table1 and "judge PPL" in table1 and "data (held-out text)" in table1
     assert "NLL j=4" in table2 and "PFLM(k=4)" in table2
     assert plot_summary(summary, tmp_path / "plot.png") is None
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
-def test_teacher_score_cuts_at_the_first_eos(run):
+def test_judge_score_cuts_at_the_first_eos(run):
     folder, _, _ = run
     teacher, _, _ = load_model(str(folder / "stage0"))
     prompts = torch.tensor([[5, 6, 7]])
-    full = teacher_score(teacher, prompts, torch.tensor([[8, 9, 0, 10, 11]]))
-    cut = teacher_score(teacher, prompts, torch.tensor([[8, 9, 0, 10, 11]]), eos_id=0)
+    full = judge_score(teacher, prompts, torch.tensor([[8, 9, 0, 10, 11]]))
+    cut = judge_score(teacher, prompts, torch.tensor([[8, 9, 0, 10, 11]]), eos_id=0)
     assert full["tokens"] == 5 and cut["tokens"] == 3
     with torch.no_grad():
         logp = torch.log_softmax(teacher(torch.tensor([[5, 6, 7, 8, 9]])), -1)[0]
@@ -93,3 +104,101 @@ def test_inference_cli(run, capsys):
     with pytest.raises(SystemExit):
         main([str(folder / "stage2_k4"), "--prompt", "x", "--k", "8"])
     assert "--k: expected 1 <= k <= k_train=4" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- per-round budgets
+
+
+def test_per_round_steps_and_learning_rates():
+    assert PipelineConfig(k_final=4, steps_stage2=300).round_steps() == [300, 300]
+    assert PipelineConfig(k_final=4, steps_stage2=(300, 450)).round_steps() == [300, 450]
+    assert PipelineConfig(k_final=8, steps_stage2=[1, 2, 3]).round_steps() == [1, 2, 3]
+    assert PipelineConfig(k_final=1, steps_stage2=(5, 6)).stage_folders()[-1][0] == "stage1"  # no rounds at all
+    assert PipelineConfig(k_final=4, lr_distill=1e-3).round_lrs() == [1e-3, 1e-3]
+    assert PipelineConfig(k_final=4, lr_stage2=(2e-3, 1e-3)).round_lrs() == [2e-3, 1e-3]
+    assert [f.name for _, f in PipelineConfig(out="x", k_final=8).stage_folders()] == ["stage0", "stage1", "stage2_k2", "stage2_k4", "stage2_k8"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(k_final=8, steps_stage2=(300, 450)), r"steps_stage2 \(--steps-stage2\): expected one value or one per self-forcing round \(3 for k_final=8"),
+    (dict(k_final=4, steps_stage2=(300, 450, 600)), r"steps_stage2 \(--steps-stage2\).*got 3 \(300,450,600\)"),
+    (dict(k_final=4, steps_stage2=(300, 0)), r"steps_stage2 \(--steps-stage2\): expected positive integers"),
+    (dict(k_final=4, lr_stage2=(1e-3, 1e-3, 1e-3)), r"lr_stage2 \(--lr-stage2\)"),
+    (dict(k_final=4, lr_stage2=-1.0), r"lr_stage2 \(--lr-stage2\): expected positive numbers"),
+    (dict(k_final=3), r"k_final: expected a power of two"),
+])
+def test_per_round_budgets_are_checked_before_any_training(tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        run_pipeline(PipelineConfig(out=str(tmp_path / "run"), **kw), TrainConfig())
+    assert not (tmp_path / "run").exists()  # refused before Stage 0 started
+
+
+def test_pipeline_cli_names_the_per_round_option(tmp_path, capsys):
+    from kforcing_kernels.train import main
+
+    for argv, message in ((["--steps-stage2", "300,450,600"], "--steps-stage2"), (["--steps-stage2", "300,x"], "--steps-stage2"),
+                          (["--lr-stage2", "1e-3,0"], "--lr-stage2"), (["--k-final", "8", "--lr-stage2", "1e-3,2e-3"], "--lr-stage2")):
+        with pytest.raises(SystemExit):
+            main(["pipeline", "--out", str(tmp_path / "run"), *argv])
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- the judge and the shared settings
+
+
+def test_distinct_n_counts_unique_ngrams():
+    assert distinct_n([[1, 2, 3, 1, 2, 3]], 2) == pytest.approx(3 / 5)
+    assert distinct_n([[1, 2, 3, 1, 2, 3]], 4) == pytest.approx(3 / 3)
+    assert distinct_n([[7, 7, 7, 7, 7]], 2) == pytest.approx(1 / 4)
+    assert distinct_n([[1, 2], [1, 2]], 2) == pytest.approx(1 / 2)  # n-grams do not cross rows
+    assert distinct_n([[1, 2]], 4) == 0.0
+    with pytest.raises(ValueError, match="n: expected"):
+        distinct_n([[1]], 0)
+
+
+def test_one_fixed_judge_scores_every_row(run):
+    folder, _, default = run
+    # The default judge is the run's Stage-0 teacher: naming it explicitly changes nothing.
+    explicit = evaluate_pipeline(folder, judge=folder / "stage0", **EVAL)
+    assert explicit["quality"] == default["quality"] and explicit["tau_sweep"] == default["tau_sweep"]
+    assert "Stage-0" in default["judge"] and "separately trained" in explicit["judge"]
+    # Another judge (a random AR model) scores every row: the held-out row, recomputed independently, matches.
+    teacher, info, _ = load_model(str(folder / "stage0"))
+    other = KForcingLM(teacher.config).eval()
+    other.reset_parameters(torch.Generator().manual_seed(5))
+    judged = evaluate_pipeline(folder, judge=other, **EVAL)
+    corpus = load_corpus(info["data"], vocab_size=teacher.config.vocab_size)
+    ref = sample_windows(corpus.val, 3, 4 + 6, torch.Generator().manual_seed(DEMO_EVAL.seed + 2))
+    expected = judge_score(other, ref[:, :4], ref[:, 4:], corpus.eos_id)
+    assert judged["quality"]["data (held-out text)"] == pytest.approx(expected)
+    assert all(judged["quality"][m]["nll"] != default["quality"][m]["nll"] for m in default["quality"])
+    # The throughput rows and the temperature sweep cover the same methods; every tau is there.
+    assert set(judged["tau_sweep"]) == {"0.5", "1.0"}
+    assert set(judged["tau_sweep"]["0.5"]) == set(judged["throughput"])
+    with pytest.raises(ValueError, match="judge: expected an AR model"):
+        evaluate_pipeline(folder, judge=folder / "stage1", **EVAL)
+    with pytest.raises(ValueError, match="judge: expected an AR stage folder"):
+        evaluate_pipeline(folder, judge=folder / "nowhere", **EVAL)
+
+
+def test_report_says_what_is_measured(run):
+    _, _, summary = run
+    text = format_report(summary)
+    for needle in ("judge PPL", "PPL / AR", "distinct-4", "one fixed judge", "the run's Stage-0 AR teacher", "NOT the paper's",
+                   "tau=0.5: judge PPL (x AR)", "NLL j=4"):
+        assert needle in text, needle
+    assert "| AR | 1 |" in text and "1.00x" in text  # the AR row's ratio to itself
+
+
+def test_demo_and_evaluate_share_the_settings():
+    from kforcing_kernels import demo, evaluate
+
+    assert demo.DEMO["eval"] is DEMO_EVAL and demo.LONG["eval"] is DEMO_EVAL
+    args = evaluate.build_parser().parse_args(["some/run"])
+    for name in ("prompt_len", "new_tokens", "temperature", "reps", "seed"):
+        assert getattr(args, name) == getattr(DEMO_EVAL, name), name
+    assert tuple(args.taus) == DEMO_EVAL.taus and tuple(args.batch_sizes) == DEMO_EVAL.batch_sizes
+    # The demo's k=4 budget goes to the last round; the long preset is the same schedule, longer.
+    assert demo.DEMO["pipeline"].round_steps() == [300, 450]
+    assert all(a > b for a, b in zip(demo.LONG["pipeline"].round_steps(), demo.DEMO["pipeline"].round_steps()))

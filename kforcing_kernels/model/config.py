@@ -22,7 +22,8 @@ class ModelConfig:
     mlp_ratio: int = 4
     seq_len: int = 128  # training context length N
     rope_base: float = 10000.0
-    noise_features: int = 32  # sinusoidal features per noise scalar (z and tau each)
+    noise_features: int = 32  # sinusoidal features of the noise scalar z (a wide frequency ladder)
+    tau_features: int = 8  # sinusoidal features of the temperature tau (a low-frequency ladder for tau's range)
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     # None: window_attention picks the fastest backend for the device. "reference"
@@ -30,7 +31,7 @@ class ModelConfig:
     attention_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features"):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features", "tau_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -46,12 +47,12 @@ class ModelConfig:
     @classmethod
     def paper_backbone(cls, vocab_size: int = 50258, seq_len: int = 1024, **overrides) -> "ModelConfig":
         """12 layers, width 768, 12 heads (~100M parameters with a GPT-2 vocabulary), as in the paper."""
-        return cls(vocab_size=vocab_size, n_layer=12, n_head=12, n_embd=768, seq_len=seq_len, noise_features=128, **overrides)
+        return cls(vocab_size=vocab_size, n_layer=12, n_head=12, n_embd=768, seq_len=seq_len, noise_features=128, tau_features=16, **overrides)
 
     @classmethod
     def micro(cls, **overrides) -> "ModelConfig":
         """A few thousand parameters: for tests that must run in seconds."""
-        base = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8)
+        base = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8, tau_features=4)
         base.update(overrides)
         return cls(**base)
 

@@ -171,27 +171,52 @@ class Block(nn.Module):
 
 
 class NoiseEncoder(nn.Module):
-    """(z, tau) -> a token embedding: sinusoidal features of each scalar, then an MLP (paper App. C.2).
+    """(z, tau) -> a token embedding (paper App. C.2, "temperature-conditioned noise encoder").
 
-    The frequencies span periods from ~0.006 to ~60 in z units, so the encoder
-    can resolve the narrow inverse-CDF bins that decide a token.
+    z and tau need different features. z in [0, 1) picks a token through narrow
+    inverse-CDF bins, so its sinusoids span periods from ~0.006 to ~60 z units.
+    tau lives in about [0.5, 1.5] and changes the *shape* of the z -> token map
+    (sharper or flatter), so it gets its own low-frequency features (tau - 1,
+    log tau, and sinusoids with periods ~1 to ~16 tau units, all smooth over
+    that range) and acts multiplicatively: a small MLP of the tau features gives a
+    per-channel scale and shift of the z hidden layer (FiLM)::
+
+        h = W_z f(z) * (1 + s(tau)) + b(tau);   out = W_out SiLU(h)
+
+    Every slot is encoded independently of every other slot, so the encoder keeps
+    the fully causal design (one token per noise variable) and the cached inference exact.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         half = cfg.noise_features // 2 or 1
         self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
-        self.mlp = nn.Sequential(nn.Linear(4 * half, cfg.n_embd), nn.SiLU(), nn.Linear(cfg.n_embd, cfg.n_embd))
+        tau_half = cfg.tau_features // 2 or 1
+        # Periods from 16 down to 1 tau units: features vary smoothly, not wrap, over tau's range.
+        self.register_buffer("tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half), persistent=False)
+        c = cfg.n_embd
+        self.z_in = nn.Linear(2 * half, c)
+        self.tau_mlp = nn.Sequential(nn.Linear(2 + 2 * tau_half, c), nn.SiLU(), nn.Linear(c, 2 * c))
+        self.out = nn.Linear(c, c)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        angles = x.to(torch.float32)[..., None] * self.freqs  # [..., F/2]
+    def z_features(self, z: torch.Tensor) -> torch.Tensor:
+        """z [...] -> fp32 [..., 2 * (noise_features // 2)]."""
+        angles = z.to(torch.float32)[..., None] * self.freqs
         return torch.cat([angles.sin(), angles.cos()], -1)
 
+    def tau_features(self, tau: torch.Tensor) -> torch.Tensor:
+        """tau [...] (> 0) -> fp32 [..., 2 + 2 * (tau_features // 2)]: tau - 1, log tau, low-frequency sinusoids."""
+        tau = tau.to(torch.float32)[..., None]
+        angles = tau * self.tau_freqs
+        return torch.cat([tau - 1.0, tau.clamp_min(1e-3).log(), angles.sin(), angles.cos()], -1)
+
     def forward(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        """z [...] in [0, 1), tau broadcastable to z -> [..., C]."""
-        tau = torch.broadcast_to(tau, z.shape)
-        feats = torch.cat([self.features(z), self.features(tau)], -1)
-        return self.mlp(feats.to(self.mlp[0].weight.dtype))
+        """z [...] in [0, 1), tau (> 0) broadcastable to z -> [..., C]."""
+        dtype = self.out.weight.dtype
+        h = self.z_in(self.z_features(z).to(dtype))  # [..., C]
+        # tau is usually one value per sample: run its MLP on tau's own shape, then broadcast.
+        scale, shift = self.tau_mlp(self.tau_features(tau).to(dtype)).chunk(2, -1)
+        return self.out(F.silu(h * (1.0 + scale) + shift))
 
 
 # ---------------------------------------------------------------------- the model
