@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,9 +154,17 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
-    """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call."""
+    """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call.
+
+    A tqdm bar (calls done/total, rate, ETA) on a terminal; it updates between timed calls, never inside one.
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(fns) * (reps + 1), desc="[eval] timed generations", unit="call", file=sys.stderr,
+               disable=not sys.stderr.isatty(), leave=False)
     for fn in fns.values():
         fn()
+        bar.update()
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
@@ -164,6 +173,8 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+            bar.update()
+    bar.close()
     return times
 
 
