@@ -45,9 +45,9 @@ BUILDERS = {
 REQUIRED = {
     "--device": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate", "demo",
                  "bench attention", "bench train", "bench infer", "bench/attention.py"],
-    "--temperature": ["generate", "evaluate"],
-    "--seed": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate"],
-    "--threads": ["train stage0", "generate", "demo", "bench attention", "bench train", "bench infer"],
+    "--temperature": ["generate", "evaluate", "demo"],
+    "--seed": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate"],
+    "--threads": ["train stage0", "generate", "evaluate", "demo", "bench attention", "bench train", "bench infer"],
     "--new-tokens": ["generate", "evaluate", "bench infer"],
     "--batch-size": ["train stage0", "train pipeline", "bench attention", "bench train"],
     "--batch-sizes": ["evaluate", "bench infer"],
