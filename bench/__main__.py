@@ -1,75 +1,55 @@
-"""``python -m bench <command> [options]`` (same as ``python bench/run.py``).
+"""The benchmarks: ``kforcing-bench <command> [options]`` (or ``python -m bench``, ``python bench/run.py``).
 
-Commands:
-    attention   the attention microbenchmark sweep (default; ``--quick`` for a short one)
-    train       one self-forcing training step, dense-mask attention vs ours
-    infer       inference throughput, AR vs K-Forcing
-    validate    check an attention JSON report against its schema
-    report      reprint an attention JSON report and redraw its plots
-Run ``python -m bench <command> --help`` for a command's options.
+Run ``<command> --help`` for a command's options; with no command, ``attention`` runs.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
+# `python path/to/bench` and `python bench/run.py` from any folder: the repository root holds `bench` and
+# `kforcing_kernels`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COMMANDS = ("attention", "train", "infer", "validate", "report")
+# command -> (module in bench/, one-line help)
+COMMANDS = {
+    "attention": ("sweep", "the attention microbenchmark sweep (--quick for a short one)"),
+    "train": ("train_step", "one self-forcing training step, dense-mask attention vs ours"),
+    "infer": ("inference", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
+    "validate": ("schema", "check attention JSON reports against their schema"),
+    "report": ("report", "reprint an attention JSON report and redraw its plots"),
+}
 
 
-def main(argv=None, prog="python -m bench") -> int:
+def build_parser(prog: str = "kforcing-bench"):
+    """The top-level parser with one argparse subcommand per entry of :data:`COMMANDS`."""
+    from kforcing_kernels.cli_common import add_command, make_parser
+
+    parser = make_parser(prog, __doc__)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",
+                                help="the benchmark to run (`<command> --help` for its options)")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(f"bench.{module_name}")
+        p = add_command(sub, name, help=help_text, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(bench_module=module, bench_parser=p)
+    return parser
+
+
+def main(argv=None, prog: str = "kforcing-bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "attention"
-    if argv and not argv[0].startswith("-") and command not in ("validate", "report"):
-        print(f"unknown command {argv[0]!r}; expected one of {COMMANDS}", file=sys.stderr)
-        return 2
-    name = f"{prog} {command}"
-    if command == "attention":
-        from bench import sweep
-
-        sweep.main(argv, prog=name)
-    elif command == "train":
-        from bench import train_step
-
-        train_step.main(argv, prog=name)
-    elif command == "infer":
-        from bench import inference
-
-        inference.main(argv, prog=name)
-    elif command == "report":
-        from bench import report
-
-        return report.main(argv)
-    else:
-        return _validate(argv, prog=name)
-    return 0
-
-
-def _validate(argv, prog: str) -> int:
-    """``validate REPORT.json [...]``: argparse front end (``--help``, and a clear error for a missing or bad file)."""
-    import argparse
-    import json
-
-    from bench import schema
-
-    p = argparse.ArgumentParser(prog=prog, description="Check attention JSON reports against bench/schema.py's schema.")
-    p.add_argument("reports", nargs="+", metavar="REPORT.json", help="reports written by the attention sweep")
-    args = p.parse_args(argv)
-    for path in args.reports:
-        if not os.path.isfile(path):
-            p.error(f"REPORT.json: no such file: {path}")
-        try:
-            with open(path) as f:
-                json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            p.error(f"REPORT.json: cannot read {path} as JSON: {exc}")
-    return schema.main(args.reports)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "attention")  # the default command, as before subcommands
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    module, p = args.bench_module, args.bench_parser
+    if hasattr(module, "finish_args"):
+        args = module.finish_args(p, args, argv[1:], p.prog)
+    result = module.execute(args)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m bench"))

@@ -11,24 +11,44 @@ import shlex
 import sys
 import time
 
-import torch
+from tqdm import tqdm
+
+from kforcing_kernels.cli_common import add_device, add_preset, add_threads, non_negative_int, positive_float, positive_int
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--preset`` and ``--override`` of the model benchmarks (train, infer)."""
-    p.add_argument("--preset", default="tiny", help="model preset: micro, tiny or paper")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT", help="model config override, e.g. n_layer=2")
+    add_preset(p, "tiny")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT", help="model config override, e.g. n_layer=2 (repeatable)")
+
+
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """Repetitions of every measurement; None takes the profile's (quick or full) value."""
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed runs before timing (None: the profile's)")
+    p.add_argument("--reps", type=positive_int, default=None, help="timed runs (None: the profile's)")
+    p.add_argument("--max-seconds", type=positive_float, default=None,
+                   help="stop repeating a measurement after this long, keeping >= 3 runs (None: the profile's)")
+
+
+def add_progress_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument("--verbose", action="store_true", help="also one line per configuration on stderr")
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
+    """A tqdm bar on stderr (count, rate, ETA). Redrawn at most every 10 s when stderr is not a terminal (logs)."""
+    live = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="config", file=sys.stderr, disable=not enabled, dynamic_ncols=live,
+                mininterval=0.1 if live else 10.0)
 
 
 def add_run_args(p: argparse.ArgumentParser, out_prefix: str) -> None:
-    """Device, threads, repetitions, output folder and ``--verbose`` of the model benchmarks."""
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--max-seconds", type=float, default=None)
-    p.add_argument("--out", default=None, help=f"output folder (default runs/{out_prefix}<UTC time>)")
-    p.add_argument("--verbose", action="store_true")
+    """Device, threads, repetitions, output folder and progress of the model benchmarks."""
+    add_device(p)
+    add_threads(p)
+    add_timing_args(p)
+    p.add_argument("--out", default=None, help=f"output folder (None: runs/{out_prefix}<UTC time>)")
+    add_progress_args(p)
 
 
 def apply_profile(args: argparse.Namespace, profile: dict, keys) -> None:

@@ -13,7 +13,6 @@ Ratios are only meaningful inside one run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._cli import write_json  # noqa: E402
+from kforcing_kernels.cli_common import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int  # noqa: E402
 from bench._timing import machine_info, measure, pin_threads  # noqa: E402
 from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs, zoo  # noqa: E402
@@ -61,7 +61,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     layout = LAYOUTS[args.layout](args.n, args.k)
-    b, h, d = args.batch, args.heads, args.dim
+    b, h, d = args.batch_size, args.heads, args.dim
     gen = torch.Generator().manual_seed(0)
     make = lambda length: torch.randn(b, h, length, d, generator=gen).to(device, dtype).requires_grad_(True)  # noqa: E731
     q, k, v = make(layout.n_queries), make(layout.n_keys), make(layout.n_keys)
@@ -143,24 +143,28 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
-    p.add_argument("--n", type=int, default=1024, help="context length N")
-    p.add_argument("--k", type=int, default=4, help="window size k (block size for sbd)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def build_parser():
+    p = make_parser("python bench/attention.py", __doc__)
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="single", help="mask layout")
+    p.add_argument("--n", type=positive_int, default=1024, help="context length N")
+    p.add_argument("--k", type=positive_int, default=4, help="window size k (block size for sbd)")
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=12, help="attention heads H")
+    p.add_argument("--dim", type=positive_int, default=64, help="head dim D")
+    p.add_argument("--dtype", default="float32", help="torch dtype name")
+    add_device(p)
     p.add_argument("--backends", default="composite,cpp,triton", help="comma-separated backends of ours")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
+    add_threads(p)
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs before timing")
+    p.add_argument("--reps", type=positive_int, default=5, help="timed runs")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (saves the compile time)")
     p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
     p.add_argument("--json", default=None, help="write the report as JSON here")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None):

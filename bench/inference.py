@@ -21,7 +21,6 @@ PyTorch keeps no allocator statistics, so it is left out rather than guessed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -30,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, write_report_files  # noqa: E402
+from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
+from kforcing_kernels.cli_common import add_batch_sizes, add_new_tokens, int_list, make_parser  # noqa: E402
 from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
 
@@ -81,7 +81,7 @@ def run(args) -> dict:
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
         "threads": threads, "backend": backend, "paged_backend": paged_backend, "page_size": PAGE_SIZE,
-        "preset": args.preset, "model": cfg.to_dict(), "k": args.k, "batch": args.batch, "prompt_len": args.prompt_len,
+        "preset": args.preset, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "caches": args.cache, "loadavg_start": busy_cores(),
     }
@@ -89,30 +89,34 @@ def run(args) -> dict:
     rows = []
     start = time.perf_counter()
     t = args.new_tokens
-    for p_len in args.prompt_len:
-        for b in args.batch:
-            gen = torch.Generator().manual_seed(b)
-            prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).to(device)
-            runs = {}
-            for cache in args.cache:
-                runs[("ar", None, cache)] = lambda cache=cache: generate_ar(
-                    model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
-                for k in args.k:
-                    runs[("kforcing", k, cache)] = lambda k=k, cache=cache: generate_kforcing(
-                        model, prompts, k, t, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
-            timings = measure_many(runs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
-            for (method, k, cache), timing in timings.items():
-                row = {**stamp, "batch": b, "prompt_len": p_len, "method": method, "k": k, "cache": cache,
-                       "forward_passes": t if k is None else -(-t // k), "new_tokens": t,
-                       **kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt), "peak_bytes": None}
-                row.update(timing_fields(timing, "tokens_per_s", b * t))
-                if device.type == "cuda" and row["status"] == "ok":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    runs[(method, k, cache)]()
-                    row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-                rows.append(row)
-            if args.verbose:
-                print(f"  prompt {p_len}, batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
+    grid = [(p_len, b) for p_len in args.prompt_len for b in args.batch_sizes]
+    bar = progress_bar(len(grid), "infer", args.progress)
+    for p_len, b in grid:
+        bar.set_postfix_str(f"prompt {p_len} batch {b}")
+        gen = torch.Generator().manual_seed(b)
+        prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).to(device)
+        runs = {}
+        for cache in args.cache:
+            runs[("ar", None, cache)] = lambda cache=cache: generate_ar(
+                model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
+            for k in args.k:
+                runs[("kforcing", k, cache)] = lambda k=k, cache=cache: generate_kforcing(
+                    model, prompts, k, t, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
+        timings = measure_many(runs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
+        for (method, k, cache), timing in timings.items():
+            row = {**stamp, "batch": b, "prompt_len": p_len, "method": method, "k": k, "cache": cache,
+                   "forward_passes": t if k is None else -(-t // k), "new_tokens": t,
+                   **kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt), "peak_bytes": None}
+            row.update(timing_fields(timing, "tokens_per_s", b * t))
+            if device.type == "cuda" and row["status"] == "ok":
+                torch.cuda.reset_peak_memory_stats(device)
+                runs[(method, k, cache)]()
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            rows.append(row)
+        if args.verbose:
+            bar.write(f"  prompt {p_len}, batch {b}: {time.perf_counter() - start:6.1f} s", file=sys.stderr)
+        bar.update()
+    bar.close()
     for r in rows:
         same = lambda o: o["batch"] == r["batch"] and o["prompt_len"] == r["prompt_len"] and o["status"] == "ok"  # noqa: E731
         ar = next((o for o in rows if same(o) and o["method"] == "ar" and o["cache"] == r["cache"]), None)
@@ -158,25 +162,26 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None, prog="python bench/inference.py"):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small run: {QUICK}")
     p.add_argument("--full", action="store_true", help=f"the issue's grid (long on CPU): {FULL}")
-    p.add_argument("--cache", default=None, help="comma-separated caches to time (default: contiguous,paged)")
-    p.add_argument("--k", default=None, help="comma-separated K-Forcing k values")
-    p.add_argument("--batch", default=None, help="comma-separated batch sizes")
-    p.add_argument("--prompt-len", default=None, help="comma-separated prompt lengths")
-    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--cache", default=None, help=f"comma-separated caches to time (None: {','.join(CACHES)})")
+    p.add_argument("--k", type=int_list, default=None, help="comma-separated K-Forcing k values (None: the profile's)")
+    add_batch_sizes(p, None, help="batch sizes to time (None: the profile's)")
+    p.add_argument("--prompt-len", type=int_list, default=None, help="comma-separated prompt lengths (None: the profile's)")
+    add_new_tokens(p, None, help_extra=" (None: the profile's)")
     add_model_args(p)
-    p.add_argument("--backend", default=None, help="attention backend (default: default_backend for the device)")
+    p.add_argument("--backend", default=None, help="attention backend (None: default_backend for the device)")
     add_run_args(p, "bench-infer-")
-    args = p.parse_args(argv)
+
+
+def finish_args(p, args, argv, prog):
     if args.quick and args.full:
         p.error("argument --full: not allowed with --quick")
     profile = QUICK if args.quick else FULL if args.full else DEFAULT
-    args.k = [int(x) for x in args.k.split(",")] if args.k else list(profile["k"])
-    args.batch = [int(x) for x in args.batch.split(",")] if args.batch else list(profile["batch"])
-    args.prompt_len = [int(x) for x in args.prompt_len.split(",")] if args.prompt_len else list(profile["prompt_len"])
+    args.k = args.k or list(profile["k"])
+    args.batch_sizes = args.batch_sizes or list(profile["batch"])
+    args.prompt_len = args.prompt_len or list(profile["prompt_len"])
     args.cache = args.cache.split(",") if args.cache else list(CACHES)
     if any(c not in CACHES for c in args.cache):
         p.error(f"argument --cache: expected a comma-separated subset of {CACHES}, got {','.join(args.cache)!r}")
@@ -187,12 +192,21 @@ def parse_args(argv=None, prog="python bench/inference.py"):
     return args
 
 
-def main(argv=None, prog="python bench/inference.py") -> dict:
-    args = parse_args(argv, prog)
+def parse_args(argv=None, prog="kforcing-bench infer"):
+    p = make_parser(prog, __doc__)
+    add_arguments(p)
+    return finish_args(p, p.parse_args(argv), argv, prog)
+
+
+def execute(args) -> dict:
     report = run(args)
     print(format_report(report))
     write_report_files(report, args.out, "inference")
     return report
+
+
+def main(argv=None, prog="python bench/inference.py") -> dict:
+    return execute(parse_args(argv, prog))
 
 
 if __name__ == "__main__":

@@ -310,14 +310,12 @@ def write_plots(report: dict, out: str) -> list[str]:
     return paths
 
 
-def main(argv=None) -> int:
-    """``python -m bench report REPORT.json [--out DIR]``: reprint an attention report and redraw its plots."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m bench report", description=main.__doc__)
+def add_arguments(p) -> None:
     p.add_argument("report", help="attention.json written by the sweep")
-    p.add_argument("--out", default=None, help="where to draw the plots (default: next to the JSON)")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=None, help="where to draw the plots (None: next to the JSON)")
+
+
+def execute(args) -> int:
     with open(args.report) as f:
         report = json.load(f)
     print_report(report)
@@ -326,3 +324,12 @@ def main(argv=None) -> int:
     for path in write_plots(report, out):
         print(f"drew {path}")
     return 0
+
+
+def main(argv=None, prog="kforcing-bench report") -> int:
+    """Reprint an attention report and redraw its plots."""
+    from kforcing_kernels.cli_common import make_parser
+
+    p = make_parser(prog, main.__doc__)
+    add_arguments(p)
+    return execute(p.parse_args(argv))

@@ -13,6 +13,7 @@ every row that carries no timing says why.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 
@@ -174,13 +175,27 @@ def check_report(report: dict) -> list[str]:
     return errors
 
 
-def main(argv=None) -> int:
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print("usage: python -m bench validate REPORT.json [...]", file=sys.stderr)
-        return 2
+def add_arguments(p) -> None:
+    p.add_argument("reports", nargs="+", metavar="REPORT.json", help="attention reports written by the sweep")
+
+
+def finish_args(p, args, argv=None, prog=None):
+    """A clear usage error for a missing or unreadable report (before any checking)."""
+    for path in args.reports:
+        if not os.path.isfile(path):
+            p.error(f"REPORT.json: no such file: {path}")
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            p.error(f"REPORT.json: cannot read {path} as JSON: {exc}")
+    return args
+
+
+def execute(args) -> int:
+    """Exit status 0 when every report is valid, 1 otherwise."""
     status = 0
-    for path in paths:
+    for path in args.reports:
         with open(path) as f:
             errors = check_report(json.load(f))
         print(f"{path}: " + ("valid" if not errors else f"{len(errors)} problem(s)"))
@@ -188,6 +203,15 @@ def main(argv=None) -> int:
             print("  " + err)
         status |= bool(errors)
     return status
+
+
+def main(argv=None, prog="kforcing-bench validate") -> int:
+    """Check attention JSON reports against this schema."""
+    from kforcing_kernels.cli_common import make_parser
+
+    p = make_parser(prog, main.__doc__)
+    add_arguments(p)
+    return execute(finish_args(p, p.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ the reason and never timed. Ratios are only meaningful inside one run.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -41,11 +40,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import apply_profile, command_line, default_out  # noqa: E402
+from bench._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar  # noqa: E402
 from bench._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp  # noqa: E402
 from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
 from bench.methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PEERS, PHASES  # noqa: E402,F401
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
+from kforcing_kernels.cli_common import add_batch_size, add_device, add_threads, make_parser, positive_int  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/attention/v1"
@@ -118,7 +118,7 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
     Every timed callable of the configuration runs round-robin (``measure_many``), so
     the ideal and each method see the same background load.
     """
-    b, h = args.batch, args.heads
+    b, h = args.batch_size, args.heads
     gen = torch.Generator().manual_seed(0)
 
     def rand(length, grad=True):
@@ -265,7 +265,7 @@ def run_sweep(args) -> dict:
     avail = method_availability(args, device, dtype)
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "dtype": args.dtype, "batch": args.batch, "heads": args.heads, "threads": threads, "warmup": args.warmup,
+        "dtype": args.dtype, "batch": args.batch_size, "heads": args.heads, "threads": threads, "warmup": args.warmup,
         "reps": args.reps, "max_seconds": args.max_seconds, "layouts": args.layouts, "n": args.n, "k": args.k,
         "dims": args.dims, "k_by_layout": args.k_by_layout, "fit_n": fit_n(args.n), "loadavg_start": busy_cores(),
     }
@@ -274,13 +274,16 @@ def run_sweep(args) -> dict:
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Flex/inductor chatter on CPU
-        for d in args.dims:
-            for name, n, k, layout in configurations(args.layouts, args.n, args.k, args.k_by_layout):
+        configs = [(d, *c) for d in args.dims for c in configurations(args.layouts, args.n, args.k, args.k_by_layout)]
+        with progress_bar(len(configs), "attention", args.progress) as bar:
+            for d, name, n, k, layout in configs:
                 t0 = time.perf_counter()
+                bar.set_postfix_str(f"{name} N={n} k={k if k is not None else '-'} D={d}")
                 for row in bench_config(name, n, k, d, layout, args, avail, device, dtype):
                     rows.append({**stamp, **row})
                 if args.verbose:
-                    print(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} {time.perf_counter() - t0:6.1f} s", file=sys.stderr, flush=True)
+                    bar.write(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} {time.perf_counter() - t0:6.1f} s", file=sys.stderr)
+                bar.update()
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()
     methods = {
@@ -298,29 +301,29 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def parse_args(argv=None, prog="python -m bench attention"):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small sweep, under 2 minutes on 2 cores: {QUICK}")
-    p.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(LAYOUTS)}")
-    p.add_argument("--n", default=None, help="comma-separated context lengths N")
-    p.add_argument("--k", default=None, help="comma-separated window sizes k (block size for sbd)")
-    p.add_argument("--dims", default=None, help="comma-separated head dims D")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    p.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(LAYOUTS)} (None: the profile's)")
+    p.add_argument("--n", default=None, help="comma-separated context lengths N (None: the profile's)")
+    p.add_argument("--k", default=None, help="comma-separated window sizes k, block size for sbd (None: the profile's)")
+    p.add_argument("--dims", default=None, help="comma-separated head dims D (None: the profile's)")
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads H")
+    add_device(p)
+    p.add_argument("--dtype", default=None, help="None: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--backends", default=",".join(OURS), help="comma-separated backends of ours to time")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--max-seconds", type=float, default=None, help="stop repeating a measurement after this long (>= 3 reps)")
+    add_threads(p)
+    add_timing_args(p)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
     p.add_argument("--cbm-max-elements", type=float, default=CBM_MAX_ELEMENTS, help="skip create_block_mask above this many mask elements")
-    p.add_argument("--out", default=None, help="output folder (default runs/bench-<UTC time>)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--verbose", action="store_true", help="progress per configuration on stderr")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=None, help="output folder (None: runs/bench-<UTC time>)")
+    p.add_argument("--no-plots", action="store_true", help="write no plots")
+    add_progress_args(p)
+
+
+def finish_args(p, args, argv, prog):
+    """The profile (quick or full) fills what the command line left unset; lists parsed and checked."""
     profile = QUICK if args.quick else FULL
     args.layouts = args.layouts.split(",") if args.layouts else list(profile["layouts"])
     unknown = [name for name in args.layouts if name not in LAYOUTS]
@@ -340,15 +343,24 @@ def parse_args(argv=None, prog="python -m bench attention"):
     return args
 
 
-def main(argv=None, prog="python bench/sweep.py") -> dict:
+def parse_args(argv=None, prog="kforcing-bench attention"):
+    p = make_parser(prog, __doc__)
+    add_arguments(p)
+    return finish_args(p, p.parse_args(argv), argv, prog)
+
+
+def execute(args) -> dict:
     from bench.report import print_report, write_outputs
 
-    args = parse_args(argv, prog)
     report = run_sweep(args)
     print_report(report)
     paths = write_outputs(report, args.out, plots=not args.no_plots)
     print("\nwrote " + ", ".join(paths))
     return report
+
+
+def main(argv=None, prog="python bench/sweep.py") -> dict:
+    return execute(parse_args(argv, prog))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ ratio of their medians. Weights are random: a step costs the same trained or not
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -25,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, write_report_files  # noqa: E402
+from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
+from kforcing_kernels.cli_common import add_batch_size, make_parser, positive_int  # noqa: E402
 from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
 from bench.report import _slope  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
@@ -84,16 +84,18 @@ def run(args) -> dict:
     del teacher, student
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len, "batch": args.batch,
+        "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len, "batch": args.batch_size,
         "k": args.k, "variants": variants, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
     rows = []
     start = time.perf_counter()
+    bar = progress_bar(len(args.k), "train step", args.progress)
     for k in args.k:
+        bar.set_postfix_str(f"k={k}")
         gen = torch.Generator().manual_seed(k)
-        n, b = args.seq_len, args.batch
+        n, b = args.seq_len, args.batch_size
         batch = Batch(
             tokens=torch.randint(0, cfg.vocab_size, (b, n), generator=gen),
             noise=torch.rand(b, n, 2 * k, generator=gen),
@@ -112,7 +114,9 @@ def run(args) -> dict:
             rows.append(row)
         del steps
         if args.verbose:
-            print(f"  k={k} {time.perf_counter() - start:6.1f} s", file=sys.stderr, flush=True)
+            bar.write(f"  k={k} {time.perf_counter() - start:6.1f} s", file=sys.stderr)
+        bar.update()
+    bar.close()
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()
     for k in args.k:
@@ -159,31 +163,43 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None, prog="python bench/train_step.py"):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small run: {QUICK}")
-    p.add_argument("--k", default=None, help="comma-separated teacher window sizes k (the student gets 2k)")
-    p.add_argument("--seq-len", type=int, default=None, help="context length N")
-    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--k", default=None, help="comma-separated teacher window sizes k, the student gets 2k (None: the profile's)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="context length N (None: the profile's)")
+    add_batch_size(p, None, help="sequences per step (None: the profile's)")
     add_model_args(p)
-    p.add_argument("--ours", default=None, help="our backend (default: default_backend for the device)")
+    p.add_argument("--ours", default=None, help="our backend (None: default_backend for the device)")
     add_run_args(p, "bench-train-")
-    args = p.parse_args(argv)
+
+
+def finish_args(p, args, argv, prog):
     profile = QUICK if args.quick else FULL
     args.k = [int(x) for x in args.k.split(",")] if args.k else list(profile["k"])
-    apply_profile(args, profile, ("seq_len", "batch", "warmup", "reps", "max_seconds"))
+    if args.batch_size is None:
+        args.batch_size = profile["batch"]
+    apply_profile(args, profile, ("seq_len", "warmup", "reps", "max_seconds"))
     args.overrides = parse_overrides(p, args.override)
     args.out = args.out or default_out("bench-train-")
     args.command = command_line(prog, argv)
     return args
 
 
-def main(argv=None, prog="python bench/train_step.py") -> dict:
-    args = parse_args(argv, prog)
+def parse_args(argv=None, prog="kforcing-bench train"):
+    p = make_parser(prog, __doc__)
+    add_arguments(p)
+    return finish_args(p, p.parse_args(argv), argv, prog)
+
+
+def execute(args) -> dict:
     report = run(args)
     print(format_report(report))
     write_report_files(report, args.out, "train_step")
     return report
+
+
+def main(argv=None, prog="python bench/train_step.py") -> dict:
+    return execute(parse_args(argv, prog))
 
 
 if __name__ == "__main__":

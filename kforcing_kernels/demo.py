@@ -1,4 +1,4 @@
-"""``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end, on CPU.
+"""``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end (CUDA when torch sees a GPU, else CPU).
 
 Stage 0 (AR teacher) -> Stage 1 (PFLM k=1) -> Stage 2 (k=2) -> Stage 2 (k=4) on the
 Python standard library's source, then the evaluation of ``kforcing_kernels.evaluate``
@@ -67,20 +67,29 @@ QUICK = dict(
 PRESETS = {"demo": DEMO, "long": LONG, "quick": QUICK}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="output folder (default runs/demo-<date>-<time>); a folder with finished stages resumes")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kforcing-demo`` command line (shared options from cli_common)."""
+    from .cli_common import add_device, add_temperature, add_threads, make_parser
+
+    parser = make_parser("kforcing-demo", __doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="output folder (None: runs/demo-<date>-<time>); a folder with finished stages resumes")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a much shorter run that only shows the pipeline works")
     size.add_argument("--long", action="store_true", help="six times the training (about 40 minutes on 2 idle CPU cores)")
-    parser.add_argument("--judge", help="an AR stage folder that scores every method (default: this run's Stage-0 teacher)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--judge", help="an AR stage folder that scores every method (None: this run's Stage-0 teacher)")
+    add_temperature(parser, help_extra=" of the evaluation (the demo's tables)")
+    add_threads(parser)
+    add_device(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"argument --threads: expected a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.temperature == 0:
+        parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
     if args.judge is not None and not (Path(args.judge) / "model.json").exists():
         parser.error(f"argument --judge: expected a stage folder holding model.json, got {args.judge!r}")
     name = "quick" if args.quick else "long" if args.long else "demo"
@@ -96,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     t_train = time.perf_counter() - t0
     print(f"[demo] training done in {t_train:.0f}s; evaluating", flush=True)
 
-    settings = dataclasses.asdict(preset["eval"])
+    settings = dataclasses.asdict(dataclasses.replace(preset["eval"], temperature=args.temperature))
     summary = evaluate_pipeline(out, device=args.device, judge=args.judge, log=lambda s: print(s, flush=True), **settings)
     summary["training"] = training
     summary["seconds"] = {"training": t_train, "evaluation": time.perf_counter() - t0 - t_train, "total": time.perf_counter() - t0}

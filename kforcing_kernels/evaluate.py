@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,9 +154,17 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
-    """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call."""
+    """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call.
+
+    A tqdm bar (calls done/total, rate, ETA) on a terminal; it updates between timed calls, never inside one.
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(fns) * (reps + 1), desc="[eval] timed generations", unit="call", file=sys.stderr,
+               disable=not sys.stderr.isatty(), leave=False)
     for fn in fns.values():
         fn()
+        bar.update()
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
@@ -164,6 +173,8 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+            bar.update()
+    bar.close()
     return times
 
 
@@ -386,33 +397,36 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from cli_common."""
+    from .cli_common import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
+                             positive_float_list, positive_int)
+
     d = DEMO_EVAL
-    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.evaluate",
-                                     description="Evaluate a `train pipeline` run folder (defaults: the demo's settings).")
+    parser = make_parser("kforcing-evaluate", "Evaluate a `train pipeline` run folder (defaults: the demo's settings).")
     parser.add_argument("run", help="the pipeline folder (holds stage0, stage1, stage2_k*)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(d.batch_sizes))
-    parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--taus", type=float, nargs="*", default=list(d.taus), help="the quality sweep (none: skip it)")
-    parser.add_argument("--reps", type=int, default=d.reps)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--judge", help="an AR stage folder that scores all methods (default: the run's stage0)")
-    parser.add_argument("--device", default="cpu")
+    add_batch_sizes(parser, list(d.batch_sizes), help="batch sizes of the throughput table; quality from the largest")
+    parser.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="held-out tokens per prompt")
+    add_new_tokens(parser, d.new_tokens)
+    add_temperature(parser, help_extra=" of the tables (K-Forcing needs > 0)")
+    parser.add_argument("--taus", type=positive_float_list, default=",".join(map(str, d.taus)),
+                        help="temperatures of the quality sweep, comma-separated (none: skip it)")
+    parser.add_argument("--reps", type=positive_int, default=d.reps, help="timed runs per method (median), after one warm-up")
+    add_seed(parser)
+    parser.add_argument("--judge", help="an AR stage folder that scores all methods (None: the run's stage0)")
+    add_device(parser)
+    add_threads(parser)
     parser.add_argument("--json", help="also write the summary here")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from .cli_common import apply_threads
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "reps"):
-        if getattr(args, name) < 1:
-            parser.error(f"argument --{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
-    if any(b < 1 for b in args.batch_sizes):
-        parser.error(f"argument --batch-sizes: expected positive integers, got {args.batch_sizes}")
-    if not all(t > 0 and math.isfinite(t) for t in [args.temperature, *args.taus]):
-        parser.error(f"argument --temperature/--taus: expected positive numbers, got {args.temperature} / {args.taus}")
+    apply_threads(args.threads)
+    if args.temperature == 0:
+        parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
     if not (Path(args.run) / "stage0" / "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
     try:

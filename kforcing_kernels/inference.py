@@ -346,42 +346,50 @@ def generate_ar(
 # ---------------------------------------------------------------------- CLI
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .checkpoint import load_model
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kforcing-generate`` command line (shared options from :mod:`kforcing_kernels.cli_common`)."""
+    from .cli_common import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
 
-    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.inference", description="Generate from a trained stage (AR or K-Forcing).")
+    parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.train (holds model.safetensors)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    parser.add_argument("--k", type=int, default=None, help="tokens per step (default: the model's k_train; AR models ignore it)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--k", type=int, default=None, help="tokens per step (None: the model's k_train; AR models ignore it)")
+    add_new_tokens(parser)
+    add_temperature(parser, help_extra="; 0: greedy (AR models only)")
+    add_seed(parser)
+    add_device(parser)
+    add_threads(parser)
     parser.add_argument("--out", default=None, help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.max_new_tokens < 1:
-        parser.error(f"argument --max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        parser.error(f"argument --temperature: expected a finite number >= 0, got {args.temperature}")
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from .checkpoint import load_model
+    from .cli_common import apply_threads
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+
     if not (Path(args.model) / "model.json").exists():
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     if args.out:
         _check_out(parser, args.out)  # before any work: a bad --out fails fast
-    model, info, tokenizer = load_model(args.model)
+    model, info, tokenizer = load_model(args.model, device=args.device)
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
     eos = tokenizer.token_to_id("<|eos|>")
     prompts = [tokenizer.encode(p).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
     if info["k"] == 0:
-        out = generate_ar(model, prompts, args.max_new_tokens, temperature=args.temperature, generator=gen)
+        out = generate_ar(model, prompts, args.new_tokens, temperature=args.temperature, generator=gen)
     else:
         k = info["k"] if args.k is None else args.k
         if not 1 <= k <= info["k"]:
             parser.error(f"argument --k: expected 1 <= k <= k_train={info['k']}, got {k}")
         if args.temperature == 0:
             parser.error("argument --temperature: K-Forcing models take tau > 0 (decoding is argmax already)")
-        out = generate_kforcing(model, prompts, k, args.max_new_tokens, temperature=args.temperature, generator=gen)
+        out = generate_kforcing(model, prompts, k, args.new_tokens, temperature=args.temperature, generator=gen)
     records = []
     for p, o in zip(args.prompt, out.tolist()):
         text = tokenizer.decode(o, skip_special_tokens=False)

@@ -44,6 +44,8 @@ from .checkpoint import (  # noqa: F401  (some re-exported for callers of the fo
     CheckpointError, append_jsonl, atomic_write, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta,
     read_json, read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log, write_json,
 )
+from .cli_common import (add_batch_size, add_command, add_device, add_preset, add_seed, add_threads, apply_threads, fraction, make_parser,
+                         non_negative_int, positive_float, positive_int)
 from .data import Corpus, DataError, load_corpus
 from .model import PRESETS, KForcingLM
 from .objectives import (  # noqa: F401  (some re-exported, as above)
@@ -295,72 +297,57 @@ def evaluate_loss(student, teacher, objective: Objective, k: int, cfg: TrainConf
 # ---------------------------------------------------------------------- CLI
 
 
-def _checked(cast, accept, expected: str):
-    """An argparse ``type`` that casts and checks, naming what it expected."""
-
-    def parse(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
-        return value
-
-    return parse
+_positive_int, _non_negative_int, _positive_float, _fraction = positive_int, non_negative_int, positive_float, fraction
 
 
-_positive_int = _checked(int, lambda v: v >= 1, "a positive integer")
-_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-_positive_float = _checked(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
-_fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
-
-
-def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -> None:
     p.add_argument("--out", required=True, help="output folder (checkpoints, metrics.jsonl, model.safetensors)")
-    p.add_argument("--data", default=defaults.data, help="'stdlib' (default: the interpreter's standard library), a text file or a directory")
-    p.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size)
+    p.add_argument("--data", default=defaults.data, help="'stdlib' (the interpreter's standard library), a text file or a directory")
+    p.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size, help="BPE vocabulary size")
     p.add_argument("--seq-len", type=_positive_int, default=defaults.seq_len, help="context length N")
-    p.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size, help="global sequences per step")
-    p.add_argument("--grad-accum", type=_positive_int, default=defaults.grad_accum)
-    p.add_argument("--min-lr-ratio", type=_fraction, default=defaults.min_lr_ratio)
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=defaults.warmup_steps)
-    p.add_argument("--weight-decay", type=_fraction, default=defaults.weight_decay)
-    p.add_argument("--grad-clip", type=_positive_float, default=defaults.grad_clip)
-    p.add_argument("--tau-min", type=_positive_float, default=defaults.tau_min)
-    p.add_argument("--tau-max", type=_positive_float, default=defaults.tau_max)
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    add_batch_size(p, defaults.batch_size, help="global sequences per optimizer step (all ranks, all accumulation steps)")
+    p.add_argument("--grad-accum", type=_positive_int, default=defaults.grad_accum, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--min-lr-ratio", type=_fraction, default=defaults.min_lr_ratio, help="cosine schedule floor, as a fraction of --lr")
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=defaults.warmup_steps, help="linear learning-rate warmup steps")
+    p.add_argument("--weight-decay", type=_fraction, default=defaults.weight_decay, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=_positive_float, default=defaults.grad_clip, help="gradient norm clip")
+    p.add_argument("--tau-min", type=_positive_float, default=defaults.tau_min, help="lowest training temperature tau (sampled per sequence)")
+    p.add_argument("--tau-max", type=_positive_float, default=defaults.tau_max, help="highest training temperature tau")
+    add_seed(p)
     p.add_argument("--packed-docs", action="store_true", default=None,
                    help="windows keep document boundaries: no attention across documents, positions restart per document, "
                         "no loss on predictions past a document's end")
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--log-every", type=_positive_int, default=defaults.log_every)
-    p.add_argument("--ckpt-every", type=_positive_int, default=defaults.ckpt_every)
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=defaults.keep_checkpoints)
-    p.add_argument("--eval-every", type=_non_negative_int, default=defaults.eval_every, help="0: only at the end")
-    p.add_argument("--eval-batches", type=_positive_int, default=defaults.eval_batches)
+    add_device(p)
+    add_threads(p)
+    p.add_argument("--log-every", type=_positive_int, default=defaults.log_every, help="steps between metric lines")
+    p.add_argument("--ckpt-every", type=_positive_int, default=defaults.ckpt_every, help="steps between checkpoints")
+    p.add_argument("--keep-checkpoints", type=_positive_int, default=defaults.keep_checkpoints, help="newest checkpoints kept")
+    p.add_argument("--eval-every", type=_non_negative_int, default=defaults.eval_every, help="steps between validation losses (0: only at the end)")
+    p.add_argument("--eval-batches", type=_positive_int, default=defaults.eval_batches, help="validation batches per evaluation")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out (bit for bit)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files only) and start again")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="model size for stage0")
-    p.add_argument("--n-layer", type=_positive_int)
-    p.add_argument("--n-head", type=_positive_int)
-    p.add_argument("--n-embd", type=_positive_int)
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                   help="no live progress bar (None: a bar when stderr is a terminal)")
+    if stage in ("stage0", "pipeline"):
+        add_preset(p, defaults.preset, help="model size of the AR teacher" if stage == "stage0" else "model size of every stage")
+        for dim in ("n_layer", "n_head", "n_embd"):
+            p.add_argument(f"--{dim.replace('_', '-')}", type=_positive_int, help=f"override the preset's {dim}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .pipeline import PipelineConfig, per_round_type  # pipeline.py imports this module
 
     d = TrainConfig()
-    parser = argparse.ArgumentParser(prog="python -m kforcing_kernels.train", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = make_parser("kforcing-train", __doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{stage0,stage1,stage2,pipeline}",
+                                help="what to train (`<command> --help` for its options)")
     for name, help_text in (("stage0", "AR teacher on the corpus"), ("stage1", "AR -> PFLM(k=1) forward distillation"),
                             ("stage2", "PFLM(k) -> PFLM(2k) self-forcing distillation")):
-        p = sub.add_parser(name, help=help_text)
-        _add_common(p, d)
-        p.add_argument("--steps", type=_positive_int, default=d.steps)
-        p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill)
+        p = add_command(sub, name, help=help_text, description=help_text)
+        _add_common(p, d, name)
+        p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
+        p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
         if name != "stage0":
             p.add_argument("--teacher", required=True, help="the previous stage's output folder")
         if name == "stage1":
@@ -369,19 +356,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--k", type=_positive_int, default=1, help="student window (noise-inversion only)")
         p.add_argument("--stop-at", type=_positive_int, help="stop (with a checkpoint) after this step; --resume continues")
         p.add_argument("--dump-grads", help="debugging: write the first step's averaged gradients (safetensors) here")
-    pp = sub.add_parser("pipeline", help="all stages: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=--k-final)")
-    _add_common(pp, d)
+    pipeline_help = "all stages: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=--k-final)"
+    pp = add_command(sub, "pipeline", help=pipeline_help, description=pipeline_help)
+    _add_common(pp, d, "pipeline")
     pd = PipelineConfig()
-    pp.add_argument("--k-final", type=_positive_int, default=pd.k_final)
-    pp.add_argument("--steps-stage0", type=_positive_int, default=pd.steps_stage0)
-    pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1)
+    pp.add_argument("--k-final", type=_positive_int, default=pd.k_final, help="window of the last self-forcing round (a power of 2)")
+    pp.add_argument("--steps-stage0", type=_positive_int, default=pd.steps_stage0, help="steps of the AR teacher")
+    pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1, help="steps of the k=1 forward distillation")
     pp.add_argument("--steps-stage2", type=per_round_type(int, "positive integers"), default=pd.steps_stage2,
                     help="steps of the self-forcing rounds: one value for all, or one per round (k=2,4,...), e.g. 300,450")
-    pp.add_argument("--lr-stage0", type=_positive_float, default=pd.lr_stage0)
-    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="Stage 1 (and Stage 2 unless --lr-stage2)")
+    pp.add_argument("--lr-stage0", type=_positive_float, default=pd.lr_stage0, help="peak learning rate of stage0")
+    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
     pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
-                    help="learning rates of the self-forcing rounds: one value or one per round (default --lr-distill)")
-    pp.add_argument("--batch-size-distill", type=_positive_int, default=None)
+                    help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
+    pp.add_argument("--batch-size-distill", type=_positive_int, default=None, help="global batch of stages 1 and 2 (None: --batch-size)")
     return parser
 
 
@@ -399,6 +387,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_threads(args.threads)
     cfg = config_from_args(args)
     if args.tau_min > args.tau_max:
         parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")

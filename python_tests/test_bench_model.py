@@ -27,7 +27,7 @@ def _keep_thread_count():
 
 
 def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
-    report = train_step.main(TINY + ["--k", "1,2", "--seq-len", "16", "--batch", "2", "--out", str(tmp_path)])
+    report = train_step.main(TINY + ["--k", "1,2", "--seq-len", "16", "--batch-size", "2", "--out", str(tmp_path)])
     rows = report["rows"]
     assert [(r["teacher_k"], r["variant"]) for r in rows] == [(1, "dense"), (1, "ours"), (2, "dense"), (2, "ours")]
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
@@ -46,7 +46,7 @@ def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
 
 
 def test_inference_bench_rows(tmp_path, capsys):
-    report = inference.main(TINY + ["--k", "1,2", "--batch", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)])
+    report = inference.main(TINY + ["--k", "1,2", "--batch-sizes", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)])
     rows = report["rows"]
     expected = [(b, m, k, c) for b in (2, 3) for c in ("contiguous", "paged") for m, k in (("ar", None), ("kforcing", 1), ("kforcing", 2))]
     assert sorted((r["batch"], r["method"], r["k"] or 0, r["cache"]) for r in rows) == sorted((b, m, k or 0, c) for b, m, k, c in expected)

@@ -202,7 +202,7 @@ def test_cli_writes_out_and_loaded_model_knows_its_k(stage, tmp_path, capsys):
 
     assert load_model(str(stage))[0].k_train == 2
     out = tmp_path / "gen.jsonl"
-    main([str(stage), "--prompt", "def", "--prompt", "x", "--max-new-tokens", "3", "--out", str(out)])
+    main([str(stage), "--prompt", "def", "--prompt", "x", "--new-tokens", "3", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["def", "x"] and all(len(r["tokens"]) == 3 for r in rows)
     assert not list(tmp_path.glob(".*.tmp"))
@@ -216,7 +216,7 @@ def test_cli_unwritable_out_is_a_clear_error(stage, tmp_path, capsys, where):
     blocker.write_text("")
     out = {"under_a_file": blocker / "gen.jsonl", "missing_dir": tmp_path / "nope" / "gen.jsonl", "a_directory": tmp_path}[where]
     with pytest.raises(SystemExit):
-        main([str(stage), "--prompt", "def", "--max-new-tokens", "2", "--out", str(out)])
+        main([str(stage), "--prompt", "def", "--new-tokens", "2", "--out", str(out)])
     assert "argument --out:" in capsys.readouterr().err
 
 
@@ -233,7 +233,7 @@ def test_cli_read_only_out_dir(stage, tmp_path, capsys):
         if os.access(ro, os.W_OK):
             pytest.skip("running as a user who can write a 0500 folder (root)")
         with pytest.raises(SystemExit):
-            main([str(stage), "--prompt", "def", "--max-new-tokens", "2", "--out", str(ro / "gen.jsonl")])
+            main([str(stage), "--prompt", "def", "--new-tokens", "2", "--out", str(ro / "gen.jsonl")])
         assert "argument --out: cannot write" in capsys.readouterr().err
     finally:
         ro.chmod(0o700)

@@ -98,7 +98,7 @@ def test_inference_cli(run, capsys):
     from kforcing_kernels.inference import main
 
     folder, _, _ = run
-    main([str(folder / "stage2_k4"), "--prompt", "def f(x):", "--prompt", "import", "--k", "2", "--max-new-tokens", "5"])
+    main([str(folder / "stage2_k4"), "--prompt", "def f(x):", "--prompt", "import", "--k", "2", "--new-tokens", "5"])
     out = capsys.readouterr().out
     assert out.count("-" * 40) == 2 and out.startswith("def f(x):")
     with pytest.raises(SystemExit):
