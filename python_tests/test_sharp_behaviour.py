@@ -56,9 +56,9 @@ def shifted_positions(model, monkeypatch, *, prefill_noise: int = 0, decode: int
         yield
 
 
-def run_kforcing(model, noise):
+def run_kforcing(model, noise, cache="paged"):
     with recorded_logits(model) as seen:
-        out = inference.generate_kforcing(model, PROMPTS, K, T, temperature=TAU, noise=noise)
+        out = inference.generate_kforcing(model, PROMPTS, K, T, temperature=TAU, noise=noise, cache=cache)
     return out, torch.cat(seen, 1)  # [B, steps * K, V]
 
 
@@ -76,9 +76,9 @@ def recompute_kforcing(model, out, noise):
     return torch.stack(rows)
 
 
-def run_ar(model, noise):
+def run_ar(model, noise, cache="paged"):
     with recorded_logits(model) as seen:
-        out = inference.generate_ar(model, PROMPTS, T, temperature=0.8, noise=noise)
+        out = inference.generate_ar(model, PROMPTS, T, temperature=0.8, noise=noise, cache=cache)
     return out, torch.stack(seen, 1)  # [B, T, V]
 
 
@@ -110,9 +110,11 @@ def test_kforcing_cached_logits_match_a_full_recompute(model):
 @pytest.mark.parametrize("where", ["prefill_noise", "decode"])
 def test_kforcing_shifted_positions_are_caught(model, monkeypatch, where):
     noise = kforcing_noise()
-    out, logits = run_kforcing(model, noise)
+    # The patch moves the positions given to model.trunk, which the contiguous-cache path calls for
+    # every step (the paged path decodes through paged_trunk; the recompute tests above cover it).
+    out, logits = run_kforcing(model, noise, cache="contiguous")
     with shifted_positions(model, monkeypatch, **{where: 1}):
-        out_shifted, shifted = run_kforcing(model, noise)
+        out_shifted, shifted = run_kforcing(model, noise, cache="contiguous")
     first = slice(0, K) if where == "prefill_noise" else slice(K, 2 * K)  # the first step the shift reaches
     assert (shifted[:, first] - logits[:, first]).abs().max() > 100 * TOL
     # and the recompute oracle sees it on the tokens the shifted run produced
@@ -128,9 +130,9 @@ def test_ar_cached_logits_match_a_full_recompute(model):
 
 def test_ar_shifted_decode_positions_are_caught(model, monkeypatch):
     noise = torch.rand(len(PROMPTS), T, generator=torch.Generator().manual_seed(3))
-    _, logits = run_ar(model, noise)
+    _, logits = run_ar(model, noise, cache="contiguous")
     with shifted_positions(model, monkeypatch, decode=1):
-        out_shifted, shifted = run_ar(model, noise)
+        out_shifted, shifted = run_ar(model, noise, cache="contiguous")
     assert (shifted[:, 0] - logits[:, 0]).abs().max() < TOL  # the prefill is untouched
     assert (shifted[:, 1] - logits[:, 1]).abs().max() > 100 * TOL
     assert (shifted - recompute_ar(model, out_shifted)).abs().max() > 100 * TOL
