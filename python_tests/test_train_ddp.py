@@ -34,7 +34,8 @@ def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.train",
             "stage2", "--teacher", str(tmp_path / "s1"), "--steps", "3", "--data", str(corpus), "--vocab-size", "300",
             "--seq-len", "16", "--batch-size", "8", "--log-every", "1", "--eval-batches", "1", "--no-progress",
-            "--out", str(tmp_path / "two"), "--dump-grads", str(tmp_path / "two.safetensors")]
+            "--out", str(tmp_path / "two"), "--dump-grads", str(tmp_path / "two.safetensors"),
+            "--lr", repr(stage2.lr)]  # the CLI's stage-2 default differs from TrainConfig's: same settings in both runs
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(args, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
