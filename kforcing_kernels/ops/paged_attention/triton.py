@@ -12,23 +12,15 @@ from typing import Optional
 
 import torch
 
-from ..window_attention.triton import _interpret_requested, _interpreter_active
+from ..window_attention import triton as _window_triton
+from ..window_attention.triton import _interpret_requested
 
 _KERNELS = "kforcing_kernels.ops.paged_attention.triton_kernels"
 
 
 def available() -> Optional[str]:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"triton is not importable: {exc}"
-    if _interpret_requested():
-        if not _interpreter_active():
-            return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
-        return None
-    if torch.cuda.is_available():
-        return None
-    return "no CUDA device, and TRITON_INTERPRET=1 is not set"
+    """Same conditions as the window-attention triton backend (one copy of the rules)."""
+    return _window_triton.available()
 
 
 def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float):
