@@ -124,7 +124,7 @@ class StandIns:
             return o.to(q.dtype), padded.float(), torch.tensor(1), torch.tensor(2)
 
         def bwd(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask, is_causal, *, scale):
-            self._count("sdpa_efficient_bwd")
+            self._count("sdpa_efficient_bwd" + ("_masked" if bias is not None else ""))
             assert lse.shape[2] % 32 == 0 and list(grad_mask) == [True, True, True, False]
             grads = _math_grads(dout, q, k, v, out, lse[..., : q.shape[2]], is_causal, bias, scale)
             return (*(g.to(q.dtype) for g in grads), None)
@@ -152,7 +152,9 @@ def test_composite_through_each_kernel_matches_reference(kernel, name):
     assert any(c.startswith(kernel) and c.endswith("fwd") for c in si.calls), si.calls
     assert any(c.startswith(kernel) and c.endswith("bwd") for c in si.calls), si.calls
     if kernel == "sdpa_efficient" and name.startswith("sbd"):
-        assert si.calls.get("sdpa_efficient_fwd_masked", 0) > 0  # the masked pieces ran fused too
+        assert si.calls.get("sdpa_efficient_fwd_masked", 0) > 0  # the masked pieces' forward ran fused too
+        # ... but not their backward: on an H100 it gave NaN for a row with no visible key (GPU check).
+        assert si.calls.get("sdpa_efficient_bwd_masked", 0) == 0
 
 
 def test_masked_pieces_skip_mask_free_kernels():
