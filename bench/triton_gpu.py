@@ -92,14 +92,47 @@ def _tiles_env(tiles: str):
             os.environ["KFORCING_TRITON_TILES"] = old
 
 
+_WIDE_DKDV_DEFAULT: list = []  # [(tiles, configs)] of the shipped wide D=128 set, saved on first use
+
+
+def _use_wide_dkdv(spec: str | None) -> None:
+    """Make the "wide" D=128 set's dK/dV tiles and configs ``spec`` (KEYS:STEP:W.S[,W.S...]: keys per
+    program, query rows per step, the autotuned (warps, stages)), or the shipped ones for None. The
+    swap stays until the next call with another spec, so a timed loop autotunes once."""
+    import dataclasses
+
+    from kforcing_kernels.ops.window_attention import triton_kernels as tk
+
+    if not _WIDE_DKDV_DEFAULT:
+        _WIDE_DKDV_DEFAULT.append((tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])))
+    want = _WIDE_DKDV_DEFAULT[0]
+    if spec is not None:
+        keys, step, configs = spec.split(":")
+        want = (dataclasses.replace(want[0], block_n_dkdv=int(keys), block_m_dkdv=int(step)),
+                [tuple(int(x) for x in c.split(".")) for c in configs.split(",")])
+    if (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)]) != want:
+        tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)] = want[0], list(want[1])
+        tk._tuned.clear()  # autotuners are keyed by the tile set's name, not its tiles
+
+
 def _methods(layout, q, kk, v, args, extras):
     """{name: (forward fn, inputs, useful pairs)}; forward fns return the output to differentiate."""
     pairs = int(layout.num_pairs())
     out = {}
+    for spec in args.wide_dkdv if "triton" in args.methods else ():
+
+        def tri_dkdv(spec=spec):
+            _use_wide_dkdv(spec)
+            with _tiles_env("wide"):
+                return window_attention(q, kk, v, layout, backend="triton")
+
+        out[f"triton[dkdv {spec}]"] = (tri_dkdv, (q, kk, v), pairs)
     for tiles in args.triton_tiles if "triton" in args.methods else ():
         name = "triton" if tiles == "auto" else f"triton[{tiles}]"
 
         def tri(tiles=tiles):
+            if args.wide_dkdv:
+                _use_wide_dkdv(None)
             with _tiles_env(tiles):
                 return window_attention(q, kk, v, layout, backend="triton")
 
@@ -184,8 +217,35 @@ HEADER = "layout      N  k    D | method fwd/fwd+bwd TFLOP/s per useful FLOP ...
 # ---------------------------------------------------------------------- training step
 
 
+@contextlib.contextmanager
+def _dense_sdpa_model(on: bool):
+    """While on, the model's attention is SDPA with the layout's dense boolean mask: what the K-Forcing
+    public code does (torch picks its kernel; on a GPU, memory-efficient attention with a bias)."""
+    if not on:
+        yield
+        return
+    from kforcing_kernels.model import gpt
+
+    masks: dict = {}
+
+    def dense(q, k, v, layout, backend=None):
+        key = (layout.cache_key, str(q.device))
+        if key not in masks:
+            mask = layout.dense_mask().to(q.device)
+            masks[key] = mask[:, None] if mask.dim() == 3 else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=masks[key])
+
+    saved = gpt.window_attention
+    gpt.window_attention = dense
+    try:
+        yield
+    finally:
+        gpt.window_attention = saved
+
+
 def train_step(args) -> list[dict]:
-    """Self-forcing step (teacher k -> student 2k) of the paper backbone, dense vs ours, bf16 autocast."""
+    """Self-forcing step (teacher k -> student 2k) of the paper backbone, bf16 autocast: dense-mask SDPA
+    (``dense``, the public code's attention) vs ours (``--train-ours``)."""
     from bench.train_step import build_models, make_step
     from kforcing_kernels.train import Batch
 
@@ -201,12 +261,12 @@ def train_step(args) -> list[dict]:
                       noise=torch.rand(args.batch, args.n[0], 2 * k, generator=gen),
                       tau=0.5 + 0.5 * torch.rand(args.batch, generator=gen)).to("cuda")
         times = {}
-        for label, backend in (("dense", "reference"), ("ours", args.train_ours)):
-            teacher, student, optimizer = build_models(ns, backend, state)
+        for label, backend in (("dense", None), ("ours", args.train_ours)):
+            teacher, student, optimizer = build_models(ns, backend or "reference", state)
             step = make_step(teacher, student, optimizer, batch, k)
 
-            def amp_step(step=step):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+            def amp_step(step=step, dense=backend is None):
+                with torch.autocast("cuda", dtype=torch.bfloat16), _dense_sdpa_model(dense):
                     step()
 
             try:
@@ -237,6 +297,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
+    p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
+                   help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
+                        "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")
     p.add_argument("--slot-window-max", type=int, default=None,
                    help="override tile_plan.SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
                         "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")

@@ -101,3 +101,41 @@ def test_first_order_grads_still_work_with_create_graph():
     want = torch.autograd.grad(window_attention(q, k, v, layout, backend="reference").sum(), (q, k, v))
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+def test_eager_fast_path_equals_the_custom_op_bit_for_bit(backend, layout_name, monkeypatch):
+    """Plain eager calls skip the custom op (host overhead) and must give exactly what the op gives."""
+    from kforcing_kernels.ops.window_attention import op
+
+    layout = LAYOUTS[layout_name]
+    q, k, v = (t.requires_grad_() for t in _inputs(layout, "transposed"))
+    dout = torch.randn(q.shape)
+    calls = []
+    real_apply = op._EagerWindowAttention.apply
+    monkeypatch.setattr(op._EagerWindowAttention, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    out, lse = window_attention(q, k, v, layout, backend=backend, return_lse=True)
+    assert calls, "a plain eager call should take the autograd.Function"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, ref_lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), 1 / 8**0.5, backend)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for a, b in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+        assert torch.equal(a, b)
+
+
+def test_fake_tensors_and_modes_take_the_custom_op():
+    """Under FakeTensorMode (or any dispatch / torch-function mode) the op's fake kernel answers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kforcing_kernels.ops.window_attention import op
+
+    layout = LAYOUTS["double"]
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the layout's range tensors are real
+        q, k, v = _inputs(layout, "transposed")
+        assert not op._plain_eager(q, k, v)
+        out = window_attention(q, k, v, layout, backend="reference")
+    assert out.shape == q.shape and out.is_contiguous()
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert not op._plain_eager(*_inputs(layout, "contiguous"))
+    assert op._plain_eager(*_inputs(layout, "contiguous"))

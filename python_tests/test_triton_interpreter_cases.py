@@ -27,6 +27,8 @@ from kforcing_kernels.ops.window_attention.tile_plan import DEFAULT_TILES, Tiles
 
 SMALL = Tiles(16, 16, 16, 16)
 MID = Tiles(32, 32, 16, 32)
+# dK/dV programs that step through each query tile in 16-row steps (the H100 "wide" set's scheme).
+STEPPED = Tiles(32, 16, 32, 16, block_m_dkdv=16)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
@@ -78,6 +80,11 @@ def _cases():
     add("jacobi-N1", WindowLayout.jacobi(1, 130), DEFAULT_TILES)
     for n, tiles in ((1, SMALL), (17, SMALL), (64, MID), (130, DEFAULT_TILES)):
         add(f"causal-N{n}", WindowLayout.causal(n), tiles)
+    add("single-N64-k4-stepped", WindowLayout.kforcing_single(64, 4), STEPPED)
+    add("double-N17-k3-stepped", WindowLayout.kforcing_double(17, 3), STEPPED)
+    add("sbd-N64-b3-stepped", WindowLayout.sbd(64, 3), STEPPED)
+    add("ptp-batched-stepped", WindowLayout.ptp(33, [[0, 12, 33], [7, 7, 30]], 5, [[0, 3, 20], [0, 7, 1]]), STEPPED)
+    add("causal-N130-stepped", WindowLayout.causal(130), Tiles(64, 64, 64, 32, block_m_dkdv=16))
     general = {
         "empty-ranges": WindowLayout(12, 5, 3, [0, 4, 4, 0, 7], [0, 9, 4, 12, 7], last_window_size=2),
         "full-streams": WindowLayout(9, 4, 6, [0, 2, 3, 1], [3, 5, 9, 9], intra="full", queries="windows", n_streams=2),

@@ -144,6 +144,16 @@ def test_slot_mode_threshold():
     assert plan.intra_blocks == 0 and plan.geometry.n_intervals == 2
 
 
+def test_a_tile_set_can_lower_the_slot_threshold():
+    """The H100 "wide" set takes tile products for windows of 5..16 slots (measured faster there)."""
+    lowered = Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)
+    assert tile_plan(WindowLayout.kforcing_single(8, 4), lowered).intra_blocks > 0
+    assert tile_plan(WindowLayout.kforcing_single(8, 8), lowered).intra_blocks == 0
+    assert tile_plan(WindowLayout.kforcing_single(8, 8)).intra_blocks > 0  # the base tiles keep slot steps
+    with pytest.raises(ValueError, match="block_m_dkdv <= block_m"):
+        tile_plan(WindowLayout.kforcing_single(8, 2), Tiles(32, 32, 32, 32, block_m_dkdv=64))
+
+
 def test_plan_never_sweeps_the_mask(monkeypatch):
     """The plan is a reduction of the O(Lq) row intervals: no dense mask, mask_mod or block sweep."""
     def forbidden(*args, **kwargs):

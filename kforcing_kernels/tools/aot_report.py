@@ -110,8 +110,10 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
         return dict(BLOCK_M=kernels.DELTA_BLOCK, HEAD_DIM=head_dim)
-    block_n = tiles.block_n_dkdv if kernel == "dkdv" else tiles.block_n
-    return dict(BLOCK_M=tiles.block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "dkdv":
+        return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
+                    HEAD_DIM=head_dim, INSTRUMENT=False)
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
 
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")

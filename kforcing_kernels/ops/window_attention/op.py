@@ -3,7 +3,12 @@
 Every backend (``reference`` included: no special case) runs behind one
 ``torch.library.custom_op`` pair (forward and backward), so the op is opaque to
 autograd and traceable by torch.compile; the layout travels as its range tensors
-(empty ones for defaults) plus a few ints.
+(empty ones for defaults) plus a few ints. Plain eager calls (no compile, no
+tensor subclass, dispatch mode or functorch transform) take a
+``torch.autograd.Function`` over the same two bodies instead: the custom op's
+Python dispatch and the layout's round trip through its range tensors cost about
+a millisecond per forward + backward on the host, as much as the kernels
+themselves at N=1024 on an H100 (bench/triton_profile.py).
 
 torch.compile policy (tested in python_tests/test_compile.py): ``window_attention``
 traces with ``fullgraph=True`` for every backend. A layout enters the graph as its
@@ -69,8 +74,28 @@ def window_attention(
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
     name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
-    out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
+    if _plain_eager(q, k, v):
+        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
+    else:
+        out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
+
+
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """Whether this call can skip the custom op: eager, plain tensors on a real device, no mode or transform."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(type(t) is not torch.Tensor or t.device.type == "meta" for t in tensors):
+        return False
+    if torch._C._is_torch_function_mode_enabled() or _current_dispatch_mode() is not None:
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None
+
+
+def _current_dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
 
 
 @torch.compiler.assume_constant_result
@@ -169,7 +194,10 @@ def _window_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[torch.Tensor],
     geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
+    return _forward(q, k, v, layout_from_args(ranges, geometry, intra_causal, queries_all), scale, backend)
+
+
+def _forward(q, k, v, layout: WindowLayout, scale: float, backend: str):
     # Every backend gets (and returns) contiguous tensors: the fake below promises contiguous outputs.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):  # keep them away from rows that cannot see them
@@ -190,7 +218,11 @@ def _window_attention_backward_op(
     ranges: list[torch.Tensor], geometry: list[int], intra_causal: bool, queries_all: bool,
     scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout = layout_from_args(ranges, geometry, intra_causal, queries_all)
+    return _backward_body(dout, q, k, v, out, lse, layout_from_args(ranges, geometry, intra_causal, queries_all),
+                          scale, backend)
+
+
+def _backward_body(dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str):
     if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
         return masked_keys.backward(dout, q, k, v, layout, scale)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
@@ -235,3 +267,27 @@ def _backward_setup_context(ctx, inputs, output):
 
 
 _window_attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
+
+
+class _EagerWindowAttention(torch.autograd.Function):
+    """The custom op's forward and backward bodies for plain eager calls (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: WindowLayout, scale: float, backend: str):
+        out, lse = _forward(q, k, v, layout, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (layout, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, scale, backend = ctx.meta
+        if torch.is_grad_enabled():  # create_graph=True: the backward op, whose own backward says it is unsupported
+            ranges, geometry, intra_causal, queries_all = _layout_args(layout)
+            grads = torch.ops.kforcing_kernels.window_attention_backward(
+                dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend)
+        else:
+            grads = _backward_body(dout, q, k, v, out, lse, layout, scale, backend)
+        return (*grads, None, None, None)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -52,18 +52,33 @@ class Tiles:
 
     block_m x block_n: query rows x keys of the forward and dQ tile products (the
     work-accounting unit); block_n_dkdv: keys per dK/dV program (the transposed
-    plan's key tiles); block_t: tokens per slot-step block (a power of two >= w).
+    plan's key tiles); block_t: tokens per slot-step block (a power of two >= w);
+    block_m_dkdv: query rows per dK/dV step, a divisor of block_m (0: block_m). The
+    dK/dV kernel re-reads q and dO once per key tile, so its traffic falls with
+    block_n_dkdv; stepping through a query tile keeps large key tiles in registers.
     """
 
     block_m: int = 64
     block_n: int = 64
     block_n_dkdv: int = 32
     block_t: int = 64
+    block_m_dkdv: int = 0
+    slot_window_max: Optional[int] = None  # lowers SLOT_WINDOW_MAX for these tiles (None: the module's)
+
+    @property
+    def dkdv_step_rows(self) -> int:
+        return self.block_m_dkdv or self.block_m
+
+    @property
+    def slot_windows_up_to(self) -> int:
+        """Windows of at most this many slots take slot steps for their intra-window part."""
+        return SLOT_WINDOW_MAX if self.slot_window_max is None else min(SLOT_WINDOW_MAX, self.slot_window_max)
 
 
 # The tiles the dispatcher uses for head dims 32 and 64 (the accounting contract is stated for these).
 DEFAULT_TILES = Tiles()
-# Windows up to this size use slot steps for their intra-window part.
+# Windows up to this size use slot steps for their intra-window part (a tile set may lower it:
+# Tiles.slot_window_max).
 SLOT_WINDOW_MAX = 16
 # Per-interval bound fields: key start, number of key tiles, full tiles [t0, t1).
 BOUND_FIELDS = ("key_start", "n_tiles", "full_begin", "full_end")
@@ -97,13 +112,13 @@ class Geometry:
         return 1 if self.use_slots or self.num_windows == 0 else 1 + self.n_streams
 
     @classmethod
-    def of(cls, layout: WindowLayout) -> "Geometry":
+    def of(cls, layout: WindowLayout, tiles: "Tiles") -> "Geometry":
         return cls(
             n_ctx=layout.n_ctx, num_windows=layout.num_windows, window_size=layout.window_size,
             last_window_size=layout.last_window_size, n_streams=layout.n_streams,
             slots_per_stream=layout.slots_per_stream, query_offset=layout.query_offset,
             n_queries=layout.n_queries, n_keys=layout.n_keys, causal=layout.intra == "causal",
-            use_slots=layout.num_windows > 0 and layout.window_size <= SLOT_WINDOW_MAX,
+            use_slots=layout.num_windows > 0 and layout.window_size <= tiles.slot_windows_up_to,
         )
 
 
@@ -302,7 +317,7 @@ def _transpose(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.
 
 
 def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
-    g = Geometry.of(layout)
+    g = Geometry.of(layout, tiles)
     bm, bn = tiles.block_m, tiles.block_n
     qt = _query_tiles(g, bm)
     intervals = _tile_intervals(layout, g, qt)  # [B', T, J, 4] (klo, khi, flo, fhi)
@@ -336,9 +351,11 @@ _lock = threading.Lock()
 
 def tile_plan(layout: WindowLayout, tiles: Tiles = DEFAULT_TILES) -> TilePlan:
     """The (cached) tile plan of ``layout`` at ``tiles``."""
-    sizes = (tiles.block_m, tiles.block_n, tiles.block_n_dkdv)
+    sizes = (tiles.block_m, tiles.block_n, tiles.block_n_dkdv, tiles.dkdv_step_rows)
     if min(sizes) < 16 or any(x & (x - 1) for x in sizes + (tiles.block_t,)):
         raise ValueError(f"tiles: expected powers of two, block sizes >= 16 (tl.dot), got {tiles}")
+    if tiles.dkdv_step_rows > tiles.block_m:
+        raise ValueError(f"tiles: expected block_m_dkdv <= block_m, got {tiles}")
     if tiles.block_t < SLOT_WINDOW_MAX:
         raise ValueError(f"tiles: expected block_t >= {SLOT_WINDOW_MAX} (a whole window per slot block), got {tiles}")
     key = (layout.cache_key, tiles)

@@ -396,6 +396,31 @@ def _dq_kernel(
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
 
+@triton.jit
+def _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base, q_start, q_len, interval,
+               full, kvh, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale, BLOCK_M_STEP: tl.constexpr):
+    """dK/dV of one key block from query rows [q_start, q_start + min(q_len, BLOCK_M_STEP)) of every head of kvh's group."""
+    offs_m = tl.arange(0, BLOCK_M_STEP)
+    ok = offs_m < q_len
+    lo, hi = _row_interval(RowIv, iv_base, q_start + offs_m, ok, interval, n_iv)
+    for g in range(0, kv_group):
+        h = kvh * kv_group + g
+        q_off = q_tile0 + h * stride_qh + q_start * stride_qm
+        q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+        do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
+        l_off = l_tile0 + h * stride_lh + q_start
+        # Padding rows: lse = inf makes p = 0 there, also on full entries.
+        lse2 = _lse2_for_grad(tl.load(Lse + l_off, mask=ok, other=float("inf")))
+        delta = tl.load(Delta + l_off, mask=ok, other=0.0)
+        p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M_STEP]
+        if full == 0:
+            p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
+        dv += tl.dot(p.to(do.dtype), do)
+        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds.to(q.dtype), q)
+    return dk, dv
+
+
 @_kernel
 def _dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV,
@@ -403,8 +428,12 @@ def _dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     keyptr_bstride, iv_bstride,
     n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
+    # One program owns BLOCK_N keys and walks the plan's entries (query tile, interval) that see
+    # them; each BLOCK_M-row query tile is read in steps of BLOCK_M_STEP rows, so the key block
+    # (the reuse factor of every q/dO byte read) is not bounded by the query tile's registers.
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_kv_heads
     kvh = pid_bh % n_kv_heads
@@ -413,7 +442,7 @@ def _dkdv_kernel(
     k_len = tl.load(KeyTiles + ktile * 2 + 1)
 
     offs_n = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M_STEP)
     offs_d = tl.arange(0, HEAD_DIM)
     iv_base = b * iv_bstride
     cols = k_start + offs_n
@@ -434,25 +463,17 @@ def _dkdv_kernel(
         full = tl.load(KeyEntries + e * 3 + 2)
         q_start = tl.load(QueryTiles + qtile * 3)
         q_len = tl.load(QueryTiles + qtile * 3 + 1)
-        ok = offs_m < q_len
-        lo, hi = _row_interval(RowIv, iv_base, q_start + offs_m, ok, interval, n_iv)
-        for g in range(0, kv_group):
-            h = kvh * kv_group + g
-            q_off = q_tile0 + h * stride_qh + q_start * stride_qm
-            q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
-            do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
-            l_off = l_tile0 + h * stride_lh + q_start
-            # Padding rows: lse = inf makes p = 0 there, also on full entries.
-            lse2 = _lse2_for_grad(tl.load(Lse + l_off, mask=ok, other=float("inf")))
-            delta = tl.load(Delta + l_off, mask=ok, other=0.0)
-            p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
-            if full == 0:
-                p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
-            dv += tl.dot(p.to(do.dtype), do)
-            ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
-            dk += tl.dot(ds.to(q.dtype), q)
-            if INSTRUMENT:
-                tl.atomic_add(Counters + 4, 1)
+        if BLOCK_M_STEP == BLOCK_M:  # one step: no loop (it would change the register allocation)
+            dk, dv = _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base, q_start,
+                                q_len, interval, full, kvh, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
+                                BLOCK_M_STEP)
+        else:
+            for r0 in range(0, q_len, BLOCK_M_STEP):
+                dk, dv = _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base,
+                                    q_start + r0, q_len - r0, interval, full, kvh, kv_group, stride_qh, stride_qm,
+                                    stride_lh, n_iv, qk_scale, BLOCK_M_STEP)
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 4, kv_group)
 
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
@@ -466,12 +487,16 @@ KERNELS = {
 }
 # Tile sets (tile shapes are part of the plan, so they are chosen by `tile_set_for`, not by the autotuner):
 # "base" runs everywhere; "wide" is the H100-class D=128 set: FlexAttention's H100 forward tiles (128 query
-# rows x 64 keys) for the forward and dQ; dK/dV walk 128 query rows x 32 keys (64 keys spill at every
-# config under Triton 3.6). It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that,
-# 128-row tiles leave SMs idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs).
+# rows x 64 keys) for the forward and dQ; each dK/dV program owns 128 keys and steps through the query
+# tiles 16 rows at a time (q and dO are re-read once per key tile: 4x less traffic than the earlier 32-key
+# programs; on an H100, single N=8192 k=4 fwd+bwd 141 -> 202 TFLOP/s, bench/triton_gpu.py --wide-dkdv).
+# It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that, 128-row tiles leave SMs
+# idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs). Its windows of 5..16 slots take tile
+# products instead of slot steps: at w = 8 and 16 (single / double k=8, N=8192) in-tile beat slot steps
+# on an H100, fwd 424 vs 356 and 414 vs 311 TFLOP/s, fwd+bwd 150 vs 138 and 146 vs 127 (--slot-window-max 0).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
-    "wide": {128: Tiles(128, 64, 32, 32)},
+    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
 }
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
@@ -482,7 +507,8 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "wide": 9}
 # and within shared memory on sm_80 and sm_90a ("wide": sm_90a only) in fp16 and bf16 under both ends of
 # the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources"). Pruned
 # by that measurement: under 3.6, fwd D=128 4 warps, dq D=64 2-3 stages, dkdv D=32 (4, 2), slot_bwd
-# D=32 4 warps and every dkdv D=128 config but (8, 1) spill. The first entry of each list is the
+# D=32 4 warps and every base dkdv D=128 config but (8, 1) spill; wide dkdv (128 keys, 16-row steps) compiles
+# clean at (8, 1) and (8, 2). The first entry of each list is the
 # default (`aot_report --defaults`, the CI test) and what runs without timing (KFORCING_TRITON_AUTOTUNE=0,
 # or by default under torch.distributed); H100-class entries (8 warps, 3 stages) lead the D=128 lists.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
@@ -494,7 +520,7 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
     "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)],
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
-             ("base", 128): [(8, 1)], ("wide", 128): [(8, 1)]},
+             ("base", 128): [(8, 1)], ("wide", 128): [(8, 2), (8, 1)]},
     # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
     "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
     "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
@@ -830,7 +856,8 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"], counters,
         *strides, pt["keyptr_bstride"], pt["iv_bstride"],
         n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
+        BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d,
+        INSTRUMENT=instrument,
     )
     return dq, dk, dv
 
