@@ -5,7 +5,8 @@
 #
 # Nothing is installed (GPU machines here have no network): missing packages are reported and
 # the steps that need them skipped. Each step has its own cap, and a global deadline
-# (GPU_CHECK_BUDGET_S, default 570 s) keeps the whole run under 10 minutes; a failing or
+# (GPU_CHECK_BUDGET_S, default 570 s) keeps the whole run under 10 minutes (GPU_CHECK_ONLY="1_smoke 4_sampler"
+# runs only the steps named; their reserves still apply); a failing or
 # timed-out step does not stop the ones after it; the last lines give every step's exit code.
 #
 # Steps (kept in step with python_tests/test_triton_gpu.py and bench/triton_gpu.py):
@@ -303,6 +304,9 @@ elapsed() { echo $(( $(date +%s) - START )); }
 run_step() {
     local name=$1 cap=$2 reserve=$3
     shift 3
+    if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        return 0  # not among the steps asked for
+    fi
     local left=$(( BUDGET - $(elapsed) - reserve ))
     local t=$(( cap < left ? cap : left ))
     echo

@@ -286,6 +286,39 @@ def train_step(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------- sampler
+
+
+def sampler_bench(args) -> list[dict]:
+    """The Triton inverse-CDF sampler vs softmax + cumsum + searchsorted (fp32, fp64) on bf16 logits."""
+    from bench.cpu_kernels import softmax_cumsum_searchsorted
+    from kforcing_kernels.ops import sampling
+
+    rows = []
+    for vocab in args.sampler_vocab:
+        for n_rows in args.sampler_rows:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            logits = (torch.randn(n_rows, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+            z = torch.rand(n_rows, device="cuda", generator=gen)
+            tau = 0.8
+            methods = {
+                "triton": lambda: sampling.inverse_cdf_sample(logits, z, tau),
+                "softmax+cumsum+searchsorted fp32": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float32),
+                "softmax+cumsum+searchsorted fp64": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float64),
+            }
+            times = {name: time_ms(fn) for name, fn in methods.items()}
+            agree = float((methods["triton"]() == sampling.inverse_cdf_sample_reference(logits, z, tau)).double().mean())
+            read_gb = logits.numel() * logits.element_size() / 1e9
+            row = {"vocab": vocab, "rows": n_rows, "backend": sampling.sampler_backend("cuda"), "ms": times,
+                   "logits_read_gb_per_s": {name: read_gb / (ms / 1e3) for name, ms in times.items()},
+                   "agreement_with_fp64_reference": agree}
+            rows.append(row)
+            print(f"sampler V={vocab} rows={n_rows}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items())
+                  + f" | triton x{times['softmax+cumsum+searchsorted fp32'] / times['triton']:.1f} vs fp32; "
+                  f"agrees with fp64 on {agree:.4f}", flush=True)
+    return rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"])
@@ -307,6 +340,9 @@ def parse_args(argv=None):
     p.add_argument("--train-step", action="store_true", help="time the self-forcing training step instead")
     p.add_argument("--train-preset", default="paper", help="model preset for --train-step (paper: 12 layers, 768)")
     p.add_argument("--train-ours", default="triton", help="our backend for --train-step")
+    p.add_argument("--sampler", action="store_true", help="time the Triton sampler instead")
+    p.add_argument("--sampler-vocab", type=int, nargs="+", default=[32000, 152064])
+    p.add_argument("--sampler-rows", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
@@ -336,6 +372,11 @@ def main(argv=None) -> int:
 
         tile_plan.SLOT_WINDOW_MAX = args.slot_window_max  # read when a plan is built; set before the first
     report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time()}
+    if args.sampler:
+        report["sampler"] = sampler_bench(args)
+        if args.json:
+            write_json(report, args.json, indent=2)
+        return 0
     if args.train_step:
         report["train_step"] = train_step(args)
         if args.json:
@@ -345,6 +386,15 @@ def main(argv=None) -> int:
     if "flex" in args.methods:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # One static graph per shape: past dynamo's recompile limit (8) flex_attention would silently run
+        # eagerly (dense scores, OOM at N=4096), so the limit goes up and hitting it raises.
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
+        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+            dynamo_config.fail_on_recompile_limit_hit = True
         extras["flex"] = torch.compile(flex_attention, dynamic=False)
     try:
         from flash_attn import flash_attn_func

@@ -180,7 +180,7 @@ def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
         dk[:, :, :m] += dk_p
         dv[:, :, :m] += dv_p
         return _from_slot_major(dq, h), dk, dv
-    dq = torch.zeros_like(qw)
+    dq = torch.zeros_like(qw, dtype=acc_dtype(qw.dtype))  # pieces sum in fp32, one rounding at the end
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
         dq_c, dk_c, dv_c = attend_backward(

@@ -273,7 +273,8 @@ def attend(q, k, v, *, causal: bool, scale: float, allowed: Optional[torch.Tenso
 
 
 def attend_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, allowed: Optional[torch.Tensor] = None):
-    """As :func:`lse_attention.attend_backward`: one piece's ``(dq, dk, dv)`` from the merged out/lse."""
+    """As :func:`lse_attention.attend_backward`: one piece's ``(dq, dk, dv)`` from the merged out/lse (the
+    portable path's in the accumulation dtype: the composite sums pieces and rounds once)."""
     masked = allowed is not None
     args = [t.contiguous() for t in (dout, q, k, v, out)]
     got = _run("backward", q, k, causal, masked, {
@@ -281,6 +282,7 @@ def attend_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, allo
         "sdpa_flash": lambda: _sdpa_flash_backward(*args, lse, allowed, causal, scale),
         "sdpa_efficient": lambda: _sdpa_eff_backward(*args, lse, allowed, causal, scale),
     })
-    if got is None:
-        return lse_attention.attend_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed)
+    if got is None:  # the portable path; fp32 gradients for 16-bit inputs (the composite sums pieces)
+        return lse_attention.attend_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
+                                             acc_grads=True)
     return tuple(g.to(t.dtype) for g, t in zip(got, (q, k, v)))

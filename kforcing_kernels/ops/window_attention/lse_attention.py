@@ -75,15 +75,20 @@ def attend_backward(
     scale: float,
     allowed: Optional[torch.Tensor] = None,
     force_math: bool = False,
+    acc_grads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one piece given the merged ``out``/``lse``: ``(dq, dk, dv)`` like q, k, v."""
+    """Gradients of one piece given the merged ``out``/``lse``: ``(dq, dk, dv)`` like q, k, v.
+
+    ``acc_grads``: the portable path returns them in the accumulation dtype instead, for a
+    caller that sums pieces (each rounding to bf16 would add up over the pieces)."""
     if _use_flash_cpu(q) and not force_math:
         mask = None if allowed is None else _additive_mask(allowed, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.to(acc_dtype(q.dtype)).contiguous(),
             0.0, causal, attn_mask=mask, scale=scale,
         )
-    return _attend_math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed)
+    return _attend_math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
+                                 acc_grads=acc_grads)
 
 
 # ---------------------------------------------------------------------- portable path
@@ -132,13 +137,13 @@ def _attend_math(q, k, v, *, causal, scale, allowed):
     return out, lse
 
 
-def _attend_math_backward(dout, q, k, v, out, lse, *, causal, scale, allowed):
+def _attend_math_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, acc_grads=False):
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     ct = acc_dtype(q.dtype)
     kf, vf = k.to(ct)[:, :, None], v.to(ct)[:, :, None]
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q, dtype=ct if acc_grads else q.dtype)
     dk = torch.zeros(k.shape, dtype=ct, device=k.device)
     dv = torch.zeros(v.shape, dtype=ct, device=v.device)
     for r0 in range(0, lq, _MATH_ROW_CHUNK):
@@ -155,7 +160,9 @@ def _attend_math_backward(dout, q, k, v, out, lse, *, causal, scale, allowed):
         delta = (doc * oc).sum(-1, keepdim=True)
         dp = doc @ vf.transpose(-1, -2)
         ds = p * (dp - delta)
-        dq[:, :, rows] = ((ds @ kf) * scale).reshape(b, h, -1, d).to(q.dtype)
+        dq[:, :, rows] = ((ds @ kf) * scale).reshape(b, h, -1, d).to(dq.dtype)
         dk += ((ds.transpose(-1, -2) @ qc) * scale).sum(2)
         dv += (p.transpose(-1, -2) @ doc).sum(2)
+    if acc_grads:
+        return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
