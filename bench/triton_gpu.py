@@ -343,14 +343,41 @@ def parse_args(argv=None):
     p.add_argument("--sampler", action="store_true", help="time the Triton sampler instead")
     p.add_argument("--sampler-vocab", type=int, nargs="+", default=[32000, 152064])
     p.add_argument("--sampler-rows", type=int, nargs="+", default=[256, 4096])
+    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                   help="print a markdown table of the rows in these --json reports, measure nothing")
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
     return p.parse_args(argv)
 
 
+def render_markdown(paths: list[str]) -> str:
+    """A markdown table (TFLOP/s per useful FLOP, fwd / fwd+bwd) of the rows in report JSON files."""
+    methods = ("triton", "flex", "sdpa_flash_causal", "composite", "dense_sdpa")
+    lines = ["| N | k | D | triton | flex (compiled) | SDPA-flash causal | composite | dense-mask SDPA "
+             "| triton / flex | triton / SDPA-flash |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        import json
+
+        with open(path) as f:
+            report = json.load(f)
+        for r in report["rows"]:
+            cells = []
+            for m in methods:
+                res = r["results"].get(m)
+                cells.append(f"{res['fwd_tflops']:.0f} / {res['fwd_bwd_tflops']:.0f}" if res else
+                             ("OOM" if "OutOfMemory" in r["errors"].get(m, "") else "-"))
+            ratios = [f"{r['ratios'][f'fwd_vs_{o}']:.2f} / {r['ratios'][f'fwd_bwd_vs_{o}']:.2f}"
+                      if f"fwd_vs_{o}" in r["ratios"] else "-" for o in ("flex", "sdpa_flash_causal")]
+            lines.append(f"| {r['n']} | {r['k']} | {r['dim']} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        print(render_markdown(args.render))
+        return 0
     if args.list:
         for layout_name, n, k, d in shapes(args):
             layout = LAYOUTS[layout_name](n, k)

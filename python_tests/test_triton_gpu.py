@@ -63,6 +63,35 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
     assert "|M|=2634240" in capsys.readouterr().out  # SingleForward N=1024, k=4: ~5 x causal + intra
 
 
+def test_gpu_table_renders_from_the_committed_h100_json(capsys):
+    """The README's GPU table is `--render` of bench/results/gpu-h100/attention_table.json."""
+    sys.path.insert(0, ROOT)
+    from bench import triton_gpu
+
+    path = os.path.join(ROOT, "bench", "results", "gpu-h100", "attention_table.json")
+    assert triton_gpu.main(["--render", path]) == 0
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n") == 19  # header, rule, 18 shapes
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert table in f.read()
+
+
+def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
+    sys.path.insert(0, ROOT)
+    from bench import triton_gpu
+    from kforcing_kernels.ops.window_attention import triton_kernels as tk
+
+    shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])
+    try:
+        triton_gpu._use_wide_dkdv("64:32:8.1,8.2")
+        assert (tk.TILE_SETS["wide"][128].block_n_dkdv, tk.TILE_SETS["wide"][128].block_m_dkdv) == (64, 32)
+        assert tk.KERNEL_CONFIGS["dkdv"][("wide", 128)] == [(8, 1), (8, 2)]
+        triton_gpu._use_wide_dkdv(None)
+        assert (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)]) == shipped
+    finally:
+        tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)] = shipped
+
+
 def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
     """bench_one's methods, FLOP accounting and failure capture, with the timer replaced (do_bench needs CUDA)."""
     sys.path.insert(0, ROOT)
