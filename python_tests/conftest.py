@@ -110,3 +110,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "fuzz_long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def isolated_cache(tmp_path_factory):
+    """KFORCING_CACHE in a fresh folder for the module (tokenizer and dataset caches never shared)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KFORCING_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield

@@ -1,8 +1,6 @@
 """Trainer: distillation targets, checkpoints, bit-for-bit resume, clear errors."""
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,31 +15,21 @@ from kforcing_kernels.checkpoint import (
 )
 from kforcing_kernels.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
 from kforcing_kernels.train import TrainConfig, learning_rate, main, train, _optimizer
-
-VOCAB = 300
+from train_helpers import VOCAB, micro_config, write_json_package
 
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
     """A few real source files (the json package), small enough to tokenize in a moment."""
-    folder = tmp_path_factory.mktemp("corpus")
-    for path in sorted(Path(json.__file__).parent.glob("*.py")):
-        (folder / path.name).write_text(path.read_text())
-    return folder
+    return write_json_package(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KFORCING_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+def _cache(isolated_cache):
+    yield
 
 
-def micro(out, corpus_dir, **kw) -> TrainConfig:
-    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=VOCAB, preset="micro", seq_len=16, steps=6,
-                batch_size=4, warmup_steps=2, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3)
-    base.update(kw)
-    return TrainConfig(**base)
+micro = micro_config
 
 
 @pytest.fixture(scope="module")

@@ -160,29 +160,20 @@ def test_document_offsets_and_batches():
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
     """Many short documents (a line of the json package each), so 16-token windows cross documents."""
-    import json as json_pkg
-    from pathlib import Path
+    from train_helpers import write_json_package
 
-    folder = tmp_path_factory.mktemp("docs")
-    lines = [line for path in sorted(Path(json_pkg.__file__).parent.glob("*.py")) for line in path.read_text().splitlines()]
-    for i, line in enumerate(line for line in lines if line.strip()):
-        (folder / f"{i:05d}.py").write_text(line + "\n")
-    return folder
+    return write_json_package(tmp_path_factory.mktemp("docs"), one_document_per_line=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KFORCING_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+def _cache(isolated_cache):
+    yield
 
 
-def micro(out, corpus_dir, **kw) -> TrainConfig:
-    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=300, preset="micro", seq_len=16, steps=6,
-                batch_size=4, warmup_steps=2, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3,
-                packed_docs=True, seed=1)
-    base.update(kw)
-    return TrainConfig(**base)
+def micro(out, corpus_dir, **kw):
+    from train_helpers import micro_config
+
+    return micro_config(out, corpus_dir, **{"packed_docs": True, "seed": 1, **kw})
 
 
 def _losses(folder):

@@ -5,6 +5,7 @@ Each test drives the public entry points (``train``, ``main``, ``load_checkpoint
 """
 
 import errno
+import functools
 import json
 import os
 import re
@@ -22,30 +23,20 @@ from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.train import (
     CheckpointError, TrainConfig, latest_checkpoint, load_checkpoint, load_model, main, read_metrics, train, _optimizer,
 )
-
-VOCAB = 300
+from train_helpers import VOCAB, micro_config, write_json_package
 
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    for path in sorted(Path(json.__file__).parent.glob("*.py")):
-        (folder / path.name).write_text(path.read_text())
-    return folder
+    return write_json_package(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KFORCING_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+def _cache(isolated_cache):
+    yield
 
 
-def micro(out, corpus_dir, **kw) -> TrainConfig:
-    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=VOCAB, preset="micro", seq_len=16, steps=4,
-                batch_size=4, warmup_steps=1, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3)
-    base.update(kw)
-    return TrainConfig(**base)
+micro = functools.partial(micro_config, steps=4, warmup_steps=1)
 
 
 def snapshot(folder: Path) -> dict:

@@ -55,6 +55,11 @@ def test_report_compiles_each_distinct_kernel_once():
     assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {("fwd", "wide"), ("dq", "wide"),
                                                                             ("dkdv", "wide")}
     assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
+    # The paged decode kernel (ops/paged_attention) is in the report too, at its launch config.
+    paged = [j for j in jobs if j.kernel == aot_report.PAGED]
+    assert {(j.arch, j.head_dim, j.dtype) for j in paged} == {(a, d, t) for a in (80, 90) for d in (64, 128)
+                                                              for t in ("fp16", "bf16")}
+    assert all((j.num_warps, j.num_stages) == aot_report.PAGED_CONFIG and j.chosen for j in paged)
 
 
 @pytest.mark.skipif(aot_report.tools_missing() is not None, reason=f"{aot_report.tools_missing()}")

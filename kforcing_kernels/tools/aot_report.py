@@ -77,9 +77,49 @@ def tools_missing() -> Optional[str]:
     return None
 
 
+# The paged decode kernel (ops/paged_attention): launched with Triton's default config, its window
+# padded to 16 rows (K-Forcing k <= 8), 4 KV heads (a constexpr: the report's representative).
+PAGED = "paged"
+PAGED_CONFIG = (4, 3)
+PAGED_HEAD_DIMS = (64, 128)
+PAGED_IO = ("Q", "KNew", "VNew", "KPages", "VPages", "Out")
+PAGED_INT_POINTERS = ("Table", "Lens")
+
+
+def _kernel_fn(name: str):
+    if name == PAGED:
+        from ..ops.paged_attention import triton_kernels as paged
+
+        return paged._paged_fwd_kernel
+    from ..ops.window_attention import triton_kernels as kernels
+
+    return kernels.KERNELS[name]
+
+
+def _paged_signature(fn, dtype: str, constexprs: dict):
+    signature, attrs = {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in PAGED_IO:
+            signature[name] = "*" + dtype
+        elif name in PAGED_INT_POINTERS:
+            signature[name] = "*i32"
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        if signature[name].startswith("*"):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
 def _signature(fn, dtype: str, constexprs: dict):
     from ..ops.window_attention import triton_kernels as kernels
 
+    if fn is _kernel_fn(PAGED):
+        return _paged_signature(fn, dtype, constexprs)
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
@@ -105,6 +145,10 @@ def _signature(fn, dtype: str, constexprs: dict):
 def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
     from ..ops.window_attention import triton_kernels as kernels
 
+    if kernel == PAGED:
+        from ..ops.paged_attention import triton_kernels as paged
+
+        return dict(HKV=4, D=head_dim, BLOCK_M=16, BLOCK_N=paged.BLOCK_N, BLOCK_D=head_dim)
     tiles = kernels.TILE_SETS[tile_set][head_dim]
     if kernel in ("slot_fwd", "slot_bwd"):
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
@@ -128,7 +172,7 @@ def compile_one(job: Job) -> Row:
 
     from ..ops.window_attention import triton_kernels as kernels
 
-    fn = kernels.KERNELS[job.kernel]
+    fn = _kernel_fn(job.kernel)
     constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
     signature, attrs = _signature(fn, job.dtype, constexprs)
     try:
@@ -159,7 +203,7 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
 
     out, seen = [], set()
     for arch in archs:
-        for name in kernels_subset or kernels.KERNELS:
+        for name in [n for n in kernels_subset or kernels.KERNELS if n != PAGED]:
             for (tile_set, d), chosen in kernels.KERNEL_CONFIGS[name].items():
                 if (head_dims and d not in head_dims) or arch // 10 < kernels.TILE_SET_MIN_CAPABILITY[tile_set]:
                     continue  # a set is only dispatched on targets at or above its minimum capability
@@ -175,6 +219,10 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
                         if what not in seen:
                             seen.add(what)
                             out.append(Job(arch, name, tile_set, d, dtype, w, s, (w, s) in chosen))
+        if kernels_subset is None or PAGED in kernels_subset:
+            for d in PAGED_HEAD_DIMS:
+                if not head_dims or d in head_dims:
+                    out += [Job(arch, PAGED, "-", d, dtype, *PAGED_CONFIG, True) for dtype in dtypes]
     return out
 
 

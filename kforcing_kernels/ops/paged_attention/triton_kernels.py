@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+BLOCK_N = 32  # context tokens per tile (tools/aot_report compiles this kernel with it)
 
 
 def interpreting() -> bool:
@@ -84,6 +85,6 @@ def paged_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, 
     _paged_fwd_kernel[(b * h,)](
         q, k_new, v_new, k_pages, v_pages, block_table.to(torch.int32), context_lens.to(torch.int32), out,
         float(scale) * LOG2E, h, k_new.shape[1], w, d, k_pages.shape[1], block_table.shape[1],
-        BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
     )
     return out

@@ -1,0 +1,31 @@
+"""Shared pieces of the trainer tests: small real corpora and the micro training config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kforcing_kernels.train import TrainConfig
+
+VOCAB = 300
+
+
+def write_json_package(folder: Path, one_document_per_line: bool = False) -> Path:
+    """The json package's source as a corpus: one file per module, or one short document per non-blank line."""
+    sources = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    if one_document_per_line:
+        lines = [line for text in sources for line in text.splitlines() if line.strip()]
+        for i, line in enumerate(lines):
+            (folder / f"{i:05d}.py").write_text(line + "\n")
+    else:
+        for path in sorted(Path(json.__file__).parent.glob("*.py")):
+            (folder / path.name).write_text(path.read_text())
+    return folder
+
+
+def micro_config(out, corpus_dir, **kw) -> TrainConfig:
+    """A few steps of the micro preset on ``corpus_dir``; keywords override the defaults."""
+    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=VOCAB, preset="micro", seq_len=16, steps=6,
+                batch_size=4, warmup_steps=2, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3)
+    base.update(kw)
+    return TrainConfig(**base)
