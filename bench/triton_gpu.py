@@ -325,7 +325,7 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--dim", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],

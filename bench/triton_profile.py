@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[4])
     p.add_argument("--dim", type=int, nargs="+", default=[128])
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
