@@ -1,6 +1,5 @@
 """End to end with a micro config: Stage 0 -> 1 -> 2 (k=2) -> 2 (k=4), evaluation, tables, plot."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,13 @@ from kforcing_kernels.model import KForcingLM
 from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
 from kforcing_kernels.checkpoint import load_model, read_json, read_metrics
 from kforcing_kernels.train import ConfigError, TrainConfig
+from train_helpers import write_json_package
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for path in sorted(Path(json.__file__).parent.glob("*.py")):
-        (corpus / path.name).write_text(path.read_text())
+    corpus = write_json_package(root / "corpus")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         base = TrainConfig(data=str(corpus), vocab_size=300, preset="micro", seq_len=16, batch_size=4, warmup_steps=2,

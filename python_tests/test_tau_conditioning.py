@@ -11,9 +11,7 @@ teacher's side is the inverse-CDF sampler (an independent implementation,
 ``ops.sampling.inverse_cdf_sample``) on that grid.
 """
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from kforcing_kernels.data import load_corpus, sample_windows
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
 from kforcing_kernels.checkpoint import load_model
 from kforcing_kernels.train import TrainConfig, train
+from train_helpers import write_json_package
 
 TAUS = (0.5, 0.8, 1.0)
 GRID = 256  # z values per context
@@ -40,10 +39,7 @@ EXCESS_MAX = 0.05  # and never above the teacher's by more than this (nats)
 def trained(tmp_path_factory):
     """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU."""
     root = tmp_path_factory.mktemp("tau")
-    corpus_dir = root / "corpus"
-    corpus_dir.mkdir()
-    for path in sorted(Path(json.__file__).parent.glob("*.py")):
-        corpus_dir.joinpath(path.name).write_text(path.read_text())
+    corpus_dir = write_json_package(root / "corpus")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         base = dict(data=str(corpus_dir), vocab_size=300, preset="micro", seq_len=16, batch_size=16, warmup_steps=20,

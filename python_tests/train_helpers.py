@@ -11,7 +11,9 @@ VOCAB = 300
 
 
 def write_json_package(folder: Path, one_document_per_line: bool = False) -> Path:
-    """The json package's source as a corpus: one file per module, or one short document per non-blank line."""
+    """The json package's source as a corpus in ``folder`` (created if missing): one file per module, or
+    one short document per non-blank line."""
+    folder.mkdir(parents=True, exist_ok=True)
     sources = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
     if one_document_per_line:
         lines = [line for text in sources for line in text.splitlines() if line.strip()]
