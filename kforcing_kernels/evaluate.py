@@ -129,8 +129,10 @@ def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Ten
     n-grams of the scored tokens, "tokens": scored}``.
     """
     device = judge.wte.weight.device
+    # Callers pass prompts and completions from either device (held-out text stays on the CPU).
+    prompts, completions = prompts.to(device), completions.to(device)
     p = prompts.shape[1]
-    seq = torch.cat([prompts, completions], 1).to(device)
+    seq = torch.cat([prompts, completions], 1)
     logp = torch.log_softmax(judge(seq[:, :-1]).float(), -1)  # [B, P+T-1, V]
     token_logp = logp[:, p - 1:].gather(-1, seq[:, p:, None])[..., 0]  # [B, T]
     keep = torch.ones_like(completions, dtype=torch.bool)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 from .checkpoint import read_json
 from .train import ConfigError, TrainConfig, train
-from .train_config import existing_run
+from .train_config import changed_settings, existing_run
 
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
@@ -93,11 +93,20 @@ def per_round_type(cast, expected: str):
     return parse
 
 
+def _require_same_settings(folder: Path, cfg: TrainConfig) -> None:
+    """A finished stage is reused only when it was trained with the settings asked for now (else its numbers would mix in)."""
+    saved = read_json(folder / "train_config.json")
+    for key, used, wanted in changed_settings(saved, cfg):
+        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this pipeline asks for "
+                          f"{wanted!r}; pass --overwrite to train every stage again, or choose another --out")
+
+
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     """Train every stage in turn.
 
     A finished stage (model.json present) is skipped, unless ``base.overwrite`` (then every stage is
-    trained again). With ``base.resume`` a stage with checkpoints continues and a stage not yet
+    trained again); one trained with other settings (steps, learning rate, batch size, ...: the keys
+    a resume must agree on) is refused with a ConfigError rather than mixed into this run. With ``base.resume`` a stage with checkpoints continues and a stage not yet
     started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
     """
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
@@ -112,6 +121,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
         if base.resume and not existing_run(folder):
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
         if (folder / "model.json").exists() and not base.overwrite:
+            _require_same_settings(folder, cfg)
             print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
             summaries[folder.name] = read_json(folder / "model.json").get("summary", {})
         else:

@@ -52,7 +52,7 @@ from .objectives import (  # noqa: F401  (some re-exported, as above)
     Batch, Objective, compute_loss, forward_distillation_targets, make_batch, noise_inversion_supervision,
     self_forcing_targets, step_generator,
 )
-from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, check_splits, prepare_out, validate_config  # noqa: F401
+from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, changed_settings, check_splits, prepare_out, validate_config  # noqa: F401
 
 
 # ---------------------------------------------------------------------- distributed
@@ -148,11 +148,9 @@ def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.opt
 def _resume_state(out: Path, cfg: TrainConfig) -> Path:
     ckpt = latest_checkpoint(out)
     saved = read_checkpoint_meta(ckpt)["train_config"]
-    for key in TrainConfig.RESUME_KEYS:
-        used = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key))
-        if used != getattr(cfg, key):
-            flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
-            raise ConfigError(f"{key}: --resume needs the settings of the run in {out}; it used {used!r}, got {getattr(cfg, key)!r}{flag}")
+    for key, used, wanted in changed_settings(saved, cfg):
+        flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
+        raise ConfigError(f"{key}: --resume needs the settings of the run in {out}; it used {used!r}, got {wanted!r}{flag}")
     return ckpt
 
 

@@ -78,6 +78,23 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def changed_settings(saved: dict, cfg: TrainConfig) -> list[tuple[str, object, object]]:
+    """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` on which a saved run's config differs from ``cfg``.
+
+    ``teacher`` and ``data`` are paths: the same folder written relative or absolute is the same setting.
+    """
+    changed = []
+    for key in TrainConfig.RESUME_KEYS:
+        used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
+        if key in ("teacher", "data") and used is not None and wanted is not None:
+            same = Path(used).resolve() == Path(wanted).resolve()
+        else:
+            same = used == wanted
+        if not same:
+            changed.append((key, used, wanted))
+    return changed
+
+
 def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     """Clear errors for settings that cannot work, naming the setting."""
     if cfg.stage not in STAGES:
