@@ -24,22 +24,26 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
-    """One training stage. ``batch_size`` is global (sequences per optimizer step, all ranks together)."""
+    """One training stage. ``batch_size`` is global (sequences per optimizer step, all ranks together).
+
+    The defaults are the demo's model, data and optimizer settings (``kforcing_kernels.demo``
+    uses ``TrainConfig()``), so a stage trained by hand matches the demo's unless told otherwise.
+    """
 
     stage: str = "stage0"
     out: str = "runs/train"
     teacher: Optional[str] = None  # stage folder of the teacher (stage1, stage2)
     data: str = DEFAULT_SOURCE
-    vocab_size: int = 2048
+    vocab_size: int = 1024
     preset: str = "tiny"  # stage0 only: the model size (later stages inherit the teacher's)
     model_overrides: dict = field(default_factory=dict)
-    seq_len: int = 128
+    seq_len: int = 64
     steps: int = 1000
     batch_size: int = 16
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -57,7 +61,7 @@ class TrainConfig:
     precision: str = "auto"
     device: str = "auto"
     log_every: int = 10
-    ckpt_every: int = 200
+    ckpt_every: int = 250
     keep_checkpoints: int = 2
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4

@@ -234,6 +234,16 @@ def test_demo_and_evaluate_share_the_settings():
     for name in ("prompt_len", "new_tokens", "temperature", "reps", "seed"):
         assert getattr(args, name) == getattr(DEMO_EVAL, name), name
     assert tuple(args.taus) == DEMO_EVAL.taus and tuple(args.batch_sizes) == DEMO_EVAL.batch_sizes
+    # The stage CLIs default to the demo's model, data and optimizer settings.
+    from kforcing_kernels.train import build_parser, config_from_args
+
+    assert demo.DEMO["train"] == TrainConfig()
+    for argv in (["stage0"], ["stage1", "--teacher", "t"], ["stage2", "--teacher", "t"], ["pipeline"]):
+        cfg = config_from_args(build_parser().parse_args(argv + ["--out", "x"]))
+        for key in ("vocab_size", "seq_len", "batch_size", "warmup_steps", "preset", "data", "grad_clip", "tau_min", "tau_max"):
+            assert getattr(cfg, key) == getattr(demo.DEMO["train"], key), (argv, key)
+        lr = demo.DEMO["pipeline"].lr_stage0 if argv[0] == "stage0" else demo.DEMO["pipeline"].lr_distill
+        assert argv[0] == "pipeline" or cfg.lr == lr, (argv, cfg.lr, lr)
     # Both presets give the last (k=4) round the most distillation steps; the long preset trains no stage less
     # than the demo and the k=4 round much more.
     for preset in (demo.DEMO, demo.LONG):
