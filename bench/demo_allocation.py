@@ -7,7 +7,8 @@ Stage-0 teacher as judge, or by one shared teacher with ``--shared-stage0``. The
 the k = 4 judge perplexity over the AR teacher's at every tau, with distinct-4.
 
     kforcing-bench allocation --device cuda --shared-stage0 1000 \\
-        --variant a=450,300,3000 --variant b=450,300,2400 --variant c=200,150,240,distill_batch=8
+        --variant a=0,450,300,3000,distill_batch=16 --variant b=0,450,300,2400,distill_batch=16
+    kforcing-bench allocation --device cpu --variant demo=600,200,150,240 --variant short_b16=600,150,100,100,distill_batch=16
 """
 
 from __future__ import annotations
@@ -15,30 +16,40 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench._cli import command_line, default_out
-from kforcing_kernels.cli_common import add_device, make_parser
+if __name__ == "__main__":  # `python bench/demo_allocation.py`: the repository root holds `bench` and `kforcing_kernels`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._cli import command_line, default_out  # noqa: E402
+from kforcing_kernels.cli_common import add_device, make_parser, positive_int  # noqa: E402
 
 _KEYS = ("distill_batch", "seed")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S]`` (S0 is ignored with --shared-stage0; write any number)."""
+    """``NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S]``: steps of Stage 0, Stage 1 and the k=2, k=4 rounds.
+
+    S0 may be 0 only with ``--shared-stage0`` (which sets it); ``distill_batch`` defaults to the demo's.
+    """
+    from kforcing_kernels.demo import DEMO
+
     name, sep, spec = text.partition("=")
     parts = spec.split(",") if sep else []
     steps = [p for p in parts if "=" not in p]
     extra = dict(p.split("=", 1) for p in parts if "=" in p)
-    if not name or len(steps) != 4 or not all(s.isdigit() and int(s) > 0 for s in steps) or set(extra) - set(_KEYS) \
-            or not all(v.isdigit() for v in extra.values()):
-        raise argparse.ArgumentTypeError(f"expected NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S] with positive step counts, got {text!r}")
+    if not name or len(steps) != 4 or not all(s.isdigit() for s in steps) or not all(int(s) > 0 for s in steps[1:]) \
+            or set(extra) - set(_KEYS) or not all(v.isdigit() for v in extra.values()) or extra.get("distill_batch") == "0":
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S] with positive step counts (S0 0 with --shared-stage0), got {text!r}")
     s0, s1, k2, k4 = (int(s) for s in steps)
-    return name, dict(steps_stage0=s0, steps_stage1=s1, steps_stage2=(k2, k4),
-                      batch_size_distill=int(extra["distill_batch"]) if "distill_batch" in extra else None,
+    distill_batch = int(extra["distill_batch"]) if "distill_batch" in extra else DEMO["pipeline"].batch_size_distill
+    return name, dict(steps_stage0=s0, steps_stage1=s1, steps_stage2=(k2, k4), batch_size_distill=distill_batch,
                       seed=int(extra.get("seed", 0)))
 
 
@@ -66,32 +77,52 @@ def train_and_score(spec: dict, out: Path, device: str) -> dict:
     }
 
 
+def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
+    """The one Stage-0 teacher of every variant with this seed (trained on first use)."""
+    from kforcing_kernels.checkpoint import read_json
+    from kforcing_kernels.demo import DEMO
+    from kforcing_kernels.train import ConfigError, train
+
+    folder = out / f"shared_seed{seed}" / "stage0"
+    cfg = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=seed, stage="stage0", out=str(folder),
+                              steps=steps, lr=DEMO["pipeline"].lr_stage0)
+    if (folder / "model.json").exists():
+        used = read_json(folder / "model.json")["train_config"]["steps"]
+        if used != steps:
+            raise ConfigError(f"shared_stage0: {folder} holds a {used}-step teacher, got --shared-stage0 {steps}; use another --out")
+    else:
+        train(cfg)
+    return folder
+
+
 def run(args) -> dict:
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the variants run with the repository root as their working directory
     out.mkdir(parents=True, exist_ok=True)
     variants = dict(args.variant)
-    if args.shared_stage0:
-        from kforcing_kernels.demo import DEMO
-        from kforcing_kernels.train import train
-
-        shared = out / "shared" / "stage0"
-        if not (shared / "model.json").exists():
-            train(dataclasses.replace(DEMO["train"], device=args.device, progress=False, stage="stage0", out=str(shared),
-                                      steps=args.shared_stage0, lr=DEMO["pipeline"].lr_stage0))
-        for name, spec in variants.items():
+    for name, spec in variants.items():
+        if args.shared_stage0:
             spec["steps_stage0"] = args.shared_stage0
             if not (out / name / "stage0").exists():
-                shutil.copytree(shared, out / name / "stage0")
-    procs = {}
+                shutil.copytree(_shared_stage0(out, args.shared_stage0, spec["seed"], args.device), out / name / "stage0")
+        elif spec["steps_stage0"] == 0:
+            raise SystemExit(f"--variant {name}: Stage 0 needs steps (S0 = 0 only with --shared-stage0)")
+    # Parallel CPU variants share the cores: each gets its share, and waits without spinning (see demo.py).
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    if args.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(variants)))
+    procs, logs = {}, {}
     for name, spec in variants.items():
         (out / name).mkdir(exist_ok=True)
+        logs[name] = open(out / f"{name}.log", "w")
         procs[name] = subprocess.Popen(
-            [sys.executable, "-c", "import json, sys; from bench.demo_allocation import _child; _child(*sys.argv[1:])",
+            [sys.executable, "-c", "import sys; from bench.demo_allocation import _child; _child(*sys.argv[1:])",
              json.dumps(spec), str(out / name), args.device],
-            stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+            stdout=logs[name], stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
     rows = {}
     for name, proc in procs.items():
-        if proc.wait() != 0:
+        proc.wait()
+        logs[name].close()
+        if proc.returncode != 0:
             rows[name] = {"spec": variants[name], "status": f"failed (exit {proc.returncode}): see {out / (name + '.log')}"}
         else:
             rows[name] = json.loads((out / name / "allocation.json").read_text())
@@ -121,8 +152,8 @@ def format_report(report: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--variant", action="append", type=parse_variant, required=True, metavar="NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S]",
                    help="one allocation (repeatable); the variants train in parallel processes")
-    p.add_argument("--shared-stage0", type=int, default=None, metavar="STEPS",
-                   help="train one Stage-0 teacher with this many steps and give it to every variant (one judge for all)")
+    p.add_argument("--shared-stage0", type=positive_int, default=None, metavar="STEPS",
+                   help="train one Stage-0 teacher (per seed) with this many steps and give it to every variant: one judge for all")
     p.add_argument("--out", default=None, help="output folder (None: runs/bench-allocation-<time>)")
     add_device(p)
 
@@ -151,5 +182,4 @@ def main(argv=None, prog="python bench/demo_allocation.py") -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

@@ -95,10 +95,12 @@ def per_round_type(cast, expected: str):
 
 def _require_same_settings(folder: Path, cfg: TrainConfig) -> None:
     """A finished stage is reused only when it was trained with the settings asked for now (else its numbers would mix in)."""
-    saved = read_json(folder / "train_config.json")
-    for key, used, wanted in changed_settings(saved, cfg):
-        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this pipeline asks for "
-                          f"{wanted!r}; pass --overwrite to train every stage again, or choose another --out")
+    saved = read_json(folder / "model.json").get("train_config") or read_json(folder / "train_config.json")
+    # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working directory.
+    for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
+        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks for "
+                          f"{wanted!r}; choose another output folder (--out), or retrain every stage of this one "
+                          f"(`kforcing-train pipeline --overwrite`)")
 
 
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:

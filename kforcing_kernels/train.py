@@ -164,8 +164,11 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     log = stderr_log(f"[{cfg.stage}]") if info.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
+        finished = read_json(out / "model.json")
+        for key, used, wanted in changed_settings(finished.get("train_config", {}), cfg):
+            raise ConfigError(f"{key}: --resume needs the settings of the finished run in {out}; it used {used!r}, got {wanted!r}")
         log(f"{out} is complete (model.json exists); nothing to resume")
-        return read_json(out / "model.json").get("summary", {})
+        return finished.get("summary", {})
     prepare_out(cfg, info.main, log)
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.

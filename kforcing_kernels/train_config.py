@@ -27,7 +27,8 @@ class TrainConfig:
     """One training stage. ``batch_size`` is global (sequences per optimizer step, all ranks together).
 
     The defaults are the demo's model, data and optimizer settings (``kforcing_kernels.demo``
-    uses ``TrainConfig()``), so a stage trained by hand matches the demo's unless told otherwise.
+    uses ``TrainConfig()``); the demo's step counts and distillation batch are its own
+    (``demo.DEMO["pipeline"]``).
     """
 
     stage: str = "stage0"
@@ -76,21 +77,24 @@ class TrainConfig:
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                    "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False}
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def changed_settings(saved: dict, cfg: TrainConfig) -> list[tuple[str, object, object]]:
-    """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` on which a saved run's config differs from ``cfg``.
+def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
+    """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config differs from ``cfg``.
 
-    ``teacher`` and ``data`` are paths: the same folder written relative or absolute is the same setting.
+    ``teacher`` and ``data`` are paths: the same folder written relative or absolute (from this
+    working directory) is the same setting; the built-in corpus name compares as a name.
     """
     changed = []
     for key in TrainConfig.RESUME_KEYS:
+        if key in ignore:
+            continue
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
-        if key in ("teacher", "data") and used is not None and wanted is not None:
+        if key in ("teacher", "data") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
             same = Path(used).resolve() == Path(wanted).resolve()
         else:
             same = used == wanted

@@ -115,6 +115,17 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path, cor
         train(micro(tmp_path / "empty", corpus_dir, resume=True))
 
 
+def test_resume_of_a_finished_run_with_other_settings_refuses(tmp_path, corpus_dir):
+    """--resume on a finished run returns its summary only if the settings are the run's (else it would pass for this run)."""
+    out = tmp_path / "run"
+    summary = train(micro(out, corpus_dir))
+    before = snapshot(out)
+    assert train(micro(out, corpus_dir, resume=True)) == summary
+    with pytest.raises(ValueError, match=r"steps: --resume needs the settings of the finished run .* it used 4, got 6"):
+        train(micro(out, corpus_dir, resume=True, steps=6))
+    assert snapshot(out) == before
+
+
 def test_cli_resume_without_a_checkpoint_is_a_clear_error(tmp_path, corpus_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["stage0", "--out", str(tmp_path / "none"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--resume"])
