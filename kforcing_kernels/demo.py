@@ -35,26 +35,28 @@ import torch  # noqa: E402
 from .checkpoint import write_json, write_text  # noqa: E402
 from .evaluate import DEMO_EVAL, evaluate_pipeline, format_report, plot_summary  # noqa: E402
 from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
-from .train import TrainConfig  # noqa: E402
+from .train import ConfigError, TrainConfig  # noqa: E402
 
-_TRAIN = TrainConfig(preset="tiny", vocab_size=1024, seq_len=64, batch_size=16, warmup_steps=30, log_every=10, ckpt_every=250,
-                     eval_batches=4)
-# The full demo: ~7 minutes on two idle CPU cores (issue 18's measurement of this allocation).
-# The budget goes where it helps k=4 most: PFLM(2k) starts as a copy of PFLM(k) whose slots
-# k+1..2k are untrained, so the last self-forcing round gets the most distillation steps
-# (issue 18: Stage 0 1000, Stage 1 450, k=2 300, k=4 450 steps gave k=4 a judge PPL of 35.6
-# where 1500/500/300/300 gave 46.2, at the same wall time).
+# The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
+_TRAIN = TrainConfig()
+# The default demo: about 7 minutes on two idle CPU cores (bench/results/demo/). Distillation
+# runs at batch 8 (a k=4 self-forcing step at batch 16 costs ~1.1 s there, 6.7x an AR step)
+# and the last round gets the most steps: PFLM(2k) starts as a copy of PFLM(k) whose slots
+# k+1..2k are untrained, and on issue 18's measurements the k=4 round's steps were what
+# moved k=4's judge perplexity (allocations compared on one GPU: bench/results/demo/allocation_h100.md).
 DEMO = dict(
     train=_TRAIN,
-    pipeline=PipelineConfig(steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 450), lr_stage0=2e-3, lr_distill=2e-3),
+    pipeline=PipelineConfig(steps_stage0=600, steps_stage1=200, steps_stage2=(150, 240), lr_stage0=2e-3, lr_distill=2e-3,
+                            batch_size_distill=8),
     eval=DEMO_EVAL,
 )
-# --long: the same model, data and schedule with six times the steps (estimated ~40 minutes
-# on two idle CPU cores from the per-step costs of the stages; not yet run): how far the
-# quality gap closes with more training.
+# --long: about an hour on two idle CPU cores, a few minutes on a GPU. A stronger teacher
+# (1000 steps), every distillation stage at batch 16, and 2400 steps in the k=4 round: in the
+# allocation sweep more Stage-1 / k=2 steps did not help k=4, k=4-round steps did up to
+# 2400-3000 (6000 were no better), so the extra time goes to the round that still learns.
 LONG = dict(
-    train=dataclasses.replace(_TRAIN, warmup_steps=100, ckpt_every=500),
-    pipeline=PipelineConfig(steps_stage0=6000, steps_stage1=2700, steps_stage2=(1800, 2700), lr_stage0=2e-3, lr_distill=2e-3),
+    train=_TRAIN,
+    pipeline=PipelineConfig(steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 2400), lr_stage0=2e-3, lr_distill=2e-3),
     eval=DEMO_EVAL,
 )
 # --quick: the same pipeline in a minute or two; the numbers only show that it runs.
@@ -72,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_common import add_device, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-demo", __doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="output folder (None: runs/demo-<date>-<time>); a folder with finished stages resumes")
+    parser.add_argument("--out", help="output folder (None: runs/demo-<date>-<time>); its finished stages are reused when trained with this preset's settings")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a much shorter run that only shows the pipeline works")
-    size.add_argument("--long", action="store_true", help="six times the training (about 40 minutes on 2 idle CPU cores)")
+    size.add_argument("--long", action="store_true", help="more training, most of it in the k=4 round (about an hour on 2 idle CPU cores)")
     parser.add_argument("--judge", help="an AR stage folder that scores every method (None: this run's Stage-0 teacher)")
     add_temperature(parser, help_extra=" of the evaluation (the demo's tables)")
     add_threads(parser)
@@ -101,7 +103,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     t0 = time.perf_counter()
     base = dataclasses.replace(preset["train"], device=args.device, progress=None)
     pipe = dataclasses.replace(preset["pipeline"], out=str(out))
-    training = run_pipeline(pipe, base)
+    try:
+        training = run_pipeline(pipe, base)
+    except ConfigError as exc:  # e.g. --long into a folder holding the default demo's stages
+        parser.error(str(exc))
     t_train = time.perf_counter() - t0
     print(f"[demo] training done in {t_train:.0f}s; evaluating", flush=True)
 
