@@ -252,3 +252,17 @@ def test_demo_and_evaluate_share_the_settings():
     short, long = demo.DEMO["pipeline"], demo.LONG["pipeline"]
     assert long.steps_stage0 >= short.steps_stage0 and long.steps_stage1 >= short.steps_stage1
     assert long.round_steps()[-1] >= 5 * short.round_steps()[-1]
+
+
+def test_demo_turns_a_refused_folder_into_a_usage_error(monkeypatch, capsys, tmp_path):
+    """`demo --long --out <a default demo's folder>`: the pipeline's refusal reaches the user as a usage error, not a traceback."""
+    from kforcing_kernels import demo
+
+    def refuse(pipe, base):
+        raise ConfigError(f"steps: {pipe.out}/stage0 holds a finished stage0 trained with steps=600, this run asks for 1000")
+
+    monkeypatch.setattr(demo, "run_pipeline", refuse)
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--long", "--out", str(tmp_path / "d")])
+    assert exc.value.code == 2
+    assert "kforcing-demo: error: steps: " in capsys.readouterr().err
