@@ -82,14 +82,15 @@ def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
     from kforcing_kernels.checkpoint import read_json
     from kforcing_kernels.demo import DEMO
     from kforcing_kernels.train import ConfigError, train
+    from kforcing_kernels.train_config import changed_settings
 
     folder = out / f"shared_seed{seed}" / "stage0"
     cfg = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=seed, stage="stage0", out=str(folder),
                               steps=steps, lr=DEMO["pipeline"].lr_stage0)
     if (folder / "model.json").exists():
-        used = read_json(folder / "model.json")["train_config"]["steps"]
-        if used != steps:
-            raise ConfigError(f"shared_stage0: {folder} holds a {used}-step teacher, got --shared-stage0 {steps}; use another --out")
+        for key, used, wanted in changed_settings(read_json(folder / "model.json")["train_config"], cfg):
+            raise ConfigError(f"shared_stage0: {folder} holds a teacher trained with {key}={used!r}, this run asks for {wanted!r}; "
+                              "use another --out")
     else:
         train(cfg)
     return folder

@@ -140,7 +140,6 @@ def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Ten
         is_eos = completions == eos_id
         after_first = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
         keep = ~after_first
-    keep = keep.to(device)
     n = int(keep.sum())
     nll = float(-(token_logp * keep).sum() / max(n, 1))
     rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(completions.tolist(), keep.tolist())]

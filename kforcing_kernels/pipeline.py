@@ -93,9 +93,10 @@ def per_round_type(cast, expected: str):
     return parse
 
 
-def _require_same_settings(folder: Path, cfg: TrainConfig) -> None:
-    """A finished stage is reused only when it was trained with the settings asked for now (else its numbers would mix in)."""
-    saved = read_json(folder / "model.json").get("train_config") or read_json(folder / "train_config.json")
+def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig) -> None:
+    """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for now
+    (else its numbers would mix in)."""
+    saved = finished.get("train_config") or read_json(folder / "train_config.json")
     # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working directory.
     for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
         raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks for "
@@ -108,8 +109,8 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
 
     A finished stage (model.json present) is skipped, unless ``base.overwrite`` (then every stage is
     trained again); one trained with other settings (steps, learning rate, batch size, ...: the keys
-    a resume must agree on) is refused with a ConfigError rather than mixed into this run. With ``base.resume`` a stage with checkpoints continues and a stage not yet
-    started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
+    a resume must agree on) is refused with a ConfigError rather than mixed into this run. With
+    ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
     """
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
@@ -123,9 +124,10 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
         if base.resume and not existing_run(folder):
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
         if (folder / "model.json").exists() and not base.overwrite:
-            _require_same_settings(folder, cfg)
+            finished = read_json(folder / "model.json")
+            _require_same_settings(folder, finished, cfg)
             print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
-            summaries[folder.name] = read_json(folder / "model.json").get("summary", {})
+            summaries[folder.name] = finished.get("summary", {})
         else:
             summaries[folder.name] = train(cfg)
         teacher = folder

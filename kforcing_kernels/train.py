@@ -145,12 +145,16 @@ def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True if fused_ok else None)
 
 
-def _resume_state(out: Path, cfg: TrainConfig) -> Path:
-    ckpt = latest_checkpoint(out)
-    saved = read_checkpoint_meta(ckpt)["train_config"]
+def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
+    """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
         flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
-        raise ConfigError(f"{key}: --resume needs the settings of the run in {out}; it used {used!r}, got {wanted!r}{flag}")
+        raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
+
+
+def _resume_state(out: Path, cfg: TrainConfig) -> Path:
+    ckpt = latest_checkpoint(out)
+    _require_resume_settings(read_checkpoint_meta(ckpt)["train_config"], cfg, f"the run in {out}")
     return ckpt
 
 
@@ -165,8 +169,7 @@ def train(cfg: TrainConfig) -> dict:
     log = stderr_log(f"[{cfg.stage}]") if info.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
-        for key, used, wanted in changed_settings(finished.get("train_config", {}), cfg):
-            raise ConfigError(f"{key}: --resume needs the settings of the finished run in {out}; it used {used!r}, got {wanted!r}")
+        _require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
     prepare_out(cfg, info.main, log)

@@ -118,8 +118,6 @@ def _paged_signature(fn, dtype: str, constexprs: dict):
 def _signature(fn, dtype: str, constexprs: dict):
     from ..ops.window_attention import triton_kernels as kernels
 
-    if fn is _kernel_fn(PAGED):
-        return _paged_signature(fn, dtype, constexprs)
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
@@ -174,7 +172,7 @@ def compile_one(job: Job) -> Row:
 
     fn = _kernel_fn(job.kernel)
     constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
-    signature, attrs = _signature(fn, job.dtype, constexprs)
+    signature, attrs = (_paged_signature if job.kernel == PAGED else _signature)(fn, job.dtype, constexprs)
     try:
         compiled = triton.compile(
             ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", job.arch, 32),
