@@ -25,7 +25,7 @@ $(STAMP): $(DEPS)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m kforcing_kernels.demo
+	$(PY) -m kforcing_kernels.app.demo
 
 test: $(STAMP)
 	$(PY) -m pytest python_tests -q -rs -p no:cacheprovider

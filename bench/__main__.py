@@ -26,7 +26,7 @@ COMMANDS = {
 
 def build_parser(prog: str = "kforcing-bench"):
     """The top-level parser with one argparse subcommand per entry of :data:`COMMANDS`."""
-    from kforcing_kernels.cli_common import add_command, make_parser
+    from kforcing_kernels.app.cli import add_command, make_parser
 
     parser = make_parser(prog, __doc__)
     sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",

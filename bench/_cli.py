@@ -13,7 +13,7 @@ import time
 
 from tqdm import tqdm
 
-from kforcing_kernels.cli_common import add_device, add_preset, add_threads, non_negative_int, positive_float, positive_int
+from kforcing_kernels.app.cli import add_device, add_preset, add_threads, non_negative_int, positive_float, positive_int
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

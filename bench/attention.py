@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._cli import write_json  # noqa: E402
-from kforcing_kernels.cli_common import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int  # noqa: E402
+from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int  # noqa: E402
 from bench._timing import machine_info, measure, pin_threads  # noqa: E402
 from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs, zoo  # noqa: E402

@@ -27,7 +27,7 @@ if __name__ == "__main__":  # `python bench/demo_allocation.py`: the repository 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._cli import command_line, default_out  # noqa: E402
-from kforcing_kernels.cli_common import add_device, make_parser, positive_int  # noqa: E402
+from kforcing_kernels.app.cli import add_device, make_parser, positive_int  # noqa: E402
 
 _KEYS = ("distill_batch", "seed")
 
@@ -37,7 +37,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
     S0 may be 0 only with ``--shared-stage0`` (which sets it); ``distill_batch`` defaults to the demo's.
     """
-    from kforcing_kernels.demo import DEMO
+    from kforcing_kernels.app.demo import DEMO
 
     name, sep, spec = text.partition("=")
     parts = spec.split(",") if sep else []
@@ -55,9 +55,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def train_and_score(spec: dict, out: Path, device: str) -> dict:
     """One variant: the demo pipeline with ``spec``'s steps in ``out``, then the demo's evaluation."""
-    from kforcing_kernels.demo import DEMO
-    from kforcing_kernels.evaluate import evaluate_pipeline, format_report
-    from kforcing_kernels.pipeline import run_pipeline
+    from kforcing_kernels.app.demo import DEMO
+    from kforcing_kernels.app.evaluate import evaluate_pipeline, format_report
+    from kforcing_kernels.app.pipeline import run_pipeline
 
     base = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=spec["seed"])
     pipe = dataclasses.replace(DEMO["pipeline"], out=str(out), steps_stage0=spec["steps_stage0"], steps_stage1=spec["steps_stage1"],
@@ -79,10 +79,11 @@ def train_and_score(spec: dict, out: Path, device: str) -> dict:
 
 def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
     """The one Stage-0 teacher of every variant with this seed (trained on first use)."""
-    from kforcing_kernels.checkpoint import read_json
-    from kforcing_kernels.demo import DEMO
-    from kforcing_kernels.train import ConfigError, train
-    from kforcing_kernels.train_config import changed_settings
+    from kforcing_kernels.app.checkpoint import read_json
+    from kforcing_kernels.app.demo import DEMO
+    from kforcing_kernels.app.train_config import ConfigError
+    from kforcing_kernels.app.trainer import train
+    from kforcing_kernels.app.train_config import changed_settings
 
     folder = out / f"shared_seed{seed}" / "stage0"
     cfg = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=seed, stage="stage0", out=str(folder),

@@ -71,8 +71,8 @@ required = {
 }
 optional = {
     "flash_attn": "the bench's fa2_causal column (empty without it; sdpa_causal is always measured)",
-    "safetensors": "kforcing_kernels.train / inference checkpoints; not used by this script",
-    "tokenizers": "kforcing_kernels.data; not used by this script",
+    "safetensors": "kforcing_kernels.app.train / inference checkpoints; not used by this script",
+    "tokenizers": "kforcing_kernels.app.data; not used by this script",
     "hypothesis": "property tests elsewhere in python_tests; not run here",
     "pytest_benchmark": "bench/pytest_attention.py; not run here",
     "transformers": "python_tests/test_hf.py; not run here",

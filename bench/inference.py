@@ -4,7 +4,7 @@
     python -m bench infer                         # k = 1, 2, 4 at batch 4, 16; prompt 64; 64 new tokens (short on CPU)
     python -m bench infer --full                  # the grid: batch 4, 16, 128; prompt 64 and 512; 256 new tokens
 
-Both use ``kforcing_kernels.inference`` (``generate_ar`` one token per forward,
+Both use ``kforcing_kernels.app.inference`` (``generate_ar`` one token per forward,
 ``generate_kforcing`` k per forward, paper Algorithm 1) on the same random-weight
 model and prompts, each with ``cache="contiguous"`` (one buffer per layer; every
 decode step concatenates the cache with the new keys) and ``cache="paged"`` (pages
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
-from kforcing_kernels.cli_common import add_batch_sizes, add_new_tokens, int_list, make_parser  # noqa: E402
+from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser  # noqa: E402
 from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
 
@@ -66,7 +66,7 @@ def kv_traffic(cfg, batch: int, prompt_len: int, new_tokens: int, k, cache: str,
 
 
 def run(args) -> dict:
-    from kforcing_kernels.inference import generate_ar, generate_kforcing
+    from kforcing_kernels.app.inference import generate_ar, generate_kforcing
     from kforcing_kernels.model import PRESETS, KForcingLM
     from kforcing_kernels.ops.paged_attention.op import default_paged_backend
 

@@ -207,7 +207,7 @@ def execute(args) -> int:
 
 def main(argv=None, prog="kforcing-bench validate") -> int:
     """Check attention JSON reports against this schema."""
-    from kforcing_kernels.cli_common import make_parser
+    from kforcing_kernels.app.cli import make_parser
 
     p = make_parser(prog, main.__doc__)
     add_arguments(p)

@@ -45,7 +45,7 @@ from bench._timing import busy_cores, failure_reason, machine_info, measure, mea
 from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
 from bench.methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PEERS, PHASES  # noqa: E402,F401
 from kforcing_kernels import backends_available, window_attention  # noqa: E402
-from kforcing_kernels.cli_common import add_batch_size, add_device, add_threads, make_parser, positive_int  # noqa: E402
+from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, positive_int  # noqa: E402
 from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
 
 SCHEMA_ID = "kforcing-bench/attention/v1"

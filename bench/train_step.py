@@ -3,7 +3,7 @@
     python -m bench train --quick
     python -m bench train                         # k = 1, 2, 4, 8 at N=512, B=2, the "tiny" model
 
-Stage PFLM(k) -> PFLM(2k) (paper Algorithm 3), exactly ``kforcing_kernels.objectives.compute_loss``
+Stage PFLM(k) -> PFLM(2k) (paper Algorithm 3), exactly ``kforcing_kernels.app.objectives.compute_loss``
 plus the optimizer step: the teacher's SingleForward on k noises and DoubleForward on
 k more (no grad), the student's SingleForward on all 2k noises, forward + backward,
 then AdamW. The two variants differ only in the model's ``attention_backend``:
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
-from kforcing_kernels.cli_common import add_batch_size, make_parser, positive_int  # noqa: E402
+from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int  # noqa: E402
 from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
 from bench.report import _slope  # noqa: E402
 from kforcing_kernels import default_backend  # noqa: E402
@@ -52,7 +52,7 @@ def build_models(args, backend: str | None, state: dict | None):
 
 
 def make_step(teacher, student, optimizer, batch, k: int):
-    from kforcing_kernels.objectives import Objective, compute_loss
+    from kforcing_kernels.app.objectives import Objective, compute_loss
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -65,14 +65,14 @@ def make_step(teacher, student, optimizer, batch, k: int):
 
 def first_loss(teacher, student, batch, k: int) -> float:
     """The step's loss before any update (a check that both variants compute the same step)."""
-    from kforcing_kernels.objectives import Objective, compute_loss
+    from kforcing_kernels.app.objectives import Objective, compute_loss
 
     with torch.no_grad():
         return float(compute_loss(Objective.SELF_FORCING, student, batch, teacher)[0])
 
 
 def run(args) -> dict:
-    from kforcing_kernels.objectives import Batch
+    from kforcing_kernels.app.objectives import Batch
 
     threads = pin_threads(args.threads)
     device = torch.device(args.device)

@@ -247,7 +247,7 @@ def train_step(args) -> list[dict]:
     """Self-forcing step (teacher k -> student 2k) of the paper backbone, bf16 autocast: dense-mask SDPA
     (``dense``, the public code's attention) vs ours (``--train-ours``)."""
     from bench.train_step import build_models, make_step
-    from kforcing_kernels.train import Batch
+    from kforcing_kernels.app.objectives import Batch
 
     rows = []
     for k in args.k:

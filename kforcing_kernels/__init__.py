@@ -10,6 +10,9 @@ from .ops.window_attention import window_attention
 from .ops.window_attention import BACKENDS, backends_available, default_backend
 from .ops.sampling import inverse_cdf_sample, noise_inversion
 from .layouts import WindowLayout
+from . import _moved
+
+_moved.install()  # the application modules of 0.2 (kforcing_kernels.train, ...) under their old names, for one release
 
 __version__ = "0.2.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 

@@ -8,7 +8,7 @@ from bench.demo_allocation import format_report, parse_variant
 
 
 def test_parse_variant():
-    from kforcing_kernels.demo import DEMO
+    from kforcing_kernels.app.demo import DEMO
 
     assert parse_variant("a=600,200,150,240,distill_batch=16,seed=1") == (
         "a", dict(steps_stage0=600, steps_stage1=200, steps_stage2=(150, 240), batch_size_distill=16, seed=1))

@@ -1,4 +1,4 @@
-"""Every CLI speaks the same language: the shared options of kforcing_kernels/cli_common.py have one name,
+"""Every CLI speaks the same language: the shared options of kforcing_kernels/app/cli.py have one name,
 type and default everywhere, every option has help text, every ``--help`` renders with its defaults, the
 console entry points resolve, and the docs do not use retired spellings. All in-process (no subprocess)."""
 
@@ -17,8 +17,8 @@ sys.path.insert(0, ROOT)
 
 pytest.importorskip("tqdm")
 
-from kforcing_kernels import cli_common  # noqa: E402
-from kforcing_kernels.cli_common import RETIRED_FLAGS, SHARED_OPTIONS, all_parsers  # noqa: E402
+from kforcing_kernels.app import cli as cli_common  # noqa: E402
+from kforcing_kernels.app.cli import RETIRED_FLAGS, SHARED_OPTIONS, all_parsers  # noqa: E402
 
 
 def _bench_parser():
@@ -34,10 +34,10 @@ def _bench_attention_parser():
 
 
 BUILDERS = {
-    "train": lambda: importlib.import_module("kforcing_kernels.train").build_parser(),
-    "generate": lambda: importlib.import_module("kforcing_kernels.inference").build_parser(),
-    "evaluate": lambda: importlib.import_module("kforcing_kernels.evaluate").build_parser(),
-    "demo": lambda: importlib.import_module("kforcing_kernels.demo").build_parser(),
+    "train": lambda: importlib.import_module("kforcing_kernels.app.train").build_parser(),
+    "generate": lambda: importlib.import_module("kforcing_kernels.app.inference").build_parser(),
+    "evaluate": lambda: importlib.import_module("kforcing_kernels.app.evaluate").build_parser(),
+    "demo": lambda: importlib.import_module("kforcing_kernels.app.demo").build_parser(),
     "bench": _bench_parser,
     "bench/attention.py": _bench_attention_parser,
 }
@@ -133,7 +133,7 @@ def test_preset_help_names_the_stage_it_applies_to(parsers):
 def test_device_auto_resolves_and_bad_device_is_a_named_error(capsys):
     import torch
 
-    from kforcing_kernels.train import build_parser
+    from kforcing_kernels.app.train import build_parser
 
     args = build_parser().parse_args(["stage0", "--out", "x"])
     assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from kforcing_kernels.evaluate import format_nll_table, per_position_nll
+from kforcing_kernels.app.evaluate import format_nll_table, per_position_nll
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.objectives import forward_distillation_targets, self_forcing_targets
+from kforcing_kernels.app.objectives import forward_distillation_targets, self_forcing_targets
 
 V = 29
 SURE = 40.0  # logit of the target at the right slot: its NLL is ~ V * exp(-40)

@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforcing_kernels.data import load_corpus, sample_windows
-from kforcing_kernels.evaluate import (
+from kforcing_kernels.app.data import load_corpus, sample_windows
+from kforcing_kernels.app.evaluate import (
     DEMO_EVAL, distinct_n, evaluate_pipeline, format_nll_table, format_report, format_table1, judge_score, plot_summary,
 )
-from kforcing_kernels.inference import generate_kforcing
+from kforcing_kernels.app.inference import generate_kforcing
 from kforcing_kernels.model import KForcingLM
-from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
-from kforcing_kernels.checkpoint import load_model, read_json, read_metrics
-from kforcing_kernels.train import ConfigError, TrainConfig
+from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.app.checkpoint import load_model, read_json, read_metrics
+from kforcing_kernels.app.train_config import ConfigError, TrainConfig
 from train_helpers import write_json_package
 
 
@@ -130,7 +130,7 @@ def test_judge_score_cuts_at_the_first_eos(run):
 
 
 def test_inference_cli(run, capsys):
-    from kforcing_kernels.inference import main
+    from kforcing_kernels.app.inference import main
 
     folder, _, _ = run
     main([str(folder / "stage2_k4"), "--prompt", "def f(x):", "--prompt", "import", "--k", "2", "--new-tokens", "5"])
@@ -169,7 +169,7 @@ def test_per_round_budgets_are_checked_before_any_training(tmp_path, kw, message
 
 
 def test_pipeline_cli_names_the_per_round_option(tmp_path, capsys):
-    from kforcing_kernels.train import main
+    from kforcing_kernels.app.train import main
 
     for argv, message in ((["--steps-stage2", "300,450,600"], "--steps-stage2"), (["--steps-stage2", "300,x"], "--steps-stage2"),
                           (["--lr-stage2", "1e-3,0"], "--lr-stage2"), (["--k-final", "8", "--lr-stage2", "1e-3,2e-3"], "--lr-stage2")):
@@ -227,7 +227,7 @@ def test_report_says_what_is_measured(run):
 
 
 def test_demo_and_evaluate_share_the_settings():
-    from kforcing_kernels import demo, evaluate
+    from kforcing_kernels.app import demo, evaluate
 
     assert demo.DEMO["eval"] is DEMO_EVAL and demo.LONG["eval"] is DEMO_EVAL
     args = evaluate.build_parser().parse_args(["some/run"])
@@ -235,7 +235,7 @@ def test_demo_and_evaluate_share_the_settings():
         assert getattr(args, name) == getattr(DEMO_EVAL, name), name
     assert tuple(args.taus) == DEMO_EVAL.taus and tuple(args.batch_sizes) == DEMO_EVAL.batch_sizes
     # The stage CLIs default to the demo's model, data and optimizer settings.
-    from kforcing_kernels.train import build_parser, config_from_args
+    from kforcing_kernels.app.train import build_parser, config_from_args
 
     assert demo.DEMO["train"] == TrainConfig()
     for argv in (["stage0"], ["stage1", "--teacher", "t"], ["stage2", "--teacher", "t"], ["pipeline"]):
@@ -256,7 +256,7 @@ def test_demo_and_evaluate_share_the_settings():
 
 def test_demo_turns_a_refused_folder_into_a_usage_error(monkeypatch, capsys, tmp_path):
     """`demo --long --out <a default demo's folder>`: the pipeline's refusal reaches the user as a usage error, not a traceback."""
-    from kforcing_kernels import demo
+    from kforcing_kernels.app import demo
 
     def refuse(pipe, base):
         raise ConfigError(f"steps: {pipe.out}/stage0 holds a finished stage0 trained with steps=600, this run asks for 1000")

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from kforcing_kernels import inference
+from kforcing_kernels.app import inference
 from sharp_model import VOCAB, attention_entropy, sharp_model
 
 TOL = 2e-4  # fp32 cache-vs-recompute agreement on logits of order 10
@@ -111,7 +111,7 @@ def test_kforcing_cached_logits_match_a_full_recompute(model):
 def test_kforcing_shifted_positions_are_caught(model, monkeypatch, where):
     noise = kforcing_noise()
     # The patch moves the positions given to model.trunk, which the contiguous-cache path calls for
-    # every step (the paged path decodes through paged_trunk; the recompute tests above cover it).
+    # every step (the paged path decodes through model.trunk over PagedKVCache.views; the recompute tests above cover it).
     out, logits = run_kforcing(model, noise, cache="contiguous")
     with shifted_positions(model, monkeypatch, **{where: 1}):
         out_shifted, shifted = run_kforcing(model, noise, cache="contiguous")

@@ -16,10 +16,11 @@ import math
 import pytest
 import torch
 
-from kforcing_kernels.data import load_corpus, sample_windows
+from kforcing_kernels.app.data import load_corpus, sample_windows
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.checkpoint import load_model
-from kforcing_kernels.train import TrainConfig, train
+from kforcing_kernels.app.checkpoint import load_model
+from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.trainer import train
 from train_helpers import write_json_package
 
 TAUS = (0.5, 0.8, 1.0)

@@ -6,15 +6,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.data import load_corpus
+from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.checkpoint import (
+from kforcing_kernels.app.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics, save_checkpoint,
 )
-from kforcing_kernels.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
-from kforcing_kernels.train import TrainConfig, learning_rate, main, train, _optimizer
+from kforcing_kernels.app.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
+from kforcing_kernels.app.train import main
+from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.trainer import _optimizer, learning_rate, train
 from train_helpers import VOCAB, micro_config, write_json_package
 
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.checkpoint import read_metrics
-from kforcing_kernels.train import TrainConfig, train
+from kforcing_kernels.app.checkpoint import read_metrics
+from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.trainer import train
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
@@ -31,7 +32,7 @@ def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     stage2 = dataclasses.replace(base, stage="stage2", teacher=str(tmp_path / "s1"), steps=3)
     train(dataclasses.replace(stage2, out=str(tmp_path / "one"), dump_grads=str(tmp_path / "one.safetensors")))
 
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.train",
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.app.train",
             "stage2", "--teacher", str(tmp_path / "s1"), "--steps", "3", "--data", str(corpus), "--vocab-size", "300",
             "--seq-len", "16", "--batch-size", "8", "--log-every", "1", "--eval-batches", "1", "--no-progress",
             "--out", str(tmp_path / "two"), "--dump-grads", str(tmp_path / "two.safetensors"),

@@ -9,14 +9,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kforcing_kernels.checkpoint import latest_checkpoint, read_json, read_metrics, write_json
-from kforcing_kernels.data import document_offsets, load_corpus
+from kforcing_kernels.app.checkpoint import latest_checkpoint, read_json, read_metrics, write_json
+from kforcing_kernels.app.data import document_offsets, load_corpus
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.objectives import (
+from kforcing_kernels.app.objectives import (
     Batch, Objective, compute_loss, forward_distillation_targets, make_batch, self_forcing_targets, step_generator,
 )
 from kforcing_kernels.ops.sampling import noise_inversion
-from kforcing_kernels.train import TrainConfig, main, train
+from kforcing_kernels.app.train import main
+from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.trainer import train
 
 EOS, V = 0, 40
 

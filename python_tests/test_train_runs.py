@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.checkpoint import atomic_write
-from kforcing_kernels.data import load_corpus
+from kforcing_kernels.app.checkpoint import atomic_write
+from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.train import (
-    CheckpointError, TrainConfig, latest_checkpoint, load_checkpoint, load_model, main, read_metrics, train, _optimizer,
-)
+from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
+from kforcing_kernels.app.train import main
+from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.trainer import _optimizer, train
 from train_helpers import VOCAB, micro_config, write_json_package
 
 
@@ -155,7 +156,7 @@ def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_f
 
 
 def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finished, monkeypatch):
-    import kforcing_kernels.train as trainer
+    import kforcing_kernels.app.trainer as trainer
 
     def broken(*args, **kwargs):
         raise RuntimeError("evaluation failed")
@@ -392,7 +393,7 @@ def test_rerunning_the_cli_into_a_finished_run_is_refused(tmp_path, corpus_dir, 
 
 
 def test_pipeline_resume_starts_stages_not_yet_begun_and_refuses_half_begun_ones(tmp_path, corpus_dir):
-    from kforcing_kernels.pipeline import PipelineConfig, run_pipeline
+    from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
 
     base = micro(tmp_path / "unused", corpus_dir, resume=True)
     pipe = PipelineConfig(out=str(tmp_path / "pipe"), k_final=1, steps_stage0=2, steps_stage1=2)

@@ -13,14 +13,14 @@ TRITON_CASES = ["python_tests/test_triton_interpreter_cases.py", "-k", "test_mat
 
 MUTATIONS = [
     # --- inference positions (survived the suite before issue 17)
-    dict(id="prefill-noise-positions+1", file="kforcing_kernels/inference.py",
+    dict(id="prefill-noise-positions+1", file="kforcing_kernels/app/inference.py",
          old="lengths[:, None] + torch.arange(k)], 1)", new="lengths[:, None] + 1 + torch.arange(k)], 1)",
          tests=["python_tests/test_sharp_behaviour.py"]),
-    dict(id="kforcing-decode-positions+1", file="kforcing_kernels/inference.py",
+    dict(id="kforcing-decode-positions+1", file="kforcing_kernels/app/inference.py",
          old="positions = (kv.lengths[:, None] + torch.arange(2 * k))",
          new="positions = (kv.lengths[:, None] + 1 + torch.arange(2 * k))",
          tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_paged_generation.py"]),
-    dict(id="ar-decode-positions+1", file="kforcing_kernels/inference.py",
+    dict(id="ar-decode-positions+1", file="kforcing_kernels/app/inference.py",
          old="positions = kv.lengths[:, None].to(device)", new="positions = (kv.lengths[:, None] + 1).to(device)",
          tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_paged_generation.py"]),
     dict(id="model-noise-positions-without+1", file="kforcing_kernels/model/gpt.py",
@@ -30,18 +30,18 @@ MUTATIONS = [
          old="(t + 1 + k + i).flatten(-2)", new="(t + k + i).flatten(-2)",
          tests=["python_tests/test_sharp_behaviour.py"]),
     # --- loss wiring
-    dict(id="stage1-loss-tau=1", file="kforcing_kernels/objectives.py",
+    dict(id="stage1-loss-tau=1", file="kforcing_kernels/app/objectives.py",
          old="forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)",
          new="forward_distillation_targets(teacher_logits, noise[..., 0], torch.ones_like(batch.tau))",
          tests=["python_tests/test_objectives.py"]),
-    dict(id="stage2-second-round-reuses-first-noise", file="kforcing_kernels/objectives.py",
+    dict(id="stage2-second-round-reuses-first-noise", file="kforcing_kernels/app/objectives.py",
          old="teacher.double_forward(context_kv, first, z[..., k:], tau,", new="teacher.double_forward(context_kv, first, z[..., :k], tau,",
          tests=["python_tests/test_objectives.py"]),
-    dict(id="noise-inversion-targets-unshifted", file="kforcing_kernels/objectives.py",
+    dict(id="noise-inversion-targets-unshifted", file="kforcing_kernels/app/objectives.py",
          old="targets = tokens[:, 1:][:, reads]", new="targets = tokens[:, :-1][:, reads]",
          tests=["python_tests/test_objectives.py"]),
     # --- evaluation order
-    dict(id="per-position-nll-reversed", file="kforcing_kernels/evaluate.py",
+    dict(id="per-position-nll-reversed", file="kforcing_kernels/app/evaluate.py",
          old='"nll": (nll / batches).tolist()', new='"nll": (nll / batches).flip(0).tolist()',
          tests=["python_tests/test_per_position_nll.py"]),
     # --- sampler convention
@@ -97,10 +97,10 @@ MUTATIONS = [
          old="dv += tl.dot(p.to(do.dtype), do)", new="dv = tl.dot(p.to(do.dtype), do)",
          tests=TRITON_CASES, env=TRITON_ENV),
     # --- checkpoint resume
-    dict(id="resume-drops-optimizer-state", file="kforcing_kernels/checkpoint.py",
+    dict(id="resume-drops-optimizer-state", file="kforcing_kernels/app/checkpoint.py",
          old='optimizer.load_state_dict({"state": state,', new='optimizer.load_state_dict({"state": {},',
          tests=["python_tests/test_train.py", "-k", "resume"]),
-    dict(id="resume-skips-a-step", file="kforcing_kernels/train.py",
+    dict(id="resume-skips-a-step", file="kforcing_kernels/app/trainer.py",
          old='start = load_checkpoint(ckpt, student, optimizer, scaler)["step"]',
          new='start = load_checkpoint(ckpt, student, optimizer, scaler)["step"] + 1',
          tests=["python_tests/test_train.py", "-k", "resume"]),

@@ -11,7 +11,7 @@ variable, decoded by the shared head). Every attention call goes through
 * DoubleForward (eq. 19): ``kforcing_double(N, k)``; queries ``[Future-1 | Future-2]``,
   keys ``[ctx (N, K/V reused from round one) | Future-1 | Future-2]``;
 * KV-cached inference: one window per request after the cached context
-  (see ``kforcing_kernels.inference``).
+  (see ``kforcing_kernels.app.inference``).
 
 Positions (RoPE): context token t sits at t; slot i of the window after context
 token t sits at t + 1 + i, i.e. where the token it predicts will sit once it is
@@ -22,17 +22,43 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.paged_attention import paged_attention
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from .config import ModelConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each [B, H, L, D]
+
+
+@dataclass(frozen=True)
+class PagedPast:
+    """One layer's cached context, read in place from a paged K/V pool (the vLLM / FlashInfer layout).
+
+    The alternative to a contiguous ``past`` (K, V ``[B, H, P, D]``) for :meth:`Attention.forward`:
+    request b's context token t sits in page ``block_table[b, t // page_size]`` at slot ``t % page_size``
+    of ``k_pages`` / ``v_pages`` ``[num_pages, page_size, H, D]``. The query tokens form one decode
+    window per request that sees the request's ``context_lens[b]`` cached tokens and, causally, itself
+    (:func:`~kforcing_kernels.ops.paged_attention.paged_attention`), so no layout is passed with it.
+    """
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    block_table: torch.Tensor  # int32 [B, max_pages]
+    context_lens: torch.Tensor  # int64 [B]
+    backend: Optional[str] = None
+    check_table: bool = True  # scan the table (a host sync): a cache that built it may skip it after one layer
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The window's queries/keys/values ``[B, H, W, D]`` -> attention output ``[B, H, W, D]``."""
+        return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
+                               backend=self.backend, check_table=self.check_table)
 Temperature = Union[float, torch.Tensor]
 
 
@@ -135,14 +161,25 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, L, C]: the query tokens
         cos: torch.Tensor,  # [1 or B, 1, L, D/2]
         sin: torch.Tensor,
-        layout: WindowLayout,
-        past: Optional[KV] = None,  # cached context K/V [B, H, P, D], prepended to the keys
+        layout: Optional[WindowLayout],
+        past: Union[KV, PagedPast, None] = None,
     ) -> tuple[torch.Tensor, KV]:
+        """Attention of the L query tokens over ``past`` and themselves; returns (output, their own K/V).
+
+        ``past`` is the cached context: contiguous K/V ``[B, H, P, D]`` prepended to the keys, with
+        ``layout`` describing all ``P + L`` keys; or a :class:`PagedPast` read in place, whose decode-window
+        semantics replace the layout (pass None).
+        """
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
+        if isinstance(past, PagedPast):
+            if layout is not None:
+                raise ValueError("layout: expected None with a paged past (its decode window is the mask)")
+            y = past.attend(q, k, v)
+        else:
+            keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
         return self.proj(y.transpose(1, 2).reshape(b, n, c)), (k, v)
 
 
@@ -271,10 +308,15 @@ class KForcingLM(nn.Module):
         self,
         x: torch.Tensor,  # [B, L, C] embeddings of the query tokens
         positions: torch.Tensor,  # int [L] or [B, L]
-        layout: WindowLayout,
-        past: Optional[Sequence[KV]] = None,  # per layer, cached context K/V [B, H, P, D]
+        layout: Optional[WindowLayout],
+        past: Optional[Sequence[Union[KV, PagedPast]]] = None,  # per layer: see Attention.forward
     ) -> tuple[torch.Tensor, list[KV]]:
-        """Run all blocks; returns (final-normed hidden [B, L, C], per-layer K/V of the L query tokens)."""
+        """Run all blocks; returns (final-normed hidden [B, L, C], per-layer K/V of the L query tokens).
+
+        ``past`` holds each layer's cached context, contiguous (with a ``layout`` over cache + queries)
+        or paged (:class:`PagedPast`, ``layout=None``): the same blocks serve training, the contiguous
+        KV cache and the paged one.
+        """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base)
         kvs = []
         for i, block in enumerate(self.blocks):

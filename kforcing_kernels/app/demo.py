@@ -1,15 +1,15 @@
 """``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end (CUDA when torch sees a GPU, else CPU).
 
 Stage 0 (AR teacher) -> Stage 1 (PFLM k=1) -> Stage 2 (k=2) -> Stage 2 (k=4) on the
-Python standard library's source, then the evaluation of ``kforcing_kernels.evaluate``
-with its :data:`~kforcing_kernels.evaluate.DEMO_EVAL` settings: a Table-1-style table
+Python standard library's source, then the evaluation of ``kforcing_kernels.app.evaluate``
+with its :data:`~kforcing_kernels.app.evaluate.DEMO_EVAL` settings: a Table-1-style table
 (tokens/s per batch size, speed-up over AR, quality scored by one fixed judge, with
 distinct-4), the same quality over tau in {0.5, 0.8, 1.0}, and the per-position NLL
 table. Writes ``summary.json``, ``tables.md`` and ``plot.png`` to the output folder it
-prints (default ``runs/demo-<time>``); ``python -m kforcing_kernels.evaluate DIR``
+prints (default ``runs/demo-<time>``); ``python -m kforcing_kernels.app.evaluate DIR``
 reproduces the tables from that folder.
 
-    python -m kforcing_kernels.demo [--out DIR] [--quick | --long] [--judge STAGE0_DIR]
+    python -m kforcing_kernels.app.demo [--out DIR] [--quick | --long] [--judge STAGE0_DIR]
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Optional, Sequence
 # of a fresh process.
 if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.execv(sys.executable, [sys.executable, "-m", "kforcing_kernels.demo", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-m", "kforcing_kernels.app.demo", *sys.argv[1:]])
 
 import torch  # noqa: E402
 
 from .checkpoint import write_json, write_text  # noqa: E402
 from .evaluate import DEMO_EVAL, evaluate_pipeline, format_report, plot_summary  # noqa: E402
 from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
-from .train import ConfigError, TrainConfig  # noqa: E402
+from .train_config import ConfigError, TrainConfig  # noqa: E402
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()
@@ -70,8 +70,8 @@ PRESETS = {"demo": DEMO, "long": LONG, "quick": QUICK}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kforcing-demo`` command line (shared options from cli_common)."""
-    from .cli_common import add_device, add_temperature, add_threads, make_parser
+    """The ``kforcing-demo`` command line (shared options from app/cli.py)."""
+    from .cli import add_device, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-demo", __doc__.split("\n\n")[0])
     parser.add_argument("--out", help="output folder (None: runs/demo-<date>-<time>); its finished stages are reused when trained with this preset's settings")

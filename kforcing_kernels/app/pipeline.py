@@ -1,6 +1,6 @@
 """The whole K-Forcing schedule from one config: Stage 0 -> Stage 1 -> Stage 2 (k=2) -> ... -> Stage 2 (k=k_final).
 
-    python -m kforcing_kernels.train pipeline --out runs/x
+    python -m kforcing_kernels.app.train pipeline --out runs/x
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .checkpoint import read_json
-from .train import ConfigError, TrainConfig, train
-from .train_config import changed_settings, existing_run
+from .train_config import ConfigError, TrainConfig, changed_settings, existing_run
+from .trainer import train
 
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round

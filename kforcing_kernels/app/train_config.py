@@ -10,7 +10,7 @@ from typing import Optional
 
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint
 from .data import DEFAULT_SOURCE
-from .model import PRESETS
+from ..model import PRESETS
 from .objectives import window_tokens
 
 STAGES = ("stage0", "stage1", "stage2")
@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     """One training stage. ``batch_size`` is global (sequences per optimizer step, all ranks together).
 
-    The defaults are the demo's model, data and optimizer settings (``kforcing_kernels.demo``
+    The defaults are the demo's model, data and optimizer settings (``kforcing_kernels.app.demo``
     uses ``TrainConfig()``); the demo's step counts and distillation batch are its own
     (``demo.DEMO["pipeline"]``).
     """

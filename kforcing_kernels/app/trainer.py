@@ -1,14 +1,10 @@
-"""K-Forcing trainer: Stage 0 (AR teacher) -> Stage 1 (AR -> PFLM(1)) -> Stage 2 (PFLM(k) -> PFLM(2k)), repeated.
+"""The K-Forcing training loop: one stage (Stage 0 AR teacher, Stage 1 forward distillation, Stage 2
+self-forcing) from a :class:`TrainConfig`; :func:`train` returns the run's summary.
 
-    python -m kforcing_kernels.train stage0 --out runs/x/stage0 --steps 1500
-    python -m kforcing_kernels.train stage1 --teacher runs/x/stage0 --out runs/x/stage1
-    python -m kforcing_kernels.train stage2 --teacher runs/x/stage1 --out runs/x/stage2_k2
-    python -m kforcing_kernels.train pipeline --out runs/x          # 0 -> 1 -> 2 (k=2) -> 2 (k=4)
-    torchrun --nproc_per_node 2 -m kforcing_kernels.train ...      # data parallel, same flags
-
-The objectives are in :mod:`kforcing_kernels.objectives`, the files of a run
-(checkpoints, models, metrics, the atomic writer) in :mod:`kforcing_kernels.checkpoint`,
-the settings in :mod:`kforcing_kernels.train_config`; this module is the loop and the CLI.
+The command line is :mod:`kforcing_kernels.app.train`; the objectives are in
+:mod:`kforcing_kernels.app.objectives`, the files of a run (checkpoints, models, metrics, the
+atomic writer) in :mod:`kforcing_kernels.app.checkpoint`, the settings in
+:mod:`kforcing_kernels.app.train_config`.
 
 Reproducibility: the batch, noise and temperatures of step s are drawn from a
 generator seeded by (seed, s), the global batch is cut into equal per-rank shards,
@@ -23,10 +19,7 @@ step is written before the final evaluation, so no error after training loses st
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
-import json
 import math
 import os
 import sys
@@ -34,25 +27,22 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import (  # noqa: F401  (some re-exported for callers of the former single-module trainer)
-    CheckpointError, append_jsonl, atomic_write, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta,
+from .checkpoint import (
+    append_jsonl, atomic_write, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta,
     read_json, read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log, write_json,
 )
-from .cli_common import (add_batch_size, add_command, add_device, add_preset, add_seed, add_threads, apply_threads, fraction, make_parser,
-                         non_negative_int, positive_float, positive_int)
-from .data import Corpus, DataError, load_corpus
-from .model import PRESETS, KForcingLM
-from .objectives import (  # noqa: F401  (some re-exported, as above)
-    Batch, Objective, compute_loss, forward_distillation_targets, make_batch, noise_inversion_supervision,
-    self_forcing_targets, step_generator,
+from .data import Corpus, load_corpus
+from ..model import PRESETS, KForcingLM
+from .objectives import (
+    Objective, compute_loss, make_batch, step_generator,
 )
-from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, changed_settings, check_splits, prepare_out, validate_config  # noqa: F401
+from .train_config import ConfigError, TrainConfig, changed_settings, check_splits, prepare_out, validate_config
 
 
 # ---------------------------------------------------------------------- distributed
@@ -296,129 +286,3 @@ def evaluate_loss(student, teacher, objective: Objective, k: int, cfg: TrainConf
         total, per_pos = total + float(loss), per_pos + pos.float()
     student.train(was_training)
     return total / cfg.eval_batches, (per_pos / cfg.eval_batches).tolist()
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-_positive_int, _non_negative_int, _positive_float, _fraction = positive_int, non_negative_int, positive_float, fraction
-
-
-def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -> None:
-    p.add_argument("--out", required=True, help="output folder (checkpoints, metrics.jsonl, model.safetensors)")
-    p.add_argument("--data", default=defaults.data, help="'stdlib' (the interpreter's standard library), a text file or a directory")
-    p.add_argument("--vocab-size", type=_positive_int, default=defaults.vocab_size, help="BPE vocabulary size")
-    p.add_argument("--seq-len", type=_positive_int, default=defaults.seq_len, help="context length N")
-    add_batch_size(p, defaults.batch_size, help="global sequences per optimizer step (all ranks, all accumulation steps)")
-    p.add_argument("--grad-accum", type=_positive_int, default=defaults.grad_accum, help="gradient accumulation steps per optimizer step")
-    p.add_argument("--min-lr-ratio", type=_fraction, default=defaults.min_lr_ratio, help="cosine schedule floor, as a fraction of --lr")
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=defaults.warmup_steps, help="linear learning-rate warmup steps")
-    p.add_argument("--weight-decay", type=_fraction, default=defaults.weight_decay, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=_positive_float, default=defaults.grad_clip, help="gradient norm clip")
-    p.add_argument("--tau-min", type=_positive_float, default=defaults.tau_min, help="lowest training temperature tau (sampled per sequence)")
-    p.add_argument("--tau-max", type=_positive_float, default=defaults.tau_max, help="highest training temperature tau")
-    add_seed(p)
-    p.add_argument("--packed-docs", action="store_true", default=None,
-                   help="windows keep document boundaries: no attention across documents, positions restart per document, "
-                        "no loss on predictions past a document's end")
-    p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
-    add_device(p)
-    add_threads(p)
-    p.add_argument("--log-every", type=_positive_int, default=defaults.log_every, help="steps between metric lines")
-    p.add_argument("--ckpt-every", type=_positive_int, default=defaults.ckpt_every, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=defaults.keep_checkpoints, help="newest checkpoints kept")
-    p.add_argument("--eval-every", type=_non_negative_int, default=defaults.eval_every, help="steps between validation losses (0: only at the end)")
-    p.add_argument("--eval-batches", type=_positive_int, default=defaults.eval_batches, help="validation batches per evaluation")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out (bit for bit)")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files only) and start again")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no live progress bar (None: a bar when stderr is a terminal)")
-    if stage in ("stage0", "pipeline"):
-        add_preset(p, defaults.preset, help="model size of the AR teacher" if stage == "stage0" else "model size of every stage")
-        for dim in ("n_layer", "n_head", "n_embd"):
-            p.add_argument(f"--{dim.replace('_', '-')}", type=_positive_int, help=f"override the preset's {dim}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from .pipeline import PipelineConfig, per_round_type  # pipeline.py imports this module
-
-    d = TrainConfig()
-    parser = make_parser("kforcing-train", __doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{stage0,stage1,stage2,pipeline}",
-                                help="what to train (`<command> --help` for its options)")
-    for name, help_text in (("stage0", "AR teacher on the corpus"), ("stage1", "AR -> PFLM(k=1) forward distillation"),
-                            ("stage2", "PFLM(k) -> PFLM(2k) self-forcing distillation")):
-        p = add_command(sub, name, help=help_text, description=help_text)
-        _add_common(p, d, name)
-        p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
-        p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
-        if name != "stage0":
-            p.add_argument("--teacher", required=True, help="the previous stage's output folder")
-        if name == "stage1":
-            p.add_argument("--supervision", choices=("forward", "noise-inversion"), default="forward",
-                           help="forward: Algorithm 2 (k=1); noise-inversion: the PTP baseline on real text (any --k)")
-            p.add_argument("--k", type=_positive_int, default=1, help="student window (noise-inversion only)")
-        p.add_argument("--stop-at", type=_positive_int, help="stop (with a checkpoint) after this step; --resume continues")
-        p.add_argument("--dump-grads", help="debugging: write the first step's averaged gradients (safetensors) here")
-    pipeline_help = "all stages: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=--k-final)"
-    pp = add_command(sub, "pipeline", help=pipeline_help, description=pipeline_help)
-    _add_common(pp, d, "pipeline")
-    pd = PipelineConfig()
-    pp.add_argument("--k-final", type=_positive_int, default=pd.k_final, help="window of the last self-forcing round (a power of 2)")
-    pp.add_argument("--steps-stage0", type=_positive_int, default=pd.steps_stage0, help="steps of the AR teacher")
-    pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1, help="steps of the k=1 forward distillation")
-    pp.add_argument("--steps-stage2", type=per_round_type(int, "positive integers"), default=pd.steps_stage2,
-                    help="steps of the self-forcing rounds: one value for all, or one per round (k=2,4,...), e.g. 300,450")
-    pp.add_argument("--lr-stage0", type=_positive_float, default=pd.lr_stage0, help="peak learning rate of stage0")
-    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
-    pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
-                    help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
-    pp.add_argument("--batch-size-distill", type=_positive_int, default=None, help="global batch of stages 1 and 2 (None: --batch-size)")
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    values["model_overrides"] = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k, None) is not None}
-    if args.command in STAGES:
-        values["stage"] = args.command
-    if "supervision" in values:
-        values["supervision"] = values["supervision"].replace("-", "_")
-    return TrainConfig(**values)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_threads(args.threads)
-    cfg = config_from_args(args)
-    if args.tau_min > args.tau_max:
-        parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")
-    try:
-        if args.command == "pipeline":
-            from .pipeline import PipelineConfig, run_pipeline  # pipeline.py imports this module
-
-            pipe = PipelineConfig(
-                out=args.out, k_final=args.k_final, steps_stage0=args.steps_stage0, steps_stage1=args.steps_stage1,
-                steps_stage2=args.steps_stage2, lr_stage0=args.lr_stage0, lr_distill=args.lr_distill, lr_stage2=args.lr_stage2,
-                batch_size_distill=args.batch_size_distill,
-            )
-            result = run_pipeline(pipe, cfg)
-        else:
-            result = train(cfg)
-    except (ConfigError, CheckpointError, DataError) as exc:
-        parser.error(str(exc))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy: pipeline.py imports kforcing_kernels.train, and the
-    # errors it raises must be the classes main() catches.
-    from kforcing_kernels.train import main as _main
-
-    _main()

@@ -1,6 +1,6 @@
 """Evaluation of a trained pipeline: per-position NLL, agreement, throughput and teacher-scored quality.
 
-    python -m kforcing_kernels.evaluate runs/x            # the folder `train pipeline` wrote
+    python -m kforcing_kernels.app.evaluate runs/x            # the folder `train pipeline` wrote
 
 * Per-position validation NLL (paper Table 2): for each student PFLM(k), the NLL of
   its j-th token against its own teacher's target (the Stage-1/Stage-2 targets, on
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .data import load_corpus, sample_windows
 from .inference import generate_ar, generate_kforcing
 from .checkpoint import atomic_write, load_model, write_json
-from .model import KForcingLM
+from ..model import KForcingLM
 from .objectives import forward_distillation_targets, self_forcing_targets
 
 
@@ -398,8 +398,8 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from cli_common."""
-    from .cli_common import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
+    """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from app/cli.py."""
+    from .cli import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
                              positive_float_list, positive_int)
 
     d = DEMO_EVAL
@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .cli_common import apply_threads
+    from .cli import apply_threads
 
     parser = build_parser()
     args = parser.parse_args(argv)

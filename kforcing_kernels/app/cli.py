@@ -142,7 +142,7 @@ def add_batch_sizes(p: argparse.ArgumentParser, default, help: str = "batch size
 
 
 def add_preset(p: argparse.ArgumentParser, default: str = "tiny", help: str = "model size") -> None:
-    from .model import PRESETS
+    from ..model import PRESETS
 
     p.add_argument("--preset", choices=sorted(PRESETS), default=default, help=help)
 

@@ -14,9 +14,9 @@ one ``WindowLayout`` with per-request prefix ranges:
 Only context K/V enter the cache; the noise tokens' K/V are dropped after each step.
 
 Two caches give the same tokens for the same noise (``cache=``): ``"paged"``
-(:class:`~kforcing_kernels.paged_cache.PagedKVCache`: pages from a pool, decode
+(:class:`~kforcing_kernels.app.paged_cache.PagedKVCache`: pages from a pool, decode
 attention reads them in place, no copy of the cache per step; the step API for
-continuous batching is :class:`~kforcing_kernels.serving.PagedGenerator`) and
+continuous batching is :class:`~kforcing_kernels.app.serving.PagedGenerator`) and
 ``"contiguous"`` (one ``[B, H, capacity, D]`` buffer per layer; each decode step
 concatenates the cache with the new keys, an O(L) copy).
 """
@@ -33,9 +33,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .layouts import WindowLayout
-from .model import KForcingLM
-from .ops.sampling import inverse_cdf_sample
+from ..layouts import WindowLayout
+from ..model import KForcingLM
+from ..ops.sampling import inverse_cdf_sample
 from .serving import PagedGenerator, Request, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
@@ -347,11 +347,11 @@ def generate_ar(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kforcing-generate`` command line (shared options from :mod:`kforcing_kernels.cli_common`)."""
-    from .cli_common import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
+    """The ``kforcing-generate`` command line (shared options from :mod:`kforcing_kernels.app.cli`)."""
+    from .cli import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
-    parser.add_argument("model", help="a stage folder written by kforcing_kernels.train (holds model.safetensors)")
+    parser.add_argument("model", help="a stage folder written by kforcing_kernels.app.train (holds model.safetensors)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     parser.add_argument("--k", type=int, default=None, help="tokens per step (None: the model's k_train; AR models ignore it)")
     add_new_tokens(parser)
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from .checkpoint import load_model
-    from .cli_common import apply_threads
+    from .cli import apply_threads
 
     parser = build_parser()
     args = parser.parse_args(argv)

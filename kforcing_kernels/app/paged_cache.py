@@ -8,9 +8,10 @@ token t sits in page ``table[row, t // page_size]`` at slot ``t % page_size``.
 Appending writes K/V in place (one ``index_copy_`` per layer through a slot
 mapping); nothing is ever copied to grow a sequence.
 
-:func:`paged_trunk` runs the model's blocks over a window of new tokens with
-:func:`~kforcing_kernels.ops.paged_attention.paged_attention` in place of the
-contiguous ``torch.cat([cached, new])`` keys of ``Attention.forward``.
+:meth:`PagedKVCache.views` gives the model, per layer, a
+:class:`~kforcing_kernels.model.PagedPast` that its attention reads in place
+(``model.trunk(x, positions, None, past=cache.views(rows))``): the model's own blocks
+decode over the pages, there is no second copy of its forward.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .model import KForcingLM
-from .model.gpt import apply_rope, rope_cos_sin
-from .ops.paged_attention import PAGED_BACKENDS, paged_attention, paged_backends_available
+from ..model import KForcingLM
+from ..model.gpt import PagedPast
+from ..ops.paged_attention import PAGED_BACKENDS, paged_backends_available
 
 
 class PagePoolFull(RuntimeError):
@@ -130,6 +131,16 @@ class PagedKVCache:
         width = max([min_pages] + [len(self._pages[r]) for r in rows])
         return self._table[list(rows), :width].to(self.k[0].device)
 
+    def views(self, rows: Sequence[int], backend: Optional[str] = None) -> list[PagedPast]:
+        """Per layer, the rows' cached context as the model's attention reads it in place (not written).
+
+        The block table and lengths are built once for all layers; only the first layer's view scans the
+        table (it is the cache's own, so one check per step suffices).
+        """
+        table, lens = self.block_table(rows), self.lengths(rows)
+        return [PagedPast(k, v, table, lens, backend=backend, check_table=layer == 0)
+                for layer, (k, v) in enumerate(zip(self.k, self.v))]
+
     # -------------------------------------------------------------- writes
 
     def reserve(self, rows: Sequence[int], counts: Sequence[int]) -> None:
@@ -189,33 +200,3 @@ def paged_backend(model: KForcingLM) -> Optional[str]:
     """The paged backend matching the model's attention backend when there is one (else the default)."""
     name = model.config.attention_backend
     return name if name in PAGED_BACKENDS and paged_backends_available()[name] is None else None
-
-
-def paged_trunk(
-    model: KForcingLM,
-    x: torch.Tensor,  # [B, W, C] embeddings of the window tokens
-    positions: torch.Tensor,  # int [B, W]
-    cache: PagedKVCache,
-    rows: Sequence[int],
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``model.trunk`` for a decode window over the rows' paged context (read in place, not written).
-
-    Window slot i of batch row b sees the row's cached context and slots 0..i. Returns
-    (final-normed hidden ``[B, W, C]``, per-layer window K/V ``[B, H, W, D]``) like ``model.trunk``.
-    """
-    cfg = model.config
-    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_base)
-    table, lens = cache.block_table(rows), cache.lengths(rows)
-    backend = paged_backend(model)
-    b, n, c = x.shape
-    kvs = []
-    for layer, block in enumerate(model.blocks):
-        attn = block.attn  # mirrors Block.forward / Attention.forward with the paged op for the keys
-        q, k, v = attn.qkv(block.norm1(x)).view(b, n, 3, attn.n_head, attn.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # The table is the cache's own: scanned once per step, not once per layer.
-        y = paged_attention(q, k, v, cache.k[layer], cache.v[layer], table, lens, backend=backend, check_table=layer == 0)
-        x = x + attn.proj(y.transpose(1, 2).reshape(b, n, c))
-        x = x + block.mlp(block.norm2(x))
-        kvs.append((k, v))
-    return model.norm_f(x), kvs

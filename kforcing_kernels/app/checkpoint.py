@@ -195,7 +195,7 @@ def _load_model_tensors(model, tensors: dict[str, torch.Tensor], where: Path) ->
 
 
 def _model_from_config(json_path: Path, config: dict):
-    from .model import KForcingLM, ModelConfig
+    from ..model import KForcingLM, ModelConfig
 
     try:
         return KForcingLM(ModelConfig.from_dict(config))

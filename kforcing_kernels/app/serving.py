@@ -22,10 +22,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .model import KForcingLM
-from .ops.sampling import inverse_cdf_sample
-from .paged_cache import PagedKVCache, PagePoolFull, paged_trunk
-from .layouts import WindowLayout
+from ..model import KForcingLM
+from ..ops.sampling import inverse_cdf_sample
+from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
+from ..layouts import WindowLayout
 
 
 def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) -> WindowLayout:
@@ -187,7 +187,7 @@ class PagedGenerator:
         lens = self.cache.lengths(rows)
         if self.k is None:
             last = torch.tensor([[r.tokens[-1]] for r in reqs], dtype=torch.int64, device=dev)
-            h, kvs = paged_trunk(model, model.wte(last), lens[:, None].to(dev), self.cache, rows)
+            h, kvs = model.trunk(model.wte(last), lens[:, None].to(dev), None, past=self.cache.views(rows, paged_backend(model)))
             self.cache.append(rows, kvs, [1] * b)
             logits = model.head(h[:, 0])
             return self._pick(reqs, logits, None)[:, None], logits[:, None]
@@ -196,7 +196,7 @@ class PagedGenerator:
         noise = torch.stack([r.noise[r.steps] for r in reqs]).to(dev)
         tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
         x = torch.cat([model.wte(prev), model.embed_noise(noise, tau)], 1)  # [B, 2k, C]
-        h, kvs = paged_trunk(model, x, (lens[:, None] + torch.arange(2 * k)).to(dev), self.cache, rows)
+        h, kvs = model.trunk(x, (lens[:, None] + torch.arange(2 * k)).to(dev), None, past=self.cache.views(rows, paged_backend(model)))
         self.cache.append(rows, kvs, [k] * b)  # context K/V only; the noise K/V are dropped
         logits = model.head(h[:, k:])
         return logits.argmax(-1), logits

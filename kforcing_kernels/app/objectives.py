@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import document_offsets, sample_windows
-from .ops.sampling import inverse_cdf_sample, noise_inversion
+from ..ops.sampling import inverse_cdf_sample, noise_inversion
 
 
 class Objective(str, enum.Enum):
