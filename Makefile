@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest python_tests -q -rs -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) bench/attention.py
+	$(PY) -m bench.attention
 
 bench-quick: $(STAMP)
 	$(PY) -m bench attention --quick
@@ -53,7 +53,7 @@ aot-check:
 # Plants each bug of tools/mutations.py in a scratch copy and runs the tests that must catch it (slow; not part of test).
 .PHONY: mutate
 mutate: $(STAMP)
-	nice -n 5 $(PY) tools/mutate.py
+	nice -n 5 $(PY) -m tools.mutate
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kforcing_kernels/*.so

@@ -15,7 +15,7 @@ skips the extension on purpose: the package then runs on its Python backends and
 import glob
 import os
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 BUILD_ENV = "KFORCING_BUILD_EXT"
@@ -74,5 +74,10 @@ def extensions():
     return [ext], {"build_ext": LoudBuildExtension}
 
 
+# The library and its app, plus the benchmarks: bench/ of the checkout is installed as the package
+# kforcing_bench (the kforcing-bench console script), while `python -m bench` runs it in place.
+PACKAGES = find_packages(include=["kforcing_kernels", "kforcing_kernels.*"]) + ["kforcing_bench"]
+PACKAGE_DIR = {"kforcing_bench": "bench"}
+
 ext_modules, cmdclass = extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(packages=PACKAGES, package_dir=PACKAGE_DIR, ext_modules=ext_modules, cmdclass=cmdclass)

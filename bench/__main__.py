@@ -1,4 +1,4 @@
-"""The benchmarks: ``kforcing-bench <command> [options]`` (or ``python -m bench``, ``python bench/run.py``).
+"""The benchmarks: ``python -m bench <command> [options]`` from the checkout, or ``kforcing-bench`` once installed.
 
 Run ``<command> --help`` for a command's options; with no command, ``attention`` runs.
 """
@@ -6,12 +6,7 @@ Run ``<command> --help`` for a command's options; with no command, ``attention``
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-
-# `python path/to/bench` and `python bench/run.py` from any folder: the repository root holds `bench` and
-# `kforcing_kernels`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # command -> (module in bench/, one-line help)
 COMMANDS = {
@@ -32,7 +27,7 @@ def build_parser(prog: str = "kforcing-bench"):
     sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",
                                 help="the benchmark to run (`<command> --help` for its options)")
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(f"bench.{module_name}")
+        module = importlib.import_module(f".{module_name}", __package__)
         p = add_command(sub, name, help=help_text, description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(bench_module=module, bench_parser=p)
@@ -50,6 +45,11 @@ def main(argv=None, prog: str = "kforcing-bench") -> int:
         args = module.finish_args(p, args, argv[1:], p.prog)
     result = module.execute(args)
     return result if isinstance(result, int) else 0
+
+
+def console_main() -> None:
+    """The ``kforcing-bench`` console script (the package installs this folder as ``kforcing_bench``)."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

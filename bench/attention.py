@@ -1,7 +1,7 @@
 """Prefix-window attention vs its peers on one shape, in one run.
 
-    python bench/attention.py                      # K-Forcing SingleForward, N=1024, k=4
-    python bench/attention.py --layout double --n 512 --k 2 --json out.json
+    python -m bench.attention                      # K-Forcing SingleForward, N=1024, k=4
+    python -m bench.attention --layout double --n 512 --k 2 --json out.json
 
 Reports forward and forward+backward for: dense-mask SDPA (what the paper's code
 does), compiled FlexAttention with our analytic BlockMask (forward only on CPU:
@@ -13,19 +13,16 @@ Ratios are only meaningful inside one run.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import write_json  # noqa: E402
-from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int  # noqa: E402
-from bench._timing import machine_info, measure, pin_threads  # noqa: E402
-from kforcing_kernels import WindowLayout, backends_available, window_attention  # noqa: E402
-from kforcing_kernels.layouts import ideal_causal_pairs, zoo  # noqa: E402
+from ._cli import write_json
+from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int
+from ._timing import machine_info, measure, pin_threads
+from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.layouts import ideal_causal_pairs, zoo
 
 LAYOUTS = zoo.BENCH_FAMILIES  # the shared layout zoo (kforcing_kernels/layouts/zoo.py)
 
@@ -144,7 +141,7 @@ def format_table(report: dict) -> str:
 
 
 def build_parser():
-    p = make_parser("python bench/attention.py", __doc__)
+    p = make_parser("python -m bench.attention", __doc__)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single", help="mask layout")
     p.add_argument("--n", type=positive_int, default=1024, help="context length N")
     p.add_argument("--k", type=positive_int, default=4, help="window size k (block size for sbd)")

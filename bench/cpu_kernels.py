@@ -1,8 +1,8 @@
 """The C++ extension's CPU kernels against their baselines, in one run.
 
-    python bench/cpu_kernels.py                    # attention + sampler, 2 threads
-    python bench/cpu_kernels.py --only sampler --rows 1024
-    python bench/cpu_kernels.py --json out.json
+    python -m bench.cpu_kernels                    # attention + sampler, 2 threads
+    python -m bench.cpu_kernels --only sampler --rows 1024
+    python -m bench.cpu_kernels --json out.json
 
 Attention (K-Forcing SingleForward by default: B=1, H=12, D=64, fp32, N=1024, k=4;
 ``--layout``, ``--dtype``, ``--n``, ``--k`` change it):
@@ -21,23 +21,20 @@ other jobs on a shared machine disturb much less.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import write_json  # noqa: E402
-from bench._timing import machine_info, pin_threads  # noqa: E402
-from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
-from kforcing_kernels import backends_available, window_attention  # noqa: E402
+from ._cli import write_json
+from ._timing import machine_info, pin_threads
+from .attention import LAYOUTS, mean_pairs
+from kforcing_kernels import backends_available, window_attention
 from kforcing_kernels import _extension
-from kforcing_kernels.ops import sampling  # noqa: E402
-from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
+from kforcing_kernels.ops import sampling
+from kforcing_kernels.layouts import ideal_causal_pairs
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (meaningful with --threads 1)

@@ -23,11 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/demo_allocation.py`: the repository root holds `bench` and `kforcing_kernels`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._cli import command_line, default_out  # noqa: E402
-from kforcing_kernels.app.cli import add_device, make_parser, positive_int  # noqa: E402
+from ._cli import command_line, default_out
+from kforcing_kernels.app.cli import add_device, make_parser, positive_int
 
 _KEYS = ("distill_batch", "seed")
 
@@ -117,7 +114,7 @@ def run(args) -> dict:
         (out / name).mkdir(exist_ok=True)
         logs[name] = open(out / f"{name}.log", "w")
         procs[name] = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from bench.demo_allocation import _child; _child(*sys.argv[1:])",
+            [sys.executable, "-c", f"import sys; from {__package__}.demo_allocation import _child; _child(*sys.argv[1:])",
              json.dumps(spec), str(out / name), args.device],
             stdout=logs[name], stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1], env=env)
     rows = {}
@@ -177,7 +174,7 @@ def execute(args) -> dict:
     return report
 
 
-def main(argv=None, prog="python bench/demo_allocation.py") -> dict:
+def main(argv=None, prog="python -m bench.demo_allocation") -> dict:
     p = make_parser(prog, __doc__)
     add_arguments(p)
     return execute(finish_args(p, p.parse_args(argv), argv, prog))

@@ -380,16 +380,16 @@ main() {
         run_step 3_int64_offsets 40 315 "$PY" "$WORK/int64.py"
         run_step 4_sampler 30 285 "$PY" "$WORK/sampler.py"
         gpu_state
-        run_step 5_bench_single_d128 70 215 "$PY" bench/triton_gpu.py --layout single --n 1024 4096 8192 --k 2 4 8 \
+        run_step 5_bench_single_d128 70 215 "$PY" -m bench.triton_gpu --layout single --n 1024 4096 8192 --k 2 4 8 \
             --dim 128 --batch-size 1 --heads 16 --methods triton sdpa_flash_causal fa2_causal --triton-tiles auto base wide \
             --json "$OUT_DIR/bench_single_d128.json"
-        run_step 5b_bench_in_tile 35 180 "$PY" bench/triton_gpu.py --layout single double --n 1024 8192 --k 2 4 --dim 128 \
+        run_step 5b_bench_in_tile 35 180 "$PY" -m bench.triton_gpu --layout single double --n 1024 8192 --k 2 4 --dim 128 \
             --batch-size 1 --heads 16 --methods triton --slot-window-max 0 --json "$OUT_DIR/bench_in_tile_d128.json"
-        run_step 6_bench_composite_dense 45 135 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 --k 4 --dim 64 128 \
+        run_step 6_bench_composite_dense 45 135 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
-        run_step 7_bench_flex 70 65 "$PY" bench/triton_gpu.py --layout single --n 1024 2048 8192 --k 4 --dim 128 \
+        run_step 7_bench_flex 70 65 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 8192 --k 4 --dim 128 \
             --batch-size 1 --heads 16 --methods triton flex --json "$OUT_DIR/bench_flex_single_d128.json"
-        run_step 8_train_step 65 0 "$PY" bench/triton_gpu.py --train-step --n 1024 --k 2 --batch-size 4 \
+        run_step 8_train_step 65 0 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
             --json "$OUT_DIR/train_step.json"
         gpu_state
     fi

@@ -21,18 +21,16 @@ PyTorch keeps no allocator statistics, so it is left out rather than guessed.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
-from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser  # noqa: E402
-from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
-from kforcing_kernels import default_backend  # noqa: E402
+from ._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files
+from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser
+from ._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields
+from kforcing_kernels import default_backend
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
 FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1, "max_seconds": 60.0}
@@ -205,7 +203,7 @@ def execute(args) -> dict:
     return report
 
 
-def main(argv=None, prog="python bench/inference.py") -> dict:
+def main(argv=None, prog="python -m bench.inference") -> dict:
     return execute(parse_args(argv, prog))
 
 

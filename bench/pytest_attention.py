@@ -9,20 +9,18 @@ Methods that are not present here are skipped with the reason.
 """
 
 import os
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._timing import phase_step, pin_threads  # noqa: E402
-from bench.attention import LAYOUTS  # noqa: E402
-from bench.sweep import OURS, method_availability, parse_args  # noqa: E402
-from kforcing_kernels import window_attention  # noqa: E402
-from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
+from ._timing import phase_step, pin_threads
+from .attention import LAYOUTS
+from .sweep import OURS, method_availability, parse_args
+from kforcing_kernels import window_attention
+from kforcing_kernels.layouts import ideal_causal_pairs
 
 N = int(os.environ.get("KF_BENCH_N", 512))
 K = int(os.environ.get("KF_BENCH_K", 4))

@@ -8,9 +8,9 @@ import os
 from collections import defaultdict
 from typing import Optional
 
-from bench._cli import write_csv, write_json
-from bench._timing import commit_label
-from bench.methods import METHODS, OURS, PHASES
+from ._cli import write_csv, write_json
+from ._timing import commit_label
+from .methods import METHODS, OURS, PHASES
 
 PHASE_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}
 # A work-exponent fit needs the work itself to vary; Jacobi/SBD barely move with k.

@@ -17,7 +17,7 @@ import os
 import sys
 from collections import defaultdict
 
-from bench.sweep import METHODS, PHASES, SCHEMA_ID
+from .sweep import METHODS, PHASES, SCHEMA_ID
 
 _NUM = {"type": "number"}
 _OPT_NUM = {"type": ["number", "null"]}

@@ -29,7 +29,6 @@ the reason and never timed. Ratios are only meaningful inside one run.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 import warnings
@@ -38,15 +37,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar  # noqa: E402
-from bench._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp  # noqa: E402
-from bench.attention import LAYOUTS, mean_pairs  # noqa: E402
-from bench.methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PEERS, PHASES  # noqa: E402,F401
-from kforcing_kernels import backends_available, window_attention  # noqa: E402
-from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, positive_int  # noqa: E402
-from kforcing_kernels.layouts import ideal_causal_pairs  # noqa: E402
+from ._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar
+from ._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp
+from .attention import LAYOUTS, mean_pairs
+from .methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PHASES
+from kforcing_kernels import backends_available, window_attention
+from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, positive_int
+from kforcing_kernels.layouts import ideal_causal_pairs
 
 SCHEMA_ID = "kforcing-bench/attention/v1"
 FLEX_BLOCK = 128
@@ -290,7 +288,7 @@ def run_sweep(args) -> dict:
         m: {"kind": METHOD_KIND[m], "status": "measured" if avail[m] is None else "unavailable", "reason": avail[m], "description": METHOD_DESCRIPTION[m]}
         for m in METHODS
     }
-    from bench.report import fit_exponents
+    from .report import fit_exponents
 
     report = {"schema": SCHEMA_ID, "meta": meta, "methods": methods, "rows": rows}
     report["fits"] = fit_exponents(report)
@@ -350,7 +348,7 @@ def parse_args(argv=None, prog="kforcing-bench attention"):
 
 
 def execute(args) -> dict:
-    from bench.report import print_report, write_outputs
+    from .report import print_report, write_outputs
 
     report = run_sweep(args)
     print_report(report)
@@ -359,7 +357,7 @@ def execute(args) -> dict:
     return report
 
 
-def main(argv=None, prog="python bench/sweep.py") -> dict:
+def main(argv=None, prog="python -m bench.sweep") -> dict:
     return execute(parse_args(argv, prog))
 
 

@@ -16,19 +16,17 @@ ratio of their medians. Weights are random: a step costs the same trained or not
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files  # noqa: E402
-from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int  # noqa: E402
-from bench._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields  # noqa: E402
-from bench.report import _slope  # noqa: E402
-from kforcing_kernels import default_backend  # noqa: E402
+from ._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files
+from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int
+from ._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields
+from .report import _slope
+from kforcing_kernels import default_backend
 
 SCHEMA_ID = "kforcing-bench/train-step/v1"
 FULL = {"k": [1, 2, 4, 8], "seq_len": 512, "batch": 2, "reps": 3, "warmup": 1, "max_seconds": 30.0}
@@ -198,7 +196,7 @@ def execute(args) -> dict:
     return report
 
 
-def main(argv=None, prog="python bench/train_step.py") -> dict:
+def main(argv=None, prog="python -m bench.train_step") -> dict:
     return execute(parse_args(argv, prog))
 
 

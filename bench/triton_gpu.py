@@ -1,9 +1,9 @@
 """GPU benchmark: TFLOP/s per *useful* FLOP of prefix-window attention, and the self-forcing training step.
 
-    python bench/triton_gpu.py                              # the full sweep (needs a CUDA device)
-    python bench/triton_gpu.py --n 1024 --k 4 --dim 128 --methods triton sdpa_flash_causal --json out.json
-    python bench/triton_gpu.py --train-step --n 1024 --k 2  # paper backbone step, dense vs ours (student k = 4)
-    python bench/triton_gpu.py --list                       # planned shapes and useful FLOPs; runs anywhere
+    python -m bench.triton_gpu                              # the full sweep (needs a CUDA device)
+    python -m bench.triton_gpu --n 1024 --k 4 --dim 128 --methods triton sdpa_flash_causal --json out.json
+    python -m bench.triton_gpu --train-step --n 1024 --k 2  # paper backbone step, dense vs ours (student k = 4)
+    python -m bench.triton_gpu --list                       # planned shapes and useful FLOPs; runs anywhere
 
 Timing: ``triton.testing.do_bench`` (CUDA events, warm-up, the L2 cache flushed before every
 rep, no host sync inside the timed region; the median is reported). Each method runs once
@@ -38,12 +38,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import attention  # noqa: E402
-from bench._cli import write_json  # noqa: E402
-from bench._timing import machine_info  # noqa: E402
-from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
+from . import attention
+from ._cli import write_json
+from ._timing import machine_info
+from kforcing_kernels import WindowLayout, window_attention
 
 LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5
@@ -246,7 +245,7 @@ def _dense_sdpa_model(on: bool):
 def train_step(args) -> list[dict]:
     """Self-forcing step (teacher k -> student 2k) of the paper backbone, bf16 autocast: dense-mask SDPA
     (``dense``, the public code's attention) vs ours (``--train-ours``)."""
-    from bench.train_step import build_models, make_step
+    from .train_step import build_models, make_step
     from kforcing_kernels.app.objectives import Batch
 
     rows = []
@@ -291,7 +290,7 @@ def train_step(args) -> list[dict]:
 
 def sampler_bench(args) -> list[dict]:
     """The Triton inverse-CDF sampler vs softmax + cumsum + searchsorted (fp32, fp64) on bf16 logits."""
-    from bench.cpu_kernels import softmax_cumsum_searchsorted
+    from .cpu_kernels import softmax_cumsum_searchsorted
     from kforcing_kernels.ops import sampling
 
     rows = []

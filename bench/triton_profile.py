@@ -1,6 +1,6 @@
 """Where a Triton fwd+bwd spends its time: per-kernel GPU time and the host's launch time.
 
-    python bench/triton_profile.py --layout single --n 1024 8192 --k 4 --dim 128   # CUDA only
+    python -m bench.triton_profile --layout single --n 1024 8192 --k 4 --dim 128   # CUDA only
 
 For each shape: the GPU time of every kernel in one forward + backward (torch.profiler,
 averaged over ``--reps`` steps after a warm-up that compiles and autotunes), their sum
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import attention  # noqa: E402
-from bench._cli import write_json  # noqa: E402
-from kforcing_kernels import window_attention  # noqa: E402
+from . import attention
+from ._cli import write_json
+from kforcing_kernels import window_attention
 
 
 def profile_one(layout_name: str, n: int, k: int, d: int, batch: int, heads: int, reps: int) -> dict:

@@ -135,8 +135,8 @@ def test_default_backend_skips_backends_that_cannot_take_the_inputs(monkeypatch)
 
     monkeypatch.delenv("KFORCING_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    real_load = backends._load
-    monkeypatch.setattr(backends, "_load", lambda name: (triton_backend, None) if name == "triton" else real_load(name))
+    real_load = backends.REGISTRY.load
+    monkeypatch.setattr(backends.REGISTRY, "load", lambda name: (triton_backend, None) if name == "triton" else real_load(name))
     cuda = torch.device("cuda")
     assert backends.default_backend(cuda, torch.bfloat16, 64) == "triton"
     assert backends.default_backend(cuda, torch.float32, 64) == "composite"

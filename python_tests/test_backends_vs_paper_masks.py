@@ -95,13 +95,12 @@ def test_backend_matches_paper_mask(backend, name):
 def test_triton_interpreter_matches_paper_masks():
     pytest.importorskip("triton")
     code = (
-        "import sys; sys.path.insert(0, %r)\n"
         "import test_backends_vs_paper_masks as t\n"
         "for name in t.CASES:\n"
         "    t.check('triton', name)\n"
-        "print('ok', len(t.CASES))\n" % HERE
+        "print('ok', len(t.CASES))\n"
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(HERE), env=env, capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0 and f"ok {len(CASES)}" in result.stdout, (result.stdout + result.stderr)[-4000:]

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from bench.report import fit_exponents  # noqa: E402
-from bench.schema import check_report, validate_schema  # noqa: E402
-from bench.sweep import METHODS, configurations, method_availability, parse_args  # noqa: E402
+from bench.report import fit_exponents
+from bench.schema import check_report, validate_schema
+from bench.sweep import METHODS, configurations, method_availability, parse_args
 
 
 @pytest.fixture(scope="module")

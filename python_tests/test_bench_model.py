@@ -2,16 +2,13 @@
 comparisons (same loss for dense and ours), files written. Timings are never asserted."""
 
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytest.importorskip("kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout")
 
-from bench import inference, train_step  # noqa: E402
+from bench import inference, train_step
 
 TINY = ["--preset", "micro", "--threads", "1", "--warmup", "0", "--reps", "1"]
 

@@ -1,7 +1,6 @@
 """The compiled Triton backend on a real GPU (skipped without CUDA), and the GPU benchmark's CPU behaviour."""
 
 import os
-import sys
 
 import pytest
 import torch
@@ -53,7 +52,6 @@ def test_cuda_tensors_dispatch_to_triton():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmark")
 def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
-    sys.path.insert(0, ROOT)
     from bench import triton_gpu
 
     assert triton_gpu.main([]) == 0
@@ -65,7 +63,6 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
 
 def test_gpu_table_renders_from_the_committed_h100_json(capsys):
     """The README's GPU table is `--render` of bench/results/gpu-h100/attention_table.json."""
-    sys.path.insert(0, ROOT)
     from bench import triton_gpu
 
     path = os.path.join(ROOT, "bench", "results", "gpu-h100", "attention_table.json")
@@ -77,7 +74,6 @@ def test_gpu_table_renders_from_the_committed_h100_json(capsys):
 
 
 def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
-    sys.path.insert(0, ROOT)
     from bench import triton_gpu
     from kforcing_kernels.ops.window_attention import triton_kernels as tk
 
@@ -94,7 +90,6 @@ def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
 
 def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
     """bench_one's methods, FLOP accounting and failure capture, with the timer replaced (do_bench needs CUDA)."""
-    sys.path.insert(0, ROOT)
     from bench import triton_gpu
 
     calls = []
@@ -195,12 +190,11 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     assert {name for name, _ in blocks} == {"info.py", "smoke.py", "int64.py", "sampler.py"}
     for name, body in blocks:
         compile(body, name, "exec")
-    commands = re.findall(r'"\$PY" bench/triton_gpu\.py ((?:\\\n|[^\n])*)', text)
+    commands = re.findall(r'"\$PY" -m bench\.triton_gpu ((?:\\\n|[^\n])*)', text)
     assert len(commands) == 5, commands
     for cmd in commands:
         argv = [a for a in cmd.replace("\\\n", " ").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
-        sys.path.insert(0, ROOT)
         from bench import triton_gpu
 
         triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted

@@ -1,8 +1,8 @@
 """Mutation check: plant each bug of tools/mutations.py in a scratch copy and run the tests that must catch it.
 
-    python tools/mutate.py                 # every mutation; `make mutate` runs this
-    python tools/mutate.py --only composite-prefix-dk-= --only per-position-nll-reversed
-    python tools/mutate.py --list
+    python -m tools.mutate                 # every mutation; `make mutate` runs this
+    python -m tools.mutate --only composite-prefix-dk-= --only per-position-nll-reversed
+    python -m tools.mutate --list
 
 The working tree is copied once to a scratch folder (without .git, build outputs and
 caches); each mutation replaces one exact string (it must occur exactly once, else the
@@ -28,8 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from mutations import MUTATIONS  # noqa: E402
+from tools.mutations import MUTATIONS
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "*.o")
 PYTEST = ["-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider"]

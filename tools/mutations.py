@@ -45,7 +45,7 @@ MUTATIONS = [
          old='"nll": (nll / batches).tolist()', new='"nll": (nll / batches).flip(0).tolist()',
          tests=["python_tests/test_per_position_nll.py"]),
     # --- sampler convention
-    dict(id="reference-sampler->=", file="kforcing_kernels/ops/sampling/op.py",
+    dict(id="reference-sampler->=", file="kforcing_kernels/ops/sampling/reference.py",
          old="searchsorted(cdf, target.contiguous(), right=True)", new="searchsorted(cdf, target.contiguous(), right=False)",
          tests=["python_tests/test_sampler_oracle.py"]),
     dict(id="cpp-sampler->= (C++)", file="csrc/kf_isa_impl.h", rebuild=True,

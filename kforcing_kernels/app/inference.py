@@ -36,11 +36,11 @@ import torch
 from ..layouts import WindowLayout
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
+from ..types import Temperature
 from .serving import PagedGenerator, Request, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
 CACHES = ("paged", "contiguous")
-Temperature = Union[float, torch.Tensor]
 
 
 class KVCache:

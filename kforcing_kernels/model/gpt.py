@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from ..ops.paged_attention import paged_attention
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
+from ..types import KV, Temperature
 from .config import ModelConfig
 
-KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each [B, H, L, D]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ class PagedPast:
         """The window's queries/keys/values ``[B, H, W, D]`` -> attention output ``[B, H, W, D]``."""
         return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
                                backend=self.backend, check_table=self.check_table)
-Temperature = Union[float, torch.Tensor]
 
 
 # ---------------------------------------------------------------------- layouts (cached: they are pure functions of the sizes)

@@ -13,44 +13,40 @@ row i of request b sees the cached context ``[0, len_b)`` and window slots ``0..
 
 from __future__ import annotations
 
-import importlib
 import math
 from numbers import Integral
-from types import ModuleType
 from typing import Optional, Sequence, Union
 
 import torch
 
+from ..registry import BackendSpec, OpRegistry
+from ..validation import check_scale
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_MODULES = {
-    "reference": "kforcing_kernels.ops.paged_attention.reference",
-    "composite": "kforcing_kernels.ops.paged_attention.composite",
-    "cpp": "kforcing_kernels.ops.paged_attention.cpp",
-    "triton": "kforcing_kernels.ops.paged_attention.triton",
-}
-PAGED_BACKENDS = tuple(_MODULES)
-
-
-def _load(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
-    try:
-        module = importlib.import_module(_MODULES[name])
-    except ImportError as exc:
-        return None, f"cannot import {_MODULES[name]}: {exc}"
-    return module, module.available()
+_HERE = "kforcing_kernels.ops.paged_attention"
+REGISTRY = OpRegistry(
+    "paged_attention",
+    (
+        BackendSpec("reference", f"{_HERE}.reference", ("*",), "gather the pages, dense masked attention: the oracle"),
+        BackendSpec("composite", f"{_HERE}.composite", ("*",), "torch ops over chunks of pages, online-softmax merge"),
+        BackendSpec("cpp", f"{_HERE}.cpp", ("cpu",), "the C++ CPU kernel (csrc/paged_attention.cpp)"),
+        BackendSpec("triton", f"{_HERE}.triton", ("cuda",), "the Triton kernel (CPU tensors only in the interpreter)"),
+    ),
+    preference={"cpu": ("cpp",), "cuda": ("triton",)},
+    fallback="composite",
+)
+PAGED_BACKENDS = REGISTRY.names
 
 
 def paged_backends_available() -> dict[str, Optional[str]]:
     """``{backend: None if usable here, else the reason it is absent}``."""
-    return {name: _load(name)[1] for name in PAGED_BACKENDS}
+    return REGISTRY.available()
 
 
 def default_paged_backend(device: torch.device) -> str:
     """cpp on CPU when built, triton on CUDA when importable, else composite."""
-    preferred = {"cpu": "cpp", "cuda": "triton"}.get(device.type)
-    if preferred and _load(preferred)[1] is None:
-        return preferred
-    return "composite"
+    return REGISTRY.default(device)
 
 
 def paged_attention(
@@ -91,10 +87,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.numel() == 0:
         return torch.empty_like(q)
-    name = backend or default_paged_backend(q.device)
-    module, reason = _load(name)
-    if reason is not None:
-        raise RuntimeError(f"backend {name!r} is not available: {reason}")
+    module = REGISTRY.get(backend or default_paged_backend(q.device))
     return module.forward(q, k_new, v_new, k_pages, v_pages, block_table, lens, scale)
 
 
@@ -151,10 +144,8 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
         if bool(bad.any()):
             i, j = (int(x) for x in torch.nonzero(bad)[0])
             raise ValueError(f"block_table: request {i} page {j} is {int(ids[i, j])}, outside the pool of {num_pages} pages")
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
-    if backend is not None and backend not in PAGED_BACKENDS:
-        raise ValueError(f"backend: expected one of {PAGED_BACKENDS} or None, got {backend!r}")
+    check_scale(scale)
+    REGISTRY.check_name(backend)
     return lens
 
 

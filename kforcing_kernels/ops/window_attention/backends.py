@@ -1,4 +1,4 @@
-"""Backend registry for prefix-window attention.
+"""The backends of ``window_attention``, declared on the shared registry (``ops/registry.py``).
 
 Every backend is a module implementing :class:`Backend`; the op treats them all alike
 (``reference`` included). A backend that is not built or cannot import is reported
@@ -7,12 +7,13 @@ absent with its reason; it is never faked.
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
 from typing import Optional, Protocol
 
 import torch
+
+from ... import env
+from ..registry import BackendSpec, OpRegistry
 
 
 class Backend(Protocol):
@@ -30,35 +31,30 @@ class Backend(Protocol):
     def backward(self, dout, q, k, v, out, lse, layout, scale: float):
         """Gradients (dq, dk, dv), contiguous and shaped like (q, k, v)."""
 
-_MODULES = {
-    "reference": "kforcing_kernels.ops.window_attention.reference",
-    "composite": "kforcing_kernels.ops.window_attention.composite",
-    "cpp": "kforcing_kernels.ops.window_attention.cpp",
-    "triton": "kforcing_kernels.ops.window_attention.triton",
-}
-BACKENDS = tuple(_MODULES)
 
-
-def _load(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
-    try:
-        module = importlib.import_module(_MODULES[name])
-    except ImportError as exc:  # not built / dependency missing
-        return None, f"cannot import {_MODULES[name]}: {exc}"
-    return module, module.available()
+_HERE = "kforcing_kernels.ops.window_attention"
+REGISTRY = OpRegistry(
+    "window_attention",
+    (
+        BackendSpec("reference", f"{_HERE}.reference", ("*",), "dense mask + attention math: the oracle, O(k^2)"),
+        BackendSpec("composite", f"{_HERE}.composite", ("*",), "standard attention calls merged by log-sum-exp"),
+        BackendSpec("cpp", f"{_HERE}.cpp", ("cpu",), "the compiled CPU kernels of kforcing_kernels._C"),
+        BackendSpec("triton", f"{_HERE}.triton", ("cuda",), "fused Triton kernels (CPU tensors only in the interpreter)"),
+    ),
+    preference={"cuda": ("triton", "composite"), "cpu": ("cpp", "composite")},
+    fallback="composite",
+    override=env.backend_override,
+)
+BACKENDS = REGISTRY.names
 
 
 def backends_available() -> dict[str, Optional[str]]:
     """``{backend: None if usable here, else the reason it is absent}``."""
-    return {name: _load(name)[1] for name in BACKENDS}
+    return REGISTRY.available()
 
 
 def get_backend(name: str) -> ModuleType:
-    if name not in _MODULES:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {name!r}")
-    module, reason = _load(name)
-    if reason is not None:
-        raise RuntimeError(f"backend {name!r} is not available: {reason}")
-    return module
+    return REGISTRY.get(name)
 
 
 def default_backend(device: torch.device, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
@@ -67,18 +63,4 @@ def default_backend(device: torch.device, dtype: Optional[torch.dtype] = None, h
     With ``dtype``/``head_dim`` given, backends that cannot take them (e.g. triton
     on fp32 CUDA tensors) are skipped in favour of the next one.
     """
-    forced = os.environ.get("KFORCING_BACKEND")
-    if forced:
-        return forced
-    preference = ("triton", "composite") if device.type == "cuda" else ("cpp", "composite")
-    for name in preference:
-        module, reason = _load(name)
-        if reason is not None:
-            continue
-        # A backend can be present yet slower than the next one here (see cpp.preferred).
-        if not getattr(module, "preferred", lambda: True)():
-            continue
-        if dtype is not None and head_dim is not None and not module.supports(dtype, head_dim):
-            continue
-        return name
-    return "composite"
+    return REGISTRY.default(device, dtype, head_dim)

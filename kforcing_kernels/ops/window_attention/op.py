@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import Optional, Union
 
 import torch
 
-from .backends import BACKENDS, default_backend, get_backend
+from ..validation import check_scale
+from .backends import REGISTRY, default_backend, get_backend
 from . import masked_keys
 from .lse_attention import acc_dtype
 from ...layouts import WindowLayout
@@ -141,12 +141,8 @@ def _validate(q, k, v, layout, scale, backend) -> None:
         raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
     if layout.batch_size is not None and layout.batch_size != b:
         raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size}")
-    # numbers.Real takes numpy floats too; a bool is a number by accident, not a scale.
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(float(scale)) or float(scale) <= 0):
-        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    check_scale(scale)
+    REGISTRY.check_name(backend)
 
 
 # ---------------------------------------------------------------------- custom op

@@ -1,0 +1,102 @@
+"""One backend registry for every op: backends declared as data, loaded lazily, absent with a reason.
+
+An op (``window_attention``, ``paged_attention``, ``sampling``) declares its backends as
+:class:`BackendSpec` rows (name, module path, the device types it runs on) and which one it
+prefers per device type; :class:`OpRegistry` is all the op needs to validate a ``backend=``
+argument, load a backend, say which are usable here and why not, and pick the default. A backend
+module provides ``available() -> Optional[str]`` (None when usable, else the reason) and may
+provide ``supports(dtype, head_dim) -> bool`` (the default choice skips it otherwise) and
+``preferred() -> bool`` (present but slower than the next choice here, e.g. cpp's portable
+build). A backend that is not built or cannot import is reported absent with its reason; it is
+never faked, and ``reference`` is a backend like any other.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable, Mapping, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend of one op: what it is called, where it lives and where it runs."""
+
+    name: str
+    module: str  # import path of the module implementing the op's backend protocol
+    devices: tuple[str, ...]  # device types it computes on ("cpu", "cuda"); ("*",) for any
+    summary: str = ""
+
+    def runs_on(self, device_type: str) -> bool:
+        return "*" in self.devices or device_type in self.devices
+
+
+class OpRegistry:
+    """The backends of one op and its default choice per device type.
+
+    Args:
+        op: the op's name (used in messages).
+        backends: its backends, in a fixed order (what ``names`` lists).
+        preference: per device type, the backends to try in order for ``backend=None``;
+            the first that is available, preferred here and supports the inputs wins.
+        fallback: the backend used when none of the preferred ones qualifies (must run anywhere).
+        override: optional callable returning a forced backend name (an environment switch), or None.
+    """
+
+    def __init__(self, op: str, backends: tuple[BackendSpec, ...], preference: Mapping[str, tuple[str, ...]],
+                 fallback: str, override: Optional[Callable[[], Optional[str]]] = None):
+        self.op = op
+        self.specs = {spec.name: spec for spec in backends}
+        self.names = tuple(self.specs)
+        unknown = {n for names in preference.values() for n in names} - set(self.specs)
+        if unknown or fallback not in self.specs:
+            raise ValueError(f"{op}: preference/fallback name unknown backends {sorted(unknown | ({fallback} - set(self.specs)))}")
+        self.preference = dict(preference)
+        self.fallback = fallback
+        self.override = override
+
+    def check_name(self, name: Optional[str], argument: str = "backend") -> None:
+        """Raise ValueError naming ``argument`` unless ``name`` is None or one of :attr:`names`."""
+        if name is not None and name not in self.specs:
+            raise ValueError(f"{argument}: expected one of {self.names} or None, got {name!r}")
+
+    def load(self, name: str) -> tuple[Optional[ModuleType], Optional[str]]:
+        """(module, None) when usable here, else (module or None, why not)."""
+        spec = self.specs[name]
+        try:
+            module = importlib.import_module(spec.module)
+        except ImportError as exc:  # not built / dependency missing
+            return None, f"cannot import {spec.module}: {exc}"
+        return module, module.available()
+
+    def available(self) -> dict[str, Optional[str]]:
+        """``{backend: None if usable here, else the reason it is absent}``."""
+        return {name: self.load(name)[1] for name in self.names}
+
+    def get(self, name: str) -> ModuleType:
+        """The backend's module; ValueError for an unknown name, RuntimeError (with the reason) if absent."""
+        self.check_name(name)
+        module, reason = self.load(name)
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} is not available: {reason}")
+        return module
+
+    def default(self, device: torch.device, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
+        """The backend ``backend=None`` runs for inputs on ``device`` (of ``dtype`` / ``head_dim`` when given)."""
+        forced = self.override() if self.override is not None else None
+        if forced:
+            return forced
+        for name in self.preference.get(torch.device(device).type, ()):
+            module, reason = self.load(name)
+            if reason is not None:
+                continue
+            if not getattr(module, "preferred", lambda: True)():
+                continue
+            supports = getattr(module, "supports", None)
+            if supports is not None and dtype is not None and head_dim is not None and not supports(dtype, head_dim):
+                continue
+            return name
+        return self.fallback

@@ -1,0 +1,1 @@
+"""Maintenance scripts of the checkout (not installed): `python -m tools.mutate` plants known bugs and runs the tests that must catch them."""
