@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import warnings
 from types import ModuleType
 from typing import Optional
+
+from . import env
 
 DISABLE_ENV = "KFORCING_DISABLE_EXT"
 
 
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[Optional[ModuleType], Optional[str]]:
-    if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
-        return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    disabled = env.extension_disabled()
+    if disabled is not None:
+        return None, f"disabled by {DISABLE_ENV}={disabled}"
     try:
         module = importlib.import_module("kforcing_kernels._C")
     except ImportError as exc:
@@ -38,7 +40,7 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
             stacklevel=3,
         )
         return None, why
-    isa = os.environ.get("KFORCING_CPP_ISA")
+    isa = env.cpp_isa()
     if isa and module.isa() != isa:
         warnings.warn(f"KFORCING_CPP_ISA={isa} is not supported here; using {module.isa()}", RuntimeWarning, stacklevel=3)
     return module, None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .. import env
 from .checkpoint import atomic_write, write_json
 
 DEFAULT_SOURCE = "stdlib"
@@ -125,7 +125,7 @@ class Corpus:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KFORCING_CACHE", Path.home() / ".cache" / "kforcing_kernels"))
+    return env.cache_dir()
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):

@@ -16,14 +16,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from .. import env
 from .checkpoint import CheckpointError
-from .cli import (add_batch_size, add_command, add_device, add_preset, add_seed, add_threads, apply_threads, fraction, make_parser,
-                  non_negative_int, positive_float, positive_int)
+from .cli import (
+    add_batch_size,
+    add_command,
+    add_device,
+    add_preset,
+    add_seed,
+    add_threads,
+    apply_threads,
+    fraction,
+    make_parser,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from .data import DataError
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
 from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig
@@ -139,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env.distributed_ranks()[1] == 0:
         print(json.dumps(result, indent=1))
 
 

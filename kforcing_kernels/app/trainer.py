@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -33,17 +32,39 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .. import env
+from ..model import PRESETS, KForcingLM
 from .checkpoint import (
-    append_jsonl, atomic_write, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta,
-    read_json, read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log, write_json,
+    append_jsonl,
+    atomic_write,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    read_checkpoint_meta,
+    read_json,
+    read_metrics,
+    recover_metrics,
+    save_checkpoint,
+    save_model,
+    save_tensors,
+    stderr_log,
+    write_json,
 )
 from .data import Corpus, load_corpus
-from ..model import PRESETS, KForcingLM
 from .objectives import (
-    Objective, compute_loss, make_batch, step_generator,
+    Objective,
+    compute_loss,
+    make_batch,
+    step_generator,
 )
-from .train_config import ConfigError, TrainConfig, changed_settings, check_splits, prepare_out, validate_config
-
+from .train_config import (
+    ConfigError,
+    TrainConfig,
+    changed_settings,
+    check_splits,
+    prepare_out,
+    validate_config,
+)
 
 # ---------------------------------------------------------------------- distributed
 
@@ -61,9 +82,7 @@ class DistInfo:
 
 def setup_distributed(device: str) -> DistInfo:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on CUDA. Single process otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world, rank, local = env.distributed_ranks()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
