@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforcing_kernels.app.data import load_corpus, sample_windows
+from kforcing_kernels.app.data import load_corpus, sample_crops
 from kforcing_kernels.app.evaluate import (
     DEMO_EVAL, distinct_n, evaluate_pipeline, format_nll_table, format_report, format_table1, judge_score, plot_summary,
 )
@@ -204,7 +204,7 @@ def test_one_fixed_judge_scores_every_row(run):
     other.reset_parameters(torch.Generator().manual_seed(5))
     judged = evaluate_pipeline(folder, judge=other, **EVAL)
     corpus = load_corpus(info["data"], vocab_size=teacher.config.vocab_size)
-    ref = sample_windows(corpus.val, 3, 4 + 6, torch.Generator().manual_seed(DEMO_EVAL.seed + 2))
+    ref = sample_crops(corpus.val, 3, 4 + 6, torch.Generator().manual_seed(DEMO_EVAL.seed + 2))
     expected = judge_score(other, ref[:, :4], ref[:, 4:], corpus.eos_id)
     assert judged["quality"]["data (held-out text)"] == pytest.approx(expected)
     assert all(judged["quality"][m]["nll"] != default["quality"][m]["nll"] for m in default["quality"])

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from kforcing_kernels.app.data import load_corpus, sample_windows
+from kforcing_kernels.app.data import load_corpus, sample_crops
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
 from kforcing_kernels.app.checkpoint import load_model
 from kforcing_kernels.app.train_config import TrainConfig
@@ -98,7 +98,7 @@ def tracking_failures(rows: dict) -> list[str]:
 
 
 def _rows(teacher, student, corpus) -> dict:
-    context = sample_windows(corpus.val, 8, 16, torch.Generator().manual_seed(0))
+    context = sample_crops(corpus.val, 8, 16, torch.Generator().manual_seed(0))
     return {tau: slot_entropies(teacher, student, context, tau) for tau in TAUS}
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kforcing_kernels.app.checkpoint import latest_checkpoint, read_json, read_metrics, write_json
-from kforcing_kernels.app.data import document_offsets, load_corpus
+from kforcing_kernels.app.data import load_corpus
+from kforcing_kernels.layouts.positions import document_offsets
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.objectives import (
     Batch, Objective, compute_loss, forward_distillation_targets, make_batch, self_forcing_targets, step_generator,
@@ -145,7 +146,7 @@ def test_document_offsets_and_batches():
     windows = torch.tensor([[5, EOS, 6, 7, EOS, 8], [EOS, 1, 2, 3, 4, EOS], [1, 2, 3, 4, 5, 6]])
     cus = document_offsets(windows, EOS)
     assert [cu.tolist() for cu in cus] == [[0, 2, 5, 6], [0, 1, 6], [0, 6]]
-    with pytest.raises(ValueError, match="windows: expected token ids"):
+    with pytest.raises(ValueError, match="tokens: expected token ids"):
         document_offsets(windows[0], EOS)
     with pytest.raises(ValueError, match="separator: expected None or a token id"):
         make_batch(Objective.AR, _stream([50]), 2, 8, 1, (1.0, 1.0), torch.Generator(), separator=True)

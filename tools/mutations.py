@@ -23,10 +23,10 @@ MUTATIONS = [
     dict(id="ar-decode-positions+1", file="kforcing_kernels/app/inference.py",
          old="positions = kv.lengths[:, None].to(device)", new="positions = (kv.lengths[:, None] + 1).to(device)",
          tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_paged_generation.py"]),
-    dict(id="model-noise-positions-without+1", file="kforcing_kernels/model/gpt.py",
+    dict(id="model-noise-positions-without+1", file="kforcing_kernels/layouts/positions.py",
          old="noise = (t[..., None] + 1 + torch.arange(k, device=device))", new="noise = (t[..., None] + torch.arange(k, device=device))",
          tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_model.py"]),
-    dict(id="double-forward-future2-positions-1", file="kforcing_kernels/model/gpt.py",
+    dict(id="double-forward-future2-positions-1", file="kforcing_kernels/layouts/positions.py",
          old="(t + 1 + k + i).flatten(-2)", new="(t + k + i).flatten(-2)",
          tests=["python_tests/test_sharp_behaviour.py"]),
     # --- loss wiring

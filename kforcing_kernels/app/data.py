@@ -267,29 +267,12 @@ def _read_cache(paths: dict[str, Path]):
 # ---------------------------------------------------------------------- batches
 
 
-def sample_windows(tokens: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """``[batch, length]`` int64 windows at uniformly random offsets of a token stream ``[T]``."""
+def sample_crops(tokens: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, length]`` int64 crops (contiguous runs) at uniformly random offsets of a token stream ``[T]``.
+
+    A crop, not a window: "window" means the k noise slots of a layout everywhere in the package.
+    """
     if tokens.numel() < length + 1:
-        raise ValueError(f"tokens: the stream has {tokens.numel()} tokens, fewer than one window of {length} + 1")
+        raise ValueError(f"tokens: the stream has {tokens.numel()} tokens, fewer than one crop of {length} + 1")
     starts = torch.randint(0, tokens.numel() - length, (batch,), generator=generator)
     return tokens[starts[:, None] + torch.arange(length)]
-
-
-def document_offsets(windows: torch.Tensor, separator: int) -> list[torch.Tensor]:
-    """Where the documents of each window begin: one int64 ``[D_b + 1]`` per row of ``windows [B, L]``.
-
-    The corpus joins documents as ``doc_1 EOS doc_2 EOS ...`` (:func:`load_corpus`), so a
-    document ends with (and includes) its separator and the next one starts right after it.
-    Row b's offsets are FlashAttention's ``cu_seqlens``: ``[0, i_1 + 1, i_2 + 1, ..., L]`` for
-    the separators at ``i_1 < i_2 < ...`` (one at ``L - 1`` closes the last document at ``L``).
-    The first and last documents of a window are usually cut by the window's edges.
-    """
-    if windows.dim() != 2:
-        raise ValueError(f"windows: expected token ids [B, L], got shape {tuple(windows.shape)}")
-    length = windows.shape[1]
-    inner = (windows[:, :-1] == separator).cpu()  # a separator at L - 1 ends the window anyway
-    rows = []
-    for row in inner:
-        cuts = torch.nonzero(row).flatten() + 1
-        rows.append(torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.full((1,), length, dtype=torch.int64)]))
-    return rows

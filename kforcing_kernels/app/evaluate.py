@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .data import load_corpus, sample_windows
+from .data import load_corpus, sample_crops
 from .inference import generate_ar, generate_kforcing
 from .checkpoint import atomic_write, load_model, write_json
 from ..model import KForcingLM
@@ -75,7 +75,7 @@ def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, bat
     device = model.wte.weight.device
     total = 0.0
     for _ in range(batches):
-        x = sample_windows(val, batch_size, seq_len + 1, gen).to(device)
+        x = sample_crops(val, batch_size, seq_len + 1, gen).to(device)
         total += float(F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()))
     return total / batches
 
@@ -96,7 +96,7 @@ def per_position_nll(
     nll = torch.zeros(k, dtype=torch.float64)
     agree = torch.zeros(k, dtype=torch.float64)
     for _ in range(batches):
-        ctx = sample_windows(val, batch_size, seq_len, gen).to(device)
+        ctx = sample_crops(val, batch_size, seq_len, gen).to(device)
         z = torch.rand(batch_size, seq_len, k, generator=gen).to(device)
         taus = torch.full((batch_size,), tau, device=device)
         if teacher_k == 0:
@@ -251,7 +251,7 @@ def evaluate_pipeline(
 
     # Table 1: throughput per batch size, quality from the largest batch (most samples).
     gen = torch.Generator().manual_seed(seed + 1)
-    prompts_all = sample_windows(corpus.val, max(batch_sizes), prompt_len, gen)
+    prompts_all = sample_crops(corpus.val, max(batch_sizes), prompt_len, gen)
     noise_ar = torch.rand(max(batch_sizes), new_tokens, generator=gen)
     noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
 
@@ -271,7 +271,7 @@ def evaluate_pipeline(
             throughput[name][b] = b * new_tokens / statistics.median(ts)
     prompts_dev = prompts_all.to(device)
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
-    reference = sample_windows(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
+    reference = sample_crops(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
     quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
     summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
     summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}

@@ -13,7 +13,7 @@
 
 Packed documents (``Batch.separator`` set, the trainer's ``--packed-docs``): a window of the
 token stream holds pieces of several documents, each ending with the separator (EOS). Every
-model call, teacher and student, gets the window's ``cu_seqlens`` (:func:`~.data.document_offsets`),
+model call, teacher and student, gets the crop's ``cu_seqlens`` (:func:`~kforcing_kernels.layouts.positions.document_offsets`),
 so attention never crosses a document and RoPE positions restart at 0 in each. A prediction
 whose target lies past the end of its document is left out of the loss: in AR, the separator
 position (it would predict the next document's first token); in a K-Forcing window t, slot j
@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .data import document_offsets, sample_windows
+from ..layouts.positions import document_offsets
+from .data import sample_crops
 from ..ops.sampling import inverse_cdf_sample, noise_inversion
 
 
@@ -139,8 +140,8 @@ class Batch:
         return None if self.separator is None else document_offsets(tokens, self.separator)
 
 
-def window_tokens(objective: Objective, seq_len: int, k: int) -> int:
-    """Tokens of the stream one sequence of the batch reads."""
+def crop_tokens(objective: Objective, seq_len: int, k: int) -> int:
+    """Tokens of the stream one sequence of the batch reads (the length of its crop)."""
     return {Objective.AR: seq_len + 1, Objective.NOISE_INVERSION: seq_len + k}.get(objective, seq_len)
 
 
@@ -156,7 +157,7 @@ def make_batch(objective: Objective, stream: torch.Tensor, batch_size: int, seq_
     objective = Objective(objective)
     if separator is not None and (isinstance(separator, bool) or not isinstance(separator, int)):
         raise ValueError(f"separator: expected None or a token id (int), got {separator!r}")
-    tokens = sample_windows(stream, batch_size, window_tokens(objective, seq_len, k), generator)
+    tokens = sample_crops(stream, batch_size, crop_tokens(objective, seq_len, k), generator)
     if objective is Objective.AR:
         return Batch(tokens, separator=separator)
     lo, hi = tau_range

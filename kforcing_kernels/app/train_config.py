@@ -11,7 +11,7 @@ from typing import Optional
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint
 from .data import DEFAULT_SOURCE
 from ..model import PRESETS
-from .objectives import window_tokens
+from .objectives import crop_tokens
 
 STAGES = ("stage0", "stage1", "stage2")
 SUPERVISIONS = ("forward", "noise_inversion")
@@ -172,7 +172,7 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
 
 def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:
     """Both splits must hold one sequence, or training (or the final evaluation) cannot draw a batch."""
-    need = window_tokens(objective, cfg.seq_len, k) + 1
+    need = crop_tokens(objective, cfg.seq_len, k) + 1
     for name, stream in (("training", corpus.train), ("validation", corpus.val)):
         if stream.numel() < need:
             raise ConfigError(

@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
+from ..layouts.positions import double_positions, sbd_positions, single_positions
 from ..sdpa import scaled_dot_product_attention
 
 ATTN_IMPLEMENTATION = "kforcing"
@@ -163,27 +164,10 @@ register()
 # ---------------------------------------------------------------------- K-Forcing batches
 
 
-def kforcing_position_ids(n_ctx: int, k: int, device=None) -> torch.Tensor:
-    """int64 [N + N*k] for SingleForward storage ``[ctx | noise]``: context token t at t, noise slot i of window t at t+1+i."""
-    t = torch.arange(n_ctx, device=device)
-    slots = torch.arange(k, device=device)
-    return torch.cat([t, (t[:, None] + 1 + slots).flatten()])
-
-
-def double_forward_position_ids(n_ctx: int, k: int, device=None) -> torch.Tensor:
-    """int64 [2*N*k] for the DoubleForward queries ``[Future-1 | Future-2]`` (stream-major).
-
-    Future-1 slot i of window t predicts token t+1+i, Future-2 slot j token t+1+k+j;
-    each sits at the position of the token it stands for.
-    """
-    t = torch.arange(n_ctx, device=device)[:, None]
-    slots = torch.arange(k, device=device)
-    return torch.cat([(t + 1 + slots).flatten(), (t + 1 + k + slots).flatten()])
-
-
-def sbd_position_ids(n: int, device=None) -> torch.Tensor:
-    """int64 [2L] for SBD storage ``[clean (L) | masked copy (L)]``: token j of either copy at j."""
-    return torch.arange(n, device=device).repeat(2)
+# The position ids of each storage order come from the one place the model uses too (layouts/positions.py).
+kforcing_position_ids = single_positions  # [N + N*k]: SingleForward ``[ctx | noise]``
+double_forward_position_ids = double_positions  # [2*N*k]: DoubleForward ``[Future-1 | Future-2]``
+sbd_position_ids = sbd_positions  # [2L]: SBD ``[clean | masked copy]``
 
 
 class NoiseEmbedding(nn.Module):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..ops.paged_attention import paged_attention
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
+from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ..types import KV, Temperature
 from .config import ModelConfig
 
@@ -77,45 +78,6 @@ def single_layout(n: int, k: int) -> WindowLayout:
 @functools.lru_cache(maxsize=32)
 def double_layout(n: int, k: int) -> WindowLayout:
     return WindowLayout.kforcing_double(n_ctx=n, k=k)
-
-
-def context_positions(n: int, cu_seqlens: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
-    """int64 [N] (or [B, N] for per-batch ``cu_seqlens``): context positions, restarting at 0 per document."""
-    t = torch.arange(n, device=device)
-    if cu_seqlens is None:
-        return t
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
-        cu = cu_seqlens.to(device)
-        return t - cu[torch.searchsorted(cu, t, right=True) - 1]
-    rows = [torch.as_tensor(row, device=device) for row in cu_seqlens]
-    return torch.stack([t - row[torch.searchsorted(row, t, right=True) - 1] for row in rows])
-
-
-def single_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tensor:
-    """int64 [N + N*k] (or [B, ...]): positions of ``[ctx | noise]``; noise slot i of window t at pos(t) + 1 + i."""
-    t = context_positions(n, cu_seqlens, device)
-    noise = (t[..., None] + 1 + torch.arange(k, device=device)).flatten(-2)
-    return torch.cat([t, noise], -1)
-
-
-def double_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tensor:
-    """int64 [2*N*k] (or [B, ...]): positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t at pos(t) + 1 + i."""
-    t = context_positions(n, cu_seqlens, device)[..., None]
-    i = torch.arange(k, device=device)
-    return torch.cat([(t + 1 + i).flatten(-2), (t + 1 + k + i).flatten(-2)], -1)
-
-
-def _packed(cu_seqlens, n: int):
-    """``cu_seqlens`` as int64 CPU data: a tensor [D+1], or one tensor per batch element (None passes).
-
-    The layout constructors validate the offsets (start 0, end ``n``, non-decreasing).
-    """
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 or (
-            isinstance(cu_seqlens, (list, tuple)) and all(not isinstance(x, (list, tuple, torch.Tensor)) for x in cu_seqlens)):
-        return torch.as_tensor(cu_seqlens).detach().cpu().to(torch.int64)
-    return [torch.as_tensor(row).detach().cpu().to(torch.int64) for row in cu_seqlens]
 
 
 # ---------------------------------------------------------------------- building blocks
@@ -351,7 +313,7 @@ class KForcingLM(nn.Module):
         """
         _check_tokens(tokens, self.config)
         n = tokens.shape[1]
-        cu = _packed(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n)
         layout = causal_layout(n) if cu is None else WindowLayout.causal(n, cu_seqlens=cu)
         h, _ = self.trunk(self.wte(tokens), context_positions(n, cu, tokens.device), layout)
         return self.head(h)
@@ -376,7 +338,7 @@ class KForcingLM(nn.Module):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
         k = noise.shape[2]
         x = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)  # [B, N + N*k, C]
-        cu = _packed(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n)
         layout = single_layout(n, k) if cu is None else WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
         h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
         logits = self.head(h[:, n:]).view(b, n, k, -1)
@@ -405,7 +367,7 @@ class KForcingLM(nn.Module):
             raise ValueError(f"context_kv: expected {self.config.n_layer} layers of K/V over N={n} context tokens")
         _check_tokens(first, self.config)
         x = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        cu = _packed(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n)
         layout = double_layout(n, k) if cu is None else WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
         h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
         return self.head(h[:, n * k:]).view(b, n, k, -1)
