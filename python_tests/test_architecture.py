@@ -1,0 +1,167 @@
+"""The shape of the repository (docs/DESIGN.md, "The map"), checked from the source text.
+
+* no import cycles between the package's modules (imports inside functions count too:
+  a cycle hidden in a function is still a cycle);
+* the library (everything but ``kforcing_kernels.app``) imports nothing from the app;
+* no ``sys.path`` edits in the package, the benchmarks, the tools or the tests;
+* no source file over 450 lines in the package or the benchmarks.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "kforcing_kernels"
+MAX_LINES = 450
+
+
+def _modules(top: str, package_name: str) -> dict[str, str]:
+    """{dotted module name: path} of every .py file under ``top`` (a package folder)."""
+    out = {}
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), top)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join([package_name, *rel])] = os.path.join(folder, f)
+    return out
+
+
+MODULES = _modules(os.path.join(ROOT, PACKAGE), PACKAGE)
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, "").endswith("__init__.py")
+
+
+def _imports(name: str, path: str) -> set[str]:
+    """The package modules ``name`` imports (module level and inside functions)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    here = name if _is_package(name) else name.rpartition(".")[0]
+    # `if TYPE_CHECKING:` imports are for annotations only: never executed, never a cycle.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and isinstance(block.test, ast.Name)
+                   and block.test.id == "TYPE_CHECKING" for stmt in block.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from pkg import sub` imports the submodule pkg.sub when there is one.
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:  # `import a.b.c` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), plus self-loops."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            # A module importing one of its ancestor packages is Python's normal package initialisation.
+            if v.startswith(w + "."):
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_was_read():
+    assert len(MODULES) > 40
+    assert "kforcing_kernels.app.trainer" in GRAPH["kforcing_kernels.app.pipeline"]
+    assert "kforcing_kernels.ops.window_attention" in GRAPH["kforcing_kernels.model.gpt"]
+
+
+def test_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    graph = {k: set(v) for k, v in GRAPH.items()}
+    graph["kforcing_kernels.app.trainer"].add("kforcing_kernels.app.train")  # the cycle of 0.2 (train <-> pipeline)
+    assert any("kforcing_kernels.app.train" in c and "kforcing_kernels.app.trainer" in c for c in _cycles(graph))
+
+
+def test_the_library_imports_nothing_from_the_app():
+    app = f"{PACKAGE}.app"
+    offenders = {name: sorted(t for t in targets if t == app or t.startswith(app + "."))
+                 for name, targets in GRAPH.items() if not (name == app or name.startswith(app + "."))}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _python_files(*folders: str):
+    for folder in folders:
+        for base, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", "results")]
+            for f in files:
+                if f.endswith(".py"):
+                    yield os.path.join(base, f)
+
+
+def test_no_sys_path_edits():
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*(\+?=)")
+    offenders = []
+    for path in _python_files(PACKAGE, "bench", "tools", "python_tests"):
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if pattern.search(line) and path != os.path.abspath(__file__):
+                    offenders.append(f"{os.path.relpath(path, ROOT)}:{i}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("folder", [PACKAGE, "bench"])
+def test_no_file_over_the_line_limit(folder):
+    long = {}
+    for path in _python_files(folder):
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > MAX_LINES:
+            long[os.path.relpath(path, ROOT)] = n
+    assert long == {}
