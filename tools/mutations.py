@@ -55,10 +55,10 @@ MUTATIONS = [
          old="acc[i][j] = accumulate ? vload(C + i * ldc + j * L) : V{};", new="acc[i][j] = V{};",
          tests=["python_tests/test_cpp_attention.py"]),
     # --- masks: constructors and the row-interval rule
-    dict(id="kforcing-staircase-sees-next-token", file="kforcing_kernels/layouts/window_layout.py",
+    dict(id="kforcing-staircase-sees-next-token", file="kforcing_kernels/layouts/constructors.py",
          old="hi = torch.arange(1, n_ctx + 1)\n    docs", new="hi = torch.arange(2, n_ctx + 2).clamp(max=n_ctx)\n    docs",
          tests=["python_tests/test_layouts.py", "python_tests/test_backends_vs_paper_masks.py"]),
-    dict(id="sbd-block-sees-own-first-clean-token", file="kforcing_kernels/layouts/window_layout.py",
+    dict(id="sbd-block-sees-own-first-clean-token", file="kforcing_kernels/layouts/constructors.py",
          old="hi = torch.arange(m) * block\n", new="hi = (torch.arange(m) * block + 1).clamp(max=n_ctx)\n",
          tests=["python_tests/test_layouts.py", "python_tests/test_backends_vs_paper_masks.py"]),
     dict(id="interval-own-stream-excludes-self", file="kforcing_kernels/layouts/intervals.py",
