@@ -429,7 +429,7 @@ def main(argv=None) -> int:
         extras["fa2"] = flash_attn_func
     except ImportError:
         print("flash-attn is not installed: no fa2_causal (sdpa_flash_causal is torch's own flash kernel)")
-    from kforcing_kernels.ops.window_attention import composite_cuda
+    from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
     report["composite_cuda"] = composite_cuda.status()
     print(HEADER)

@@ -174,7 +174,7 @@ def test_side_stream_gets_its_own_plan_tensors():
 @needs_gpu
 @pytest.mark.parametrize("name", ["single", "double", "sbd", "ptp"])
 def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
-    from kforcing_kernels.ops.window_attention import composite_cuda
+    from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
     for d in (64, 128):
         _grads_vs_reference(LAYOUTS[name], "composite", torch.bfloat16, d, "cuda")

@@ -75,10 +75,10 @@ MUTATIONS = [
          old="layout.row_intervals_int32, layout.n_ctx,", new="layout.row_intervals_int32.roll(1, 1).contiguous(), layout.n_ctx,",
          tests=["python_tests/test_cpp_attention.py"]),
     # --- composite backend: accumulation over chunks
-    dict(id="composite-prefix-dk-=", file=f"{WA}/composite.py",
+    dict(id="composite-prefix-dk-=", file=f"{WA}/composite/pieces.py",
          old="dk[:, :, klo:khi] += dk_c", new="dk[:, :, klo:khi] = dk_c",
          tests=["python_tests/test_composite_chunks.py"]),
-    dict(id="composite-context-dv-=", file=f"{WA}/composite.py",
+    dict(id="composite-context-dv-=", file=f"{WA}/composite/__init__.py",
          old="dv_ctx[:, :, klo:khi] += dv_c", new="dv_ctx[:, :, klo:khi] = dv_c",
          tests=["python_tests/test_composite_chunks.py"]),
     # --- the math path (reference backend under torch.compile; composite without CPU flash): scale in the
