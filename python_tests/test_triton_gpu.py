@@ -79,7 +79,7 @@ def test_gpu_table_renders_from_the_committed_h100_json(capsys):
 def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
     sys.path.insert(0, ROOT)
     from bench import triton_gpu
-    from kforcing_kernels.ops.window_attention import triton_kernels as tk
+    from kforcing_kernels.ops.window_attention.triton import configs as tk
 
     shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])
     try:

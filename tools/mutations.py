@@ -90,10 +90,10 @@ MUTATIONS = [
          old="dv += (p.transpose(-1, -2) @ doc).sum(2)", new="dv = (p.transpose(-1, -2) @ doc).sum(2)",
          tests=["python_tests/test_math_path.py"]),
     # --- triton kernels, in the interpreter
-    dict(id="triton-dkdv-dk-unscaled", file=f"{WA}/triton_kernels.py",
+    dict(id="triton-dkdv-dk-unscaled", file=f"{WA}/triton/jit_backward.py",
          old="tl.store(DK + kv_off, (dk * sm_scale)", new="tl.store(DK + kv_off, (dk)",
          tests=TRITON_CASES, env=TRITON_ENV),
-    dict(id="triton-dkdv-dv-=", file=f"{WA}/triton_kernels.py",
+    dict(id="triton-dkdv-dv-=", file=f"{WA}/triton/jit_backward.py",
          old="dv += tl.dot(p.to(do.dtype), do)", new="dv = tl.dot(p.to(do.dtype), do)",
          tests=TRITON_CASES, env=TRITON_ENV),
     # --- checkpoint resume
