@@ -100,7 +100,7 @@ def _use_wide_dkdv(spec: str | None) -> None:
     swap stays until the next call with another spec, so a timed loop autotunes once."""
     import dataclasses
 
-    from kforcing_kernels.ops.window_attention import triton_kernels as tk
+    from kforcing_kernels.ops.window_attention.triton import launch as tk  # its tables are configs.py's
 
     if not _WIDE_DKDV_DEFAULT:
         _WIDE_DKDV_DEFAULT.append((tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])))
@@ -333,7 +333,7 @@ def parse_args(argv=None):
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")
     p.add_argument("--slot-window-max", type=int, default=None,
-                   help="override tile_plan.SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
+                   help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
                         "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")
     p.add_argument("--dense-max-elems", type=int, default=2**30, help="skip dense_sdpa above Lq*Lk mask elements")
     p.add_argument("--train-step", action="store_true", help="time the self-forcing training step instead")
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
         print(f"bench/triton_gpu.py: skipped, the triton backend is unavailable: {reason}")
         return 0
     if args.slot_window_max is not None:
-        from kforcing_kernels.ops.window_attention import tile_plan
+        from kforcing_kernels.ops.window_attention.triton import plan as tile_plan
 
         tile_plan.SLOT_WINDOW_MAX = args.slot_window_max  # read when a plan is built; set before the first
     report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time()}
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
         extras["fa2"] = flash_attn_func
     except ImportError:
         print("flash-attn is not installed: no fa2_causal (sdpa_flash_causal is torch's own flash kernel)")
-    from kforcing_kernels.ops.window_attention import composite_cuda
+    from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
     report["composite_cuda"] = composite_cuda.status()
     print(HEADER)

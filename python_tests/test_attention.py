@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels.ops.window_attention import composite
+from kforcing_kernels.ops.window_attention.composite import pieces as composite
 from kforcing_kernels.ops.window_attention import lse_attention as _lse_attention
 
 

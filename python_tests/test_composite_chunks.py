@@ -11,7 +11,7 @@ import torch
 
 from kforcing_kernels import window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels.ops.window_attention import composite
+from kforcing_kernels.ops.window_attention.composite import pieces as composite
 
 from conftest import make_qkv, run_with_grads
 

@@ -16,7 +16,7 @@ import torch
 from conftest import assert_within_2x_torch_error, compare_with_reference
 
 from kforcing_kernels import WindowLayout
-from kforcing_kernels.ops.window_attention import composite_cuda
+from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
 LAYOUTS = {
     "single": WindowLayout.kforcing_single(40, 4),   # staircase: slot-major causal + small intra

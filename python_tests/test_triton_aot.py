@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_kernel_argument_has_a_type():
     """The report derives signatures from argument roles; a new argument must not slip through untyped."""
-    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
+    from kforcing_kernels.ops.window_attention.triton import launch as kernels
 
     if kernels.interpreting():
         pytest.skip("kernels were built for the interpreter in this process")
@@ -37,7 +37,7 @@ def test_every_kernel_argument_has_a_type():
 
 
 def test_configs_table_is_consistent():
-    from kforcing_kernels.ops.window_attention import triton_kernels as kernels
+    from kforcing_kernels.ops.window_attention.triton import launch as kernels
 
     for name in kernels.KERNELS:
         assert set(kernels.KERNEL_CONFIGS[name]) == {(s, d) for s, by_d in kernels.TILE_SETS.items() for d in by_d}

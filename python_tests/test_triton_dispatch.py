@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from kforcing_kernels import WindowLayout  # noqa: E402
-from kforcing_kernels.ops.window_attention import triton_kernels as tk  # noqa: E402
-from kforcing_kernels.ops.window_attention.tile_plan import tile_plan  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton import configs, launch  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton.plan import tile_plan  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,84 +25,84 @@ def env(monkeypatch):
 
 
 def test_length_bucket_is_the_clamped_next_power_of_two():
-    assert [tk.length_bucket(n) for n in (1, 300, 1024, 1025, 2048, 5000, 8192, 8193, 10**7)] == [
+    assert [configs.length_bucket(n) for n in (1, 300, 1024, 1025, 2048, 5000, 8192, 8193, 10**7)] == [
         1024, 1024, 1024, 2048, 2048, 8192, 8192, 16384, 16384]
 
 
 def test_wide_tiles_only_for_d128_long_rows_on_hopper(env):
-    env.setattr(tk, "_capabilities", {0: (9, 0), 1: (8, 0)})
+    env.setattr(configs, "_capabilities", {0: (9, 0), 1: (8, 0)})
     hopper, ampere = torch.device("cuda:0"), torch.device("cuda:1")
-    assert tk.tile_set_for(128, tk.WIDE_MIN_ROWS, hopper) == "wide"
-    assert tk.tiles_for(128, 8192, hopper) == tk.TILE_SETS["wide"][128]
-    assert tk.tile_set_for(128, tk.WIDE_MIN_ROWS - 1, hopper) == "base"
-    assert tk.tile_set_for(128, 8192, ampere) == "base"
-    assert tk.tile_set_for(64, 8192, hopper) == "base"
-    assert tk.tile_set_for(128, 8192, torch.device("cpu")) == "base"
+    assert configs.tile_set_for(128, configs.WIDE_MIN_ROWS, hopper) == "wide"
+    assert configs.tiles_for(128, 8192, hopper) == configs.TILE_SETS["wide"][128]
+    assert configs.tile_set_for(128, configs.WIDE_MIN_ROWS - 1, hopper) == "base"
+    assert configs.tile_set_for(128, 8192, ampere) == "base"
+    assert configs.tile_set_for(64, 8192, hopper) == "base"
+    assert configs.tile_set_for(128, 8192, torch.device("cpu")) == "base"
     env.setenv("KFORCING_TRITON_TILES", "base")
-    assert tk.tile_set_for(128, 8192, hopper) == "base"
+    assert configs.tile_set_for(128, 8192, hopper) == "base"
     env.setenv("KFORCING_TRITON_TILES", "wide")
-    assert tk.tile_set_for(128, 16, hopper) == "wide" and tk.tile_set_for(32, 16, hopper) == "base"
-    assert tk.tile_set_for(128, 8192, ampere) == "base"  # below the set's minimum capability: never forced
-    assert tk.tile_set_for(128, 16, torch.device("cpu")) == "wide"  # the interpreter runs any set
+    assert configs.tile_set_for(128, 16, hopper) == "wide" and configs.tile_set_for(32, 16, hopper) == "base"
+    assert configs.tile_set_for(128, 8192, ampere) == "base"  # below the set's minimum capability: never forced
+    assert configs.tile_set_for(128, 16, torch.device("cpu")) == "wide"  # the interpreter runs any set
     env.setenv("KFORCING_TRITON_TILES", "huge")
     with pytest.raises(ValueError, match="KFORCING_TRITON_TILES"):
-        tk.tile_set_for(128)
+        configs.tile_set_for(128)
 
 
 def test_tune_key_separates_what_changes_the_best_config():
     q = torch.empty(1, 2, 3000, 128, device="meta")
-    slot = tile_plan(WindowLayout.kforcing_single(600, 4), tk.TILE_SETS["base"][128])
-    tiles = tile_plan(WindowLayout.kforcing_single(150, 19), tk.TILE_SETS["base"][128])
-    full = tile_plan(WindowLayout.sbd(3000, 7), tk.TILE_SETS["base"][128])
-    assert tk._tune_key("base", q, slot) == ("base", 128, 4096, "slot-causal")
-    assert tk._tune_key("wide", q, tiles) == ("wide", 128, 4096, "tile-causal")
-    assert tk._tune_key("base", q, full)[3] == "slot-full"
-    assert tk._resolve_tiles(tk.TILE_SETS["wide"][128], q) == (tk.TILE_SETS["wide"][128], "wide")
-    assert tk._resolve_tiles(tk.TILE_SETS["base"][128], q)[1] == "base"
+    slot = tile_plan(WindowLayout.kforcing_single(600, 4), configs.TILE_SETS["base"][128])
+    tiles = tile_plan(WindowLayout.kforcing_single(150, 19), configs.TILE_SETS["base"][128])
+    full = tile_plan(WindowLayout.sbd(3000, 7), configs.TILE_SETS["base"][128])
+    assert launch._tune_key("base", q, slot) == ("base", 128, 4096, "slot-causal")
+    assert launch._tune_key("wide", q, tiles) == ("wide", 128, 4096, "tile-causal")
+    assert launch._tune_key("base", q, full)[3] == "slot-full"
+    assert launch._resolve_tiles(configs.TILE_SETS["wide"][128], q) == (configs.TILE_SETS["wide"][128], "wide")
+    assert launch._resolve_tiles(configs.TILE_SETS["base"][128], q)[1] == "base"
 
 
-@pytest.mark.skipif(tk.interpreting(), reason="builds compiled-mode autotuners")
+@pytest.mark.skipif(launch.interpreting(), reason="builds compiled-mode autotuners")
 def test_autotuner_per_key_with_the_tables_configs(env):
     key = ("wide", 128, 8192, "slot-causal")
-    tuner = tk._tuned_kernel("fwd", key)
-    assert [(c.num_warps, c.num_stages) for c in tuner.configs] == tk.KERNEL_CONFIGS["fwd"][("wide", 128)]
+    tuner = launch._tuned_kernel("fwd", key)
+    assert [(c.num_warps, c.num_stages) for c in tuner.configs] == configs.KERNEL_CONFIGS["fwd"][("wide", 128)]
     env.setenv("KFORCING_TRITON_AUTOTUNE", "0")  # deterministic: the first entry only, no timing
-    assert not tk.autotune_enabled()
-    assert [(c.num_warps, c.num_stages) for c in tk._tuned_kernel("fwd", key).configs] == \
-        tk.KERNEL_CONFIGS["fwd"][("wide", 128)][:1]
+    assert not configs.autotune_enabled()
+    assert [(c.num_warps, c.num_stages) for c in launch._tuned_kernel("fwd", key).configs] == \
+        configs.KERNEL_CONFIGS["fwd"][("wide", 128)][:1]
     env.setenv("KFORCING_TRITON_AUTOTUNE", "yes")
     with pytest.raises(ValueError, match="KFORCING_TRITON_AUTOTUNE"):
-        tk.autotune_enabled()
+        configs.autotune_enabled()
     env.delenv("KFORCING_TRITON_AUTOTUNE")
-    assert tk.autotune_enabled()  # no process group here
+    assert configs.autotune_enabled()  # no process group here
 
 
 def test_every_tile_set_has_configs_for_every_kernel():
-    for name in tk.KERNELS:
-        for tile_set, by_d in tk.TILE_SETS.items():
+    for name in launch.KERNELS:
+        for tile_set, by_d in configs.TILE_SETS.items():
             for d in by_d:
-                configs = tk.KERNEL_CONFIGS[name][(tile_set, d)]
-                assert configs and set(configs) <= set(tk.CANDIDATE_CONFIGS), (name, tile_set, d)
+                table = configs.KERNEL_CONFIGS[name][(tile_set, d)]
+                assert table and set(table) <= set(configs.CANDIDATE_CONFIGS), (name, tile_set, d)
 
 
 def test_grid_limit_keeps_per_head_offsets_in_int32():
     """The kernels index inside one (batch, head) in int32; the 65535-tile grid limit must imply < 2^31."""
-    for by_d in tk.TILE_SETS.values():
+    for by_d in configs.TILE_SETS.values():
         for d, tiles in by_d.items():
             rows = 65535 * max(tiles.block_m, tiles.block_n, tiles.block_n_dkdv)
-            assert rows * d < tk.INT32_LIMIT, (d, tiles)
+            assert rows * d < launch.INT32_LIMIT, (d, tiles)
 
 
 def test_shape_checks_name_device_and_int32_violations():
     layout = WindowLayout.causal(64)
     q = torch.empty(1, 2, 64, 32)
     with pytest.raises(ValueError, match="k: expected a tensor on cpu"):
-        tk._check_shapes(q, torch.empty(1, 2, 64, 32, device="meta"), layout)
+        launch._check_shapes(q, torch.empty(1, 2, 64, 32, device="meta"), layout)
     with pytest.raises(ValueError, match="lse: expected a tensor on cpu"):
-        tk._check_shapes(q, q, layout, q, q, q, torch.empty(1, 2, 64, device="meta"))
+        launch._check_shapes(q, q, layout, q, q, q, torch.empty(1, 2, 64, device="meta"))
     huge = torch.empty_strided((1, 1, 64, 32), (64 * 2**26, 64 * 2**26, 2**26, 1), device="meta")
     with pytest.raises(ValueError, match="int32"):
-        tk._check_shapes(huge, huge, layout)
+        launch._check_shapes(huge, huge, layout)
 
 
 _WIDE_SCRIPT = r"""
@@ -141,11 +141,11 @@ def test_wide_tiles_match_reference_in_the_interpreter():
 
 
 def test_slot_cost_compares_the_two_plans_of_one_layout():
-    from kforcing_kernels.ops.window_attention import tile_plan as tp
+    from kforcing_kernels.ops.window_attention.triton import plan as tp
     from kforcing_kernels.tools import slot_cost
 
     before = tp.SLOT_WINDOW_MAX
-    r = slot_cost.row("single", 256, 4, 128, 16, tk.TILE_SETS["base"][128], 500.0, 3.35)
+    r = slot_cost.row("single", 256, 4, 128, 16, configs.TILE_SETS["base"][128], 500.0, 3.35)
     assert tp.SLOT_WINDOW_MAX == before  # restored
     assert r["products_tile"] > r["products_slot"] > 0  # in-tile adds the block-diagonal tiles
     assert r["partial_mib_fwd"] * 2**20 == 16 * 256 * 4 * (128 * 4 + 4) * 2

@@ -75,7 +75,7 @@ def test_gpu_table_renders_from_the_committed_h100_json(capsys):
 
 def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
     from bench import triton_gpu
-    from kforcing_kernels.ops.window_attention import triton_kernels as tk
+    from kforcing_kernels.ops.window_attention.triton import configs as tk
 
     shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])
     try:
@@ -169,7 +169,7 @@ def test_side_stream_gets_its_own_plan_tensors():
 @needs_gpu
 @pytest.mark.parametrize("name", ["single", "double", "sbd", "ptp"])
 def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
-    from kforcing_kernels.ops.window_attention import composite_cuda
+    from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
     for d in (64, 128):
         _grads_vs_reference(LAYOUTS[name], "composite", torch.bfloat16, d, "cuda")

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from conftest import make_qkv  # noqa: E402
 from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
 from kforcing_kernels.ops.window_attention import reference  # noqa: E402
-from kforcing_kernels.ops.window_attention.tile_plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton.plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
 
 SMALL = Tiles(16, 16, 16, 16)
 MID = Tiles(32, 32, 16, 32)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kforcing_kernels import WindowLayout
-from kforcing_kernels.ops.window_attention.tile_plan import DEFAULT_TILES, SLOT_WINDOW_MAX, Tiles, tile_plan
+from kforcing_kernels.ops.window_attention.triton.plan import DEFAULT_TILES, SLOT_WINDOW_MAX, Tiles, tile_plan
 
 
 def general_layouts():

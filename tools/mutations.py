@@ -55,10 +55,10 @@ MUTATIONS = [
          old="acc[i][j] = accumulate ? vload(C + i * ldc + j * L) : V{};", new="acc[i][j] = V{};",
          tests=["python_tests/test_cpp_attention.py"]),
     # --- masks: constructors and the row-interval rule
-    dict(id="kforcing-staircase-sees-next-token", file="kforcing_kernels/layouts/window_layout.py",
+    dict(id="kforcing-staircase-sees-next-token", file="kforcing_kernels/layouts/constructors.py",
          old="hi = torch.arange(1, n_ctx + 1)\n    docs", new="hi = torch.arange(2, n_ctx + 2).clamp(max=n_ctx)\n    docs",
          tests=["python_tests/test_layouts.py", "python_tests/test_backends_vs_paper_masks.py"]),
-    dict(id="sbd-block-sees-own-first-clean-token", file="kforcing_kernels/layouts/window_layout.py",
+    dict(id="sbd-block-sees-own-first-clean-token", file="kforcing_kernels/layouts/constructors.py",
          old="hi = torch.arange(m) * block\n", new="hi = (torch.arange(m) * block + 1).clamp(max=n_ctx)\n",
          tests=["python_tests/test_layouts.py", "python_tests/test_backends_vs_paper_masks.py"]),
     dict(id="interval-own-stream-excludes-self", file="kforcing_kernels/layouts/intervals.py",
@@ -75,10 +75,10 @@ MUTATIONS = [
          old="layout.row_intervals_int32, layout.n_ctx,", new="layout.row_intervals_int32.roll(1, 1).contiguous(), layout.n_ctx,",
          tests=["python_tests/test_cpp_attention.py"]),
     # --- composite backend: accumulation over chunks
-    dict(id="composite-prefix-dk-=", file=f"{WA}/composite.py",
+    dict(id="composite-prefix-dk-=", file=f"{WA}/composite/pieces.py",
          old="dk[:, :, klo:khi] += dk_c", new="dk[:, :, klo:khi] = dk_c",
          tests=["python_tests/test_composite_chunks.py"]),
-    dict(id="composite-context-dv-=", file=f"{WA}/composite.py",
+    dict(id="composite-context-dv-=", file=f"{WA}/composite/__init__.py",
          old="dv_ctx[:, :, klo:khi] += dv_c", new="dv_ctx[:, :, klo:khi] = dv_c",
          tests=["python_tests/test_composite_chunks.py"]),
     # --- the math path (reference backend under torch.compile; composite without CPU flash): scale in the
@@ -90,10 +90,10 @@ MUTATIONS = [
          old="dv += (p.transpose(-1, -2) @ doc).sum(2)", new="dv = (p.transpose(-1, -2) @ doc).sum(2)",
          tests=["python_tests/test_math_path.py"]),
     # --- triton kernels, in the interpreter
-    dict(id="triton-dkdv-dk-unscaled", file=f"{WA}/triton_kernels.py",
+    dict(id="triton-dkdv-dk-unscaled", file=f"{WA}/triton/jit_backward.py",
          old="tl.store(DK + kv_off, (dk * sm_scale)", new="tl.store(DK + kv_off, (dk)",
          tests=TRITON_CASES, env=TRITON_ENV),
-    dict(id="triton-dkdv-dv-=", file=f"{WA}/triton_kernels.py",
+    dict(id="triton-dkdv-dv-=", file=f"{WA}/triton/jit_backward.py",
          old="dv += tl.dot(p.to(do.dtype), do)", new="dv = tl.dot(p.to(do.dtype), do)",
          tests=TRITON_CASES, env=TRITON_ENV),
     # --- checkpoint resume

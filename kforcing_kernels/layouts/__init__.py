@@ -1,8 +1,10 @@
 """Layouts describe what attends to what; ops compute it.
 
-    window_layout.py  WindowLayout: the mask family, its constructors and glossary
+    window_layout.py  WindowLayout: the mask family, its glossary and what it derives
+    constructors.py   its named constructors (causal, kforcing_single, sbd, ptp, ...), as classmethods
     intervals.py      the one derivation of its semantics: per-row key intervals
-    documents.py      cu_seqlens (packed documents) and block helpers
+    derived.py        the one cache of derived data: a store per layout content, and content interning
+    documents.py      cu_seqlens (packed documents), block helpers and int checks
     flex.py           FlexAttention interop (mask_mod, BlockMask) from the row intervals
     zoo.py            a shared set of layouts for tests and benchmarks
 """

@@ -1,4 +1,4 @@
-"""Packed documents and blocks: the per-position facts the layout constructors need.
+"""Packed documents and blocks: the per-position facts the layout constructors need (and their int checks).
 
 FlashAttention's convention: ``cu_seqlens`` is an int sequence ``[num_docs + 1]``
 that starts at 0, ends at the packed length and never decreases (an empty
@@ -42,6 +42,27 @@ def as_int_tensor(name: str, value: IntsLike, dims: tuple[int, ...] = (1, 2)) ->
         raise ValueError(f"{name}: expected shape {shapes}, got {tuple(t.shape)}")
     # clone(): a layout owns its numbers; refilling the caller's buffer must not change it.
     return t.detach().to(device="cpu", dtype=torch.int64).clone().contiguous()
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int >= 1."""
+    v = as_int(name, value)
+    if v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return v
+
+
+def check_spans(prefix: str, lo: torch.Tensor, hi: torch.Tensor, n_ctx: int, what: str, *,
+                lo_name: Optional[str] = None, hi_name: Optional[str] = None) -> None:
+    """``0 <= lo <= hi <= n_ctx`` for every ``what`` (the errors name ``{prefix}_lo``/``_hi`` or the given names)."""
+    lo_name, hi_name = lo_name or f"{prefix}_lo", hi_name or f"{prefix}_hi"
+    if lo.numel() and int(lo.min()) < 0:
+        raise ValueError(f"{lo_name}: expected values >= 0, got min {int(lo.min())}")
+    if hi.numel() and int(hi.max()) > n_ctx:
+        raise ValueError(f"{hi_name}: expected values <= n_ctx={n_ctx}, got max {int(hi.max())}")
+    if bool((lo > hi).any()):
+        bad = int(torch.nonzero(lo > hi)[0, -1])
+        raise ValueError(f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > {hi_name}")
 
 
 def _one(name: str, cu: IntsLike, n: int) -> torch.Tensor:

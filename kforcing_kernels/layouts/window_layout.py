@@ -37,15 +37,17 @@ Example, ``WindowLayout.kforcing_single(n_ctx=3, k=2)`` (``#`` = attended)::
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, TypeVar, Union
 
 import torch
 
+from . import constructors as _constructors
+from . import derived as _derived_store
 from . import flex as _flex
 from . import intervals as _iv
-from .documents import IntsLike, as_int, as_int_tensor, check_block_aligned, document_bounds, parse_cu_seqlens, stack_rows
+from .documents import IntsLike, as_int, as_int_tensor, check_spans
 
+_T = TypeVar("_T")
 INTRA_MODES = ("causal", "full")
 QUERY_MODES = ("all", "windows")
 
@@ -115,7 +117,7 @@ class WindowLayout:
         hi = _ranges("prefix_hi", prefix_hi, num_windows, "windows")
         if lo.shape != hi.shape:
             raise ValueError(f"prefix_hi: expected the shape of prefix_lo {tuple(lo.shape)}, got {tuple(hi.shape)}")
-        _check_spans("prefix", lo, hi, n_ctx, "window")
+        check_spans("prefix", lo, hi, n_ctx, "window")
 
         if (context_lo is None) != (context_hi is None):
             raise ValueError("context_lo: expected context_lo and context_hi together (or neither)")
@@ -125,7 +127,7 @@ class WindowLayout:
             chi = _ranges("context_hi", context_hi, n_ctx, "context tokens")
             if clo.shape != chi.shape:
                 raise ValueError(f"context_hi: expected the shape of context_lo {tuple(clo.shape)}, got {tuple(chi.shape)}")
-            _check_spans("context", clo, chi, n_ctx, "context row")
+            check_spans("context", clo, chi, n_ctx, "context row")
         live = None
         if live_slots is not None:
             live = _ranges("live_slots", live_slots, num_windows, "windows")
@@ -147,123 +149,18 @@ class WindowLayout:
         self._context_lo, self._context_hi = clo, chi
         self._live = None if live is None else torch.minimum(live, self.window_lengths().expand_as(live))
         self._range_batch = batches.pop() if batches else None
+        self._key: Optional[tuple] = None  # cache_key, computed on first use
+        self._store: Optional[dict] = None  # derived artifacts, shared by equal layouts (derived.py)
 
-    # ------------------------------------------------------------------ constructors
+    # ------------------------------------------------------------------ constructors (constructors.py)
 
-    @classmethod
-    def causal(cls, n: int, *, cu_seqlens=None, block: Optional[int] = None) -> "WindowLayout":
-        """Causal attention over ``n`` tokens (the AR forward), no windows.
-
-        ``cu_seqlens``: packed documents (nothing crosses a boundary). ``block``: a
-        block-causal context (token i sees its whole block and every earlier block of
-        its document; blocks start at each document's start).
-        """
-        n = _positive("n", n)
-        ctx = _context_ranges(n, cu_seqlens, block)
-        return cls(n, 0, 1, [], [], **ctx)
-
-    @classmethod
-    def kforcing_single(cls, n_ctx: int, k: int, *, cu_seqlens=None) -> "WindowLayout":
-        """K-Forcing SingleForward (paper eq. 18).
-
-        Storage ``[ctx (N) | noise (N*k)]``, noise window t (after context token t)
-        at ``N + t*k + i``; it sees context ``[0, t+1)`` (with ``cu_seqlens``:
-        ``[start of t's document, t+1)``) and its slots causally. Queries: all
-        ``N + N*k`` tokens.
-        """
-        n_ctx, k = _positive("n_ctx", n_ctx), _positive("k", k)
-        lo, hi = _staircase(n_ctx, cu_seqlens)
-        return cls(n_ctx, n_ctx, k, lo, hi, intra="causal", queries="all", **_context_ranges(n_ctx, cu_seqlens, None))
-
-    @classmethod
-    def kforcing_double(cls, n_ctx: int, k: int, *, cu_seqlens=None) -> "WindowLayout":
-        """K-Forcing DoubleForward (paper eq. 19), in the paper's stream-major storage.
-
-        Keys ``[ctx (N) | Future-1 (N*k) | Future-2 (N*k)]``, queries
-        ``[Future-1 | Future-2]``. Window t = ``[F1 slots of t ; F2 slots of t]`` sees
-        context ``[0, t+1)`` (document-local with ``cu_seqlens``); causal over the 2k:
-        Future-1 as in SingleForward, Future-2 slot j sees all of its window's
-        Future-1 and Future-2 slots 0..j.
-        """
-        n_ctx, k = _positive("n_ctx", n_ctx), _positive("k", k)
-        lo, hi = _staircase(n_ctx, cu_seqlens)
-        return cls(n_ctx, n_ctx, 2 * k, lo, hi, intra="causal", queries="windows", n_streams=2)
-
-    @classmethod
-    def sbd(cls, n_ctx: int, block: int, *, cu_seqlens=None) -> "WindowLayout":
-        """Set Block Decoding training mask (its Figure 9 mask_mod) over ``[clean (L) | masked copy (L)]``.
-
-        Clean tokens are causal; masked block b (tokens ``L + b*block ..``) sees the
-        clean tokens ``[0, b*block)`` and its whole block. The last block is shorter
-        when ``block`` does not divide L. With ``cu_seqlens`` (boundaries at
-        multiples of ``block``) everything stays inside its document.
-        """
-        n_ctx, block = _positive("n_ctx", n_ctx), _positive("block", block)
-        return cls._blockwise(n_ctx, block, cu_seqlens, context_block=None)
-
-    @classmethod
-    def bd3lm(cls, n_ctx: int, block: int, *, cu_seqlens=None) -> "WindowLayout":
-        """BD3-LM block-diffusion training mask, stored ``[x_0 (clean, n) | x_t (noisy, n)]``.
-
-        x_0 block b sees x_0 blocks ``<= b`` (block-causal); x_t block b sees x_t block b
-        (full) and x_0 blocks ``< b``; x_0 never sees x_t. This is kuleshov-group/bd3lms'
-        ``block_diff_mask`` after moving its ``[x_t | x_0]`` halves to ``[x_0 | x_t]``:
-        ``ours = theirs[perm][:, perm]`` with ``perm = [n..2n) ++ [0..n)``.
-        """
-        n_ctx, block = _positive("n_ctx", n_ctx), _positive("block", block)
-        return cls._blockwise(n_ctx, block, cu_seqlens, context_block=block)
-
-    @classmethod
-    def _blockwise(cls, n_ctx: int, block: int, cu_seqlens, context_block: Optional[int]) -> "WindowLayout":
-        docs = parse_cu_seqlens(cu_seqlens, n_ctx)
-        check_block_aligned("cu_seqlens", docs, block)
-        m = -(-n_ctx // block)
-        hi = torch.arange(m) * block
-        lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs]) if docs else torch.zeros_like(hi)
-        hi = hi.expand_as(lo).clone()
-        return cls(n_ctx, m, block, lo, hi, last_window_size=n_ctx - (m - 1) * block, intra="full", queries="all",
-                   **_context_ranges(n_ctx, cu_seqlens, context_block))
-
-    @classmethod
-    def ptp(cls, n_ctx: int, starts: IntsLike, completion_len: int, doc_starts: Optional[IntsLike] = None,
-            doc_ends: Optional[IntsLike] = None) -> "WindowLayout":
-        """Parallel Token Prediction completion pass.
-
-        Keys ``[ctx (S, cached) | completion 0 (L) | completion 1 (L) | ...]``, queries the
-        completion tokens only. Completion n sees context ``[doc_starts[n], starts[n])``
-        (its document up to the split point) and its own auxiliary tokens causally.
-        With ``doc_ends``, aux token i of completion n (position ``starts[n] + i``) is
-        blank when ``starts[n] + i >= doc_ends[n]``, as the original PTP packing does.
-        ``starts``/``doc_starts``/``doc_ends`` are ``[n]`` or ``[B, n]``; ``doc_starts`` defaults to 0.
-        """
-        n_ctx, completion_len = _positive("n_ctx", n_ctx), _positive("completion_len", completion_len)
-        hi = as_int_tensor("starts", starts)
-        if hi.shape[-1] == 0:
-            raise ValueError("starts: expected at least one completion, got none")
-        lo = torch.zeros_like(hi) if doc_starts is None else as_int_tensor("doc_starts", doc_starts)
-        if lo.shape != hi.shape:
-            raise ValueError(f"doc_starts: expected the shape of starts {tuple(hi.shape)}, got {tuple(lo.shape)}")
-        _check_spans("", lo, hi, n_ctx, "completion", lo_name="doc_starts", hi_name="starts")
-        live = None
-        if doc_ends is not None:
-            ends = as_int_tensor("doc_ends", doc_ends)
-            if ends.shape != hi.shape:
-                raise ValueError(f"doc_ends: expected the shape of starts {tuple(hi.shape)}, got {tuple(ends.shape)}")
-            if bool((ends < hi).any()):
-                raise ValueError("doc_ends: expected doc_ends >= starts for every completion")
-            live = torch.clamp(ends - hi, max=completion_len)
-        return cls(n_ctx, hi.shape[-1], completion_len, lo, hi, intra="causal", queries="windows", live_slots=live)
-
-    @classmethod
-    def jacobi(cls, n_prompt: int, n_noisy: int) -> "WindowLayout":
-        """Jacobi Forcing noise-conditioned mask, one noisy stream.
-
-        Storage ``[prompt (P) | clean stream (T) | noisy stream (T)]``: prompt and clean
-        stream form one causal (AR) sequence; the noisy stream is one causal window
-        that sees the prompt ``[0, P)`` only. Queries: all ``P + 2T`` tokens.
-        """
-        n_prompt, n_noisy = _positive("n_prompt", n_prompt), _positive("n_noisy", n_noisy)
-        return cls(n_prompt + n_noisy, 1, n_noisy, [0], [n_prompt], intra="causal", queries="all")
+    causal = classmethod(_constructors.causal)
+    kforcing_single = classmethod(_constructors.kforcing_single)
+    kforcing_double = classmethod(_constructors.kforcing_double)
+    sbd = classmethod(_constructors.sbd)
+    bd3lm = classmethod(_constructors.bd3lm)
+    ptp = classmethod(_constructors.ptp)
+    jacobi = classmethod(_constructors.jacobi)
 
     # ------------------------------------------------------------------ the numbers (copies)
 
@@ -361,17 +258,23 @@ class WindowLayout:
             f"n_streams={self.n_streams}, ranges={tuple(self._prefix_lo.shape)}{extra})"
         )
 
-    @functools.cached_property
+    @property
     def cache_key(self) -> tuple:
-        """A hashable identity of the layout (used to cache per-layout plans)."""
-        def blob(t):
-            return None if t is None else (tuple(t.shape), t.numpy().tobytes())
+        """A hashable identity of the layout's content (ints, flags, range bytes); equal layouts share derived data.
 
-        return (
-            self.n_ctx, self.num_windows, self.window_size, self.last_window_size, self.intra, self.queries,
-            self.n_streams, blob(self._prefix_lo), blob(self._prefix_hi), blob(self._context_lo),
-            blob(self._context_hi), blob(self._live),
-        )
+        Kept on the layout itself, not in its store: the store is found by this key (derived.py)."""
+        if self._key is None:
+            self._key = _derived_store.content_key(
+                self.n_ctx, self.num_windows, self.window_size, self.last_window_size, self.intra, self.queries,
+                self.n_streams, (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live))
+        return self._key
+
+    def _derived(self, name: Hashable, build: Callable[[], _T]) -> _T:
+        """The artifact ``name`` derived from this layout, ``build()`` on the first request.
+
+        The one cache of per-layout data (row intervals, composite pieces, tile plans, device copies): a
+        store shared by every layout with this content, bounded; see ``layouts/derived.py``."""
+        return _derived_store.derived(self, name, build)
 
     def batch_element(self, b: int) -> "WindowLayout":
         """The layout batch element ``b`` sees (itself when the ranges are shared by the batch)."""
@@ -389,14 +292,14 @@ class WindowLayout:
 
     # ------------------------------------------------------------------ semantics (derived once)
 
-    @functools.cached_property
+    @property
     def window_token_keys(self) -> torch.Tensor:
         """int64 [M, w]: key index of slot i of window m (-1 past the end of a short last window)."""
-        return _iv.window_slot_keys(self)
+        return self._derived("layout.window_token_keys", lambda: _iv.window_slot_keys(self))
 
-    @functools.cached_property
+    @property
     def _row_intervals(self) -> torch.Tensor:
-        return _iv.build_row_intervals(self)
+        return self._derived("layout.row_intervals", lambda: _iv.build_row_intervals(self))
 
     def row_intervals(self) -> torch.Tensor:
         """int64 [B', Lq, 1 + S, 2]: the half-open key intervals each query row sees.
@@ -408,12 +311,12 @@ class WindowLayout:
         """
         return self._row_intervals.clone()
 
-    @functools.cached_property
+    @property
     def row_intervals_int32(self) -> torch.Tensor:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
         if self.n_keys >= 2**31:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
-        return self._row_intervals.to(torch.int32).contiguous()
+        return self._derived("layout.row_intervals_int32", lambda: self._row_intervals.to(torch.int32).contiguous())
 
     def dense_mask(self) -> torch.Tensor:
         """bool [Lq, Lk] (or [B, Lq, Lk] for per-batch ranges): True where query row sees key column."""
@@ -438,57 +341,11 @@ class WindowLayout:
 # ---------------------------------------------------------------------- helpers
 
 
-def _positive(name: str, value) -> int:
-    v = as_int(name, value)
-    if v < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return v
-
-
 def _ranges(name: str, value: IntsLike, n: int, what: str) -> torch.Tensor:
     t = as_int_tensor(name, value)
     if t.shape[-1] != n:
         raise ValueError(f"{name}: expected {n} {what} in the last dim, got shape {tuple(t.shape)}")
     return t
-
-
-def _check_spans(prefix: str, lo: torch.Tensor, hi: torch.Tensor, n_ctx: int, what: str, *,
-                 lo_name: Optional[str] = None, hi_name: Optional[str] = None) -> None:
-    lo_name, hi_name = lo_name or f"{prefix}_lo", hi_name or f"{prefix}_hi"
-    if lo.numel() and int(lo.min()) < 0:
-        raise ValueError(f"{lo_name}: expected values >= 0, got min {int(lo.min())}")
-    if hi.numel() and int(hi.max()) > n_ctx:
-        raise ValueError(f"{hi_name}: expected values <= n_ctx={n_ctx}, got max {int(hi.max())}")
-    if bool((lo > hi).any()):
-        bad = int(torch.nonzero(lo > hi)[0, -1])
-        raise ValueError(f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > {hi_name}")
-
-
-def _staircase(n_ctx: int, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window t after context token t sees ``[start of t's document, t+1)``."""
-    hi = torch.arange(1, n_ctx + 1)
-    docs = parse_cu_seqlens(cu_seqlens, n_ctx)
-    if docs is None:
-        return torch.zeros_like(hi), hi
-    lo = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs])
-    return lo, hi.expand_as(lo).clone()
-
-
-def _context_ranges(n: int, cu_seqlens, block: Optional[int]) -> dict:
-    """``context_lo``/``context_hi`` for documents and/or blocks (empty dict: plain causal)."""
-    docs = parse_cu_seqlens(cu_seqlens, n)
-    if docs is None and block is None:
-        return {}
-    if block is not None:
-        block = _positive("block", block)
-    pos = torch.arange(n)
-    los, his = [], []
-    for cu in docs or [torch.tensor([0, n])]:
-        start, end = document_bounds(cu, n)
-        hi = pos + 1 if block is None else torch.minimum(start + ((pos - start) // block + 1) * block, end)
-        los.append(start)
-        his.append(hi)
-    return dict(context_lo=stack_rows(los), context_hi=stack_rows(his))
 
 
 def ideal_causal_pairs(n: int) -> int:

@@ -91,7 +91,7 @@ def _kernel_fn(name: str):
         from ..ops.paged_attention import triton_kernels as paged
 
         return paged._paged_fwd_kernel
-    from ..ops.window_attention import triton_kernels as kernels
+    from ..ops.window_attention.triton import launch as kernels
 
     return kernels.KERNELS[name]
 
@@ -116,7 +116,7 @@ def _paged_signature(fn, dtype: str, constexprs: dict):
 
 
 def _signature(fn, dtype: str, constexprs: dict):
-    from ..ops.window_attention import triton_kernels as kernels
+    from ..ops.window_attention.triton import jit_common as roles
 
     signature, attrs = {}, {}
     for index, param in enumerate(fn.params):
@@ -124,34 +124,34 @@ def _signature(fn, dtype: str, constexprs: dict):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        if name in kernels.IO_POINTERS:
+        if name in roles.IO_POINTERS:
             signature[name] = "*" + dtype
-        elif name in kernels.FP32_POINTERS:
+        elif name in roles.FP32_POINTERS:
             signature[name] = "*fp32"
         elif name[0].isupper():
             signature[name] = "*i32"
-        elif name in kernels.FLOAT_ARGS:
+        elif name in roles.FLOAT_ARGS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
         # What the launcher specialises: torch allocations are aligned, and so are q/k strides.
-        if signature[name].startswith("*") or name in kernels.ALIGNED_STRIDES:
+        if signature[name].startswith("*") or name in roles.ALIGNED_STRIDES:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
 
 def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
-    from ..ops.window_attention import triton_kernels as kernels
+    from ..ops.window_attention.triton import configs
 
     if kernel == PAGED:
         from ..ops.paged_attention import triton_kernels as paged
 
         return dict(HKV=4, D=head_dim, BLOCK_M=16, BLOCK_N=paged.BLOCK_N, BLOCK_D=head_dim)
-    tiles = kernels.TILE_SETS[tile_set][head_dim]
+    tiles = configs.TILE_SETS[tile_set][head_dim]
     if kernel in ("slot_fwd", "slot_bwd"):
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
-        return dict(BLOCK_M=kernels.DELTA_BLOCK, HEAD_DIM=head_dim)
+        return dict(BLOCK_M=configs.DELTA_BLOCK, HEAD_DIM=head_dim)
     if kernel == "dkdv":
         return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
                     HEAD_DIM=head_dim, INSTRUMENT=False)
@@ -167,8 +167,6 @@ def compile_one(job: Job) -> Row:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from ..ops.window_attention import triton_kernels as kernels
 
     fn = _kernel_fn(job.kernel)
     constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
@@ -197,22 +195,22 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
     """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate).
     A (kernel, tile set) whose constexprs equal another set's (the slot and delta kernels do not read
     block_m/block_n) is compiled once."""
-    from ..ops.window_attention import triton_kernels as kernels
+    from ..ops.window_attention.triton import configs, launch
 
     out, seen = [], set()
     for arch in archs:
-        for name in [n for n in kernels_subset or kernels.KERNELS if n != PAGED]:
-            for (tile_set, d), chosen in kernels.KERNEL_CONFIGS[name].items():
-                if (head_dims and d not in head_dims) or arch // 10 < kernels.TILE_SET_MIN_CAPABILITY[tile_set]:
+        for name in [n for n in kernels_subset or launch.KERNELS if n != PAGED]:
+            for (tile_set, d), chosen in configs.KERNEL_CONFIGS[name].items():
+                if (head_dims and d not in head_dims) or arch // 10 < configs.TILE_SET_MIN_CAPABILITY[tile_set]:
                     continue  # a set is only dispatched on targets at or above its minimum capability
                 if scope == "defaults":
-                    configs = chosen[:1]
+                    picked = chosen[:1]
                 elif scope == "chosen":
-                    configs = chosen
+                    picked = chosen
                 else:
-                    configs = sorted(set(kernels.CANDIDATE_CONFIGS) | set(chosen))
+                    picked = sorted(set(configs.CANDIDATE_CONFIGS) | set(chosen))
                 for dtype in dtypes:
-                    for w, s in configs:
+                    for w, s in picked:
                         what = (arch, name, tuple(sorted(_constexprs(name, d, tile_set).items())), dtype, w, s)
                         if what not in seen:
                             seen.add(what)

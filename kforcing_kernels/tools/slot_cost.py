@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from ..layouts import WindowLayout
-from ..ops.window_attention import tile_plan as tp
+from ..ops.window_attention.triton import plan as tp
 
 
 def plans(layout: WindowLayout, tiles: tp.Tiles) -> tuple[tp.TilePlan, tp.TilePlan]:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--tflops", type=float, default=500.0, help="nominal dense bf16 tensor-core rate")
     p.add_argument("--tbps", type=float, default=3.35, help="nominal HBM bandwidth (TB/s)")
     args = p.parse_args(argv)
-    from ..ops.window_attention.triton_kernels import TILE_SETS
+    from ..ops.window_attention.triton.configs import TILE_SETS
 
     tiles = TILE_SETS["base"][args.dim]
     print(f"D={args.dim}, B=1, H={args.heads}, tiles {tiles}; times at {args.tflops:.0f} TFLOP/s, {args.tbps} TB/s")

@@ -3,10 +3,10 @@
     op.py             the public function, validation, torch.library custom ops
     backends.py       the backend protocol and registry (explicit names, no fakes)
     reference.py      dense mask + SDPA, the oracle
-    composite.py      a few standard attention calls merged by log-sum-exp
-    lse_attention.py  attention with its log-sum-exp and the matching backward
+    composite/        a few standard attention calls merged by log-sum-exp (pieces, fused CUDA calls)
+    lse_attention.py  attention with its log-sum-exp and the matching backward (composite, reference, paged)
     cpp.py            the C++ CPU kernels (csrc/)
-    triton.py         the Triton GPU kernels: triton_kernels.py, run over tile_plan.py
+    triton/           the Triton GPU kernels: tile plan, configs, launchers, @triton.jit source
 """
 
 from .backends import BACKENDS, backends_available, default_backend, get_backend

@@ -25,7 +25,6 @@ or sizes that were equal by coincidence at the first trace (duck sizing).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Union
 
@@ -36,6 +35,7 @@ from .backends import REGISTRY, default_backend, get_backend
 from . import masked_keys
 from .lse_attention import acc_dtype
 from ...layouts import WindowLayout
+from ...layouts.derived import canonical, content_key
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -159,30 +159,21 @@ def _layout_args(layout: WindowLayout):
     return ranges, geometry, layout.intra == "causal", layout.queries == "all"
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_layout(key: tuple) -> WindowLayout:
-    geometry, causal, queries_all, blobs = key
-    n_ctx, m, w, last, streams = geometry
-    prefix_lo, prefix_hi, context_lo, context_hi, live = (
-        None if blob is None else torch.frombuffer(bytearray(blob[1]), dtype=torch.int64).view(blob[0]) if blob[1]
-        else torch.zeros(blob[0], dtype=torch.int64)
-        for blob in blobs
-    )
-    return WindowLayout(
-        n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra="causal" if causal else "full",
-        queries="all" if queries_all else "windows", n_streams=streams, context_lo=context_lo, context_hi=context_hi,
-        live_slots=live,
-    )
-
-
 def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayout:
-    """Rebuild (and cache) the layout a custom-op call describes."""
-    blobs = []
+    """The layout a custom-op call describes: the registered layout with that content when there is one
+    (layouts/derived.py, keyed by the ranges' bytes), so its derived plans are reused; else built and registered."""
+    n_ctx, m, w, last, streams = (int(g) for g in geometry)
+    intra, queries = "causal" if intra_causal else "full", "all" if queries_all else "windows"
+    tensors = []
     for name, t in zip(_RANGE_FIELDS, ranges):
-        t = t.cpu().contiguous()
+        t = t.to(device="cpu", dtype=torch.int64)
         optional = name not in ("_prefix_lo", "_prefix_hi")
-        blobs.append(None if optional and t.dim() == 1 and t.numel() == 0 else (tuple(t.shape), t.numpy().tobytes()))
-    return _cached_layout((tuple(int(g) for g in geometry), bool(intra_causal), bool(queries_all), tuple(blobs)))
+        tensors.append(None if optional and t.dim() == 1 and t.numel() == 0 else t)
+    prefix_lo, prefix_hi, context_lo, context_hi, live = tensors
+    return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
+        n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
+        context_lo=context_lo, context_hi=context_hi, live_slots=live,
+    ))
 
 
 @torch.library.custom_op("kforcing_kernels::window_attention", mutates_args=())

@@ -1,54 +1,27 @@
-"""Composite backend: prefix-window attention as a few standard attention calls.
+"""The composite backend's pieces: storage order, window -> prefix chunks, intra-window products.
 
-The mask splits into three kinds of pieces (docs/DESIGN.md §2):
-
-* context rows: one causal call over the C context queries (queries="all"), or,
-  for packed documents / block-causal contexts, masked calls over chunks of rows;
-* window -> prefix rectangles: all windows batched. For the K-Forcing staircase
-  (window t sees context [0, t+1)) we regroup window queries *slot-major*: slot i
-  of windows 0..M-1 is a length-M sequence whose row t sees keys [0, t+1), i.e.
-  plain causal attention, so the w slots become w extra query heads of one causal
-  call (GQA lets them share the context K/V). Any other layout is cut into chunks
-  of consecutive windows, each one masked call over its key span;
-* intra-window tiles: batched over windows (einsum for small windows, a causal
-  call per window folded into the batch for large ones).
-
-Window rows are merged by log-sum-exp. Backward reuses the merged output and LSE:
-each piece's backward gets them, so no autograd runs through the merge. On CUDA each
-call runs in a fused kernel that returns the LSE (composite_cuda.py: flash-attn varlen,
-torch's flash / memory-efficient SDPA kernels), elsewhere in lse_attention's paths.
-
-What each row sees comes from ``layout.row_intervals()`` only (interval 0 for the
-context and prefix pieces, intervals 1..S for the intra-window piece). A row that
-sees no key gets out 0 and LSE -inf, and no gradient.
+Each piece is one or a few standard attention calls (``cuda.py``'s ``attend`` / ``attend_backward``:
+fused kernels on CUDA, ``lse_attention`` elsewhere) returning its rows' ``(out, lse)``; the entry
+points (``__init__.py``) merge them by log-sum-exp. What a row sees comes from
+``layout.row_intervals()`` only; the window-major regrouping of those intervals and the intra-window
+visibility are derived once per layout (``layout._derived``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-import functools
-
 import torch
 
-from ...layouts import WindowLayout
-from .composite_cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
-from .lse_attention import acc_dtype
+from ....layouts import WindowLayout
+from ..lse_attention import acc_dtype
+from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
 
 # Query rows per masked call in the general prefix path: bounds the staircase
 # padding a chunk carries (~ rows/2 keys per row) against per-call overhead.
 CHUNK_ROWS = 256
 # Windows at least this large use fused causal calls for their intra tile.
 FOLD_WINDOW_MIN = 32
-
-
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    """Every dtype the op accepts and any head dim."""
-    return True
-
-
-def available() -> Optional[str]:
-    return None
 
 
 # ---------------------------------------------------------------------- storage order
@@ -101,9 +74,12 @@ def is_staircase(layout: WindowLayout) -> bool:
 # ---------------------------------------------------------------------- prefix pieces
 
 
-@functools.lru_cache(maxsize=32)
 def _window_row_intervals(layout: WindowLayout) -> torch.Tensor:
     """int64 [B', M, w, 1 + S, 2]: the window rows' intervals, position-major (padding rows empty)."""
+    return layout._derived("composite.window_row_intervals", lambda: _build_window_row_intervals(layout))
+
+
+def _build_window_row_intervals(layout: WindowLayout) -> torch.Tensor:
     iv = layout.row_intervals()[:, layout.n_queries - layout.n_window_tokens:]
     nb, n, j = iv.shape[0], iv.shape[1], iv.shape[2]
     m, w, st, s = layout.num_windows, layout.window_size, layout.n_streams, layout.slots_per_stream
@@ -198,11 +174,11 @@ def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
 
 def _intra_visible(layout: WindowLayout, device) -> torch.Tensor:
     """bool [B', 1, M, w, w]: slot i of window m sees slot j of the same window (padding slots hidden)."""
-    return _intra_visible_cached(layout, str(device))
+    device = str(device)
+    return layout._derived(("composite.intra_visible", device), lambda: _build_intra_visible(layout, device))
 
 
-@functools.lru_cache(maxsize=32)
-def _intra_visible_cached(layout: WindowLayout, device: str) -> torch.Tensor:
+def _build_intra_visible(layout: WindowLayout, device: str) -> torch.Tensor:
     iv = _window_row_intervals(layout)[..., 1:, :]  # [B', M, w, S, 2]
     keys = layout.window_token_keys  # [M, w], -1 for padding
     keys = keys[None, :, None, None, :]  # [1, M, 1, 1, w]
@@ -311,105 +287,3 @@ def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
     ds = _window_mm(do, vw.to(ct).transpose(-1, -2), group).sub_(delta).mul_(p).mul_(scale)
     dq = _window_mm(ds, kw.to(ct), group)
     return dq, _window_mm_t_sum(ds, qw.to(ct), group), _window_mm_t_sum(p, do, group)
-
-
-# ---------------------------------------------------------------------- entry points
-
-
-def _per_element(fn, tensors, layout: WindowLayout, *args):
-    """On CPU, run ``fn`` once per batch element on fresh contiguous copies and concatenate.
-
-    BLAS and the fused CPU attention kernels may take different code paths for different
-    batch sizes and memory alignments; one element at a time, on freshly allocated
-    tensors, a sequence gets the same bits alone or in any batch (docs/DESIGN.md §3).
-    """
-    if tensors[0].device.type != "cpu" or tensors[0].shape[0] <= 1:
-        return fn(*tensors, layout, *args)
-    parts = [fn(*(t[b:b + 1].contiguous() for t in tensors), _element_layout(layout, b), *args)
-             for b in range(tensors[0].shape[0])]
-    return tuple(torch.cat(outs, 0) for outs in zip(*parts))
-
-
-@functools.lru_cache(maxsize=64)
-def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
-    return layout.batch_element(b)
-
-
-def forward(q, k, v, layout: WindowLayout, scale: float):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs)."""
-    return _per_element(_forward, (q, k, v), layout, scale)
-
-
-def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
-    return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)
-
-
-def _forward(q, k, v, layout: WindowLayout, scale: float):
-    c, nw = layout.n_ctx, layout.n_window_tokens
-    out = torch.empty_like(q)
-    ct = acc_dtype(q.dtype)
-    lse = torch.empty(q.shape[:3], dtype=ct, device=q.device)
-    if layout.queries == "all" and c:
-        if layout.has_default_context:
-            out[:, :, :c], lse[:, :, :c] = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], causal=True, scale=scale)
-        else:
-            out[:, :, :c] = 0
-            lse[:, :, :c] = float("-inf")
-            for r0, r1, klo, khi, allowed in _context_chunks(layout):
-                allowed = None if allowed is None else allowed.to(q.device)
-                out[:, :, r0:r1], lse[:, :, r0:r1] = attend(
-                    q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
-    if nw:
-        qw = _to_windows(q[:, :, -nw:], layout)
-        o_i, l_i = _intra_forward(qw, _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout), layout, scale)
-        o_p, l_p = _prefix_forward(qw, k, v, layout, scale)
-        l = torch.logaddexp(l_p, l_i)
-        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
-        # and a blank row (both -inf) keeps o_i = 0.
-        weight = torch.where(l > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
-        o = torch.lerp(o_i.to(ct), o_p.to(ct), weight[..., None])
-        out[:, :, -nw:] = _from_windows(o.to(q.dtype), layout)
-        lse[:, :, -nw:] = _from_windows(l, layout)
-    return out, lse
-
-
-def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    c, nw = layout.n_ctx, layout.n_window_tokens
-    dq = torch.empty_like(q)
-    ct = acc_dtype(q.dtype)
-    dk_ctx = torch.zeros(k.shape[0], k.shape[1], c, k.shape[3], dtype=ct, device=k.device)
-    dv_ctx = torch.zeros_like(dk_ctx)
-    # Rows that saw no key (LSE -inf): +inf makes every probability exp(s - lse) zero.
-    lse = torch.where(lse > float("-inf"), lse, float("inf"))
-    if layout.queries == "all" and c:
-        if layout.has_default_context:
-            dq[:, :, :c], dk_c, dv_c = attend_backward(
-                dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True, scale=scale
-            )
-            dk_ctx += dk_c
-            dv_ctx += dv_c
-        else:
-            dq[:, :, :c] = 0
-            for r0, r1, klo, khi, allowed in _context_chunks(layout):
-                allowed = None if allowed is None else allowed.to(q.device)
-                dq[:, :, r0:r1], dk_c, dv_c = attend_backward(
-                    dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], out[:, :, r0:r1],
-                    lse[:, :, r0:r1], causal=False, scale=scale, allowed=allowed)
-                dk_ctx[:, :, klo:khi] += dk_c
-                dv_ctx[:, :, klo:khi] += dv_c
-    dk_win = dv_win = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
-    if nw:
-        win = lambda x: _to_windows(x[:, :, -nw:], layout)  # noqa: E731
-        qw, dow, ow, lw = win(q), win(dout), win(out), win(lse)
-        kw, vw = _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout)
-        dq_i, dk_i, dv_i = _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale)
-        dq_p, dk_p, dv_p = _prefix_backward(dow, qw, ow, lw, k, v, layout, scale)
-        dq[:, :, -nw:] = _from_windows((dq_i.to(ct) + dq_p.to(ct)).to(q.dtype), layout)
-        dk_ctx += dk_p
-        dv_ctx += dv_p
-        dk_win, dv_win = _from_windows(dk_i, layout), _from_windows(dv_i, layout)
-    dk = torch.cat([dk_ctx.to(k.dtype), dk_win.to(k.dtype)], 2)
-    dv = torch.cat([dv_ctx.to(v.dtype), dv_win.to(v.dtype)], 2)
-    return dq, dk, dv
-

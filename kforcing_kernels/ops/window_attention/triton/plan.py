@@ -31,19 +31,21 @@ Large windows use tile products (their intra part is a causal band, intervals 1.
 The backward dK/dV kernel walks the transposed plan: for each key tile (aligned
 BLOCK_N chunks of the context, and of each window stream in tile mode), the
 list of (query tile, interval, full) that touch it, in CSR form.
+
+Plans (``tile_plan``, per tile shapes) and their int32 device copies
+(``device_plan``, per device and CUDA stream) are artifacts of the layout
+(``layout._derived``): built once for every layout with the same content.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 from typing import Optional, Union
 
 import torch
 
-from ...layouts import WindowLayout
-from ...layouts.intervals import reduce_over_tiles
+from ....layouts import WindowLayout
+from ....layouts.intervals import reduce_over_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +315,7 @@ def _transpose(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.
     return key_ptr, entries
 
 
-# ---------------------------------------------------------------------- build + cache
+# ---------------------------------------------------------------------- build
 
 
 def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
@@ -344,13 +346,8 @@ def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
     )
 
 
-_CACHE_SIZE = 64
-_cache: "collections.OrderedDict[tuple, TilePlan]" = collections.OrderedDict()
-_lock = threading.Lock()
-
-
 def tile_plan(layout: WindowLayout, tiles: Tiles = DEFAULT_TILES) -> TilePlan:
-    """The (cached) tile plan of ``layout`` at ``tiles``."""
+    """The tile plan of ``layout`` at ``tiles``, built once per layout content (``layout._derived``)."""
     sizes = (tiles.block_m, tiles.block_n, tiles.block_n_dkdv, tiles.dkdv_step_rows)
     if min(sizes) < 16 or any(x & (x - 1) for x in sizes + (tiles.block_t,)):
         raise ValueError(f"tiles: expected powers of two, block sizes >= 16 (tl.dot), got {tiles}")
@@ -358,18 +355,43 @@ def tile_plan(layout: WindowLayout, tiles: Tiles = DEFAULT_TILES) -> TilePlan:
         raise ValueError(f"tiles: expected block_m_dkdv <= block_m, got {tiles}")
     if tiles.block_t < SLOT_WINDOW_MAX:
         raise ValueError(f"tiles: expected block_t >= {SLOT_WINDOW_MAX} (a whole window per slot block), got {tiles}")
-    key = (layout.cache_key, tiles)
-    with _lock:
-        plan = _cache.get(key)
-        if plan is not None:
-            _cache.move_to_end(key)
-            return plan
-    plan = _build(layout, tiles)
-    with _lock:
-        _cache[key] = plan
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return plan
+    return layout._derived(("triton.tile_plan", tiles), lambda: _build(layout, tiles))
 
 
-__all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan"]
+# ---------------------------------------------------------------------- device copies
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def device_plan(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
+    """The plan, the layout's row intervals and slot-to-key table as int32 tensors on ``device``, with the
+    batch strides the kernels take (built once per layout content, device and current stream).
+
+    Keyed by the current stream: each copy is made and used on one stream, so the caching allocator
+    never hands its memory to another stream while a kernel there may still read it. Call under the
+    device guard of ``device``.
+    """
+    key = ("triton.device_plan", plan.tiles, str(device), _stream_id(device))
+    return layout._derived(key, lambda: _upload(plan, layout, device))
+
+
+def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
+    row_iv = layout.row_intervals_int32
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
+        return x.to(device=device, dtype=torch.int32).contiguous()
+
+    return dict(
+        query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
+        key_tiles=dev(plan.key_tiles), key_ptr=dev(plan.key_ptr), key_entries=dev(plan.key_entries),
+        key_order=dev(plan.key_order), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
+        bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
+        keyptr_bstride=plan.key_ptr.shape[1] if plan.key_ptr.shape[0] > 1 else 0,
+        iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0, n_iv=row_iv.shape[2],
+    )
+
+
+__all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan", "device_plan"]

@@ -1,9 +1,9 @@
 """Fused kernels for the composite backend's pieces on CUDA (each returns the log-sum-exp).
 
-composite.py cuts a prefix-window mask into standard attention calls (context triangle,
-slot-major staircase, intra-window blocks, masked prefix chunks) and merges them by LSE;
-the paper's own observation is that each piece is natively a FlashAttention call. Here
-every such call, on a CUDA tensor, goes to the first kernel below that takes it:
+The composite backend (``__init__.py``, ``pieces.py``) cuts a prefix-window mask into standard
+attention calls (context triangle, slot-major staircase, intra-window blocks, masked prefix
+chunks) and merges them by LSE; the paper's own observation is that each piece is natively
+a FlashAttention call. Here every such call, on a CUDA tensor, goes to the first kernel below that takes it:
 
 * ``flash_attn``: flash-attn's varlen API (``_flash_attn_varlen_forward/_backward``, the
   package installed; fp16/bf16, D % 8 == 0, D <= 256, no mask). The batch is packed as
@@ -31,8 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import lse_attention
-from .lse_attention import acc_dtype
+from .. import lse_attention
+from ..lse_attention import acc_dtype
 
 KERNELS = ("flash_attn", "sdpa_flash", "sdpa_efficient")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

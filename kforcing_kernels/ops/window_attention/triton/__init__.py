@@ -1,9 +1,18 @@
-"""Triton backend: the fused prefix-window kernels of ``triton_kernels.py`` (run over ``tile_plan.py``).
+"""Triton backend: fused prefix-window kernels run over analytic tile plans.
 
 Runs compiled on CUDA tensors (float16 / bfloat16), or in Triton's interpreter
 on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was first
 imported (float32 / float16; the Triton 3.9 interpreter's ``tl.dot`` is wrong
-for bfloat16, so that combination is refused).
+for bfloat16, so that combination is refused). This module imports triton only
+when asked (``available``, ``kernels``), so the backend reports its absence.
+
+    __init__.py       the backend: available/supports/forward/backward, kernels() (launch.py)
+    plan.py           tile shapes (Tiles), the tile plan of a layout, its device copies
+    configs.py        tile sets, per-kernel (warps, stages) tables, the tile set and autotune choices
+    launch.py         autotuned launchers: attention_forward / attention_backward
+    jit_common.py     @triton.jit helpers shared by the kernels, their argument roles
+    jit_forward.py    @triton.jit forward kernels (slot steps, tile products)
+    jit_backward.py   @triton.jit backward kernels (delta, slot steps, dQ, dK/dV)
 """
 
 from __future__ import annotations
@@ -15,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from ...layouts import WindowLayout
+from ....layouts import WindowLayout
 
-_KERNELS = "kforcing_kernels.ops.window_attention.triton_kernels"
+_KERNELS = "kforcing_kernels.ops.window_attention.triton.launch"
 
 
 def _interpret_requested() -> bool:
@@ -47,7 +56,7 @@ def available() -> Optional[str]:
 
 
 def kernels() -> ModuleType:
-    """The kernel module (compiled, or interpreted under TRITON_INTERPRET=1)."""
+    """The launcher module, launch.py (kernels compiled, or interpreted under TRITON_INTERPRET=1)."""
     module = importlib.import_module(_KERNELS)
     if module.interpreting() != _interpret_requested():
         raise RuntimeError(

@@ -1,0 +1,131 @@
+"""Tile sets and kernel config tables of the Triton backend, and the choice between them.
+
+Tile shapes are part of the plan (``plan.py``), so a tile set is chosen per call by
+``tile_set_for`` (head dim, query rows, device); the autotuner (``launch.py``) then only
+picks ``(num_warps, num_stages)`` from ``KERNEL_CONFIGS`` for the key it is given. Nothing
+here imports triton: the tables are read by tools/aot_report.py and tools/slot_cost.py too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .plan import DEFAULT_TILES, Tiles
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+# Tile sets (tile shapes are part of the plan, so they are chosen by `tile_set_for`, not by the autotuner):
+# "base" runs everywhere; "wide" is the H100-class D=128 set: FlexAttention's H100 forward tiles (128 query
+# rows x 64 keys) for the forward and dQ; each dK/dV program owns 128 keys and steps through the query
+# tiles 16 rows at a time (q and dO are re-read once per key tile: 4x less traffic than the earlier 32-key
+# programs; on an H100, single N=8192 k=4 fwd+bwd 141 -> 202 TFLOP/s, bench/triton_gpu.py --wide-dkdv).
+# It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that, 128-row tiles leave SMs
+# idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs). Its windows of 5..16 slots take tile
+# products instead of slot steps: at w = 8 and 16 (single / double k=8, N=8192) in-tile beat slot steps
+# on an H100, fwd 424 vs 356 and 414 vs 311 TFLOP/s, fwd+bwd 150 vs 138 and 146 vs 127 (--slot-window-max 0).
+TILE_SETS: dict[str, dict[int, Tiles]] = {
+    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
+}
+TILES_BY_HEAD_DIM = TILE_SETS["base"]
+WIDE_MIN_ROWS = 2048
+# Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
+# for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
+TILE_SET_MIN_CAPABILITY = {"base": 0, "wide": 9}
+# (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
+# and within shared memory on sm_80 and sm_90a ("wide": sm_90a only) in fp16 and bf16 under both ends of
+# the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources"). Pruned
+# by that measurement: under 3.6, fwd D=128 4 warps, dq D=64 2-3 stages, dkdv D=32 (4, 2), slot_bwd
+# D=32 4 warps and every base dkdv D=128 config but (8, 1) spill; wide dkdv (128 keys, 16-row steps) compiles
+# clean at (8, 1) and (8, 2). The first entry of each list is the
+# default (`aot_report --defaults`, the CI test) and what runs without timing (KFORCING_TRITON_AUTOTUNE=0,
+# or by default under torch.distributed); H100-class entries (8 warps, 3 stages) lead the D=128 lists.
+_SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
+_SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
+_DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
+KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
+    "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
+            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)],
+           ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
+             ("base", 128): [(8, 1)], ("wide", 128): [(8, 2), (8, 1)]},
+    # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
+    "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
+    "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
+    "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
+}
+# Candidates the AOT report compiles to prune the table above (`aot_report --all`).
+CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
+DELTA_BLOCK = 64
+GPU_DTYPES = (torch.float16, torch.bfloat16)
+# Length buckets of the autotune key: next power of two of the query rows, clamped to this range.
+BUCKET_MIN, BUCKET_MAX = 1024, 16384
+
+
+def length_bucket(rows: int) -> int:
+    """Autotune bucket of ``rows`` query rows per head: the next power of two in [BUCKET_MIN, BUCKET_MAX]."""
+    return min(BUCKET_MAX, max(BUCKET_MIN, 1 << max(0, int(rows) - 1).bit_length()))
+
+
+def autotune_enabled() -> bool:
+    """Whether launches benchmark their config list (else the first entry runs: deterministic).
+
+    KFORCING_TRITON_AUTOTUNE=1 / 0 forces it. Unset: on, except under an initialised torch.distributed
+    group of more than one rank, where per-rank timing noise could pick different configs (and so
+    different rounding) on different ranks; there the first entry runs everywhere.
+    """
+    forced = os.environ.get("KFORCING_TRITON_AUTOTUNE")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"KFORCING_TRITON_AUTOTUNE: expected '0' or '1', got {forced!r}")
+        return forced == "1"
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+_capabilities: dict[int, tuple[int, int]] = {}  # per CUDA device index (a device fact, not a layout's)
+
+
+def _capability(device: Optional[torch.device]) -> tuple[int, int]:
+    """Compute capability of a CUDA ``device`` ((0, 0) for anything else)."""
+    if device is None or device.type != "cuda":
+        return (0, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
+    """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
+
+    KFORCING_TRITON_TILES=base|wide forces a set where it applies (head dims it has no tiles for, and
+    CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base").
+    """
+    check_head_dim(head_dim)
+    forced = os.environ.get("KFORCING_TRITON_TILES")
+    if forced and forced not in TILE_SETS:
+        raise ValueError(f"KFORCING_TRITON_TILES: expected one of {sorted(TILE_SETS)}, got {forced!r}")
+    cuda = device is not None and device.type == "cuda"
+
+    def fits(name: str) -> bool:  # the interpreter (CPU) runs any set
+        return head_dim in TILE_SETS[name] and (not cuda or _capability(device)[0] >= TILE_SET_MIN_CAPABILITY[name])
+
+    if forced:
+        return forced if fits(forced) else "base"
+    return "wide" if rows >= WIDE_MIN_ROWS and cuda and fits("wide") else "base"
+
+
+def tiles_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> Tiles:
+    """The tiles the dispatcher uses for ``rows`` query rows per head of ``head_dim`` on ``device``."""
+    return TILE_SETS[tile_set_for(head_dim, rows, device)][head_dim]
+

@@ -1,0 +1,273 @@
+"""Launchers of the fused Triton kernels for prefix-window attention: forward and backward.
+
+FlashAttention-2 style: online softmax in base 2 with fp32 accumulators, the
+natural-log LSE saved for the backward, which recomputes probabilities. Which
+tile products run is decided by :mod:`plan` (a reduction of the layout's row
+intervals); boundary tiles are masked with the same row intervals, read from a
+tensor, and window slots are located through the layout's slot-to-key table, so
+both storage orders (position-major, and the stream-major DoubleForward storage
+``[ctx | Future-1 | Future-2]``) are read in place and no kernel re-derives the mask.
+
+Launch order: forward ``slot_fwd`` (small windows only), ``fwd``
+(``jit_forward.py``); backward ``delta``, ``slot_bwd``, ``dq``, ``dkdv``
+(``jit_backward.py``). Launchers take contiguous ``[B, H, L, D]`` tensors. Under
+``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
+a fixed config; on a GPU each kernel is autotuned over its entries in
+``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
+bucket, mode). The triton backend (``__init__.py``) hands this module out as
+``kernels()``, so the names tests and tools use are re-exported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+import torch
+import triton
+
+from ....layouts import WindowLayout
+from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, SUPPORTED_HEAD_DIMS, TILE_SETS,
+                      TILES_BY_HEAD_DIM, autotune_enabled, check_head_dim, length_bucket, tile_set_for, tiles_for)
+from .jit_backward import _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
+from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
+from .jit_forward import _fwd_kernel, _slot_fwd_kernel
+from .plan import TilePlan, Tiles, device_plan, tile_plan
+
+# The kernels by the names the configs, the autotune cache and the AOT report use.
+KERNELS = {
+    "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
+    "dq": _dq_kernel, "dkdv": _dkdv_kernel,
+}
+
+
+def _tuned_kernel(kernel_name: str, key: tuple):
+    """One autotuner per (kernel, tile set, head dim, length bucket, mode, autotune on/off). Triton adds
+    the tensors' dtypes to its own key, so each autotuner times its configs once per dtype."""
+    tile_set, head_dim = key[0], key[1]
+    configs = KERNEL_CONFIGS[kernel_name][(tile_set, head_dim)]
+    if not autotune_enabled():
+        configs = configs[:1]
+    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs],
+                           key=["HEAD_DIM"])(KERNELS[kernel_name])
+
+
+_tuned_lock = threading.Lock()
+_tuned: dict[tuple, object] = {}
+
+
+def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
+    """Launch under the interpreter with a fixed config, on a GPU through the autotuner for ``tune_key``
+    = (tile set, head dim, length bucket, mode); the caller holds the device guard."""
+    if grid[0] * grid[1] == 0:
+        return
+    if grid[1] > 65535:  # CUDA's limit on grid dimension y
+        raise ValueError(f"q: too long for the triton backend: {grid[1]} tiles of one kind, at most 65535")
+    if interpreting():
+        KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
+        return
+    key = (kernel_name, *tune_key, autotune_enabled())
+    with _tuned_lock:
+        tuned = _tuned.get(key)
+        if tuned is None:
+            tuned = _tuned[key] = _tuned_kernel(kernel_name, tune_key)
+    tuned[grid](*args, **kwargs)
+
+
+# ====================================================================== launchers
+
+
+# Counter slots of an instrumented run (int32 [5]), per (batch, query head) summed over the grid.
+COUNTER_NAMES = ("fwd_tiles", "fwd_slot_steps", "dq_tiles", "bwd_slot_steps", "dkdv_tiles")
+
+
+_no_counters: dict[str, torch.Tensor] = {}
+
+
+def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
+    if counters is None:  # a valid pointer the uninstrumented kernels never touch (never freed)
+        if str(device) not in _no_counters:
+            _no_counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
+        return _no_counters[str(device)]
+    if counters.dtype != torch.int32 or counters.numel() != len(COUNTER_NAMES):
+        raise ValueError(f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} {tuple(counters.shape)}")
+    return counters
+
+
+# Offsets inside one (batch, head) slice are int32 in the kernels (only the batch/head offset is int64).
+# That is safe because the 65535-tile grid limit caps a head at 65535 * 128 rows of <= 128 elements,
+# 2^30 < 2^31 elements; this check keeps the bound explicit should the tiles or the limit change.
+INT32_LIMIT = 2**31
+
+
+def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
+    check_head_dim(q.shape[-1])
+    if (q.shape[2], k.shape[2]) != (layout.n_queries, layout.n_keys):
+        raise ValueError(f"q, k: expected lengths ({layout.n_queries}, {layout.n_keys}) from the layout, "
+                         f"got ({q.shape[2]}, {k.shape[2]})")
+    if layout.batch_size not in (None, q.shape[0]):
+        raise ValueError(f"layout: expected per-batch ranges for batch {q.shape[0]}, got {layout.batch_size}")
+    for name, t in zip(("k", "v", "dout", "out", "lse"), (k, *others)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} like q, got {t.device}")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] * t.stride(2) >= INT32_LIMIT:
+            raise ValueError(f"{name}: one head spans {t.shape[2] * t.stride(2)} elements; the triton backend "
+                             f"indexes within a head in int32 (< 2^31)")
+
+
+def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]:
+    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs."""
+    d = q.shape[-1]
+    if tiles is None:
+        name = tile_set_for(d, q.shape[2], q.device)
+        return TILE_SETS[name][d], name
+    return tiles, next((n for n, by_d in TILE_SETS.items() if by_d.get(d) == tiles), "base")
+
+
+def _tune_key(tile_set: str, q: torch.Tensor, plan: TilePlan) -> tuple:
+    """What changes the best config: tile set, head dim, length bucket, mode (slot or tile intra part,
+    causal or full intra). Triton's autotuner adds the dtypes itself."""
+    mode = ("slot" if plan.intra_blocks else "tile") + ("-causal" if plan.geometry.causal else "-full")
+    return (tile_set, q.shape[-1], length_bucket(q.shape[2]), mode)
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on ``t``'s device: Triton launches on the current device and its current stream."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def attention_forward(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    layout: WindowLayout,
+    scale: float,
+    *,
+    tiles: Optional[Tiles] = None,  # default: tiles_for(D, Lq, q.device)
+    counters: Optional[torch.Tensor] = None,  # int32 [5]: count executed products (interpreter tests)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused forward: ``(out [B, H, Lq, D] in q.dtype, lse [B, H, Lq] fp32, natural log)``.
+
+    Runs on q's device (any ``cuda:i``) and that device's current stream."""
+    _check_shapes(q, k, layout, v)
+    with _device_guard(q):
+        return _forward(q, k, v, layout, scale, tiles, counters)
+
+
+def _forward(q, k, v, layout, scale, tiles, counters):
+    bsz, n_heads, lq, d = q.shape
+    tiles, tile_set = _resolve_tiles(tiles, q)
+    plan = tile_plan(layout, tiles)
+    g = plan.geometry
+    key = _tune_key(tile_set, q, plan)
+    pt = device_plan(plan, layout, q.device)
+    counters = _counters(q.device, counters)
+    instrument = counters.numel() > 1
+    kv_group = n_heads // k.shape[1]
+    q_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+
+    n_window_rows = lq - (g.n_ctx - g.query_offset)
+    o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
+    lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
+    _launch(
+        "slot_fwd", (bsz * n_heads, plan.intra_blocks), key,
+        q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
+        *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+        pt["iv_bstride"], pt["n_iv"], scale * LOG2E,
+        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
+    _launch(
+        "fwd", (bsz * n_heads, plan.num_query_tiles), key,
+        q, k, v, out, lse, o_part, lse_part,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
+        *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        lse_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,  # [B, H, Lq, D]
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    out: torch.Tensor,  # [B, H, Lq, D]
+    lse: torch.Tensor,  # [B, H, Lq] fp32, natural log
+    layout: WindowLayout,
+    scale: float,
+    *,
+    tiles: Optional[Tiles] = None,  # default: tiles_for(D, Lq, q.device), as in the forward
+    counters: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused backward: ``(dq, dk, dv)`` shaped and typed like ``q, k, v``, on q's device and stream."""
+    _check_shapes(q, k, layout, v, dout, out, lse)
+    with _device_guard(q):
+        return _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters)
+
+
+def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
+    bsz, n_heads, lq, d = q.shape
+    n_kv = k.shape[1]
+    tiles, tile_set = _resolve_tiles(tiles, q)
+    plan = tile_plan(layout, tiles)
+    g = plan.geometry
+    key = _tune_key(tile_set, q, plan)
+    pt = device_plan(plan, layout, q.device)
+    counters = _counters(q.device, counters)
+    instrument = counters.numel() > 1
+    lse = lse.to(torch.float32).contiguous()
+    kv_group = n_heads // n_kv
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
+               lse.stride(1))
+
+    delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
+    n_rows = bsz * n_heads * lq
+    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
+            HEAD_DIM=d)
+
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    n_window_rows = lq - (g.n_ctx - g.query_offset)
+    dq_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
+    _launch(
+        "slot_bwd", (bsz * n_kv, plan.intra_blocks), key,
+        q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
+        *strides, dq_part.stride(0), dq_part.stride(1),
+        n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+        pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
+        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    dq = torch.empty_like(q)
+    _launch(
+        "dq", (bsz * n_heads, plan.num_query_tiles), key,
+        q, k, v, dout, lse, delta, dq, dq_part,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
+        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E, scale,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    _launch(
+        "dkdv", (bsz * n_kv, plan.num_key_tiles), key,
+        q, k, v, dout, lse, delta, dk, dv,
+        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"], counters,
+        *strides, pt["keyptr_bstride"], pt["iv_bstride"],
+        n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
+        BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d,
+        INSTRUMENT=instrument,
+    )
+    return dq, dk, dv
+
+
+__all__ = [
+    "attention_forward", "attention_backward", "interpreting", "check_head_dim", "tiles_for", "tile_set_for",
+    "length_bucket", "autotune_enabled", "SUPPORTED_HEAD_DIMS", "KERNELS", "KERNEL_CONFIGS", "IO_POINTERS",
+    "FP32_POINTERS", "FLOAT_ARGS", "ALIGNED_STRIDES", "CANDIDATE_CONFIGS", "TILE_SETS", "TILES_BY_HEAD_DIM",
+    "COUNTER_NAMES", "GPU_DTYPES",
+]
