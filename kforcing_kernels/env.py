@@ -5,8 +5,9 @@
 ``KFORCING_DISABLE_EXT``    ignore a built C++ extension (anything but ``0``/empty): Python backends only
 ``KFORCING_CPP_ISA``        force the C++ kernels' instruction set (``generic``, ``avx2``, ``avx512``);
                             the extension reads it too (csrc/dispatch.cpp)
-``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes
-``KFORCING_TRITON_TILES``   Triton: force a tile set by name
+``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
+                            unset: tune, except under torch.distributed with more than one rank
+``KFORCING_TRITON_TILES``   Triton: force a tile set (``base`` or ``wide``) where it applies
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
                             in its interpreter on CPU tensors
 ``KFORCING_CACHE``          the app's cache folder (tokenizers, token arrays); default ``~/.cache/kforcing_kernels``
@@ -41,7 +42,8 @@ def cpp_isa() -> Optional[str]:
 
 
 def triton_autotune() -> Optional[str]:
-    return _get("KFORCING_TRITON_AUTOTUNE")
+    """The raw value (an empty string is an error for the caller to report, not "unset")."""
+    return os.environ.get("KFORCING_TRITON_AUTOTUNE")
 
 
 def triton_tiles() -> Optional[str]:

@@ -5,6 +5,7 @@
     intervals.py      the one derivation of its semantics: per-row key intervals
     derived.py        the one cache of derived data: a store per layout content, and content interning
     documents.py      cu_seqlens (packed documents), block helpers and int checks
+    positions.py      positions of every storage order and document offsets (model, HF integration, trainer)
     flex.py           FlexAttention interop (mask_mod, BlockMask) from the row intervals
     zoo.py            a shared set of layouts for tests and benchmarks
 """

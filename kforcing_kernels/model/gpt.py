@@ -20,7 +20,6 @@ appended to the context.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -60,24 +59,6 @@ class PagedPast:
         """The window's queries/keys/values ``[B, H, W, D]`` -> attention output ``[B, H, W, D]``."""
         return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
                                backend=self.backend, check_table=self.check_table)
-
-
-# ---------------------------------------------------------------------- layouts (cached: they are pure functions of the sizes)
-
-
-@functools.lru_cache(maxsize=32)
-def causal_layout(n: int) -> WindowLayout:
-    return WindowLayout.causal(n)
-
-
-@functools.lru_cache(maxsize=32)
-def single_layout(n: int, k: int) -> WindowLayout:
-    return WindowLayout.kforcing_single(n_ctx=n, k=k)
-
-
-@functools.lru_cache(maxsize=32)
-def double_layout(n: int, k: int) -> WindowLayout:
-    return WindowLayout.kforcing_double(n_ctx=n, k=k)
 
 
 # ---------------------------------------------------------------------- building blocks
@@ -314,7 +295,7 @@ class KForcingLM(nn.Module):
         _check_tokens(tokens, self.config)
         n = tokens.shape[1]
         cu = as_cu_seqlens(cu_seqlens, n)
-        layout = causal_layout(n) if cu is None else WindowLayout.causal(n, cu_seqlens=cu)
+        layout = WindowLayout.causal(n, cu_seqlens=cu)  # equal layouts share their derived data (layouts/derived.py)
         h, _ = self.trunk(self.wte(tokens), context_positions(n, cu, tokens.device), layout)
         return self.head(h)
 
@@ -339,7 +320,7 @@ class KForcingLM(nn.Module):
         k = noise.shape[2]
         x = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)  # [B, N + N*k, C]
         cu = as_cu_seqlens(cu_seqlens, n)
-        layout = single_layout(n, k) if cu is None else WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
+        layout = WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
         h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
         logits = self.head(h[:, n:]).view(b, n, k, -1)
         return logits, [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
@@ -368,7 +349,7 @@ class KForcingLM(nn.Module):
         _check_tokens(first, self.config)
         x = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
         cu = as_cu_seqlens(cu_seqlens, n)
-        layout = double_layout(n, k) if cu is None else WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
+        layout = WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
         h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
         return self.head(h[:, n * k:]).view(b, n, k, -1)
 

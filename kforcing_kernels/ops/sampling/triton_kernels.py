@@ -19,18 +19,19 @@ block. Runs compiled on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import env
+
 BLOCK = 1024
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.triton_interpret()
 
 
 def available() -> Optional[str]:

@@ -18,19 +18,19 @@ when asked (``available``, ``kernels``), so the backend reports its absence.
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import Optional
 
 import torch
 
+from .... import env
 from ....layouts import WindowLayout
 
 _KERNELS = "kforcing_kernels.ops.window_attention.triton.launch"
 
 
 def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.triton_interpret()
 
 
 def _interpreter_active() -> bool:
@@ -61,7 +61,7 @@ def kernels() -> ModuleType:
     if module.interpreting() != _interpret_requested():
         raise RuntimeError(
             f"{_KERNELS} was built with TRITON_INTERPRET={'1' if module.interpreting() else 'unset'} but it is now "
-            f"{os.environ.get('TRITON_INTERPRET')!r}; set the variable before triton is first imported"
+            f"{env.triton_interpret_value()!r}; set the variable before triton is first imported"
         )
     return module
 

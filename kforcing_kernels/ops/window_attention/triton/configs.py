@@ -8,11 +8,11 @@ here imports triton: the tables are read by tools/aot_report.py and tools/slot_c
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .... import env
 from .plan import DEFAULT_TILES, Tiles
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -78,7 +78,7 @@ def autotune_enabled() -> bool:
     group of more than one rank, where per-rank timing noise could pick different configs (and so
     different rounding) on different ranks; there the first entry runs everywhere.
     """
-    forced = os.environ.get("KFORCING_TRITON_AUTOTUNE")
+    forced = env.triton_autotune()
     if forced is not None:
         if forced not in ("0", "1"):
             raise ValueError(f"KFORCING_TRITON_AUTOTUNE: expected '0' or '1', got {forced!r}")
@@ -112,7 +112,7 @@ def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = 
     CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base").
     """
     check_head_dim(head_dim)
-    forced = os.environ.get("KFORCING_TRITON_TILES")
+    forced = env.triton_tiles()
     if forced and forced not in TILE_SETS:
         raise ValueError(f"KFORCING_TRITON_TILES: expected one of {sorted(TILE_SETS)}, got {forced!r}")
     cuda = device is not None and device.type == "cuda"
