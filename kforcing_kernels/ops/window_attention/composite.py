@@ -34,6 +34,7 @@ import torch
 from ...layouts import WindowLayout
 from .composite_cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
 from .lse_attention import acc_dtype
+from kforcing_kernels.ops.window_attention import masked_keys  # absolute: stays valid if this module moves
 
 # Query rows per masked call in the general prefix path: bounds the staircase
 # padding a chunk carries (~ rows/2 keys per row) against per-call overhead.
@@ -336,12 +337,20 @@ def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
 
 
 def forward(q, k, v, layout: WindowLayout, scale: float):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs)."""
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs).
+
+    On CPU a NaN/inf in K or V takes ``masked_keys`` (its products touch only the keys a row
+    sees), so it never reaches a row that does not see it; on CUDA the fused kernels are
+    FlashAttention-like (keep K/V finite)."""
+    if masked_keys.needed(k, v):
+        return masked_keys.forward(q, k, v, layout, scale)
     return _per_element(_forward, (q, k, v), layout, scale)
 
 
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
+    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse`` (non-finite K/V: see ``forward``)."""
+    if masked_keys.needed(k, v):
+        return masked_keys.backward(dout, q, k, v, layout, scale)
     return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)
 
 

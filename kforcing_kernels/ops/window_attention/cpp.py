@@ -6,6 +6,10 @@ with an online softmax in fp32 (fp64 for fp64 inputs) and register-blocked
 AVX-512 / AVX2 / portable micro-kernels chosen at run time. bf16 and fp16 inputs
 are computed in fp32. CPU tensors only; absent (with the reason) when the
 extension is not built.
+
+Non-finite values: a NaN/inf in K or V at a key a row does not see never reaches
+that row, forward or backward (the kernels keep masked keys out of their products,
+csrc/kf_isa_impl.h); no scan of K/V happens in Python.
 """
 
 from __future__ import annotations
