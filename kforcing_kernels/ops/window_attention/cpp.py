@@ -32,9 +32,10 @@ def available() -> Optional[str]:
 
 
 def _layout_args(layout: WindowLayout):
-    # The row intervals say what each row sees; the geometry only orders rows into tiles.
+    # The row intervals say what each row sees, the query tiles which rows go together
+    # (both derived once per layout, in layouts/intervals.py); the geometry gives the sizes.
     return (
-        layout.row_intervals_int32, layout.n_ctx, layout.num_windows, layout.window_size,
+        layout.row_intervals_int32, *layout.cpu_query_tiles, layout.n_ctx, layout.num_windows, layout.window_size,
         layout.last_window_size, layout.n_streams, layout.queries == "all",
     )
 
