@@ -4,16 +4,18 @@
 // Tile plan. Every query row sees 1 + S half-open key intervals (interval 0: its
 // context part; 1..S: its own window, one per storage stream). They are computed once,
 // in Python (WindowLayout.row_intervals(), kforcing_kernels/layouts/intervals.py), and
-// passed in as a tensor: this file never re-derives what a row sees. Query tiles hold up to kTileRows rows and never mix
-// context and window rows: windows of w <= kTileRows are packed whole (k = 4 gives
-// 16 windows per tile), larger windows are cut into row tiles. For each slot a tile
-// walks the union of its rows' intervals in chunks of kChunkCols keys, so a context
-// K/V chunk is loaded once and applied to every window packed in the tile; rows
-// that see no key of a chunk are left out of its products. Windows of w <= 16 do
-// their intra-window part row by row (a few dot products) instead of a tile product
-// that would be mostly masked.
+// passed in as a tensor: this file never re-derives what a row sees. The query tiles
+// (which rows are computed together) come from Python too (WindowLayout.cpu_query_tiles,
+// layouts/intervals.py: up to CPU_TILE_ROWS = 64 rows, context and window rows never mixed,
+// windows of w <= 64 packed whole: k = 4 gives 16 windows per tile) as a row order and tile
+// offsets; this file only checks them and sizes its scratch by the largest tile. For each
+// slot a tile walks the union of its rows' intervals in chunks of kChunkCols keys, so a
+// context K/V chunk is loaded once and applied to every window packed in the tile; rows
+// that see no key of a chunk are left out of its products. Windows of w <= 16 do their
+// intra-window part row by row (a few dot products) instead of a tile product that would
+// be mostly masked.
 //
-// kTileRows x kChunkCols = 64 x 256 was the best of {32, 64, 128} x {128, 256, 512}
+// 64 rows x kChunkCols = 256 keys was the best of {32, 64, 128} x {128, 256, 512}
 // on SingleForward, DoubleForward and Jacobi (AVX-512, D = 64), within noise of 128 x 256.
 
 #include <ATen/Parallel.h>
@@ -31,7 +33,6 @@
 namespace kf {
 namespace {
 
-constexpr int64_t kTileRows = 64;
 constexpr int64_t kChunkCols = 256;
 
 struct Geometry {
@@ -39,10 +40,6 @@ struct Geometry {
   bool queries_all;
   int64_t n_win, Lk, Lq, qoff;
 
-  int64_t window_len(int64_t m) const { return m == M - 1 ? last : w; }
-  // Key index of slot i of window m: the stream-major storage formula of
-  // layouts/intervals.py (window_slot_keys), needed here only to order a tile's rows.
-  int64_t key_of(int64_t m, int64_t i) const { return n_ctx + (i / s) * M * s + m * s + i % s; }
 };
 
 Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool queries_all) {
@@ -103,7 +100,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 }
 
 struct Plan {
-  int64_t Bp = 1, n_slots = 2, first_direct = 2, kt_cols = 0;
+  int64_t Bp = 1, n_slots = 2, first_direct = 2, kt_cols = 0, tile_rows = 1;
   std::vector<int32_t> intervals;   // [Bp, Lq, n_slots, 2]
   std::vector<int32_t> row_order;   // tile order -> query row
   std::vector<int32_t> tile_begin;  // [n_tiles + 1]
@@ -111,37 +108,47 @@ struct Plan {
   int64_t n_tiles() const { return (int64_t)tile_begin.size() - 1; }
 };
 
-Plan make_plan(const Geometry& g, const at::Tensor& iv) {
+// The query tiles: row_order int32 [Lq], a permutation of the query rows (tile order ->
+// row), and tile_begin int32 [T + 1], increasing from 0 to Lq (tile t holds rows
+// row_order[tile_begin[t] .. tile_begin[t + 1])). Any grouping is correct; the layout's
+// (WindowLayout.cpu_query_tiles) is the fast one.
+void check_tiles(const at::Tensor& order, const at::Tensor& begin, const Geometry& g, Plan& p) {
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"row_order", order}, {"tile_begin", begin}}) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, name, ": expected dtype int32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+    TORCH_CHECK_VALUE(t.dim() == 1, name, ": expected rank 1, got shape ", t.sizes());
+  }
+  TORCH_CHECK_VALUE(order.size(0) == g.Lq, "row_order: expected length ", g.Lq, " (the layout's queries), got ",
+                    order.size(0));
+  TORCH_CHECK_VALUE(begin.size(0) >= 2, "tile_begin: expected at least 2 offsets (one tile), got ", begin.size(0));
+  const at::Tensor oc = order.contiguous(), bc = begin.contiguous();
+  p.row_order.assign(oc.data_ptr<int32_t>(), oc.data_ptr<int32_t>() + oc.numel());
+  p.tile_begin.assign(bc.data_ptr<int32_t>(), bc.data_ptr<int32_t>() + bc.numel());
+  std::vector<char> seen(g.Lq, 0);
+  for (int64_t i = 0; i < g.Lq; ++i) {
+    const int32_t r = p.row_order[i];
+    TORCH_CHECK_VALUE(r >= 0 && r < g.Lq, "row_order: expected rows in [0, ", g.Lq, "), got ", r, " at index ", i);
+    TORCH_CHECK_VALUE(!seen[r], "row_order: expected each row once (a permutation), got row ", r, " again at index ", i);
+    seen[r] = 1;
+  }
+  TORCH_CHECK_VALUE(p.tile_begin.front() == 0 && p.tile_begin.back() == g.Lq, "tile_begin: expected offsets from 0 to ",
+                    g.Lq, ", got ", p.tile_begin.front(), " .. ", p.tile_begin.back());
+  for (int64_t t = 0; t < p.n_tiles(); ++t) {
+    const int64_t n = (int64_t)p.tile_begin[t + 1] - p.tile_begin[t];
+    TORCH_CHECK_VALUE(n >= 1, "tile_begin: expected increasing offsets (non-empty tiles), got ", p.tile_begin[t],
+                      " then ", p.tile_begin[t + 1], " at index ", t);
+    p.tile_rows = std::max(p.tile_rows, n);
+  }
+}
+
+Plan make_plan(const Geometry& g, const at::Tensor& iv, const at::Tensor& row_order, const at::Tensor& tile_begin) {
   Plan p;
   p.Bp = iv.size(0);
   p.n_slots = 1 + g.S;
   p.first_direct = (g.M > 0 && g.w <= kDirectWindowMax) ? 1 : p.n_slots;
   p.kt_cols = p.first_direct == 1 ? g.n_ctx : g.Lk;
   p.intervals.assign(iv.data_ptr<int32_t>(), iv.data_ptr<int32_t>() + iv.numel());
-  auto close_tile = [&] { p.tile_begin.push_back((int32_t)p.row_order.size()); };
-  p.tile_begin.push_back(0);
-  if (g.queries_all) {
-    for (int64_t r0 = 0; r0 < g.n_ctx; r0 += kTileRows) {
-      for (int64_t r = r0; r < std::min(g.n_ctx, r0 + kTileRows); ++r) p.row_order.push_back((int32_t)r);
-      close_tile();
-    }
-  }
-  if (g.w <= kTileRows) {
-    const int64_t per_tile = kTileRows / g.w;
-    for (int64_t m0 = 0; m0 < g.M; m0 += per_tile) {
-      for (int64_t m = m0; m < std::min(g.M, m0 + per_tile); ++m)
-        for (int64_t i = 0; i < g.window_len(m); ++i) p.row_order.push_back((int32_t)(g.key_of(m, i) - g.qoff));
-      close_tile();
-    }
-  } else {
-    for (int64_t m = 0; m < g.M; ++m) {
-      for (int64_t i0 = 0; i0 < g.window_len(m); i0 += kTileRows) {
-        for (int64_t i = i0; i < std::min(g.window_len(m), i0 + kTileRows); ++i)
-          p.row_order.push_back((int32_t)(g.key_of(m, i) - g.qoff));
-        close_tile();
-      }
-    }
-  }
+  check_tiles(row_order, tile_begin, g, p);
   p.tile_cost.assign(p.n_tiles(), 0.0);
   for (int64_t t = 0; t < p.n_tiles(); ++t) {
     double cost = 0;
@@ -211,7 +218,7 @@ AttnArgs<T> base_args(const at::Tensor& q, const at::Tensor& k, const Plan& p, d
   a.D = q.size(3);
   a.Dp = round16(a.D);
   a.scale = (T)scale;
-  a.tile_rows = kTileRows;
+  a.tile_rows = p.tile_rows;
   a.chunk_cols = kChunkCols;
   a.row_order = p.row_order.data();
   a.tile_begin = p.tile_begin.data();
@@ -248,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
   const int64_t BH = a.B * a.H;
   const auto kernel = forward_kernel<T>();
-  run_items<T>(p.n_tiles() * BH, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, false),
+  run_items<T>(p.n_tiles() * BH, attention_scratch_elems(p.tile_rows, kChunkCols, a.Dp, false),
                [&](int64_t item, T* scratch) {
                  const int64_t bh = item % BH;
                  kernel(a, bh / a.H, bh % a.H, order[item / BH], scratch);
@@ -303,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   T* dk_base = dk_acc.data_ptr<T>();
   T* dv_base = dv_acc.data_ptr<T>();
   const auto kernel = backward_kernel<T>();
-  run_items<T>(BH, attention_scratch_elems(kTileRows, kChunkCols, a.Dp, true), [&](int64_t bh, T* scratch) {
+  run_items<T>(BH, attention_scratch_elems(p.tile_rows, kChunkCols, a.Dp, true), [&](int64_t bh, T* scratch) {
     const int64_t offset = bh * a.Lk * a.Dp;
     kernel(a, bh / a.H, bh % a.H, tiles.data(), (int64_t)tiles.size(), dk_base + offset, dv_base + offset, scratch);
   });
@@ -318,20 +325,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& row_intervals, int64_t n_ctx,
+                                                     const at::Tensor& row_intervals, const at::Tensor& row_order,
+                                                     const at::Tensor& tile_begin, int64_t n_ctx,
                                                      int64_t num_windows, int64_t window_size,
                                                      int64_t last_window_size, int64_t n_streams, bool queries_all,
                                                      double scale) {
   const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
   check_qkv(q, k, v, g, scale);
-  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)));
+  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)), row_order, tile_begin);
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, p, g, scale);
   return forward_impl<float>(q, k, v, p, g, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& row_intervals, int64_t n_ctx, int64_t num_windows, int64_t window_size,
+    const at::Tensor& lse, const at::Tensor& row_intervals, const at::Tensor& row_order, const at::Tensor& tile_begin,
+    int64_t n_ctx, int64_t num_windows, int64_t window_size,
     int64_t last_window_size, int64_t n_streams, bool queries_all, double scale) {
   const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
   check_qkv(q, k, v, g, scale);
@@ -345,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   TORCH_CHECK_VALUE(lse.sizes() == q.sizes().slice(0, 3), "lse: expected shape ", q.sizes().slice(0, 3),
                     " ([B, H, Lq]), got ", lse.sizes());
   TORCH_CHECK_VALUE(at::isFloatingType(lse.scalar_type()), "lse: expected a floating dtype, got ", lse.scalar_type());
-  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)));
+  const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)), row_order, tile_begin);
   if (q.scalar_type() == at::kDouble) return backward_impl<double>(dout, q, k, v, out, lse, p, g, scale);
   return backward_impl<float>(dout, q, k, v, out, lse, p, g, scale);
 }

@@ -11,6 +11,19 @@
 // intra-window keys row by row instead of through a mostly masked tile. The backward recomputes P per
 // chunk and does the five products of FlashAttention-2 with the same micro-kernel.
 //
+// Masked keys. A row never combines with a key outside its intervals, also when K or V
+// holds NaN/inf there: the scores are selected (never multiplied) to -inf and P to 0,
+// but a tile product would still form 0 * inf = NaN in P.V (forward), dS (dO.V at a
+// masked key) and dS.K (dQ). A chunk every row of the product sees whole takes the plain
+// products (any non-finite value there is seen by all of them). A chunk with masked keys
+// for some row first checks those keys' K/V rows (a read of ncols x Dp values, next to
+// the 2 x rows x ncols x Dp of the products); only when one is non-finite does it sum
+// P.V (forward: V) or dS.K (backward: K) per row over the row's visible columns only (the
+// same terms in the same order, so a row that sees only finite keys gets the same bits as
+// with finite masked keys). In the backward such a chunk also selects dS to 0 at masked
+// keys (one blend per value): dO.v there may be inf, and a poisoned row's own delta or LSE
+// may be NaN, which P (dp - delta) with P = 0 would spread to the keys it does not see.
+//
 // Sampler: one pass over each row computes per-block (max, sum of exp) in float64;
 // the cumulative sum is then walked over block totals, and only the block that
 // holds the answer is revisited element by element.
@@ -225,6 +238,16 @@ template <typename T> inline void scale_row(T alpha, T* y, int64_t n) {
   for (int64_t i = 0; i < n; i += L) vstore(y + i, vload(y + i) * a);
 }
 
+// Whether rows [r0, r1) of x (row stride ld, n % lanes == 0 values each) hold a NaN or inf:
+// x * 0 is 0 for finite x and NaN otherwise (no -ffast-math here, so it is not folded).
+template <typename T> inline bool any_nonfinite(const T* x, int64_t ld, int64_t r0, int64_t r1, int64_t n) {
+  constexpr int L = Vec<T>::lanes;
+  vec<T> acc{};
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i = 0; i < n; i += L) acc += vload(x + r * ld + i) * T(0);
+  return !(hsum<T>(acc) == T(0));
+}
+
 // ---------------------------------------------------------------- attention rows
 
 // One row of a chunk: s holds raw scores q.k for npad columns, of which [va, vb) are
@@ -272,8 +295,10 @@ void softmax_row(T* s, int64_t npad, int64_t va, int64_t vb, T c, T& m, T& l, T*
 }
 
 // Backward row: s (raw scores) -> P = 2^(s c - lse2) on [va, vb), 0 elsewhere; dp (dO.v)
-// -> dS = P (dp - delta) * scale.
-template <typename T>
+// -> dS = P (dp - delta) * scale. kSelectDs: dS is selected to 0 off [va, vb) too (a
+// non-finite dO.v at a masked key, or a non-finite delta or LSE of the row, would make
+// P (dp - delta) NaN there); with finite values it is the same zero either way (0 * x).
+template <typename T, bool kSelectDs = false>
 void grad_row(T* s, T* dp, int64_t npad, int64_t va, int64_t vb, T c, T lse2, T delta, T scale) {
   using V = vec<T>;
   constexpr int L = Vec<T>::lanes;
@@ -288,9 +313,12 @@ void grad_row(T* s, T* dp, int64_t npad, int64_t va, int64_t vb, T c, T lse2, T 
   for (int64_t j = 0; j < npad; j += L) {
     const ivec<T> idx = lane + (ielem<T>)j;
     V p = vexp2(vload(s + j) * c - vl);
-    p = (idx >= lo) & (idx < hi) ? p : V{};
+    const auto seen = (idx >= lo) & (idx < hi);
+    p = seen ? p : V{};
     vstore(s + j, p);
-    vstore(dp + j, p * (vload(dp + j) - vd) * scale);
+    V ds = p * (vload(dp + j) - vd) * scale;
+    if constexpr (kSelectDs) ds = seen ? ds : V{};
+    vstore(dp + j, ds);
   }
 }
 
@@ -321,8 +349,10 @@ struct TileView {
     std::memset(dst + a.D, 0, sizeof(T) * (a.Dp - a.D));
   }
 
-  // Calls f(c0, c1, ra, rb) for each key chunk [c0, c1) of the span of `slot` over the
-  // tile's rows, with [ra, rb) the tile rows (in tile order) that see some key of it.
+  // Calls f(c0, c1, ra, rb, sa, sb) for each key chunk [c0, c1) of the span of `slot` over
+  // the tile's rows, with [ra, rb) the tile rows (in tile order) that see some key of it and
+  // [sa, sb) the keys of the chunk every row of [ra, rb) sees (sa >= sb: none). The chunk
+  // holds masked keys for some row unless [sa, sb) = [c0, c1).
   template <typename F>
   void for_each_chunk(const int32_t* rows, int64_t nr, int64_t slot, int32_t* lo_buf, int32_t* hi_buf, F&& f) const {
     int64_t ka = INT64_MAX, kb = INT64_MIN;
@@ -340,15 +370,26 @@ struct TileView {
     const int64_t step = g <= a.chunk_cols ? a.chunk_cols / g * g : a.chunk_cols;
     for (int64_t c0 = ka; c0 < kb; c0 += step) {
       const int64_t c1 = std::min(c0 + step, kb);
-      int64_t ra = nr, rb = 0;
+      int64_t ra = nr, rb = 0, n_seeing = 0, sa = c0, sb = c1;
       for (int64_t r = 0; r < nr; ++r) {
         if (lo_buf[r] < hi_buf[r] && lo_buf[r] < c1 && hi_buf[r] > c0) {
           ra = std::min(ra, r);
           rb = r + 1;
+          ++n_seeing;
+          sa = std::max<int64_t>(sa, lo_buf[r]);
+          sb = std::min<int64_t>(sb, hi_buf[r]);
         }
       }
-      if (ra < rb) f(c0, c1, ra, rb);
+      if (n_seeing != rb - ra) sb = sa;  // a row between them sees none of the chunk
+      if (ra < rb) f(c0, c1, ra, rb, sa, sb);
     }
+  }
+
+  // Whether x (K or V rows, stride ld) holds a NaN/inf at a key of chunk [c0, c1) outside
+  // [sa, sb), the keys every row of the chunk's product sees.
+  static bool masked_nonfinite(const T* x, int64_t ld, int64_t Dp, int64_t c0, int64_t c1, int64_t sa, int64_t sb) {
+    if (sa >= sb) return any_nonfinite<T>(x, ld, c0, c1, Dp);
+    return any_nonfinite<T>(x, ld, c0, sa, Dp) || any_nonfinite<T>(x, ld, sb, c1, Dp);
   }
 
   // Keys a small-window row sees inside its own window; returns their count.
@@ -384,14 +425,26 @@ void forward_item(const AttnArgs<T>& a, int64_t b, int64_t h, int64_t tile, T* s
 
   const int64_t gemm_slots = std::min(a.first_direct, a.n_slots);
   for (int64_t slot = 0; slot < gemm_slots; ++slot) {
-    tv.for_each_chunk(rows, nr, slot, lo, hi, [&](int64_t c0, int64_t c1, int64_t ra, int64_t rb) {
+    tv.for_each_chunk(rows, nr, slot, lo, hi,
+                      [&](int64_t c0, int64_t c1, int64_t ra, int64_t rb, int64_t sa, int64_t sb) {
       const int64_t ncols = c1 - c0, npad = round_up(ncols, 16);
       gemm<T>(rb - ra, npad, Dp, qp + ra * Dp, Dp, 1, tv.kt + c0, a.kt_ld, s, KC, false);
       for (int64_t r = ra; r < rb; ++r) {
         const int64_t va = std::max<int64_t>(lo[r], c0) - c0, vb = std::min<int64_t>(hi[r], c1) - c0;
         softmax_row<T>(s + (r - ra) * KC, npad, va, std::max(va, vb), c, m[r], l[r], o + r * Dp, Dp);
       }
-      gemm<T>(rb - ra, Dp, ncols, s, KC, 1, tv.vr + c0 * a.vr_ld, a.vr_ld, o + ra * Dp, Dp, true);
+      // Scores at masked keys are selected away above; only P.V could mix in a masked V (0 * inf).
+      const bool whole = sa == c0 && sb == c1;
+      if (whole || !TileView<T>::masked_nonfinite(tv.vr, a.vr_ld, Dp, c0, c1, sa, sb)) {
+        gemm<T>(rb - ra, Dp, ncols, s, KC, 1, tv.vr + c0 * a.vr_ld, a.vr_ld, o + ra * Dp, Dp, true);
+        return;
+      }
+      for (int64_t r = ra; r < rb; ++r) {  // each row over its visible columns only
+        const int64_t va = std::max<int64_t>(lo[r], c0) - c0, vb = std::min<int64_t>(hi[r], c1) - c0;
+        if (va < vb)
+          gemm<T>(1, Dp, vb - va, s + (r - ra) * KC + va, KC, 1, tv.vr + (c0 + va) * a.vr_ld, a.vr_ld, o + r * Dp,
+                  Dp, true);
+      }
     });
   }
 
@@ -471,17 +524,36 @@ void backward_item(const AttnArgs<T>& a, int64_t b, int64_t h, const int32_t* ti
 
     const int64_t gemm_slots = std::min(a.first_direct, a.n_slots);
     for (int64_t slot = 0; slot < gemm_slots; ++slot) {
-      tv.for_each_chunk(rows, nr, slot, lo, hi, [&](int64_t c0, int64_t c1, int64_t ra, int64_t rb) {
+      tv.for_each_chunk(rows, nr, slot, lo, hi,
+                        [&](int64_t c0, int64_t c1, int64_t ra, int64_t rb, int64_t sa, int64_t sb) {
         const int64_t ncols = c1 - c0, npad = round_up(ncols, 16), nrows = rb - ra;
         gemm<T>(nrows, npad, Dp, qp + ra * Dp, Dp, 1, tv.kt + c0, a.kt_ld, s, KC, false);
         gemm<T>(nrows, npad, Dp, dop + ra * Dp, Dp, 1, tv.vt + c0, a.kt_ld, dp, KC, false);
+        // Masked keys: dS selected to 0 there (a NaN/inf dO.v at a masked key, or a row whose own
+        // delta or LSE is non-finite, would make P (dp - delta) NaN); with a non-finite K there,
+        // dQ summed over each row's seen columns.
+        const bool whole = sa == c0 && sb == c1;
+        const bool restricted = !whole && TileView<T>::masked_nonfinite(tv.kr, a.kr_ld, Dp, c0, c1, sa, sb);
         for (int64_t r = ra; r < rb; ++r) {
           const int64_t va = std::max<int64_t>(lo[r], c0) - c0, vb = std::min<int64_t>(hi[r], c1) - c0;
-          grad_row<T>(s + (r - ra) * KC, dp + (r - ra) * KC, npad, va, std::max(va, vb), c, lse2[r], delta[r], scale);
+          if (!whole)
+            grad_row<T, true>(s + (r - ra) * KC, dp + (r - ra) * KC, npad, va, std::max(va, vb), c, lse2[r], delta[r],
+                              scale);
+          else
+            grad_row<T>(s + (r - ra) * KC, dp + (r - ra) * KC, npad, va, std::max(va, vb), c, lse2[r], delta[r], scale);
         }
         gemm<T>(ncols, Dp, nrows, s, 1, KC, dop + ra * Dp, Dp, dv + c0 * Dp, Dp, true);   // dV += P^T dO
         gemm<T>(ncols, Dp, nrows, dp, 1, KC, qp + ra * Dp, Dp, dk + c0 * Dp, Dp, true);   // dK += dS^T Q
-        gemm<T>(nrows, Dp, ncols, dp, KC, 1, tv.kr + c0 * a.kr_ld, a.kr_ld, dqp + ra * Dp, Dp, true);  // dQ += dS K
+        if (!restricted) {
+          gemm<T>(nrows, Dp, ncols, dp, KC, 1, tv.kr + c0 * a.kr_ld, a.kr_ld, dqp + ra * Dp, Dp, true);  // dQ += dS K
+          return;
+        }
+        for (int64_t r = ra; r < rb; ++r) {  // dQ += dS K, each row over its visible columns only
+          const int64_t va = std::max<int64_t>(lo[r], c0) - c0, vb = std::min<int64_t>(hi[r], c1) - c0;
+          if (va < vb)
+            gemm<T>(1, Dp, vb - va, dp + (r - ra) * KC + va, KC, 1, tv.kr + (c0 + va) * a.kr_ld, a.kr_ld, dqp + r * Dp,
+                    Dp, true);
+        }
       });
     }
 

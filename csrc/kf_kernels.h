@@ -15,7 +15,7 @@ template <typename T>
 struct AttnArgs {
   int64_t B, H, Hkv, Lq, Lk, D, Dp;  // Dp: D rounded up to 16 (zero padded)
   T scale;                           // softmax scale (scores are q.k * scale)
-  int64_t tile_rows, chunk_cols;     // query rows per tile, keys per chunk
+  int64_t tile_rows, chunk_cols;     // rows of the largest query tile (scratch sizing), keys per chunk
 
   const T* q;       // [B, H, Lq, D]
   const T* kt;      // [B, Hkv, Dp, kt_ld]: K transposed, keys [0, kt_cols) (GEMM spans only)
@@ -33,7 +33,7 @@ struct AttnArgs {
   T* lse;           // forward: [B, H, Lq], natural log
   T* dq;            // backward: [B, H, Lq, D]
 
-  // Tile plan (see attention.cpp): rows of tile t are row_order[tile_begin[t] .. tile_begin[t+1]);
+  // Tile plan (see attention.cpp; the tiles come from Python): rows of tile t are row_order[tile_begin[t] .. tile_begin[t+1]);
   // intervals[b' * iv_batch + (row * n_slots + slot) * 2 + {0,1}] is the half-open key
   // range row `row` sees through slot `slot` (0: context, 1..S: its window's streams).
   const int32_t* row_order;

@@ -124,7 +124,9 @@ _GEOM = dict(n_ctx=_LAYOUT.n_ctx, num_windows=_LAYOUT.num_windows, window_size=_
 
 def _forward_args(**override):
     q, k, v = make_qkv(_LAYOUT, batch=1, heads=2, head_dim=8, requires_grad=False)
-    args = dict(q=q, k=k, v=v, row_intervals=_LAYOUT.row_intervals_int32, **_GEOM, scale=0.5)
+    row_order, tile_begin = _LAYOUT.cpu_query_tiles
+    args = dict(q=q, k=k, v=v, row_intervals=_LAYOUT.row_intervals_int32, row_order=row_order, tile_begin=tile_begin,
+                **_GEOM, scale=0.5)
     args.update(override)
     return args
 
@@ -149,6 +151,14 @@ def _intervals_with(row, interval, lo, hi):
         (dict(row_intervals=_intervals_with(7, 1, 3, 16)), r"row_intervals: expected 0 <= lo <= hi <= 15, got \[3, 16\)"),
         (dict(row_intervals=_LAYOUT.row_intervals_int32[:, :14]), r"row_intervals: expected shape \[1 or 1, 15, 2, 2\]"),
         (dict(row_intervals=_LAYOUT.row_intervals_int32.long()), r"row_intervals: expected dtype int32, got Long"),
+        (dict(row_order=_LAYOUT.cpu_query_tiles[0].long()), r"row_order: expected dtype int32, got Long"),
+        (dict(row_order=_LAYOUT.cpu_query_tiles[0][:14]), r"row_order: expected length 15 \(the layout's queries\), got 14"),
+        (dict(row_order=torch.zeros(15, dtype=torch.int32)), r"row_order: expected each row once \(a permutation\), got row 0 again"),
+        (dict(row_order=torch.arange(1, 16, dtype=torch.int32)), r"row_order: expected rows in \[0, 15\), got 15 at index 14"),
+        (dict(tile_begin=torch.tensor([0, 14], dtype=torch.int32)), r"tile_begin: expected offsets from 0 to 15, got 0 \.\. 14"),
+        (dict(tile_begin=torch.tensor([0, 5, 5, 15], dtype=torch.int32)), r"tile_begin: expected increasing offsets \(non-empty tiles\)"),
+        (dict(tile_begin=torch.tensor([15], dtype=torch.int32)), r"tile_begin: expected at least 2 offsets"),
+        (dict(tile_begin=torch.tensor([[0, 15]], dtype=torch.int32)), r"tile_begin: expected rank 1"),
         (dict(n_streams=3), r"n_streams: expected a divisor of window_size=2, got 3"),
         (dict(last_window_size=3), r"last_window_size: expected a value in \[1, 2\], got 3"),
         (dict(scale=-1.0), r"scale: expected a positive finite number, got -1"),
@@ -162,7 +172,7 @@ def test_cpp_validation_names_the_argument(override, match):
 def test_cpp_backward_validation():
     a = _forward_args()
     out, lse = _extension.load().attention_forward(**a)
-    geom = {key: a[key] for key in ("row_intervals", *_GEOM, "scale")}
+    geom = {key: a[key] for key in ("row_intervals", "row_order", "tile_begin", *_GEOM, "scale")}
     with pytest.raises(ValueError, match=r"lse: expected shape \[1, 2, 15\] \(\[B, H, Lq\]\), got \[1, 2\]"):
         _extension.load().attention_backward(out, a["q"], a["k"], a["v"], out, lse[..., 0], **geom)
     with pytest.raises(ValueError, match=r"dout: expected shape \[1, 2, 15, 8\] \(q's\)"):
@@ -190,3 +200,59 @@ def test_default_backend_prefers_cpp_only_with_a_vector_build():
             assert default_backend(torch.device("cpu")) == "cpp"
     finally:
         ext.set_isa(before)
+
+
+# ---------------------------------------------------------------------- query tiles (from Python)
+
+
+@pytest.mark.parametrize("name", ["single_multi_chunk", "double_k9", "sbd_large_block", "jacobi_long_window", "ptp_per_batch"])
+def test_cpu_query_tiles_policy(name):
+    """What the kernels are given: a permutation of the rows, tiles of <= 64 rows, context and
+    window rows never mixed, windows of w <= 64 whole (16 windows of k = 4 a tile)."""
+    from kforcing_kernels.layouts.intervals import CPU_TILE_ROWS
+
+    layout = LAYOUTS[name]
+    order, begin = layout.cpu_query_tiles
+    assert order.dtype == begin.dtype == torch.int32
+    assert torch.equal(order.sort().values, torch.arange(layout.n_queries, dtype=torch.int32))
+    sizes = begin.diff()
+    assert begin[0] == 0 and begin[-1] == layout.n_queries and bool((sizes >= 1).all()) and bool((sizes <= CPU_TILE_ROWS).all())
+    key_of_row = order.long() + layout.query_offset
+    keys = layout.window_token_keys
+    window_of_key = torch.full((layout.n_keys,), -1)
+    window_of_key[keys[keys >= 0]] = torch.arange(layout.num_windows)[:, None].expand_as(keys)[keys >= 0]
+    for t in range(begin.numel() - 1):
+        win = window_of_key[key_of_row[begin[t]:begin[t + 1]]]
+        assert bool((win < 0).all()) or bool((win >= 0).all()), f"tile {t} mixes context and window rows"
+        if layout.window_size <= CPU_TILE_ROWS and bool((win >= 0).all()):
+            for m in win.unique():  # whole windows
+                assert int((win == m).sum()) == int((keys[m] >= 0).sum())
+    assert layout.cpu_query_tiles[0] is order  # cached on the layout
+    assert int(WindowLayout.kforcing_single(64, 4).cpu_query_tiles[1].diff()[-1]) == 64  # 16 windows of 4
+
+
+@pytest.mark.parametrize("grouping", ["one_row_tiles", "reversed", "strided"])
+def test_cpp_any_query_grouping_is_correct(grouping):
+    """The grouping only decides which rows share products: any permutation and tiling gives the same attention."""
+    layout = LAYOUTS["single_multi_chunk"]
+    n = layout.n_queries
+    if grouping == "one_row_tiles":
+        order, begin = torch.arange(n), torch.arange(n + 1)
+    elif grouping == "reversed":
+        order, begin = torch.arange(n).flip(0), torch.tensor([0, 100, 101, n])
+    else:
+        order = torch.cat([torch.arange(s, n, 7) for s in range(7)])
+        begin = torch.cat([torch.arange(0, n, 50), torch.tensor([n])])
+    q, k, v = make_qkv(layout, batch=1, heads=2, head_dim=16, dtype=torch.float64, requires_grad=False)
+    dout = torch.randn_like(q)
+    args = (layout.row_intervals_int32, order.to(torch.int32), begin.to(torch.int32), *_geometry_of(layout), 0.25)
+    out, lse = _extension.load().attention_forward(q, k, v, *args)
+    grads = _extension.load().attention_backward(dout, q, k, v, out, lse, *args)
+    ref = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference", scale=0.25), q, k, v, dout)
+    for a, b in zip((out, *grads), ref):
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-11)
+
+
+def _geometry_of(layout):
+    return (layout.n_ctx, layout.num_windows, layout.window_size, layout.last_window_size, layout.n_streams,
+            layout.queries == "all")

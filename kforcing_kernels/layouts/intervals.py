@@ -76,6 +76,53 @@ def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
     return iv[:, layout.query_offset:].contiguous()
 
 
+# Query rows per tile of the C++ (cpp backend) kernels: 64 rows x 256-key chunks was the
+# best of {32, 64, 128} x {128, 256, 512} on SingleForward, DoubleForward and Jacobi
+# (AVX-512, D = 64). The kernels read the grouping below and size their scratch by it;
+# this is the only place the number is written.
+CPU_TILE_ROWS = 64
+
+
+def cpu_query_tiles(layout: "WindowLayout", tile_rows: int = CPU_TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_order int32 [Lq], tile_begin int32 [T + 1])``: the query tiles of the C++ kernels.
+
+    Tile ``t`` holds query rows ``row_order[tile_begin[t]:tile_begin[t + 1]]`` (a permutation
+    of the rows, tile by tile). Tiles never mix context and window rows: context rows
+    (``queries="all"``) in tiles of ``tile_rows``, then the windows, either packed whole
+    (``w <= tile_rows``: ``tile_rows // w`` windows a tile, k=4 gives 16, each window's rows
+    in slot order, all of its streams together) or, for larger windows, each window cut
+    into tiles of ``tile_rows`` slots. So a context K/V chunk is loaded once per tile and
+    applied to every window packed in it.
+    """
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows: expected >= 1, got {tile_rows}")
+    rows, tile_of = [], []
+    n_tiles = 0
+    if layout.query_offset == 0 and layout.n_ctx:
+        r = torch.arange(layout.n_ctx)
+        rows.append(r)
+        tile_of.append(r // tile_rows)
+        n_tiles = -(-layout.n_ctx // tile_rows)
+    if layout.num_windows:
+        keys = window_slot_keys(layout)  # [M, w], -1 past the end of a short last window
+        valid = keys >= 0
+        m = torch.arange(layout.num_windows)[:, None]
+        slot = torch.arange(layout.window_size)[None, :]
+        w = layout.window_size
+        if w <= tile_rows:
+            t = (m // (tile_rows // w)).expand_as(keys)
+        else:
+            chunks = -(-layout.window_lengths() // tile_rows)  # tiles per window
+            first = torch.cumsum(chunks, 0) - chunks
+            t = first[:, None] + slot // tile_rows
+        rows.append(keys[valid] - layout.query_offset)  # window-major, slot order
+        tile_of.append(t[valid] + n_tiles)
+    rows_t, tiles_t = torch.cat(rows), torch.cat(tile_of)
+    begin = torch.zeros(int(tiles_t[-1]) + 2, dtype=torch.int64)
+    begin[1:] = torch.cumsum(torch.bincount(tiles_t), 0)
+    return rows_t.to(torch.int32).contiguous(), begin.to(torch.int32).contiguous()
+
+
 def dense_mask_from(iv: torch.Tensor, n_keys: int) -> torch.Tensor:
     """bool [B', Lq, Lk]: the union of each row's intervals."""
     cols = torch.arange(n_keys)

@@ -3,6 +3,13 @@
 Every backend is a module implementing :class:`Backend`; the op treats them all alike
 (``reference`` included). A backend that is not built or cannot import is reported
 absent with its reason; it is never faked.
+
+Non-finite values are each backend's own business (the op does not scan K/V). On CPU,
+``reference``, ``composite`` and ``cpp`` guarantee that a NaN/inf in K or V at a key a
+row does not see never changes that row, forward or backward: ``cpp`` in its kernels
+(masked keys never enter a product), ``reference`` (any device) and ``composite`` (CPU)
+by computing with ``masked_keys`` when K or V holds such a value. ``triton`` (and
+``composite``'s fused CUDA kernels) behave like FlashAttention: keep K/V finite there.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ with an online softmax in fp32 (fp64 for fp64 inputs) and register-blocked
 AVX-512 / AVX2 / portable micro-kernels chosen at run time. bf16 and fp16 inputs
 are computed in fp32. CPU tensors only; absent (with the reason) when the
 extension is not built.
+
+Non-finite values: a NaN/inf in K or V at a key a row does not see never reaches
+that row, forward or backward (the kernels keep masked keys out of their products,
+csrc/kf_isa_impl.h); no scan of K/V happens in Python.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ def available() -> Optional[str]:
 
 
 def _layout_args(layout: WindowLayout):
-    # The row intervals say what each row sees; the geometry only orders rows into tiles.
+    # The row intervals say what each row sees, the query tiles which rows go together
+    # (both derived once per layout, in layouts/intervals.py); the geometry gives the sizes.
     return (
-        layout.row_intervals_int32, layout.n_ctx, layout.num_windows, layout.window_size,
+        layout.row_intervals_int32, *layout.cpu_query_tiles, layout.n_ctx, layout.num_windows, layout.window_size,
         layout.last_window_size, layout.n_streams, layout.queries == "all",
     )
 

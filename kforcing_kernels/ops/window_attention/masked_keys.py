@@ -1,12 +1,13 @@
-"""Attention that non-finite values at masked keys cannot reach (the CPU safety path).
+"""Attention that non-finite values at masked keys cannot reach (a helper of the Python backends).
 
-A kernel computes ``P @ V`` over whole tiles: a key a row cannot see gets ``p = 0``,
-but ``0 * inf`` is NaN, so ``V = inf`` (or ``K = NaN`` in a dot product) at a masked
-key would still reach that row. When K or V holds a non-finite value, CPU calls are
-routed here instead: every product is formed from masked copies of K and V, so a row
-only ever touches the keys it sees (also in the backward: no NaN through ``where``).
-It is the math of the reference, chunked over query rows: slow, and only taken when
-such values exist.
+A dense or tiled kernel computes ``P @ V`` over whole tiles: a key a row cannot see gets
+``p = 0``, but ``0 * inf`` is NaN, so ``V = inf`` (or ``K = NaN`` in a dot product) at a
+masked key would still reach that row. ``reference`` (any device) and ``composite`` (CPU)
+compute with this module when K or V holds a non-finite value: every product is formed
+from masked copies of K and V, so a row only ever touches the keys it sees (also in the
+backward: no NaN through ``where``). It is the math of the reference, chunked over query
+rows: slow, and only taken when such values exist. The ``cpp`` kernels keep masked keys
+out of their products themselves (csrc/kf_isa_impl.h) and never come here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ _ROW_CHUNK = 64
 
 def has_nonfinite(*tensors: torch.Tensor) -> bool:
     return any(not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def needed(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a CPU backend must take this path: CPU tensors and a NaN/inf in K or V."""
+    return k.device.type == "cpu" and has_nonfinite(k, v)
 
 
 def _chunks(q, k, v, layout: WindowLayout, scale: float):

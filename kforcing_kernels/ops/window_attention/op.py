@@ -32,7 +32,6 @@ import torch
 
 from ..validation import check_scale
 from .backends import REGISTRY, default_backend, get_backend
-from . import masked_keys
 from .lse_attention import acc_dtype
 from ...layouts import WindowLayout
 from ...layouts.derived import canonical, content_key
@@ -186,9 +185,8 @@ def _window_attention_op(
 
 def _forward(q, k, v, layout: WindowLayout, scale: float, backend: str):
     # Every backend gets (and returns) contiguous tensors: the fake below promises contiguous outputs.
+    # Non-finite K/V values are the backend's business (backends.Backend): no scan here.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):  # keep them away from rows that cannot see them
-        return masked_keys.forward(q, k, v, layout, scale)
     out, lse = get_backend(backend).forward(q, k, v, layout, scale)
     return out, lse
 
@@ -210,8 +208,6 @@ def _window_attention_backward_op(
 
 
 def _backward_body(dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str):
-    if q.device.type == "cpu" and masked_keys.has_nonfinite(k, v):
-        return masked_keys.backward(dout, q, k, v, layout, scale)
     tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
     return get_backend(backend).backward(*tensors, layout, scale)
 

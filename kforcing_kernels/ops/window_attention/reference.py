@@ -4,6 +4,11 @@
 portable fp32/fp64 math of ``lse_attention`` with the dense mask; ``attention`` is the
 same result through ``F.scaled_dot_product_attention`` and autograd, an independent
 path the tests use as an oracle.
+
+Non-finite values: when K or V holds a NaN/inf (on any device), ``forward``/``backward``
+compute with ``masked_keys`` instead, whose products only touch the keys a row sees, so
+such a value at a key a row does not see never reaches that row (``lse_attention`` would
+form ``0 * inf`` in ``P @ V``). Finite inputs take the dense path unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layouts import WindowLayout
+from . import masked_keys
 from .lse_attention import acc_dtype, attend, attend_backward
 
 
@@ -33,11 +39,15 @@ def _allowed(layout: WindowLayout, device: torch.device) -> torch.Tensor:
 
 def forward(q, k, v, layout: WindowLayout, scale: float):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64)."""
+    if masked_keys.has_nonfinite(k, v):
+        return masked_keys.forward(q, k, v, layout, scale)
     return attend(q, k, v, causal=False, scale=scale, allowed=_allowed(layout, q.device), force_math=True)
 
 
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     """Gradients (dq, dk, dv) from the forward's ``out`` and ``lse``."""
+    if masked_keys.has_nonfinite(k, v):
+        return masked_keys.backward(dout, q, k, v, layout, scale)
     return attend_backward(dout, q, k, v, out, lse, causal=False, scale=scale, allowed=_allowed(layout, q.device),
                            force_math=True)
 

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ....layouts import WindowLayout
+from .. import masked_keys
 from ..lse_attention import acc_dtype
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
 from .pieces import (_context_chunks, _from_windows, _intra_backward, _intra_forward, _prefix_backward,
@@ -76,12 +77,20 @@ def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
 
 
 def forward(q, k, v, layout: WindowLayout, scale: float):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs)."""
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] fp32, fp64 for fp64 inputs).
+
+    On CPU a NaN/inf in K or V takes ``masked_keys`` (its products touch only the keys a row
+    sees), so it never reaches a row that does not see it; on CUDA the fused kernels are
+    FlashAttention-like (keep K/V finite)."""
+    if masked_keys.needed(k, v):
+        return masked_keys.forward(q, k, v, layout, scale)
     return _per_element(_forward, (q, k, v), layout, scale)
 
 
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse``."""
+    """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse`` (non-finite K/V: see ``forward``)."""
+    if masked_keys.needed(k, v):
+        return masked_keys.backward(dout, q, k, v, layout, scale)
     return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)
 
 
