@@ -72,7 +72,7 @@ MUTATIONS = [
          old="out, lse, *_layout_args(layout), float(scale))", new="out, lse, *_layout_args(layout), 1.0)",
          tests=["python_tests/test_cpp_attention.py"]),
     dict(id="cpp-row-intervals-shifted-one-row", file=f"{WA}/cpp.py",
-         old="layout.row_intervals_int32, layout.n_ctx,", new="layout.row_intervals_int32.roll(1, 1).contiguous(), layout.n_ctx,",
+         old="layout.row_intervals_int32, *layout.cpu_query_tiles,", new="layout.row_intervals_int32.roll(1, 1).contiguous(), *layout.cpu_query_tiles,",
          tests=["python_tests/test_cpp_attention.py"]),
     # --- composite backend: accumulation over chunks
     dict(id="composite-prefix-dk-=", file=f"{WA}/composite/pieces.py",

@@ -318,13 +318,13 @@ class WindowLayout:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
         return self._derived("layout.row_intervals_int32", lambda: self._row_intervals.to(torch.int32).contiguous())
 
-    @functools.cached_property
+    @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 ``(row_order [Lq], tile_begin [T + 1])``: which query rows the C++ kernels compute
         together (``layouts/intervals.py``, ``cpu_query_tiles``)."""
         if self.n_keys >= 2**31:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
-        return _iv.cpu_query_tiles(self)
+        return self._derived("layout.cpu_query_tiles", lambda: _iv.cpu_query_tiles(self))
 
     def dense_mask(self) -> torch.Tensor:
         """bool [Lq, Lk] (or [B, Lq, Lk] for per-batch ranges): True where query row sees key column."""
