@@ -1,14 +1,14 @@
-"""A/B of the cpp backend between two git commits, at the README headline shape.
+"""A/B of the cpp backend between git commits, at the README headline shape.
 
-    python bench/cpp_ab.py                                  # 2e66b3e vs HEAD, 2 threads
-    python bench/cpp_ab.py --base 2e66b3e --head HEAD --rounds 7 --json /tmp/cpp_ab.json
+    python -m bench.cpp_ab                                   # 2e66b3e vs HEAD, 2 threads
+    python -m bench.cpp_ab --commits 2e66b3e 68394f4 HEAD --rounds 7 --json /tmp/cpp_ab.json
 
 Each commit gets a ``git worktree`` (detached) under ``--workdir`` (default
 /tmp/kforcing_cpp_ab) and its C++ extension built in place there (skipped when that
 worktree already has one). Every measurement runs in a fresh subprocess whose
 PYTHONPATH (and working directory) is that worktree, so each side imports its own
 ``kforcing_kernels`` and ``_C``; the child checks that it did. Rounds alternate the
-commits (A B A B ...): a busy machine slows both alike. Per round and case the child
+commits (A B C A B C ...): a busy machine slows all alike. Per round and case the child
 reports the median of ``--iters`` timed calls after warm-up; the table gives the
 median over rounds. Forward: ``window_attention(..., backend="cpp")`` without grad;
 forward+backward: the same with ``out.backward(dout)``. fp32, B=1, H=12, D=64,
@@ -128,8 +128,8 @@ def measure(path: Path, cfg: dict) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default=DEFAULT_BASE, help=f"commit A (default {DEFAULT_BASE}, see the module docstring)")
-    p.add_argument("--head", default="HEAD", help="commit B (default HEAD)")
+    p.add_argument("--commits", nargs="+", default=[DEFAULT_BASE, "HEAD"],
+                   help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the module docstring)")
     p.add_argument("--workdir", default="/tmp/kforcing_cpp_ab", help="where the worktrees go")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the children (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")
@@ -145,16 +145,17 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="cpp_ab.json", help="where the results go (default ./cpp_ab.json)")
     args = p.parse_args(argv)
 
-    commits = {"A": git("rev-parse", args.base + "^{commit}"), "B": git("rev-parse", args.head + "^{commit}")}
+    sides = [chr(ord("A") + i) for i in range(len(args.commits))]
+    commits = {side: git("rev-parse", c + "^{commit}") for side, c in zip(sides, args.commits)}
     paths = {side: worktree(c, Path(args.workdir)) for side, c in commits.items()}
     for path in paths.values():
         build(path, args.jobs)
     cfg = dict(threads=args.threads, iters=args.iters, warmup=args.warmup, layouts=args.layouts.split(","),
                n=args.n, k=args.k, batch=args.batch_size, heads=args.heads, dim=args.dim)
-    rounds = {"A": [], "B": []}
+    rounds = {side: [] for side in sides}
     isa = {}
     for r in range(args.rounds):
-        for side in ("A", "B"):
+        for side in sides:
             got = measure(paths[side], cfg)
             isa[side] = got["isa"]
             rounds[side].append(got["ms"])
@@ -163,15 +164,16 @@ def main(argv=None) -> None:
     cases = list(rounds["A"][0])
     med = {side: {c: statistics.median(x[c] for x in rounds[side]) for c in cases} for side in rounds}
 
-    a, b = commits["A"][:10], commits["B"][:10]
     print(f"cpp backend, B={args.batch_size} H={args.heads} D={args.dim} N={args.n} k={args.k} fp32, "
-          f"{args.threads} threads, ISA {isa['A']}/{isa['B']}; median of {args.rounds} alternating rounds "
+          f"{args.threads} threads, ISA {'/'.join(isa[s] for s in sides)}; median of {args.rounds} alternating rounds "
           f"(each the median of {args.iters} calls)\n")
-    print(f"| layout | pass | A {a} (ms) | B {b} (ms) | B / A |")
-    print("|---|---|---:|---:|---:|")
+    print("| layout | pass | " + " | ".join(f"{s} {commits[s][:10]} (ms)" for s in sides) + " | "
+          + " | ".join(f"{s} / A" for s in sides[1:]) + " |")
+    print("|---|---|" + "---:|" * (2 * len(sides) - 1))
     for c in cases:
         layout, mode = c.split("/")
-        print(f"| {layout} | {mode} | {med['A'][c]:.2f} | {med['B'][c]:.2f} | {med['B'][c] / med['A'][c]:.3f} |")
+        print(f"| {layout} | {mode} | " + " | ".join(f"{med[s][c]:.2f}" for s in sides) + " | "
+              + " | ".join(f"{med[s][c] / med['A'][c]:.3f}" for s in sides[1:]) + " |")
     out = dict(commits=commits, config=cfg, rounds=args.rounds, isa=isa, median_ms=med, per_round_ms=rounds)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\n[cpp_ab] wrote {args.json}", file=sys.stderr)
