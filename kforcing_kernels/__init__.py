@@ -14,6 +14,6 @@ from . import _moved
 
 _moved.install()  # the application modules of 0.2 (kforcing_kernels.train, ...) under their old names, for one release
 
-__version__ = "0.2.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
+__version__ = "0.3.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = ["WindowLayout", "window_attention", "inverse_cdf_sample", "noise_inversion", "backends_available", "default_backend", "BACKENDS", "__version__"]
