@@ -175,6 +175,7 @@ def main(argv=None) -> None:
         print(f"| {layout} | {mode} | " + " | ".join(f"{med[s][c]:.2f}" for s in sides) + " | "
               + " | ".join(f"{med[s][c] / med['A'][c]:.3f}" for s in sides[1:]) + " |")
     out = dict(commits=commits, config=cfg, rounds=args.rounds, isa=isa, median_ms=med, per_round_ms=rounds)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\n[cpp_ab] wrote {args.json}", file=sys.stderr)
 
