@@ -191,3 +191,51 @@ def ptp_truncated_elementwise(n_ctx, starts, length, doc_starts, doc_ends):
         for j2 in range(j + 1):
             mask[qi, n_ctx + c * length + j2] = True
     return mask
+
+
+def dflash_elementwise(n_ctx, anchors, block, keep=None, intra="full", window=None, window_mode="block", cu=None):
+    """DFlash anchor-block mask (SpecForge's create_dflash_sdpa_mask, written out), bool [B, 1, Q, S + Q].
+
+    KV ``[context (S) | block_0 | ... | block_{n-1}]``, Q the blocks. Block i (anchor a) sees context
+    kv < a (and, packed, only a's document), its own block (all of it, or slots <= its own when
+    causal), nothing else; a dropped block sees nothing. Sliding windows: "block" (vLLM speculators)
+    kv >= a - W for the whole block; "slot" (SpecForge) kv >= a + o - (W - 1) for slot o.
+    ``anchors``/``keep``: lists of rows (one per batch element); ``cu``: one offsets list per row or None.
+    """
+    rows = len(anchors)
+    n = len(anchors[0])
+    q_len = n * block
+    mask = torch.zeros(rows, 1, q_len, n_ctx + q_len, dtype=torch.bool)
+    for b in range(rows):
+        for qi in range(q_len):
+            i, o = qi // block, qi % block
+            a = anchors[b][i]
+            if keep is not None and not keep[b][i]:
+                continue
+            for kv in range(n_ctx + q_len):
+                if kv < n_ctx:
+                    ok = kv < a
+                    if cu is not None:
+                        ok = ok and doc_of(cu[b], kv) == doc_of(cu[b], min(a, n_ctx - 1))
+                    if window is not None:
+                        ok = ok and kv >= (a - window if window_mode == "block" else a + o - (window - 1))
+                else:
+                    j, r = (kv - n_ctx) // block, (kv - n_ctx) % block
+                    ok = j == i and (intra == "full" or r <= o)
+                mask[b, 0, qi, kv] = ok
+    return mask
+
+
+def jacobi_batched_elementwise(prompts, noisy):
+    """Batched Jacobi Forcing: sample b is jacobi_elementwise(P_b, T_b) placed in the padded frame
+    ``[prompt_b | clean_b | pad (to C = max P+T) || noisy_b | pad (to max T)]``, bool [B, 1, L, L]."""
+    c = max(p + t for p, t in zip(prompts, noisy))
+    size = c + max(noisy)
+    mask = torch.zeros(len(prompts), 1, size, size, dtype=torch.bool)
+    for b, (p, t) in enumerate(zip(prompts, noisy)):
+        where = list(range(p + t)) + list(range(c, c + t))  # sample position -> frame position
+        one = jacobi_elementwise(p, t)
+        for qi, fq in enumerate(where):
+            for ki, fk in enumerate(where):
+                mask[b, 0, fq, fk] = one[qi, ki]
+    return mask

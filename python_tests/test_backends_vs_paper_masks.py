@@ -11,6 +11,8 @@ import torch
 from paper_masks import (
     bd3lm_block_diff_mask,
     causal_packed_elementwise,
+    dflash_elementwise,
+    jacobi_batched_elementwise,
     jacobi_elementwise,
     kforcing_double_elementwise,
     kforcing_double_packed_elementwise,
@@ -46,6 +48,20 @@ CASES = {
                       lambda: kforcing_double_packed_elementwise(7, 2, [0, 3, 7])),
     "sbd_packed": (lambda: WindowLayout.sbd(12, 3, cu_seqlens=[0, 6, 12]), lambda: sbd_packed_elementwise(12, 3, [0, 6, 12])),
     "bd3lm": (lambda: WindowLayout.bd3lm(12, 4), lambda: _bd3lm_ours(12, 4)),
+    # Block drafters (two batch elements, as check() uses): DFlash full blocks with dropped blocks and
+    # anchors at 0, at the last context token and at S; causal blocks; speculators' block window over
+    # packed documents; SpecForge's per-slot sliding window.
+    "dflash": (lambda: WindowLayout.anchor_blocks(9, [[0, 8, 4], [9, 3, 3]], 3, keep=[[True, True, False], [True, True, True]]),
+               lambda: dflash_elementwise(9, [[0, 8, 4], [9, 3, 3]], 3, keep=[[True, True, False], [True, True, True]])),
+    "dflash_causal": (lambda: WindowLayout.anchor_blocks(9, [5, 8], 3, intra="causal"),
+                      lambda: dflash_elementwise(9, [[5, 8]], 3, intra="causal")),
+    "dflash_window_block_packed": (
+        lambda: WindowLayout.anchor_blocks(10, [[4, 9], [7, 2]], 2, window=3, cu_seqlens=[[0, 3, 10], [0, 6, 10]]),
+        lambda: dflash_elementwise(10, [[4, 9], [7, 2]], 2, window=3, cu=[[0, 3, 10], [0, 6, 10]])),
+    "dflash_window_slot": (lambda: WindowLayout.anchor_blocks(10, [[4, 9], [7, 1]], 4, window=3, window_mode="slot"),
+                           lambda: dflash_elementwise(10, [[4, 9], [7, 1]], 4, intra="causal", window=3, window_mode="slot")),
+    "jacobi_batched": (lambda: WindowLayout.jacobi([3, 5], num_blocks=[2, 1], block_size=[2, 3]),
+                       lambda: jacobi_batched_elementwise([3, 5], [4, 3])),
 }
 
 

@@ -123,15 +123,139 @@ def ptp(cls: "type[WindowLayout]", n_ctx: int, starts: IntsLike, completion_len:
     return cls(n_ctx, hi.shape[-1], completion_len, lo, hi, intra="causal", queries="windows", live_slots=live)
 
 
-def jacobi(cls: "type[WindowLayout]", n_prompt: int, n_noisy: int) -> "WindowLayout":
+def jacobi(cls: "type[WindowLayout]", n_prompt, n_noisy=None, *, num_blocks=None, block_size=None) -> "WindowLayout":
     """Jacobi Forcing noise-conditioned mask, one noisy stream.
 
     Storage ``[prompt (P) | clean stream (T) | noisy stream (T)]``: prompt and clean
     stream form one causal (AR) sequence; the noisy stream is one causal window
     that sees the prompt ``[0, P)`` only. Queries: all ``P + 2T`` tokens.
+
+    Batched (Jacobi Forcing's trainer: prompt length, block count and block size per sample):
+    give ``n_prompt`` and ``n_noisy`` (or ``num_blocks`` and ``block_size``, ``T = N * block``)
+    as ints or per-sample ``[B]`` sequences. Sample b is then ``jacobi(P_b, T_b)`` padded to the
+    batch: context ``[prompt_b | clean_b | padding]`` of ``C = max(P_b + T_b)`` tokens, one window
+    of ``max(T_b)`` slots ``[noisy_b | padding]``; padding rows see nothing and nobody sees them.
+    ``layouts.jacobi`` maps Jacobi Forcing's interleaved storage to this order and back.
     """
-    n_prompt, n_noisy = positive_int("n_prompt", n_prompt), positive_int("n_noisy", n_noisy)
-    return cls(n_prompt + n_noisy, 1, n_noisy, [0], [n_prompt], intra="causal", queries="all")
+    if n_noisy is None:
+        if num_blocks is None or block_size is None:
+            raise ValueError("n_noisy: give n_noisy, or num_blocks and block_size")
+        counts, sizes = _per_sample("num_blocks", num_blocks), _per_sample("block_size", block_size)
+        if counts.dim() and sizes.dim() and counts.shape != sizes.shape:
+            raise ValueError(f"block_size: expected the shape of num_blocks {tuple(counts.shape)}, got {tuple(sizes.shape)}")
+        noisy = counts * sizes
+    elif num_blocks is not None or block_size is not None:
+        raise ValueError("num_blocks: give n_noisy or num_blocks and block_size, not both")
+    else:
+        noisy = _per_sample("n_noisy", n_noisy)
+    prompt = _per_sample("n_prompt", n_prompt)
+    if prompt.dim() == 0 and noisy.dim() == 0:
+        p, t = int(prompt), int(noisy)
+        return cls(p + t, 1, t, [0], [p], intra="causal", queries="all")
+    if prompt.dim() and noisy.dim() and prompt.shape != noisy.shape:
+        raise ValueError(f"n_noisy: expected one value per sample like n_prompt {tuple(prompt.shape)}, got {tuple(noisy.shape)}")
+    b = (prompt if prompt.dim() else noisy).shape[0]
+    prompt, noisy = prompt.expand(b).clone(), noisy.expand(b).clone()
+    c, t = int((prompt + noisy).max()), int(noisy.max())
+    pos = torch.arange(c)
+    inside = pos[None] < (prompt + noisy)[:, None]  # [B, C]: prompt + clean tokens; the rest is padding
+    context_hi = torch.where(inside, pos[None] + 1, 0)
+    return cls(c, 1, t, torch.zeros(b, 1, dtype=torch.int64), prompt[:, None], intra="causal", queries="all",
+               context_lo=torch.zeros_like(context_hi), context_hi=context_hi, live_slots=noisy[:, None])
+
+
+def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, block: int, *, keep=None,
+                  intra: Optional[str] = None, window: Optional[int] = None, window_mode: str = "block",
+                  cu_seqlens=None) -> "WindowLayout":
+    """Anchor blocks: DFlash-style block-draft training (SpecForge, vLLM speculators).
+
+    Keys ``[context (S) | block_0 | ... | block_{n-1}]`` (``block`` tokens each), queries the
+    blocks only. Block i, anchored at context position ``anchors[i]``, sees the context strictly
+    before its anchor, ``[doc_start(a_i), a_i)`` (``[0, a_i)`` unpacked), and its own block:
+    ``intra="full"`` (DFlash, the default) or ``"causal"``; never another block. A block with
+    ``keep[i]`` False (dropped by the sampler) sees nothing and nobody sees it.
+
+    ``window=W`` restricts the context to a sliding window:
+
+    * ``window_mode="block"`` (vLLM speculators): the whole block sees ``[max(doc_start, a - W), a)``;
+    * ``window_mode="slot"`` (SpecForge's sliding-window layers): slot o sees
+      ``[max(doc_start, a + o - (W - 1)), a)``, the window counting the slot itself; these layers
+      are causal inside the block, so ``intra`` defaults to ``"causal"`` in this mode.
+
+    S=6, anchors=[2, 5], block=2, full (``#`` = attended)::
+
+                    keys: c0 c1 c2 c3 c4 c5 | b0 b0 | b1 b1
+        block 0 slot 0    #  #              |  #  # |
+        block 0 slot 1    #  #              |  #  # |
+        block 1 slot 0    #  #  #  #  #     |       |  #  #
+        block 1 slot 1    #  #  #  #  #     |       |  #  #
+
+    Args:
+        n_ctx: S, the context length.
+        anchors: int ``[n]`` or ``[B, n]`` (per batch element), each in ``[0, S]``.
+        block: tokens per block.
+        keep: bool ``[n]`` or ``[B, n]``: blocks to train on (default all).
+        intra: ``"full"`` or ``"causal"`` inside a block (default: full; causal for ``window_mode="slot"``).
+        window: W >= 1, the sliding window (None: the whole context before the anchor).
+        window_mode: ``"block"`` or ``"slot"``, see above.
+        cu_seqlens: packed documents over the S context tokens (shared or per batch element).
+    """
+    n_ctx = as_int_tensor("n_ctx", [n_ctx], dims=(1,))[0].item()
+    if n_ctx < 0:
+        raise ValueError(f"n_ctx: expected >= 0, got {n_ctx}")
+    block = positive_int("block", block)
+    a = as_int_tensor("anchors", anchors)
+    if a.shape[-1] == 0:
+        raise ValueError("anchors: expected at least one block, got none")
+    if bool((a < 0).any()) or bool((a > n_ctx).any()):
+        bad = a[(a < 0) | (a > n_ctx)][0]
+        raise ValueError(f"anchors: expected positions in [0, n_ctx={n_ctx}], got {int(bad)}")
+    if window_mode not in ("block", "slot"):
+        raise ValueError(f"window_mode: expected 'block' or 'slot', got {window_mode!r}")
+    intra = intra if intra is not None else ("causal" if window is not None and window_mode == "slot" else "full")
+    lo = torch.zeros_like(a)
+    docs = parse_cu_seqlens(cu_seqlens, n_ctx) if n_ctx else None
+    if docs is not None:
+        starts = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs])  # [S] or [B, S]
+        if starts.dim() == 2 and a.dim() == 2 and starts.shape[0] != a.shape[0]:
+            raise ValueError(f"cu_seqlens: expected one row per batch element ({a.shape[0]}), got {starts.shape[0]}")
+        at = a.clamp(max=n_ctx - 1)  # an anchor at S belongs to the last document
+        if starts.dim() == 2:
+            at = at.expand(starts.shape[0], -1) if at.dim() == 1 else at
+            lo = torch.gather(starts, 1, at)
+        else:
+            lo = starts[at]
+        a = a.expand_as(lo).clone()
+    slide = None
+    if window is not None:
+        w = positive_int("window", window)
+        if window_mode == "block":
+            lo = torch.maximum(lo, a - w)
+        else:
+            slide = a - (w - 1)
+    live = None
+    if keep is not None:
+        try:
+            kept = torch.as_tensor(keep)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"keep: expected a bool sequence, got {type(keep).__name__} ({exc})") from None
+        if kept.dtype != torch.bool or kept.dim() not in (1, 2) or kept.shape[-1] != a.shape[-1]:
+            raise ValueError(f"keep: expected bool [{a.shape[-1]}] or [B, {a.shape[-1]}] (one per block), "
+                             f"got dtype {kept.dtype} shape {tuple(kept.shape)}")
+        if kept.dim() == 2 and a.dim() == 2 and kept.shape[0] != a.shape[0]:
+            raise ValueError(f"keep: expected {a.shape[0]} rows (anchors'), got {kept.shape[0]}")
+        live = kept.to(torch.int64) * block
+    return cls(n_ctx, a.shape[-1], block, lo, a, intra=intra, queries="windows", live_slots=live, prefix_slide_lo=slide)
+
+
+def _per_sample(name: str, value) -> torch.Tensor:
+    """An int (0-dim int64 tensor) or a per-sample ``[B]`` sequence of positive ints."""
+    if isinstance(value, (list, tuple, torch.Tensor)):
+        t = as_int_tensor(name, value, dims=(1,))
+        if t.numel() == 0 or bool((t < 1).any()):
+            raise ValueError(f"{name}: expected positive ints, one per sample, got {t.tolist()}")
+        return t
+    return torch.tensor(positive_int(name, value))
 
 
 # ---------------------------------------------------------------------- range helpers

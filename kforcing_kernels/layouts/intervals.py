@@ -5,7 +5,9 @@ kernels' tile plans read the tensor built here; nothing else re-derives which ke
 a row sees. Row ``r`` sees the union of ``1 + S`` half-open key intervals:
 
     interval 0        its context part: a context row i sees [context_lo[i], context_hi[i])
-                      (default [0, i+1)); a row of window m sees [prefix_lo[m], prefix_hi[m])
+                      (default [0, i+1)); a row of window m sees [prefix_lo[m], prefix_hi[m]), or
+                      with sliding bounds slot o sees [max(prefix_lo[m], slide_lo[m] + o),
+                      min(prefix_hi[m], slide_hi[m] + o))
     interval 1 + j    stream j of its own window (causal: earlier streams whole, its own
                       stream up to itself, later streams nothing; full: every live slot)
 
@@ -59,6 +61,13 @@ def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
         alive = slot_of[None] < live
         lo = layout.prefix_lo.reshape(-1, layout.num_windows)[:, m_of]
         hi = layout.prefix_hi.reshape(-1, layout.num_windows)[:, m_of]
+        if layout.has_sliding_context:  # the bounds move with the slot, clipped to the window's range
+            if layout.prefix_slide_lo is not None:
+                lo = torch.maximum(lo, layout.prefix_slide_lo.reshape(-1, layout.num_windows)[:, m_of] + slot_of)
+            if layout.prefix_slide_hi is not None:
+                hi = torch.minimum(hi, layout.prefix_slide_hi.reshape(-1, layout.num_windows)[:, m_of] + slot_of)
+            seen = lo < hi  # an empty context part is [0, 0); the slot still sees its own window
+            lo, hi = torch.where(seen, lo, 0), torch.where(seen, hi, 0)
         iv[:, key_of, 0, 0] = torch.where(alive, lo, 0)
         iv[:, key_of, 0, 1] = torch.where(alive, hi, 0)
         # Live slots of stream j in each row's window; for S = 1 the stream is the whole window.

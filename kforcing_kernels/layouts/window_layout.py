@@ -9,6 +9,10 @@ Glossary (these words mean one thing each, in Python and in C++):
 * **window**: M groups of w tokens after the context (the last may be shorter).
   Window m sees the context keys ``[prefix_lo[m], prefix_hi[m])`` and its own tokens,
   ``causal`` (slot i sees slots 0..i) or ``full``; never another window's.
+* **sliding bound**: optionally, a window's context bounds move with the slot: slot o of
+  window m sees ``[max(prefix_lo[m], slide_lo[m] + o), min(prefix_hi[m], slide_hi[m] + o))``
+  (``prefix_slide_lo`` / ``prefix_slide_hi``; a sliding-window attention layer over a draft
+  block, SpecForge's DFlash). Without them every slot of a window sees the same context.
 * **slot**: a window-local index ``i`` in ``[0, w)``. Slots ``>= live_slots[m]`` are
   *blank*: they see nothing and nobody sees them (a window cut short).
 * **stream**: stream-major storage keeps each window as S streams of ``w/S`` slots, and
@@ -69,6 +73,10 @@ class WindowLayout:
             ``[context_lo[i], context_hi[i])`` (default ``[0, i+1)``: causal); both or neither.
         live_slots: int ``[M]`` or ``[B, M]``: slots ``>= live_slots[m]`` of window m are
             blank (default: every slot live).
+        prefix_slide_lo, prefix_slide_hi: int ``[M]`` or ``[B, M]`` (each optional): sliding
+            context bounds; slot o of window m sees context keys
+            ``[max(prefix_lo[m], prefix_slide_lo[m] + o), min(prefix_hi[m], prefix_slide_hi[m] + o))``
+            (an empty range sees no context). Any ints: the prefix range clips them.
 
     All range tensors are copied: a layout owns its numbers and never changes.
     """
@@ -88,6 +96,8 @@ class WindowLayout:
         context_lo: Optional[IntsLike] = None,
         context_hi: Optional[IntsLike] = None,
         live_slots: Optional[IntsLike] = None,
+        prefix_slide_lo: Optional[IntsLike] = None,
+        prefix_slide_hi: Optional[IntsLike] = None,
     ):
         n_ctx, num_windows = as_int("n_ctx", n_ctx), as_int("num_windows", num_windows)
         window_size, n_streams = as_int("window_size", window_size), as_int("n_streams", n_streams)
@@ -134,7 +144,10 @@ class WindowLayout:
             if live.numel() and int(live.min()) < 0:
                 raise ValueError(f"live_slots: expected values >= 0, got min {int(live.min())}")
 
-        batches = {t.shape[0] for t in (lo, clo, live) if t is not None and t.dim() == 2}
+        slides = [None if value is None else _ranges(name, value, num_windows, "windows")
+                  for name, value in (("prefix_slide_lo", prefix_slide_lo), ("prefix_slide_hi", prefix_slide_hi))]
+
+        batches = {t.shape[0] for t in (lo, clo, live, *slides) if t is not None and t.dim() == 2}
         if len(batches) > 1:
             raise ValueError(f"live_slots: per-batch ranges disagree on the batch size: {sorted(batches)}")
 
@@ -148,6 +161,7 @@ class WindowLayout:
         self._prefix_lo, self._prefix_hi = lo, hi
         self._context_lo, self._context_hi = clo, chi
         self._live = None if live is None else torch.minimum(live, self.window_lengths().expand_as(live))
+        self._prefix_slide_lo, self._prefix_slide_hi = slides
         self._range_batch = batches.pop() if batches else None
         self._key: Optional[tuple] = None  # cache_key, computed on first use
         self._store: Optional[dict] = None  # derived artifacts, shared by equal layouts (derived.py)
@@ -161,6 +175,7 @@ class WindowLayout:
     bd3lm = classmethod(_constructors.bd3lm)
     ptp = classmethod(_constructors.ptp)
     jacobi = classmethod(_constructors.jacobi)
+    anchor_blocks = classmethod(_constructors.anchor_blocks)
 
     # ------------------------------------------------------------------ the numbers (copies)
 
@@ -180,6 +195,21 @@ class WindowLayout:
     @property
     def context_hi(self) -> Optional[torch.Tensor]:
         return None if self._context_hi is None else self._context_hi.clone()
+
+    @property
+    def prefix_slide_lo(self) -> Optional[torch.Tensor]:
+        """int64 [M] or [B, M]: slot o's context starts at ``max(prefix_lo, prefix_slide_lo + o)``; None: no slide."""
+        return None if self._prefix_slide_lo is None else self._prefix_slide_lo.clone()
+
+    @property
+    def prefix_slide_hi(self) -> Optional[torch.Tensor]:
+        """int64 [M] or [B, M]: slot o's context ends at ``min(prefix_hi, prefix_slide_hi + o)``; None: no slide."""
+        return None if self._prefix_slide_hi is None else self._prefix_slide_hi.clone()
+
+    @property
+    def has_sliding_context(self) -> bool:
+        """Whether some window's context bounds move with the slot (then its slots may see different context)."""
+        return self._prefix_slide_lo is not None or self._prefix_slide_hi is not None
 
     @property
     def live_slots(self) -> Optional[torch.Tensor]:
@@ -252,6 +282,10 @@ class WindowLayout:
             extra += f", context_ranges={tuple(self._context_lo.shape)}"
         if self._live is not None:
             extra += f", live_slots={tuple(self._live.shape)}"
+        for name in ("prefix_slide_lo", "prefix_slide_hi"):
+            t = getattr(self, "_" + name)
+            if t is not None:
+                extra += f", {name}={tuple(t.shape)}"
         return (
             f"WindowLayout(n_ctx={self.n_ctx}, num_windows={self.num_windows}, window_size={self.window_size}, "
             f"last_window_size={self.last_window_size}, intra={self.intra!r}, queries={self.queries!r}, "
@@ -266,7 +300,8 @@ class WindowLayout:
         if self._key is None:
             self._key = _derived_store.content_key(
                 self.n_ctx, self.num_windows, self.window_size, self.last_window_size, self.intra, self.queries,
-                self.n_streams, (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live))
+                self.n_streams, (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live,
+                                 self._prefix_slide_lo, self._prefix_slide_hi))
         return self._key
 
     def _derived(self, name: Hashable, build: Callable[[], _T]) -> _T:
@@ -288,6 +323,7 @@ class WindowLayout:
             self.n_ctx, self.num_windows, self.window_size, pick(self._prefix_lo), pick(self._prefix_hi),
             last_window_size=self.last_window_size, intra=self.intra, queries=self.queries, n_streams=self.n_streams,
             context_lo=pick(self._context_lo), context_hi=pick(self._context_hi), live_slots=pick(self._live),
+            prefix_slide_lo=pick(self._prefix_slide_lo), prefix_slide_hi=pick(self._prefix_slide_hi),
         )
 
     # ------------------------------------------------------------------ semantics (derived once)

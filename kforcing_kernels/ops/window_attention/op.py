@@ -148,7 +148,7 @@ def _validate(q, k, v, layout, scale, backend) -> None:
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)
-_RANGE_FIELDS = ("_prefix_lo", "_prefix_hi", "_context_lo", "_context_hi", "_live")
+_RANGE_FIELDS = ("_prefix_lo", "_prefix_hi", "_context_lo", "_context_hi", "_live", "_prefix_slide_lo", "_prefix_slide_hi")
 
 
 def _layout_args(layout: WindowLayout):
@@ -168,10 +168,10 @@ def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayou
         t = t.to(device="cpu", dtype=torch.int64)
         optional = name not in ("_prefix_lo", "_prefix_hi")
         tensors.append(None if optional and t.dim() == 1 and t.numel() == 0 else t)
-    prefix_lo, prefix_hi, context_lo, context_hi, live = tensors
+    prefix_lo, prefix_hi, context_lo, context_hi, live, slide_lo, slide_hi = tensors
     return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
         n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
-        context_lo=context_lo, context_hi=context_hi, live_slots=live,
+        context_lo=context_lo, context_hi=context_hi, live_slots=live, prefix_slide_lo=slide_lo, prefix_slide_hi=slide_hi,
     ))
 
 

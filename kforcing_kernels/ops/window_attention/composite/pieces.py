@@ -66,7 +66,7 @@ def is_staircase(layout: WindowLayout) -> bool:
     m = layout.num_windows
     return (
         layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
-        and not layout.has_blank_slots
+        and not layout.has_blank_slots and not layout.has_sliding_context
         and not bool(layout.prefix_lo.any()) and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
     )
 
