@@ -505,3 +505,18 @@ def test_dump_grads_that_cannot_be_written_fails_before_training(tmp_path, corpu
                                      "--dump-grads", str(tmp_path)])
     assert "--dump-grads" in err and "is a directory" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
+def test_a_locked_folder_stops_every_rank_of_a_torchrun_run(tmp_path, corpus_dir):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.app.train",
+            "stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
+            "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    with RunLock(out):
+        result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert result.stderr.count("is in use by another run") >= 2, result.stderr[-3000:]  # both ranks say why, none hangs
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
