@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import atomic_write
+from kforcing_kernels.app.checkpoint import LOCK_NAME, atomic_write
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
@@ -41,7 +41,8 @@ micro = functools.partial(micro_config, steps=4, warmup_steps=1)
 
 
 def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file of ``folder`` but the run lock (an empty file a run attempt creates and keeps: checkpoint.RunLock)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 def run_record(folder: Path) -> list[tuple]:

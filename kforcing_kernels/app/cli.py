@@ -90,15 +90,28 @@ positive_float_list = checked(_float_list, lambda v: all(x > 0 and math.isfinite
 
 
 def resolve_device(name: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; anything else is checked by torch."""
+    """``"auto"`` -> ``"cuda"`` when torch sees a GPU, else ``"cpu"``; anything else is checked by torch, and
+    ``cuda``/``cuda:N``/``mps`` against what this torch and machine have (a usage error, not a traceback later)."""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        torch.device(name)
+        device = torch.device(name)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+                   else "torch sees no CUDA device")
+            raise argparse.ArgumentTypeError(f"{name!r} is not available: {why}; use cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{name!r} is not available: torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    elif device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise argparse.ArgumentTypeError(f"{name!r} is not available on this machine; use cpu or auto")
     return name
 
 

@@ -9,6 +9,11 @@ library; tokenizer and token arrays are cached under ``$KFORCING_CACHE``
 (default ``~/.cache/kforcing_kernels``), keyed by the corpus content and the
 settings, so the second run starts at once. The train/validation split is by
 document (a hash of its name), so it never changes when documents are added.
+
+Identity (what a model records to say which text it met, checked wherever a model meets
+text again): :func:`data_sha256` of the corpus source (names and contents of its documents,
+the hash the cache key is built from) and :func:`tokenizer_sha256` of the tokenizer (its
+serialized JSON, canonicalised).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import env
-from .checkpoint import atomic_write, write_json
+from .checkpoint import atomic_write_file, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
@@ -93,6 +98,25 @@ def load_documents(source: Optional[str] = None) -> list[tuple[str, str]]:
     return stdlib_documents() if source in (None, DEFAULT_SOURCE) else file_documents(source)
 
 
+def documents_sha256(docs: Sequence[tuple[str, str]]) -> str:
+    """SHA-256 over the documents' names and contents, in order: the identity of a corpus source."""
+    digest = hashlib.sha256()
+    for name, text in docs:
+        digest.update(name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
+    return digest.hexdigest()
+
+
+def data_sha256(source: Optional[str] = None) -> str:
+    """:func:`documents_sha256` of ``source`` (``--data``): changes when any document is added, removed or edited."""
+    return documents_sha256(load_documents(source))
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """SHA-256 of a ``tokenizers.Tokenizer``'s serialized JSON (keys sorted, no white space): equal ids for equal text."""
+    canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def is_validation(name: str, val_fraction: float) -> bool:
     """Deterministic document-level split: a stable hash of the name, not Python's salted hash()."""
     h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "big")
@@ -112,6 +136,11 @@ class Corpus:
     eos_id: int
     source: str
     n_documents: tuple[int, int]  # (train, val)
+    data_sha256: str = ""  # :func:`data_sha256` of the source
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return tokenizer_sha256(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:
@@ -153,11 +182,6 @@ def _remove_stale_temporaries(folder: Path, age_s: float = 3600.0) -> None:
             pass
 
 
-def _save_npy(path: str, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, array)
-
-
 def load_corpus(
     source: Optional[str] = None,
     *,
@@ -185,10 +209,9 @@ def load_corpus(
     from tokenizers import __version__ as tokenizers_version
 
     docs = load_documents(source)
-    digest = hashlib.sha256(json.dumps([FORMAT_VERSION, vocab_size, val_fraction, tokenizer_train_bytes, tokenizers_version]).encode())
-    for name, text in docs:
-        digest.update(name.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
-    key = digest.hexdigest()[:16]
+    content = documents_sha256(docs)
+    settings = json.dumps([FORMAT_VERSION, vocab_size, val_fraction, tokenizer_train_bytes, tokenizers_version])
+    key = hashlib.sha256(settings.encode() + content.encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir else default_cache_dir()
     folder = folder / f"corpus-{key}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -229,9 +252,9 @@ def load_corpus(
         if tok.get_vocab_size() < vocab_size:
             raise DataError(f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token vocabulary "
                             f"(the tokenizer stopped at {tok.get_vocab_size()}); give more text or a --vocab-size <= {tok.get_vocab_size()}")
-        atomic_write(paths["tokenizer.json"], lambda p: tok.save(p))
-        atomic_write(paths["train.npy"], lambda p: _save_npy(p, train))
-        atomic_write(paths["val.npy"], lambda p: _save_npy(p, val))
+        write_text(paths["tokenizer.json"], tok.to_str(pretty=True))
+        atomic_write_file(paths["train.npy"], lambda f: np.save(f, train))
+        atomic_write_file(paths["val.npy"], lambda f: np.save(f, val))
         meta = {"source": source or DEFAULT_SOURCE, "documents": [len(train_texts), len(val_texts)], "vocab_size": tok.get_vocab_size()}
         write_json(paths["meta.json"], meta)  # written last: marks the entry complete
 
@@ -248,7 +271,7 @@ def load_corpus(
                            tokenizer_train_bytes=tokenizer_train_bytes, cache_dir=cache_dir, verbose=verbose, _rebuilt=True)
     if verbose:
         print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, vocab {tok.get_vocab_size()}, cache {folder}", flush=True)
-    return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]))
+    return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]), content)
 
 
 def _read_cache(paths: dict[str, Path]):

@@ -32,10 +32,11 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from .checkpoint import write_json, write_text  # noqa: E402
+from .checkpoint import CheckpointError, write_json, write_text  # noqa: E402
+from .data import DataError  # noqa: E402
 from .evaluate import DEMO_EVAL, evaluate_pipeline, format_report, plot_summary  # noqa: E402
 from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
-from .train_config import ConfigError, TrainConfig  # noqa: E402
+from .train_config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()
@@ -97,6 +98,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     name = "quick" if args.quick else "long" if args.long else "demo"
     preset = PRESETS[name]
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        check_out_folder(out)
+    except ConfigError as exc:
+        parser.error(str(exc))
     print(f"[demo] output folder: {out.resolve()}", flush=True)
     print(f"[demo] torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, preset {name}", flush=True)
 
@@ -105,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     pipe = dataclasses.replace(preset["pipeline"], out=str(out))
     try:
         training = run_pipeline(pipe, base)
-    except ConfigError as exc:  # e.g. --long into a folder holding the default demo's stages
+    except (ConfigError, CheckpointError, DataError) as exc:  # e.g. --long into a folder holding the default demo's stages
         parser.error(str(exc))
     t_train = time.perf_counter() - t0
     print(f"[demo] training done in {t_train:.0f}s; evaluating", flush=True)

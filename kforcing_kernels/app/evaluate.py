@@ -37,9 +37,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .data import load_corpus, sample_crops
+from .data import load_corpus, sample_crops, tokenizer_sha256
 from .inference import generate_ar, generate_kforcing
-from .checkpoint import atomic_write, load_model, write_json
+from .checkpoint import CheckpointError, atomic_write_file, check_writable, load_model, write_json
 from ..model import KForcingLM
 from .objectives import forward_distillation_targets, self_forcing_targets
 
@@ -182,14 +182,27 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
 # ---------------------------------------------------------------------- the whole run
 
 
-def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str) -> tuple[KForcingLM, str]:
-    """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher."""
+def _same_tokenizer(a, b) -> Optional[bool]:
+    """Whether two tokenizers map text to the same ids; None when either is missing (a model saved without one)."""
+    if a is None or b is None:
+        return None
+    return tokenizer_sha256(a) == tokenizer_sha256(b)
+
+
+def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM, str]:
+    """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
+
+    ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
+    """
     if isinstance(judge, KForcingLM):
         return judge.eval(), "a model given by the caller"
     folder = Path(judge) if judge is not None else run / "stage0"
     if not (folder / "model.json").exists():
         raise ValueError(f"judge: expected an AR stage folder holding model.json, got {str(folder)!r}")
-    model, info, _ = load_model(folder, device)
+    model, info, judge_tokenizer = load_model(folder, device)
+    if _same_tokenizer(judge_tokenizer, tokenizer) is False:
+        raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to it; "
+                         "pass a judge trained on the run's --data and --vocab-size")
     if info.get("k", 0) != 0:
         raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
     steps = info.get("train_config", {}).get("steps")
@@ -220,9 +233,12 @@ def evaluate_pipeline(
     """
     run = Path(run)
     batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
-    teacher, tinfo, _ = load_model(run / "stage0", device)
-    judge_model, judge_text = load_judge(run, judge, device)
+    teacher, tinfo, tokenizer = load_model(run / "stage0", device)
+    judge_model, judge_text = load_judge(run, judge, device, tokenizer)
     corpus = load_corpus(tinfo["data"], vocab_size=teacher.config.vocab_size)
+    if _same_tokenizer(corpus.tokenizer, tokenizer) is False:
+        raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {run / 'stage0'} was trained (it now "
+                         "gives another tokenizer); restore it to evaluate this run")
     if judge_model.config.vocab_size != teacher.config.vocab_size:
         raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's ({teacher.config.vocab_size})")
     stages = [run / "stage1"] + sorted(run.glob("stage2_k*"), key=lambda p: int(p.name.split("_k")[1]))
@@ -236,9 +252,16 @@ def evaluate_pipeline(
     nll_rows = [{"model": "AR teacher (next token, data)", "k": 0,
                  "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size, seq_len=seq_len, seed=seed)],
                  "agreement": None}]
-    models, prev = {}, teacher
+    models, prev, prev_folder, prev_sha = {}, teacher, run / "stage0", tinfo["tensors"]["sha256"]
     for folder in stages:
-        student, info, _ = load_model(folder, device)
+        student, info, student_tokenizer = load_model(folder, device)
+        # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
+        if _same_tokenizer(student_tokenizer, tokenizer) is False:
+            raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one pipeline")
+        if info.get("teacher_sha256") not in (None, prev_sha):
+            raise ValueError(f"run: {folder} was distilled from another teacher than the {prev_folder} in this folder "
+                             "(retrained since?); retrain the later stages (`kforcing-train pipeline --overwrite`)")
+        prev_folder, prev_sha = folder, info["tensors"]["sha256"]
         row = per_position_nll(student, prev, info["teacher_k"], corpus.val, batches=nll_batches, batch_size=nll_batch_size,
                                seq_len=seq_len, tau=temperature, seed=seed)
         nll_rows.append({"model": f"PFLM(k={info['k']}) [{folder.name}]", **row})
@@ -392,7 +415,7 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
             title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL")
     ax2.legend()
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, dpi=120, format="png"))
+    atomic_write_file(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
     return None
 
@@ -430,6 +453,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
     if not (Path(args.run) / "stage0" / "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
+    if args.judge is not None and not (Path(args.judge) / "model.json").exists():
+        parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
+    if args.json:
+        try:
+            check_writable(args.json, "--json")  # before the evaluation, not after it
+        except CheckpointError as exc:
+            parser.error(f"argument {exc}")
     try:
         summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                     temperature=args.temperature, taus=args.taus, reps=args.reps, seed=args.seed, judge=args.judge,
@@ -438,7 +468,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(str(exc))
     print(format_report(summary))
     if args.json:
-        write_json(args.json, summary)
+        try:
+            write_json(args.json, summary)
+        except CheckpointError as exc:
+            parser.error(f"argument --json: {exc}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from numbers import Integral, Real
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -400,35 +399,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _write_out(parser, args.out, records)
 
 
-def _tmp_path(path: str) -> Path:
-    target = Path(path)
-    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
-
-
 def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
-    """Fail before any work when ``path`` cannot be written (probe: create and remove a temporary next to it)."""
-    if Path(path).is_dir():
-        parser.error(f"argument --out: {path!r} is a directory; expected a file path")
-    tmp = _tmp_path(path)
+    """Fail before any work when ``path`` cannot be written (a folder, a missing or unwritable folder)."""
+    from .checkpoint import CheckpointError, check_writable
+
     try:
-        with open(tmp, "x"):
-            pass
-        tmp.unlink()
-    except OSError as exc:
-        parser.error(f"argument --out: cannot write {path!r}: {exc.strerror or exc}")
+        check_writable(path, "--out")
+    except CheckpointError as exc:
+        parser.error(f"argument {exc}")
 
 
 def _write_out(parser: argparse.ArgumentParser, path: str, records: list) -> None:
-    """JSON Lines, written to a temporary and renamed over ``path`` (never a half-written file; mode from the umask)."""
-    tmp = _tmp_path(path)
+    """JSON Lines through the package's atomic writer (never a half-written file, no symlink followed, mode from the umask)."""
+    from .checkpoint import CheckpointError, write_text
+
     try:
-        with open(tmp, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        parser.error(f"argument --out: cannot write {path!r}: {exc.strerror or exc}")
+        write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    except CheckpointError as exc:
+        parser.error(f"argument --out: {exc}")
 
 
 if __name__ == "__main__":

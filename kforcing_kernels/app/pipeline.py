@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from .checkpoint import read_json
-from .train_config import ConfigError, TrainConfig, changed_settings, existing_run
+from .checkpoint import RunLock, read_json
+from .data import data_sha256
+from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
+                           existing_run, teacher_sha256)
 from .trainer import train
 
 
@@ -93,15 +96,25 @@ def per_round_type(cast, expected: str):
     return parse
 
 
-def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig) -> None:
-    """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for now
-    (else its numbers would mix in)."""
+_RETRAIN = "choose another output folder (--out), or retrain every stage of this one (`kforcing-train pipeline --overwrite`)"
+
+
+def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_hash) -> None:
+    """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for now,
+    on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current --data's."""
     saved = finished.get("train_config") or read_json(folder / "train_config.json")
     # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working directory.
     for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
         raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks for "
-                          f"{wanted!r}; choose another output folder (--out), or retrain every stage of this one "
-                          f"(`kforcing-train pipeline --overwrite`)")
+                          f"{wanted!r}; {_RETRAIN}")
+    # Its identity, not its path: a teacher retrained in place is another teacher.
+    changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)})
+    for key, what in changed:
+        raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was trained "
+                          f"({PROVENANCE[key]}); {_RETRAIN}")
+    if unknown:
+        print(f"[pipeline] warning: {folder} was saved before {', '.join(unknown)} were recorded; reusing it without "
+              f"checking that {' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change", file=sys.stderr)
 
 
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
@@ -111,9 +124,18 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     trained again); one trained with other settings (steps, learning rate, batch size, ...: the keys
     a resume must agree on) is refused with a ConfigError rather than mixed into this run. With
     ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
+    A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file) changed
+    since it was trained is refused the same way. ``pipe.out`` is locked while the stages run.
     """
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
+    check_out_folder(pipe.out)
+    with RunLock(pipe.out):  # one pipeline per folder at a time (each stage's train() locks its own folder too)
+        return _run_stages(pipe, base, steps, lrs)
+
+
+def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list) -> dict:
+    data_hash = functools.lru_cache(maxsize=None)(lambda: data_sha256(base.data))  # read the documents once, if needed
     summaries, teacher = {}, None
     for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
         distill = stage != "stage0"
@@ -125,7 +147,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
         if (folder / "model.json").exists() and not base.overwrite:
             finished = read_json(folder / "model.json")
-            _require_same_settings(folder, finished, cfg)
+            _require_same_settings(folder, finished, cfg, data_hash)
             print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
             summaries[folder.name] = finished.get("summary", {})
         else:

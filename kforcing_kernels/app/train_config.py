@@ -103,6 +103,50 @@ def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()
     return changed
 
 
+# What a run records about the text and the teacher it met (model.json and every checkpoint's "info"), and the
+# option each belongs to. A run saved before these were recorded has none of them: it is accepted with a
+# warning (the settings, vocabulary size and teacher path are still compared), since nothing can tell.
+PROVENANCE = {"data_sha256": "--data", "tokenizer_sha256": "--data", "teacher_sha256": "--teacher"}
+_PROVENANCE_WHAT = {"data_sha256": "the text of --data", "tokenizer_sha256": "the tokenizer of --data",
+                    "teacher_sha256": "the teacher's model file (--teacher)"}
+
+
+def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], list[str]]:
+    """Compare the provenance entries of ``now`` (only those it has) with a saved run's ``saved``.
+
+    Returns ``([(key, sentence saying what changed)], [keys the saved run did not record])``.
+    """
+    changed, unknown = [], []
+    for key, value in now.items():
+        if value is None:
+            continue
+        if saved.get(key) is None:
+            unknown.append(key)
+        elif saved[key] != value:
+            changed.append((key, f"{_PROVENANCE_WHAT[key]} changed (sha256 {saved[key][:12]}... then, {value[:12]}... now)"))
+    return changed, unknown
+
+
+def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
+    """The SHA-256 of a teacher stage's model file (recorded in its model.json), or None without a teacher."""
+    if not teacher:
+        return None
+    from .checkpoint import read_model_info
+
+    return read_model_info(teacher)["tensors"]["sha256"]
+
+
+def check_out_folder(out, option: str = "--out") -> None:
+    """``out`` must be a folder or not exist yet, and no existing part of its path may be a file."""
+    path = Path(out)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = f"{str(path)!r} is a file" if part == path else f"{str(part)!r} (in {str(path)!r}) is a file"
+                raise ConfigError(f"out: {what}; {option} expects a folder (an existing one or one to create)")
+            break
+
+
 def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     """Clear errors for settings that cannot work, naming the setting."""
     if cfg.stage not in STAGES:
@@ -128,6 +172,7 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"batch_size: expected a multiple of world size x grad_accum = {world} x {cfg.grad_accum}, got {cfg.batch_size}")
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ConfigError(f"stop_at: expected a step in [1, steps={cfg.steps}], got {cfg.stop_at}")
+    check_out_folder(cfg.out)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("overwrite: --overwrite starts the run again and --resume continues it; pass one of them")
 

@@ -13,8 +13,16 @@ the uninterrupted run bit for bit and a data-parallel run averages the same
 gradients as a single process.
 
 An output folder holds one run: a second run into it is refused unless it continues
-the first (``--resume``) or replaces it (``--overwrite``). The checkpoint of the last
-step is written before the final evaluation, so no error after training loses steps.
+the first (``--resume``) or replaces it (``--overwrite``), and a run holds an exclusive lock
+on its folder (``.kforcing.lock``, rank 0) while it runs, so a second run started into it
+at the same time fails at once. The checkpoint of the last step is written before the
+final evaluation, so no error after training loses steps.
+
+Provenance: every checkpoint and model.json records ``data_sha256`` (the text of --data),
+``tokenizer_sha256`` and, for a distilled stage, ``teacher_sha256`` (the SHA-256 of the
+teacher's model file). A student trains only with its teacher's tokenizer; ``--resume``
+refuses when the text, the tokenizer or the teacher changed. A run saved before these were
+recorded resumes with a warning (its settings, vocabulary size and teacher path are still checked).
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from tqdm import tqdm
 from .. import env
 from ..model import PRESETS, KForcingLM
 from .checkpoint import (
+    CheckpointError,
+    RunLock,
     append_jsonl,
-    atomic_write,
+    check_writable,
     latest_checkpoint,
     load_checkpoint,
     load_model,
@@ -49,8 +59,9 @@ from .checkpoint import (
     save_tensors,
     stderr_log,
     write_json,
+    write_text,
 )
-from .data import Corpus, load_corpus
+from .data import Corpus, data_sha256, load_corpus, tokenizer_sha256
 from .objectives import (
     Objective,
     compute_loss,
@@ -58,11 +69,14 @@ from .objectives import (
     step_generator,
 )
 from .train_config import (
+    PROVENANCE,
     ConfigError,
     TrainConfig,
+    changed_provenance,
     changed_settings,
     check_splits,
     prepare_out,
+    teacher_sha256,
     validate_config,
 )
 
@@ -119,7 +133,18 @@ def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def _build(cfg: TrainConfig, info: DistInfo):
+def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus, log) -> None:
+    """The student learns the teacher's token ids: the tokenizer of --data must be the teacher's."""
+    if teacher_tokenizer is None:
+        log(f"warning: {cfg.teacher} has no tokenizer.json; only its vocabulary size can be checked against --data")
+        return
+    if tokenizer_sha256(teacher_tokenizer) != corpus.tokenizer_sha256:
+        raise ConfigError(f"teacher: the tokenizer of --teacher {cfg.teacher} is not the one --data {cfg.data!r} "
+                          f"(--vocab-size {cfg.vocab_size}) gives: the same ids would mean other text; distil on the "
+                          "teacher's --data and --vocab-size, or train a teacher on this --data")
+
+
+def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
     """(student, teacher or None, student k, provenance info)."""
     init = torch.Generator().manual_seed(cfg.seed)
     if cfg.stage == "stage0":
@@ -127,9 +152,10 @@ def _build(cfg: TrainConfig, info: DistInfo):
         student = KForcingLM(model_cfg)
         student.reset_parameters(init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
-        return student, None, 0, {"kind": "ar", "k": 0}
-    teacher, tinfo, _ = load_model(cfg.teacher, info.device)
+        return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
+    teacher, tinfo, teacher_tokenizer = load_model(cfg.teacher, info.device)
     teacher.requires_grad_(False)
+    _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
         if tinfo["k"] != 0:
             raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}")
@@ -142,7 +168,8 @@ def _build(cfg: TrainConfig, info: DistInfo):
         student = copy.deepcopy(teacher).cpu()
         k = 2 * tinfo["k"]
     student.requires_grad_(True)
-    info = {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"], "supervision": cfg.supervision}
+    info = {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
+            **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
     return student, teacher, k, info
 
 
@@ -161,27 +188,83 @@ def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
 
 
-def _resume_state(out: Path, cfg: TrainConfig) -> Path:
+def _text_provenance(corpus: Corpus) -> dict:
+    return {"data_sha256": corpus.data_sha256, "tokenizer_sha256": corpus.tokenizer_sha256}
+
+
+def _require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
+    """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
+    changed, unknown = changed_provenance(saved, now)
+    for key, what in changed:
+        raise ConfigError(f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or start "
+                          f"again with --overwrite (or another --out) ({PROVENANCE[key]})")
+    if unknown:
+        log(f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
+            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since")
+
+
+def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
+    """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
-    _require_resume_settings(read_checkpoint_meta(ckpt)["train_config"], cfg, f"the run in {out}")
-    return ckpt
+    meta = read_checkpoint_meta(ckpt)
+    _require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
+    _require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+                             f"the run in {out}", log)
+    return ckpt, meta
 
 
 # ---------------------------------------------------------------------- the training loop
 
 
+def _lock_out(out: Path, info: DistInfo) -> Optional[RunLock]:
+    """Rank 0 locks the run folder; every rank fails with the same message when another run holds it."""
+    lock, error = None, None
+    if info.main:
+        try:
+            lock = RunLock(out).acquire()
+        except CheckpointError as exc:
+            error = exc
+    if info.world > 1:
+        box = [None if error is None else str(error)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and error is None:
+            error = CheckpointError(box[0])
+    if error is not None:
+        raise error
+    return lock
+
+
 def train(cfg: TrainConfig) -> dict:
-    """Run one stage; returns a summary (final loss, validation loss, timings)."""
+    """Run one stage; returns a summary (final loss, validation loss, timings).
+
+    The run folder is locked (:class:`~kforcing_kernels.app.checkpoint.RunLock`, held by rank 0) from the
+    first look at it to the return: a second run into the same ``out`` fails at once.
+    """
     info = setup_distributed(cfg.device)
     validate_config(cfg, info.world)
     out = Path(cfg.out)
+    lock = _lock_out(out, info)
+    try:
+        return _train(cfg, info, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
     log = stderr_log(f"[{cfg.stage}]") if info.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
         _require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
+        _require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+                                 f"the finished run in {out}", log)
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
     prepare_out(cfg, info.main, log)
+    if cfg.dump_grads and info.main:
+        check_writable(cfg.dump_grads, "--dump-grads")  # now, not after the first step
+    # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new tokenizer).
+    ckpt, ckpt_meta = _resume_state(out, cfg, log) if cfg.resume else (None, None)
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
     if info.main:
@@ -191,7 +274,9 @@ def train(cfg: TrainConfig) -> dict:
         corpus = load_corpus(cfg.data, vocab_size=cfg.vocab_size)
 
     objective = Objective.of(cfg.stage, cfg.supervision)
-    student, teacher, k, model_info = _build(cfg, info)
+    if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
+        _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
+    student, teacher, k, model_info = _build(cfg, info, corpus, log)
     if student.config.vocab_size != corpus.vocab_size:
         raise ConfigError(f"vocab_size: the model has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} has {corpus.vocab_size}")
     check_splits(cfg, corpus, objective, k)
@@ -201,14 +286,13 @@ def train(cfg: TrainConfig) -> dict:
     scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     start = 0
     if cfg.resume:
-        ckpt = _resume_state(out, cfg)
         start = load_checkpoint(ckpt, student, optimizer, scaler)["step"]
         log(f"resumed from {ckpt} at step {start}")
     if info.main:
         out.mkdir(parents=True, exist_ok=True)
         recover_metrics(out / "metrics.jsonl", start, log)
         write_json(out / "train_config.json", cfg.to_dict())
-        atomic_write(out / "tokenizer.json", lambda p: corpus.tokenizer.save(p))
+        write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
     model = student
     if info.world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
