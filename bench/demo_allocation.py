@@ -53,7 +53,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def train_and_score(spec: dict, out: Path, device: str) -> dict:
     """One variant: the demo pipeline with ``spec``'s steps in ``out``, then the demo's evaluation."""
     from kforcing_kernels.app.demo import DEMO
-    from kforcing_kernels.app.evaluate import evaluate_pipeline, format_report
+    from kforcing_kernels.app.evaluate import evaluate_pipeline
+    from kforcing_kernels.app.report import format_report
     from kforcing_kernels.app.pipeline import run_pipeline
 
     base = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=spec["seed"])

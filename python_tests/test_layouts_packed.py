@@ -8,7 +8,7 @@ import torch
 from kforcing_kernels import WindowLayout
 
 
-from paper_masks import doc_of, causal_packed_elementwise, kforcing_single_packed_elementwise, kforcing_double_packed_elementwise, sbd_packed_elementwise, bd3lm_block_diff_mask, ptp_truncated_elementwise  # noqa: E402
+from paper_masks import causal_packed_elementwise, kforcing_single_packed_elementwise, kforcing_double_packed_elementwise, sbd_packed_elementwise, bd3lm_block_diff_mask, ptp_truncated_elementwise  # noqa: E402
 
 
 DOCS = [[0, 7], [0, 3, 7], [0, 1, 2, 7], [0, 4, 4, 7], [0, 5, 6, 7]]

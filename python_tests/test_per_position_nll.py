@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from kforcing_kernels.app.evaluate import format_nll_table, per_position_nll
+from kforcing_kernels.app.evaluate import per_position_nll
+from kforcing_kernels.app.report import format_nll_table
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.objectives import forward_distillation_targets, self_forcing_targets
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kforcing_kernels.app.data import load_corpus, sample_crops
-from kforcing_kernels.app.evaluate import (
-    DEMO_EVAL, distinct_n, evaluate_pipeline, format_nll_table, format_report, format_table1, judge_score, plot_summary,
-)
+from kforcing_kernels.app.evaluate import DEMO_EVAL, distinct_n, evaluate_pipeline, judge_score
+from kforcing_kernels.app.report import format_nll_table, format_report, format_table1, plot_summary
 from kforcing_kernels.app.inference import generate_kforcing
 from kforcing_kernels.model import KForcingLM
 from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline

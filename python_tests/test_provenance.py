@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforcing_kernels.app import checkpoint
-from kforcing_kernels.app.checkpoint import (
-    LOCK_NAME, CheckpointError, RunLock, append_jsonl, atomic_write, atomic_write_file, check_writable, latest_checkpoint,
-    load_model, read_json, save_model, save_tensors, write_json, write_text,
-)
+from kforcing_kernels.app import files
+from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_model, read_json, save_model, save_tensors
+from kforcing_kernels.app.files import LOCK_NAME, RunLock, append_jsonl, atomic_write, atomic_write_file, check_writable, write_json, write_text
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.app.evaluate import load_judge
 from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
@@ -144,7 +142,6 @@ def test_a_foreign_tokenizer_json_in_a_stage_folder_is_refused(teachers, tmp_pat
 
 
 def test_evaluate_refuses_a_judge_with_another_tokenizer(teachers, tmp_path, capsys):
-    from kforcing_kernels.app.evaluate import main
 
     run = tmp_path / "run"
     shutil.copytree(teachers / "json", run / "stage0")
@@ -248,7 +245,7 @@ def test_the_lock_is_held_by_another_process_and_released_when_it_ends(tmp_path,
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from kforcing_kernels.app.checkpoint import RunLock
+        from kforcing_kernels.app.files import RunLock
         RunLock({str(out)!r}).acquire()
         print("locked", flush=True)
         sys.stdin.read()
@@ -313,7 +310,7 @@ def planted_names(monkeypatch):
         calls.append(n)
         return PLANTED if len(calls) % 2 else real(n)
 
-    monkeypatch.setattr(checkpoint.secrets, "token_hex", token_hex)
+    monkeypatch.setattr(files.secrets, "token_hex", token_hex)
     return calls
 
 

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import latest_checkpoint, read_json, read_metrics, write_json
+from kforcing_kernels.app.checkpoint import latest_checkpoint, read_json, read_metrics
+
+from kforcing_kernels.app.files import write_json
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.layouts.positions import document_offsets
 from kforcing_kernels.model import KForcingLM, ModelConfig
@@ -18,7 +20,6 @@ from kforcing_kernels.app.objectives import (
 )
 from kforcing_kernels.ops.sampling import noise_inversion
 from kforcing_kernels.app.train import main
-from kforcing_kernels.app.train_config import TrainConfig
 from kforcing_kernels.app.trainer import train
 
 EOS, V = 0, 40

@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import LOCK_NAME, atomic_write
+from kforcing_kernels.app.files import LOCK_NAME
+
+from kforcing_kernels.app.files import atomic_write
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics

@@ -9,10 +9,12 @@ imports nothing from here.
     pipeline.py      Stage 0 -> 1 -> 2 -> 2 ..., reusing finished stages
     objectives.py    batches and losses: AR, forward distillation, self-forcing, noise inversion
     data.py          corpus, tokenizer, stream crops (the embedded default: this Python's stdlib)
-    checkpoint.py    the files of a run: atomic writer, checkpoints, models, metrics
+    files.py         the atomic writer every file goes through, and the run folder's lock
+    checkpoint.py    the files of a run: checkpoints, models (with their provenance), metrics
     inference.py     ``kforcing-generate``: KV-cached AR and k-token generation (Algorithm 1)
     paged_cache.py   the paged KV cache (vLLM / FlashInfer page layout) the model reads in place
     serving.py       admitting and retiring requests between decode steps over the paged cache
     evaluate.py      ``kforcing-evaluate``: per-position NLL, tokens/s, judge perplexity
+    report.py        the evaluation's tables and plot
     demo.py          ``kforcing-demo``: the whole pipeline on the default corpus, then the tables
 """

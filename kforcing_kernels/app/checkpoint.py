@@ -18,218 +18,20 @@ naming the file.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import os
-import secrets
-import stat
 import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, Optional
+from typing import Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save as safetensors_bytes
 
 CHECKPOINT_FORMAT = 1
-_TMP_SUFFIX = ".tmp"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint, model or metrics file is missing, truncated, corrupt, malformed or cannot be written."""
-
-
-# ---------------------------------------------------------------------- the atomic writer
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _create_temporary(path: Path) -> tuple[Path, int]:
-    """A fresh temporary next to ``path``: a random name, ``O_EXCL | O_NOFOLLOW`` (a file or a symlink planted at
-    that name is never opened; another name is drawn), mode ``0o666`` less the umask. Returns (name, open fd)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        try:
-            # os.open with 0o666 lets the umask decide the mode (tempfile.mkstemp would force 0o600).
-            return tmp, os.open(tmp, flags, 0o666)
-        except FileExistsError:
-            continue
-
-
-def _require_same_file(tmp: Path, created: os.stat_result) -> None:
-    """The temporary's name must still be the file created for it: one swapped for a symlink (or anything else)
-    by someone who can write the folder is not renamed into place."""
-    now = os.lstat(tmp)
-    if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino) or not stat.S_ISREG(now.st_mode):
-        raise OSError(errno.EEXIST, f"the temporary {tmp.name} was replaced while it was written; not renaming it into place")
-
-
-def check_writable(path: str | Path, option: str) -> None:
-    """Fail early, naming ``option``, when ``path`` cannot be written by :func:`atomic_write_file`: it is a
-    folder, its folder is missing or not a folder, or refuses a new file (probed with a temporary, removed)."""
-    path = Path(path)
-    if path.is_dir():
-        raise CheckpointError(f"{option}: {str(path)!r} is a directory; expected a file path")
-    if path.parent.exists() and not path.parent.is_dir():
-        raise CheckpointError(f"{option}: cannot write {str(path)!r}: {str(path.parent)!r} is not a directory")
-    try:
-        tmp, fd = _create_temporary(path)
-    except OSError as exc:
-        raise CheckpointError(f"{option}: cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    os.close(fd)
-    tmp.unlink(missing_ok=True)
-
-
-def atomic_write_file(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """``write(f)`` into a binary file object on a fresh temporary next to ``path``, fsync, rename over ``path``.
-
-    The writer gets the open file, never the temporary's name, so nothing can redirect the write between
-    the temporary's creation (``O_EXCL | O_NOFOLLOW``, random name) and the rename. On any error the
-    temporary is removed and ``path`` is untouched; an ``OSError`` (disk full, read-only folder) becomes a
-    :class:`CheckpointError` naming ``path``. Every file the package writes goes through here.
-    """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp, fd = _create_temporary(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc})") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            _require_same_file(tmp, os.fstat(f.fileno()))
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except (OSError, SafetensorError) as exc:  # safetensors reports its own errors
-        hint = "; free some space, then --resume" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise CheckpointError(f"{path}: cannot write ({getattr(exc, 'strerror', None) or exc}){hint}") from exc
-    finally:
-        if os.path.lexists(tmp):
-            tmp.unlink()
-
-
-def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
-    """``write(tmp_path)`` into a fresh temporary next to ``path``, fsync, rename over ``path``.
-
-    For writers that only take a file name (the package's own writers use :func:`atomic_write_file`, which
-    never hands out the name). The temporary is created as in :func:`atomic_write_file`; ``write`` reopens
-    it by name, and the rename happens only if the name still is the regular file created for it (a
-    temporary swapped for a symlink is refused, not renamed into place). Errors as in :func:`atomic_write_file`.
-    """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp, fd = _create_temporary(path)
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # what the umask made of 0o666
-        os.close(fd)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot write ({exc.strerror or exc})") from exc
-    try:
-        write(str(tmp))
-        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # a symlink put in its place is refused
-        try:
-            _require_same_file(tmp, os.fstat(fd))
-            os.fchmod(fd, mode)  # writers that recreate the file (safetensors does, with 0o600) must not change it
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors
-        hint = "; free some space, then --resume" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise CheckpointError(f"{path}: cannot write ({getattr(exc, 'strerror', None) or exc}){hint}") from exc
-    finally:
-        if os.path.lexists(tmp):
-            tmp.unlink()
-
-
-def write_bytes(path: str | Path, data: bytes) -> None:
-    atomic_write_file(path, lambda f: f.write(data))
-
-
-def write_text(path: str | Path, text: str) -> None:
-    write_bytes(path, text.encode())
-
-
-def write_json(path: str | Path, obj) -> None:
-    write_text(path, json.dumps(obj, indent=1))
-
-
-def append_jsonl(path: str | Path, record: dict) -> None:
-    """One JSON line appended. Not atomic (appends cannot be): :func:`recover_metrics` drops a torn last line."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        with os.fdopen(os.open(path, flags, 0o666), "a") as f:  # O_NOFOLLOW: a symlink planted there is refused
-            f.write(json.dumps(record) + "\n")
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot append ({exc.strerror or exc})") from exc
-
-
-# ---------------------------------------------------------------------- one run per folder at a time
-
-LOCK_NAME = ".kforcing.lock"
-
-
-class RunLock:
-    """An exclusive, non-blocking ``fcntl.flock`` on ``FOLDER/.kforcing.lock`` for a run's lifetime.
-
-    The lock file is created (``O_NOFOLLOW``, mode from the umask) and kept: it is empty and never removed,
-    since removing it would let two processes hold locks on two different files of the same name. The
-    kernel drops the lock when the process ends, however it ends. A second run into the folder fails at
-    once with a :class:`CheckpointError` naming ``option``. Without ``fcntl`` (Windows) nothing is locked.
-    """
-
-    def __init__(self, folder: str | Path, option: str = "--out"):
-        self.folder, self.option, self._fd = Path(folder), option, None
-
-    def acquire(self) -> "RunLock":
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX
-            return self
-        path = self.folder / LOCK_NAME
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o666)
-        except OSError as exc:
-            raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"out: {self.folder} is in use by another run (it holds {path}); wait for that run "
-                                      f"to end or choose another {self.option}") from None
-            raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+from .files import _TMP_SUFFIX, CheckpointError, write_bytes, write_json, write_text
 
 
 # ---------------------------------------------------------------------- reading, checked
@@ -357,12 +159,16 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu"):
         raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
     recorded = info.get("tokenizer_sha256")  # absent in models saved before it was recorded: not checked
     if tokenizer is not None and recorded is not None:
-        from .data import tokenizer_sha256
-
         if tokenizer_sha256(tokenizer) != recorded:
             raise CheckpointError(f"{tok_path}: not the tokenizer this model was trained with (its SHA-256 differs from "
                                   f"{json_path.name}'s tokenizer_sha256); put the run's own tokenizer.json back")
     return model.to(device).eval(), info, tokenizer
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """The identity of a tokenizer, recorded beside every model: SHA-256 of a ``tokenizers.Tokenizer``'s serialized JSON (keys sorted, no white space): equal ids for equal text."""
+    canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------- checkpoints

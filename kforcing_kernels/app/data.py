@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from .. import env
-from .checkpoint import atomic_write_file, write_json, write_text
+from .checkpoint import tokenizer_sha256
+from .files import atomic_write_file, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
@@ -109,12 +110,6 @@ def documents_sha256(docs: Sequence[tuple[str, str]]) -> str:
 def data_sha256(source: Optional[str] = None) -> str:
     """:func:`documents_sha256` of ``source`` (``--data``): changes when any document is added, removed or edited."""
     return documents_sha256(load_documents(source))
-
-
-def tokenizer_sha256(tokenizer) -> str:
-    """SHA-256 of a ``tokenizers.Tokenizer``'s serialized JSON (keys sorted, no white space): equal ids for equal text."""
-    canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def is_validation(name: str, val_fraction: float) -> bool:

@@ -32,9 +32,12 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from .checkpoint import CheckpointError, write_json, write_text  # noqa: E402
+from .checkpoint import CheckpointError  # noqa: E402
+
+from .files import write_json, write_text
 from .data import DataError  # noqa: E402
-from .evaluate import DEMO_EVAL, evaluate_pipeline, format_report, plot_summary  # noqa: E402
+from .evaluate import DEMO_EVAL, evaluate_pipeline  # noqa: E402
+from .report import format_report, plot_summary  # noqa: E402
 from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
 from .train_config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
 

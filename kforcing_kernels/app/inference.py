@@ -401,7 +401,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
     """Fail before any work when ``path`` cannot be written (a folder, a missing or unwritable folder)."""
-    from .checkpoint import CheckpointError, check_writable
+    from .checkpoint import CheckpointError
+    from .files import check_writable
 
     try:
         check_writable(path, "--out")
@@ -411,7 +412,8 @@ def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
 
 def _write_out(parser: argparse.ArgumentParser, path: str, records: list) -> None:
     """JSON Lines through the package's atomic writer (never a half-written file, no symlink followed, mode from the umask)."""
-    from .checkpoint import CheckpointError, write_text
+    from .checkpoint import CheckpointError
+    from .files import write_text
 
     try:
         write_text(path, "".join(json.dumps(r) + "\n" for r in records))

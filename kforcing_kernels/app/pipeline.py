@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from .checkpoint import RunLock, read_json
+from .checkpoint import read_json
+
+from .files import RunLock
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
                            existing_run, teacher_sha256)
