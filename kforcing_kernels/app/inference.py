@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from numbers import Integral, Real
+from numbers import Integral
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -36,6 +36,7 @@ from ..layouts import WindowLayout
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
 from ..types import Temperature
+from .generation_checks import check_k, check_noise, check_temperature, is_greedy
 from .serving import PagedGenerator, Request, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
@@ -142,39 +143,6 @@ def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: i
         raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
 
 
-def _check_temperature(temperature: Temperature, batch: int, *, allow_zero: bool) -> None:
-    """tau: a real number or a [B] tensor, finite, > 0 (>= 0 for AR, where a scalar 0 is greedy)."""
-    what = "a finite number >= 0 (0 = greedy)" if allow_zero else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)"
-    if isinstance(temperature, torch.Tensor):
-        if temperature.dtype == torch.bool or temperature.is_complex():
-            raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
-        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != batch):
-            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got {tuple(temperature.shape)}")
-        values = temperature.detach().double().cpu().flatten()
-    elif isinstance(temperature, Real) and not isinstance(temperature, bool):
-        values = torch.tensor([float(temperature)], dtype=torch.float64)
-    else:
-        raise ValueError(f"temperature: expected {what}, got {temperature!r}")
-    ok = torch.isfinite(values) & (values > 0)
-    if allow_zero and not isinstance(temperature, torch.Tensor):
-        ok |= values == 0
-    if not bool(ok.all()):
-        bad = values[~ok][0].item()
-        raise ValueError(f"temperature: expected {what}, got {bad}")
-
-
-def _check_k(model: KForcingLM, k, k_train: Optional[int]) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k: expected a positive int (tokens per forward pass), got {k!r}")
-    k_train = getattr(model, "k_train", None) if k_train is None else k_train
-    if k_train is None:
-        return
-    if k_train == 0:
-        raise ValueError("k: this model was trained as an AR model (k_train=0); use generate_ar")
-    if k > k_train:
-        raise ValueError(f"k: expected 1 <= k <= k_train={k_train} (the window the model was trained with), got {k}")
-
-
 def _model_dtype(model: KForcingLM) -> torch.dtype:
     return model.wte.weight.dtype
 
@@ -235,17 +203,18 @@ def generate_kforcing(
     Returns:
         int64 ``[B, T]``: the generated tokens (prompts not included); with ``return_logits``, ``(tokens, logits)``.
     """
-    _check_k(model, k, k_train)
+    check_k(model, k, k_train)
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
     _check_generation(model, tokens, max_new_tokens, cache)
     b, p_max = tokens.shape
-    _check_temperature(temperature, b, allow_zero=False)
+    check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
         noise = torch.rand((b, steps, k), generator=generator, device=generator.device if generator else "cpu")
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
+    check_noise(noise)
     noise = noise.to(device)
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
@@ -308,7 +277,7 @@ def generate_ar(
     tokens, lengths = pad_prompts(prompts, device=device)
     _check_generation(model, tokens, max_new_tokens, cache)
     b, p_max = tokens.shape
-    _check_temperature(temperature, b, allow_zero=True)
+    check_temperature(temperature, b, allow_zero=True)
     if noise is None:
         noise = torch.rand((b, max_new_tokens), generator=generator, device=generator.device if generator else "cpu")
     if noise.shape != (b, max_new_tokens):
@@ -320,7 +289,7 @@ def generate_ar(
         out, logits = _run_paged(model, requests, None, page_size, return_logits)
         return (out, logits) if return_logits else out
 
-    greedy = isinstance(temperature, (int, float)) and temperature == 0
+    greedy = is_greedy(temperature)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)

@@ -162,6 +162,8 @@ class PagedKVCache:
     def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]) -> None:
         """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``
         at ``rows[i]``'s current length, in place; lengths grow by ``counts``."""
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows: expected distinct rows (a repeated row would write twice into the same slots), got {list(rows)}")
         counts = [int(c) for c in counts]
         if len(counts) != len(rows) or any(c < 0 for c in counts):
             raise ValueError(f"counts: expected {len(rows)} non-negative ints (one per row), got {counts}")

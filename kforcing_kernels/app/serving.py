@@ -24,6 +24,7 @@ import torch
 
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
+from .generation_checks import check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
 from ..layouts import WindowLayout
 
@@ -76,6 +77,8 @@ class PagedGenerator:
                  page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False):
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
+        if k is not None:
+            check_k(model, k)  # at most the window the model was trained with, and not on an AR model
         self.model, self.k, self.keep_logits = model, k, keep_logits
         if cache is None:
             if num_pages is None:
@@ -94,18 +97,22 @@ class PagedGenerator:
         this step's context tokens (nothing is computed, written or lost).
         """
         live = [r for r in requests if not r.done]
+        if len({id(r) for r in live}) != len(live):
+            raise ValueError("requests: the same request is listed more than once in this step")
         new = [r for r in live if r.row is None]
         running = [r for r in live if r.row is not None]
-        for r in new:
-            self._admit(r)
-        self._check_room(new, running)
+        admitted = [self._admission(r) for r in new]  # every check first: a refused step changes nothing
+        self._check_room_for(admitted, running)
+        for r, (prompt, noise) in zip(new, admitted):
+            r.prompt, r.noise = prompt, noise
         if new:
             self._finish_step(new, *self._prefill(new))
         if running:
             self._finish_step(running, *self._decode(running))
         return [r for r in live if r.done]
 
-    def _admit(self, r: Request) -> None:
+    def _admission(self, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new request's (prompt, noise), checked; the request itself is not changed here."""
         prompt = torch.as_tensor(r.prompt).flatten()
         if prompt.numel() == 0 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
             raise ValueError(f"prompt: expected a non-empty sequence of token ids, got {r.prompt!r}")
@@ -113,18 +120,23 @@ class PagedGenerator:
             raise ValueError(f"prompt: expected token ids in [0, {self.model.config.vocab_size}), got {prompt.tolist()}")
         if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, got {r.max_new_tokens!r}")
+        check_temperature(r.temperature, allow_zero=self.k is None)
+        if isinstance(r.temperature, torch.Tensor) and r.temperature.dim():
+            raise ValueError(f"temperature: expected one number per request, got shape {tuple(r.temperature.shape)}")
         shape = (r.max_new_tokens,) if self.k is None else (math.ceil(r.max_new_tokens / self.k), self.k)
-        if r.noise is None:
+        noise = r.noise
+        if noise is None:
             gen = r.generator
-            r.noise = torch.rand(shape, generator=gen, device=gen.device if gen else "cpu")
-        if tuple(r.noise.shape) != shape:
-            raise ValueError(f"noise: expected shape {shape}, got {tuple(r.noise.shape)}")
-        r.prompt = prompt.to(torch.int64)
+            noise = torch.rand(shape, generator=gen, device=gen.device if gen else "cpu")
+        if not isinstance(noise, torch.Tensor) or tuple(noise.shape) != shape:
+            raise ValueError(f"noise: expected shape {shape}, got {tuple(getattr(noise, 'shape', ()))}")
+        check_noise(noise)
+        return prompt.to(torch.int64), noise
 
-    def _check_room(self, new: list[Request], running: list[Request]) -> None:
+    def _check_room_for(self, new: list[tuple[torch.Tensor, torch.Tensor]], running: list[Request]) -> None:
         page, cache = self.cache.page_size, self.cache
         grow = 1 if self.k is None else self.k  # context tokens a decode step appends
-        need = sum(math.ceil(r.prompt.numel() / page) for r in new)
+        need = sum(math.ceil(prompt.numel() / page) for prompt, _ in new)
         need += sum(max(0, math.ceil((cache.length(r.row) + grow) / page) - len(cache.pages_of(r.row))) for r in running)
         if need > cache.free_pages:
             raise PagePoolFull(

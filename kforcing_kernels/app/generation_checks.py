@@ -1,0 +1,60 @@
+"""Argument checks shared by the two generation paths (the contiguous cache in ``inference.py`` and the
+paged one in ``serving.py``), so both accept and refuse the same inputs with the same messages."""
+
+from __future__ import annotations
+
+from numbers import Real
+from typing import Optional
+
+import torch
+
+from ..model import KForcingLM
+from ..types import Temperature
+
+
+def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: bool) -> None:
+    """tau: a real number or a [B] tensor, finite, > 0 (>= 0 for AR, where a scalar 0 is greedy)."""
+    what = "a finite number >= 0 (0 = greedy)" if allow_zero else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)"
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
+        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != batch):
+            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got {tuple(temperature.shape)}")
+        values = temperature.detach().double().cpu().flatten()
+    elif isinstance(temperature, Real) and not isinstance(temperature, bool):
+        values = torch.tensor([float(temperature)], dtype=torch.float64)
+    else:
+        raise ValueError(f"temperature: expected {what}, got {temperature!r}")
+    ok = torch.isfinite(values) & (values > 0)
+    if allow_zero and not isinstance(temperature, torch.Tensor):
+        ok |= values == 0
+    if not bool(ok.all()):
+        bad = values[~ok][0].item()
+        raise ValueError(f"temperature: expected {what}, got {bad}")
+
+
+def is_greedy(temperature: Temperature) -> bool:
+    """A scalar temperature of 0 (Python or numpy number, not a tensor): AR decoding by argmax."""
+    return isinstance(temperature, Real) and not isinstance(temperature, bool) and float(temperature) == 0
+
+
+def check_noise(noise: torch.Tensor, name: str = "noise") -> None:
+    """Uniform noise: a floating tensor with every value in [0, 1) (NaN refused), as the sampler requires."""
+    if not isinstance(noise, torch.Tensor) or not noise.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating tensor of uniforms in [0, 1), got {getattr(noise, 'dtype', type(noise).__name__)}")
+    outside = ~((noise >= 0) & (noise < 1))
+    if bool(outside.any()):
+        raise ValueError(f"{name}: expected values in [0, 1), got {noise[outside].flatten()[0].item()}")
+
+
+def check_k(model: KForcingLM, k, k_train: Optional[int] = None) -> None:
+    """k tokens per forward pass: a positive int, at most the window the model was trained with."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k: expected a positive int (tokens per forward pass), got {k!r}")
+    k_train = getattr(model, "k_train", None) if k_train is None else k_train
+    if k_train is None:
+        return
+    if k_train == 0:
+        raise ValueError("k: this model was trained as an AR model (k_train=0); use generate_ar")
+    if k > k_train:
+        raise ValueError(f"k: expected 1 <= k <= k_train={k_train} (the window the model was trained with), got {k}")

@@ -1,0 +1,109 @@
+"""The request path refuses what generate_* refuses, a refused step changes nothing, duplicates are
+refused, and numpy scalars mean the same on both caches (issue #29, serving path)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kforcing_kernels.app.inference import generate_ar, generate_kforcing
+from kforcing_kernels.app.paged_cache import PagedKVCache
+from kforcing_kernels.app.serving import PagedGenerator, Request
+from kforcing_kernels.model import KForcingLM, ModelConfig
+from kforcing_kernels.ops.paged_attention import paged_attention
+
+CFG = ModelConfig.micro(vocab_size=40, n_embd=32, n_head=2, n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(3)
+    m = KForcingLM(CFG).double().eval()
+    m.k_train = 2
+    return m
+
+
+@pytest.mark.parametrize("tau", [float("nan"), float("inf"), 0.0, -1.0])
+def test_request_temperature_is_checked_like_generate_kforcing(model, tau):
+    with pytest.raises(ValueError, match="temperature"):
+        generate_kforcing(model, [[1, 2]], 2, 4, temperature=tau)
+    gen = PagedGenerator(model, k=2, num_pages=8)
+    with pytest.raises(ValueError, match="temperature"):
+        gen.step([Request(torch.tensor([1, 2]), 4, temperature=tau)])
+    assert gen.cache.free_pages == 8
+
+
+def test_k_is_checked_against_the_trained_window(model):
+    with pytest.raises(ValueError, match="k_train=2"):
+        PagedGenerator(model, k=3, num_pages=8)
+    ar = KForcingLM(CFG).double().eval()
+    ar.k_train = 0
+    with pytest.raises(ValueError, match="AR model"):
+        PagedGenerator(ar, k=1, num_pages=8)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan")])
+def test_noise_outside_the_unit_interval_is_refused_on_both_paths(model, bad):
+    noise = torch.rand(1, 2, 2, dtype=torch.float64)
+    noise[0, 1, 0] = bad
+    for cache in ("contiguous", "paged"):
+        with pytest.raises(ValueError, match="noise: expected values in"):
+            generate_kforcing(model, [[1, 2, 3]], 2, 4, noise=noise, cache=cache)
+
+
+def test_a_refused_step_changes_nothing_and_a_retry_works(model):
+    gen = PagedGenerator(model, k=2, num_pages=8)
+    good = Request(torch.tensor([1, 2, 3]), 4, noise=torch.rand(2, 2, dtype=torch.float64))
+    bad_noise = torch.rand(2, 2, dtype=torch.float64)
+    bad_noise[1, 1] = 1.5  # found only when sampling before: now when the step is checked
+    bad = Request(torch.tensor([4, 5]), 4, noise=bad_noise)
+    with pytest.raises(ValueError, match="noise"):
+        gen.step([good, bad])
+    assert gen.cache.free_pages == 8 and good.row is None and bad.row is None and good.tokens == []
+    bad.noise = torch.rand(2, 2, dtype=torch.float64)
+    while not (good.done and bad.done):
+        gen.step([good, bad])
+    ref = generate_kforcing(model, [[1, 2, 3]], 2, 4, noise=good.noise[None], cache="contiguous")
+    assert good.tokens == ref[0].tolist()
+
+
+def test_a_request_listed_twice_is_refused(model):
+    gen = PagedGenerator(model, k=2, num_pages=8)
+    r = Request(torch.tensor([1, 2, 3]), 4)
+    with pytest.raises(ValueError, match="more than once"):
+        gen.step([r, r])
+    assert gen.cache.free_pages == 8 and r.row is None
+
+
+def test_append_refuses_a_repeated_row():
+    cache = PagedKVCache(1, 2, 4, num_pages=4, page_size=2)
+    row = cache.add_row()
+    kv = torch.randn(2, 2, 3, 4)
+    with pytest.raises(ValueError, match="rows: expected distinct rows"):
+        cache.append([row, row], [(kv, kv)], [3, 3])
+    assert cache.length(row) == 0 and cache.free_pages == 4
+
+
+def test_numpy_zero_temperature_is_greedy_on_both_caches(model):
+    prompts = [[1, 2, 3], [4]]
+    want = generate_ar(model, prompts, 5, temperature=0, cache="contiguous").tolist()
+    for cache in ("contiguous", "paged"):
+        for tau in (np.float32(0), np.float64(0), np.int64(0)):
+            assert generate_ar(model, prompts, 5, temperature=tau, cache=cache).tolist() == want
+
+
+def test_paged_attention_takes_a_numpy_scale_like_window_attention():
+    q = torch.randn(1, 2, 2, 8)
+    kn = torch.randn(1, 2, 2, 8)
+    pages = torch.randn(3, 4, 2, 8)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    a = paged_attention(q, kn, kn, pages, pages, table, [5], scale=np.float32(0.5), backend="reference")
+    b = paged_attention(q, kn, kn, pages, pages, table, [5], scale=0.5, backend="reference")
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="scale"):
+        paged_attention(q, kn, kn, pages, pages, table, [5], scale=np.float32("nan"))
+
+
+@pytest.mark.parametrize("kw", [dict(num_pages=3.0), dict(capacity=48.0), dict(num_pages=True)])
+def test_page_counts_must_be_ints(kw):
+    with pytest.raises(ValueError, match="num_pages|capacity"):
+        PagedKVCache(1, 2, 8, **kw)
