@@ -13,9 +13,9 @@ TRITON_CASES = ["python_tests/test_triton_interpreter_cases.py", "-k", "test_mat
 
 MUTATIONS = [
     # --- inference positions (survived the suite before issue 17)
-    dict(id="prefill-noise-positions+1", file="kforcing_kernels/app/inference.py",
+    dict(id="prefill-noise-positions+1", file="kforcing_kernels/app/serving.py",
          old="lengths[:, None] + torch.arange(k)], 1)", new="lengths[:, None] + 1 + torch.arange(k)], 1)",
-         tests=["python_tests/test_sharp_behaviour.py"]),
+         tests=["python_tests/test_sharp_behaviour.py", "python_tests/test_paged_generation.py"]),
     dict(id="kforcing-decode-positions+1", file="kforcing_kernels/app/inference.py",
          old="positions = (kv.lengths[:, None] + torch.arange(2 * k))",
          new="positions = (kv.lengths[:, None] + 1 + torch.arange(2 * k))",

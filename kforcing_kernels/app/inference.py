@@ -37,7 +37,7 @@ from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
 from ..types import Temperature
 from .generation_checks import check_k, check_noise, check_temperature, is_greedy
-from .serving import PagedGenerator, Request, window_layout as _window_layout
+from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
 CACHES = ("paged", "contiguous")
@@ -227,10 +227,8 @@ def generate_kforcing(
     out = torch.empty(b, steps * k, dtype=torch.int64, device=device)
     all_logits = []
 
-    # Prefill: [prompt | k noise]; request b's noise slot i sits at position P_b + i.
-    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(device)
-    x = torch.cat([model.wte(tokens), model.embed_noise(noise[:, 0], tau)], 1)  # [B, P_max + k, C]
-    h, kvs = model.trunk(x, positions, _window_layout(p_max, lengths, k, "all"))
+    # Prefill: [prompt | k noise]; the paged path runs the same function.
+    h, kvs = prefill_kforcing(model, tokens, lengths, noise[:, 0], tau.expand(b) if tau.dim() == 0 else tau)
     kv.append(kvs, p_max)  # the whole padded prompt; lengths are then set to the true ones
     kv.lengths = lengths.clone()
     logits = model.head(h[:, p_max:])

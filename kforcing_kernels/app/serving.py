@@ -38,6 +38,21 @@ def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) 
     return WindowLayout(n_ctx, 1, window, torch.zeros_like(hi), hi, intra="causal", queries=queries)
 
 
+def prefill_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
+                     tau: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """K-Forcing's first forward over ``[padded prompts (P_max) | k noise tokens]`` (both caches use it).
+
+    tokens int64 ``[B, P_max]`` (right-padded), lengths ``[B]`` (CPU), noise ``[B, k]``, tau ``[B]`` fp32 ->
+    (hidden ``[B, P_max + k, C]``, per-layer K/V). Request b's noise slot i sits at position ``P_b + i``
+    and sees the request's own prompt only.
+    """
+    b, p_max = tokens.shape
+    k = noise.shape[1]
+    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(tokens.device)
+    x = torch.cat([model.wte(tokens), model.embed_noise(noise, tau)], 1)  # [B, P_max + k, C]
+    return model.trunk(x, positions, window_layout(p_max, lengths, k, "all"))
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.
@@ -183,12 +198,9 @@ class PagedGenerator:
             self.cache.append(rows, kvs, lengths.tolist())  # each prompt's true tokens, straight into pages
             logits = model.head(h[torch.arange(b, device=dev), (lengths - 1).to(dev)])  # [B, V]
             return self._pick(reqs, logits, 0)[:, None], logits[:, None]
-        k = self.k
         noise = torch.stack([r.noise[0] for r in reqs]).to(dev)
         tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
-        positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(dev)
-        x = torch.cat([model.wte(tokens), model.embed_noise(noise, tau)], 1)  # [B, P_max + k, C]
-        h, kvs = model.trunk(x, positions, window_layout(p_max, lengths, k, "all"))
+        h, kvs = prefill_kforcing(model, tokens, lengths, noise, tau)
         self.cache.append(rows, kvs, lengths.tolist())
         logits = model.head(h[:, p_max:])  # [B, k, V]
         return logits.argmax(-1), logits
