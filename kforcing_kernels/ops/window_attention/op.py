@@ -139,7 +139,8 @@ def _validate(q, k, v, layout, scale, backend) -> None:
     if k.shape[2] != layout.n_keys:
         raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
     if layout.batch_size is not None and layout.batch_size != b:
-        raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size}")
+        raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size} (per-batch "
+                         "cu_seqlens, ranges or live_slots give one row per batch element; 1-D ones are shared)")
     check_scale(scale)
     REGISTRY.check_name(backend)
 
