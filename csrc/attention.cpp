@@ -104,8 +104,17 @@ struct Plan {
   std::vector<int32_t> intervals;   // [Bp, Lq, n_slots, 2]
   std::vector<int32_t> row_order;   // tile order -> query row
   std::vector<int32_t> tile_begin;  // [n_tiles + 1]
-  std::vector<double> tile_cost;    // visible pairs of batch 0, plus a per-row overhead
+  std::vector<double> tile_cost;    // [Bp, n_tiles]: visible pairs of each batch element, plus a per-row overhead
   int64_t n_tiles() const { return (int64_t)tile_begin.size() - 1; }
+  const double* cost(int64_t b) const { return tile_cost.data() + (Bp > 1 ? b : 0) * n_tiles(); }
+  // Tiles in decreasing cost of batch element b (b's own intervals only: see backward_impl).
+  std::vector<int32_t> tiles_by_cost(int64_t b) const {
+    std::vector<int32_t> order(n_tiles());
+    std::iota(order.begin(), order.end(), 0);
+    const double* c = cost(b);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return c[x] > c[y]; });
+    return order;
+  }
 };
 
 // The query tiles: row_order int32 [Lq], a permutation of the query rows (tile order ->
@@ -149,14 +158,17 @@ Plan make_plan(const Geometry& g, const at::Tensor& iv, const at::Tensor& row_or
   p.kt_cols = p.first_direct == 1 ? g.n_ctx : g.Lk;
   p.intervals.assign(iv.data_ptr<int32_t>(), iv.data_ptr<int32_t>() + iv.numel());
   check_tiles(row_order, tile_begin, g, p);
-  p.tile_cost.assign(p.n_tiles(), 0.0);
-  for (int64_t t = 0; t < p.n_tiles(); ++t) {
-    double cost = 0;
-    for (int32_t r = p.tile_begin[t]; r < p.tile_begin[t + 1]; ++r) {
-      const int32_t* row = p.intervals.data() + p.row_order[r] * p.n_slots * 2;
-      for (int64_t j = 0; j < p.n_slots; ++j) cost += row[2 * j + 1] - row[2 * j] + 16.0;
+  p.tile_cost.assign(p.Bp * p.n_tiles(), 0.0);
+  for (int64_t b = 0; b < p.Bp; ++b) {
+    const int32_t* iv = p.intervals.data() + b * g.Lq * p.n_slots * 2;
+    for (int64_t t = 0; t < p.n_tiles(); ++t) {
+      double cost = 0;
+      for (int32_t r = p.tile_begin[t]; r < p.tile_begin[t + 1]; ++r) {
+        const int32_t* row = iv + p.row_order[r] * p.n_slots * 2;
+        for (int64_t j = 0; j < p.n_slots; ++j) cost += row[2 * j + 1] - row[2 * j] + 16.0;
+      }
+      p.tile_cost[b * p.n_tiles() + t] = cost;
     }
-    p.tile_cost[t] = cost;
   }
   return p;
 }
@@ -249,10 +261,9 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   a.out = out.data_ptr<T>();
   a.lse = lse.data_ptr<T>();
 
-  // Costliest tiles first (over all heads), so the dynamic schedule ends evenly.
-  std::vector<int32_t> order(p.n_tiles());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
+  // Costliest tiles first (batch element 0's costs, over all heads), so the dynamic schedule ends
+  // evenly. Only the schedule depends on it: each item writes its own rows.
+  const std::vector<int32_t> order = p.tiles_by_cost(0);
   const int64_t BH = a.B * a.H;
   const auto kernel = forward_kernel<T>();
   run_items<T>(p.n_tiles() * BH, attention_scratch_elems(p.tile_rows, kChunkCols, a.Dp, false),
@@ -294,10 +305,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   // over several dK/dV buffers would keep more threads busy when B * H is small, but the
   // final sum over buffers would then depend on the thread count and on the batch size;
   // we promise bitwise-identical results for any thread count and batch composition.
+  // The tiles add into dK/dV in this order, so it must come from the element's own intervals
+  // (per-batch ranges: its own costs), never from another element's: an element alone and
+  // inside any batch then sums the same terms in the same order.
   const int64_t BH = a.B * a.H, group = a.H / a.Hkv;
-  std::vector<int32_t> tiles(p.n_tiles());
-  std::iota(tiles.begin(), tiles.end(), 0);
-  std::stable_sort(tiles.begin(), tiles.end(), [&](int32_t x, int32_t y) { return p.tile_cost[x] > p.tile_cost[y]; });
+  std::vector<std::vector<int32_t>> tiles(p.Bp);
+  for (int64_t b = 0; b < p.Bp; ++b) tiles[b] = p.tiles_by_cost(b);
   const bool in_place = group == 1 && a.Dp == a.D && k.scalar_type() == mt;
   at::Tensor dk_acc, dv_acc;
   if (in_place) {
@@ -312,7 +325,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   const auto kernel = backward_kernel<T>();
   run_items<T>(BH, attention_scratch_elems(p.tile_rows, kChunkCols, a.Dp, true), [&](int64_t bh, T* scratch) {
     const int64_t offset = bh * a.Lk * a.Dp;
-    kernel(a, bh / a.H, bh % a.H, tiles.data(), (int64_t)tiles.size(), dk_base + offset, dv_base + offset, scratch);
+    const std::vector<int32_t>& t = tiles[p.Bp > 1 ? bh / a.H : 0];
+    kernel(a, bh / a.H, bh % a.H, t.data(), (int64_t)t.size(), dk_base + offset, dv_base + offset, scratch);
   });
   at::Tensor dk = dk_acc, dv = dv_acc;
   if (!in_place) {  // GQA: the group's query heads summed in a fixed order

@@ -701,7 +701,9 @@ float invert_row(const X* x, int64_t V, double tau, int64_t t, double u, double*
   zf = std::min(zf, std::nextafter(1.0f, 0.0f));
   for (int step = 0; step < 8 && (double)zf * Z >= upper && zf > 0.0f; ++step) zf = std::nextafter(zf, 0.0f);
   for (int step = 0; step < 8 && (double)zf * Z < lower && zf < 1.0f; ++step) zf = std::nextafter(zf, 1.0f);
-  return zf;
+  // Never 1.0 (the sampler takes z in [0, 1)): a top bin narrower than the last float32 ulp below 1
+  // holds no float32 z; it gets the largest one, which samples the token before it.
+  return std::min(zf, std::nextafter(1.0f, 0.0f));
 }
 
 }  // namespace

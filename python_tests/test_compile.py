@@ -103,3 +103,41 @@ def test_a_new_bucket_compiles_a_new_graph():
     family = lambda n: WindowLayout.kforcing_single(n, 2) if n < 10 else WindowLayout.kforcing_double(n, 2)  # noqa: E731
     assert _count_compiles(family, (5, 7, 10, 12), dynamic=True) == 2  # queries: all -> windows
     assert _count_compiles(lambda n: WindowLayout.kforcing_single(n, 2), (5, 1), dynamic=True) == 2  # N = 1 is specialised
+
+
+def test_default_backend_fullgraph_dynamic_one_graph_for_two_sizes():
+    """Issue #29 item 14: what users write, ``window_attention(q, k, v, layout)`` with no backend and a scale
+    argument, under fullgraph=True and dynamic=True. The default choice took the head dim as an argument of an
+    ``assume_constant_result`` function (a SymInt there fails), and the scale check called math.isfinite on a
+    SymFloat. Forward and backward match eager; two sizes share one graph."""
+
+    def fn(q, k, v, layout, scale):
+        return window_attention(q, k, v, layout, scale=scale) * 2.0
+
+    def default_only(q, k, v, layout):
+        return window_attention(q, k, v, layout) * 2.0
+
+    for f, extra in ((fn, (0.3,)), (default_only, ())):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+        for n in (6, 9):
+            layout = WindowLayout.kforcing_single(n, 2)
+            q, k, v = make_qkv(layout, heads=2, head_dim=16)
+            dout = torch.randn_like(q)
+            got = run_with_grads(lambda q, k, v: compiled(q, k, v, layout, *extra), q, k, v, dout)
+            want = run_with_grads(lambda q, k, v: f(q, k, v, layout, *extra), q, k, v, dout)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        # One graph: one cache entry for the frame (a float argument makes dynamo restart its first trace
+        # once, specialising the scale, so the backend may be called twice for that one entry).
+        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__)) == 1, f.__name__
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("inf"), float("nan")])
+def test_scale_check_refuses_without_math_isfinite(bad):
+    from kforcing_kernels.ops.validation import check_scale
+
+    with pytest.raises(ValueError, match="scale: expected a positive finite number"):
+        check_scale(bad)
+    assert check_scale(0.5) == 0.5 and check_scale(None) is None

@@ -112,3 +112,47 @@ def test_per_batch_cu_seqlens_for_block_layouts():
         mask = layout.dense_mask()
         for b, cu in enumerate(cus):
             assert torch.equal(mask[b], make(8, 2, cu_seqlens=cu).dense_mask())
+
+
+_ONE_ROW_CONSTRUCTORS = {
+    "causal": lambda cu: WindowLayout.causal(12, cu_seqlens=cu),
+    "causal_block": lambda cu: WindowLayout.causal(12, cu_seqlens=cu, block=4),
+    "single": lambda cu: WindowLayout.kforcing_single(12, 2, cu_seqlens=cu),
+    "double": lambda cu: WindowLayout.kforcing_double(12, 2, cu_seqlens=cu),
+    "sbd": lambda cu: WindowLayout.sbd(12, 4, cu_seqlens=cu),
+    "bd3lm": lambda cu: WindowLayout.bd3lm(12, 4, cu_seqlens=cu),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ONE_ROW_CONSTRUCTORS))
+def test_per_batch_cu_seqlens_with_one_row_is_a_batch_of_one(name):
+    """Issue #29 item 13: a per-batch [1, D+1] cu_seqlens silently broadcast over any batch size (it became a
+    shared 1-D layout). It describes one batch element: the op refuses other batch sizes, naming cu_seqlens;
+    a 1-D cu_seqlens stays shared by any batch."""
+    from kforcing_kernels import window_attention
+
+    make = _ONE_ROW_CONSTRUCTORS[name]
+    shared = make([0, 4, 12])
+    assert shared.range_batch is None
+    for cu in (torch.tensor([[0, 4, 12]]), [[0, 4, 12]], [torch.tensor([0, 4, 12])]):
+        one = make(cu)
+        assert one.range_batch == 1
+        assert torch.equal(one.dense_mask()[0], shared.dense_mask())
+        for b in (2, 3):
+            q = torch.randn(b, 1, one.n_queries, 8)
+            k = torch.randn(b, 1, one.n_keys, 8)
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                window_attention(q, k, k, one, backend="reference")
+            window_attention(q, k, k, shared, backend="reference")  # shared: any batch
+        q, k = torch.randn(1, 1, one.n_queries, 8), torch.randn(1, 1, one.n_keys, 8)
+        assert torch.equal(window_attention(q, k, k, one, backend="reference"),
+                           window_attention(q, k, k, shared, backend="reference"))
+
+
+def test_ptp_negative_starts_names_starts():
+    with pytest.raises(ValueError, match=r"^starts: expected values >= 0"):
+        WindowLayout.ptp(8, [3, -1], 2)
+    with pytest.raises(ValueError, match=r"^starts: expected values >= 0"):
+        WindowLayout.ptp(8, [[3, -1]], 2, doc_starts=[[0, 0]])
+    with pytest.raises(ValueError, match=r"^doc_starts: expected doc_starts <= starts"):
+        WindowLayout.ptp(8, [3, 2], 2, doc_starts=[0, 3])

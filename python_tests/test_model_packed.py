@@ -48,3 +48,21 @@ def test_per_batch_documents():
         packed = model.ar_forward(tokens, cu_seqlens=cus)
         torch.testing.assert_close(packed[1], model.ar_forward(tokens[1:])[0], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(packed[0, 4:], model.ar_forward(tokens[:1, 4:])[0], atol=2e-5, rtol=2e-5)
+
+
+def test_per_batch_cu_seqlens_must_match_the_batch():
+    """Issue #29 item 13: a per-batch cu_seqlens of one row broadcast silently over a larger batch."""
+    import pytest
+
+    model = _model()
+    tokens = torch.randint(0, 50, (2, 14))
+    noise = torch.rand(2, 14, 2)
+    for cu in (torch.tensor([[0, 5, 14]]), [[0, 5, 14]], [[0, 5, 14]] * 3):
+        with pytest.raises(ValueError, match=r"^cu_seqlens: expected one row per batch element \(2 rows\)"):
+            model.ar_forward(tokens, cu_seqlens=cu)
+        with pytest.raises(ValueError, match=r"^cu_seqlens: expected one row per batch element \(2 rows\)"):
+            model.single_forward(tokens, noise, cu_seqlens=cu)
+    with torch.no_grad():
+        shared = model.ar_forward(tokens, cu_seqlens=[0, 5, 14])
+        torch.testing.assert_close(model.ar_forward(tokens, cu_seqlens=[[0, 5, 14]] * 2), shared, rtol=0, atol=0)
+        torch.testing.assert_close(model.ar_forward(tokens[:1], cu_seqlens=[[0, 5, 14]]), shared[:1], rtol=0, atol=0)

@@ -162,3 +162,38 @@ def test_other_process_extension_disabled():
 def test_other_process_triton_interpreter():
     pytest.importorskip("triton")
     _run_module("triton and not other_process", TRITON_INTERPRET="1")
+
+
+# ---------------------------------------------------------------------- noise inversion at the top of the CDF
+
+BELOW_ONE = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # the largest float32 z the sampler takes
+
+
+def test_noise_inversion_never_returns_one(backend):
+    """Issue #29 item 11: the last token's bin [F(V-2), 1) narrower than a float32 ulp below 1 holds no float32 z
+    in [0, 1); the inversion rounded up to z = 1.0, which the sampler refuses (and the PTP baseline trained on).
+    It returns the largest float32 below 1 instead (documented: such a bin maps to the token before it)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = 64
+    for gap in (40.0, 25.0, 17.5):  # p(last) = e^-gap: 4e-18, 1.4e-11, 2.5e-8 (< 2^-24 = 6e-8, the ulp below 1)
+        logits = torch.tensor([[0.0, -gap]] * rows, dtype=torch.float64)
+        tokens = torch.ones(rows, dtype=torch.int64)
+        z = op.noise_inversion(logits, tokens, 1.0, generator=gen)
+        assert z.dtype == torch.float32
+        assert bool(((z >= 0) & (z < 1)).all()), (gap, z.max().item())
+        assert bool((z == BELOW_ONE).all()), gap
+        op.inverse_cdf_sample(logits, z)  # accepted: z is a valid sampler input
+    # A last bin that holds a float32 (p = e^-15 = 3e-7: about five ulps) maps back to the last token.
+    logits = torch.tensor([[0.0, -15.0]] * rows, dtype=torch.float64)
+    z = op.noise_inversion(logits, torch.ones(rows, dtype=torch.int64), 1.0, generator=gen)
+    assert bool((z < 1).all())
+    assert op.inverse_cdf_sample(logits, z).tolist() == [1] * rows
+    # Many tokens, several of them at the top with almost no mass, in float32 and bfloat16 logits.
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.cat([torch.zeros(rows, 5), torch.full((rows, 4), -60.0)], 1).to(dtype)
+        tokens = torch.randint(0, 9, (rows,), generator=gen)
+        z = op.noise_inversion(logits, tokens, 1.0, generator=gen)
+        assert bool(((z >= 0) & (z < 1)).all()), (dtype, z.max().item())
+        back = op.inverse_cdf_sample(logits, z)
+        live = tokens < 5
+        assert torch.equal(back[live], tokens[live])

@@ -224,3 +224,31 @@ def test_resume_refuses_a_different_packed_docs(tmp_path, corpus_dir):
         train(dataclasses.replace(old, stop_at=None, resume=True, packed_docs=True))
     train(dataclasses.replace(old, stop_at=None, resume=True))
     assert [s for s, _ in _losses(tmp_path / "old")] == [1, 2, 3, 4]
+
+
+def test_literal_eos_text_is_ordinary_tokens(tmp_path):
+    """Issue #29 item 12: text holding the characters of the EOS marker encoded as the real EOS id (false
+    document boundaries for --packed-docs, prompts cut short). Only the separator the corpus puts between
+    documents is EOS; the marker's characters in text are ordinary tokens, in the streams, in
+    Corpus.encode, and in the tokenizer a run folder or the cache gives back."""
+    from train_helpers import write_json_package
+
+    from kforcing_kernels.app import data
+    from kforcing_kernels.app.checkpoint import load_model, save_model
+
+    folder = write_json_package(tmp_path / "docs")
+    marker = data.EOS
+    n_docs = len(list(folder.iterdir())) + 2
+    (folder / "zz_a.txt").write_text(f"print('{marker}')\nx = 1 {marker} 2\n")
+    (folder / "zz_b.txt").write_text(f"{marker}{marker} leading markers\n")
+    for attempt in range(2):  # built, then read back from the cache
+        corpus = load_corpus(str(folder), vocab_size=300)
+        eos = corpus.eos_id
+        assert int((corpus.train == eos).sum()) + int((corpus.val == eos).sum()) == n_docs, attempt
+        ids = corpus.encode(f"a {marker} b")
+        assert eos not in ids and corpus.decode(ids) == f"a {marker} b"
+    save_model(tmp_path / "run", KForcingLM(ModelConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16)), {"k": 0})
+    corpus.tokenizer.save(str(tmp_path / "run" / "tokenizer.json"))
+    _, _, tok = load_model(tmp_path / "run")
+    assert eos not in tok.encode(f"prompt {marker}").ids
+    assert eos not in data.load_tokenizer(tmp_path / "run" / "tokenizer.json").encode(marker).ids

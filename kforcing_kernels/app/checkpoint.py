@@ -143,8 +143,10 @@ def read_model_info(folder: str | Path) -> dict:
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu"):
-    """``(model in eval mode, info dict, tokenizer or None)`` from a stage folder written by :func:`save_model`."""
-    from tokenizers import Tokenizer
+    """``(model in eval mode, info dict, tokenizer or None)`` from a stage folder written by :func:`save_model`.
+
+    The tokenizer encodes the EOS marker's characters in text as ordinary tokens (``data.load_tokenizer``)."""
+    from .data import load_tokenizer
 
     folder_path = Path(folder)
     json_path = folder_path / "model.json"
@@ -154,7 +156,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu"):
     model.k_train = info["k"]  # the window it was trained with (0: AR); generate_kforcing checks k against it
     tok_path = folder_path / "tokenizer.json"
     try:
-        tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+        tokenizer = load_tokenizer(tok_path) if tok_path.exists() else None
     except Exception as exc:  # tokenizers raises its own Exception type on bad JSON
         raise CheckpointError(f"{tok_path}: unreadable tokenizer ({exc})") from None
     recorded = info.get("tokenizer_sha256")  # absent in models saved before it was recorded: not checked

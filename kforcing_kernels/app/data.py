@@ -35,7 +35,10 @@ from .files import atomic_write_file, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
-FORMAT_VERSION = 1
+# Part of the cache key: bump it when the tokenizer or the token streams change meaning, so that an
+# entry built by older code is never read as if it were current. 2: the EOS marker's characters in
+# text encode as ordinary tokens (1 encoded them as the separator).
+FORMAT_VERSION = 2
 # Directories of the standard library that are not representative source.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java", ".json", ".html", ".tex", ".csv"}
@@ -141,7 +144,11 @@ class Corpus:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def __post_init__(self) -> None:
+        literal_specials(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; the EOS marker's characters in it are ordinary text, never the separator."""
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -150,6 +157,24 @@ class Corpus:
 
 def default_cache_dir() -> Path:
     return env.cache_dir()
+
+
+def literal_specials(tok):
+    """``tok`` set to encode text containing a special token's characters (``<|eos|>``) as ordinary tokens.
+
+    The separator between documents is inserted by id (``load_corpus``), never parsed from text: a
+    document (or prompt) that mentions the marker must not gain a false document boundary. The setting
+    is not saved in ``tokenizer.json``, so every load goes through :func:`load_tokenizer`.
+    """
+    tok.encode_special_tokens = True
+    return tok
+
+
+def load_tokenizer(path):
+    """A tokenizer saved by this package (``tokenizer.json``), with :func:`literal_specials` applied."""
+    from tokenizers import Tokenizer
+
+    return literal_specials(Tokenizer.from_file(str(path)))
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):
@@ -162,7 +187,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(texts, trainer)
-    return tok
+    return literal_specials(tok)
 
 
 def _remove_stale_temporaries(folder: Path, age_s: float = 3600.0) -> None:
@@ -270,13 +295,11 @@ def load_corpus(
 
 
 def _read_cache(paths: dict[str, Path]):
-    from tokenizers import Tokenizer
-
     meta = json.loads(paths["meta.json"].read_text())
     source, documents = meta["source"], tuple(meta["documents"])
     if not isinstance(source, str) or len(documents) != 2:
         raise ValueError(f"{paths['meta.json']}: malformed")
-    tok = Tokenizer.from_file(str(paths["tokenizer.json"]))
+    tok = load_tokenizer(paths["tokenizer.json"])
     train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
     val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))
     return meta, tok, train, val

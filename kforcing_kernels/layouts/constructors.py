@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .documents import (IntsLike, as_int_tensor, check_block_aligned, check_spans, document_bounds, parse_cu_seqlens,
-                        positive_int, stack_rows)
+from .documents import (IntsLike, PerBatch, as_int_tensor, check_block_aligned, check_spans, document_bounds,
+                        parse_cu_seqlens, positive_int, stack_rows)
 
 if TYPE_CHECKING:
     from .window_layout import WindowLayout
@@ -87,7 +87,7 @@ def _blockwise(cls: "type[WindowLayout]", n_ctx: int, block: int, cu_seqlens,
     check_block_aligned("cu_seqlens", docs, block)
     m = -(-n_ctx // block)
     hi = torch.arange(m) * block
-    lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs]) if docs else torch.zeros_like(hi)
+    lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs, PerBatch)) if docs else torch.zeros_like(hi)
     hi = hi.expand_as(lo).clone()
     return cls(n_ctx, m, block, lo, hi, last_window_size=n_ctx - (m - 1) * block, intra="full", queries="all",
                **_context_ranges(n_ctx, cu_seqlens, context_block))
@@ -108,6 +108,8 @@ def ptp(cls: "type[WindowLayout]", n_ctx: int, starts: IntsLike, completion_len:
     hi = as_int_tensor("starts", starts)
     if hi.shape[-1] == 0:
         raise ValueError("starts: expected at least one completion, got none")
+    if hi.numel() and int(hi.min()) < 0:  # checked here: with doc_starts left out, check_spans would name it
+        raise ValueError(f"starts: expected values >= 0, got min {int(hi.min())}")
     lo = torch.zeros_like(hi) if doc_starts is None else as_int_tensor("doc_starts", doc_starts)
     if lo.shape != hi.shape:
         raise ValueError(f"doc_starts: expected the shape of starts {tuple(hi.shape)}, got {tuple(lo.shape)}")
@@ -267,7 +269,7 @@ def _staircase(n_ctx: int, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
     docs = parse_cu_seqlens(cu_seqlens, n_ctx)
     if docs is None:
         return torch.zeros_like(hi), hi
-    lo = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs])
+    lo = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs], isinstance(docs, PerBatch))
     return lo, hi.expand_as(lo).clone()
 
 
@@ -285,4 +287,5 @@ def _context_ranges(n: int, cu_seqlens, block: Optional[int]) -> dict:
         hi = pos + 1 if block is None else torch.minimum(start + ((pos - start) // block + 1) * block, end)
         los.append(start)
         his.append(hi)
-    return dict(context_lo=stack_rows(los), context_hi=stack_rows(his))
+    per_batch = isinstance(docs, PerBatch)
+    return dict(context_lo=stack_rows(los, per_batch), context_hi=stack_rows(his, per_batch))

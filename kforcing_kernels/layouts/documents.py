@@ -78,8 +78,14 @@ def _one(name: str, cu: IntsLike, n: int) -> torch.Tensor:
     return t
 
 
+class PerBatch(list):
+    """One validated ``cu`` per batch element (``parse_cu_seqlens`` of a 2-D tensor or a list of rows), even when
+    there is one: a per-batch ``[1, D+1]`` describes a batch of one, never a row shared by any batch."""
+
+
 def parse_cu_seqlens(cu_seqlens, n: int, name: str = "cu_seqlens") -> Optional[list[torch.Tensor]]:
-    """Validated offsets: None, ``[cu]`` (shared by the batch) or one ``cu`` per batch element."""
+    """Validated offsets: None, ``[cu]`` (a 1-D sequence, shared by the batch) or a :class:`PerBatch` list
+    with one ``cu`` per batch element (a 2-D tensor or a list of sequences, even of one row)."""
     if cu_seqlens is None:
         return None
     per_batch = (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 2) or (
@@ -90,7 +96,7 @@ def parse_cu_seqlens(cu_seqlens, n: int, name: str = "cu_seqlens") -> Optional[l
         return [_one(name, cu_seqlens, n)]
     if len(cu_seqlens) == 0:
         raise ValueError(f"{name}: expected at least one batch element, got none")
-    return [_one(f"{name}[{b}]", cu, n) for b, cu in enumerate(cu_seqlens)]
+    return PerBatch(_one(f"{name}[{b}]", cu, n) for b, cu in enumerate(cu_seqlens))
 
 
 def document_bounds(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +116,11 @@ def check_block_aligned(name: str, docs: Optional[list[torch.Tensor]], block: in
             raise ValueError(f"{name}: expected document boundaries at multiples of block={block}, got {int(bad[0])}")
 
 
-def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """One row per batch element -> ``[n]`` when there is one shared row, else ``[B, n]``."""
-    return rows[0] if len(rows) == 1 else torch.stack(rows)
+def stack_rows(rows: list[torch.Tensor], per_batch: bool) -> torch.Tensor:
+    """The rows built from ``parse_cu_seqlens``' list: ``[B, n]`` when it was per batch (``[1, n]`` for one
+    row: the layout then refuses any other batch size), else the one shared row ``[n]``."""
+    if per_batch:
+        return torch.stack(rows)
+    if len(rows) != 1:
+        raise ValueError(f"cu_seqlens: expected one shared row, got {len(rows)}")
+    return rows[0]

@@ -47,17 +47,23 @@ def double_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tens
     return torch.cat([(t + 1 + i).flatten(-2), (t + 1 + k + i).flatten(-2)], -1)
 
 
-def as_cu_seqlens(cu_seqlens, n: int):
+def as_cu_seqlens(cu_seqlens, n: int, batch: Optional[int] = None):
     """``cu_seqlens`` as int64 CPU data: a tensor [D+1], or one tensor per batch element (None passes).
 
-    The layout constructors validate the offsets (start 0, end ``n``, non-decreasing).
+    The layout constructors validate the offsets (start 0, end ``n``, non-decreasing). ``batch``: the
+    batch size the offsets are for; per-batch offsets (a 2-D tensor or a list of rows, even of one row)
+    must have exactly that many rows (only a 1-D ``[D+1]`` is shared by the batch).
     """
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 or (
             isinstance(cu_seqlens, (list, tuple)) and all(not isinstance(x, (list, tuple, torch.Tensor)) for x in cu_seqlens)):
         return torch.as_tensor(cu_seqlens).detach().cpu().to(torch.int64)
-    return [torch.as_tensor(row).detach().cpu().to(torch.int64) for row in cu_seqlens]
+    rows = [torch.as_tensor(row).detach().cpu().to(torch.int64) for row in cu_seqlens]
+    if batch is not None and len(rows) != batch:
+        raise ValueError(f"cu_seqlens: expected one row per batch element ({batch} rows) or a shared 1-D [D+1], "
+                         f"got {len(rows)} rows")
+    return rows
 
 
 def sbd_positions(n: int, device=None) -> torch.Tensor:

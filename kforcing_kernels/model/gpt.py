@@ -294,7 +294,7 @@ class KForcingLM(nn.Module):
         """
         _check_tokens(tokens, self.config)
         n = tokens.shape[1]
-        cu = as_cu_seqlens(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n, tokens.shape[0])
         layout = WindowLayout.causal(n, cu_seqlens=cu)  # equal layouts share their derived data (layouts/derived.py)
         h, _ = self.trunk(self.wte(tokens), context_positions(n, cu, tokens.device), layout)
         return self.head(h)
@@ -319,7 +319,7 @@ class KForcingLM(nn.Module):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
         k = noise.shape[2]
         x = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)  # [B, N + N*k, C]
-        cu = as_cu_seqlens(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n, tokens.shape[0])
         layout = WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
         h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
         logits = self.head(h[:, n:]).view(b, n, k, -1)
@@ -348,7 +348,7 @@ class KForcingLM(nn.Module):
             raise ValueError(f"context_kv: expected {self.config.n_layer} layers of K/V over N={n} context tokens")
         _check_tokens(first, self.config)
         x = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        cu = as_cu_seqlens(cu_seqlens, n)
+        cu = as_cu_seqlens(cu_seqlens, n, b)
         layout = WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
         h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
         return self.head(h[:, n * k:]).view(b, n, k, -1)

@@ -5,7 +5,9 @@ An op (``window_attention``, ``paged_attention``, ``sampling``) declares its bac
 prefers per device type; :class:`OpRegistry` is all the op needs to validate a ``backend=``
 argument, load a backend, say which are usable here and why not, and pick the default. A backend
 module provides ``available() -> Optional[str]`` (None when usable, else the reason) and may
-provide ``supports(dtype, head_dim) -> bool`` (the default choice skips it otherwise) and
+provide ``supports(dtype, head_dim) -> bool`` (the default choice skips it otherwise; a backend
+whose answer depends on the head dim lists the head dims it can take as ``HEAD_DIMS``, and
+``supports`` is then asked about those only, else with ``head_dim=None``) and
 ``preferred() -> bool`` (present but slower than the next choice here, e.g. cpp's portable
 build). A backend that is not built or cannot import is reported absent with its reason; it is
 never faked, and ``reference`` is a backend like any other.
@@ -84,11 +86,18 @@ class OpRegistry:
             raise RuntimeError(f"backend {name!r} is not available: {reason}")
         return module
 
-    def default(self, device: torch.device, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
-        """The backend ``backend=None`` runs for inputs on ``device`` (of ``dtype`` / ``head_dim`` when given)."""
+    def choices(self, device: torch.device, dtype: Optional[torch.dtype] = None) -> tuple:
+        """The default choice for inputs on ``device`` (of ``dtype`` when given) as data: ``((name, head_dims), ...)``
+        in order, ``head_dims`` None (any head dim) or the tuple the backend takes; the fallback ends it.
+
+        The first entry whose head dims hold the input's is the default. Plain constants: under
+        torch.compile the op computes them once per device and dtype (``assume_constant_result``) and
+        picks by a head dim that may be symbolic (``dynamic=True``).
+        """
         forced = self.override() if self.override is not None else None
         if forced:
-            return forced
+            return ((forced, None),)
+        out = []
         for name in self.preference.get(torch.device(device).type, ()):
             module, reason = self.load(name)
             if reason is not None:
@@ -96,7 +105,27 @@ class OpRegistry:
             if not getattr(module, "preferred", lambda: True)():
                 continue
             supports = getattr(module, "supports", None)
-            if supports is not None and dtype is not None and head_dim is not None and not supports(dtype, head_dim):
-                continue
+            dims = getattr(module, "HEAD_DIMS", None)
+            if supports is not None and dtype is not None:
+                if dims is not None:
+                    dims = tuple(d for d in dims if supports(dtype, d))
+                    if not dims:
+                        continue
+                elif not supports(dtype, None):
+                    continue
+            out.append((name, None if dims is None else tuple(dims)))
+        out.append((self.fallback, None))
+        return tuple(out)
+
+    def default(self, device: torch.device, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None) -> str:
+        """The backend ``backend=None`` runs for inputs on ``device`` (of ``dtype`` / ``head_dim`` when given)."""
+        table = self.choices(device, dtype if head_dim is not None else None)
+        return pick(table, head_dim)
+
+
+def pick(choices: tuple, head_dim) -> str:
+    """The first backend of :meth:`OpRegistry.choices` that takes ``head_dim`` (None: any; a SymInt under compile)."""
+    for name, dims in choices:
+        if dims is None or head_dim is None or head_dim in dims:
             return name
-        return self.fallback
+    raise AssertionError("OpRegistry.choices ends with the fallback, which takes any head dim")

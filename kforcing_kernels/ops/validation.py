@@ -6,12 +6,21 @@ import math
 import numbers
 from typing import Optional
 
+import torch
+
 
 def check_scale(scale) -> Optional[float]:
     """``scale`` as a float (None passes): a positive finite real number, numpy scalars included; else ValueError."""
     if scale is None:
         return None
-    # numbers.Real takes numpy floats too; a bool is a number by accident, not a scale.
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)) or float(scale) <= 0:
+    # numbers.Real takes numpy floats too; a bool is a number by accident, not a scale. Comparisons, not
+    # math.isfinite: under torch.compile(dynamic=True) a float argument is a SymFloat, which dynamo can
+    # compare (a guard) but not pass to math.isfinite. NaN fails both comparisons.
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat)):
         raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
-    return float(scale)
+    value = float(scale)
+    if not (value > 0 and value < math.inf):
+        if isinstance(scale, torch.SymFloat) or torch.compiler.is_compiling():  # dynamo cannot format a SymFloat
+            raise ValueError("scale: expected a positive finite number or None, got a value outside (0, inf)")
+        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
+    return value

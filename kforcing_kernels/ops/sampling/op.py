@@ -132,6 +132,9 @@ def noise_inversion(
 
     Sampling that z with :func:`inverse_cdf_sample` gives ``tokens`` back (up to
     bins too narrow to hold a float32, which carry almost no probability mass).
+    z is always in ``[0, 1)``: a token at the top of the CDF whose bin is narrower
+    than the last float32 ulp below 1 (probability below about 6e-8) holds no such z
+    and gets the largest float32 below 1, which samples an earlier token.
     """
     tau = _check(logits, tokens, "tokens", temperature)
     u = _uniform(tokens, logits.device, generator)

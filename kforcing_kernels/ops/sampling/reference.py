@@ -63,10 +63,13 @@ def noise_inversion(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tenso
     lower = torch.where(t[..., 0] > 0, cdf.gather(-1, (t - 1).clamp(min=0))[..., 0], torch.zeros_like(upper))
     total = cdf[..., -1]
     z = ((lower + u.to(torch.float64) * (upper - lower)) / total).to(torch.float32)
-    z = torch.minimum(z, torch.tensor(1.0, device=z.device).nextafter(torch.tensor(0.0, device=z.device)))
+    below_one = torch.tensor(1.0, device=z.device).nextafter(torch.tensor(0.0, device=z.device))
+    z = torch.minimum(z, below_one)
     # Nudge by float32 ulps until z * total lands in [lower, upper), as the sampler compares.
     for _ in range(4):
         z = torch.where((z.double() * total >= upper) & (z > 0), z.nextafter(torch.zeros_like(z)), z)
     for _ in range(4):
         z = torch.where(z.double() * total < lower, z.nextafter(torch.ones_like(z)), z)
-    return z
+    # Never 1.0 (outside the sampler's [0, 1)): a bin at the top narrower than the last float32 ulp
+    # below 1 holds no float32 z; it gets the largest one, which samples the token before it.
+    return torch.minimum(z, below_one)

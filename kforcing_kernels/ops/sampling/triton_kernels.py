@@ -129,6 +129,8 @@ def _invert(x_ptr, tok_ptr, u_ptr, tau_ptr, stats_ptr, out_ptr, V, NB, BLOCK: tl
     for _ in tl.static_range(4):
         low = z.to(tl.float64) * Z < lower
         z = tl.where(low, (z.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), z)
+    # Never 1.0: a top bin narrower than the last float32 ulp below 1 gets the largest z below 1.
+    z = tl.minimum(z, 0.99999994)
     tl.store(out_ptr + row, z)
 
 

@@ -31,7 +31,8 @@ from typing import Optional, Union
 import torch
 
 from ..validation import check_scale
-from .backends import REGISTRY, default_backend, get_backend
+from ..registry import pick
+from .backends import REGISTRY, get_backend
 from .lse_attention import acc_dtype
 from ...layouts import WindowLayout
 from ...layouts.derived import canonical, content_key
@@ -72,7 +73,7 @@ def window_attention(
         out = q * 0.0 + (k.sum() + v.sum()) * 0.0  # empty, yet connected to q, k and v for autograd
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
-    name = backend or _default_backend_for(q.device.type, q.dtype, int(q.shape[-1]))
+    name = backend or _default_backend_for(q.device.type, q.dtype, q.shape[-1])
     if _plain_eager(q, k, v):
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
     else:
@@ -97,11 +98,18 @@ def _current_dispatch_mode():
     return _get_current_dispatch_mode()
 
 
+def _default_backend_for(device_type: str, dtype: torch.dtype, head_dim) -> str:
+    # The registry's choices for the device and dtype are constants; the head dim picks among them.
+    # Under torch.compile(dynamic=True) head_dim is a SymInt: `head_dim in dims` guards on it (a head
+    # dim that changes the choice recompiles), where passing it to the constant function would fail.
+    return pick(_default_choices(device_type, dtype), head_dim)
+
+
 @torch.compiler.assume_constant_result
-def _default_backend_for(device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+def _default_choices(device_type: str, dtype: torch.dtype) -> tuple:
     # Backend discovery imports modules, which dynamo cannot trace; under compile the
-    # choice is a trace-time constant (changing KFORCING_BACKEND later does not recompile).
-    return default_backend(torch.device(device_type), dtype, head_dim)
+    # choices are a trace-time constant (changing KFORCING_BACKEND later does not recompile).
+    return REGISTRY.choices(torch.device(device_type), dtype)
 
 
 # ---------------------------------------------------------------------- validation
@@ -139,7 +147,8 @@ def _validate(q, k, v, layout, scale, backend) -> None:
     if k.shape[2] != layout.n_keys:
         raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
     if layout.batch_size is not None and layout.batch_size != b:
-        raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size}")
+        raise ValueError(f"layout: expected per-batch ranges for batch {b}, got {layout.batch_size} (per-batch "
+                         "cu_seqlens, ranges or live_slots give one row per batch element; 1-D ones are shared)")
     check_scale(scale)
     REGISTRY.check_name(backend)
 

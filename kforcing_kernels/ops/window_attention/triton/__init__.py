@@ -72,9 +72,12 @@ def _allowed_dtypes() -> tuple[tuple[torch.dtype, ...], str]:
     return (torch.float16, torch.bfloat16), "on CUDA (use backend='composite' for other dtypes)"
 
 
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
+HEAD_DIMS = (32, 64, 128)  # the head dims the kernels take (the registry's default choice reads it)
+
+
+def supports(dtype: torch.dtype, head_dim: Optional[int]) -> bool:
     """Whether inputs of this dtype and head dim run here (the default choice skips us otherwise)."""
-    return dtype in _allowed_dtypes()[0] and head_dim in (32, 64, 128)
+    return dtype in _allowed_dtypes()[0] and head_dim in HEAD_DIMS
 
 
 def _check(q: torch.Tensor) -> None:
