@@ -218,7 +218,7 @@ def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, bloc
     lo = torch.zeros_like(a)
     docs = parse_cu_seqlens(cu_seqlens, n_ctx) if n_ctx else None
     if docs is not None:
-        starts = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs])  # [S] or [B, S]
+        starts = stack_rows([document_bounds(cu, n_ctx)[0] for cu in docs], isinstance(docs, PerBatch))  # [S] or [B, S]
         if starts.dim() == 2 and a.dim() == 2 and starts.shape[0] != a.shape[0]:
             raise ValueError(f"cu_seqlens: expected one row per batch element ({a.shape[0]}), got {starts.shape[0]}")
         at = a.clamp(max=n_ctx - 1)  # an anchor at S belongs to the last document
