@@ -1,15 +1,21 @@
 """Random-layout fuzzer: every backend, forward, LSE and all gradients, against an fp64 dense oracle.
 
-Layouts are drawn at random over the whole ``WindowLayout`` family (context
-length, window count and size, a short last window, shared or per-batch prefix
-ranges of several shapes, causal/full intra, all/windows queries, streams) and
-built through the public constructor. Heads (MHA and GQA), head dim, batch and
-dtype (fp64, fp32, fp16, bf16) are drawn with them.
+Layouts are drawn at random over the constructor's whole space: context length,
+window count and size, a short last window, shared or per-batch prefix ranges of
+several shapes, context ranges (``context_lo/hi``: packed documents, block-causal,
+sliding, arbitrary, empty rows), ``live_slots`` (blank slots), causal/full intra,
+all/windows queries, streams; shared and per-batch ranges mixed. A share of the
+layouts comes from the named constructors instead (packed documents for causal,
+K-Forcing Single/Double, SBD, BD3-LM; block-causal; PTP with doc_starts/doc_ends;
+Jacobi), shared or per-batch ``cu_seqlens``. Heads (MHA and GQA), head dim, batch
+and dtype (fp64, fp32, fp16, bf16) are drawn with them.
 
-The oracle is written here from the layout's documented semantics (it does not
-call ``dense_mask()`` or any backend): an fp64 masked softmax on the same
-(already rounded) inputs, differentiated by autograd. ``dense_mask()`` is also
-checked against the oracle's mask.
+The oracle is written here from the layout's documented semantics, reading only
+its numbers (prefix/context ranges, live slots; it does not call ``dense_mask()``,
+the row intervals or any backend): an fp64 masked softmax on the same (already
+rounded) inputs, differentiated by autograd; a row that sees nothing has output 0,
+LSE -inf and zero gradient. ``dense_mask()`` is also checked against the oracle's
+mask.
 
 * quick form (default suite): a few dozen layouts in-process, plus a few through
   the Triton interpreter in a ``TRITON_INTERPRET=1`` subprocess;
@@ -75,9 +81,83 @@ def _ranges(rng: random.Random, c: int, m: int, kind: str):
     return lo, hi
 
 
+def _cu(rng: random.Random, n: int, align: int = 1) -> list[int]:
+    """Random ``cu_seqlens`` over n tokens (boundaries at multiples of ``align``; empty documents allowed)."""
+    cuts = sorted(rng.randint(0, n // align) * align for _ in range(rng.randint(0, 3)))
+    return [0, *cuts, n]
+
+
+def _context_ranges(rng: random.Random, c: int, kind: str):
+    """(lo, hi) lists for the c context rows."""
+    if kind == "docs":
+        cu = _cu(rng, c)
+        start = [max(x for x in cu if x <= t) for t in range(c)]
+        return start, [t + 1 for t in range(c)]
+    if kind == "block":
+        blk = rng.randint(1, 4)
+        return [0] * c, [min(c, (t // blk + 1) * blk) for t in range(c)]
+    if kind == "sliding":
+        width = rng.randint(1, 4)
+        return [max(0, t + 1 - width) for t in range(c)], [t + 1 for t in range(c)]
+    if kind == "empty":
+        a = [rng.randint(0, c) for _ in range(c)]
+        return a, a
+    lo = [rng.randint(0, c) for _ in range(c)]
+    return lo, [rng.randint(a, c) for a in lo]
+
+
+def _constructor_case(rng: random.Random):
+    """(layout, batch, description) from a named constructor, with shared or per-batch documents."""
+    batch = rng.randint(1, 3)
+    per_batch = rng.random() < 0.5
+
+    def cus(n, align=1):
+        return [_cu(rng, n, align) for _ in range(batch)] if per_batch else (_cu(rng, n, align) if rng.random() < 0.8 else None)
+
+    family = rng.choice(("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi"))
+    n = rng.randint(1, 13)
+    if family == "causal":
+        cu = cus(n)
+        layout = WindowLayout.causal(n, cu_seqlens=cu)
+    elif family == "causal_block":
+        blk = rng.randint(1, 5)
+        cu = cus(n)
+        layout = WindowLayout.causal(n, cu_seqlens=cu, block=blk)
+    elif family in ("single", "double"):
+        k = rng.randint(1, 3)
+        cu = cus(n)
+        make = WindowLayout.kforcing_single if family == "single" else WindowLayout.kforcing_double
+        layout = make(n, k, cu_seqlens=cu)
+    elif family in ("sbd", "bd3lm"):
+        blk = rng.randint(1, 4)
+        cu = None
+        if rng.random() < 0.6:  # documents: every boundary (the packed length too) a multiple of the block
+            n = blk * rng.randint(1, 4)
+            cu = cus(n, blk)
+        layout = getattr(WindowLayout, family)(n, blk, cu_seqlens=cu)
+    elif family == "ptp":
+        m, length = rng.randint(1, 4), rng.randint(1, 4)
+        shape = (batch, m) if per_batch else (m,)
+        starts = torch.randint(0, n + 1, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        doc_starts = (starts * torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))).long()
+        doc_ends = starts + torch.randint(0, length + 2, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        cu = None
+        layout = WindowLayout.ptp(n, starts, length, doc_starts=doc_starts if rng.random() < 0.7 else None,
+                                  doc_ends=doc_ends if rng.random() < 0.7 else None)
+    else:
+        p, t = rng.randint(1, 6), rng.randint(1, 5)
+        cu = None
+        layout = WindowLayout.jacobi(p, t)
+    batch = layout.range_batch or batch
+    return layout, batch, f"{family} n={n} cu_seqlens={cu}"
+
+
 def random_case(seed: int, *, triton: bool = False) -> Case:
     """One random layout and problem size (deterministic in ``seed``)."""
     rng = random.Random(seed)
+    if rng.random() < 0.3:
+        layout, batch, what = _constructor_case(rng)
+        return _sizes(rng, seed, layout, batch, triton, what)
     streams = rng.choice((1, 1, 1, 2, 3))
     w = streams * rng.randint(1, 3 if streams > 1 else 5)
     m = rng.choice((0, 1, 1, 2, 3, 4, 5, 7))
@@ -89,7 +169,7 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
     queries = "windows" if m and rng.random() < 0.35 else "all"
     batch = rng.randint(1, 3)
     per_batch = rng.random() < 0.3
-    kinds = ("random", "random", "staircase", "empty", "full", "sliding")
+    kinds = ("random", "random", "staircase", "staircase", "staircase", "empty", "full", "sliding")
     if per_batch:
         rows = [_ranges(rng, c, m, rng.choice(kinds)) for _ in range(batch)]
         lo, hi = [r[0] for r in rows], [r[1] for r in rows]
@@ -99,7 +179,26 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
     if m == 0 or rng.random() < 0.5:
         lo = torch.tensor(lo, dtype=torch.int64).reshape(batch if per_batch else -1, m) if per_batch else torch.tensor(lo, dtype=torch.int64)
         hi = torch.tensor(hi, dtype=torch.int64).reshape(batch if per_batch else -1, m) if per_batch else torch.tensor(hi, dtype=torch.int64)
-    layout = WindowLayout(c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams)
+    extra, what = {}, ""
+    if c and rng.random() < 0.4:  # context ranges, shared or per batch element
+        kind = rng.choice(("docs", "docs", "block", "sliding", "random", "empty"))
+        if rng.random() < 0.35:
+            rows = [_context_ranges(rng, c, kind) for _ in range(batch)]
+            extra.update(context_lo=[r[0] for r in rows], context_hi=[r[1] for r in rows])
+        else:
+            extra["context_lo"], extra["context_hi"] = _context_ranges(rng, c, kind)
+        what += f" context={kind}"
+    if m and rng.random() < 0.4:  # blank slots (live_slots may exceed w: capped), shared or per batch element
+        draw = lambda: [rng.choice((0, rng.randint(0, w), w, w + 1)) for _ in range(m)]  # noqa: E731
+        extra["live_slots"] = [draw() for _ in range(batch)] if rng.random() < 0.35 else draw()
+        what += " live_slots"
+    layout = WindowLayout(c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams, **extra)
+    batch = layout.range_batch or batch
+    desc = (f"C={c} M={m} w={w} last={last} S={streams} intra={intra} queries={queries} per_batch={per_batch}{what}")
+    return _sizes(rng, seed, layout, batch, triton, desc)
+
+
+def _sizes(rng: random.Random, seed: int, layout: WindowLayout, batch: int, triton: bool, what: str) -> Case:
     kv_heads = rng.choice((1, 2))
     heads = kv_heads * rng.choice((1, 2, 3))
     if triton:
@@ -107,9 +206,7 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
     else:
         head_dim = rng.choice((1, 4, 8, 16, 24))
         dtype = rng.choice((torch.float64, torch.float32, torch.float32, torch.float16, torch.bfloat16))
-    desc = (f"seed={seed} C={c} M={m} w={w} last={last} S={streams} intra={intra} queries={queries} "
-            f"per_batch={per_batch} lo={layout.prefix_lo.tolist()} hi={layout.prefix_hi.tolist()} "
-            f"B={batch} H={heads}/{kv_heads} D={head_dim} {dtype}")
+    desc = f"seed={seed} {what} | {layout!r} B={batch} H={heads}/{kv_heads} D={head_dim} {dtype}"
     return Case(seed, layout, batch, heads, kv_heads, head_dim, dtype, desc)
 
 
@@ -132,22 +229,33 @@ def _window_roles(layout: WindowLayout):
 
 
 def oracle_mask(layout: WindowLayout, batch: int) -> torch.Tensor:
-    """bool [B, Lq, Lk] from the semantics: context causal; window m sees [lo, hi) and its own slots (causal: slot <= own)."""
+    """bool [B, Lq, Lk] from the semantics: context row t sees [context_lo[t], context_hi[t]) (default [0, t+1));
+    window m sees [lo, hi) and its own slots (causal: slot <= own); a slot >= live_slots[m] is blank: its row
+    sees nothing and no row sees it."""
     c, m = layout.n_ctx, layout.num_windows
-    lo = layout.prefix_lo.reshape(-1, m).expand(batch, m) if m else None
-    hi = layout.prefix_hi.reshape(-1, m).expand(batch, m) if m else None
+
+    def per_b(t, n):
+        return None if t is None else t.reshape(-1, n).expand(batch, n)
+
+    lo, hi = per_b(layout.prefix_lo, m) if m else None, per_b(layout.prefix_hi, m) if m else None
+    clo, chi = per_b(layout.context_lo, c), per_b(layout.context_hi, c)
+    live = per_b(layout.live_slots, m) if layout.live_slots is not None else None
     roles = _window_roles(layout)
     lk = c + len(roles)
     mask = torch.zeros(batch, lk, lk, dtype=torch.bool)
-    for t in range(c):
-        mask[:, t, : t + 1] = True
-    for r, (win, slot) in enumerate(roles):
-        row = c + r
-        for b in range(batch):
+    for b in range(batch):
+        for t in range(c):
+            a, e = (0, t + 1) if clo is None else (int(clo[b, t]), int(chi[b, t]))
+            mask[b, t, a:e] = True
+        for r, (win, slot) in enumerate(roles):
+            alive = lambda s: live is None or s < int(live[b, win])  # noqa: E731
+            if not alive(slot):
+                continue
+            row = c + r
             mask[b, row, int(lo[b, win]): int(hi[b, win])] = True
-        for r2, (win2, slot2) in enumerate(roles):
-            if win2 == win and (layout.intra == "full" or slot2 <= slot):
-                mask[:, row, c + r2] = True
+            for r2, (win2, slot2) in enumerate(roles):
+                if win2 == win and alive(slot2) and (layout.intra == "full" or slot2 <= slot):
+                    mask[b, row, c + r2] = True
     return mask[:, layout.query_offset:]
 
 
@@ -157,8 +265,10 @@ def oracle(q, k, v, mask, scale):
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ kk.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1) @ vv, lse
+    seen = mask[:, None].any(-1, keepdim=True)  # rows that see nothing: output 0, LSE -inf, no gradient
+    s = torch.where(seen, s, 0.0)
+    lse = torch.where(seen[..., 0], torch.logsumexp(s, -1), float("-inf"))
+    return torch.where(seen, torch.softmax(s, -1), 0.0) @ vv, lse
 
 
 def _in_process_backends():
@@ -201,9 +311,14 @@ def check_case(case: Case, backends) -> list[str]:
             if not err <= tol:
                 problems.append(f"{backend} {name}: rel err {err:.3g} > {tol} | {case.desc}")
         if lse.numel():
-            lerr = (lse.double() - want_lse).abs().max().item() / max(1.0, want_lse.abs().max().item())
-            if not lerr <= max(tol, 1e-6 if dtype != torch.float64 else tol):
-                problems.append(f"{backend} lse: rel err {lerr:.3g} | {case.desc}")
+            finite = torch.isfinite(want_lse)
+            if not torch.equal(torch.isfinite(lse), finite) or bool((lse[~finite] != float("-inf")).any()):
+                problems.append(f"{backend} lse: not -inf exactly on the rows that see nothing | {case.desc}")
+                continue
+            if bool(finite.any()):
+                lerr = (lse.double()[finite] - want_lse[finite]).abs().max().item() / max(1.0, want_lse[finite].abs().max().item())
+                if not lerr <= max(tol, 1e-6 if dtype != torch.float64 else tol):
+                    problems.append(f"{backend} lse: rel err {lerr:.3g} | {case.desc}")
     return problems
 
 
@@ -244,9 +359,41 @@ def test_oracle_mask_matches_known_families():
     assert d[7].nonzero().flatten().tolist() == [0, 1, 4, 5, 8, 9]
 
 
+QUICK_COUNT = 300  # about 5 s in-process on 2 cores
+
+
 def test_fuzz_quick():
-    count, problems = run_fuzz(0, 40)
-    assert count == 40 and not problems, _report(problems)
+    count, problems = run_fuzz(0, QUICK_COUNT)
+    assert count == QUICK_COUNT and not problems, _report(problems)
+
+
+def test_fuzz_quick_draws_the_whole_space():
+    """The quick seeds reach every part of the space the fuzzer claims (a draw that silently stopped happening
+    would let its bugs through: issue #29 item 15, the composite staircase fast path with blank slots)."""
+    cases = [random_case(seed) for seed in range(QUICK_COUNT)]
+    descs = [c.desc for c in cases]
+
+    want = {
+        "context docs": lambda d: "context=docs" in d, "context block": lambda d: "context=block" in d,
+        "context sliding": lambda d: "context=sliding" in d, "context random": lambda d: "context=random" in d,
+        "context empty rows": lambda d: "context=empty" in d, "live_slots": lambda d: "live_slots" in d,
+        "per-batch live_slots": lambda d: "live_slots=(" in d and "live_slots=(" in d and ", " in d.split("live_slots=(")[1].split(")")[0],
+        "per-batch context": lambda d: "context_ranges=(" in d and ", " in d.split("context_ranges=(")[1].split(")")[0],
+        **{f"constructor {f}": (lambda f: lambda d: d.startswith(f"seed=") and f" {f} n=" in d)(f)
+           for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")},
+        "per-batch cu_seqlens": lambda d: "cu_seqlens=[[" in d,
+        "shared cu_seqlens": lambda d: "cu_seqlens=[0" in d,
+    }
+    missing = [name for name, hit in want.items() if not any(hit(d) for d in descs)]
+    assert not missing, missing
+    def staircase_with_blanks(layout):  # the composite staircase's own condition, less its blank-slot exclusion
+        m = layout.num_windows
+        return (layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
+                and layout.has_blank_slots and not bool(layout.prefix_lo.any())
+                and torch.equal(layout.prefix_hi, torch.arange(1, m + 1)))
+
+    staircase_blank = [c for c in cases if staircase_with_blanks(c.layout)]
+    assert len(staircase_blank) >= 3, "the staircase fast path with blank slots is drawn too rarely"
 
 
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter process")

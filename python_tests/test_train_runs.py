@@ -421,3 +421,56 @@ def test_corpus_cache_build_removes_stale_temporaries_only(tmp_path, corpus_dir,
     meta.unlink()  # the entry is incomplete: the next load rebuilds it
     load_corpus(str(corpus_dir), vocab_size=VOCAB)
     assert not stale.exists() and fresh.exists()  # a fresh one may belong to a build running now
+
+
+# ---------------------------------------------------------------------- issue #29 item 15: what replay hides
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, corpus_dir, accum):
+    """grad_accum micro-batches average to the gradient of the whole batch (a sum would be accum times larger;
+    Adam hides the scale in the weights, the dumped first-step gradients do not)."""
+    runs = {}
+    for a in (1, accum):
+        dump = tmp_path / f"grads{a}.safetensors"
+        summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3, dump_grads=str(dump)))
+        runs[a] = (load_file(str(dump)), read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"), summary,
+                   load_file(str(tmp_path / f"accum{a}" / "model.safetensors")))
+    (g1, m1, s1, w1), (ga, ma, sa, wa) = runs[1], runs[accum]
+    assert g1.keys() == ga.keys() and g1
+    for name in g1:
+        torch.testing.assert_close(ga[name], g1[name], rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    losses = lambda m: [r["loss"] for r in m if "loss" in r]  # noqa: E731
+    assert len(losses(m1)) == len(losses(ma)) == 3
+    torch.testing.assert_close(torch.tensor(losses(ma)), torch.tensor(losses(m1)), rtol=1e-4, atol=1e-6)
+    for name in w1:
+        torch.testing.assert_close(wa[name], w1[name], rtol=1e-3, atol=1e-5)
+
+
+def test_resume_starts_from_the_newest_checkpoint_and_trains_only_the_rest(tmp_path, corpus_dir, monkeypatch, capsys):
+    """Resuming from an older kept checkpoint replays the same steps to the same bits (deterministic), so the
+    bitwise resume test cannot see it: assert which checkpoint it loads and how many steps it trains."""
+    import dataclasses
+
+    from kforcing_kernels.app import trainer
+
+    cfg = micro(tmp_path / "run", corpus_dir, steps=6, ckpt_every=2, keep_checkpoints=2, stop_at=5)
+    train(cfg)
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*.json"))
+    assert kept == ["step_00000004.json", "step_00000005.json"]
+    assert latest_checkpoint(tmp_path / "run").name == "step_00000005.json"
+    steps = []
+    real = trainer.compute_loss
+
+    def counting(*args, **kw):
+        if torch.is_grad_enabled():
+            steps.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trainer, "compute_loss", counting)
+    capsys.readouterr()
+    train(dataclasses.replace(cfg, stop_at=None, resume=True))
+    err = capsys.readouterr().err
+    assert re.search(r"resumed from \S*step_00000005\.json at step 5", err), err[-2000:]
+    assert len(steps) == 1  # step 6 only
+    assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in m] == [1, 2, 3, 4, 5, 6]
