@@ -107,3 +107,10 @@ def test_paged_attention_takes_a_numpy_scale_like_window_attention():
 def test_page_counts_must_be_ints(kw):
     with pytest.raises(ValueError, match="num_pages|capacity"):
         PagedKVCache(1, 2, 8, **kw)
+
+
+def test_k_train_given_to_generate_kforcing_counts_on_both_caches(model):
+    noise = torch.rand(1, 2, 3, dtype=torch.float64)
+    a = generate_kforcing(model, [[1, 2]], 3, 6, noise=noise, k_train=3, cache="contiguous")
+    b = generate_kforcing(model, [[1, 2]], 3, 6, noise=noise, k_train=3, cache="paged")
+    assert a.tolist() == b.tolist()

@@ -147,12 +147,13 @@ def _model_dtype(model: KForcingLM) -> torch.dtype:
     return model.wte.weight.dtype
 
 
-def _run_paged(model, requests: list[Request], k: Optional[int], page_size: int, return_logits: bool):
+def _run_paged(model, requests: list[Request], k: Optional[int], page_size: int, return_logits: bool,
+               k_train: Optional[int] = None):
     """All requests join at once; returns (tokens [B, T], logits [B, T, V] or None)."""
     page_size = _check_page_size(page_size)
     num_pages = sum(math.ceil((r.prompt.numel() if isinstance(r.prompt, torch.Tensor) else len(r.prompt)) / page_size)
                     + math.ceil(r.max_new_tokens / page_size) + 1 for r in requests)
-    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits)
+    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits, k_train=k_train)
     while not all(r.done for r in requests):
         gen.step(requests)
     out = torch.tensor([r.tokens for r in requests], dtype=torch.int64, device=model.wte.weight.device)
@@ -219,7 +220,7 @@ def generate_kforcing(
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
-        out, logits = _run_paged(model, requests, k, page_size, return_logits)
+        out, logits = _run_paged(model, requests, k, page_size, return_logits, k_train)
         return (out, logits) if return_logits else out
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)

@@ -86,14 +86,16 @@ class PagedGenerator:
         k: tokens per forward for K-Forcing; None for AR.
         cache: an existing pool, or None to make one with ``num_pages`` pages of ``page_size``.
         keep_logits: store each step's logits in ``Request.logits``.
+        k_train: the window the model was trained with (default ``model.k_train``), as ``generate_kforcing`` takes it.
     """
 
     def __init__(self, model: KForcingLM, k: Optional[int] = None, *, cache: Optional[PagedKVCache] = None,
-                 page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False):
+                 page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False,
+                 k_train: Optional[int] = None):
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
-            check_k(model, k)  # at most the window the model was trained with, and not on an AR model
+            check_k(model, k, k_train)  # at most the trained window (k_train, default model.k_train), not on an AR model
         self.model, self.k, self.keep_logits = model, k, keep_logits
         if cache is None:
             if num_pages is None:
