@@ -145,9 +145,7 @@ def read_model_info(folder: str | Path) -> dict:
 def load_model(folder: str | Path, device: str | torch.device = "cpu"):
     """``(model in eval mode, info dict, tokenizer or None)`` from a stage folder written by :func:`save_model`.
 
-    The tokenizer encodes the EOS marker's characters in text as ordinary tokens (``data.load_tokenizer``)."""
-    from .data import load_tokenizer
-
+    The tokenizer encodes the EOS marker's characters in text as ordinary tokens (:func:`load_tokenizer`)."""
     folder_path = Path(folder)
     json_path = folder_path / "model.json"
     info = read_model_info(folder_path)
@@ -165,6 +163,24 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu"):
             raise CheckpointError(f"{tok_path}: not the tokenizer this model was trained with (its SHA-256 differs from "
                                   f"{json_path.name}'s tokenizer_sha256); put the run's own tokenizer.json back")
     return model.to(device).eval(), info, tokenizer
+
+
+def literal_specials(tok):
+    """``tok`` set to encode text containing a special token's characters (``<|eos|>``) as ordinary tokens.
+
+    The separator between documents is inserted by id (``load_corpus``), never parsed from text: a
+    document (or prompt) that mentions the marker must not gain a false document boundary. The setting
+    is not saved in ``tokenizer.json``, so every load goes through :func:`load_tokenizer`.
+    """
+    tok.encode_special_tokens = True
+    return tok
+
+
+def load_tokenizer(path):
+    """A tokenizer saved by this package (``tokenizer.json``), with :func:`literal_specials` applied."""
+    from tokenizers import Tokenizer
+
+    return literal_specials(Tokenizer.from_file(str(path)))
 
 
 def tokenizer_sha256(tokenizer) -> str:

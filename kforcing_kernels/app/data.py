@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import env
-from .checkpoint import tokenizer_sha256
+from .checkpoint import tokenizer_sha256, literal_specials, load_tokenizer
 from .files import atomic_write_file, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"
@@ -157,24 +157,6 @@ class Corpus:
 
 def default_cache_dir() -> Path:
     return env.cache_dir()
-
-
-def literal_specials(tok):
-    """``tok`` set to encode text containing a special token's characters (``<|eos|>``) as ordinary tokens.
-
-    The separator between documents is inserted by id (``load_corpus``), never parsed from text: a
-    document (or prompt) that mentions the marker must not gain a false document boundary. The setting
-    is not saved in ``tokenizer.json``, so every load goes through :func:`load_tokenizer`.
-    """
-    tok.encode_special_tokens = True
-    return tok
-
-
-def load_tokenizer(path):
-    """A tokenizer saved by this package (``tokenizer.json``), with :func:`literal_specials` applied."""
-    from tokenizers import Tokenizer
-
-    return literal_specials(Tokenizer.from_file(str(path)))
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int):
