@@ -1,6 +1,7 @@
 """Layouts describe what attends to what; ops compute it.
 
     window_layout.py  WindowLayout: the mask family, its glossary and what it derives
+    query_rows.py     QueryRowsLayout: a layout restricted to some query rows (context parallelism)
     constructors.py   its named constructors (causal, kforcing_single, sbd, ptp, ...), as classmethods
     intervals.py      the one derivation of its semantics: per-row key intervals
     derived.py        the one cache of derived data: a store per layout content, and content interning
@@ -10,6 +11,7 @@
     zoo.py            a shared set of layouts for tests and benchmarks
 """
 
+from .query_rows import QueryRowsLayout
 from .window_layout import INTRA_MODES, QUERY_MODES, WindowLayout, ideal_causal_pairs
 
-__all__ = ["WindowLayout", "ideal_causal_pairs", "INTRA_MODES", "QUERY_MODES"]
+__all__ = ["WindowLayout", "QueryRowsLayout", "ideal_causal_pairs", "INTRA_MODES", "QUERY_MODES"]

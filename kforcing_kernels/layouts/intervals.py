@@ -176,3 +176,8 @@ def reduce_over_tiles(iv: torch.Tensor, tile_of_row: torch.Tensor, n_tiles: int)
     zero = torch.zeros_like(klo)
     return torch.stack([torch.where(any_seen, klo, zero), torch.where(any_seen, khi, zero),
                         torch.where(has_full, flo, zero), torch.where(has_full, fhi, zero)], -1)
+
+
+def pairs_per_row(iv: torch.Tensor) -> torch.Tensor:
+    """int64 [B', Lq]: attended keys of each query row (the work a row costs an attention kernel)."""
+    return (iv[..., 1] - iv[..., 0]).clamp(min=0).sum(-1)

@@ -50,6 +50,7 @@ from . import derived as _derived_store
 from . import flex as _flex
 from . import intervals as _iv
 from .documents import IntsLike, as_int, as_int_tensor, check_spans
+from .query_rows import QueryRowsLayout
 
 _T = TypeVar("_T")
 INTRA_MODES = ("causal", "full")
@@ -325,6 +326,12 @@ class WindowLayout:
             context_lo=pick(self._context_lo), context_hi=pick(self._context_hi), live_slots=pick(self._live),
             prefix_slide_lo=pick(self._prefix_slide_lo), prefix_slide_hi=pick(self._prefix_slide_hi),
         )
+
+    def restrict_rows(self, rows: IntsLike) -> "QueryRowsLayout":
+        """This layout's query rows ``rows`` (int ``[R]``, strictly increasing) over all of its keys, in order:
+        a :class:`~kforcing_kernels.layouts.query_rows.QueryRowsLayout` derived from the row intervals
+        (context parallelism: one rank's rows). Its ``dense_mask()`` is ``self.dense_mask()[..., rows, :]``."""
+        return QueryRowsLayout(self, rows)
 
     # ------------------------------------------------------------------ semantics (derived once)
 

@@ -34,7 +34,8 @@ from ..validation import check_scale
 from ..registry import pick
 from .backends import REGISTRY, get_backend
 from .lse_attention import acc_dtype
-from ...layouts import WindowLayout
+from . import query_rows
+from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,7 +45,7 @@ def window_attention(
     q: torch.Tensor,  # [B, H, Lq, D]
     k: torch.Tensor,  # [B, Hkv, Lk, D]
     v: torch.Tensor,  # [B, Hkv, Lk, D]
-    layout: WindowLayout,
+    layout: Union[WindowLayout, QueryRowsLayout],
     *,
     scale: Optional[float] = None,
     backend: Optional[str] = None,
@@ -57,7 +58,8 @@ def window_attention(
             storage order (``[context | windows]`` or windows only).
         k, v: keys/values ``[B, Hkv, Lk, D]`` with ``Lk == layout.n_keys``
             (``[context | windows]``); ``H % Hkv == 0`` (GQA).
-        layout: the mask.
+        layout: the mask; a ``QueryRowsLayout`` (some rows of a layout, ``layout.restrict_rows``) runs the
+            interval path of ``query_rows.py`` whatever ``backend`` says (eager only, not a custom op).
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"`` or None
             (fastest available for the device; env ``KFORCING_BACKEND`` overrides).
@@ -73,6 +75,9 @@ def window_attention(
         out = q * 0.0 + (k.sum() + v.sum()) * 0.0  # empty, yet connected to q, k and v for autograd
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
+    if isinstance(layout, QueryRowsLayout):
+        out, lse = query_rows.QueryRowsAttention.apply(q, k, v, layout, scale)
+        return (out, lse.detach()) if return_lse else out
     name = backend or _default_backend_for(q.device.type, q.dtype, q.shape[-1])
     if _plain_eager(q, k, v):
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
@@ -116,8 +121,8 @@ def _default_choices(device_type: str, dtype: torch.dtype) -> tuple:
 
 
 def _validate(q, k, v, layout, scale, backend) -> None:
-    if not isinstance(layout, WindowLayout):
-        raise ValueError(f"layout: expected a WindowLayout, got {type(layout).__name__}")
+    if not isinstance(layout, (WindowLayout, QueryRowsLayout)):
+        raise ValueError(f"layout: expected a WindowLayout or QueryRowsLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

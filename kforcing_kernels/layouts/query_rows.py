@@ -1,0 +1,103 @@
+"""``QueryRowsLayout``: a ``WindowLayout`` restricted to a subset of its query rows.
+
+Context parallelism gives each rank some query rows of one sequence; the rank attends over
+every key (all-gathered, in the parent's key order) but computes only its rows. The
+sub-layout is derived from the parent's per-row key intervals, the one source of the mask
+semantics: row ``i`` of the sub-layout is row ``rows[i]`` of the parent, with the same key
+intervals over the same ``n_keys`` keys. So ``sub.dense_mask() == parent.dense_mask()[..., rows, :]``.
+
+Rows must be strictly increasing (sorted, no repeats): a rank's rows keep the parent's
+order, so its outputs line up with its slice of the sequence; an unsorted or repeated list is
+refused rather than silently reordered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from . import intervals as _iv
+from .documents import IntsLike, as_int_tensor
+
+if TYPE_CHECKING:
+    from .window_layout import WindowLayout
+
+
+class QueryRowsLayout:
+    """Rows ``rows`` (int64 ``[R]``, strictly increasing, in ``[0, parent.n_queries)``) of ``parent``.
+
+    Keys stay the parent's: ``n_keys == parent.n_keys``, in the parent's order. Queries are the
+    R selected rows, in increasing order. Immutable, like the parent.
+    """
+
+    def __init__(self, parent: "WindowLayout", rows: IntsLike):
+        from .window_layout import WindowLayout
+
+        if not isinstance(parent, WindowLayout):
+            raise ValueError(f"parent: expected a WindowLayout, got {type(parent).__name__}")
+        r = as_int_tensor("rows", rows, dims=(1,))
+        n = parent.n_queries
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= n):
+            bad = int(r[(r < 0) | (r >= n)][0])
+            raise ValueError(f"rows: expected query rows in [0, {n}) (parent.n_queries), got {bad}")
+        if r.numel() > 1 and bool((r[1:] <= r[:-1]).any()):
+            at = int(torch.nonzero(r[1:] <= r[:-1])[0, 0])
+            raise ValueError(f"rows: expected strictly increasing rows (sorted, no repeats), got {int(r[at])} "
+                             f"then {int(r[at + 1])} at index {at + 1}")
+        self.parent = parent
+        self._rows = r
+        self._iv = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int64 [R]: the parent rows, in order (a copy)."""
+        return self._rows.clone()
+
+    @property
+    def n_queries(self) -> int:
+        return int(self._rows.numel())
+
+    @property
+    def n_keys(self) -> int:
+        return self.parent.n_keys
+
+    @property
+    def range_batch(self):
+        return self.parent.range_batch
+
+    batch_size = range_batch
+
+    @property
+    def _row_intervals(self) -> torch.Tensor:
+        if self._iv is None:  # derived from the parent's intervals, never re-derived from its ranges
+            self._iv = self.parent._row_intervals[:, self._rows].contiguous()
+        return self._iv
+
+    def row_intervals(self) -> torch.Tensor:
+        """int64 [B', R, 1 + S, 2]: the parent's intervals of the selected rows."""
+        return self._row_intervals.clone()
+
+    def dense_mask(self) -> torch.Tensor:
+        """bool [R, Lk] (or [B, R, Lk] for per-batch ranges): the parent's mask rows."""
+        mask = _iv.dense_mask_from(self._row_intervals, self.n_keys)
+        return mask if self.range_batch is not None else mask[0]
+
+    def num_pairs(self) -> Union[int, torch.Tensor]:
+        """Attended (query, key) pairs of the selected rows: an int, or int64 [B] for per-batch ranges."""
+        total = _iv.count_pairs(self._row_intervals)
+        return int(total[0]) if self.range_batch is None else total
+
+    def restrict_rows(self, rows: IntsLike) -> "QueryRowsLayout":
+        """Rows ``rows`` of this sub-layout (indices into it), as a sub-layout of the same parent."""
+        r = as_int_tensor("rows", rows, dims=(1,))
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= self.n_queries):
+            raise ValueError(f"rows: expected rows in [0, {self.n_queries}) (n_queries), got {r.tolist()}")
+        return QueryRowsLayout(self.parent, self._rows[r])
+
+    @property
+    def cache_key(self) -> tuple:
+        return ("query_rows", self.parent.cache_key, tuple(self._rows.tolist()))
+
+    def __repr__(self) -> str:
+        return f"QueryRowsLayout(rows={self.n_queries} of {self.parent.n_queries}, parent={self.parent!r})"
