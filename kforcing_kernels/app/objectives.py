@@ -217,6 +217,25 @@ def _require(objective: Objective, batch: Batch, teacher, k: Optional[int]) -> N
             raise ValueError(f"k: noise inversion needs the student window 1 <= k < tokens.shape[1], got {k!r}")
 
 
+@torch.no_grad()
+def student_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]):
+    """``(context [B, N], noise [B, N, k], targets [B, N, k], cu_seqlens or None)`` of a distillation objective:
+    what the student's SingleForward reads and the teacher's targets for it."""
+    context, noise = batch.tokens, batch.noise
+    cu = batch.cu_seqlens(context[:, :batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context)
+    packed = batch.separator is not None
+    if objective is Objective.NOISE_INVERSION:
+        generator = torch.Generator(device=context.device).manual_seed(batch.seed)
+        context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator,
+                                                              cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]))
+    elif objective is Objective.FORWARD:
+        teacher_logits = teacher(context, **({"cu_seqlens": cu} if packed else {}))
+        targets = forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
+    else:
+        targets = self_forcing_targets(teacher, context, noise, batch.tau, cu_seqlens=cu)  # [B, N, 2k]
+    return context, noise, targets, cu
+
+
 def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, *, k: Optional[int] = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-position mean loss ``[k]``, detached) of ``model`` on one (micro-)batch.
@@ -240,18 +259,7 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
         loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1))
         return loss, loss.detach()[None]
-    context, noise = batch.tokens, batch.noise
-    cu = batch.cu_seqlens(context[:, :batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context)
-    with torch.no_grad():
-        if objective is Objective.NOISE_INVERSION:
-            generator = torch.Generator(device=context.device).manual_seed(batch.seed)
-            context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator,
-                                                                  cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]))
-        elif objective is Objective.FORWARD:
-            teacher_logits = teacher(context, **({"cu_seqlens": cu} if packed else {}))
-            targets = forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
-        else:
-            targets = self_forcing_targets(teacher, context, noise, batch.tau, cu_seqlens=cu)  # [B, N, 2k]
+    context, noise, targets, cu = student_inputs(objective, batch, teacher, k)
     logits = model(context, noise, batch.tau, **({"cu_seqlens": cu} if packed else {}))  # [B, N, k, V]
     per_token = F.cross_entropy(logits.flatten(0, 2).float(), targets.flatten(), reduction="none").view(targets.shape)
     if not packed:

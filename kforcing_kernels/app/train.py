@@ -7,6 +7,7 @@
     python -m kforcing_kernels.app.train stage2 --teacher runs/x/stage1 --out runs/x/stage2_k2
     python -m kforcing_kernels.app.train pipeline --out runs/x          # 0 -> 1 -> 2 (k=2) -> 2 (k=4)
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ...      # data parallel, same flags
+    torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --context-parallel 2   # one sequence, 2 ranks
 
 The loop is :mod:`kforcing_kernels.app.trainer`, the chain of stages :mod:`kforcing_kernels.app.pipeline`.
 """
@@ -64,6 +65,9 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--packed-docs", action="store_true", default=None,
                    help="windows keep document boundaries: no attention across documents, positions restart per document, "
                         "no loss on predictions past a document's end")
+    p.add_argument("--context-parallel", type=_positive_int, default=defaults.context_parallel,
+                   help="ranks that share each sequence (a divisor of the torchrun world size): their query rows are "
+                        "split by attended pairs and K/V gathered per layer (1: off)")
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
     add_device(p)
     add_threads(p)

@@ -59,6 +59,8 @@ class TrainConfig:
     # positions restart per document, and predictions past a document's end leave the loss.
     packed_docs: bool = False
     seed: int = 0
+    # Ranks that share each sequence (context parallelism, app/context_parallel.py); a divisor of the world size.
+    context_parallel: int = 1
     precision: str = "auto"
     device: str = "auto"
     log_every: int = 10
@@ -167,9 +169,13 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
     if not 0 < cfg.tau_min <= cfg.tau_max:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
-    shards = world * cfg.grad_accum
-    if cfg.batch_size % shards:
-        raise ConfigError(f"batch_size: expected a multiple of world size x grad_accum = {world} x {cfg.grad_accum}, got {cfg.batch_size}")
+    if isinstance(cfg.context_parallel, bool) or not isinstance(cfg.context_parallel, int) or cfg.context_parallel < 1 \
+            or world % cfg.context_parallel:
+        raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
+    dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "
+                          f"(world size {world} / context_parallel {cfg.context_parallel}), got {cfg.batch_size}")
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ConfigError(f"stop_at: expected a step in [1, steps={cfg.steps}], got {cfg.stop_at}")
     check_out_folder(cfg.out)

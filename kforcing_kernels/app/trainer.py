@@ -52,6 +52,8 @@ from .objectives import (
     make_batch,
     step_generator,
 )
+from .context_parallel import context_parallel_loss
+from .context_parallel import setup as setup_context_parallel
 from .train_config import (
     PROVENANCE,
     ConfigError,
@@ -258,6 +260,7 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
         corpus = load_corpus(cfg.data, vocab_size=cfg.vocab_size)
 
     objective = Objective.of(cfg.stage, cfg.supervision)
+    par = setup_context_parallel(cfg.context_parallel, info.rank, info.world)  # CP groups; data parallel between them
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
         _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
     student, teacher, k, model_info = _build(cfg, info, corpus, log)
@@ -299,14 +302,18 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = make_batch(objective, corpus.train, cfg.batch_size, cfg.seq_len, k, (cfg.tau_min, cfg.tau_max),
-                           step_generator(cfg.seed, step), separator).shard(info.rank, info.world)
+                           step_generator(cfg.seed, step), separator).shard(par.dp_rank, par.dp_world)
         loss_sum, pos_sum = 0.0, 0.0
         for micro in range(cfg.grad_accum):
             part = batch.shard(micro, cfg.grad_accum).to(info.device)
             sync = micro == cfg.grad_accum - 1 or info.world == 1
             with (nullcontext() if sync else model.no_sync()), autocast():
-                loss, per_pos = compute_loss(objective, model, part, teacher, k=k)
-            scaler.scale(loss / cfg.grad_accum).backward()
+                if par.cp is None:
+                    loss, per_pos = compute_loss(objective, model, part, teacher, k=k)
+                    share = loss
+                else:  # this rank's rows of the group's sequences (app/context_parallel.py)
+                    share, loss, per_pos = context_parallel_loss(objective, model, part, teacher, par.cp, k=k)
+            scaler.scale(share / cfg.grad_accum).backward()
             loss_sum, pos_sum = loss_sum + loss.detach(), pos_sum + per_pos
         if cfg.dump_grads and step == start and info.main:
             save_tensors(Path(cfg.dump_grads), {n: p.grad for n, p in student.named_parameters() if p.grad is not None})

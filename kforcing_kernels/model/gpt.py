@@ -32,6 +32,7 @@ from ..ops.paged_attention import paged_attention
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
+from ..parallel.context_parallel import ContextParallel, RankRows
 from ..types import KV, Temperature
 from .config import ModelConfig
 
@@ -103,14 +104,15 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, L, C]: the query tokens
         cos: torch.Tensor,  # [1 or B, 1, L, D/2]
         sin: torch.Tensor,
-        layout: Optional[WindowLayout],
+        layout: Union[WindowLayout, RankRows, None],
         past: Union[KV, PagedPast, None] = None,
     ) -> tuple[torch.Tensor, KV]:
         """Attention of the L query tokens over ``past`` and themselves; returns (output, their own K/V).
 
         ``past`` is the cached context: contiguous K/V ``[B, H, P, D]`` prepended to the keys, with
         ``layout`` describing all ``P + L`` keys; or a :class:`PagedPast` read in place, whose decode-window
-        semantics replace the layout (pass None).
+        semantics replace the layout (pass None). A :class:`~kforcing_kernels.parallel.RankRows` (context
+        parallelism) means x holds this rank's rows of the layout: K/V of all ranks are gathered per layer.
         """
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
@@ -119,6 +121,10 @@ class Attention(nn.Module):
             if layout is not None:
                 raise ValueError("layout: expected None with a paged past (its decode window is the mask)")
             y = past.attend(q, k, v)
+        elif isinstance(layout, RankRows):
+            if past is not None:
+                raise ValueError("past: context parallelism runs without a cached context")
+            y = layout.attend(q, k, v)
         else:
             keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
@@ -250,7 +256,7 @@ class KForcingLM(nn.Module):
         self,
         x: torch.Tensor,  # [B, L, C] embeddings of the query tokens
         positions: torch.Tensor,  # int [L] or [B, L]
-        layout: Optional[WindowLayout],
+        layout: Union[WindowLayout, RankRows, None],
         past: Optional[Sequence[Union[KV, PagedPast]]] = None,  # per layer: see Attention.forward
     ) -> tuple[torch.Tensor, list[KV]]:
         """Run all blocks; returns (final-normed hidden [B, L, C], per-layer K/V of the L query tokens).
@@ -280,8 +286,12 @@ class KForcingLM(nn.Module):
     # -------------------------------------------------------------- the three training-time forwards
 
     def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None) -> torch.Tensor:
-        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``."""
+                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None):
+        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
+
+        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`)."""
+        if context_parallel is not None:
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens)
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
         return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens)[0]
@@ -324,6 +334,36 @@ class KForcingLM(nn.Module):
         h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
         logits = self.head(h[:, n:]).view(b, n, k, -1)
         return logits, [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
+
+    def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
+                                 tau: Temperature = 1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of :meth:`ar_forward` (``noise`` None) or :meth:`single_forward`, under context parallelism.
+
+        Every rank of ``cp``'s group passes the same full inputs (token ids and noise: a few bytes per
+        position); each embeds and runs the whole model on its own rows of the layout
+        (``cp.split(layout)``, balanced by attended pairs), positions and documents follow the rows, and
+        every attention layer gathers the other ranks' K/V. Returns ``(logits [B, R, V], rows int64 [R])``:
+        AR rows are context positions t (``logits[:, i] == ar_forward(...)[:, rows[i]]``); SingleForward rows
+        are window tokens ``t * k + j`` (``logits[:, i] == single_forward(...)[0].flatten(1, 2)[:, rows[i]]``);
+        this rank's context rows only feed the others' attention.
+        """
+        _check_tokens(tokens, self.config)
+        b, n = tokens.shape
+        cu = as_cu_seqlens(cu_seqlens, n, b)
+        if noise is None:
+            shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
+            rows = shard.query_rows.to(tokens.device)
+            h, _ = self.trunk(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard)
+            return self.head(h), shard.query_rows
+        if noise.dim() != 3 or noise.shape[:2] != (b, n):
+            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
+        k = noise.shape[2]
+        shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
+        rows = shard.query_rows.to(tokens.device)
+        context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
+        x = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
+        h, _ = self.trunk(x, single_positions(n, k, tokens.device, cu)[..., rows], shard)
+        return self.head(h[:, context_rows.numel():]), window_rows.cpu()
 
     def double_forward(
         self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
