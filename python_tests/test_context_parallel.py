@@ -1,0 +1,114 @@
+"""Context parallelism in one process: the pair-balanced row split, and the one-rank path of the CP attention,
+model and loss (the torchrun tests with 2 ranks are in test_context_parallel_torchrun.py).
+
+Oracles: pairs counted from the layout's dense mask; single-process ``window_attention`` / model / ``compute_loss``.
+"""
+
+import pytest
+import torch
+
+from kforcing_kernels.app.context_parallel import context_parallel_loss, setup
+from kforcing_kernels.app.objectives import Objective, compute_loss, make_batch
+from kforcing_kernels.app.train_config import ConfigError
+from kforcing_kernels.layouts import WindowLayout
+from kforcing_kernels.model import KForcingLM, ModelConfig
+from kforcing_kernels.ops.window_attention import window_attention
+from kforcing_kernels.parallel import ContextParallel, balanced_split, context_parallel_attention
+
+BALANCE_CASES = {
+    "causal": WindowLayout.causal(512),
+    "single": WindowLayout.kforcing_single(128, 4),
+    "double": WindowLayout.kforcing_double(128, 4),
+    "single_packed": WindowLayout.kforcing_single(128, 4, cu_seqlens=[0, 17, 60, 61, 128]),
+    "causal_packed_per_batch": WindowLayout.causal(256, cu_seqlens=[[0, 100, 256], [0, 256]]),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(BALANCE_CASES))
+def test_split_balances_pairs_and_rows(name, world):
+    layout = BALANCE_CASES[name]
+    split = balanced_split(layout, world)
+    mask = layout.dense_mask()
+    mask = mask[None] if mask.dim() == 2 else mask
+    seen = torch.cat(list(split.query_rows)).sort().values
+    assert torch.equal(seen, torch.arange(layout.n_queries))  # a partition of the rows
+    keys = torch.cat(list(split.key_rows)).sort().values
+    assert torch.equal(keys, torch.arange(layout.n_keys))  # and of the keys
+    pairs = [int(mask[:, rows].sum()) for rows in split.query_rows]  # counted from the dense mask
+    assert pairs == list(split.pairs)
+    assert max(pairs) <= 1.05 * sum(pairs) / world, pairs
+    counts = [rows.numel() for rows in split.query_rows]
+    assert max(counts) <= 1.25 * layout.n_queries / world, counts  # memory (rows) stays balanced too
+    for rows in split.query_rows:
+        assert bool((rows[1:] > rows[:-1]).all())
+
+
+def test_equal_rows_would_not_balance_the_staircase():
+    # Why pairs, not rows: the first and second half of a causal layout differ 3x in work.
+    layout = WindowLayout.causal(512)
+    half = layout.dense_mask()[:256].sum(), layout.dense_mask()[256:].sum()
+    assert half[1] > 2.9 * half[0]
+    split = balanced_split(layout, 2)
+    assert split.imbalance() < 0.01  # the 2P-block deal is zig-zag: rank r holds blocks r and 2P-1-r
+    assert split.query_rows[0].tolist() == list(range(128)) + list(range(384, 512))
+
+
+def test_split_is_deterministic_and_checks_arguments():
+    layout = WindowLayout.kforcing_single(40, 3)
+    a, b = balanced_split(layout, 3), balanced_split(layout, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a.query_rows, b.query_rows))
+    with pytest.raises(ValueError, match="^world: "):
+        balanced_split(layout, 0)
+    with pytest.raises(ValueError, match="^layout: "):
+        balanced_split(layout.restrict_rows([0, 1]), 2)
+
+
+def test_one_rank_cp_attention_is_window_attention():
+    layout = WindowLayout.kforcing_double(9, 3)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, layout.n_queries, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, layout.n_keys, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, layout.n_keys, 8, dtype=torch.float64, requires_grad=True)
+    out = context_parallel_attention(q, k, v, balanced_split(layout, 1), 0)
+    want = window_attention(q, k, v, layout, backend="reference")
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    w = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g, w):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_cp_attention_refuses_wrong_shards():
+    split = balanced_split(WindowLayout.causal(10), 2)
+    q = torch.randn(1, 2, split.query_rows[0].numel(), 4)
+    with pytest.raises(ValueError, match="^group: "):  # two ranks, no process group
+        context_parallel_attention(q, q, q, split, 0)
+    split1 = balanced_split(WindowLayout.causal(10), 1)
+    with pytest.raises(ValueError, match=r"^q: expected 10 rows"):
+        context_parallel_attention(q, torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), split1, 0)
+    with pytest.raises(ValueError, match="^rank: "):
+        ContextParallel(2, 2)
+
+
+def test_one_rank_model_and_loss_match_the_plain_ones():
+    torch.manual_seed(0)
+    model = KForcingLM(ModelConfig.micro())
+    cp = ContextParallel(0, 1)
+    batch = make_batch(Objective.AR, torch.randint(0, 64, (400,)), 4, 12, 1, (0.5, 1.0), torch.Generator().manual_seed(1),
+                       separator=3)
+    share, loss, per_pos = context_parallel_loss(Objective.AR, model, batch, None, cp)
+    want, want_pos = compute_loss(Objective.AR, model, batch)
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(share, want)
+    torch.testing.assert_close(per_pos, want_pos)
+    tokens, noise = batch.tokens[:, :12], torch.rand(4, 12, 3)
+    logits, rows = model(tokens, noise, 1.0, context_parallel=cp)
+    assert torch.equal(rows, torch.arange(36))
+    torch.testing.assert_close(logits, model(tokens, noise, 1.0).flatten(1, 2))
+
+
+def test_setup_refuses_a_size_that_does_not_divide_the_world():
+    assert setup(1, 0, 4).cp is None and setup(1, 3, 4).dp_rank == 3
+    with pytest.raises(ConfigError, match="^context_parallel: "):
+        setup(3, 0, 4)
