@@ -99,3 +99,11 @@ def test_window_attention_on_sub_layout_checks_shapes():
     q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="layout.n_queries"):
         window_attention(q, k, k, sub)
+
+
+def test_parent_must_be_a_window_layout():
+    sub = WindowLayout.causal(6).restrict_rows([1, 2])
+    with pytest.raises(ValueError, match="^parent: "):
+        QueryRowsLayout(sub, [0])
+    with pytest.raises(ValueError, match="^parent: "):
+        QueryRowsLayout("causal", [0])

@@ -32,9 +32,8 @@ class QueryRowsLayout:
     """
 
     def __init__(self, parent: "WindowLayout", rows: IntsLike):
-        from .window_layout import WindowLayout
-
-        if not isinstance(parent, WindowLayout):
+        # WindowLayout imports this module (restrict_rows), so it is recognised by what it has, not imported here.
+        if isinstance(parent, QueryRowsLayout) or not hasattr(parent, "_row_intervals"):
             raise ValueError(f"parent: expected a WindowLayout, got {type(parent).__name__}")
         r = as_int_tensor("rows", rows, dims=(1,))
         n = parent.n_queries
