@@ -112,3 +112,38 @@ def test_setup_refuses_a_size_that_does_not_divide_the_world():
     assert setup(1, 0, 4).cp is None and setup(1, 3, 4).dp_rank == 3
     with pytest.raises(ConfigError, match="^context_parallel: "):
         setup(3, 0, 4)
+
+
+def test_traffic_accounting_matches_the_dense_mask():
+    from kforcing_kernels.parallel.cost import layer_traffic, needed_keys
+
+    layout = WindowLayout.kforcing_single(40, 4, cu_seqlens=[0, 15, 40])
+    split = balanced_split(layout, 2)
+    mask = layout.dense_mask()
+    for rank in range(2):
+        want = mask[split.query_rows[rank]].any(0)  # keys some row of the rank sees
+        assert torch.equal(needed_keys(split, rank), want)
+        owned = torch.zeros(layout.n_keys, dtype=torch.bool)
+        owned[split.key_rows[rank]] = True
+        per_key = 2 * 1 * 3 * 8 * 4
+        t = layer_traffic(split, rank, batch=1, kv_heads=3, head_dim=8, elem_bytes=4)
+        assert t.ideal == 2 * int((want & ~owned).sum()) * per_key
+        assert t.actual == 3 * split.max_keys * per_key and t.all_gather_once == 2 * split.max_keys * per_key
+
+
+def test_validate_config_refuses_a_cp_size_that_does_not_divide_the_world():
+    from kforcing_kernels.app.train_config import TrainConfig, validate_config
+
+    with pytest.raises(ConfigError, match="^context_parallel: "):
+        validate_config(TrainConfig(context_parallel=2), world=1)
+    with pytest.raises(ConfigError, match="^batch_size: "):
+        validate_config(TrainConfig(context_parallel=2, batch_size=3), world=4)  # 2 data-parallel groups
+
+
+def test_bench_measures_the_same_saved_activations_on_both_paths():
+    from bench.context_parallel import saved_bytes
+
+    model = KForcingLM(ModelConfig.micro())
+    plain, cp = saved_bytes(model, 6, 3, False), saved_bytes(model, 6, 3, True)
+    assert plain > 0 and cp == plain
+    assert saved_bytes(model, 12, 3, False) > plain  # grows with the rows
