@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..layouts import WindowLayout
 from ..ops.window_attention import query_rows as _rows
+from ..ops.window_attention import window_attention
 from .balance import RowSplit, balanced_split
 
 
@@ -150,7 +151,7 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, split: RowSplit, rank: int, group, scale: float):
         k_all, v_all = gather_keys(k, v, split, group)
         sub = split.sub_layout(rank)
-        out, lse = _rows.forward(q.contiguous(), k_all, v_all, sub, scale)
+        out, lse = window_attention(q, k_all, v_all, sub, scale=scale, return_lse=True)  # the sub-layout's path
         ctx.save_for_backward(q, k, v, out, lse)  # local K/V only: re-gathered in backward
         ctx.meta = (split, rank, group, scale, sub)
         return out
