@@ -131,4 +131,15 @@ MUTATIONS = [
     dict(id="check-scale-math-isfinite", file="kforcing_kernels/ops/validation.py",
          old="    if not (value > 0 and value < math.inf):", new="    if not (math.isfinite(value) and value > 0):",
          tests=["python_tests/test_compile.py", "-k", "default_backend_fullgraph_dynamic"]),
+    # --- issue #28: context parallelism
+    dict(id="cp-split-balances-rows-not-pairs", file="kforcing_kernels/parallel/balance.py",
+         old="        owner = _deal(cost, size, world)", new="        owner = _deal(torch.ones_like(cost), size, world)",
+         tests=["python_tests/test_context_parallel.py", "-k", "balances"]),
+    dict(id="cp-dk-not-reduced-over-ranks", file="kforcing_kernels/parallel/context_parallel.py",
+         old="        dist.reduce_scatter_tensor(mine, per_rank.view(-1, *per_rank.shape[2:]), op=dist.ReduceOp.SUM, group=group)",
+         new="        mine = per_rank[rank]",
+         tests=["python_tests/test_context_parallel_torchrun.py", "-k", "gloo"]),
+    dict(id="cp-loss-share-not-scaled-for-ddp", file="kforcing_kernels/app/context_parallel.py",
+         old="    return share * cp.world, ", new="    return share, ",
+         tests=["python_tests/test_context_parallel_torchrun.py", "-k", "trainer_step"]),
 ]

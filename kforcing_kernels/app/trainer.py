@@ -310,11 +310,11 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
             with (nullcontext() if sync else model.no_sync()), autocast():
                 if par.cp is None:
                     loss, per_pos = compute_loss(objective, model, part, teacher, k=k)
-                    share = loss
-                else:  # this rank's rows of the group's sequences (app/context_parallel.py)
-                    share, loss, per_pos = context_parallel_loss(objective, model, part, teacher, par.cp, k=k)
-            scaler.scale(share / cfg.grad_accum).backward()
-            loss_sum, pos_sum = loss_sum + loss.detach(), pos_sum + per_pos
+                    reported = loss
+                else:  # loss: this rank's share of its group's sequences (app/context_parallel.py)
+                    loss, reported, per_pos = context_parallel_loss(objective, model, part, teacher, par.cp, k=k)
+            scaler.scale(loss / cfg.grad_accum).backward()
+            loss_sum, pos_sum = loss_sum + reported.detach(), pos_sum + per_pos
         if cfg.dump_grads and step == start and info.main:
             save_tensors(Path(cfg.dump_grads), {n: p.grad for n, p in student.named_parameters() if p.grad is not None})
         scaler.unscale_(optimizer)
