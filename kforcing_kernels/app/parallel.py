@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Optional
 
@@ -97,6 +98,9 @@ def shard(model, device: torch.device, amp: Optional[torch.dtype] = None) -> Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # The blocks return K/V views and the root returns logits views; nothing modifies them in place, which is
+    # what FSDP2's warning about view outputs is about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision(device, amp)
     for block in model.blocks:
