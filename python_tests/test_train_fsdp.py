@@ -201,3 +201,35 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
     assert saved_ac < saved / 2
     assert sum(g is not None for g in grads) > 10
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, grads_ac))
+
+
+def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model(tmp_path, monkeypatch):
+    from kforcing_kernels.app.parallel import ensure_process_group, prepare_student
+    from kforcing_kernels.app.sharded_checkpoint import load_sharded_checkpoint
+    from kforcing_kernels.model import KForcingLM, ModelConfig
+    from train_helpers import micro_config
+
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    corpus = write_json_package(tmp_path / "corpus")
+    old = os.umask(0o027)
+    try:
+        train(micro_config(tmp_path / "run", corpus, steps=1, parallel="fsdp"))
+    finally:
+        os.umask(old)
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt.name == "step_00000001.dcp"
+    for path in [ckpt, *ckpt.iterdir()]:
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o027 == 0, (path.name, oct(mode))  # the umask took bits away, nothing was forced open
+        assert mode & 0o600 == 0o600, (path.name, oct(mode))
+    with pytest.raises(ConfigError, match="precision: --parallel fsdp"):
+        train(micro_config(tmp_path / "fp16", corpus, steps=1, parallel="fsdp", precision="fp16"))
+    assert ensure_process_group("fsdp", torch.device("cpu"))
+    try:
+        other = KForcingLM(ModelConfig.micro(vocab_size=300, n_layer=3))
+        prepare_student(other, "fsdp", False, torch.device("cpu"), None)
+        optimizer = torch.optim.AdamW(other.parameters())
+        with pytest.raises(CheckpointError, match=r"saved for another model \(config differs in n_layer\)"):
+            load_sharded_checkpoint(ckpt, other, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    finally:
+        dist.destroy_process_group()
