@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from kforcing_kernels.app.checkpoint import CheckpointError, clean_run_folder, latest_checkpoint, load_model, read_metrics
+from kforcing_kernels.app import sharded_checkpoint
 from kforcing_kernels.app.sharded_checkpoint import MANIFEST, export_model, main as export_main
 from kforcing_kernels.app.train import build_parser, config_from_args
 from kforcing_kernels.app.train_config import ConfigError
@@ -229,7 +230,16 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
         other = KForcingLM(ModelConfig.micro(vocab_size=300, n_layer=3))
         prepare_student(other, "fsdp", False, torch.device("cpu"), None)
         optimizer = torch.optim.AdamW(other.parameters())
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
         with pytest.raises(CheckpointError, match=r"saved for another model \(config differs in n_layer\)"):
-            load_sharded_checkpoint(ckpt, other, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+            load_sharded_checkpoint(ckpt, other, optimizer, scaler)
+
+        def full_disk(path, obj):
+            raise CheckpointError(f"{path}: cannot write (No space left on device)")
+
+        monkeypatch.setattr(sharded_checkpoint, "write_json", full_disk)  # the manifest, written last, fails
+        with pytest.raises(CheckpointError, match="step_00000007.dcp: cannot write .*No space left"):
+            sharded_checkpoint.save_sharded_checkpoint(tmp_path / "run", 7, other, optimizer, scaler, {}, {}, keep=2)
+        assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]  # nothing else
     finally:
         dist.destroy_process_group()

@@ -106,31 +106,38 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_conf
         raise CheckpointError(error)
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        rngs = _all_gather_objects(_rng_state())
-        dist.barrier()  # every rank's files are written (and fsynced by DCP's writer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))  # fails on every rank alike
+        rngs = _all_gather_objects(_rng_state())  # also: every rank's files are written (DCP fsyncs them)
         if rank == 0:
-            for path in tmp.iterdir():
-                _fsync_file(path)
-            write_json(tmp / MANIFEST, {
-                "format": SHARDED_FORMAT, "step": step, "world_size": world, "train_config": train_config,
-                "model_config": model.config.to_dict(), "info": info,
-                "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs, "files": _file_records(tmp),
-            })
-            _fsync_dir(tmp)
-            if final.exists():  # the same step written again (a resumed run): the new one replaces it
-                shutil.rmtree(final)
-            os.rename(tmp, final)  # the checkpoint now exists
-            _fsync_dir(ckpt)
-            for old in sorted(ckpt.glob(f"step_*{SHARDED_SUFFIX}"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
-        raise CheckpointError(f"{final}: cannot write ({exc.strerror or exc})") from exc
+            try:
+                _publish(tmp, final, keep, {
+                    "format": SHARDED_FORMAT, "step": step, "world_size": world, "train_config": train_config,
+                    "model_config": model.config.to_dict(), "info": info,
+                    "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
+                })
+            except (OSError, CheckpointError) as exc:
+                error = f"{final}: cannot write ({getattr(exc, 'strerror', None) or exc})"
+        error = broadcast_value(error)  # rank 0's outcome, on every rank: all raise or none
     finally:
-        if rank == 0 and tmp is not None and tmp.exists():
+        if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
+    if error:
+        raise CheckpointError(error)
     return final
+
+
+def _publish(tmp: Path, final: Path, keep: int, manifest: dict) -> None:
+    """Rank 0: fsync DCP's files, write the manifest (their hashes) last, rename the folder into place, prune."""
+    for path in tmp.iterdir():
+        _fsync_file(path)
+    write_json(tmp / MANIFEST, {**manifest, "files": _file_records(tmp)})
+    _fsync_dir(tmp)
+    if final.exists():  # the same step written again (a resumed run): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)  # the checkpoint now exists
+    _fsync_dir(final.parent)
+    for old in sorted(final.parent.glob(f"step_*{SHARDED_SUFFIX}"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- read, verify, load
