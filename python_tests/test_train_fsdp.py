@@ -54,7 +54,13 @@ def weights(run: Path) -> dict:
 def runs(tmp_path_factory):
     """Teacher, single-process references, one-rank FSDP runs, then the torchrun launch; the folder holding them."""
     root = tmp_path_factory.mktemp("fsdp")
-    os.environ["KFORCING_CACHE"] = str(root / "cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KFORCING_CACHE", str(root / "cache"))
+        _make_runs(root)
+    return root
+
+
+def _make_runs(root: Path) -> None:
     write_json_package(root / "corpus", one_document_per_line=False)
     base = stage2_config(root, DEVICE)
     teacher = dict(packed_docs=False, steps=2, ckpt_every=100, teacher=None)
@@ -71,7 +77,6 @@ def runs(tmp_path_factory):
         result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
         train(dataclasses.replace(base, out=str(root / "f2_stop_for_1"), parallel="fsdp", resume=True))  # 2 -> 1
-    return root
 
 
 def test_activation_checkpointing_is_bitwise_in_one_process(runs):
