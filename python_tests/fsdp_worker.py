@@ -20,6 +20,7 @@ def main(root: Path, device: str) -> None:
     run = lambda name, **kw: train(dataclasses.replace(base, out=str(root / name), **kw))  # noqa: E731
     run("f2", dump_grads=str(root / "f2.safetensors"))  # FSDP2 step == single-process step
     run("f2_ac", activation_checkpointing=True, dump_grads=str(root / "f2_ac.safetensors"))  # AC == without, bitwise
+    run("f2_accum", grad_accum=2, steps=1, dump_grads=str(root / "f2_accum.safetensors"))  # no reduction until the last micro-batch
     run("f2_stop", stop_at=2)
     if dist.get_rank() == 0:  # the 2-rank checkpoint at step 2, for the one-rank resume (2 -> 1) after this launch
         shutil.copytree(root / "f2_stop", root / "f2_stop_for_1")

@@ -105,6 +105,14 @@ def test_fsdp_two_ranks_match_one_process(runs):
 
 
 @needs_dist
+def test_fsdp_gradient_accumulation_matches_one_process(runs):
+    one, accum = load_file(str(runs / "one.safetensors")), load_file(str(runs / "f2_accum.safetensors"))
+    assert one.keys() == accum.keys()
+    for name in one:
+        torch.testing.assert_close(accum[name], one[name], **GRAD_TOL, msg=name)
+
+
+@needs_dist
 def test_activation_checkpointing_is_bitwise_under_fsdp(runs):
     plain, ac = load_file(str(runs / "f2.safetensors")), load_file(str(runs / "f2_ac.safetensors"))
     for name in plain:

@@ -10,7 +10,10 @@ Reproducibility: the batch, noise and temperatures of step s are drawn from a
 generator seeded by (seed, s), the global batch is cut into equal per-rank shards,
 and checkpoints hold the model and optimizer state exactly, so ``--resume`` repeats
 the uninterrupted run bit for bit and a data-parallel run averages the same
-gradients as a single process.
+gradients as a single process. With ``--parallel fsdp`` the student is sharded by FSDP2
+(:mod:`kforcing_kernels.app.parallel`) and checkpoints are sharded
+(:mod:`kforcing_kernels.app.sharded_checkpoint`); writing a checkpoint, evaluating and gathering the
+final model are then collectives that every rank joins.
 
 An output folder holds one run: a second run into it is refused unless it continues
 the first (``--resume``) or replaces it (``--overwrite``), and a run holds an exclusive lock
