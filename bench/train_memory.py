@@ -173,7 +173,7 @@ def format_report(rows: list[dict]) -> str:
     first = rows[0]
     lines = [f"{first['preset']} ({first['parameters'] / 1e6:.1f}M parameters), stage 2 step, N={first['seq_len']}, "
              f"k={first['k']}, {first['batch_per_rank']} sequence(s) per rank, fp32; MiB per rank (rank 0)", "",
-             "| W | AC | params | grads | AdamW | activations | sum | teacher (replicated) | all-gather fwd / bwd | reduce-scatter | on the wire per rank (ideal) |",
+             "| W | AC | params | grads | AdamW | activations | sum | teacher (replicated) | all-gather fwd / bwd | reduce-scatter | on the wire per rank (ZeRO-3 model) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["rank"]:
