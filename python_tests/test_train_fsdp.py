@@ -218,7 +218,7 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
 
 
 def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model(tmp_path, monkeypatch):
-    from kforcing_kernels.app.parallel import ensure_process_group, prepare_student
+    from kforcing_kernels.app.parallel import ensure_process_group, release_process_group, prepare_student
     from kforcing_kernels.app.sharded_checkpoint import load_sharded_checkpoint
     from kforcing_kernels.model import KForcingLM, ModelConfig
     from train_helpers import micro_config
@@ -238,7 +238,8 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
         assert mode & 0o600 == 0o600, (path.name, oct(mode))
     with pytest.raises(ConfigError, match="precision: --parallel fsdp"):
         train(micro_config(tmp_path / "fp16", corpus, steps=1, parallel="fsdp", precision="fp16"))
-    assert ensure_process_group("fsdp", torch.device("cpu"))
+    group = ensure_process_group("fsdp", torch.device("cpu"))
+    assert group is not None
     try:
         other = KForcingLM(ModelConfig.micro(vocab_size=300, n_layer=3))
         prepare_student(other, "fsdp", False, torch.device("cpu"), None)
@@ -255,4 +256,4 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
             sharded_checkpoint.save_sharded_checkpoint(tmp_path / "run", 7, other, optimizer, scaler, {}, {}, keep=2)
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]  # nothing else
     finally:
-        dist.destroy_process_group()
+        release_process_group(group)

@@ -26,6 +26,7 @@ The wrapper replaces the block's ``forward`` on the instance: parameter names (a
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -47,15 +48,23 @@ def _is_fsdp(module) -> bool:
 # ---------------------------------------------------------------------- process group
 
 
-def ensure_process_group(parallel: str, device: torch.device) -> bool:
+def ensure_process_group(parallel: str, device: torch.device) -> Optional[str]:
     """FSDP2 needs a process group even for one process: create a one-rank group (a file store in a temporary
-    folder) when none exists. Returns whether it created one (the caller destroys it)."""
+    folder) when none exists. Returns that folder when it created one (hand it to :func:`release_process_group`),
+    else None."""
     if parallel != "fsdp" or dist.is_initialized():
-        return False
+        return None
     store_dir = tempfile.mkdtemp(prefix="kforcing-pg-")
     store = dist.FileStore(os.path.join(store_dir, "store"), 1)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
-    return True
+    return store_dir
+
+
+def release_process_group(store_dir: Optional[str]) -> None:
+    """Destroy the one-rank group :func:`ensure_process_group` created (nothing when it created none)."""
+    if store_dir is not None:
+        dist.destroy_process_group()
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def broadcast_value(value, src: int = 0):

@@ -49,7 +49,8 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, lo
                          read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log)
 from .files import RunLock, append_jsonl, check_writable, write_json, write_text
 from .data import Corpus, data_sha256, load_corpus, tokenizer_sha256
-from .parallel import broadcast_value, data_parallel, ensure_process_group, full_copy, full_gradients, gradient_sync, local_value, prepare_student
+from .parallel import (broadcast_value, data_parallel, ensure_process_group, full_copy, full_gradients, gradient_sync, local_value, prepare_student,
+                       release_process_group)
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 from .objectives import (
     Objective,
@@ -241,8 +242,7 @@ def train(cfg: TrainConfig) -> dict:
             if lock is not None:
                 lock.release()
     finally:
-        if own_group:
-            dist.destroy_process_group()
+        release_process_group(own_group)
 
 
 def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
