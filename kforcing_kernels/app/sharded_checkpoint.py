@@ -13,7 +13,9 @@ only a hidden temporary that :func:`~kforcing_kernels.app.checkpoint.clean_run_f
 folders are created with the process umask. Loading checks every file against the manifest before DCP
 reads it, and refuses another model config; the run's settings are checked by the trainer like those of a
 whole-model checkpoint (``parallel`` is one of them). Another world size is allowed: DCP reshards model
-and optimizer state; rank r restores saved rank r's RNG state when there was one.
+and optimizer state; rank r restores saved rank r's RNG state when there was one. The hashes guard against
+torn and corrupted files, not against a hostile author: DCP's ``.metadata`` is a pickle, so load only
+checkpoints you trust (the exported ``model.safetensors`` is the file to share).
 
 ``python -m kforcing_kernels.app.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
 writes a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
