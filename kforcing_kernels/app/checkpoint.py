@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -197,9 +198,11 @@ def checkpoint_dir(out: str | Path) -> Path:
 
 
 def latest_checkpoint(out: str | Path) -> Optional[Path]:
-    """The JSON of the newest complete checkpoint (a checkpoint exists once its JSON does)."""
-    found = sorted(checkpoint_dir(out).glob("step_*.json"))
-    return found[-1] if found else None
+    """The newest complete checkpoint: a whole-model checkpoint's JSON (it exists once its JSON does), or a
+    sharded checkpoint's folder ``step_*.dcp`` (it exists once renamed into place, see sharded_checkpoint.py)."""
+    folder = checkpoint_dir(out)
+    found = [*folder.glob("step_*.json"), *(p for p in folder.glob("step_*.dcp") if p.is_dir())]
+    return max(found, key=lambda p: (p.stem, p.suffix)) if found else None
 
 
 def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:
@@ -266,14 +269,18 @@ def load_checkpoint(json_path: Path, model, optimizer, scaler) -> dict:
 
 
 def clean_run_folder(out: str | Path, log=None) -> list[Path]:
-    """Remove what an interrupted run can leave behind: temporaries of :func:`atomic_write` and
+    """Remove what an interrupted run can leave behind: temporaries of :func:`atomic_write` (files) and of
+    sharded checkpoints (folders), and
     checkpoint tensors without their JSON (a checkpoint whose JSON was never written). Returns them."""
     removed = []
     for folder in (Path(out), checkpoint_dir(out)):
         if not folder.is_dir():
             continue
         for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
-            tmp.unlink(missing_ok=True)
+            if tmp.is_dir() and not tmp.is_symlink():  # a sharded checkpoint that was never renamed into place
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
             removed.append(tmp)
     for tensors in sorted(checkpoint_dir(out).glob("step_*.safetensors")):
         if not tensors.with_suffix(".json").exists():

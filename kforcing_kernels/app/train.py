@@ -8,6 +8,7 @@
     python -m kforcing_kernels.app.train pipeline --out runs/x          # 0 -> 1 -> 2 (k=2) -> 2 (k=4)
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ...      # data parallel, same flags
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --context-parallel 2   # one sequence, 2 ranks
+    torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --parallel fsdp   # FSDP2: sharded over the ranks
 
 The loop is :mod:`kforcing_kernels.app.trainer`, the chain of stages :mod:`kforcing_kernels.app.pipeline`.
 """
@@ -38,6 +39,7 @@ from .cli import (
     positive_int,
 )
 from .data import DataError
+from .parallel import PARALLEL_MODES
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
 from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig
 from .trainer import train
@@ -68,6 +70,11 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--context-parallel", type=_positive_int, default=defaults.context_parallel,
                    help="ranks that share each sequence (a divisor of the torchrun world size): their query rows are "
                         "split by attended pairs and K/V gathered per layer (1: off)")
+    p.add_argument("--parallel", choices=PARALLEL_MODES, default=defaults.parallel,
+                   help="with torchrun: ddp (a full copy per rank) or fsdp (FSDP2: parameters, gradients and optimizer "
+                        "state sharded over the ranks; sharded checkpoints)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each transformer block in backward: less activation memory, same loss and gradients")
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
     add_device(p)
     add_threads(p)

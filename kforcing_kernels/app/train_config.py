@@ -12,6 +12,7 @@ from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint
 from .data import DEFAULT_SOURCE
 from ..model import PRESETS
 from .objectives import crop_tokens
+from .parallel import PARALLEL_MODES
 
 STAGES = ("stage0", "stage1", "stage2")
 SUPERVISIONS = ("forward", "noise_inversion")
@@ -73,13 +74,17 @@ class TrainConfig:
     stop_at: Optional[int] = None  # leave (with a checkpoint) once this step is done; --resume continues
     progress: Optional[bool] = None  # None: a live bar when stderr is a terminal
     dump_grads: Optional[str] = None  # debugging: write the first step's averaged gradients here
+    # How the student is spread over ranks (kforcing_kernels/app/parallel.py): "ddp" (a full copy per rank,
+    # whole-model checkpoints) or "fsdp" (FSDP2 fully_shard, sharded DCP checkpoints).
+    parallel: str = "ddp"
+    activation_checkpointing: bool = False  # recompute each block in backward (same loss and gradients, less memory)
 
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision")
+                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision", "parallel")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1}
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1, "parallel": "ddp"}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,11 +172,18 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 doubles its teacher's), got {cfg.k}")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
+    if cfg.parallel not in PARALLEL_MODES:
+        raise ConfigError(f"parallel: expected one of {PARALLEL_MODES}, got {cfg.parallel!r}")
+    if cfg.parallel == "fsdp" and cfg.precision == "fp16":
+        raise ConfigError("precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use --precision bf16")
     if not 0 < cfg.tau_min <= cfg.tau_max:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
     if isinstance(cfg.context_parallel, bool) or not isinstance(cfg.context_parallel, int) or cfg.context_parallel < 1 \
             or world % cfg.context_parallel:
         raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
+    if cfg.context_parallel > 1 and cfg.parallel == "fsdp":  # not tested together yet: refuse rather than guess
+        raise ConfigError("context_parallel: --context-parallel runs with --parallel ddp only (FSDP2 + CP is not "
+                          "supported yet)")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
         raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "

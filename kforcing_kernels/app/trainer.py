@@ -10,7 +10,10 @@ Reproducibility: the batch, noise and temperatures of step s are drawn from a
 generator seeded by (seed, s), the global batch is cut into equal per-rank shards,
 and checkpoints hold the model and optimizer state exactly, so ``--resume`` repeats
 the uninterrupted run bit for bit and a data-parallel run averages the same
-gradients as a single process.
+gradients as a single process. With ``--parallel fsdp`` the student is sharded by FSDP2
+(:mod:`kforcing_kernels.app.parallel`) and checkpoints are sharded
+(:mod:`kforcing_kernels.app.sharded_checkpoint`); writing a checkpoint, evaluating and gathering the
+final model are then collectives that every rank joins.
 
 An output folder holds one run: a second run into it is refused unless it continues
 the first (``--resume``) or replaces it (``--overwrite``), and a run holds an exclusive lock
@@ -46,6 +49,9 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, lo
                          read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log)
 from .files import RunLock, append_jsonl, check_writable, write_json, write_text
 from .data import Corpus, data_sha256, load_corpus, tokenizer_sha256
+from .parallel import (broadcast_value, data_parallel, ensure_process_group, full_copy, full_gradients, gradient_sync, local_value, prepare_student,
+                       release_process_group)
+from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 from .objectives import (
     Objective,
     compute_loss,
@@ -192,7 +198,7 @@ def _require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
-    meta = read_checkpoint_meta(ckpt)
+    meta = (read_sharded_meta if is_sharded(ckpt) else read_checkpoint_meta)(ckpt)
     _require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
     _require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
                              f"the run in {out}", log)
@@ -228,13 +234,17 @@ def train(cfg: TrainConfig) -> dict:
     """
     info = setup_distributed(cfg.device)
     validate_config(cfg, info.world)
+    own_group = ensure_process_group(cfg.parallel, info.device)  # FSDP2 in one process: a one-rank group
     out = Path(cfg.out)
-    lock = _lock_out(out, info)
     try:
-        return _train(cfg, info, out)
+        lock = _lock_out(out, info)
+        try:
+            return _train(cfg, info, out)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        release_process_group(own_group)
 
 
 def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
@@ -268,23 +278,24 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
         raise ConfigError(f"vocab_size: the model has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} has {corpus.vocab_size}")
     check_splits(cfg, corpus, objective, k)
     student.to(info.device).train()
-    optimizer = _optimizer(student, cfg, fused_ok=info.device.type == "cuda")
     amp = _amp_dtype(cfg.precision, info.device)
+    fsdp = cfg.parallel == "fsdp"
+    prepare_student(student, cfg.parallel, cfg.activation_checkpointing, info.device, amp)  # FSDP2 shards here
+    optimizer = _optimizer(student, cfg, fused_ok=info.device.type == "cuda")
     scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
     start = 0
     if cfg.resume:
-        start = load_checkpoint(ckpt, student, optimizer, scaler)["step"]
+        if is_sharded(ckpt) != fsdp:  # the settings check names --parallel first; this is the same refusal
+            raise ConfigError(f"parallel: {ckpt} is {'a sharded' if is_sharded(ckpt) else 'a whole-model'} checkpoint; "
+                              f"resume it with --parallel {'fsdp' if is_sharded(ckpt) else 'ddp'}")
+        start = (load_sharded_checkpoint if fsdp else load_checkpoint)(ckpt, student, optimizer, scaler)["step"]
         log(f"resumed from {ckpt} at step {start}")
     if info.main:
         out.mkdir(parents=True, exist_ok=True)
         recover_metrics(out / "metrics.jsonl", start, log)
         write_json(out / "train_config.json", cfg.to_dict())
         write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
-    model = student
-    if info.world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[info.device.index] if info.device.type == "cuda" else None, broadcast_buffers=False
-        )
+    model = data_parallel(student, cfg.parallel, info.world, info.device)
 
     autocast = (lambda: torch.autocast(info.device.type, dtype=amp)) if amp is not None else nullcontext
     evaluate = lambda: evaluate_loss(student, teacher, objective, k, cfg, corpus, info.device, autocast)  # noqa: E731
@@ -307,7 +318,7 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
         for micro in range(cfg.grad_accum):
             part = batch.shard(micro, cfg.grad_accum).to(info.device)
             sync = micro == cfg.grad_accum - 1 or info.world == 1
-            with (nullcontext() if sync else model.no_sync()), autocast():
+            with gradient_sync(model, sync), autocast():
                 if par.cp is None:
                     loss, per_pos = compute_loss(objective, model, part, teacher, k=k)
                     reported = loss
@@ -315,10 +326,12 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
                     loss, reported, per_pos = context_parallel_loss(objective, model, part, teacher, par.cp, k=k)
             scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum, pos_sum = loss_sum + reported.detach(), pos_sum + per_pos
-        if cfg.dump_grads and step == start and info.main:
-            save_tensors(Path(cfg.dump_grads), {n: p.grad for n, p in student.named_parameters() if p.grad is not None})
+        if cfg.dump_grads and step == start and (info.main or fsdp):
+            grads = full_gradients(student)  # under FSDP a collective: every rank gathers
+            if info.main:
+                save_tensors(Path(cfg.dump_grads), grads)
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip)
+        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -340,27 +353,35 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
                     "step": done, "loss": last_loss, "loss_pos": stats[1:].tolist(), "lr": lr,
                     "grad_norm": float(grad_norm), "tokens_per_s": tok_s, "elapsed_s": time.perf_counter() - t_start,
                 })
-            # The checkpoint comes before the evaluation: an evaluation error never costs trained steps.
-            if done % cfg.ckpt_every == 0 or done == stop:
-                save_checkpoint(out, done, student, optimizer, scaler, cfg.to_dict(), model_info, cfg.keep_checkpoints)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-                val = evaluate()
+        # The checkpoint comes before the evaluation: an evaluation error never costs trained steps.
+        # Under FSDP both are collectives (every rank takes part); otherwise rank 0 alone does them.
+        if (done % cfg.ckpt_every == 0 or done == stop) and fsdp:
+            save_sharded_checkpoint(out, done, student, optimizer, scaler, cfg.to_dict(), model_info, cfg.keep_checkpoints)
+        elif (done % cfg.ckpt_every == 0 or done == stop) and info.main:
+            save_checkpoint(out, done, student, optimizer, scaler, cfg.to_dict(), model_info, cfg.keep_checkpoints)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and (info.main or fsdp):
+            val = evaluate()
+            if info.main:
                 append_jsonl(out / "metrics.jsonl", {"step": done, "val_loss": val[0], "val_loss_pos": val[1]})
     bar.close()
 
     summary = {"final_loss": last_loss, "steps": cfg.steps, "seconds": time.perf_counter() - t_start}
-    if stop == cfg.steps and info.main:
+    if stop == cfg.steps and (info.main or fsdp):
         # The final evaluation, once: a resume after it failed (the last checkpoint is in place) runs only this.
-        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m]
-        if not vals or vals[-1]["step"] != cfg.steps:
+        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if info.main else None
+        again = not vals or vals[-1]["step"] != cfg.steps
+        if broadcast_value(again) if fsdp else again:  # under FSDP rank 0 decides for all
             val = evaluate()
-            vals.append({"step": cfg.steps, "val_loss": val[0], "val_loss_pos": val[1]})
-            append_jsonl(out / "metrics.jsonl", vals[-1])
+            if info.main:
+                vals.append({"step": cfg.steps, "val_loss": val[0], "val_loss_pos": val[1]})
+                append_jsonl(out / "metrics.jsonl", vals[-1])
+        final = full_copy(student, info.main)  # under FSDP a collective: rank 0 gets the full weights
+    if stop == cfg.steps and info.main:
         if math.isnan(last_loss):  # resumed at the last step: the loss of the last logged step
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
-        save_model(out, student, {**model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary})
+        save_model(out, final, {**model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary})
     _barrier(info)
     return summary
 
