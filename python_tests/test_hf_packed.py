@@ -96,3 +96,20 @@ def test_layout_with_packed_positions_composes_or_is_refused():
     H.assert_same_logits_and_grads(got, want)
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids pack several documents.*cu_seqlens=\\[0, 4, 7\\]"):
         ours(**batch)  # the layout of single_forward_inputs spans the whole row
+
+
+def test_layout_with_flash_kwargs_composes_or_is_refused():
+    ours, sdpa = H.twin_models(H.llama(), "kforcing", "sdpa")
+    batch = packed_batch(flash=True)
+    cu = batch["cu_seq_lens_q"].tolist()
+    with torch.no_grad():
+        # A per-document causal layout is what the flash kwargs say already: it runs, and equals sdpa's packing.
+        got = ours(**batch, kforcing_layout=WindowLayout.causal(12, cu_seqlens=cu), use_cache=False).logits
+        plain = {k: v for k, v in batch.items() if not k.startswith(("cu_seq", "max_length"))}
+        torch.testing.assert_close(got, sdpa(**plain, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="cu_seq_lens_q pack several documents"):
+            ours(**batch, kforcing_layout=WindowLayout.causal(12), use_cache=False)
+        with pytest.raises(ValueError, match="cu_seq_lens_q: flash kwargs describe rows of plain tokens"):
+            layout = WindowLayout.kforcing_single(4, 2)
+            ours(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"], cu_seq_lens_k=batch["cu_seq_lens_k"],
+                 kforcing_layout=layout, use_cache=False)

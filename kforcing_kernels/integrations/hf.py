@@ -90,7 +90,7 @@ def kforcing_attention_forward(
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     compiling = torch.compiler.is_compiling()
     window = sliding_window_of(module, kwargs)
-    cu = flash_documents(kwargs, batch, lq, lk)
+    flash = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     # transformers packs by restarting position_ids only without a cache (use_cache=False); so do we.
     positions = kwargs.get("position_ids") if kwargs.get("use_cache") is not True and lq == lk else None
     if kforcing_layout is not None:
@@ -110,6 +110,12 @@ def kforcing_attention_forward(
             raise ValueError(
                 f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got {lk}"
             )
+        if flash and (kforcing_layout.num_windows or kforcing_layout.queries != "all"):
+            raise ValueError(
+                "cu_seq_lens_q: flash kwargs describe rows of plain tokens; a kforcing_layout with windows keeps packed "
+                "documents apart itself: build it with cu_seqlens= (and per-document position ids) instead"
+            )
+        cu = flash_documents(kwargs, batch, lq, lk)
         if not compiling:  # layout numbers and position values: checked eagerly, once per call and layer
             check_layout_window(kforcing_layout, window)
             if cu is not None:
@@ -123,6 +129,7 @@ def kforcing_attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
+    cu = flash_documents(kwargs, batch, lq, lk)
     if attention_mask is not None:
         # The builder materialised the whole mask (padding, offset keys, extra rules): windows and documents
         # are in it already, so only flash kwargs it cannot know about are refused.
