@@ -85,3 +85,23 @@ def test_layout_with_a_sliding_window_runs_where_the_window_hides_nothing():
     want = H.logits_and_grads(eager, input_ids=ids[:, :4], position_ids=positions,
                               attention_mask=kf_hf.additive_mask(narrow, batch=1))
     H.assert_same_logits_and_grads(got, want)
+
+
+def test_padded_batch_mask_with_a_window_runs_as_interval_layout(monkeypatch):
+    """Padding makes transformers materialise the mask (window + padding); its rows are key intervals, so they
+    run as a layout (window_attention, not SDPA), equal to sdpa on every real token."""
+    import kforcing_kernels.integrations.hf as hf_module
+
+    layouts = []
+    original = hf_module.window_attention
+    monkeypatch.setattr(hf_module, "window_attention", lambda q, k, v, layout, **kw: layouts.append(layout) or original(q, k, v, layout, **kw))
+    ours, sdpa = H.twin_models(FAMILIES["mistral"](), "kforcing", "sdpa")
+    ids = torch.randint(1, H.VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    padding = torch.ones(2, 9, dtype=torch.long)
+    padding[1, 6:] = 0  # row 1 is right padded
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=padding, use_cache=False).logits
+        want = sdpa(input_ids=ids, attention_mask=padding, use_cache=False).logits
+    real = padding.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    assert len(layouts) == 2 and layouts[0].context_lo[0, 8] == 8 - W + 1  # row 8 sees keys 5..8

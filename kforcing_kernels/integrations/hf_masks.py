@@ -218,7 +218,8 @@ def check_layout_documents(layout: WindowLayout, docs, source: str) -> None:
     if len(rows) > 1 and iv.shape[0] not in (1, len(rows)):
         raise ValueError(f"{source}: expected documents for {iv.shape[0]} batch elements, got {len(rows)}")
     n = layout.n_ctx
-    for b, cu in enumerate(rows):
+    for b in range(max(len(rows), iv.shape[0])):  # a shared row of documents holds for every batch element
+        cu = rows[min(b, len(rows) - 1)]
         if int(cu[-1]) != n:
             raise ValueError(
                 f"{source}: with kforcing_layout, packed documents must cover the layout's {n} context tokens, "
