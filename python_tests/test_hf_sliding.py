@@ -19,6 +19,7 @@ W = 4
 FAMILIES = {
     "mistral": lambda: H.mistral(sliding_window=W),
     "qwen2": lambda: H.qwen2(use_sliding_window=True, sliding_window=W, max_window_layers=0),
+    "phi3": lambda: H.phi3(sliding_window=W),
     "qwen2_moe_mask_only": lambda: H.qwen2_moe(use_sliding_window=True, sliding_window=W),
     "gemma3_alternating": lambda: H.gemma3(sliding_window=W, layer_types=["sliding_attention", "full_attention"]),
     "gemma2_no_softcap": lambda: transformers.Gemma2Config(
