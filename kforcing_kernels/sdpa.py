@@ -276,7 +276,7 @@ class _Router:
         b, h, _, d = query.shape
         if key.shape[0] != b or key.shape[3] != d or h % key.shape[1] or (h != key.shape[1] and not enable_gqa):
             return None
-        if scale is not None and not (math.isfinite(scale) and scale > 0):
+        if scale is not None and not (scale > 0 and scale < math.inf):  # comparisons: a SymFloat has no isfinite
             return None
         full = (b, h, query.shape[2], key.shape[2])
         try:

@@ -96,16 +96,14 @@ def test_static_cache_attends_only_filled_slots(llama_twins, prompts):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_cache_is_refused_or_matches():
-    """A sliding-window model (hybrid / sliding caches): kforcing cannot honour the window, so it says so."""
+def test_sliding_window_caches_match_sdpa():
+    """A sliding-window model (sliding / static caches): the window is honoured, the tokens and logits are sdpa's."""
     torch.manual_seed(0)
     sdpa, ours = twins(mistral_sliding_config())
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     for cache in (None, "static"):
         kwargs = {} if cache is None else {"cache_implementation": cache}
-        generate(sdpa, ids, **kwargs)  # the reference runs
-        with pytest.raises(ValueError, match="sliding_window: not supported by attn_implementation='kforcing'"):
-            generate(ours, ids, **kwargs)
+        assert_same_generation(generate(ours, ids, **kwargs), generate(sdpa, ids, **kwargs))
 
 
 @pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])

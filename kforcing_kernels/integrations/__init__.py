@@ -1,4 +1,7 @@
 """Integrations with other libraries. Each submodule imports its library on use only:
 
     import kforcing_kernels.integrations.hf   # Hugging Face transformers: attn_implementation="kforcing"
+
+``hf_masks`` (pure torch) turns what an HF attention call asks for (packed documents, sliding
+windows, materialised masks) into layouts for ``hf``.
 """

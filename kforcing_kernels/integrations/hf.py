@@ -15,14 +15,20 @@ describing the whole sequence: cached tokens + this call's tokens), optionally w
 ``kforcing_backend``. Per call:
 
 * with ``kforcing_layout``: ``window_attention`` under that layout. Padding masks,
-  attention dropout, sliding windows and soft-capping are rejected, not ignored.
-* without it, a 4-D mask: routed to ``window_attention`` if it equals a known
-  layout's dense mask exactly (:mod:`kforcing_kernels.sdpa`), otherwise SDPA with it.
-* without either: causal attention (aligned to the end of the cache), via SDPA.
+  attention dropout and soft-capping are rejected, not ignored; a sliding window runs
+  only where it hides nothing the layout attends, packed documents (flash kwargs, or
+  restarting context ``position_ids``) only where the layout keeps them apart.
+* without it, a 4-D mask: a mask whose rows are key intervals runs as that layout;
+  otherwise routed to ``window_attention`` if it equals a known layout's dense mask
+  exactly (:mod:`kforcing_kernels.sdpa`), else SDPA with it.
+* without either: causal attention (aligned to the end of the cache), kept inside the
+  packed documents of ``cu_seq_lens_q/k`` or of restarting ``position_ids`` (without a
+  cache, as transformers does) and inside the model's sliding window: a layout in eager
+  mode, a dense mask under ``torch.compile`` (:mod:`.hf_masks`).
 
-``position_ids`` are positions only under ``"kforcing"``: they never imply packed
-sequences (transformers infers those for ``sdpa``); pack with a layout instead.
-transformers is an optional dependency (``pip install kforcing_kernels[hf]``).
+HF ``eager`` attention adds its 4-D mask to the scores, so give it :func:`additive_mask`
+(never the boolean ``dense_mask()``). transformers is an optional dependency
+(``pip install kforcing_kernels[hf]``).
 """
 
 from __future__ import annotations
@@ -47,14 +53,16 @@ from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
 from ..sdpa import scaled_dot_product_attention
+from .hf_masks import (additive_mask, check_layout_documents, check_layout_window, documents_from_positions,
+                       flash_documents, interval_layout_from_mask, sliding_window_of, structure_layout, structure_mask)
 
 ATTN_IMPLEMENTATION = "kforcing"
 
-# Per-call features of other attention implementations that a layout cannot honour.
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux")
+# Per-call features of other attention implementations that no layout can express (they change every score).
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux")
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "register", "kforcing_attention_forward", "kforcing_mask",
+    "ATTN_IMPLEMENTATION", "register", "kforcing_attention_forward", "kforcing_mask", "additive_mask", "crop_cache",
     "NoiseEmbedding", "kforcing_position_ids", "double_forward_position_ids", "sbd_position_ids",
     "single_forward_inputs", "double_forward_inputs", "sbd_inputs",
 ]
@@ -79,12 +87,18 @@ def kforcing_attention_forward(
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}")
-    lq, lk = query.shape[2], key.shape[2]
+    batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    compiling = torch.compiler.is_compiling()
+    window = sliding_window_of(module, kwargs)
+    flash = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+    # transformers packs by restarting position_ids only without a cache (use_cache=False); so do we.
+    positions = kwargs.get("position_ids") if kwargs.get("use_cache") is not True and lq == lk else None
     if kforcing_layout is not None:
         if attention_mask is not None:
             raise ValueError(
-                "attention_mask: expected None or all ones with kforcing_layout (the layout is the mask; padding "
-                "and caches with unused slots, such as static caches, are not supported), got a mask that hides keys"
+                "attention_mask: expected None or all ones with kforcing_layout (the layout is the mask; padding, "
+                "caches with unused slots such as static caches, and extra mask rules are not supported), got a mask "
+                "that hides keys (under torch.compile, pass no attention_mask)"
             )
         if dropout:
             raise ValueError(f"dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or attention_dropout=0), got {dropout}")
@@ -96,46 +110,108 @@ def kforcing_attention_forward(
             raise ValueError(
                 f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got {lk}"
             )
+        if flash and (kforcing_layout.num_windows or kforcing_layout.queries != "all"):
+            raise ValueError(
+                "cu_seq_lens_q: flash kwargs describe rows of plain tokens; a kforcing_layout with windows keeps packed "
+                "documents apart itself: build it with cu_seqlens= (and per-document position ids) instead"
+            )
+        cu = flash_documents(kwargs, batch, lq, lk)
+        if not compiling:  # layout numbers and position values: checked eagerly, once per call and layer
+            check_layout_window(kforcing_layout, window)
+            if cu is not None:
+                check_layout_documents(kforcing_layout, cu, "cu_seq_lens_q")
+            elif kwargs.get("position_ids") is not None and kforcing_layout.queries == "all":
+                # Only the context part: K-Forcing's window slots repeat positions by design.
+                n_ctx = kforcing_layout.n_ctx
+                docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
+                check_layout_documents(kforcing_layout, docs, "position_ids")
         out = window_attention(query, key, value, kforcing_layout, scale=scaling, backend=kforcing_backend)
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
+    cu = flash_documents(kwargs, batch, lq, lk)
     if attention_mask is not None:
-        out = scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-            layout="auto", backend=kforcing_backend,
-        )
-    else:
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
-        mask = None
-        if causal and 1 < lq < lk:  # a chunk after a cache: query i is token lk - lq + i
-            mask = torch.arange(lk, device=query.device) <= torch.arange(lk - lq, lk, device=query.device)[:, None]
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=bool(causal and lq == lk and lq > 1),
-            scale=scaling, enable_gqa=gqa,
-        )
+        # The builder materialised the whole mask (padding, offset keys, extra rules): windows and documents
+        # are in it already, so only flash kwargs it cannot know about are refused.
+        if cu is not None:
+            raise ValueError("cu_seq_lens_q: packed flash kwargs together with an attention_mask (padding) are not supported")
+        layout = None
+        if not compiling and lq == lk and attention_mask.dtype == torch.bool:
+            layout = interval_layout_from_mask(attention_mask, batch)
+        if layout is not None:
+            out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
+        else:
+            out = scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+                layout="auto", backend=kforcing_backend,
+            )
+        return out.transpose(1, 2).contiguous(), None
+
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if causal and (cu is not None or positions is not None or (window is not None and lk > window)):
+        if not compiling and lq == lk and not dropout:
+            docs = cu if cu is not None else documents_from_positions(positions, batch, lq)
+            layout = structure_layout(lq, docs, window)
+            if layout is not None:
+                out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
+                return out.transpose(1, 2).contiguous(), None
+        elif compiling or lq != lk or dropout:
+            mask = structure_mask(lq, lk, positions, cu, window, query.device, use_positions=positions is not None)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            return out.transpose(1, 2).contiguous(), None
+    mask = None
+    if causal and 1 < lq < lk:  # a chunk after a cache: query i is token lk - lq + i
+        mask = torch.arange(lk, device=query.device) <= torch.arange(lk - lq, lk, device=query.device)[:, None]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=bool(causal and lq == lk and lq > 1),
+        scale=scaling, enable_gqa=gqa,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
 def kforcing_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
-    """transformers mask builder for ``"kforcing"``: no mask when the call is plain causal over exactly its keys.
+    """transformers mask builder for ``"kforcing"``: a mask only for what the attention call cannot rebuild.
 
-    The structure comes from ``kforcing_layout`` (or is causal, aligned to the end
-    of the keys), so nothing is materialised when that is exact: no token hidden by
-    the 2-D padding mask, and the keys are precisely the cached plus the new tokens
-    (``kv_offset == 0`` and ``kv_length == q_offset + q_length``). Otherwise (padding,
-    a static cache whose unused slots are keys too, a sliding cache) SDPA's boolean
-    4-D mask is built, which the attention function then runs with SDPA (or rejects
-    alongside a layout).
+    Returns None (nothing materialised) when the keys are precisely the cached plus the
+    new tokens (``kv_offset == 0``, ``kv_length == q_offset + q_length``), no key is hidden
+    by the 2-D padding mask (None, or all ones outside torch.compile) and the mask has no
+    rule beyond causal, sliding window and documents from restarting ``position_ids``: the
+    attention function rebuilds those from its kwargs (``hf_masks.py``), or the layout
+    replaces them. Otherwise (padding, a static cache whose unused slots are keys too, a
+    sliding cache, extra ``or``/``and`` mask functions, chunked attention) SDPA's boolean
+    4-D mask is built, which the attention function then runs (or rejects alongside a layout).
     """
-    if not torch.compiler.is_compiling() and _keys_are_exactly_the_sequence(kwargs):
-        if attention_mask is None or bool(attention_mask[:, : int(kwargs["kv_length"])].all()):
-            return None
-    if not _keys_are_exactly_the_sequence(kwargs):
+    exact = _keys_are_exactly_the_sequence(kwargs)
+    if exact and _rules_are_rebuilt_by_the_call(kwargs) and _no_padding(attention_mask, kwargs):
+        return None
+    if not exact:
         # A causal skip would let the unused slots of a static cache be attended.
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _no_padding(attention_mask: Optional[torch.Tensor], kwargs: dict) -> bool:
+    if attention_mask is None:
+        return True
+    if torch.compiler.is_compiling():
+        return False  # reading the mask would break the graph: keep it
+    return bool(attention_mask[:, : int(kwargs["kv_length"])].all())
+
+
+def _rules_are_rebuilt_by_the_call(kwargs: dict) -> bool:
+    """Whether the mask is causal with at most a sliding window and position-id documents (which the call rebuilds).
+
+    ``use_vmap`` marks user ``or``/``and`` mask functions; a blockwise overlay is an ``or_masks``
+    composition (looked up in eager mode only: dynamo cannot read a traced closure's name; the
+    multimodal models that use it are not compiled with "kforcing"); chunked attention comes
+    from ``config.attention_chunk_size``.
+    """
+    if kwargs.get("use_vmap") or getattr(kwargs.get("config"), "attention_chunk_size", None) is not None:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return "or_mask" not in getattr(kwargs.get("mask_function"), "__qualname__", "")
 
 
 def _keys_are_exactly_the_sequence(kwargs: dict) -> bool:
@@ -149,6 +225,21 @@ def _keys_are_exactly_the_sequence(kwargs: dict) -> bool:
     except (KeyError, TypeError, RuntimeError):  # an unknown caller, or offsets that cannot be read while tracing
         return False
     return kv_offset == 0 and kv_length == q_offset + q_length
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut an HF cache back to its first ``length`` tokens, in place (e.g. the N context tokens after a DoubleForward).
+
+    transformers 5 ``Cache.crop`` takes the (negative) number of tokens to remove; a positive
+    argument raises there. ``length`` must be between 0 and ``cache.get_seq_length()``.
+    """
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise ValueError(f"length: expected an int, got {length!r}")
+    held = int(cache.get_seq_length())
+    if not 0 <= length <= held:
+        raise ValueError(f"length: expected an int in [0, {held}] (the tokens the cache holds), got {length}")
+    if length < held:
+        cache.crop(length - held)
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:
@@ -261,7 +352,7 @@ def double_forward_inputs(
 
     Returns ``{"inputs_embeds": [B, 2Nk, d] as [Future-1 | Future-2], "position_ids",
     "kforcing_layout": WindowLayout.kforcing_double(N, k)}``. The call appends the
-    window tokens to the cache; crop it back (``cache.crop(N)``) to reuse it.
+    window tokens to the cache; crop it back with ``crop_cache(cache, N)`` to reuse it.
     """
     _check_ids("future1_ids", future1_ids, 3)
     b, n, k = future1_ids.shape

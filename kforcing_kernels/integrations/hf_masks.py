@@ -1,0 +1,278 @@
+"""What a Hugging Face attention call asks for beyond its tensors, as layouts (for ``hf.py``).
+
+transformers describes one call's mask in three places: the mask builder's ``mask_function``
+(causal, sliding window, documents found from restarting ``position_ids``, padding), the
+attention kwargs (``sliding_window=``, the flash kwargs ``cu_seq_lens_q/k``, ``position_ids``)
+and attributes of the attention module (Qwen2-MoE keeps its window there). ``hf.py``'s mask
+builder materialises a mask only for what it cannot pass on otherwise (padding, keys that are not
+exactly the sequence, extra mask functions); everything else is rebuilt here from the kwargs:
+
+* :func:`structure_layout` (eager): causal + per-document + sliding-window rows as one
+  context-only :class:`WindowLayout` (row i sees ``[max(doc_start, i - W + 1), i + 1)``, the
+  transformers 5 convention ``kv_idx > q_idx - W``);
+* :func:`structure_mask` (under ``torch.compile``): the same rows as a dense boolean mask built
+  with tensor ops only (no data-dependent Python, so ``fullgraph=True`` holds);
+* :func:`interval_layout_from_mask`: a materialised boolean mask whose rows are contiguous key
+  intervals, as a layout (exact by construction);
+* :func:`check_layout_documents` / :func:`check_layout_window`: a user's ``kforcing_layout``
+  composed with packed documents or a sliding window; refused (naming the setting) when they
+  would change what the layout computes;
+* :func:`additive_mask`: a layout as the additive float mask HF ``eager`` attention expects.
+
+Pure torch: importing this module never imports transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Optional
+
+import torch
+
+from ..layouts import WindowLayout
+
+__all__ = [
+    "sliding_window_of", "flash_documents", "documents_from_positions", "structure_layout", "structure_mask",
+    "interval_layout_from_mask", "check_layout_documents", "check_layout_window", "additive_mask",
+]
+
+
+def sliding_window_of(module, kwargs: dict) -> Optional[int]:
+    """The sliding window W of this attention call, or None.
+
+    Read from the ``sliding_window`` kwarg when the model passes one (Mistral, Qwen2, Phi3,
+    Gemma2/3: None on full-attention layers), else from the module's ``sliding_window``
+    attribute (Qwen2-MoE sets it on sliding layers only), else from ``config.layer_types``.
+    """
+    if "sliding_window" in kwargs:
+        window = kwargs["sliding_window"]
+    else:
+        window = getattr(module, "sliding_window", None)
+        config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        layer_types = getattr(config, "layer_types", None)
+        if window is None and layer_types is not None and idx is not None and idx < len(layer_types):
+            window = getattr(config, "sliding_window", None) if layer_types[idx] == "sliding_attention" else None
+    if window is None:
+        return None
+    if isinstance(window, bool):
+        raise ValueError(f"sliding_window: expected a positive int or None, got {window!r}")
+    try:
+        window = operator.index(window)
+    except TypeError:
+        raise ValueError(f"sliding_window: expected a positive int or None, got {window!r}") from None
+    if window < 1:
+        raise ValueError(f"sliding_window: expected a positive int or None, got {window}")
+    return window
+
+
+def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torch.Tensor]:
+    """The packed documents of the flash kwargs ``cu_seq_lens_q/k`` as one ``cu_seqlens`` [D+1], or None.
+
+    They describe one row of packed documents without a cache (``DataCollatorWithFlattening``,
+    ``use_cache=False``); anything else is refused rather than ignored. ``max_length_q/k`` must
+    cover the longest document (flash kernels would truncate it).
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 2:
+            got = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got {got}")
+    if lq != lk:
+        raise ValueError(
+            f"cu_seq_lens_q: packed flash kwargs need the keys to be exactly this call's tokens (use_cache=False, "
+            f"no past_key_values), got {lq} queries and {lk} keys"
+        )
+    if batch != 1:
+        raise ValueError(f"cu_seq_lens_q: packed documents come as one row (batch size 1), got batch size {batch}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seq_lens_k: expected the shape of cu_seq_lens_q {tuple(cu_q.shape)}, got {tuple(cu_k.shape)}")
+    if torch.compiler.is_compiling():
+        return cu_q  # values are checked in eager mode only (reading them would break the graph)
+    cu = cu_q.detach().to("cpu", torch.int64)
+    if not torch.equal(cu, cu_k.detach().to("cpu", torch.int64)):
+        raise ValueError(f"cu_seq_lens_k: expected equal to cu_seq_lens_q without a cache, got {cu_k.tolist()} vs {cu.tolist()}")
+    if int(cu[0]) != 0 or int(cu[-1]) != lq or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seq_lens_q: expected non-decreasing offsets from 0 to {lq} (the packed length), got {cu.tolist()}")
+    longest = int((cu[1:] - cu[:-1]).max())
+    for name in ("max_length_q", "max_length_k"):
+        value = kwargs.get(name)
+        if value is not None and int(value) < longest:
+            raise ValueError(f"{name}: expected at least the longest document ({longest} tokens), got {int(value)}")
+    return cu
+
+
+def documents_from_positions(position_ids: Optional[torch.Tensor], batch: int, n: int):
+    """Documents of packed rows, found as transformers finds them: a new one wherever a position is not its
+    predecessor + 1. Returns None (no restart anywhere), one shared ``cu_seqlens`` [D+1] (``position_ids``
+    of one row) or a list of one per batch element. Eager only (reads values)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != n:
+        return None
+    pos = position_ids.detach()
+    starts = torch.diff(pos, dim=-1) != 1  # [B|1, n - 1]: token j + 1 starts a document
+    if not bool(starts.any()):
+        return None
+    rows = []
+    for row in starts.cpu():
+        inner = (torch.nonzero(row).flatten() + 1).tolist()
+        rows.append(torch.tensor([0, *inner, n], dtype=torch.int64))
+    if len(rows) == 1:
+        return rows[0]
+    if len(rows) != batch:
+        raise ValueError(f"position_ids: expected {batch} rows (the batch size) or 1, got {len(rows)}")
+    return rows
+
+
+def _documents_key(docs) -> Optional[tuple]:
+    if docs is None:
+        return None
+    if isinstance(docs, torch.Tensor):
+        return tuple(docs.tolist())
+    return tuple(tuple(d.tolist()) for d in docs)
+
+
+def structure_layout(n: int, docs, window: Optional[int]) -> Optional[WindowLayout]:
+    """Causal attention over ``n`` tokens, kept inside packed ``docs`` and a sliding ``window``, as a
+    context-only layout; None when that is plain causal (no documents, no window shorter than ``n``)."""
+    if window is not None and window >= n:
+        window = None  # the window hides nothing: row i sees at most i + 1 <= n <= W keys
+    if docs is None and window is None:
+        return None
+    return _structure_layout(n, _documents_key(docs), window)
+
+
+@functools.lru_cache(maxsize=64)
+def _structure_layout(n: int, docs: Optional[tuple], window: Optional[int]) -> WindowLayout:
+    per_batch = docs is not None and isinstance(docs[0], tuple)
+    cu = None if docs is None else ([list(d) for d in docs] if per_batch else list(docs))
+    causal = WindowLayout.causal(n, cu_seqlens=cu)
+    if window is None:
+        return causal
+    rows = torch.arange(n)
+    lo = causal.context_lo if causal.context_lo is not None else torch.zeros(n, dtype=torch.int64)
+    hi = causal.context_hi if causal.context_hi is not None else rows + 1
+    return WindowLayout(n, 0, 1, [], [], context_lo=torch.maximum(lo, rows - window + 1), context_hi=hi)
+
+
+def structure_mask(lq: int, lk: int, position_ids, cu: Optional[torch.Tensor], window: Optional[int],
+                   device, use_positions: bool) -> torch.Tensor:
+    """bool [B|1, 1, Lq, Lk]: the rows of :func:`structure_layout` built with tensor ops only (for compiled code).
+
+    Keys are the cached tokens then this call's (query i is key ``lk - lq + i``); documents come from
+    ``cu`` or, when ``use_positions``, from restarting ``position_ids`` (both only without a cache).
+    """
+    q = torch.arange(lk - lq, lk, device=device)[:, None]
+    k = torch.arange(lk, device=device)
+    mask = (k <= q)[None]  # [1, Lq, Lk]
+    if window is not None:
+        mask = mask & (k > q - window)[None]
+    if cu is not None:
+        doc = torch.searchsorted(cu.to(device), torch.arange(lk, device=device), right=True)
+        mask = mask & (doc[:, None] == doc[None, :])[None]
+    elif use_positions and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and lq == lk:
+        pos = position_ids.to(device)
+        doc = torch.cumsum(torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1, -1)  # [B|1, L]
+        mask = mask & (doc[:, :, None] == doc[:, None, :])
+    return mask[:, None]
+
+
+def interval_layout_from_mask(mask: torch.Tensor, batch: int) -> Optional[WindowLayout]:
+    """A boolean [B|1, 1, L, L] mask whose every row attends one non-empty contiguous key range, as a
+    context-only layout (per batch element when the mask differs over the batch); None otherwise. Eager only."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    if mask.shape[0] not in (1, batch):
+        return None
+    rows = mask[:, 0]  # [B|1, L, L]
+    n = rows.shape[-1]
+    counts = rows.sum(-1)
+    if not bool((counts > 0).all()):
+        return None  # a row that sees nothing (padding): SDPA's convention for it is kept
+    lo = rows.to(torch.int8).argmax(-1)
+    hi = n - rows.flip(-1).to(torch.int8).argmax(-1)
+    if not bool((hi - lo == counts).all()):
+        return None  # a row with a gap is no interval
+    lo, hi = lo.cpu(), hi.cpu()
+    if lo.shape[0] == 1 or bool((lo == lo[:1]).all() and (hi == hi[:1]).all()):
+        lo, hi = lo[0], hi[0]
+    return WindowLayout(n, 0, 1, [], [], context_lo=lo, context_hi=hi)
+
+
+def _document_index(cu: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.searchsorted(cu, torch.arange(n), right=True) - 1
+
+
+def check_layout_documents(layout: WindowLayout, docs, source: str) -> None:
+    """Refuse a ``kforcing_layout`` that lets a token see another packed document.
+
+    ``docs``: ``cu_seqlens`` over the layout's context tokens (shared or one per batch element),
+    from ``source`` (named in the error). Every row's context interval must lie inside one
+    document, and a context row's inside its own (window slots only see their own window).
+    """
+    if docs is None or layout.queries != "all":
+        return  # queries="windows": the context sits in a cache, its positions are not this call's
+    iv = layout.row_intervals()[..., 0, :]  # [B'|1, Lq, 2]: the context interval of every row
+    rows = [docs] if isinstance(docs, torch.Tensor) else list(docs)
+    if len(rows) > 1 and iv.shape[0] not in (1, len(rows)):
+        raise ValueError(f"{source}: expected documents for {iv.shape[0]} batch elements, got {len(rows)}")
+    n = layout.n_ctx
+    for b in range(max(len(rows), iv.shape[0])):  # a shared row of documents holds for every batch element
+        cu = rows[min(b, len(rows) - 1)]
+        if int(cu[-1]) != n:
+            raise ValueError(
+                f"{source}: with kforcing_layout, packed documents must cover the layout's {n} context tokens, "
+                f"got offsets ending at {int(cu[-1])}"
+            )
+        doc = _document_index(cu, n)
+        lo, hi = iv[min(b, iv.shape[0] - 1)].unbind(-1)
+        row_ids = torch.arange(lo.shape[0])
+        first, last = doc[lo.clamp(0, n - 1)], doc[(hi - 1).clamp(0, n - 1)]
+        crosses = (hi > lo) & ((first != last) | ((row_ids < n) & (first != doc[row_ids.clamp(max=n - 1)])))
+        if bool(crosses.any()):
+            row = int(torch.nonzero(crosses)[0])
+            raise ValueError(
+                f"kforcing_layout: {source} pack several documents, but the layout lets query row {row} see context keys "
+                f"[{int(lo[row])}, {int(hi[row])}) across a document boundary; build the layout per document "
+                f"(e.g. WindowLayout.kforcing_single(n, k, cu_seqlens={cu.tolist()}))"
+            )
+
+
+def check_layout_window(layout: WindowLayout, window: Optional[int]) -> None:
+    """Refuse a sliding window that would hide keys a ``kforcing_layout`` attends.
+
+    transformers' window lets key j be seen from query i (both in key storage order) iff
+    ``j > i - W``. Where every row of the layout only sees such keys, the window changes
+    nothing and the call runs; otherwise a window over a layout has no single meaning, so it is refused.
+    """
+    if window is None or layout.n_keys <= window:
+        return
+    iv = layout.row_intervals()  # [B', Lq, J, 2]
+    q = layout.query_offset + torch.arange(iv.shape[1])
+    lo, hi = iv[..., 0], iv[..., 1]
+    hidden = (hi > lo) & (lo <= q[None, :, None] - window)
+    if bool(hidden.any()):
+        b, row, part = (int(x) for x in torch.nonzero(hidden)[0])
+        raise ValueError(
+            f"sliding_window: the model's window of {window} keys would hide keys the kforcing_layout attends "
+            f"(query row {row} sees keys [{int(lo[b, row, part])}, {int(hi[b, row, part])})); not supported by "
+            "attn_implementation='kforcing' with a layout; use a layout whose rows reach back fewer than "
+            f"{window} keys, or a model config without sliding_window"
+        )
+
+
+def additive_mask(layout: WindowLayout, batch: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The layout as the additive 4-D float mask HF ``attn_implementation="eager"`` adds to its scores.
+
+    Returns ``[B|1, 1, Lq, Lk]`` (``batch`` expands a shared layout): 0 where a query sees a key and
+    ``torch.finfo(dtype).min`` elsewhere, as transformers' own eager masks (a row that sees nothing
+    stays finite). HF ``eager`` needs this form: given the boolean ``dense_mask()`` it would add
+    True/False as 1/0 to the scores and attend everywhere. ``sdpa`` and ``"kforcing"`` take either.
+    """
+    dense = layout.dense_mask()
+    dense = dense[:, None] if dense.dim() == 3 else dense[None, None]
+    if batch is not None and dense.shape[0] == 1:
+        dense = dense.expand(batch, 1, -1, -1)
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(dense, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype))
