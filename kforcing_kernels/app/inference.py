@@ -345,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .checkpoint import load_model
     from .cli import apply_threads
+    from .hf_files import load_any_model
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -356,12 +356,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     if args.out:
         _check_out(parser, args.out)  # before any work: a bad --out fails fast
-    model, info, tokenizer = load_model(args.model, device=args.device)
+    model, info, tokenizer = load_any_model(args.model, device=args.device)
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
-    eos = tokenizer.token_to_id("<|eos|>")
-    prompts = [tokenizer.encode(p).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a Hugging Face stage: its tokenizer's own EOS
+    eos = tokenizer.token_to_id("<|eos|>") if hf_tokenizer is None else hf_tokenizer.eos_token_id
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
     if info["k"] == 0:
         out = generate_ar(model, prompts, args.new_tokens, temperature=args.temperature, generator=gen)
     else:

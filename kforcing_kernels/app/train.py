@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -76,7 +77,12 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files only) and start again")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no live progress bar (None: a bar when stderr is a terminal)")
+    if stage in ("stage1", "pipeline"):
+        p.add_argument("--model", help="a local Hugging Face causal LM folder (config, weights, tokenizer): the AR teacher, "
+                                      "K-Forced from stage1 on with its own tokenizer (instead of the native model)")
     if stage in ("stage0", "pipeline"):
+        p.add_argument("--model-config", help="a transformers config file (JSON): a randomly initialised Hugging Face model "
+                                              "that stage0 trains as the AR teacher (instead of the native model)")
         add_preset(p, defaults.preset, help="model size of the AR teacher" if stage == "stage0" else "model size of every stage")
         for dim in ("n_layer", "n_head", "n_embd"):
             p.add_argument(f"--{dim.replace('_', '-')}", type=_positive_int, help=f"override the preset's {dim}")
@@ -94,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
         p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
         if name != "stage0":
-            p.add_argument("--teacher", required=True, help="the previous stage's output folder")
+            p.add_argument("--teacher", required=name == "stage2", help="the previous stage's output folder"
+                           + (" (or --model)" if name == "stage1" else ""))
         if name == "stage1":
             p.add_argument("--supervision", choices=("forward", "noise-inversion"), default="forward",
                            help="forward: Algorithm 2 (k=1); noise-inversion: the PTP baseline on real text (any --k)")
@@ -133,6 +140,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_threads(args.threads)
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if str(a).startswith("--")}
+    hf_option = "--model" if getattr(args, "model", None) else "--model-config" if getattr(args, "model_config", None) else None
+    native = sorted(given & {"--preset", "--n-layer", "--n-head", "--n-embd"})
+    if hf_option and native:
+        parser.error(f"argument {native[0]}: sizes the native model; {hf_option} gives the model (leave {', '.join(native)} out)")
+    if args.command == "stage1" and not (args.teacher or args.model):
+        parser.error("argument --teacher: stage1 needs --teacher (the stage0 folder) or --model (a Hugging Face model folder)")
     cfg = config_from_args(args)
     if args.tau_min > args.tau_max:
         parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")

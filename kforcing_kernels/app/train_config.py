@@ -38,6 +38,11 @@ class TrainConfig:
     vocab_size: int = 1024
     preset: str = "tiny"  # stage0 only: the model size (later stages inherit the teacher's)
     model_overrides: dict = field(default_factory=dict)
+    # A Hugging Face causal LM instead of the native model (app/hf_files.py): `model` is a local HF folder,
+    # the AR teacher of stage1 (its tokenizer encodes --data); `model_config` a transformers config file,
+    # a random initialisation that stage0 trains as an AR model on --data (the native tokenizer).
+    model: Optional[str] = None
+    model_config: Optional[str] = None
     seq_len: int = 64
     steps: int = 1000
     batch_size: int = 16
@@ -75,9 +80,9 @@ class TrainConfig:
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision")
+                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision", "model", "model_config")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1}
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1, "model": None, "model_config": None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,8 +137,9 @@ def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
     if not teacher:
         return None
     from .checkpoint import read_model_info
+    from .hf_files import hf_weights_sha256, is_hf_source
 
-    return read_model_info(teacher)["tensors"]["sha256"]
+    return hf_weights_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
 
 
 def check_out_folder(out, option: str = "--out") -> None:
@@ -153,7 +159,8 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"stage: expected one of {STAGES}, got {cfg.stage!r}")
     if cfg.stage != "stage0" and not cfg.teacher:
         raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
-    if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists():
+    _validate_hf(cfg)
+    if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists() and not cfg.model:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
@@ -175,6 +182,31 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     check_out_folder(cfg.out)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("overwrite: --overwrite starts the run again and --resume continues it; pass one of them")
+
+
+def _validate_hf(cfg: TrainConfig) -> None:
+    """--model / --model-config: which stages take them and what they exclude."""
+    if cfg.model and cfg.model_config:
+        raise ConfigError("model_config: --model (a pretrained folder) and --model-config (a random initialisation) are two "
+                          "sources of the model; pass one")
+    if cfg.model_config:
+        if cfg.stage != "stage0":
+            raise ConfigError(f"model_config: only stage0 builds a model from --model-config (later stages inherit their "
+                              f"teacher's), got stage {cfg.stage!r}")
+        if not Path(cfg.model_config).is_file():
+            raise ConfigError(f"model_config: no transformers config file at {cfg.model_config!r}")
+    if cfg.model:
+        if cfg.stage != "stage1":
+            raise ConfigError(f"model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model PATH` or "
+                              f"`pipeline --model PATH`), got stage {cfg.stage!r}")
+        if not (Path(cfg.model) / "config.json").exists():
+            raise ConfigError(f"model: expected a local Hugging Face model folder (config.json, weights, tokenizer), got {cfg.model!r}")
+        if cfg.teacher and Path(cfg.teacher).resolve() != Path(cfg.model).resolve():
+            raise ConfigError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
+    if (cfg.model or cfg.model_config) and cfg.model_overrides:
+        option = "--model" if cfg.model else "--model-config"
+        raise ConfigError(f"model_overrides: {option} gives the model; --{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} "
+                          "size the native model only")
 
 
 # ---------------------------------------------------------------------- the output folder and the data
