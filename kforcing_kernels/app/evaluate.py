@@ -66,6 +66,8 @@ class EvalSettings:
 
 
 DEMO_EVAL = EvalSettings()
+# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (a smoke check of a run, not a measurement).
+QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=8, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2)
 
 
 # ---------------------------------------------------------------------- NLL

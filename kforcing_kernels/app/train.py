@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
     pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
                     help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
+    pp.add_argument("--evaluate", choices=("quick", "demo"), default=None,
+                    help="then evaluate the run (kforcing-evaluate's tables and generated samples; quick: small settings, demo: "
+                         "the demo's) and write summary.json and tables.md into --out")
     pp.add_argument("--batch-size-distill", type=_positive_int, default=None, help="global batch of stages 1 and 2 (None: --batch-size)")
     return parser
 
@@ -134,6 +137,23 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "supervision" in values:
         values["supervision"] = values["supervision"].replace("-", "_")
     return TrainConfig(**values)
+
+
+def _evaluate(out: str, which: str, device: str) -> dict:
+    """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
+    from pathlib import Path
+
+    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
+    from .files import write_json, write_text
+    from .report import format_report
+
+    settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
+    summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)
+    report = format_report(summary)
+    print(report, file=sys.stderr)
+    write_json(Path(out) / "summary.json", summary)
+    write_text(Path(out) / "tables.md", report)
+    return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -158,9 +178,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 batch_size_distill=args.batch_size_distill,
             )
             result = run_pipeline(pipe, cfg)
+            if args.evaluate:
+                result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
             result = train(cfg)
-    except (ConfigError, CheckpointError, DataError) as exc:
+    except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
     finally:
         if dist.is_initialized():

@@ -269,8 +269,12 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
         _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
     student, teacher, k, model_info = _build(cfg, info, corpus, log)
-    hf = getattr(student, "is_hf", False)
-    if student.config.vocab_size != corpus.vocab_size and not (hf and cfg.stage != "stage0" and student.config.vocab_size > corpus.vocab_size):
+    hf, vocab = getattr(student, "is_hf", False), student.config.vocab_size
+    if hf and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids on --data must have embeddings
+        top = max(int(corpus.train.max()), int(corpus.val.max()))
+        if top >= vocab:
+            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")
+    elif vocab != corpus.vocab_size:
         what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
         raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} (--vocab-size "
                           f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")
