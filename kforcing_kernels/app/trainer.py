@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from .. import env
 from ..model import PRESETS, KForcingLM
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_meta, read_json,
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta, read_json,
                          read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log)
 from .files import RunLock, append_jsonl, check_writable, write_json, write_text
 from .data import Corpus, data_sha256, tokenizer_sha256
