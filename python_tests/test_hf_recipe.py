@@ -267,3 +267,19 @@ def test_packed_documents_equal_documents_alone():
     for lo, hi in ((0, 4), (4, 10)):
         torch.testing.assert_close(ar[:, lo:hi], model(tokens[:, lo:hi]))
         torch.testing.assert_close(single[:, lo:hi], model(tokens[:, lo:hi], z[:, lo:hi], 0.8))
+
+
+def test_stage1_targets_at_low_tau_are_the_teachers_greedy_tokens():
+    """The Stage-1 target of an HF teacher at tau -> 0 is its greedy next token (transformers' own generate, SDPA)."""
+    from kforcing_kernels.app.objectives import forward_distillation_targets
+
+    teacher = tiny_student("qwen2", seed=5).float()
+    oracle = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", 48), attn_implementation="sdpa").eval()
+    oracle.load_state_dict(teacher.hf.state_dict())
+    ctx = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        targets = forward_distillation_targets(teacher(ctx), torch.rand(2, 7), torch.full((2,), 1e-4))
+    for t in range(7):
+        prefix = ctx[:, :t + 1]
+        want = oracle.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, do_sample=False)[:, -1]
+        assert targets[:, t].tolist() == want.tolist()

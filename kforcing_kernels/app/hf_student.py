@@ -23,7 +23,6 @@ are run as groups of equal length (each request's tokens do not depend on the ba
 
 from __future__ import annotations
 
-import copy
 import inspect
 from typing import Optional
 
@@ -105,10 +104,6 @@ class HFStudent(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, 0.0, 0.02, generator=generator)
-
-    def student_copy(self) -> "HFStudent":
-        """An independent copy (on the CPU) whose parameters train."""
-        return copy.deepcopy(self).cpu().requires_grad_(True)
 
     # -------------------------------------------------------------- the three training-time forwards
 

@@ -1,6 +1,7 @@
 """The whole K-Forcing schedule from one config: Stage 0 -> Stage 1 -> Stage 2 (k=2) -> ... -> Stage 2 (k=k_final).
 
     python -m kforcing_kernels.app.train pipeline --out runs/x
+    python -m kforcing_kernels.app.train pipeline --out runs/x --model HF_FOLDER   # no Stage 0: the HF model is the AR teacher
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class TrainConfig:
 def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
     """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config differs from ``cfg``.
 
-    ``teacher`` and ``data`` are paths: the same folder written relative or absolute (from this
+    ``teacher``, ``data``, ``model`` and ``model_config`` are paths: the same folder written relative or absolute (from this
     working directory) is the same setting; the built-in corpus name compares as a name.
     """
     changed = []
@@ -99,7 +99,7 @@ def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()
         if key in ignore:
             continue
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
-        if key in ("teacher", "data") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
+        if key in ("teacher", "data", "model", "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
             same = Path(used).resolve() == Path(wanted).resolve()
         else:
             same = used == wanted
