@@ -18,7 +18,7 @@ import torch
 
 from kforcing_kernels.app.data import load_corpus, sample_crops
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.app.checkpoint import load_model
+from kforcing_kernels.app.hf_files import load_any_model
 from kforcing_kernels.app.train_config import TrainConfig
 from kforcing_kernels.app.trainer import train
 from train_helpers import write_json_package
@@ -36,27 +36,51 @@ RATIO_MIN = 0.5  # its entropy at every tau >= half the teacher's
 EXCESS_MAX = 0.05  # and never above the teacher's by more than this (nats)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU."""
+def _hf_model_config(root):
+    """The same sizes as a Hugging Face Llama (the noise embedding's features are the native encoder's: 32 z, 8 tau)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    (root / "llama.json").write_text(config.to_json_string())
+    return {"model_config": str(root / "llama.json")}
+
+
+@pytest.fixture(scope="module", params=["native", "hf"])
+def trained(request, tmp_path_factory):
+    """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU.
+
+    ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through app/hf_student.py.
+    """
     root = tmp_path_factory.mktemp("tau")
     corpus_dir = write_json_package(root / "corpus")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         base = dict(data=str(corpus_dir), vocab_size=300, preset="micro", seq_len=16, batch_size=16, warmup_steps=20,
-                    log_every=50, ckpt_every=1000, eval_batches=1, progress=False, lr=3e-3,
-                    model_overrides={"n_embd": 32, "n_head": 2, "n_layer": 2, "noise_features": 32})
+                    log_every=50, ckpt_every=1000, eval_batches=1, progress=False, lr=3e-3)
+        sizes = {"model_overrides": {"n_embd": 32, "n_head": 2, "n_layer": 2, "noise_features": 32}}
+        model = _hf_model_config(root) if request.param == "hf" else sizes
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a micro model: one thread is fastest, and it does not oversubscribe a busy machine
         try:
-            train(TrainConfig(stage="stage0", out=str(root / "stage0"), steps=300, **base))
-            train(TrainConfig(stage="stage1", out=str(root / "stage1"), teacher=str(root / "stage0"), steps=400, **base))
+            train(TrainConfig(stage="stage0", out=str(root / "stage0"), steps=300, **base, **model))
+            train(TrainConfig(stage="stage1", out=str(root / "stage1"), teacher=str(root / "stage0"), steps=400, **base,
+                              **({} if request.param == "hf" else sizes)))
         finally:
             torch.set_num_threads(threads)
         corpus = load_corpus(str(corpus_dir), vocab_size=300)
-    teacher, _, _ = load_model(str(root / "stage0"))
-    student, _, _ = load_model(str(root / "stage1"))
+    teacher, _, _ = load_any_model(str(root / "stage0"))
+    student, _, _ = load_any_model(str(root / "stage1"))
     return teacher, student, corpus
+
+
+CHUNK = 64  # grid values per student call: each a copy of the contexts in the batch (rows are independent)
+
+
+def _student_tokens(student, context: torch.Tensor, z: torch.Tensor, tau: float) -> torch.Tensor:
+    """The student's argmax token at every context position for each z in ``z [B, N, c]`` -> ``[B, N, c]``."""
+    b, n, c = z.shape
+    logits = student(context.repeat(c, 1), z.permute(2, 0, 1).reshape(c * b, n, 1), tau)  # copy j holds z[..., j]
+    return logits[..., 0, :].argmax(-1).view(c, b, n).permute(1, 2, 0)
 
 
 def _entropy(counts: torch.Tensor) -> torch.Tensor:
@@ -76,7 +100,7 @@ def slot_entropies(teacher, student, context: torch.Tensor, tau: float) -> dict:
     exact = -(logp.exp() * logp).sum(-1)  # [B, N]
     grid = z.expand(b, n, GRID)  # [B, N, M]
     t_tokens = inverse_cdf_sample(logits[:, :, None].expand(b, n, GRID, vocab), grid, torch.full_like(grid, tau))
-    s_tokens = torch.stack([student(context, grid[..., i:i + 1], tau)[..., 0, :].argmax(-1) for i in range(GRID)], -1)
+    s_tokens = torch.cat([_student_tokens(student, context, grid[..., i:i + CHUNK], tau) for i in range(0, GRID, CHUNK)], -1)
     hist = lambda toks: torch.zeros(b, n, vocab).scatter_add_(-1, toks, torch.ones_like(toks, dtype=torch.float32))
     return {"exact": float(exact.mean()), "teacher": float(_entropy(hist(t_tokens)).mean()),
             "student": float(_entropy(hist(s_tokens)).mean())}

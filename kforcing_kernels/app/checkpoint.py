@@ -105,10 +105,17 @@ def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------- models
 
 
+def _tied_keys(model) -> list[str]:
+    """state_dict keys that are another key's tensor (tied embeddings): saved once, restored by the tie."""
+    if hasattr(model, "tied_keys"):  # a Hugging Face model (app/hf_student.py)
+        return model.tied_keys()
+    return ["head.weight"] if model.config.tie_embeddings else []  # the same tensor as wte.weight
+
+
 def _model_tensors(model) -> dict[str, torch.Tensor]:
     sd = model.state_dict()
-    if model.config.tie_embeddings:
-        sd.pop("head.weight")  # the same tensor as wte.weight
+    for key in _tied_keys(model):
+        sd.pop(key)
     return sd
 
 
@@ -117,7 +124,8 @@ def _load_model_tensors(model, tensors: dict[str, torch.Tensor], where: Path) ->
         result = model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(f"{where}: tensors do not match the model ({exc})") from None
-    missing = [k for k in result.missing_keys if not (k == "head.weight" and model.config.tie_embeddings)]
+    tied = set(_tied_keys(model))
+    missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{where}: tensors do not match the model (missing {missing}, unexpected {result.unexpected_keys})")
 
@@ -219,7 +227,8 @@ def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict
         for key, value in state.items():
             tensors[f"optim/{pid}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     meta = {
-        "format": CHECKPOINT_FORMAT, "step": step, "train_config": train_config, "model_config": model.config.to_dict(),
+        "format": CHECKPOINT_FORMAT, "step": step, "train_config": train_config,
+        "model_config": json.loads(model.config.to_json_string()) if hasattr(model.config, "to_json_string") else model.config.to_dict(),
         "info": info, "param_groups": opt["param_groups"], "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
     tensor_path, json_path = ckpt / f"{stem}.safetensors", ckpt / f"{stem}.json"

@@ -121,6 +121,35 @@ def is_validation(name: str, val_fraction: float) -> bool:
     return h < val_fraction * 2**32
 
 
+def split_documents(docs: Sequence[tuple[str, str]], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(training texts, validation texts): by a hash of each name (:func:`is_validation`), by position when that
+    leaves a side empty (too few documents)."""
+    is_val = [is_validation(name, val_fraction) for name, _ in docs]
+    if all(is_val) or not any(is_val):  # too few documents to split by name: split by position
+        cut = max(1, int(len(docs) * (1 - val_fraction)))
+        is_val = [i >= cut for i in range(len(docs))]
+    return [t for (_, t), v in zip(docs, is_val) if not v], [t for (_, t), v in zip(docs, is_val) if v]
+
+
+def token_streams(tok, eos: int, train_texts: list[str], val_texts: list[str], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each split's documents encoded by ``tok`` (a ``tokenizers.Tokenizer``, no special tokens added), each
+    followed by the separator ``eos``; a single document holds out its tail."""
+    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
+
+    def stream(texts: list[str]) -> np.ndarray:
+        out = []
+        for enc in tok.encode_batch(texts, add_special_tokens=False):
+            out.append(np.asarray(enc.ids, dtype=dtype))
+            out.append(np.asarray([eos], dtype=dtype))
+        return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
+
+    train, val = stream(train_texts), stream(val_texts)
+    if not val_texts:  # one document: hold out its tail
+        cut = int(len(train) * (1 - val_fraction))
+        train, val = train[:cut], train[cut:]
+    return train, val
+
+
 # ---------------------------------------------------------------------- tokenizer + token arrays
 
 
@@ -221,12 +250,7 @@ def load_corpus(
 
     if not paths["meta.json"].exists():
         _remove_stale_temporaries(folder)
-        is_val = [is_validation(name, val_fraction) for name, _ in docs]
-        if all(is_val) or not any(is_val):  # too few documents to split by name: split by position
-            cut = max(1, int(len(docs) * (1 - val_fraction)))
-            is_val = [i >= cut for i in range(len(docs))]
-        train_texts = [t for (_, t), v in zip(docs, is_val) if not v]
-        val_texts = [t for (_, t), v in zip(docs, is_val) if v]
+        train_texts, val_texts = split_documents(docs, val_fraction)
         sample, size = [], 0
         for text in train_texts:
             if size >= tokenizer_train_bytes:
@@ -237,20 +261,8 @@ def load_corpus(
             print(f"[data] training a {vocab_size}-token BPE tokenizer on {size / 1e6:.1f} MB of {len(docs)} documents", flush=True)
         tok = _train_tokenizer(sample, vocab_size)
         eos = tok.token_to_id(EOS)
-        dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
 
-        def stream(texts: list[str]) -> np.ndarray:
-            out = []
-            for enc in tok.encode_batch(texts):
-                out.append(np.asarray(enc.ids, dtype=dtype))
-                out.append(np.asarray([eos], dtype=dtype))
-            return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
-
-        train, val = stream(train_texts), stream(val_texts)
-        if len(docs) == 1:  # one document: hold out its tail
-            joined = train
-            cut = int(len(joined) * (1 - val_fraction))
-            train, val = joined[:cut], joined[cut:]
+        train, val = token_streams(tok, eos, train_texts, val_texts, val_fraction)
         if tok.get_vocab_size() < vocab_size:
             raise DataError(f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token vocabulary "
                             f"(the tokenizer stopped at {tok.get_vocab_size()}); give more text or a --vocab-size <= {tok.get_vocab_size()}")

@@ -37,9 +37,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .data import load_corpus, sample_crops, tokenizer_sha256
+from .data import sample_crops, tokenizer_sha256
 from .inference import generate_ar, generate_kforcing
-from .checkpoint import CheckpointError, load_model
+from .checkpoint import CheckpointError, read_json
+from .hf_files import corpus_for, is_hf_source, load_any_model
 from .files import check_writable, write_json
 from .report import format_report
 from ..model import KForcingLM
@@ -65,6 +66,8 @@ class EvalSettings:
 
 
 DEMO_EVAL = EvalSettings()
+# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (a smoke check of a run, not a measurement).
+QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=8, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2)
 
 
 # ---------------------------------------------------------------------- NLL
@@ -191,17 +194,24 @@ def _same_tokenizer(a, b) -> Optional[bool]:
     return tokenizer_sha256(a) == tokenizer_sha256(b)
 
 
+def ar_teacher_folder(run: Path) -> Path:
+    """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
+    if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
+        return run / "stage0"
+    return Path(read_json(run / "stage1" / "model.json").get("teacher") or run / "stage0")
+
+
 def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM, str]:
     """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
 
     ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
     """
-    if isinstance(judge, KForcingLM):
+    if isinstance(judge, torch.nn.Module):
         return judge.eval(), "a model given by the caller"
-    folder = Path(judge) if judge is not None else run / "stage0"
-    if not (folder / "model.json").exists():
-        raise ValueError(f"judge: expected an AR stage folder holding model.json, got {str(folder)!r}")
-    model, info, judge_tokenizer = load_model(folder, device)
+    folder = Path(judge) if judge is not None else ar_teacher_folder(run)
+    if not (folder / "model.json").exists() and not is_hf_source(folder):
+        raise ValueError(f"judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got {str(folder)!r}")
+    model, info, judge_tokenizer = load_any_model(folder, device)
     if _same_tokenizer(judge_tokenizer, tokenizer) is False:
         raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to it; "
                          "pass a judge trained on the run's --data and --vocab-size")
@@ -235,11 +245,14 @@ def evaluate_pipeline(
     """
     run = Path(run)
     batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
-    teacher, tinfo, tokenizer = load_model(run / "stage0", device)
+    ar_folder = ar_teacher_folder(run)
+    teacher, tinfo, tokenizer = load_any_model(ar_folder, device)
     judge_model, judge_text = load_judge(run, judge, device, tokenizer)
-    corpus = load_corpus(tinfo["data"], vocab_size=teacher.config.vocab_size)
+    if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
+        tinfo = {**tinfo, **{key: read_json(run / "stage1" / "model.json")[key] for key in ("data", "train_config")}}
+    corpus = corpus_for(str(ar_folder), tinfo["data"], teacher.config.vocab_size)
     if _same_tokenizer(corpus.tokenizer, tokenizer) is False:
-        raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {run / 'stage0'} was trained (it now "
+        raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
                          "gives another tokenizer); restore it to evaluate this run")
     if judge_model.config.vocab_size != teacher.config.vocab_size:
         raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's ({teacher.config.vocab_size})")
@@ -254,9 +267,9 @@ def evaluate_pipeline(
     nll_rows = [{"model": "AR teacher (next token, data)", "k": 0,
                  "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size, seq_len=seq_len, seed=seed)],
                  "agreement": None}]
-    models, prev, prev_folder, prev_sha = {}, teacher, run / "stage0", tinfo["tensors"]["sha256"]
+    models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
-        student, info, student_tokenizer = load_model(folder, device)
+        student, info, student_tokenizer = load_any_model(folder, device)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if _same_tokenizer(student_tokenizer, tokenizer) is False:
             raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one pipeline")
@@ -347,9 +360,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     apply_threads(args.threads)
     if args.temperature == 0:
         parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
-    if not (Path(args.run) / "stage0" / "model.json").exists():
+    if not (Path(args.run) / "stage0" / "model.json").exists() and not (Path(args.run) / "stage1" / "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
-    if args.judge is not None and not (Path(args.judge) / "model.json").exists():
+    if args.judge is not None and not (Path(args.judge) / "model.json").exists() and not is_hf_source(args.judge):
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
     if args.json:
         try:

@@ -217,6 +217,13 @@ def generate_kforcing(
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     check_noise(noise)
     noise = noise.to(device)
+    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_student.py): its own KV cache
+        from .hf_student import generate_grouped
+
+        taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
+        out, logits = generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths,
+                                       max_new_tokens, noise, taus)
+        return (out, logits) if return_logits else out
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
@@ -282,13 +289,20 @@ def generate_ar(
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
+    greedy = is_greedy(temperature)
+    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_student.py): its own KV cache
+        from .hf_student import generate_grouped
+
+        taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
+        out, logits = generate_grouped(lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy), tokens, lengths,
+                                       max_new_tokens, noise, taus)
+        return (out, logits) if return_logits else out
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
         out, logits = _run_paged(model, requests, None, page_size, return_logits)
         return (out, logits) if return_logits else out
 
-    greedy = is_greedy(temperature)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)
@@ -331,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .checkpoint import load_model
     from .cli import apply_threads
+    from .hf_files import load_any_model
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -342,12 +356,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     if args.out:
         _check_out(parser, args.out)  # before any work: a bad --out fails fast
-    model, info, tokenizer = load_model(args.model, device=args.device)
+    model, info, tokenizer = load_any_model(args.model, device=args.device)
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
-    eos = tokenizer.token_to_id("<|eos|>")
-    prompts = [tokenizer.encode(p).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
+    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a Hugging Face stage: its tokenizer's own EOS
+    eos = tokenizer.token_to_id("<|eos|>") if hf_tokenizer is None else hf_tokenizer.eos_token_id
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
     if info["k"] == 0:
         out = generate_ar(model, prompts, args.new_tokens, temperature=args.temperature, generator=gen)
     else:

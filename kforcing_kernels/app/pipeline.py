@@ -1,6 +1,7 @@
 """The whole K-Forcing schedule from one config: Stage 0 -> Stage 1 -> Stage 2 (k=2) -> ... -> Stage 2 (k=k_final).
 
     python -m kforcing_kernels.app.train pipeline --out runs/x
+    python -m kforcing_kernels.app.train pipeline --out runs/x --model HF_FOLDER   # no Stage 0: the HF model is the AR teacher
 """
 
 from __future__ import annotations
@@ -141,9 +142,13 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
     summaries, teacher = {}, None
     for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
         distill = stage != "stage0"
+        if stage == "stage0" and base.model:  # a pretrained Hugging Face model is the AR teacher: no stage0
+            teacher = Path(base.model)
+            continue
         cfg = dataclasses.replace(
             base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
+            model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
         )
         if base.resume and not existing_run(folder):
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume

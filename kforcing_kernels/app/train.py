@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -87,7 +88,12 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (its files only) and start again")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no live progress bar (None: a bar when stderr is a terminal)")
+    if stage in ("stage1", "pipeline"):
+        p.add_argument("--model", help="a local Hugging Face causal LM folder (config, weights, tokenizer): the AR teacher, "
+                                      "K-Forced from stage1 on with its own tokenizer (instead of the native model)")
     if stage in ("stage0", "pipeline"):
+        p.add_argument("--model-config", help="a transformers config file (JSON): a randomly initialised Hugging Face model "
+                                              "that stage0 trains as the AR teacher (instead of the native model)")
         add_preset(p, defaults.preset, help="model size of the AR teacher" if stage == "stage0" else "model size of every stage")
         for dim in ("n_layer", "n_head", "n_embd"):
             p.add_argument(f"--{dim.replace('_', '-')}", type=_positive_int, help=f"override the preset's {dim}")
@@ -105,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
         p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
         if name != "stage0":
-            p.add_argument("--teacher", required=True, help="the previous stage's output folder")
+            p.add_argument("--teacher", required=name == "stage2", help="the previous stage's output folder"
+                           + (" (or --model)" if name == "stage1" else ""))
         if name == "stage1":
             p.add_argument("--supervision", choices=("forward", "noise-inversion"), default="forward",
                            help="forward: Algorithm 2 (k=1); noise-inversion: the PTP baseline on real text (any --k)")
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
     pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
                     help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
+    pp.add_argument("--evaluate", choices=("quick", "demo"), default=None,
+                    help="then evaluate the run (kforcing-evaluate's tables and generated samples; quick: small settings, demo: "
+                         "the demo's) and write summary.json and tables.md into --out")
     pp.add_argument("--batch-size-distill", type=_positive_int, default=None, help="global batch of stages 1 and 2 (None: --batch-size)")
     return parser
 
@@ -140,10 +150,34 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def _evaluate(out: str, which: str, device: str) -> dict:
+    """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
+    from pathlib import Path
+
+    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
+    from .files import write_json, write_text
+    from .report import format_report
+
+    settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
+    summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)
+    report = format_report(summary)
+    print(report, file=sys.stderr)
+    write_json(Path(out) / "summary.json", summary)
+    write_text(Path(out) / "tables.md", report)
+    return summary
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_threads(args.threads)
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if str(a).startswith("--")}
+    hf_option = "--model" if getattr(args, "model", None) else "--model-config" if getattr(args, "model_config", None) else None
+    native = sorted(given & {"--preset", "--n-layer", "--n-head", "--n-embd"})
+    if hf_option and native:
+        parser.error(f"argument {native[0]}: sizes the native model; {hf_option} gives the model (leave {', '.join(native)} out)")
+    if args.command == "stage1" and not (args.teacher or args.model):
+        parser.error("argument --teacher: stage1 needs --teacher (the stage0 folder) or --model (a Hugging Face model folder)")
     cfg = config_from_args(args)
     if args.tau_min > args.tau_max:
         parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")
@@ -155,9 +189,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 batch_size_distill=args.batch_size_distill,
             )
             result = run_pipeline(pipe, cfg)
+            if args.evaluate:
+                result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
             result = train(cfg)
-    except (ConfigError, CheckpointError, DataError) as exc:
+    except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
     finally:
         if dist.is_initialized():

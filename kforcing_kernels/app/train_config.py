@@ -39,6 +39,11 @@ class TrainConfig:
     vocab_size: int = 1024
     preset: str = "tiny"  # stage0 only: the model size (later stages inherit the teacher's)
     model_overrides: dict = field(default_factory=dict)
+    # A Hugging Face causal LM instead of the native model (app/hf_files.py): `model` is a local HF folder,
+    # the AR teacher of stage1 (its tokenizer encodes --data); `model_config` a transformers config file,
+    # a random initialisation that stage0 trains as an AR model on --data (the native tokenizer).
+    model: Optional[str] = None
+    model_config: Optional[str] = None
     seq_len: int = 64
     steps: int = 1000
     batch_size: int = 16
@@ -82,9 +87,11 @@ class TrainConfig:
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision", "parallel")
+                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision", "parallel", "model",
+                   "model_config")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1, "parallel": "ddp"}
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1, "parallel": "ddp", "model": None,
+                       "model_config": None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,7 +100,7 @@ class TrainConfig:
 def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
     """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config differs from ``cfg``.
 
-    ``teacher`` and ``data`` are paths: the same folder written relative or absolute (from this
+    ``teacher``, ``data``, ``model`` and ``model_config`` are paths: the same folder written relative or absolute (from this
     working directory) is the same setting; the built-in corpus name compares as a name.
     """
     changed = []
@@ -101,7 +108,7 @@ def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()
         if key in ignore:
             continue
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
-        if key in ("teacher", "data") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
+        if key in ("teacher", "data", "model", "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
             same = Path(used).resolve() == Path(wanted).resolve()
         else:
             same = used == wanted
@@ -139,8 +146,9 @@ def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
     if not teacher:
         return None
     from .checkpoint import read_model_info
+    from .hf_files import hf_weights_sha256, is_hf_source
 
-    return read_model_info(teacher)["tensors"]["sha256"]
+    return hf_weights_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
 
 
 def check_out_folder(out, option: str = "--out") -> None:
@@ -160,7 +168,8 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"stage: expected one of {STAGES}, got {cfg.stage!r}")
     if cfg.stage != "stage0" and not cfg.teacher:
         raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
-    if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists():
+    _validate_hf(cfg)
+    if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists() and not cfg.model:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
@@ -184,6 +193,9 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     if cfg.context_parallel > 1 and cfg.parallel == "fsdp":  # not tested together yet: refuse rather than guess
         raise ConfigError("context_parallel: --context-parallel runs with --parallel ddp only (FSDP2 + CP is not "
                           "supported yet)")
+    if (cfg.model or cfg.model_config) and (cfg.parallel == "fsdp" or cfg.context_parallel > 1):
+        raise ConfigError("parallel: a Hugging Face model (--model / --model-config) trains with --parallel ddp and "
+                          "without --context-parallel for now (FSDP2 and CP are wired for the native model)")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
         raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "
@@ -193,6 +205,31 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     check_out_folder(cfg.out)
     if cfg.resume and cfg.overwrite:
         raise ConfigError("overwrite: --overwrite starts the run again and --resume continues it; pass one of them")
+
+
+def _validate_hf(cfg: TrainConfig) -> None:
+    """--model / --model-config: which stages take them and what they exclude."""
+    if cfg.model and cfg.model_config:
+        raise ConfigError("model_config: --model (a pretrained folder) and --model-config (a random initialisation) are two "
+                          "sources of the model; pass one")
+    if cfg.model_config:
+        if cfg.stage != "stage0":
+            raise ConfigError(f"model_config: only stage0 builds a model from --model-config (later stages inherit their "
+                              f"teacher's), got stage {cfg.stage!r}")
+        if not Path(cfg.model_config).is_file():
+            raise ConfigError(f"model_config: no transformers config file at {cfg.model_config!r}")
+    if cfg.model:
+        if cfg.stage != "stage1":
+            raise ConfigError(f"model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model PATH` or "
+                              f"`pipeline --model PATH`), got stage {cfg.stage!r}")
+        if not (Path(cfg.model) / "config.json").exists():
+            raise ConfigError(f"model: expected a local Hugging Face model folder (config.json, weights, tokenizer), got {cfg.model!r}")
+        if cfg.teacher and Path(cfg.teacher).resolve() != Path(cfg.model).resolve():
+            raise ConfigError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
+    if (cfg.model or cfg.model_config) and cfg.model_overrides:
+        option = "--model" if cfg.model else "--model-config"
+        raise ConfigError(f"model_overrides: {option} gives the model; --{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} "
+                          "size the native model only")
 
 
 # ---------------------------------------------------------------------- the output folder and the data

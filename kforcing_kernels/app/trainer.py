@@ -31,6 +31,7 @@ recorded resumes with a warning (its settings, vocabulary size and teacher path 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
 import time
@@ -48,7 +49,8 @@ from ..model import PRESETS, KForcingLM
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta, read_json,
                          read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log)
 from .files import RunLock, append_jsonl, check_writable, write_json, write_text
-from .data import Corpus, data_sha256, load_corpus, tokenizer_sha256
+from .data import Corpus, data_sha256, tokenizer_sha256
+from .hf_files import build_from_config, corpus_for, hf_tokenizer_of, load_any_model, save_hf_stage
 from .parallel import (broadcast_value, data_parallel, ensure_process_group, full_copy, full_gradients, gradient_sync, local_value, prepare_student,
                        release_process_group)
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
@@ -139,13 +141,17 @@ def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus
 def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
     """(student, teacher or None, student k, provenance info)."""
     init = torch.Generator().manual_seed(cfg.seed)
+    if cfg.stage == "stage0" and cfg.model_config:  # a Hugging Face model from a config, trained as an AR model
+        student = build_from_config(cfg.model_config, cfg.seed)
+        student.noise_encoder.requires_grad_(False)
+        return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
     if cfg.stage == "stage0":
         model_cfg = PRESETS[cfg.preset](**{"seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size, **cfg.model_overrides})
         student = KForcingLM(model_cfg)
         student.reset_parameters(init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    teacher, tinfo, teacher_tokenizer = load_model(cfg.teacher, info.device)
+    teacher, tinfo, teacher_tokenizer = load_any_model(cfg.teacher, info.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
@@ -233,6 +239,8 @@ def train(cfg: TrainConfig) -> dict:
     first look at it to the return: a second run into the same ``out`` fails at once.
     """
     info = setup_distributed(cfg.device)
+    if cfg.model and not cfg.teacher:
+        cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, info.world)
     own_group = ensure_process_group(cfg.parallel, info.device)  # FSDP2 in one process: a one-rank group
     out = Path(cfg.out)
@@ -264,18 +272,25 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
     if info.main:
-        corpus = load_corpus(cfg.data, vocab_size=cfg.vocab_size, verbose=True)
+        corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size, verbose=True)
     _barrier(info)
     if not info.main:
-        corpus = load_corpus(cfg.data, vocab_size=cfg.vocab_size)
+        corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size)
 
     objective = Objective.of(cfg.stage, cfg.supervision)
     par = setup_context_parallel(cfg.context_parallel, info.rank, info.world)  # CP groups; data parallel between them
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
         _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
     student, teacher, k, model_info = _build(cfg, info, corpus, log)
-    if student.config.vocab_size != corpus.vocab_size:
-        raise ConfigError(f"vocab_size: the model has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} has {corpus.vocab_size}")
+    hf, vocab = getattr(student, "is_hf", False), student.config.vocab_size
+    if hf and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids on --data must have embeddings
+        top = max(int(corpus.train.max()), int(corpus.val.max()))
+        if top >= vocab:
+            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")
+    elif vocab != corpus.vocab_size:
+        what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
+        raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} (--vocab-size "
+                          f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")
     check_splits(cfg, corpus, objective, k)
     student.to(info.device).train()
     amp = _amp_dtype(cfg.precision, info.device)
@@ -381,7 +396,8 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
-        save_model(out, final, {**model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary})
+        record = {**model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary}
+        save_hf_stage(out, final, record, hf_tokenizer_of(corpus)) if hf else save_model(out, final, record)
     _barrier(info)
     return summary
 

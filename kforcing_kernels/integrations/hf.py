@@ -55,6 +55,7 @@ from ..layouts.positions import double_positions, sbd_positions, single_position
 from ..sdpa import scaled_dot_product_attention
 from .hf_masks import (additive_mask, check_layout_documents, check_layout_window, documents_from_positions,
                        flash_documents, interval_layout_from_mask, sliding_window_of, structure_layout, structure_mask)
+from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"
 
@@ -259,47 +260,6 @@ register()
 kforcing_position_ids = single_positions  # [N + N*k]: SingleForward ``[ctx | noise]``
 double_forward_position_ids = double_positions  # [2*N*k]: DoubleForward ``[Future-1 | Future-2]``
 sbd_position_ids = sbd_positions  # [2L]: SBD ``[clean | masked copy]``
-
-
-class NoiseEmbedding(nn.Module):
-    """Embeds uniform noise ``u`` (and the sampling temperature ``tau``) as model inputs.
-
-    Sinusoidal features of u (and of tau) followed by a two-layer MLP; the slot a
-    noise token fills is told to the model by its position id, not here.
-
-    Args:
-        hidden_size: the model's embedding width.
-        n_freqs: sinusoid frequencies per scalar (pi * 1..n_freqs).
-        use_tau: also condition on a per-sample temperature.
-    """
-
-    def __init__(self, hidden_size: int, n_freqs: int = 16, use_tau: bool = True):
-        super().__init__()
-        if not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"hidden_size: expected a positive int, got {hidden_size!r}")
-        if not isinstance(n_freqs, int) or n_freqs < 1:
-            raise ValueError(f"n_freqs: expected a positive int, got {n_freqs!r}")
-        self.use_tau = use_tau
-        self.register_buffer("freqs", math.pi * torch.arange(1, n_freqs + 1, dtype=torch.float32), persistent=False)
-        n_features = 2 * n_freqs * (2 if use_tau else 1)
-        self.mlp = nn.Sequential(nn.Linear(n_features, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
-
-    def _features(self, x: torch.Tensor) -> torch.Tensor:
-        angles = x.float()[..., None] * self.freqs
-        return torch.cat([angles.sin(), angles.cos()], -1)
-
-    def forward(self, u: torch.Tensor, tau: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """u: [B, ...] in [0, 1], tau: [B] (required iff ``use_tau``) -> [B, ..., hidden_size]."""
-        feats = self._features(u)
-        if self.use_tau:
-            if tau is None:
-                raise ValueError("tau: expected a [B] temperature tensor (this NoiseEmbedding has use_tau=True), got None")
-            tau = torch.as_tensor(tau, device=u.device).float().reshape(-1)
-            if tau.numel() not in (1, u.shape[0]):
-                raise ValueError(f"tau: expected shape [{u.shape[0]}] or [1], got {tuple(tau.shape)}")
-            tau_feats = self._features(tau).view(-1, *([1] * (u.dim() - 1)), feats.shape[-1])
-            feats = torch.cat([feats, tau_feats.expand_as(feats)], -1)
-        return self.mlp(feats.to(self.mlp[0].weight.dtype))
 
 
 def _check_ids(name: str, ids: torch.Tensor, dims: int) -> None:

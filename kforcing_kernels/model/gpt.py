@@ -174,12 +174,16 @@ class NoiseEncoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        half = cfg.noise_features // 2 or 1
+        self._build(cfg.n_embd, cfg.noise_features, cfg.tau_features)
+
+    def _build(self, n_embd: int, noise_features: int, tau_features: int) -> None:
+        """The layers for width ``n_embd``; also what the Hugging Face ``NoiseEmbedding`` builds (integrations/hf_noise.py)."""
+        half = noise_features // 2 or 1
         self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
-        tau_half = cfg.tau_features // 2 or 1
+        tau_half = tau_features // 2 or 1
         # Periods from 16 down to 1 tau units: features vary smoothly, not wrap, over tau's range.
         self.register_buffer("tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half), persistent=False)
-        c = cfg.n_embd
+        c = n_embd
         self.z_in = nn.Linear(2 * half, c)
         self.tau_mlp = nn.Sequential(nn.Linear(2 + 2 * tau_half, c), nn.SiLU(), nn.Linear(c, 2 * c))
         self.out = nn.Linear(c, c)

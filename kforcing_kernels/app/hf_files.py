@@ -1,0 +1,258 @@
+"""Hugging Face models in a run: where they come from, the stage folder they are saved as, their text.
+
+Sources of the model (``kforcing-train --model PATH`` / ``--model-config PATH.json``):
+
+* a plain HF folder (``config.json`` + weights + tokenizer, no ``model.json``): a pretrained AR
+  teacher, loaded with ``AutoModelForCausalLM.from_pretrained(PATH, attn_implementation="kforcing",
+  dtype=float32)`` and ``AutoTokenizer.from_pretrained(PATH)``;
+* a transformers config file: a random initialisation (seeded by ``--seed``), trained as an AR model
+  by Stage 0 on ``--data`` with the package's own BPE tokenizer (its size must be the config's ``vocab_size``).
+
+The stage folder (format :data:`HF_FORMAT`) is what ``from_pretrained`` loads, plus the noise embedding::
+
+    config.json, generation_config.json, model.safetensors (or shards)   save_pretrained of the HF model
+    tokenizer.json, tokenizer_config.json, ...                           save_pretrained of the tokenizer
+    noise_embedding.safetensors                                          NoiseEmbedding (format 2) tensors
+    model.json     k, hf_format, noise_embedding {format, settings, tensors record}, files {name: bytes,
+                   sha256}, tensors (the weights' record: the teacher identity), provenance, train config
+
+``AutoModelForCausalLM.from_pretrained(folder)`` gives the backbone; :func:`load_hf_stage` gives the
+PFLM (backbone + noise embedding) after checking every file's size and SHA-256. Every file is written
+with the package's atomic writer and ``model.json`` last: the folder is a finished stage once it exists.
+A stage whose noise embedding is not format 2 is refused with a message (it cannot be loaded rightly).
+
+Text: a run whose teacher is an HF folder encodes ``--data`` with that folder's tokenizer (documents
+separated by its ``eos_token``; a marker's characters in the text stay ordinary text), cached like the
+native corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointError, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
+from .data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_corpus, load_documents,
+                   split_documents, token_streams)
+from .files import atomic_write_file, write_json
+
+if TYPE_CHECKING:
+    from .hf_student import HFStudent
+
+HF_FORMAT = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+NOISE_FILE = "noise_embedding.safetensors"
+
+
+# ---------------------------------------------------------------------- what a folder holds
+
+
+def is_hf_stage(folder) -> bool:
+    """A stage folder this module wrote (``model.json`` with ``hf_format``)."""
+    path = Path(folder) / "model.json"
+    if not path.exists():
+        return False
+    try:
+        return "hf_format" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def is_hf_source(folder) -> bool:
+    """A plain Hugging Face model folder (``config.json``, no ``model.json``)."""
+    return folder is not None and (Path(folder) / "config.json").exists() and not (Path(folder) / "model.json").exists()
+
+
+def is_hf(folder) -> bool:
+    return folder is not None and (is_hf_source(folder) or is_hf_stage(folder))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hf_weights_sha256(folder) -> str:
+    """The identity of an HF folder's weights: SHA-256 over its weight files' names and SHA-256s."""
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.name != NOISE_FILE)
+    if not files:
+        raise CheckpointError(f"{folder}: no weight files (*.safetensors, *.bin) in this Hugging Face model folder")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + _sha256(p).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------- building and loading
+
+
+def _transformers():
+    """transformers, imported only when an HF model is used (it is an optional dependency), with "kforcing" registered."""
+    import transformers
+
+    from ..integrations import hf as _registers_kforcing  # noqa: F401
+
+    return transformers
+
+
+def build_from_config(path, seed: int) -> "HFStudent":
+    """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by ``seed``."""
+    tf = _transformers()
+    try:
+        values = json.loads(Path(path).read_text())
+        config = tf.AutoConfig.for_model(**values)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"model_config: cannot read a transformers config from {str(path)!r} ({exc})") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
+    from .hf_student import HFStudent
+
+    return HFStudent(model.float())
+
+
+def _from_pretrained(folder, device):
+    tf = _transformers()
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="kforcing", dtype=torch.float32)
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: cannot load the Hugging Face model or tokenizer ({exc})") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise CheckpointError(f"{folder}: the tokenizer is not a fast (tokenizers-backed) one; save it with tokenizer.json")
+    return model, tokenizer
+
+
+def load_hf_source(folder, device="cpu"):
+    """A plain HF folder as an AR teacher: ``(HFStudent in eval mode, info, tokenizer)`` (info: ``k=0`` and the weights' identity)."""
+    from .hf_student import HFStudent
+
+    model, tokenizer = _from_pretrained(folder, device)
+    student = HFStudent(model, k_train=0)
+    student.hf_tokenizer = tokenizer
+    info = {"k": 0, "tensors": {"sha256": hf_weights_sha256(folder)}, "source": str(folder)}
+    return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
+
+
+def load_hf_stage(folder, device="cpu"):
+    """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked first."""
+    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT, NoiseEmbedding
+    from .hf_student import HFStudent
+
+    folder = Path(folder)
+    json_path = folder / "model.json"
+    info = read_json(json_path, {"k": int, "hf_format": int, "noise_embedding": dict, "files": dict})
+    if info["hf_format"] != HF_FORMAT:
+        raise CheckpointError(f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected {HF_FORMAT}")
+    noise = info["noise_embedding"]
+    if noise.get("format") != NOISE_EMBEDDING_FORMAT:
+        raise CheckpointError(f"{json_path}: its noise embedding is format {noise.get('format')!r}, saved before the noise features "
+                              f"became the native encoder's (format {NOISE_EMBEDDING_FORMAT}); it cannot be loaded rightly: retrain this stage")
+    for name, record in info["files"].items():
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: missing (listed in {json_path.name})")
+        if path.stat().st_size != record.get("bytes") or _sha256(path) != record.get("sha256"):
+            raise CheckpointError(f"{path}: truncated or corrupt (size or SHA-256 differs from {json_path.name})")
+    model, tokenizer = _from_pretrained(folder, device)
+    embedding = NoiseEmbedding(**noise["settings"])
+    try:
+        embedding.load_state_dict(load_tensors(json_path, noise["tensors"]))
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / NOISE_FILE}: does not match the noise embedding of {json_path.name} ({exc})") from None
+    student = HFStudent(model, embedding, k_train=info["k"])
+    student.hf_tokenizer = tokenizer
+    return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
+
+
+def load_any_model(folder, device="cpu"):
+    """``(model, info, tokenizer)`` of a native stage, an HF stage or a plain HF folder."""
+    if is_hf_stage(folder):
+        return load_hf_stage(folder, device)
+    if is_hf_source(folder):
+        return load_hf_source(folder, device)
+    return load_model(folder, device)
+
+
+def hf_tokenizer_of(corpus: Corpus):
+    """The HF tokenizer a stage folder saves: the one the corpus came from, or the native BPE wrapped as one."""
+    if getattr(corpus, "hf_tokenizer", None) is not None:
+        return corpus.hf_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=corpus.tokenizer, eos_token=EOS)
+
+
+def save_hf_stage(folder, student: "HFStudent", info: dict, tokenizer) -> None:
+    """Write a stage folder (see the module docstring); ``model.json`` last."""
+    folder = Path(folder)
+    staging = folder / f".hf-save.{secrets.token_hex(8)}.tmp"
+    try:
+        student.hf.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        files = {}
+        for path in sorted(p for p in staging.iterdir() if p.is_file()):
+            with open(path, "rb") as src:
+                atomic_write_file(folder / path.name, lambda f: shutil.copyfileobj(src, f, 1 << 22))
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(folder / path.name)}
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot write the Hugging Face model ({exc.strerror or exc})") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT
+
+    noise = {"format": NOISE_EMBEDDING_FORMAT, "settings": student.noise_encoder.settings(),
+             "tensors": save_tensors(folder / NOISE_FILE, student.noise_encoder.state_dict())}
+    weights = {"file": "model.safetensors" if "model.safetensors" in files else "*", "bytes": 0, "sha256": hf_weights_sha256(folder)}
+    write_json(folder / "model.json", {**info, "hf_format": HF_FORMAT, "model_config": json.loads(student.config.to_json_string()),
+                                       "noise_embedding": noise, "files": files, "tensors": weights})
+
+
+# ---------------------------------------------------------------------- text
+
+
+def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.02, verbose: bool = False) -> Corpus:
+    """``--data`` encoded with an HF (fast) tokenizer: the split and stream layout of ``load_corpus``, cached."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("source (--data): the model's tokenizer has no eos_token, so documents cannot be separated; "
+                        "set one (tokenizer.eos_token) in the model folder")
+    backend = literal_specials(tokenizer.backend_tokenizer)
+    docs = load_documents(source)
+    content = documents_sha256(docs)
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, "hf", tokenizer_sha256(backend), eos, val_fraction]).encode()
+                         + content.encode()).hexdigest()[:16]
+    cache = default_cache_dir() / f"hf-corpus-{key}"
+    meta_path = cache / "meta.json"
+    if not meta_path.exists():
+        train_texts, val_texts = split_documents(docs, val_fraction)
+        train, val = token_streams(backend, eos, train_texts, val_texts, val_fraction)
+        atomic_write_file(cache / "train.npy", lambda f: np.save(f, train))
+        atomic_write_file(cache / "val.npy", lambda f: np.save(f, val))
+        write_json(meta_path, {"source": source or "stdlib", "documents": [len(train_texts), len(val_texts)]})
+    meta = json.loads(meta_path.read_text())
+    train = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
+    val = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
+    if verbose:
+        print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, the model's tokenizer, cache {cache}", flush=True)
+    corpus = Corpus(train, val, backend, eos, meta["source"], tuple(meta["documents"]), content)
+    corpus.hf_tokenizer = tokenizer
+    return corpus
+
+
+def corpus_for(teacher: Optional[str], data: Optional[str], vocab_size: int, verbose: bool = False) -> Corpus:
+    """The text of a stage whose teacher is ``teacher``: an HF teacher's tokenizer, else the native BPE of ``data``."""
+    if is_hf(teacher):
+        tf = _transformers()
+        return load_hf_corpus(data, tf.AutoTokenizer.from_pretrained(str(teacher)), verbose=verbose)
+    return load_corpus(data, vocab_size=vocab_size, verbose=verbose)

@@ -1,0 +1,238 @@
+"""A Hugging Face causal LM as the trainer's model: the AR teacher, and the PFLM student initialised from it.
+
+:class:`HFStudent` wraps an ``AutoModelForCausalLM`` loaded with ``attn_implementation="kforcing"`` and a
+:class:`~kforcing_kernels.integrations.hf_noise.NoiseEmbedding`, and offers what the trainer, the
+objectives, the evaluation and generation use of :class:`~kforcing_kernels.model.KForcingLM`, with the
+same semantics:
+
+* ``model(tokens, cu_seqlens=)``: AR logits ``[B, N, V]`` (causal layout, per-document positions);
+* ``model(tokens, noise, tau, cu_seqlens=)`` / ``single_forward``: SingleForward (eq. 18), logits
+  ``[B, N, k, V]``; ``single_forward`` also returns the context cache (an HF ``DynamicCache`` cropped to
+  the N context tokens) that ``double_forward`` (eq. 19) reuses and crops back after itself;
+* ``config.vocab_size``, ``wte`` (the input embeddings), ``noise_encoder``, ``reset_noise_encoder``, ``k_train``.
+
+Every call passes its ``WindowLayout`` (``kforcing_layout``) and ``position_ids``: the layout is the mask,
+packed documents included. The HF model is kept in eval mode (no dropout) even while the wrapper trains:
+K-Forcing's targets are deterministic given the noise, and ``--resume`` must repeat a run bit for bit.
+
+Generation (paper Algorithm 1) runs over the model's own KV cache (``DynamicCache``): the prefill is
+``[prompt | k noise]``, each step ``[k new tokens | k noise]``; the noise tokens' K/V are cropped off the
+cache after every call, so only context enters it (as in ``app/inference.py``). Prompts of several lengths
+are run as groups of equal length (each request's tokens do not depend on the batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..integrations import hf as kf_hf  # registers attn_implementation="kforcing"
+from ..integrations.hf_noise import NoiseEmbedding
+from ..layouts import WindowLayout
+from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
+from ..ops.sampling import inverse_cdf_sample
+from ..types import Temperature
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """transformers 5 takes the KV cache as ``cache``, 4.x as ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
+def crop_cache(cache, length: int):
+    """Keep the first ``length`` tokens of an HF cache (``DynamicCache.crop`` takes a negative count to remove)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"length: the cache holds {cache.get_seq_length()} tokens, fewer than {length}")
+    if extra:
+        cache.crop(-extra)
+    return cache
+
+
+class HFStudent(nn.Module):
+    """``hf`` (an HF causal LM with ``attn_implementation="kforcing"``) + ``noise_encoder`` as one trainable model."""
+
+    is_hf = True
+
+    def __init__(self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None):
+        super().__init__()
+        impl = getattr(hf_model.config, "_attn_implementation", None)
+        if impl != kf_hf.ATTN_IMPLEMENTATION:
+            raise ValueError(f"hf_model: expected attn_implementation='kforcing' (layouts are its masks), got {impl!r}")
+        self.hf = hf_model.eval()
+        hidden = self.wte.weight.shape[1]
+        self.noise_encoder = noise_encoder if noise_encoder is not None else NoiseEmbedding(hidden)
+        self.k_train = k_train
+        self._cache_kw = _cache_keyword(hf_model)
+        self._keep_kw = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
+
+    # -------------------------------------------------------------- what the trainer reads
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def wte(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def train(self, mode: bool = True) -> "HFStudent":
+        super().train(mode)
+        self.hf.eval()  # no dropout: see the module docstring
+        return self
+
+    def tied_keys(self) -> list[str]:
+        """state_dict keys whose tensor is an earlier key's (tied embeddings): saved once, restored by the tie."""
+        seen, tied = set(), []
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            if tensor.data_ptr() in seen and tensor.numel():
+                tied.append(name)
+            seen.add(tensor.data_ptr())
+        return tied
+
+    def reset_noise_encoder(self, generator: Optional[torch.Generator] = None) -> None:
+        """A fresh noise embedding (Stage 1 starts from the AR teacher with one), initialised as the native one."""
+        for p in self.noise_encoder.parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, 0.0, 0.02, generator=generator)
+
+    # -------------------------------------------------------------- the three training-time forwards
+
+    def _run(self, embeds: torch.Tensor, positions: torch.Tensor, layout: WindowLayout, keep: int = 0, cache=None,
+             use_cache: bool = False):
+        b, length = embeds.shape[:2]
+        kwargs = {"inputs_embeds": embeds, "position_ids": positions.expand(b, length), "kforcing_layout": layout,
+                  "use_cache": use_cache or cache is not None}
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        if keep and self._keep_kw:
+            kwargs["logits_to_keep"] = keep
+        out = self.hf(**kwargs)
+        logits = out["logits"]
+        return (logits[:, -keep:] if keep else logits), (_cache_of(out) if kwargs["use_cache"] else None)
+
+    def embed_noise(self, noise: torch.Tensor, tau: Temperature) -> torch.Tensor:
+        """noise ``[B, *S]`` in [0, 1), tau scalar or ``[B]`` -> embeddings ``[B, *S, C]`` in the model's dtype."""
+        tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
+        if tau.dim() > 1 or (tau.dim() == 1 and tau.shape[0] != noise.shape[0]):
+            raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}")
+        return self.noise_encoder(noise, tau).to(self.wte.weight.dtype)
+
+    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
+                cu_seqlens=None) -> torch.Tensor:
+        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``."""
+        if noise is None:
+            return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
+        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False)[0]
+
+    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """tokens ``[B, N]`` -> next-token logits ``[B, N, V]``; ``cu_seqlens`` packs documents (as KForcingLM)."""
+        self._check_tokens("tokens", tokens)
+        b, n = tokens.shape
+        cu = as_cu_seqlens(cu_seqlens, n, b)
+        return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), WindowLayout.causal(n, cu_seqlens=cu))[0]
+
+    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
+                       keep_cache: bool = True):
+        """SingleForward: ``(logits [B, N, k, V], the context cache (N tokens) or None)``; arguments as KForcingLM's."""
+        self._check_tokens("tokens", tokens)
+        b, n = tokens.shape
+        if noise.dim() != 3 or noise.shape[:2] != (b, n):
+            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
+        k = noise.shape[2]
+        cu = as_cu_seqlens(cu_seqlens, n, b)
+        embeds = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
+        logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k, cu_seqlens=cu),
+                                  keep=n * k, use_cache=keep_cache)
+        return logits.reshape(b, n, k, -1), (None if cache is None else crop_cache(cache, n))
+
+    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
+                       cu_seqlens=None) -> torch.Tensor:
+        """DoubleForward on the context cache of :meth:`single_forward` (cropped back to N afterwards): ``[B, N, k, V]``."""
+        self._check_tokens("first", first)
+        b, n, k = first.shape
+        if noise.shape != first.shape:
+            raise ValueError(f"noise: expected the shape of first {tuple(first.shape)}, got {tuple(noise.shape)}")
+        if context_kv is None or context_kv.get_seq_length() != n:
+            raise ValueError(f"context_kv: expected the cache of single_forward over N={n} context tokens")
+        cu = as_cu_seqlens(cu_seqlens, n, b)
+        embeds = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
+        logits, _ = self._run(embeds, double_positions(n, k, first.device, cu), WindowLayout.kforcing_double(n, k, cu_seqlens=cu),
+                              keep=n * k, cache=context_kv)
+        crop_cache(context_kv, n)
+        return logits.reshape(b, n, k, -1)
+
+    def _check_tokens(self, name: str, tokens: torch.Tensor) -> None:
+        vocab = self.config.vocab_size
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name}: expected an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            raise ValueError(f"{name}: expected ids in [0, {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
+
+    # -------------------------------------------------------------- generation over the HF cache
+
+    def _window_call(self, embeds: torch.Tensor, n_ctx: int, window: int, queries: str, keep: int, cache):
+        """One window after ``n_ctx`` context keys (the prompt's own, queries="all", or the cache's, "windows")."""
+        layout = WindowLayout(n_ctx, 1, window, [0], [n_ctx], intra="causal", queries=queries)
+        start = 0 if queries == "all" else n_ctx
+        positions = torch.arange(start, n_ctx + window, device=embeds.device)
+        return self._run(embeds, positions, layout, keep=keep, cache=cache, use_cache=True)
+
+    @torch.no_grad()
+    def generate_kforcing(self, prompt: torch.Tensor, k: int, steps: int, tau: torch.Tensor, noise: torch.Tensor):
+        """Algorithm 1 for prompts of one length: prompt ``[B, P]``, noise ``[B, steps, k]``, tau ``[B]``
+        -> (tokens ``[B, steps * k]``, logits ``[B, steps * k, V]``)."""
+        b, p = prompt.shape
+        x = torch.cat([self.wte(prompt), self.embed_noise(noise[:, 0], tau)], 1)
+        logits, cache = self._window_call(x, p, k, "all", k, None)
+        crop_cache(cache, p)
+        outs, all_logits = [logits.argmax(-1)], [logits]
+        for s in range(1, steps):
+            length = cache.get_seq_length()
+            x = torch.cat([self.wte(outs[-1]), self.embed_noise(noise[:, s], tau)], 1)  # [k new tokens | k noise]
+            logits, cache = self._window_call(x, length, 2 * k, "windows", k, cache)
+            crop_cache(cache, length + k)  # context K/V only
+            outs.append(logits.argmax(-1))
+            all_logits.append(logits)
+        return torch.cat(outs, 1), torch.cat(all_logits, 1)
+
+    @torch.no_grad()
+    def generate_ar(self, prompt: torch.Tensor, new_tokens: int, temperature, noise: torch.Tensor, greedy: bool):
+        """AR decoding for prompts of one length: prompt ``[B, P]``, noise ``[B, T]`` -> (tokens ``[B, T]``, logits ``[B, T, V]``)."""
+        b, p = prompt.shape
+        logits, cache = self._run(self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p), keep=1,
+                                  use_cache=True)
+        outs, all_logits = [], []
+        for s in range(new_tokens):
+            last = logits[:, -1]
+            outs.append(last.argmax(-1) if greedy else inverse_cdf_sample(last, noise[:, s], temperature))
+            all_logits.append(last)
+            if s + 1 < new_tokens:
+                logits, cache = self._window_call(self.wte(outs[-1][:, None]), cache.get_seq_length(), 1, "windows", 1, cache)
+        return torch.stack(outs, 1), torch.stack(all_logits, 1)
+
+
+def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: int, *per_row) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run(prompt [G, P], *rows of per_row)`` for each group of prompts of one length P, results put back in order.
+
+    tokens ``[B, P_max]`` right-padded, lengths ``[B]``; each ``per_row`` tensor has B rows (or is None).
+    Returns (tokens ``[B, width]``, logits ``[B, width, V]``).
+    """
+    out, logits = None, None
+    for length in sorted(set(lengths.tolist())):
+        rows = (lengths == length).nonzero()[:, 0].to(tokens.device)
+        got, got_logits = run(tokens[rows, :length], *(None if t is None else t[rows] for t in per_row))
+        if out is None:
+            out = torch.empty(tokens.shape[0], width, dtype=torch.int64, device=tokens.device)
+            logits = torch.empty(tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype, device=tokens.device)
+        out[rows], logits[rows] = got[:, :width], got_logits[:, :width]
+    return out, logits
