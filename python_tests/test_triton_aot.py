@@ -52,8 +52,8 @@ def test_report_compiles_each_distinct_kernel_once():
     keys = [(j.arch, j.kernel, tuple(sorted(aot_report._constexprs(j.kernel, j.head_dim, j.tile_set).items())),
              j.dtype, j.num_warps, j.num_stages) for j in jobs]
     assert len(keys) == len(set(keys))
-    assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {("fwd", "wide"), ("dq", "wide"),
-                                                                            ("dkdv", "wide")}
+    assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {
+        (name, "wide") for name in ("fwd", "dq", "dkdv", "dq_legacy", "dkdv_legacy")}
     assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
     # The paged decode kernel (ops/paged_attention) is in the report too, at its launch config.
     paged = [j for j in jobs if j.kernel == aot_report.PAGED]

@@ -152,9 +152,16 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
         return dict(BLOCK_M=configs.DELTA_BLOCK, HEAD_DIM=head_dim)
-    if kernel == "dkdv":
+    if kernel == "dkdv_legacy":
+        tiles = configs.LEGACY_TILE_SETS[tile_set][head_dim]
         return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
                     HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "bwd":
+        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "dkdv":
+        return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
+                    INSTRUMENT=False)
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
 
