@@ -26,10 +26,13 @@ from typing import Optional
 
 import torch
 import triton
+from triton.runtime import driver as _triton_driver
 
 from ....layouts import WindowLayout
+
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, SUPPORTED_HEAD_DIMS, TILE_SETS,
                       TILES_BY_HEAD_DIM, autotune_enabled, check_head_dim, length_bucket, tile_set_for, tiles_for)
+from .direct import DirectCache, arg_signature, direct_launch_enabled
 from .jit_backward import _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
@@ -55,11 +58,13 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 _tuned_lock = threading.Lock()
 _tuned: dict[tuple, object] = {}
+_direct = DirectCache()  # steady-state launches (direct.py), filled from the autotuner path's results
 
 
 def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
     """Launch under the interpreter with a fixed config, on a GPU through the autotuner for ``tune_key``
-    = (tile set, head dim, length bucket, mode); the caller holds the device guard."""
+    = (tile set, head dim, length bucket, mode) the first time a (kernel, key, constexprs, argument
+    specialisation, device) is seen, then directly (direct.py); the caller holds the device guard."""
     if grid[0] * grid[1] == 0:
         return
     if grid[1] > 65535:  # CUDA's limit on grid dimension y
@@ -67,12 +72,25 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
     if interpreting():
         KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
         return
-    key = (kernel_name, *tune_key, autotune_enabled())
+    autotune = autotune_enabled()
+    direct_key = None
+    if direct_launch_enabled():
+        signature = arg_signature(args)
+        if signature is not None:
+            device = _triton_driver.active.get_current_device()
+            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs.items()), signature)
+            entry = _direct.get(direct_key)
+            if entry is not None:
+                entry(grid, args, _triton_driver.active.get_current_stream(device))
+                return
+    key = (kernel_name, *tune_key, autotune)
     with _tuned_lock:
         tuned = _tuned.get(key)
         if tuned is None:
             tuned = _tuned[key] = _tuned_kernel(kernel_name, tune_key)
-    tuned[grid](*args, **kwargs)
+    kernel = tuned[grid](*args, **kwargs)
+    if direct_key is not None:
+        _direct.remember(direct_key, KERNELS[kernel_name], kernel, len(args), kwargs)
 
 
 # ====================================================================== launchers

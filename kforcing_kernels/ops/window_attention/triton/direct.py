@@ -1,0 +1,123 @@
+"""Steady-state launches without the autotuner and the JIT's argument binding.
+
+The first launch of a kernel for a (tune key, autotune on/off, constexprs, argument specialisation,
+device) goes through ``triton.autotune`` and ``JITFunction.run``, which pick the config, bind and
+specialise the arguments, compile if needed and return the ``CompiledKernel`` they launched. Later
+launches with the same key call that kernel's launcher directly with the same arguments (in the
+kernel's parameter order), the same grid and the current stream: about 40 us less host time per
+launch on the CPU benchmark (bench/triton_host_cost.py).
+
+The key holds everything Triton's choice depends on: the autotuner keys on ``HEAD_DIM`` (in the
+constexprs) and every tensor's dtype; the JIT's cache on each argument's specialisation, which
+``arg_signature`` reproduces conservatively (tensors: dtype and 16-byte alignment; ints: 32/64-bit
+or unsigned 64-bit range, divisible by 16, equal to 1; floats and bools: their type). Any other
+argument type, a JIT pre-run hook, or a result that is not a ``CompiledKernel`` keeps the call on
+the autotuner path. Triton's debug and instrumentation knobs are read when a key is first seen
+(flipping them later in the process does not recompile on this path). KFORCING_TRITON_DIRECT_LAUNCH=0
+keeps every launch on the autotuner path (to compare, or to rule this path out).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from .... import env
+
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+
+
+def direct_launch_enabled() -> bool:
+    """KFORCING_TRITON_DIRECT_LAUNCH: unset or ``1``: on; ``0``: every launch goes through the autotuner."""
+    value = env.triton_direct_launch()
+    if value is None or value == "1":
+        return True
+    if value == "0":
+        return False
+    raise ValueError(f"KFORCING_TRITON_DIRECT_LAUNCH: expected '0' or '1', got {value!r}")
+
+
+def arg_signature(args: tuple) -> Optional[tuple]:
+    """What Triton's specialisation of ``args`` depends on, as a hashable tuple (at least as fine as
+    ``native_specialize_impl``'s result); None when an argument's type is not handled here."""
+    sig = []
+    append = sig.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            width = 0 if _I32[0] <= a < _I32[1] else (1 if _I64[0] <= a < _I64[1] else 2)
+            append(width * 4 + (a == 1) * 2 + (a % 16 == 0))
+        elif isinstance(a, torch.Tensor):
+            append(a.dtype)
+            append(a.data_ptr() % 16 == 0)
+        elif t is float or t is bool or a is None:
+            append(t)
+        else:
+            return None
+    return tuple(sig)
+
+
+class DirectLaunch:
+    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments."""
+
+    __slots__ = ("kernel", "tail")
+
+    def __init__(self, kernel, tail: tuple):
+        self.kernel = kernel
+        self.tail = tail
+
+    def __call__(self, grid: tuple, args: tuple, stream) -> None:
+        from triton import knobs
+
+        kernel = self.kernel
+        bound = (*args, *self.tail)
+        size = len(grid)
+        # Exactly JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
+        kernel.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, kernel.launch_metadata(grid, stream, *bound),
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+
+
+def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
+    """The keyword arguments' values in ``fn``'s parameter order after the positional ones (what
+    ``JITFunction.run`` passes as ``bound_args.values()``), or None when they do not match the
+    remaining parameters exactly (then the call stays on the autotuner path)."""
+    names = fn.arg_names[n_positional:]
+    if len(names) != len(kwargs) or any(name not in kwargs for name in names):
+        return None
+    return tuple(kwargs[name] for name in names)
+
+
+class DirectCache:
+    """Direct launches by key; filled from the autotuner path's results."""
+
+    def __init__(self):
+        self._entries: dict[tuple, DirectLaunch] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Optional[DirectLaunch]:
+        return self._entries.get(key)
+
+    def remember(self, key: tuple, fn, kernel, n_positional: int, kwargs: dict) -> Optional[DirectLaunch]:
+        """Cache ``kernel`` (what the autotuner path launched for ``key``) if it can be launched directly."""
+        from triton.compiler import CompiledKernel
+
+        if not isinstance(kernel, CompiledKernel) or getattr(fn, "pre_run_hooks", None):
+            return None
+        tail = pack_tail(fn, n_positional, kwargs)
+        if tail is None:
+            return None
+        entry = DirectLaunch(kernel, tail)
+        with self._lock:
+            self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
