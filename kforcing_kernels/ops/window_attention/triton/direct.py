@@ -9,7 +9,7 @@ launch on the CPU benchmark (bench/triton_host_cost.py).
 
 The key holds everything Triton's choice depends on: the autotuner keys on ``HEAD_DIM`` (in the
 constexprs) and every tensor's dtype; the JIT's cache on each argument's specialisation, which
-``arg_signature`` reproduces conservatively (tensors: dtype and 16-byte alignment; ints: 32/64-bit
+``ArgSignature`` reproduces conservatively (tensors: dtype and 16-byte alignment; ints: 32/64-bit
 or unsigned 64-bit range, divisible by 16, equal to 1; floats and bools: their type). Any other
 argument type, a JIT pre-run hook, or a result that is not a ``CompiledKernel`` keeps the call on
 the autotuner path. Triton's debug and instrumentation knobs are read when a key is first seen
@@ -19,6 +19,8 @@ keeps every launch on the autotuner path (to compare, or to rule this path out).
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from typing import Optional
 
@@ -40,24 +42,75 @@ def direct_launch_enabled() -> bool:
     raise ValueError(f"KFORCING_TRITON_DIRECT_LAUNCH: expected '0' or '1', got {value!r}")
 
 
-def arg_signature(args: tuple) -> Optional[tuple]:
-    """What Triton's specialisation of ``args`` depends on, as a hashable tuple (at least as fine as
-    ``native_specialize_impl``'s result); None when an argument's type is not handled here."""
-    sig = []
-    append = sig.append
-    for a in args:
-        t = type(a)
-        if t is int:
-            width = 0 if _I32[0] <= a < _I32[1] else (1 if _I64[0] <= a < _I64[1] else 2)
-            append(width * 4 + (a == 1) * 2 + (a % 16 == 0))
-        elif isinstance(a, torch.Tensor):
-            append(a.dtype)
-            append(a.data_ptr() % 16 == 0)
-        elif t is float or t is bool or a is None:
-            append(t)
-        else:
+class ArgSignature:
+    """Per kernel: what Triton's specialisation of the positional arguments depends on, as a hashable
+    key at least as fine as ``native_specialize_impl``'s result, or None when an argument's type is not
+    handled here. Tensors: dtype and 16-byte alignment; ints: 32/64-bit or unsigned 64-bit range, and
+    for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
+    constexprs passed positionally: their value. Bulk checks keep the common case (every pointer
+    aligned, every int in int32, every specialised int a multiple of 16) at a few C-level passes."""
+
+    def __init__(self, fn):
+        self.params = fn.params
+        self._plans: dict[tuple, object] = {}
+
+    def __call__(self, args: tuple) -> Optional[tuple]:
+        types = tuple(map(type, args))
+        plan = self._plans.get(types)
+        if plan is None:
+            plan = self._plans[types] = self._plan(types)
+        if plan is False:
             return None
-    return tuple(sig)
+        tensors_of, ints_of, specialised_of, constants_of = plan
+        key = [types]
+        tensors = tensors_of(args)
+        if tensors:
+            key.append(tuple(map(_dtype, tensors)))
+            pointers = tuple(map(torch.Tensor.data_ptr, tensors))
+            key.append(True if functools.reduce(operator.or_, pointers) % 16 == 0
+                       else tuple(p % 16 == 0 for p in pointers))
+        ints = ints_of(args)
+        if ints:
+            key.append(True if min(ints) >= _I32[0] and max(ints) < _I32[1] else tuple(map(_int_width, ints)))
+        specialised = specialised_of(args)
+        if specialised:
+            key.append(True if functools.reduce(operator.or_, specialised) % 16 == 0
+                       else tuple((a % 16 == 0, a == 1) for a in specialised))
+        key.append(constants_of(args))
+        return tuple(key)
+
+    def _plan(self, types: tuple):
+        if len(types) > len(self.params):
+            return False
+        tensors, ints, specialised, constants = [], [], [], []
+        for i, (t, param) in enumerate(zip(types, self.params)):
+            if param.is_constexpr:
+                constants.append(i)
+            elif issubclass(t, torch.Tensor):
+                tensors.append(i)
+            elif t is int:
+                ints.append(i)
+                if not param.do_not_specialize:
+                    specialised.append(i)
+            elif t not in (float, bool, type(None)):
+                return False
+        return tuple(_getter(positions) for positions in (tensors, ints, specialised, constants))
+
+
+def _getter(positions: list):
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (only,) = positions
+        return lambda args: (args[only],)
+    return operator.itemgetter(*positions)
+
+
+_dtype = operator.attrgetter("dtype")
+
+
+def _int_width(a: int) -> int:
+    return 0 if _I32[0] <= a < _I32[1] else (1 if _I64[0] <= a < _I64[1] else 2)
 
 
 class DirectLaunch:
@@ -75,10 +128,12 @@ class DirectLaunch:
         kernel = self.kernel
         bound = (*args, *self.tail)
         size = len(grid)
-        # Exactly JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        # The metadata only feeds the enter hook: skipped while that is an empty HookChain.
+        metadata = kernel.launch_metadata(grid, stream, *bound) if getattr(enter, "calls", enter) else None
+        # JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
         kernel.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, kernel.launch_metadata(grid, stream, *bound),
-                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+                   kernel.packed_metadata, metadata, enter, leave, *bound)
 
 
 def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
@@ -96,7 +151,15 @@ class DirectCache:
 
     def __init__(self):
         self._entries: dict[tuple, DirectLaunch] = {}
+        self._signatures: dict[str, ArgSignature] = {}
         self._lock = threading.Lock()
+
+    def signature(self, kernel_name: str, fn, args: tuple) -> Optional[tuple]:
+        """``ArgSignature`` of ``fn`` (the kernel called ``kernel_name``) applied to ``args``."""
+        signer = self._signatures.get(kernel_name)
+        if signer is None:
+            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
+        return signer(args)
 
     def get(self, key: tuple) -> Optional[DirectLaunch]:
         return self._entries.get(key)
@@ -118,6 +181,7 @@ class DirectCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._signatures.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

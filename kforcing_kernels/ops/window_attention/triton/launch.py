@@ -32,7 +32,7 @@ from ....layouts import WindowLayout
 
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, SUPPORTED_HEAD_DIMS, TILE_SETS,
                       TILES_BY_HEAD_DIM, autotune_enabled, check_head_dim, length_bucket, tile_set_for, tiles_for)
-from .direct import DirectCache, arg_signature, direct_launch_enabled
+from .direct import DirectCache, direct_launch_enabled
 from .jit_backward import _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
@@ -75,7 +75,7 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
     autotune = autotune_enabled()
     direct_key = None
     if direct_launch_enabled():
-        signature = arg_signature(args)
+        signature = _direct.signature(kernel_name, KERNELS[kernel_name], args)
         if signature is not None:
             device = _triton_driver.active.get_current_device()
             direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs.items()), signature)
