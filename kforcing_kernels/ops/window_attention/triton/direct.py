@@ -4,8 +4,8 @@ The first launch of a kernel for a (tune key, autotune on/off, constexprs, argum
 device) goes through ``triton.autotune`` and ``JITFunction.run``, which pick the config, bind and
 specialise the arguments, compile if needed and return the ``CompiledKernel`` they launched. Later
 launches with the same key call that kernel's launcher directly with the same arguments (in the
-kernel's parameter order), the same grid and the current stream: about 40 us less host time per
-launch on the CPU benchmark (bench/triton_host_cost.py).
+kernel's parameter order), the same grid and the current stream (host time per launch:
+bench/triton_host_cost.py, BENCHMARKS.md "Triton host cost").
 
 The key holds everything Triton's choice depends on: the autotuner keys on ``HEAD_DIM`` (in the
 constexprs) and every tensor's dtype; the JIT's cache on each argument's specialisation, which
@@ -13,8 +13,10 @@ constexprs) and every tensor's dtype; the JIT's cache on each argument's special
 or unsigned 64-bit range, divisible by 16, equal to 1; floats and bools: their type). Any other
 argument type, a JIT pre-run hook, or a result that is not a ``CompiledKernel`` keeps the call on
 the autotuner path. Triton's debug and instrumentation knobs are read when a key is first seen
-(flipping them later in the process does not recompile on this path). KFORCING_TRITON_DIRECT_LAUNCH=0
-keeps every launch on the autotuner path (to compare, or to rule this path out).
+(flipping them later in the process does not recompile on this path), and the JIT's check that the
+kernel's global constants did not change since it compiled runs on the first launch only.
+KFORCING_TRITON_DIRECT_LAUNCH=0 keeps every launch on the autotuner path (to compare, or to rule
+this path out).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Launch order: forward ``slot_fwd`` (small windows only), ``fwd``
 ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
 a fixed config; on a GPU each kernel is autotuned over its entries in
 ``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
-bucket, mode). The triton backend (``__init__.py``) hands this module out as
+bucket, mode); once a key has run, the compiled kernel it chose is launched
+directly (``direct.py``). The triton backend (``__init__.py``) hands this module out as
 ``kernels()``, so the names tests and tools use are re-exported here.
 """
 
