@@ -12,12 +12,14 @@ loading and device/stream queries are stubbed, and the tensors are CPU tensors. 
 the Python host path per call; a GPU adds the launcher's own cost and ``torch.cuda.device``.
 
 Per mode (autotune on/off x direct launch on/off where ``launch.py`` has the switch
-KFORCING_TRITON_DIRECT_LAUNCH): the median over ``--reps`` calls of one ``attention_forward`` +
-``attention_backward`` (the triton backend's work for one training step of one attention layer),
-the number of kernel launches in it, and the time spent inside ``launch._launch`` during those steps
-(median per step, divided by the launches: the per-launch cost, without plan lookups and allocations;
-per kernel too). Timing inside real steps, not one call replayed in a hot loop, which reads about
-half as much because everything stays in the CPU's caches.
+KFORCING_TRITON_DIRECT_LAUNCH), over ``--reps`` calls of one ``attention_forward`` +
+``attention_backward`` (the triton backend's work for one training step of one attention layer):
+its median wall time and its CPU time (this thread's ``thread_time``, which a busy machine does not
+inflate by preempting the process; the number to compare across runs), the kernel launches in it,
+and the time spent inside ``launch._launch`` during those steps (median per step, divided by the
+launches: the per-launch cost, without plan lookups and allocations; per kernel too). Timed inside
+real steps, not one call replayed in a hot loop, which reads about half as much because everything
+stays in the CPU's caches.
 """
 
 from __future__ import annotations
@@ -38,17 +40,17 @@ DIRECT_ENV = "KFORCING_TRITON_DIRECT_LAUNCH"
 AUTOTUNE_ENV = "KFORCING_TRITON_AUTOTUNE"
 
 
-def _median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+def _timer_floor(clock) -> int:
+    """What an empty interval of ``clock`` reads (ns), subtracted from every per-launch interval."""
+    gaps = []
+    for _ in range(2000):
+        t0 = clock()
+        gaps.append(clock() - t0)
+    return int(statistics.median(gaps))
 
 
 def measure(launch, layout, batch: int, heads: int, dim: int, dtype: torch.dtype, reps: int, driver) -> dict:
-    """One mode (the environment is already set): fwd+bwd median, launches per step, per-launch medians."""
+    """One mode (the environment is already set): fwd+bwd per step and per launch, wall and CPU time."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, layout.n_queries, dim, generator=gen).to(dtype)
     k, v = (torch.randn(batch, heads, layout.n_keys, dim, generator=gen).to(dtype) for _ in range(2))
@@ -67,34 +69,48 @@ def measure(launch, layout, batch: int, heads: int, dim: int, dtype: torch.dtype
     before = driver.launches
     step()
     launches = driver.launches - before
-    step_us = _median_us(step, reps)
+
+    # Whole steps: wall time per step; CPU time of this thread (what a busy machine does not inflate
+    # by preempting us) per batch of 10 steps, so the clock's own cost is negligible.
+    wall, cpu = [], []
+    for _ in range(max(1, reps // 10)):
+        c0 = time.thread_time_ns()
+        for _ in range(10):
+            t0 = time.perf_counter_ns()
+            step()
+            wall.append(time.perf_counter_ns() - t0)
+        cpu.append((time.thread_time_ns() - c0) / 10)
 
     # Per launch: the time inside each launch._launch call during real steps (warm as in training,
-    # not one call replayed in a hot loop, which reads about half as much).
+    # not one call replayed in a hot loop, which reads about half as much), less the clocks' floor.
+    floors = _timer_floor(time.perf_counter_ns), _timer_floor(time.thread_time_ns)
     per_kernel: dict[str, list[int]] = {}
-    inside: list[int] = []
+    inside: list[list[int]] = []
     real_launch = launch._launch
 
     def timed(kernel_name, grid, *args, **kwargs):
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         real_launch(kernel_name, grid, *args, **kwargs)
-        spent = time.perf_counter_ns() - t0
-        inside[-1] += spent
+        spent = time.perf_counter_ns() - t0 - floors[0], time.thread_time_ns() - c0 - floors[1]
         if grid[0] * grid[1]:  # an empty grid returns before launching
-            per_kernel.setdefault(kernel_name, []).append(spent)
+            inside[-1][0] += spent[0]
+            inside[-1][1] += spent[1]
+            per_kernel.setdefault(kernel_name, []).append(spent[1])
 
     launch._launch = timed
     try:
         for _ in range(reps):
-            inside.append(0)
+            inside.append([0, 0])
             step()
     finally:
         launch._launch = real_launch
-    per_launch = {name: statistics.median(ts) / 1e3 for name, ts in per_kernel.items()}
-    launch_us = statistics.median(inside) / 1e3
-    return {"step_us": step_us, "launches_per_step": launches, "first_call_s": first_s,
-            "launch_us_per_step": launch_us, "us_per_launch": launch_us / max(1, launches),
-            "per_launch_us": per_launch}
+    per_step_wall = statistics.median(w for w, _ in inside) / 1e3
+    per_step_cpu = statistics.median(c for _, c in inside) / 1e3
+    n = max(1, launches)
+    return {"step_us": statistics.median(wall) / 1e3, "step_cpu_us": statistics.median(cpu) / 1e3,
+            "launches_per_step": launches, "first_call_s": first_s,
+            "us_per_launch": per_step_wall / n, "cpu_us_per_launch": per_step_cpu / n,
+            "per_kernel_cpu_us": {name: statistics.median(ts) / 1e3 for name, ts in per_kernel.items()}}
 
 
 def run(args) -> dict:
@@ -141,10 +157,10 @@ def run(args) -> dict:
 
 def format_mode(mode: dict) -> str:
     direct = {None: "n/a (no switch)", True: "on", False: "off"}[mode["direct_launch"]]
-    kernels = ", ".join(f"{name} {us:.1f}" for name, us in mode["per_launch_us"].items())
-    return (f"autotune {'on' if mode['autotune'] else 'off'}, direct launch {direct}: fwd+bwd {mode['step_us']:.1f} us, "
-            f"{mode['launches_per_step']} launches taking {mode['launch_us_per_step']:.1f} us of it = "
-            f"{mode['us_per_launch']:.1f} us per launch (per kernel: {kernels})")
+    kernels = ", ".join(f"{name} {us:.1f}" for name, us in mode["per_kernel_cpu_us"].items())
+    return (f"autotune {'on' if mode['autotune'] else 'off'}, direct launch {direct}: fwd+bwd {mode['step_us']:.0f} us "
+            f"wall / {mode['step_cpu_us']:.0f} us CPU, {mode['launches_per_step']} launches; per launch "
+            f"{mode['us_per_launch']:.1f} us wall / {mode['cpu_us_per_launch']:.1f} us CPU (CPU per kernel: {kernels})")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ this path out).
 
 from __future__ import annotations
 
+import array
 import functools
 import operator
 import threading
@@ -73,7 +74,11 @@ class ArgSignature:
                        else tuple(p % 16 == 0 for p in pointers))
         ints = ints_of(args)
         if ints:
-            key.append(True if min(ints) >= _I32[0] and max(ints) < _I32[1] else tuple(map(_int_width, ints)))
+            try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
+                array.array("i", ints)
+                key.append(True)
+            except OverflowError:
+                key.append(tuple(map(_int_width, ints)))
         specialised = specialised_of(args)
         if specialised:
             key.append(True if functools.reduce(operator.or_, specialised) % 16 == 0
