@@ -65,7 +65,7 @@ class ArgSignature:
         if plan is False:
             return None
         tensors_of, ints_of, specialised_of, constants_of = plan
-        key = [types]
+        key = [plan]  # one plan per tuple of argument types: it stands for them in the key (cheaper to hash)
         tensors = tensors_of(args)
         if tensors:
             key.append(tuple(map(_dtype, tensors)))

@@ -79,7 +79,7 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
         signature = _direct.signature(kernel_name, KERNELS[kernel_name], args)
         if signature is not None:
             device = _triton_driver.active.get_current_device()
-            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs.items()), signature)
+            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
             entry = _direct.get(direct_key)
             if entry is not None:
                 entry(grid, args, _triton_driver.active.get_current_stream(device))
