@@ -72,6 +72,7 @@ def test_signature_distinguishes_whatever_triton_specialises_on():
     assert len(by_key) > 20  # the key is not trivially coarse... nor useless: many args share a key
     assert signer((base, base, 3, 16, 0.5)) == signer((base.clone(), base.clone(), 5, 32, 0.25))
     assert signer((base, base, 3, 16, "x")) is None  # an unhandled type: the autotuner path
+    assert direct.ArgSignature(object())((base, 3)) is None  # not a JITFunction: never direct
 
 
 @compiled_kernels

@@ -54,7 +54,7 @@ class ArgSignature:
     aligned, every int in int32, every specialised int a multiple of 16) at a few C-level passes."""
 
     def __init__(self, fn):
-        self.params = fn.params
+        self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
         self._plans: dict[tuple, object] = {}
 
     def __call__(self, args: tuple) -> Optional[tuple]:
@@ -87,7 +87,7 @@ class ArgSignature:
         return tuple(key)
 
     def _plan(self, types: tuple):
-        if len(types) > len(self.params):
+        if self.params is None or len(types) > len(self.params):
             return False
         tensors, ints, specialised, constants = [], [], [], []
         for i, (t, param) in enumerate(zip(types, self.params)):
@@ -147,7 +147,7 @@ def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
     """The keyword arguments' values in ``fn``'s parameter order after the positional ones (what
     ``JITFunction.run`` passes as ``bound_args.values()``), or None when they do not match the
     remaining parameters exactly (then the call stays on the autotuner path)."""
-    names = fn.arg_names[n_positional:]
+    names = getattr(fn, "arg_names", [])[n_positional:]
     if len(names) != len(kwargs) or any(name not in kwargs for name in names):
         return None
     return tuple(kwargs[name] for name in names)
