@@ -30,7 +30,6 @@ import triton
 from triton.runtime import driver as _triton_driver
 
 from ....layouts import WindowLayout
-
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, SUPPORTED_HEAD_DIMS, TILE_SETS,
                       TILES_BY_HEAD_DIM, autotune_enabled, check_head_dim, length_bucket, tile_set_for, tiles_for)
 from .direct import DirectCache, direct_launch_enabled
