@@ -17,7 +17,8 @@ dK/dV tiles, for A/B runs). Launchers take contiguous ``[B, H, L, D]`` tensors. 
 ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
 a fixed config; on a GPU each kernel is autotuned over its entries in
 ``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
-bucket, mode). The triton backend (``__init__.py``) hands this module out as
+bucket, mode); once a key has run, the compiled kernel it chose is launched
+directly (``direct.py``). The triton backend (``__init__.py``) hands this module out as
 ``kernels()``, so the names tests and tools use are re-exported here.
 """
 
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 import triton
+from triton.runtime import driver as _triton_driver
 
 from ....layouts import WindowLayout
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
@@ -36,6 +38,7 @@ from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS
                       tile_set_for, tiles_for)
 from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
+from .direct import DirectCache, direct_launch_enabled
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
 from .plan import TilePlan, Tiles, _stream_id, device_plan, tile_plan
@@ -61,11 +64,13 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 _tuned_lock = threading.Lock()
 _tuned: dict[tuple, object] = {}
+_direct = DirectCache()  # steady-state launches (direct.py), filled from the autotuner path's results
 
 
 def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
     """Launch under the interpreter with a fixed config, on a GPU through the autotuner for ``tune_key``
-    = (tile set, head dim, length bucket, mode); the caller holds the device guard."""
+    = (tile set, head dim, length bucket, mode) the first time a (kernel, key, constexprs, argument
+    specialisation, device) is seen, then directly (direct.py); the caller holds the device guard."""
     if grid[0] * grid[1] == 0:
         return
     if grid[1] > 65535:  # CUDA's limit on grid dimension y
@@ -73,12 +78,25 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
     if interpreting():
         KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
         return
-    key = (kernel_name, *tune_key, autotune_enabled())
+    autotune = autotune_enabled()
+    direct_key = None
+    if direct_launch_enabled():
+        signature = _direct.signature(kernel_name, KERNELS[kernel_name], args)
+        if signature is not None:
+            device = _triton_driver.active.get_current_device()
+            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
+            entry = _direct.get(direct_key)
+            if entry is not None:
+                entry(grid, args, _triton_driver.active.get_current_stream(device))
+                return
+    key = (kernel_name, *tune_key, autotune)
     with _tuned_lock:
         tuned = _tuned.get(key)
         if tuned is None:
             tuned = _tuned[key] = _tuned_kernel(kernel_name, tune_key)
-    tuned[grid](*args, **kwargs)
+    kernel = tuned[grid](*args, **kwargs)
+    if direct_key is not None:
+        _direct.remember(direct_key, KERNELS[kernel_name], kernel, len(args), kwargs)
 
 
 # ====================================================================== launchers
@@ -237,7 +255,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
 
     delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     n_rows = bsz * n_heads * lq
-    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
+    _launch("delta", (-(-n_rows // DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
             HEAD_DIM=d)
 
     dk = torch.empty_like(k)
