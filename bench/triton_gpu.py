@@ -331,7 +331,7 @@ def parse_args(argv=None):
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
     p.add_argument("--triton-backward", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
-                   help="dQ/dK-dV kernels for triton: one launch, two, or the pre-0.4 kernels (old-vs-new rows)")
+                   help="dQ/dK-dV kernels for triton: one launch, two, or the first-generation kernels (old-vs-new rows)")
     p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")

@@ -83,24 +83,26 @@ def loops(ttgir: str) -> list[Loop]:
         stripped = line.strip()
         if stack and stripped.startswith("}") and _indent(line) == _indent(lines[found[stack[-1]].start]):
             found[stack.pop()].end = i
-    defs = {}
+    # MLIR reuses SSA names in sibling regions (three sibling loops may all define %k_279), so a use
+    # resolves to the name's last definition printed before it.
+    defs: dict[str, list[int]] = {}
     for i, line in enumerate(lines):
         match = _DEF.match(line)
         if match:
-            defs[match.group(1)[1:]] = i
+            defs.setdefault(match.group(1)[1:], []).append(i)
     for loop in found:
         body = range(loop.start + 1, loop.end)
         loop.dots = sum(1 for i in body if _WGMMA.search(lines[i]) or _DOT.search(lines[i]))
         nested = [(other.start, other.end) for other in found if other.parent is not None and
                   found[other.parent] is loop]
         direct = [i for i in body if not any(s <= i <= e for s, e in nested)]
-        allocs = {a for i in direct if _is_copy(lines[i]) for a in _copy_allocs(lines[i], lines, defs)}
+        allocs = {a for i in direct if _is_copy(lines[i]) for a in _copy_allocs(i, lines, defs)}
         if not allocs:
             continue
         prologue = {a: 0 for a in allocs}
-        for i in range(min(defs.get(a, loop.start) for a in allocs), loop.start):
+        for i in range(min(a[1] for a in allocs), loop.start):
             if _is_copy(lines[i]) and not _inside(i, found, exclude=loop):
-                for a in _copy_allocs(lines[i], lines, defs):
+                for a in _copy_allocs(i, lines, defs):
                     if a in prologue:
                         prologue[a] += 1
         ahead = max(prologue.values())
@@ -117,18 +119,27 @@ def _inside(i: int, found: list[Loop], exclude: Loop) -> bool:
     return any(loop.start <= i <= loop.end and not (loop.start <= exclude.start <= loop.end) for loop in found)
 
 
-def _copy_allocs(line: str, lines: list[str], defs: dict) -> set[str]:
-    """The multi-buffered allocations a copy op writes (its operands traced through memdesc views)."""
+def _def_line(name: str, use: int, defs: dict) -> Optional[int]:
+    """Line of the definition of ``name`` that a use on line ``use`` sees (the last one printed before it)."""
+    before = [i for i in defs.get(name, ()) if i < use]
+    return before[-1] if before else None
+
+
+def _copy_allocs(index: int, lines: list[str], defs: dict) -> set[tuple[str, int]]:
+    """The multi-buffered allocations (name, line) the copy op on line ``index`` writes (its operands
+    traced through memdesc views)."""
+    line = lines[index]
     rhs = line.split("=", 1)[1] if _DEF.match(line) else line
     out = set()
     for name in _VALUE.findall(rhs.split(":", 1)[0]):
-        name = name.split("#")[0]
+        name, at = name.split("#")[0], index
         for _ in range(8):  # follow view chains
-            if name not in defs:
+            at = _def_line(name, at, defs)
+            if at is None:
                 break
-            text = lines[defs[name]]
+            text = lines[at]
             if _ALLOC_DEPTH.search(text):
-                out.add(name)
+                out.add((name, at))
                 break
             view = next((op for op in _VIEW_OPS if op in text), None)
             if view is None:

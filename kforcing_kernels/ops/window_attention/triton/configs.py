@@ -28,7 +28,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # on an H100, fwd 424 vs 356 and 414 vs 311 TFLOP/s, fwd+bwd 150 vs 138 and 146 vs 127 (--slot-window-max 0).
 # "hopper" is the sm_90+ D=64 set (the paper backbone's head dim): 64-key dK/dV programs, so every product
 # is a 64-row wgmma (32-key programs fall back to mma_v2); under Triton 3.6 they spill on sm_80, where
-# "base" keeps 32-key programs. Since 0.4 the wide set steps 32 rows (the pipelined kernel compiles clean).
+# "base" keeps 32-key programs. The wide set now steps 32 rows (the pipelined dK/dV kernel compiles clean).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
@@ -54,7 +54,7 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # The first entry of each list is the default (`aot_report --defaults`, the CI test) and what runs
 # without timing (KFORCING_TRITON_AUTOTUNE=0, or by default under torch.distributed); on sm_90a the
 # defaults of fwd, dq, dkdv and bwd are software-pipelined (3 stages) with wgmma. Pruned by that
-# measurement (0.4 kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
+# measurement (pipelined kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
 # base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
 # 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set). Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
