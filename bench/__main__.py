@@ -17,6 +17,7 @@ COMMANDS = {
     "allocation": ("demo_allocation", "the demo's training budget split between stages, variants trained side by side"),
     "validate": ("schema", "check attention JSON reports against their schema"),
     "report": ("report", "reprint an attention JSON report and redraw its plots"),
+    "host-cost": ("triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
 }
 
 

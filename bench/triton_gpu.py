@@ -11,8 +11,8 @@ before timing, so compilation and autotuning are not timed. Useful FLOPs count o
 attended pairs |M| (``layout.num_pairs()``): forward 4 |M| D per (batch, head), forward +
 backward 3.5x that (FlashAttention-2's convention). Methods, bf16, same q/k/v:
 
-* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` adds runs with the
-  tile set forced: ``triton[base]``, ``triton[wide]``);
+* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` / ``--triton-backward`` add
+  runs with the tile set or the backward kernels forced: ``triton[wide]``, ``triton[legacy]``);
 * ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128);
 * ``sdpa_flash_causal``: torch SDPA, flash kernel forced, causal over L' tokens with
   L'(L'+1)/2 ~ |M|: the same useful work at autoregressive-attention efficiency (the FA2 anchor);
@@ -37,7 +37,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 
 from . import attention
 from ._cli import write_json
@@ -78,26 +77,26 @@ def time_ms(fn) -> float:
 
 
 @contextlib.contextmanager
-def _tiles_env(tiles: str):
-    old = os.environ.get("KFORCING_TRITON_TILES")
-    if tiles != "auto":
-        os.environ["KFORCING_TRITON_TILES"] = tiles
+def _triton_env(tiles: str = "auto", backward: str = "fused"):
+    """KFORCING_TRITON_TILES / _BACKWARD for the duration ("auto" / "fused": the dispatcher's own)."""
+    want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles,
+            "KFORCING_TRITON_BACKWARD": None if backward == "fused" else backward}
+    old = {name: os.environ.pop(name, None) for name in want}
+    os.environ.update({name: value for name, value in want.items() if value})
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("KFORCING_TRITON_TILES", None)
-        else:
-            os.environ["KFORCING_TRITON_TILES"] = old
+        os.environ.update({name: value for name, value in old.items() if value is not None})
+        for name in [n for n, value in old.items() if value is None]:
+            os.environ.pop(name, None)
 
 
 _WIDE_DKDV_DEFAULT: list = []  # [(tiles, configs)] of the shipped wide D=128 set, saved on first use
 
 
 def _use_wide_dkdv(spec: str | None) -> None:
-    """Make the "wide" D=128 set's dK/dV tiles and configs ``spec`` (KEYS:STEP:W.S[,W.S...]: keys per
-    program, query rows per step, the autotuned (warps, stages)), or the shipped ones for None. The
-    swap stays until the next call with another spec, so a timed loop autotunes once."""
+    """Make the "wide" D=128 set's dK/dV tiles and configs ``spec`` (KEYS:STEP:W.S[,W.S...]: keys per program,
+    rows per step, autotuned (warps, stages)), or the shipped ones for None, until the next other spec."""
     import dataclasses
 
     from kforcing_kernels.ops.window_attention.triton import launch as tk  # its tables are configs.py's
@@ -122,17 +121,19 @@ def _methods(layout, q, kk, v, args, extras):
 
         def tri_dkdv(spec=spec):
             _use_wide_dkdv(spec)
-            with _tiles_env("wide"):
+            with _triton_env("wide"):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[f"triton[dkdv {spec}]"] = (tri_dkdv, (q, kk, v), pairs)
-    for tiles in args.triton_tiles if "triton" in args.methods else ():
-        name = "triton" if tiles == "auto" else f"triton[{tiles}]"
+    runs = [(t, b) for t in args.triton_tiles for b in args.triton_backward] if "triton" in args.methods else []
+    for tiles, backward in runs:
+        tags = [x for x in (tiles, backward) if x not in ("auto", "fused")]
+        name = f"triton[{' '.join(tags)}]" if tags else "triton"
 
-        def tri(tiles=tiles):
+        def tri(tiles=tiles, backward=backward):
             if args.wide_dkdv:
                 _use_wide_dkdv(None)
-            with _tiles_env(tiles):
+            with _triton_env(tiles, backward):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[name] = (tri, (q, kk, v), pairs)
@@ -329,6 +330,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
+    p.add_argument("--triton-backward", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
+                   help="dQ/dK-dV kernels for triton: one launch, two, or the first-generation kernels (old-vs-new rows)")
     p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")

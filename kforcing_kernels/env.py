@@ -7,7 +7,11 @@
                             the extension reads it too (csrc/dispatch.cpp)
 ``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
                             unset: tune, except under torch.distributed with more than one rank
-``KFORCING_TRITON_TILES``   Triton: force a tile set (``base`` or ``wide``) where it applies
+``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper`` or ``wide``) where it applies
+``KFORCING_TRITON_BACKWARD`` Triton: dQ and dK/dV in one launch (``fused``, default), two (``split``), or the
+                            first-generation kernels (``legacy``), for A/B runs
+``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
+                            binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
                             in its interpreter on CPU tensors
 ``KFORCING_CACHE``          the app's cache folder (tokenizers, token arrays); default ``~/.cache/kforcing_kernels``
@@ -48,6 +52,15 @@ def triton_autotune() -> Optional[str]:
 
 def triton_tiles() -> Optional[str]:
     return _get("KFORCING_TRITON_TILES")
+
+
+def triton_backward() -> Optional[str]:
+    return _get("KFORCING_TRITON_BACKWARD")
+
+
+def triton_direct_launch() -> Optional[str]:
+    """The raw value, None when unset or empty (the caller reports anything but ``0``/``1``)."""
+    return _get("KFORCING_TRITON_DIRECT_LAUNCH")
 
 
 def triton_interpret() -> bool:

@@ -61,6 +61,32 @@ def test_tune_key_separates_what_changes_the_best_config():
     assert launch._resolve_tiles(configs.TILE_SETS["base"][128], q)[1] == "base"
 
 
+def test_backward_variant_switch(monkeypatch):
+    """KFORCING_TRITON_BACKWARD picks the dQ/dK-dV kernels and, for legacy, its own dK/dV tiles."""
+    q = torch.empty(1, 2, 300, 64, device="meta")
+    monkeypatch.delenv("KFORCING_TRITON_BACKWARD", raising=False)
+    assert configs.backward_variant() == "fused"
+    assert launch._resolve_tiles(configs.TILE_SETS["hopper"][64], q) == (configs.TILE_SETS["hopper"][64], "hopper")
+    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", "legacy")
+    assert launch._resolve_tiles(None, q) == (configs.LEGACY_TILE_SETS["base"][64], "base")
+    assert configs.LEGACY_TILE_SETS["hopper"][64].block_n_dkdv == 32 < configs.TILE_SETS["hopper"][64].block_n_dkdv
+    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", "fast")
+    with pytest.raises(ValueError, match="KFORCING_TRITON_BACKWARD"):
+        configs.backward_variant()
+
+
+def test_hopper_set_is_the_sm90_choice_at_d64(monkeypatch):
+    monkeypatch.delenv("KFORCING_TRITON_TILES", raising=False)
+    monkeypatch.setattr(configs, "_capability", lambda device: (9, 0) if device.index == 0 else (8, 0))
+    hopper, ampere = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert configs.tile_set_for(64, 1024, hopper) == "hopper"
+    assert configs.tile_set_for(64, 1024, ampere) == configs.tile_set_for(64, 1024) == "base"
+    assert configs.tile_set_for(128, 1024, hopper) == "base" and configs.tile_set_for(128, 4096, hopper) == "wide"
+    assert configs.dispatched_by_default("hopper", 64, 9) and not configs.dispatched_by_default("base", 64, 9)
+    assert configs.dispatched_by_default("base", 64, 8) and not configs.dispatched_by_default("hopper", 64, 8)
+    assert configs.dispatched_by_default("base", 128, 9) and configs.dispatched_by_default("base", 32, 9)
+
+
 @pytest.mark.skipif(launch.interpreting(), reason="builds compiled-mode autotuners")
 def test_autotuner_per_key_with_the_tables_configs(env):
     key = ("wide", 128, 8192, "slot-causal")

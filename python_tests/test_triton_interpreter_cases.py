@@ -23,7 +23,9 @@ pytest.importorskip("triton")
 from conftest import make_qkv  # noqa: E402
 from kforcing_kernels import WindowLayout, window_attention  # noqa: E402
 from kforcing_kernels.ops.window_attention import reference  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS  # noqa: E402
 from kforcing_kernels.ops.window_attention.triton.plan import DEFAULT_TILES, Tiles, tile_plan  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton.steps import step_plan  # noqa: E402
 
 SMALL = Tiles(16, 16, 16, 16)
 MID = Tiles(32, 32, 16, 32)
@@ -57,8 +59,12 @@ def _cases():
         batch, heads, kv_heads = ((1, 2, 2), (1, 2, 1), (2, 1, 1))[i % 3]
         if layout.batch_size:
             batch = layout.batch_size
-        cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads,
-                                  id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}"))
+        if tiles.block_n_dkdv > 32 and d == 32:
+            d = 64  # wide dK/dV tiles are the D >= 64 sets' (they are never dispatched at D = 32)
+        # Every case runs the default (fused) backward; every third also the split and the legacy one.
+        for variant in ("fused", "split", "legacy")[: 1 + 2 * (i % 3 == 0)]:
+            cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads, variant,
+                                      id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}-{variant}"))
 
     # (N, k, tiles): every k at small N, a few at larger N (slot steps are the interpreter's slow part,
     # so long windows get larger slot blocks).
@@ -85,6 +91,14 @@ def _cases():
     add("sbd-N64-b3-stepped", WindowLayout.sbd(64, 3), STEPPED)
     add("ptp-batched-stepped", WindowLayout.ptp(33, [[0, 12, 33], [7, 7, 30]], 5, [[0, 3, 20], [0, 7, 1]]), STEPPED)
     add("causal-N130-stepped", WindowLayout.causal(130), Tiles(64, 64, 64, 32, block_m_dkdv=16))
+    # The shipped D=64 and wide tiles (64 / 128-key dK/dV programs; 32-row steps in the wide set).
+    add("single-N130-k4-base64", WindowLayout.kforcing_single(130, 4), TILE_SETS["base"][64])
+    add("double-N70-k2-base64", WindowLayout.kforcing_double(70, 2), TILE_SETS["base"][64])
+    add("causal-N200-wide", WindowLayout.causal(200), TILE_SETS["wide"][128])
+    add("double-N40-k8-wide", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide"][128])
+    add("packed-single-base64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]), TILE_SETS["base"][64])
+    add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
+        TILE_SETS["wide"][128])
     general = {
         "empty-ranges": WindowLayout(12, 5, 3, [0, 4, 4, 0, 7], [0, 9, 4, 12, 7], last_window_size=2),
         "full-streams": WindowLayout(9, 4, 6, [0, 2, 3, 1], [3, 5, 9, 9], intra="full", queries="windows", n_streams=2),
@@ -104,15 +118,18 @@ def _reference(q, k, v, dout, layout, scale):
     return out, lse, grads
 
 
-def _expected_counts(plan, batch, heads):
+def _expected_counts(plan, layout, variant, batch, heads):
     per_bh = plan.tile_products().sum() * (heads if plan.bounds.shape[0] > 1 else batch * heads)
     slot = plan.slot_steps() * batch * heads
-    dkdv = plan.dkdv_tile_products().sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
+    # Fused / split: one count per (key tile, row step, head); legacy: per (key tile, query tile, head).
+    per_b = plan.dkdv_tile_products() if variant == "legacy" else step_plan(layout, plan).products()
+    dkdv = per_b.sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
     return [int(per_bh), slot, int(per_bh), 2 * slot, int(dkdv)]
 
 
-@pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads", _cases())
-def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_heads):
+@pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads, variant", _cases())
+def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch, heads, kv_heads, variant):
+    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", variant)
     q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype,
                        requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
@@ -129,7 +146,8 @@ def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_he
         assert t.dtype == (torch.float32 if name == "lse" else dtype)
         torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m: f"{name}: {m}")
     plan = tile_plan(layout, tiles)
-    assert counters.tolist() == _expected_counts(plan, batch, heads), dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
+    assert counters.tolist() == _expected_counts(plan, layout, variant, batch, heads), \
+        dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
 
 
 # ---------------------------------------------------------------------- work accounting at the contract's shape

@@ -3,15 +3,24 @@
     python -m kforcing_kernels.tools.aot_report              # every config the dispatcher can choose
     python -m kforcing_kernels.tools.aot_report --defaults   # only each kernel's default config
     python -m kforcing_kernels.tools.aot_report --all        # every candidate (to re-prune KERNEL_CONFIGS)
+    python -m kforcing_kernels.tools.aot_report --defaults --no-require-hopper   # resources only
 
 For each (target, kernel, tile set, head dim, dtype, num_warps, num_stages) this runs
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 80|90, 32))`` (Triton builds
 capability 90 for sm_90a) and reads
 the cubin's registers, stack (spill frame), local and shared memory with the
 ``cuobjdump --dump-resource-usage`` that ships with Triton. Dynamic shared memory
-comes from the compiled kernel's metadata. It prints one table and exits 1 if a
-config the dispatcher can choose spills (STACK or LOCAL > 0) or needs more shared
-memory than the target has; 2 if Triton's ptxas/cuobjdump are missing.
+comes from the compiled kernel's metadata. From the TTGIR (tools/ttgir.py, which defines both):
+``wgmma``, the number of ``ttng.warp_group_dot`` ops (Hopper warpgroup MMA; ``dots`` counts every
+matrix product, so wgmma < dots means some fell back to mma_v2), and ``depth``, the software-
+pipelining depth of the main loop (S when its loads are issued S - 1 iterations ahead, 0 when they
+are synchronous, "-" without a dot-bearing loop).
+
+It prints one table and exits 1 if a config the dispatcher can choose spills (STACK or LOCAL > 0)
+or needs more shared memory than the target has, or, with ``--require-hopper`` (on by default with
+``--defaults``), if a default config (the first of its list, what runs without autotuning) of a
+main kernel (``main_kernels()``: fwd, dq, dkdv and any new kernel not in AUXILIARY_KERNELS) has
+no wgmma or a main loop of depth 0 on sm_90a; 2 if Triton's ptxas/cuobjdump are missing.
 """
 
 from __future__ import annotations
@@ -27,7 +36,12 @@ import tempfile
 import warnings
 from typing import Optional
 
+from . import ttgir
+
 TARGETS = (80, 90)
+# Kernels that only feed the main ones (slot steps, the backward's delta) and the paged decode kernel:
+# not held to the Hopper check. Every other name in launch.KERNELS is a main kernel.
+AUXILIARY_KERNELS = ("slot_fwd", "slot_bwd", "delta", "paged")
 # Max dynamic shared memory per block (bytes): A100 / H100.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 DTYPES = ("fp16", "bf16")
@@ -43,6 +57,7 @@ class Job:
     num_warps: int
     num_stages: int
     chosen: bool  # in KERNEL_CONFIGS, i.e. the dispatcher can pick it
+    default: bool = False  # the first entry of its KERNEL_CONFIGS list: what runs without autotuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +69,9 @@ class Row:
     shared: int  # dynamic, from Triton's metadata
     static_shared: int
     error: Optional[str] = None
+    wgmma: int = 0  # ttng.warp_group_dot ops in the TTGIR (tools/ttgir.py)
+    dots: int = 0  # every matrix-product op in the TTGIR (wgmma + tt.dot)
+    depth: Optional[int] = None  # the main loop's software-pipelining depth; None: no dot-bearing loop
 
     @property
     def spills(self) -> int:
@@ -62,6 +80,17 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.error is None and self.spills == 0 and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch]
+
+    def hopper_problems(self) -> list[str]:
+        """Why this config is not Hopper-grade (wgmma and a pipelined main loop), empty if it is."""
+        if self.error is not None:
+            return [f"does not compile ({self.error})"]
+        problems = []
+        if self.wgmma == 0:
+            problems.append(f"no wgmma (0 of {self.dots} dots)")
+        if not self.depth:
+            problems.append("main loop not pipelined (depth 0)" if self.depth == 0 else "no main loop with a dot")
+        return problems
 
 
 def tools_missing() -> Optional[str]:
@@ -152,9 +181,16 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
         return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
         return dict(BLOCK_M=configs.DELTA_BLOCK, HEAD_DIM=head_dim)
-    if kernel == "dkdv":
+    if kernel == "dkdv_legacy":
+        tiles = configs.LEGACY_TILE_SETS[tile_set][head_dim]
         return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
                     HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "bwd":
+        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, HEAD_DIM=head_dim, INSTRUMENT=False)
+    if kernel == "dkdv":
+        return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
+                    INSTRUMENT=False)
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
 
@@ -188,7 +224,9 @@ def compile_one(job: Job) -> Row:
     if match is None:
         return Row(job, 0, 0, 0, 0, 0, error=f"cannot parse cuobjdump output: {dump[:200]!r}")
     reg, stack, static_shared, local = (int(x) for x in match.groups())
-    return Row(job, reg, stack, local, int(compiled.metadata.shared), static_shared)
+    wgmma, dots = ttgir.dot_counts(compiled.asm["ttgir"])
+    return Row(job, reg, stack, local, int(compiled.metadata.shared), static_shared, wgmma=wgmma, dots=dots,
+               depth=ttgir.main_loop_depth(compiled.asm["ttgir"]))
 
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
@@ -214,11 +252,11 @@ def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=T
                         what = (arch, name, tuple(sorted(_constexprs(name, d, tile_set).items())), dtype, w, s)
                         if what not in seen:
                             seen.add(what)
-                            out.append(Job(arch, name, tile_set, d, dtype, w, s, (w, s) in chosen))
+                            out.append(Job(arch, name, tile_set, d, dtype, w, s, (w, s) in chosen, (w, s) == chosen[0]))
         if kernels_subset is None or PAGED in kernels_subset:
             for d in PAGED_HEAD_DIMS:
                 if not head_dims or d in head_dims:
-                    out += [Job(arch, PAGED, "-", d, dtype, *PAGED_CONFIG, True) for dtype in dtypes]
+                    out += [Job(arch, PAGED, "-", d, dtype, *PAGED_CONFIG, True, True) for dtype in dtypes]
     return out
 
 
@@ -229,15 +267,44 @@ def run(job_list: list[Job], workers: int = 1) -> list[Row]:
         return list(pool.map(compile_one, job_list))
 
 
+def main_kernels() -> tuple[str, ...]:
+    """The kernels that carry the attention math (fwd, dq, dkdv and any kernel added since, such as the
+    fused backward): every kernel in KERNELS but the auxiliary ones and the legacy ones kept for A/B
+    runs (``*_legacy``, KFORCING_TRITON_BACKWARD=legacy). These must be Hopper-grade."""
+    from ..ops.window_attention.triton import launch
+
+    return tuple(name for name in launch.KERNELS if name not in AUXILIARY_KERNELS and not name.endswith("_legacy"))
+
+
+# The head dims the Hopper standard covers: the paper backbone's 64 and 128 (D = 32 is reported, not held to it).
+HOPPER_HEAD_DIMS = (64, 128)
+
+
+def hopper_failures(rows: list[Row], count: bool = False):
+    """Default sm_90a configs of the main kernels without wgmma or without a pipelined main loop, for the tile
+    sets the dispatcher picks there unforced (``configs.dispatched_by_default``) at D in HOPPER_HEAD_DIMS
+    (``count``: also how many configs were checked)."""
+    from ..ops.window_attention.triton import configs
+
+    main = set(main_kernels())
+    checked = [r for r in rows if r.job.arch >= 90 and r.job.default and r.job.kernel in main
+               and r.job.head_dim in HOPPER_HEAD_DIMS
+               and configs.dispatched_by_default(r.job.tile_set, r.job.head_dim, r.job.arch // 10)]
+    failures = [(r, r.hopper_problems()) for r in checked if r.hopper_problems()]
+    return (failures, len(checked)) if count else failures
+
+
 def format_table(rows: list[Row]) -> str:
-    header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit", "chosen", "status")
+    header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit",
+              "wgmma", "dots", "depth", "chosen", "status")
     lines = [header]
     for r in rows:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
         lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
                       str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
-                      "yes" if j.chosen else "no", status))
+                      str(r.wgmma), str(r.dots), "-" if r.depth is None else str(r.depth),
+                      "default" if j.default else ("yes" if j.chosen else "no"), status))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -253,6 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="*", help="subset of kernels")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
+    parser.add_argument("--require-hopper", action=argparse.BooleanOptionalAction, default=None,
+                        help="fail when a default sm_90a config of a main kernel has no wgmma or no pipelined main "
+                             "loop (default: on with --defaults)")
     args = parser.parse_args(argv)
     missing = tools_missing()
     if missing:
@@ -265,7 +335,16 @@ def main(argv=None) -> int:
     print(format_table(rows))
     bad = [r for r in rows if r.job.chosen and not r.ok]
     print(f"\n{len(rows)} compiles; {len(bad)} chosen configs spill, overflow shared memory or fail to compile")
-    return 1 if bad else 0
+    require_hopper = args.require_hopper if args.require_hopper is not None else args.scope == "defaults"
+    failures, checked = hopper_failures(rows, count=True) if require_hopper else ([], 0)
+    if require_hopper:
+        print(f"Hopper check (main kernels {', '.join(main_kernels())}; default configs of the sets sm_90a dispatches, "
+              f"D in {HOPPER_HEAD_DIMS}): {checked - len(failures)} of {checked} have wgmma and a pipelined main loop")
+        for r, problems in failures:
+            j = r.job
+            print(f"  NOT HOPPER-GRADE: {j.kernel} {j.tile_set} D={j.head_dim} {j.dtype} "
+                  f"({j.num_warps} warps, {j.num_stages} stages): {'; '.join(problems)}")
+    return 1 if bad or failures else 0
 
 
 if __name__ == "__main__":

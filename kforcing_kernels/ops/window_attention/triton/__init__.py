@@ -10,6 +10,7 @@ when asked (``available``, ``kernels``), so the backend reports its absence.
     plan.py           tile shapes (Tiles), the tile plan of a layout, its device copies
     configs.py        tile sets, per-kernel (warps, stages) tables, the tile set and autotune choices
     launch.py         autotuned launchers: attention_forward / attention_backward
+    direct.py         steady-state launches of the cached compiled kernel (no autotuner, no JIT binding)
     jit_common.py     @triton.jit helpers shared by the kernels, their argument roles
     jit_forward.py    @triton.jit forward kernels (slot steps, tile products)
     jit_backward.py   @triton.jit backward kernels (delta, slot steps, dQ, dK/dV)

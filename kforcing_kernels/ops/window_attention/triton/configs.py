@@ -26,33 +26,55 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs). Its windows of 5..16 slots take tile
 # products instead of slot steps: at w = 8 and 16 (single / double k=8, N=8192) in-tile beat slot steps
 # on an H100, fwd 424 vs 356 and 414 vs 311 TFLOP/s, fwd+bwd 150 vs 138 and 146 vs 127 (--slot-window-max 0).
+# "hopper" is the sm_90+ D=64 set (the paper backbone's head dim): 64-key dK/dV programs, so every product
+# is a 64-row wgmma (32-key programs fall back to mma_v2); under Triton 3.6 they spill on sm_80, where
+# "base" keeps 32-key programs. The wide set now steps 32 rows (the pipelined dK/dV kernel compiles clean).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "hopper": {64: Tiles(64, 64, 64, 64)},
+    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4)},
+}
+# The tiles of the legacy backward (KFORCING_TRITON_BACKWARD=legacy): forward tiles as above, the dK/dV
+# tiles it was tuned with (32-key programs at D <= 64: no wgmma; 16-row steps in the wide set).
+LEGACY_TILE_SETS: dict[str, dict[int, Tiles]] = {
+    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "hopper": {64: DEFAULT_TILES},
     "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
 }
+# dQ + dK/dV in one launch (default), in two, or the first-generation kernels (KFORCING_TRITON_BACKWARD).
+BACKWARD_VARIANTS = ("fused", "split", "legacy")
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
 # Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
 # for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
-TILE_SET_MIN_CAPABILITY = {"base": 0, "wide": 9}
+TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
-# and within shared memory on sm_80 and sm_90a ("wide": sm_90a only) in fp16 and bf16 under both ends of
-# the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources"). Pruned
-# by that measurement: under 3.6, fwd D=128 4 warps, dq D=64 2-3 stages, dkdv D=32 (4, 2), slot_bwd
-# D=32 4 warps and every base dkdv D=128 config but (8, 1) spill; wide dkdv (128 keys, 16-row steps) compiles
-# clean at (8, 1) and (8, 2). The first entry of each list is the
-# default (`aot_report --defaults`, the CI test) and what runs without timing (KFORCING_TRITON_AUTOTUNE=0,
-# or by default under torch.distributed); H100-class entries (8 warps, 3 stages) lead the D=128 lists.
+# and within shared memory on sm_80 and sm_90a ("hopper", "wide": sm_90a only) in fp16 and bf16 under both
+# ends of the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources").
+# The first entry of each list is the default (`aot_report --defaults`, the CI test) and what runs
+# without timing (KFORCING_TRITON_AUTOTUNE=0, or by default under torch.distributed); on sm_90a the
+# defaults of fwd, dq, dkdv and bwd are software-pipelined (3 stages) with wgmma. Pruned by that
+# measurement (pipelined kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
+# base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
+# 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set). Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
 _SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
 KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
     "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
+            ("hopper", 64): [(4, 3), (4, 2), (8, 3)],
             ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)],
+    "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3), (4, 2)],
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
-             ("base", 128): [(8, 1)], ("wide", 128): [(8, 2), (8, 1)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1)],
+             ("hopper", 64): [(8, 3), (4, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
+    "bwd": {("base", 32): [(4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 1)], ("hopper", 64): [(4, 3), (8, 3)],
+            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
+    "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
+                  ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
+    "dkdv_legacy": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
+                    ("hopper", 64): [(4, 2), (8, 2), (4, 1), (4, 3)], ("base", 128): [(8, 1)],
+                    ("wide", 128): [(8, 2), (8, 1)]},
     # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
     "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
     "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
@@ -87,6 +109,14 @@ def autotune_enabled() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
+def backward_variant() -> str:
+    """Which dQ / dK/dV kernels run (KFORCING_TRITON_BACKWARD): ``fused`` (default), ``split`` or ``legacy``."""
+    value = env.triton_backward() or "fused"
+    if value not in BACKWARD_VARIANTS:
+        raise ValueError(f"KFORCING_TRITON_BACKWARD: expected one of {BACKWARD_VARIANTS}, got {value!r}")
+    return value
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q: the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -108,8 +138,9 @@ def _capability(device: Optional[torch.device]) -> tuple[int, int]:
 def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
     """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
 
-    KFORCING_TRITON_TILES=base|wide forces a set where it applies (head dims it has no tiles for, and
-    CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base").
+    KFORCING_TRITON_TILES=base|hopper|wide forces a set where it applies (head dims it has no tiles for,
+    and CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base"). Unforced, CUDA sm_90+ takes "wide"
+    for long D=128 heads and "hopper" where it has tiles; everything else (and the interpreter) "base".
     """
     check_head_dim(head_dim)
     forced = env.triton_tiles()
@@ -122,7 +153,19 @@ def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = 
 
     if forced:
         return forced if fits(forced) else "base"
-    return "wide" if rows >= WIDE_MIN_ROWS and cuda and fits("wide") else "base"
+    if cuda and rows >= WIDE_MIN_ROWS and fits("wide"):
+        return "wide"
+    return "hopper" if cuda and fits("hopper") else "base"
+
+
+def dispatched_by_default(tile_set: str, head_dim: int, capability_major: int) -> bool:
+    """Whether ``tile_set_for`` (nothing forced) picks ``tile_set`` for ``head_dim`` on some shape of a device
+    of this capability: the sets whose defaults the AOT report holds to that target's standard."""
+    if head_dim not in TILE_SETS[tile_set] or capability_major < TILE_SET_MIN_CAPABILITY[tile_set]:
+        return False
+    if tile_set == "base" and capability_major >= TILE_SET_MIN_CAPABILITY["hopper"]:
+        return head_dim not in TILE_SETS["hopper"]
+    return True
 
 
 def tiles_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> Tiles:

@@ -4,10 +4,15 @@
 * ``_slot_bwd_kernel`` (small windows only): per (batch x kv head, block of
   windows): the window keys' dK/dV (complete: only their own window sees them)
   and the intra-window part of dQ.
-* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the slot part.
-* ``_dkdv_kernel``: one program per (batch x kv head, key tile) over the
-  transposed plan (the query tiles that see the key tile) for every query head
-  of its GQA group, so dK/dV need no atomics.
+* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the slot part. Per interval
+  three key loops, masked / full / masked (``plan.bounds``' full run in the middle), so the
+  full tiles carry no mask arithmetic and each loop is software-pipelined on its own.
+* ``_dkdv_kernel``: one program per (batch x kv head, key tile) over one flattened list of
+  query-row steps that see the key tile (``steps.py``), full steps first: two flat loops
+  over (step, head of the GQA group) that Triton pipelines (the previous kernel nested a
+  runtime step loop and a runtime group loop, and only the innermost, group loop, was
+  pipelined: ``jit_backward_legacy.py``). dK/dV need no atomics.
+* ``_bwd_kernel``: both in one launch, programs split by id (FlexAttention's backward does the same).
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import triton
 import triton.language as tl
 
 from .jit_common import _kernel, _lse2_for_grad, _row_interval, _sees, _slot_block
-
 
 
 @_kernel
@@ -103,20 +107,51 @@ def _slot_bwd_kernel(
     tl.store(DV + kv_own, dv.to(DV.dtype.element_ty), mask=ok[:, None])
 
 
-@_kernel
-def _dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, DQPart,
+
+
+@triton.jit
+def _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, t_begin, t_end, lo, hi, n_keys, stride_kn,
+                  qk_scale, Counters, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, INSTRUMENT: tl.constexpr):
+    """dQ += the key tiles ``[t_begin, t_end)`` of one interval (BLOCK_N keys each from ``key_start``).
+
+    Full tiles (``MASKED`` False) lie inside every row's interval and so inside the keys: no load
+    mask and no mask arithmetic."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in range(t_begin, t_end):
+        start = key_start + t * BLOCK_N
+        keys = start + offs_n
+        if MASKED:
+            in_range = (keys < n_keys)[:, None]
+            k = tl.load(K + kv_tile0 + start * stride_kn, mask=in_range, other=0.0)
+            v = tl.load(V + kv_tile0 + start * stride_kn, mask=in_range, other=0.0)
+        else:
+            k = tl.load(K + kv_tile0 + start * stride_kn)
+            v = tl.load(V + kv_tile0 + start * stride_kn)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where((keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 2, 1)
+    return dq
+
+
+@triton.jit
+def _dq_program(
+    pid_bh, tile_rank, Q, K, V, DOut, Lse, Delta, DQ, DQPart,
     QueryTiles, Bounds, Order, RowIv, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
     bounds_bstride, iv_bstride,
     n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
+    """dQ of query tile ``Order[tile_rank]`` of (batch x head) ``pid_bh``."""
+    pid_bh = pid_bh.to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     kvh = h // kv_group
-    tile = tl.load(Order + tl.program_id(1))
+    tile = tl.load(Order + tile_rank)
     q_start = tl.load(QueryTiles + tile * 3)
     q_len = tl.load(QueryTiles + tile * 3 + 1)
     seeded = tl.load(QueryTiles + tile * 3 + 2)
@@ -130,11 +165,10 @@ def _dq_kernel(
     q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
+    # Padding rows: do = 0 and delta = 0 make ds = 0 there whatever p is.
     lse2 = _lse2_for_grad(tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0))
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0)
     kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    k_tile0 = K + kv_tile0
-    v_tile0 = V + kv_tile0
 
     if seeded != 0:
         wrow = rows + query_offset - n_ctx
@@ -150,72 +184,73 @@ def _dq_kernel(
         full_begin = tl.load(bounds + interval * 4 + 2)
         full_end = tl.load(bounds + interval * 4 + 3)
         lo, hi = _row_interval(RowIv, iv_base, rows, ok, interval, n_iv)
-        for t in range(0, n_tiles):
-            start = key_start + t * BLOCK_N
-            keys = start + offs_n
-            in_range = (keys < n_keys)[:, None]
-            k = tl.load(k_tile0 + start * stride_kn, mask=in_range, other=0.0)
-            v = tl.load(v_tile0 + start * stride_kn, mask=in_range, other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
-            if (t < full_begin) | (t >= full_end):
-                p = tl.where((keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]), p, 0.0)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-            if INSTRUMENT:
-                tl.atomic_add(Counters + 2, 1)
+        # Key tiles in ascending order, as one masked loop would visit them (same sums, same bits).
+        dq = _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, 0, full_begin, lo, hi, n_keys,
+                           stride_kn, qk_scale, Counters, BLOCK_N, True, INSTRUMENT)
+        dq = _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, full_begin, full_end, lo, hi, n_keys,
+                           stride_kn, qk_scale, Counters, BLOCK_N, False, INSTRUMENT)
+        dq = _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, full_end, n_tiles, lo, hi, n_keys,
+                           stride_kn, qk_scale, Counters, BLOCK_N, True, INSTRUMENT)
 
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
-def _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base, q_start, q_len, interval,
-               full, kvh, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale, BLOCK_M_STEP: tl.constexpr):
-    """dK/dV of one key block from query rows [q_start, q_start + min(q_len, BLOCK_M_STEP)) of every head of kvh's group."""
+def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, i_begin, i_end, head0,
+                q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
+                BLOCK_M_STEP: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                INSTRUMENT: tl.constexpr):
+    """dK/dV of one key block += the flattened (step, head) items ``[i_begin, i_end)``: item i is
+    query-row step ``i // kv_group`` of ``StepEntries`` (row start, rows, interval) for head
+    ``head0 + i % kv_group``. One loop with no inner loop, so Triton pipelines its loads."""
     offs_m = tl.arange(0, BLOCK_M_STEP)
-    ok = offs_m < q_len
-    lo, hi = _row_interval(RowIv, iv_base, q_start + offs_m, ok, interval, n_iv)
-    for g in range(0, kv_group):
-        h = kvh * kv_group + g
-        q_off = q_tile0 + h * stride_qh + q_start * stride_qm
+    offs_d = tl.arange(0, HEAD_DIM)
+    for i in range(i_begin, i_end):
+        e = i // kv_group
+        head = head0 + (i - e * kv_group)
+        row0 = tl.load(StepEntries + e * 3)
+        n_rows = tl.load(StepEntries + e * 3 + 1)
+        rows = row0 + offs_m
+        ok = offs_m < n_rows
+        q_off = q_batch + head * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
         q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
         do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
-        l_off = l_tile0 + h * stride_lh + q_start
-        # Padding rows: lse = inf makes p = 0 there, also on full entries.
+        l_off = l_batch + head * stride_lh + rows
+        # Padding rows: lse = inf makes p = 0 there, also in full steps.
         lse2 = _lse2_for_grad(tl.load(Lse + l_off, mask=ok, other=float("inf")))
         delta = tl.load(Delta + l_off, mask=ok, other=0.0)
         p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M_STEP]
-        if full == 0:
+        if MASKED:
+            lo, hi = _row_interval(RowIv, iv_base, rows, ok, tl.load(StepEntries + e * 3 + 2), n_iv)
             p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds.to(q.dtype), q)
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 4, 1)
     return dk, dv
 
 
-@_kernel
-def _dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
-    QueryTiles, KeyTiles, KeyPtr, KeyEntries, KeyOrder, RowIv, Counters,
+@triton.jit
+def _dkdv_program(
+    pid_bh, tile_rank, Q, K, V, DOut, Lse, Delta, DK, DV,
+    KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-    keyptr_bstride, iv_bstride,
+    stepptr_bstride, iv_bstride,
     n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INSTRUMENT: tl.constexpr,
+    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    # One program owns BLOCK_N keys and walks the plan's entries (query tile, interval) that see
-    # them; each BLOCK_M-row query tile is read in steps of BLOCK_M_STEP rows, so the key block
-    # (the reuse factor of every q/dO byte read) is not bounded by the query tile's registers.
-    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
+    """dK/dV of key tile ``StepOrder[tile_rank]`` of (batch x kv head) ``pid_bh``: BLOCK_N keys, whose
+    steps StepPtr gives as [begin, first masked, end)."""
+    pid_bh = pid_bh.to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_kv_heads
     kvh = pid_bh % n_kv_heads
-    ktile = tl.load(KeyOrder + tl.program_id(1))
+    ktile = tl.load(StepOrder + tile_rank)
     k_start = tl.load(KeyTiles + ktile * 2)
     k_len = tl.load(KeyTiles + ktile * 2 + 1)
 
     offs_n = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M_STEP)
     offs_d = tl.arange(0, HEAD_DIM)
-    iv_base = b * iv_bstride
     cols = k_start + offs_n
     col_ok = offs_n < k_len
     kv_off = b * stride_kb + kvh * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
@@ -223,29 +258,81 @@ def _dkdv_kernel(
     v = tl.load(V + kv_off, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    q_tile0 = b * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :]
-    l_tile0 = b * stride_lb + offs_m
 
-    e_begin = tl.load(KeyPtr + b * keyptr_bstride + ktile)
-    e_end = tl.load(KeyPtr + b * keyptr_bstride + ktile + 1)
-    for e in range(e_begin, e_end):
-        qtile = tl.load(KeyEntries + e * 3)
-        interval = tl.load(KeyEntries + e * 3 + 1)
-        full = tl.load(KeyEntries + e * 3 + 2)
-        q_start = tl.load(QueryTiles + qtile * 3)
-        q_len = tl.load(QueryTiles + qtile * 3 + 1)
-        if BLOCK_M_STEP == BLOCK_M:  # one step: no loop (it would change the register allocation)
-            dk, dv = _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base, q_start,
-                                q_len, interval, full, kvh, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
-                                BLOCK_M_STEP)
-        else:
-            for r0 in range(0, q_len, BLOCK_M_STEP):
-                dk, dv = _dkdv_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l_tile0, iv_base,
-                                    q_start + r0, q_len - r0, interval, full, kvh, kv_group, stride_qh, stride_qm,
-                                    stride_lh, n_iv, qk_scale, BLOCK_M_STEP)
-        if INSTRUMENT:
-            tl.atomic_add(Counters + 4, kv_group)
+    ptr = StepPtr + b * stepptr_bstride + ktile * 3
+    begin = tl.load(ptr) * kv_group
+    first_masked = tl.load(ptr + 1) * kv_group
+    end = tl.load(ptr + 2) * kv_group
+    head0 = kvh * kv_group
+    q_batch = b * stride_qb
+    l_batch = b * stride_lb
+    iv_base = b * iv_bstride
+    dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, begin, first_masked,
+                         head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
+                         BLOCK_M_STEP, HEAD_DIM, False, INSTRUMENT)
+    dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, first_masked, end,
+                         head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
+                         BLOCK_M_STEP, HEAD_DIM, True, INSTRUMENT)
 
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
+
+@_kernel
+def _dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DQPart,
+    QueryTiles, Bounds, Order, RowIv, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    bounds_bstride, iv_bstride,
+    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    """Grid (B * H, query tiles)."""
+    _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
+                RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+                stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys, n_ctx, query_offset,
+                n_intervals, n_iv, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)
+
+
+@_kernel
+def _dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+    stepptr_bstride, iv_bstride,
+    n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
+    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    """Grid (B * Hkv, key tiles)."""
+    _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
+                  StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                  stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
+                  sm_scale, BLOCK_M_STEP, BLOCK_N, HEAD_DIM, INSTRUMENT)
+
+
+@_kernel
+def _bwd_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
+    QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    bounds_bstride, stepptr_bstride, iv_bstride,
+    n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, n_bh, n_bkv, n_dkdv_programs,
+    qk_scale, sm_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    """dQ and dK/dV in one launch (1-D grid): the first ``n_dkdv_programs`` = ``n_bkv`` x key tiles are
+    dK/dV programs (the larger share of the work, so they start first), the rest ``n_bh`` x query tiles
+    dQ programs, each kind in its own longest-first order with (batch x head) fastest. One launch
+    instead of two saves a launch's host time; the register allocation is the larger of the two."""
+    pid = tl.program_id(0)
+    if pid < n_dkdv_programs:
+        _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
+                      StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                      stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
+                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
+    else:
+        p = pid - n_dkdv_programs
+        _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
+                    RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb,
+                    stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys, n_ctx,
+                    query_offset, n_intervals, n_iv, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)

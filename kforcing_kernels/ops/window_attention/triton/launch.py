@@ -10,11 +10,15 @@ both storage orders (position-major, and the stream-major DoubleForward storage
 
 Launch order: forward ``slot_fwd`` (small windows only), ``fwd``
 (``jit_forward.py``); backward ``delta``, ``slot_bwd``, ``dq``, ``dkdv``
-(``jit_backward.py``). Launchers take contiguous ``[B, H, L, D]`` tensors. Under
+(``jit_backward.py``), where ``bwd`` is dQ and dK/dV in one launch (default;
+``KFORCING_TRITON_BACKWARD=split`` launches ``dq`` and ``dkdv`` separately, ``=legacy`` the
+first-generation ``dq_legacy``, ``dkdv_legacy`` of ``jit_backward_legacy.py`` with their own
+dK/dV tiles, for A/B runs). Launchers take contiguous ``[B, H, L, D]`` tensors. Under
 ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
 a fixed config; on a GPU each kernel is autotuned over its entries in
 ``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
-bucket, mode). The triton backend (``__init__.py``) hands this module out as
+bucket, mode); once a key has run, the compiled kernel it chose is launched
+directly (``direct.py``). The triton backend (``__init__.py``) hands this module out as
 ``kernels()``, so the names tests and tools use are re-exported here.
 """
 
@@ -26,25 +30,30 @@ from typing import Optional
 
 import torch
 import triton
+from triton.runtime import driver as _triton_driver
 
 from ....layouts import WindowLayout
-from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, SUPPORTED_HEAD_DIMS, TILE_SETS,
-                      TILES_BY_HEAD_DIM, autotune_enabled, check_head_dim, length_bucket, tile_set_for, tiles_for)
-from .jit_backward import _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
+from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
+                      TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, backward_variant, check_head_dim, length_bucket,
+                      tile_set_for, tiles_for)
+from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
+from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
+from .direct import DirectCache, direct_launch_enabled
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
-from .plan import TilePlan, Tiles, device_plan, tile_plan
+from .plan import TilePlan, Tiles, _stream_id, device_plan, tile_plan
+from .steps import device_steps, step_plan
 
 # The kernels by the names the configs, the autotune cache and the AOT report use.
 KERNELS = {
     "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
-    "dq": _dq_kernel, "dkdv": _dkdv_kernel,
+    "dq": _dq_kernel, "dkdv": _dkdv_kernel, "bwd": _bwd_kernel, "dq_legacy": _dq_legacy_kernel, "dkdv_legacy": _dkdv_legacy_kernel,
 }
 
 
 def _tuned_kernel(kernel_name: str, key: tuple):
-    """One autotuner per (kernel, tile set, head dim, length bucket, mode, autotune on/off). Triton adds
-    the tensors' dtypes to its own key, so each autotuner times its configs once per dtype."""
+    """One autotuner per (kernel, tile set, head dim, length bucket, mode, autotune on/off).
+    Triton adds the tensors' dtypes to its own key, so each autotuner times its configs once per dtype."""
     tile_set, head_dim = key[0], key[1]
     configs = KERNEL_CONFIGS[kernel_name][(tile_set, head_dim)]
     if not autotune_enabled():
@@ -55,11 +64,13 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 _tuned_lock = threading.Lock()
 _tuned: dict[tuple, object] = {}
+_direct = DirectCache()  # steady-state launches (direct.py), filled from the autotuner path's results
 
 
 def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
     """Launch under the interpreter with a fixed config, on a GPU through the autotuner for ``tune_key``
-    = (tile set, head dim, length bucket, mode); the caller holds the device guard."""
+    = (tile set, head dim, length bucket, mode) the first time a (kernel, key, constexprs, argument
+    specialisation, device) is seen, then directly (direct.py); the caller holds the device guard."""
     if grid[0] * grid[1] == 0:
         return
     if grid[1] > 65535:  # CUDA's limit on grid dimension y
@@ -67,12 +78,25 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
     if interpreting():
         KERNELS[kernel_name][grid](*args, **kwargs, num_warps=4, num_stages=1)
         return
-    key = (kernel_name, *tune_key, autotune_enabled())
+    autotune = autotune_enabled()
+    direct_key = None
+    if direct_launch_enabled():
+        signature = _direct.signature(kernel_name, KERNELS[kernel_name], args)
+        if signature is not None:
+            device = _triton_driver.active.get_current_device()
+            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
+            entry = _direct.get(direct_key)
+            if entry is not None:
+                entry(grid, args, _triton_driver.active.get_current_stream(device))
+                return
+    key = (kernel_name, *tune_key, autotune)
     with _tuned_lock:
         tuned = _tuned.get(key)
         if tuned is None:
             tuned = _tuned[key] = _tuned_kernel(kernel_name, tune_key)
-    tuned[grid](*args, **kwargs)
+    kernel = tuned[grid](*args, **kwargs)
+    if direct_key is not None:
+        _direct.remember(direct_key, KERNELS[kernel_name], kernel, len(args), kwargs)
 
 
 # ====================================================================== launchers
@@ -118,12 +142,14 @@ def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
 
 
 def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]:
-    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs."""
+    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs. The
+    legacy backward keeps its own dK/dV tiles (forward tiles are the same in both tables)."""
     d = q.shape[-1]
+    sets = LEGACY_TILE_SETS if backward_variant() == "legacy" else TILE_SETS
     if tiles is None:
         name = tile_set_for(d, q.shape[2], q.device)
-        return TILE_SETS[name][d], name
-    return tiles, next((n for n, by_d in TILE_SETS.items() if by_d.get(d) == tiles), "base")
+        return sets[name][d], name
+    return tiles, next((n for n, by_d in sets.items() if by_d.get(d) == tiles), "base")
 
 
 def _tune_key(tile_set: str, q: torch.Tensor, plan: TilePlan) -> tuple:
@@ -229,7 +255,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
 
     delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     n_rows = bsz * n_heads * lq
-    _launch("delta", (triton.cdiv(n_rows, DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
+    _launch("delta", (-(-n_rows // DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
             HEAD_DIM=d)
 
     dk = torch.empty_like(k)
@@ -244,9 +270,53 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
         BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
     )
+    variant = backward_variant()
     dq = torch.empty_like(q)
+    if variant == "legacy":
+        _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
+                         instrument)
+        return dq, dk, dv
+    st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
+    dq_sizes = (g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"])
+    if variant == "fused":
+        n_dkdv = bsz * n_kv * plan.num_key_tiles
+        _launch(
+            "bwd", (n_dkdv + bsz * n_heads * plan.num_query_tiles, 1), key,
+            q, k, v, dout, lse, delta, dq, dk, dv, dq_part,
+            pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
+            st["step_order"], pt["row_iv"], counters,
+            *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], st["stepptr_bstride"],
+            pt["iv_bstride"], n_heads, n_kv, kv_group, *dq_sizes, bsz * n_heads, bsz * n_kv, n_dkdv, scale * LOG2E,
+            scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
+            BLOCK_N_DKDV=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
+        )
+        return dq, dk, dv
     _launch(
         "dq", (bsz * n_heads, plan.num_query_tiles), key,
+        q, k, v, dout, lse, delta, dq, dq_part,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
+        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        n_heads, kv_group, *dq_sizes, scale * LOG2E, scale,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    _launch(
+        "dkdv", (bsz * n_kv, plan.num_key_tiles), key,
+        q, k, v, dout, lse, delta, dk, dv,
+        pt["key_tiles"], st["step_ptr"], st["step_entries"], st["step_order"], pt["row_iv"], counters,
+        *strides, st["stepptr_bstride"], pt["iv_bstride"],
+        n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
+        BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
+    )
+    return dq, dk, dv
+
+
+def _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
+                     instrument):
+    """The first-generation dQ and dK/dV kernels (KFORCING_TRITON_BACKWARD=legacy), for A/B runs."""
+    (bsz, n_heads, _, d), n_kv, g, tiles = q.shape, k.shape[1], plan.geometry, plan.tiles
+    kv_group = n_heads // n_kv
+    _launch(
+        "dq_legacy", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, dout, lse, delta, dq, dq_part,
         pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
         *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
@@ -254,15 +324,14 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     _launch(
-        "dkdv", (bsz * n_kv, plan.num_key_tiles), key,
+        "dkdv_legacy", (bsz * n_kv, plan.num_key_tiles), key,
         q, k, v, dout, lse, delta, dk, dv,
-        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"], counters,
-        *strides, pt["keyptr_bstride"], pt["iv_bstride"],
+        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"],
+        counters, *strides, pt["keyptr_bstride"], pt["iv_bstride"],
         n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
         BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d,
         INSTRUMENT=instrument,
     )
-    return dq, dk, dv
 
 
 __all__ = [

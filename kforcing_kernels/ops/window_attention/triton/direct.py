@@ -1,0 +1,194 @@
+"""Steady-state launches without the autotuner and the JIT's argument binding.
+
+The first launch of a kernel for a (tune key, autotune on/off, constexprs, argument specialisation,
+device) goes through ``triton.autotune`` and ``JITFunction.run``, which pick the config, bind and
+specialise the arguments, compile if needed and return the ``CompiledKernel`` they launched. Later
+launches with the same key call that kernel's launcher directly with the same arguments (in the
+kernel's parameter order), the same grid and the current stream (host time per launch:
+bench/triton_host_cost.py, BENCHMARKS.md "Triton host cost").
+
+The key holds everything Triton's choice depends on: the autotuner keys on ``HEAD_DIM`` (in the
+constexprs) and every tensor's dtype; the JIT's cache on each argument's specialisation, which
+``ArgSignature`` reproduces conservatively (tensors: dtype and 16-byte alignment; ints: 32/64-bit
+or unsigned 64-bit range, divisible by 16, equal to 1; floats and bools: their type). Any other
+argument type, a JIT pre-run hook, or a result that is not a ``CompiledKernel`` keeps the call on
+the autotuner path. Triton's debug and instrumentation knobs are read when a key is first seen
+(flipping them later in the process does not recompile on this path), and the JIT's check that the
+kernel's global constants did not change since it compiled runs on the first launch only.
+KFORCING_TRITON_DIRECT_LAUNCH=0 keeps every launch on the autotuner path (to compare, or to rule
+this path out).
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import operator
+import threading
+from typing import Optional
+
+import torch
+
+from .... import env
+
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+
+
+def direct_launch_enabled() -> bool:
+    """KFORCING_TRITON_DIRECT_LAUNCH: unset or ``1``: on; ``0``: every launch goes through the autotuner."""
+    value = env.triton_direct_launch()
+    if value is None or value == "1":
+        return True
+    if value == "0":
+        return False
+    raise ValueError(f"KFORCING_TRITON_DIRECT_LAUNCH: expected '0' or '1', got {value!r}")
+
+
+class ArgSignature:
+    """Per kernel: what Triton's specialisation of the positional arguments depends on, as a hashable
+    key at least as fine as ``native_specialize_impl``'s result, or None when an argument's type is not
+    handled here. Tensors: dtype and 16-byte alignment; ints: 32/64-bit or unsigned 64-bit range, and
+    for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
+    constexprs passed positionally: their value. Bulk checks keep the common case (every pointer
+    aligned, every int in int32, every specialised int a multiple of 16) at a few C-level passes."""
+
+    def __init__(self, fn):
+        self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
+        self._plans: dict[tuple, object] = {}
+
+    def __call__(self, args: tuple) -> Optional[tuple]:
+        types = tuple(map(type, args))
+        plan = self._plans.get(types)
+        if plan is None:
+            plan = self._plans[types] = self._plan(types)
+        if plan is False:
+            return None
+        tensors_of, ints_of, specialised_of, constants_of = plan
+        key = [plan]  # one plan per tuple of argument types: it stands for them in the key (cheaper to hash)
+        tensors = tensors_of(args)
+        if tensors:
+            key.append(tuple(map(_dtype, tensors)))
+            pointers = tuple(map(torch.Tensor.data_ptr, tensors))
+            key.append(True if functools.reduce(operator.or_, pointers) % 16 == 0
+                       else tuple(p % 16 == 0 for p in pointers))
+        ints = ints_of(args)
+        if ints:
+            try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
+                array.array("i", ints)
+                key.append(True)
+            except OverflowError:
+                key.append(tuple(map(_int_width, ints)))
+        specialised = specialised_of(args)
+        if specialised:
+            key.append(True if functools.reduce(operator.or_, specialised) % 16 == 0
+                       else tuple((a % 16 == 0, a == 1) for a in specialised))
+        key.append(constants_of(args))
+        return tuple(key)
+
+    def _plan(self, types: tuple):
+        if self.params is None or len(types) > len(self.params):
+            return False
+        tensors, ints, specialised, constants = [], [], [], []
+        for i, (t, param) in enumerate(zip(types, self.params)):
+            if param.is_constexpr:
+                constants.append(i)
+            elif issubclass(t, torch.Tensor):
+                tensors.append(i)
+            elif t is int:
+                ints.append(i)
+                if not param.do_not_specialize:
+                    specialised.append(i)
+            elif t not in (float, bool, type(None)):
+                return False
+        return tuple(_getter(positions) for positions in (tensors, ints, specialised, constants))
+
+
+def _getter(positions: list):
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (only,) = positions
+        return lambda args: (args[only],)
+    return operator.itemgetter(*positions)
+
+
+_dtype = operator.attrgetter("dtype")
+
+
+def _int_width(a: int) -> int:
+    return 0 if _I32[0] <= a < _I32[1] else (1 if _I64[0] <= a < _I64[1] else 2)
+
+
+class DirectLaunch:
+    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments."""
+
+    __slots__ = ("kernel", "tail")
+
+    def __init__(self, kernel, tail: tuple):
+        self.kernel = kernel
+        self.tail = tail
+
+    def __call__(self, grid: tuple, args: tuple, stream) -> None:
+        from triton import knobs
+
+        kernel = self.kernel
+        bound = (*args, *self.tail)
+        size = len(grid)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        # The metadata only feeds the enter hook: skipped while that is an empty HookChain.
+        metadata = kernel.launch_metadata(grid, stream, *bound) if getattr(enter, "calls", enter) else None
+        # JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
+        kernel.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, metadata, enter, leave, *bound)
+
+
+def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
+    """The keyword arguments' values in ``fn``'s parameter order after the positional ones (what
+    ``JITFunction.run`` passes as ``bound_args.values()``), or None when they do not match the
+    remaining parameters exactly (then the call stays on the autotuner path)."""
+    names = getattr(fn, "arg_names", [])[n_positional:]
+    if len(names) != len(kwargs) or any(name not in kwargs for name in names):
+        return None
+    return tuple(kwargs[name] for name in names)
+
+
+class DirectCache:
+    """Direct launches by key; filled from the autotuner path's results."""
+
+    def __init__(self):
+        self._entries: dict[tuple, DirectLaunch] = {}
+        self._signatures: dict[str, ArgSignature] = {}
+        self._lock = threading.Lock()
+
+    def signature(self, kernel_name: str, fn, args: tuple) -> Optional[tuple]:
+        """``ArgSignature`` of ``fn`` (the kernel called ``kernel_name``) applied to ``args``."""
+        signer = self._signatures.get(kernel_name)
+        if signer is None:
+            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
+        return signer(args)
+
+    def get(self, key: tuple) -> Optional[DirectLaunch]:
+        return self._entries.get(key)
+
+    def remember(self, key: tuple, fn, kernel, n_positional: int, kwargs: dict) -> Optional[DirectLaunch]:
+        """Cache ``kernel`` (what the autotuner path launched for ``key``) if it can be launched directly."""
+        from triton.compiler import CompiledKernel
+
+        if not isinstance(kernel, CompiledKernel) or getattr(fn, "pre_run_hooks", None):
+            return None
+        tail = pack_tail(fn, n_positional, kwargs)
+        if tail is None:
+            return None
+        entry = DirectLaunch(kernel, tail)
+        with self._lock:
+            self._entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._signatures.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
