@@ -36,7 +36,8 @@ def test_wide_tiles_only_for_d128_long_rows_on_hopper(env):
     assert configs.tiles_for(128, 8192, hopper) == configs.TILE_SETS["wide"][128]
     assert configs.tile_set_for(128, configs.WIDE_MIN_ROWS - 1, hopper) == "base"
     assert configs.tile_set_for(128, 8192, ampere) == "base"
-    assert configs.tile_set_for(64, 8192, hopper) == "base"
+    assert configs.tile_set_for(64, 8192, hopper) == "hopper"  # D=64 on sm_90+: the 64-key dK/dV set
+    assert configs.tile_set_for(64, 8192, ampere) == "base"
     assert configs.tile_set_for(128, 8192, torch.device("cpu")) == "base"
     env.setenv("KFORCING_TRITON_TILES", "base")
     assert configs.tile_set_for(128, 8192, hopper) == "base"
