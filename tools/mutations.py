@@ -101,8 +101,8 @@ MUTATIONS = [
          old='optimizer.load_state_dict({"state": state,', new='optimizer.load_state_dict({"state": {},',
          tests=["python_tests/test_train.py", "-k", "resume"]),
     dict(id="resume-skips-a-step", file="kforcing_kernels/app/trainer.py",
-         old='start = load_checkpoint(ckpt, student, optimizer, scaler)["step"]',
-         new='start = load_checkpoint(ckpt, student, optimizer, scaler)["step"] + 1',
+         old='start = (load_sharded_checkpoint if fsdp else load_checkpoint)(ckpt, student, optimizer, scaler)["step"]',
+         new='start = (load_sharded_checkpoint if fsdp else load_checkpoint)(ckpt, student, optimizer, scaler)["step"] + 1',
          tests=["python_tests/test_train.py", "-k", "resume"]),
     # --- issue #29 item 15: planted bugs the suite did not catch
     dict(id="composite-staircase-with-blank-slots", file=f"{WA}/composite/pieces.py",
@@ -113,7 +113,8 @@ MUTATIONS = [
          old="scaler.scale(loss / cfg.grad_accum).backward()", new="scaler.scale(loss).backward()",
          tests=["python_tests/test_train_runs.py", "-k", "gradient_accumulation"]),
     dict(id="resume-from-oldest-checkpoint", file="kforcing_kernels/app/checkpoint.py",
-         old="return found[-1] if found else None", new="return found[0] if found else None",
+         old="return max(found, key=lambda p: (p.stem, p.suffix)) if found else None",
+         new="return min(found, key=lambda p: (p.stem, p.suffix)) if found else None",
          tests=["python_tests/test_train_runs.py", "-k", "newest_checkpoint"]),
     # --- issue #29 items 10-14
     dict(id="cpp-backward-tiles-of-batch-0 (C++)", file="csrc/attention.cpp", rebuild=True,
