@@ -36,6 +36,7 @@ import time
 import torch
 
 from .triton_stub_driver import stub_driver
+from kforcing_kernels.app.cli import add_batch_size
 
 DIRECT_ENV = "KFORCING_TRITON_DIRECT_LAUNCH"
 AUTOTUNE_ENV = "KFORCING_TRITON_AUTOTUNE"
@@ -139,7 +140,7 @@ def run(args) -> dict:
                         os.environ.pop(DIRECT_ENV, None)
                     else:
                         os.environ[DIRECT_ENV] = direct
-                    result = measure(launch, layout, args.batch, args.heads, args.dim, dtype, args.reps, driver)
+                    result = measure(launch, layout, args.batch_size, args.heads, args.dim, dtype, args.reps, driver)
                     modes.append({"autotune": autotune == "1",
                                   "direct_launch": None if direct is None else direct == "1", **result})
                     if not args.quiet:
@@ -150,7 +151,7 @@ def run(args) -> dict:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    return {"config": {"layout": args.layout, "n": args.n, "k": args.k, "batch": args.batch, "heads": args.heads,
+    return {"config": {"layout": args.layout, "n": args.n, "k": args.k, "batch": args.batch_size, "heads": args.heads,
                        "dim": args.dim, "dtype": args.dtype, "reps": args.reps, "target": f"sm_{args.capability}",
                        "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
                        "launch_has_direct_switch": has_switch},
@@ -169,10 +170,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="single", help="a bench layout family (kforcing_kernels/layouts/zoo.py)")
     p.add_argument("--n", type=int, default=1024, help="context length N")
     p.add_argument("--k", type=int, default=4, help="window k")
-    p.add_argument("--batch-size", dest="batch", type=int, default=4, help="sequences per batch")
+    add_batch_size(p, 4)
     p.add_argument("--heads", type=int, default=12, help="query heads")
     p.add_argument("--dim", type=int, default=64, help="head dim D")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q/k/v dtype")
     p.add_argument("--reps", type=int, default=2000, help="timed calls per median")
     p.add_argument("--capability", type=int, default=90, help="compile target, e.g. 90 (sm_90a) or 80")
     p.add_argument("--autotune", choices=("1", "0", "both"), default="both", help="KFORCING_TRITON_AUTOTUNE")
