@@ -61,8 +61,8 @@ def _cases():
             batch = layout.batch_size
         if tiles.block_n_dkdv > 32 and d == 32:
             d = 64  # wide dK/dV tiles are the D >= 64 sets' (they are never dispatched at D = 32)
-        # Every case runs the default (fused) backward; every third also the split and the legacy one.
-        for variant in ("fused", "split", "legacy")[: 1 + 2 * (i % 3 == 0)]:
+        # Every case runs the default (fused) backward; every sixth also the split and the legacy one.
+        for variant in ("fused", "split", "legacy")[: 1 + 2 * (i % 6 == 0)]:
             cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads, variant,
                                       id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}-{variant}"))
 
@@ -92,11 +92,12 @@ def _cases():
     add("ptp-batched-stepped", WindowLayout.ptp(33, [[0, 12, 33], [7, 7, 30]], 5, [[0, 3, 20], [0, 7, 1]]), STEPPED)
     add("causal-N130-stepped", WindowLayout.causal(130), Tiles(64, 64, 64, 32, block_m_dkdv=16))
     # The shipped D=64 and wide tiles (64 / 128-key dK/dV programs; 32-row steps in the wide set).
-    add("single-N130-k4-base64", WindowLayout.kforcing_single(130, 4), TILE_SETS["base"][64])
-    add("double-N70-k2-base64", WindowLayout.kforcing_double(70, 2), TILE_SETS["base"][64])
+    add("single-N130-k4-hopper64", WindowLayout.kforcing_single(130, 4), TILE_SETS["hopper"][64])
+    add("double-N70-k2-hopper64", WindowLayout.kforcing_double(70, 2), TILE_SETS["hopper"][64])
     add("causal-N200-wide", WindowLayout.causal(200), TILE_SETS["wide"][128])
     add("double-N40-k8-wide", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide"][128])
-    add("packed-single-base64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]), TILE_SETS["base"][64])
+    add("packed-single-hopper64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]),
+        TILE_SETS["hopper"][64])
     add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
         TILE_SETS["wide"][128])
     general = {

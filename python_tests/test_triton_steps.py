@@ -19,7 +19,7 @@ from kforcing_kernels.ops.window_attention.triton.steps import step_plan
 TILES = {
     "small-steps": Tiles(32, 16, 16, 16, block_m_dkdv=16),
     "one-step": Tiles(16, 16, 32, 16),
-    "base64": TILE_SETS["base"][64],
+    "hopper64": TILE_SETS["hopper"][64],
     "wide": TILE_SETS["wide"][128],
 }
 
@@ -67,11 +67,11 @@ def test_full_steps_exist_where_the_mask_is_dense():
     """Causal N = 1024 with 64-key tiles and 64-row steps: T = 16 diagonal blocks are masked, the
     T (T - 1) / 2 below them run mask-free."""
     layout = WindowLayout.causal(1024)
-    steps = step_plan(layout, tile_plan(layout, TILE_SETS["base"][64]))
+    steps = step_plan(layout, tile_plan(layout, TILE_SETS["hopper"][64]))
     assert (int(steps.full_products().sum()), int(steps.products().sum())) == (16 * 15 // 2, 16 * 17 // 2)
 
 
 def test_steps_are_derived_once_per_layout_content():
     a, b = WindowLayout.kforcing_single(200, 4), WindowLayout.kforcing_single(200, 4)
-    tiles = TILE_SETS["base"][64]
+    tiles = TILE_SETS["hopper"][64]
     assert step_plan(a, tile_plan(a, tiles)) is step_plan(b, tile_plan(b, tiles))
