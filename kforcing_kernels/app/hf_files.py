@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
+from .checkpoint import CheckpointError, _sha256, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
 from .data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_corpus, load_documents,
                    split_documents, token_streams)
 from .files import atomic_write_file, write_json
@@ -72,14 +72,6 @@ def is_hf_source(folder) -> bool:
 
 def is_hf(folder) -> bool:
     return folder is not None and (is_hf_source(folder) or is_hf_stage(folder))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hf_weights_sha256(folder) -> str:
