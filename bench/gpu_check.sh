@@ -23,7 +23,7 @@
 #   5b triton rows (N 1024/8192, k 2/4, single + double) with every window's intra part in-tile
 #     (--slot-window-max 0): the slot-step threshold for w <= 4 (BENCHMARKS.md, tools/slot_cost)
 #   6 bench B: + composite (CUDA path) and dense-mask SDPA, N 1024/2048, k 4, D 64/128
-#   7 bench C: triton (backward fused / split / legacy: new vs old) vs compiled FlexAttention (analytic
+#   7 bench C: triton (kernels fused: 3 launches / split: 6 / legacy: old dQ, dK/dV) vs compiled FlexAttention (analytic
 #     BlockMask), N 1024/8192, k 4, D 64/128
 #   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
 set -uo pipefail
@@ -389,7 +389,7 @@ main() {
         run_step 6_bench_composite_dense 45 135 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
         run_step 7_bench_flex 90 65 "$PY" -m bench.triton_gpu --layout single --n 1024 8192 --k 4 --dim 64 128 \
-            --batch-size 1 --heads 16 --methods triton flex --triton-backward fused split legacy \
+            --batch-size 1 --heads 16 --methods triton flex --triton-kernels fused split legacy \
             --json "$OUT_DIR/bench_flex_single.json"
         run_step 8_train_step 65 0 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
             --json "$OUT_DIR/train_step.json"

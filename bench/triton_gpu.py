@@ -11,8 +11,8 @@ before timing, so compilation and autotuning are not timed. Useful FLOPs count o
 attended pairs |M| (``layout.num_pairs()``): forward 4 |M| D per (batch, head), forward +
 backward 3.5x that (FlashAttention-2's convention). Methods, bf16, same q/k/v:
 
-* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` / ``--triton-backward`` add
-  runs with the tile set or the backward kernels forced: ``triton[wide]``, ``triton[legacy]``);
+* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` / ``--triton-kernels`` add
+  runs with the tile set or the kernel variant forced: ``triton[wide]``, ``triton[legacy]``);
 * ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128);
 * ``sdpa_flash_causal``: torch SDPA, flash kernel forced, causal over L' tokens with
   L'(L'+1)/2 ~ |M|: the same useful work at autoregressive-attention efficiency (the FA2 anchor);
@@ -77,10 +77,10 @@ def time_ms(fn) -> float:
 
 
 @contextlib.contextmanager
-def _triton_env(tiles: str = "auto", backward: str = "fused"):
-    """KFORCING_TRITON_TILES / _BACKWARD for the duration ("auto" / "fused": the dispatcher's own)."""
+def _triton_env(tiles: str = "auto", kernels: str = "fused"):
+    """KFORCING_TRITON_TILES / _KERNELS for the duration ("auto" / "fused": the dispatcher's own)."""
     want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles,
-            "KFORCING_TRITON_BACKWARD": None if backward == "fused" else backward}
+            "KFORCING_TRITON_KERNELS": None if kernels == "fused" else kernels}
     old = {name: os.environ.pop(name, None) for name in want}
     os.environ.update({name: value for name, value in want.items() if value})
     try:
@@ -125,15 +125,15 @@ def _methods(layout, q, kk, v, args, extras):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[f"triton[dkdv {spec}]"] = (tri_dkdv, (q, kk, v), pairs)
-    runs = [(t, b) for t in args.triton_tiles for b in args.triton_backward] if "triton" in args.methods else []
-    for tiles, backward in runs:
-        tags = [x for x in (tiles, backward) if x not in ("auto", "fused")]
+    runs = [(t, b) for t in args.triton_tiles for b in args.triton_kernels] if "triton" in args.methods else []
+    for tiles, variant in runs:
+        tags = [x for x in (tiles, variant) if x not in ("auto", "fused")]
         name = f"triton[{' '.join(tags)}]" if tags else "triton"
 
-        def tri(tiles=tiles, backward=backward):
+        def tri(tiles=tiles, variant=variant):
             if args.wide_dkdv:
                 _use_wide_dkdv(None)
-            with _triton_env(tiles, backward):
+            with _triton_env(tiles, variant):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[name] = (tri, (q, kk, v), pairs)
@@ -330,8 +330,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
-    p.add_argument("--triton-backward", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
-                   help="dQ/dK-dV kernels for triton: one launch, two, or the first-generation kernels (old-vs-new rows)")
+    p.add_argument("--triton-kernels", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
+                   help="triton kernels: fused (3 launches), split (6), legacy (split, first-generation dQ/dK-dV)")
     p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")

@@ -8,8 +8,9 @@
 ``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
                             unset: tune, except under torch.distributed with more than one rank
 ``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper`` or ``wide``) where it applies
-``KFORCING_TRITON_BACKWARD`` Triton: dQ and dK/dV in one launch (``fused``, default), two (``split``), or the
-                            first-generation kernels (``legacy``), for A/B runs
+``KFORCING_TRITON_KERNELS`` Triton kernel generation, for A/B runs: ``fused`` (default; 3 launches per
+                            forward + backward, window slots inline), ``split`` (slot, dQ and dK/dV
+                            kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
@@ -54,8 +55,8 @@ def triton_tiles() -> Optional[str]:
     return _get("KFORCING_TRITON_TILES")
 
 
-def triton_backward() -> Optional[str]:
-    return _get("KFORCING_TRITON_BACKWARD")
+def triton_kernels() -> Optional[str]:
+    return _get("KFORCING_TRITON_KERNELS")
 
 
 def triton_direct_launch() -> Optional[str]:

@@ -62,18 +62,50 @@ def test_tune_key_separates_what_changes_the_best_config():
     assert launch._resolve_tiles(configs.TILE_SETS["base"][128], q)[1] == "base"
 
 
-def test_backward_variant_switch(monkeypatch):
-    """KFORCING_TRITON_BACKWARD picks the dQ/dK-dV kernels and, for legacy, its own dK/dV tiles."""
+def test_kernel_variant_switch(monkeypatch):
+    """KFORCING_TRITON_KERNELS picks the dQ/dK-dV kernels and, for legacy, its own dK/dV tiles."""
     q = torch.empty(1, 2, 300, 64, device="meta")
-    monkeypatch.delenv("KFORCING_TRITON_BACKWARD", raising=False)
-    assert configs.backward_variant() == "fused"
+    monkeypatch.delenv("KFORCING_TRITON_KERNELS", raising=False)
+    assert configs.kernel_variant() == "fused"
     assert launch._resolve_tiles(configs.TILE_SETS["hopper"][64], q) == (configs.TILE_SETS["hopper"][64], "hopper")
-    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", "legacy")
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", "legacy")
     assert launch._resolve_tiles(None, q) == (configs.LEGACY_TILE_SETS["base"][64], "base")
     assert configs.LEGACY_TILE_SETS["hopper"][64].block_n_dkdv == 32 < configs.TILE_SETS["hopper"][64].block_n_dkdv
-    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", "fast")
-    with pytest.raises(ValueError, match="KFORCING_TRITON_BACKWARD"):
-        configs.backward_variant()
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", "fast")
+    with pytest.raises(ValueError, match="KFORCING_TRITON_KERNELS"):
+        configs.kernel_variant()
+
+
+@pytest.mark.parametrize("variant, slot_launches, tile_launches", [
+    ("fused", ["fwd", "delta", "bwd"], ["fwd", "delta", "bwd"]),
+    ("split", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq", "dkdv"], ["fwd", "delta", "dq", "dkdv"]),
+    ("legacy", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq_legacy", "dkdv_legacy"],
+     ["fwd", "delta", "dq_legacy", "dkdv_legacy"]),
+])
+def test_launches_per_forward_and_backward(monkeypatch, variant, slot_launches, tile_launches):
+    """The default kernels make 3 launches per forward + backward whether the windows take slot steps
+    (k = 4) or tile products (k = 32); the A/B variants keep the old launch sequence. The kernel
+    launcher is replaced by a recorder: what is counted is what the launchers ask for."""
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+    launched = []
+    monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None)
+    for k, expected in ((4, slot_launches), (32, tile_launches)):
+        layout = WindowLayout.kforcing_single(300, k)
+        assert bool(tile_plan(layout, launch.tiles_for(64, layout.n_queries)).intra_blocks) == (k == 4)
+        q = torch.randn(1, 2, layout.n_queries, 64)
+        kv = torch.randn(1, 2, layout.n_keys, 64)
+        launched.clear()
+        out, lse = launch.attention_forward(q, kv, kv, layout, 0.125)
+        launch.attention_backward(q, q, kv, kv, out, lse, layout, 0.125)
+        assert launched == expected
+    # The wide D=128 tiles keep the slot launch in the backward (their dQ programs have no registers for it).
+    wide = configs.TILE_SETS["wide"][128]
+    layout = WindowLayout.kforcing_single(300, 4)
+    q, kv = torch.randn(1, 2, layout.n_queries, 128), torch.randn(1, 2, layout.n_keys, 128)
+    launched.clear()
+    out, lse = launch.attention_forward(q, kv, kv, layout, 0.125, tiles=wide)
+    launch.attention_backward(q, q, kv, kv, out, lse, layout, 0.125, tiles=wide)
+    assert launched == {"fused": ["fwd", "delta", "slot_bwd", "bwd"]}.get(variant, slot_launches)
 
 
 def test_hopper_set_is_the_sm90_choice_at_d64(monkeypatch):

@@ -96,6 +96,7 @@ def _cases():
     add("double-N70-k2-hopper64", WindowLayout.kforcing_double(70, 2), TILE_SETS["hopper"][64])
     add("causal-N200-wide", WindowLayout.causal(200), TILE_SETS["wide"][128])
     add("double-N40-k8-wide", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide"][128])
+    add("single-N40-k2-wide", WindowLayout.kforcing_single(40, 2), TILE_SETS["wide"][128])  # slot launch + bwd
     add("packed-single-hopper64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]),
         TILE_SETS["hopper"][64])
     add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
@@ -119,18 +120,21 @@ def _reference(q, k, v, dout, layout, scale):
     return out, lse, grads
 
 
-def _expected_counts(plan, layout, variant, batch, heads):
+def _expected_counts(plan, layout, tiles, variant, batch, heads):
     per_bh = plan.tile_products().sum() * (heads if plan.bounds.shape[0] > 1 else batch * heads)
     slot = plan.slot_steps() * batch * heads
+    # Fused: the window tiles run their rows' slot steps inline (forward, and the backward's dQ part).
+    fwd_slot = plan.inline_slot_steps() * batch * heads if variant == "fused" else slot
+    bwd_slot = fwd_slot if variant == "fused" and tiles.slot_dq_inline else slot
     # Fused / split: one count per (key tile, row step, head); legacy: per (key tile, query tile, head).
     per_b = plan.dkdv_tile_products() if variant == "legacy" else step_plan(layout, plan).products()
     dkdv = per_b.sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
-    return [int(per_bh), slot, int(per_bh), 2 * slot, int(dkdv)]
+    return [int(per_bh), fwd_slot, int(per_bh), bwd_slot + slot, int(dkdv)]
 
 
 @pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads, variant", _cases())
 def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch, heads, kv_heads, variant):
-    monkeypatch.setenv("KFORCING_TRITON_BACKWARD", variant)
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
     q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype,
                        requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
@@ -147,7 +151,7 @@ def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch,
         assert t.dtype == (torch.float32 if name == "lse" else dtype)
         torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m: f"{name}: {m}")
     plan = tile_plan(layout, tiles)
-    assert counters.tolist() == _expected_counts(plan, layout, variant, batch, heads), \
+    assert counters.tolist() == _expected_counts(plan, layout, tiles, variant, batch, heads), \
         dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
 
 
@@ -163,7 +167,8 @@ def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, whi
     out, _ = kernels.attention_forward(q, k, v, layout, 32 ** -0.5, counters=counters)
     plan = tile_plan(layout, DEFAULT_TILES)
     assert counters[0].item() == int(plan.tile_products()) == {"single": 680, "double": 1088}[which]
-    assert counters[1].item() == plan.slot_steps()
+    # Window tiles x slots: 1024 windows of w = 4, 16 per 64-row tile; double: 2 streams, w = 8, 8 per tile.
+    assert counters[1].item() == plan.inline_slot_steps() == {"single": 64 * 4, "double": 128 * 8}[which]
     assert plan.waste_ratio(layout.num_pairs()) <= 1.10
     # Spot-check the output on a few rows (the full reference is O(L^2) memory at this size).
     rows = torch.tensor([0, 1, layout.n_queries // 2, layout.n_queries - 1])

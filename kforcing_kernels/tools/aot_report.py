@@ -187,9 +187,13 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
                     HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "bwd":
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-                    BLOCK_N_DKDV=tiles.block_n_dkdv, HEAD_DIM=head_dim, INSTRUMENT=False)
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim,
+                    SLOT_DQ_INLINE=tiles.slot_dq_inline, INSTRUMENT=False)
     if kernel == "dkdv":
         return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
+                    INSTRUMENT=False)
+    if kernel == "fwd":  # the default kernels' forward (window slots inline); split/legacy's skips that code
+        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, SLOT_INLINE=True,
                     INSTRUMENT=False)
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
@@ -270,7 +274,7 @@ def run(job_list: list[Job], workers: int = 1) -> list[Row]:
 def main_kernels() -> tuple[str, ...]:
     """The kernels that carry the attention math (fwd, dq, dkdv and any kernel added since, such as the
     fused backward): every kernel in KERNELS but the auxiliary ones and the legacy ones kept for A/B
-    runs (``*_legacy``, KFORCING_TRITON_BACKWARD=legacy). These must be Hopper-grade."""
+    runs (``*_legacy``, KFORCING_TRITON_KERNELS=legacy). These must be Hopper-grade."""
     from ..ops.window_attention.triton import launch
 
     return tuple(name for name in launch.KERNELS if name not in AUXILIARY_KERNELS and not name.endswith("_legacy"))

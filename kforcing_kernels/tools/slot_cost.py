@@ -2,9 +2,11 @@
 
     python -m kforcing_kernels.tools.slot_cost            # N 1024..8192, k 1..8, single + double, D=128, B=1, H=16
 
-Slot mode (windows <= SLOT_WINDOW_MAX) runs two extra kernels per pass (slot_fwd, slot_bwd)
-and round-trips an fp32 partial per window row through memory: forward writes and re-reads
-``out`` (D fp32) and ``lse``, backward ``dq`` (D fp32). Tile mode instead visits the window's
+Slot mode (windows <= SLOT_WINDOW_MAX), as the ``split``/``legacy`` kernels run it
+(KFORCING_TRITON_KERNELS), launches two extra kernels per pass (slot_fwd, slot_bwd) and
+round-trips an fp32 partial per window row through memory: forward writes and re-reads
+``out`` (D fp32) and ``lse``, backward ``dq`` (D fp32). The default kernels run the same slot
+steps inside the window tiles, so they pay neither the launches nor the partial's traffic. Tile mode instead visits the window's
 own keys as extra (masked) tile products of the main kernels. For each shape this prints the
 forward tile products of both plans (the dQ kernel visits the same), the partial's bytes per
 pass, and both costs as time at a nominal H100 rate (``--tflops`` on tensor cores, ``--tbps``

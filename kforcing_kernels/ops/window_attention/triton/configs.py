@@ -32,17 +32,20 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
-    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4)},
+    # 128-row x D=128 dQ programs: the window rows' slot steps inline would spill (16-216 bytes), so
+    # the slot kernel computes them (4 launches per forward + backward in slot mode)
+    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4, slot_dq_inline=False)},
 }
-# The tiles of the legacy backward (KFORCING_TRITON_BACKWARD=legacy): forward tiles as above, the dK/dV
+# The tiles of the legacy backward (KFORCING_TRITON_KERNELS=legacy): forward tiles as above, the dK/dV
 # tiles it was tuned with (32-key programs at D <= 64: no wgmma; 16-row steps in the wide set).
 LEGACY_TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
     "hopper": {64: DEFAULT_TILES},
     "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
 }
-# dQ + dK/dV in one launch (default), in two, or the first-generation kernels (KFORCING_TRITON_BACKWARD).
-BACKWARD_VARIANTS = ("fused", "split", "legacy")
+# Three launches per forward + backward (default), the slot / dQ / dK/dV kernels as launches of their own,
+# or those with the first-generation dQ and dK/dV kernels (KFORCING_TRITON_KERNELS).
+KERNEL_VARIANTS = ("fused", "split", "legacy")
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
 # Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
@@ -56,7 +59,8 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # defaults of fwd, dq, dkdv and bwd are software-pipelined (3 stages) with wgmma. Pruned by that
 # measurement (pipelined kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
 # base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
-# 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set). Legacy lists: as tuned in 0.3.
+# 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set); with the window slot steps
+# inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead). Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
 _SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
@@ -68,7 +72,7 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1)],
              ("hopper", 64): [(8, 3), (4, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
-    "bwd": {("base", 32): [(4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 1)], ("hopper", 64): [(4, 3), (8, 3)],
+    "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 1)], ("hopper", 64): [(4, 3), (8, 3)],
             ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
     "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
                   ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
@@ -109,11 +113,13 @@ def autotune_enabled() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def backward_variant() -> str:
-    """Which dQ / dK/dV kernels run (KFORCING_TRITON_BACKWARD): ``fused`` (default), ``split`` or ``legacy``."""
-    value = env.triton_backward() or "fused"
-    if value not in BACKWARD_VARIANTS:
-        raise ValueError(f"KFORCING_TRITON_BACKWARD: expected one of {BACKWARD_VARIANTS}, got {value!r}")
+def kernel_variant() -> str:
+    """Which kernels run (KFORCING_TRITON_KERNELS): ``fused`` (default: ``fwd`` with the window slots
+    inline, ``delta``, ``bwd``), ``split`` (``slot_fwd``, ``fwd``, ``delta``, ``slot_bwd``, ``dq``,
+    ``dkdv``) or ``legacy`` (``split`` with ``dq_legacy``, ``dkdv_legacy``)."""
+    value = env.triton_kernels() or "fused"
+    if value not in KERNEL_VARIANTS:
+        raise ValueError(f"KFORCING_TRITON_KERNELS: expected one of {KERNEL_VARIANTS}, got {value!r}")
     return value
 
 

@@ -1,10 +1,11 @@
 """The backward kernels (``@triton.jit`` source only; launched by ``launch.py``), in launch order.
 
 * ``_delta_kernel``: ``delta = rowsum(dO * O)``.
-* ``_slot_bwd_kernel`` (small windows only): per (batch x kv head, block of
-  windows): the window keys' dK/dV (complete: only their own window sees them)
-  and the intra-window part of dQ.
-* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the slot part. Per interval
+* ``_window_dq``, ``_slot_dkdv_program`` (small windows only): the intra-window part of dQ
+  for a block of rows, and per (batch x kv head, block of windows) the window keys' dK/dV
+  (complete: only their own window sees them), in slot steps.
+* ``_slot_bwd_kernel`` (``split``/``legacy`` only): both as a launch of their own, dQ part to ``DQPart``.
+* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the intra-window part. Per interval
   three key loops, masked / full / masked (``plan.bounds``' full run in the middle), so the
   full tiles carry no mask arithmetic and each loop is software-pipelined on its own.
 * ``_dkdv_kernel``: one program per (batch x kv head, key tile) over one flattened list of
@@ -12,7 +13,8 @@
   over (step, head of the GQA group) that Triton pipelines (the previous kernel nested a
   runtime step loop and a runtime group loop, and only the innermost, group loop, was
   pipelined: ``jit_backward_legacy.py``). dK/dV need no atomics.
-* ``_bwd_kernel``: both in one launch, programs split by id (FlexAttention's backward does the same).
+* ``_bwd_kernel`` (default): dK/dV, dQ (intra-window part inline) and the window keys' dK/dV in
+  one launch, programs split by id (FlexAttention's backward does the same for dQ and dK/dV).
 """
 
 from __future__ import annotations
@@ -34,54 +36,48 @@ def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.
     tl.store(Delta + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
 
 
-@_kernel
-def _slot_bwd_kernel(
-    Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
-    RowIv, WindowKeys, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    n_kv_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv,
-    qk_scale, sm_scale,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+@triton.jit
+def _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq, q_off, lse2, delta, kv_head, rows, ok, slot0, iv_base,
+               window_size, n_iv, stride_kn, qk_scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               INSTRUMENT: tl.constexpr):
+    """``dq`` + the unscaled dQ of query ``rows`` (BLOCK of them at ``q_off``, any windows) over the
+    key slots of their own window, ``window_size`` slot steps from each row's ``slot0`` in WindowKeys.
+    q and dO are re-read each step (from cache) rather than held: with them in registers besides the
+    gathered k and v rows, a 128-row x D=128 dQ program spills."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for i in range(0, window_size):
+        key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
+        visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
+        at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+        # Loads stay in their storage dtype, converted where used (fewer live registers).
+        k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0)
+        q_i = tl.load(Q + q_off, mask=visible[:, None], other=0.0)
+        p_i = tl.where(visible, tl.exp2(tl.sum(q_i.to(tl.float32) * k_i.to(tl.float32), 1) * qk_scale - lse2), 0.0)
+        v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
+        do_i = tl.load(DOut + q_off, mask=visible[:, None], other=0.0)
+        ds_i = p_i * (tl.sum(do_i.to(tl.float32) * v_i.to(tl.float32), 1) - delta)
+        dq += ds_i[:, None] * k_i.to(tl.float32)
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 3, 1)
+    return dq
+
+
+@triton.jit
+def _slot_dkdv_program(
+    pid_bkv, block, Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+    n_kv_heads, kv_group, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv,
+    qk_scale, sm_scale, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
-    b = pid_bh // n_kv_heads
-    kvh = pid_bh % n_kv_heads
-    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
+    """dK/dV of the window keys of slot block ``block`` of (batch x kv head) ``pid_bkv``, complete: only
+    their own window sees them, so the query slots of that window that see them, summed over the group."""
+    pid_bkv = pid_bkv.to(tl.int64)  # batch/head offsets can exceed int32
+    b = pid_bkv // n_kv_heads
+    kvh = pid_bkv % n_kv_heads
+    ok, slot0, key = _slot_block(block, windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
     iv_base = b * iv_bstride
     offs_d = tl.arange(0, HEAD_DIM)
-    key64 = key.to(tl.int64)
-    kv_head = b * stride_kb + kvh * stride_kh + offs_d[None, :]
-    kv_own = kv_head + key64[:, None] * stride_kn
-    rows = key64 - query_offset
-
-    # Phase 1, the block's tokens as queries: dQ over the key slots of their window, per query head.
-    for g in range(0, kv_group):
-        h = kvh * kv_group + g
-        q_head = b * stride_qb + h * stride_qh
-        l_head = b * stride_lb + h * stride_lh
-        q_t = tl.load(Q + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
-        do_t = tl.load(DOut + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
-        q_t = q_t.to(tl.float32)
-        do_t = do_t.to(tl.float32)
-        lse2_t = _lse2_for_grad(tl.load(Lse + l_head + rows, mask=ok, other=0.0))
-        delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
-        dq = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
-        for i in range(0, window_size):
-            key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
-            visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
-            at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn
-            k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0).to(tl.float32)
-            v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
-            p_i = tl.where(visible, tl.exp2(tl.sum(q_t * k_i, 1) * qk_scale - lse2_t), 0.0)
-            ds_i = p_i * (tl.sum(do_t * v_i.to(tl.float32), 1) - delta_t)
-            dq += ds_i[:, None] * k_i
-            if INSTRUMENT:
-                tl.atomic_add(Counters + 3, 1)
-        tl.store(DQPart + b * stride_pb + h * stride_ph + (key64 - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
-                 mask=ok[:, None])
-
-    # Phase 2, the block's tokens as keys: dK/dV over the query slots of their window that see
-    # them (only their own window can), summed over the group.
+    kv_own = b * stride_kb + kvh * stride_kh + key.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
     k_t = tl.load(K + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
     v_t = tl.load(V + kv_own, mask=ok[:, None], other=0.0).to(tl.float32)
     dk = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
@@ -107,6 +103,40 @@ def _slot_bwd_kernel(
     tl.store(DV + kv_own, dv.to(DV.dtype.element_ty), mask=ok[:, None])
 
 
+@_kernel
+def _slot_bwd_kernel(
+    Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
+    RowIv, WindowKeys, Counters,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    n_kv_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv,
+    qk_scale, sm_scale,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+):
+    """Grid (B * Hkv, slot blocks): the ``split``/``legacy`` kernels' slot launch. The block's tokens
+    as queries (dQ partial over their window's key slots, per query head), then as keys (dK/dV)."""
+    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
+    b = pid_bh // n_kv_heads
+    kvh = pid_bh % n_kv_heads
+    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key64 = key.to(tl.int64)
+    rows = key64 - query_offset
+    for g in range(0, kv_group):
+        h = kvh * kv_group + g
+        q_head = b * stride_qb + h * stride_qh
+        l_head = b * stride_lb + h * stride_lh
+        lse2_t = _lse2_for_grad(tl.load(Lse + l_head + rows, mask=ok, other=0.0))
+        delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
+        dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32),
+                        q_head + rows[:, None] * stride_qm + offs_d[None, :], lse2_t, delta_t,
+                        b * stride_kb + kvh * stride_kh, rows, ok, slot0, b * iv_bstride, window_size, n_iv,
+                        stride_kn, qk_scale, BLOCK_T, HEAD_DIM, INSTRUMENT)
+        tl.store(DQPart + b * stride_pb + h * stride_ph + (key64 - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
+                 mask=ok[:, None])
+    _slot_dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys,
+                       Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+                       n_kv_heads, kv_group, num_windows, window_size, query_offset, windows_per_block, iv_bstride,
+                       n_iv, qk_scale, sm_scale, BLOCK_T, HEAD_DIM, INSTRUMENT)
 
 
 @triton.jit
@@ -140,13 +170,15 @@ def _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, t_begin, t_
 @triton.jit
 def _dq_program(
     pid_bh, tile_rank, Q, K, V, DOut, Lse, Delta, DQ, DQPart,
-    QueryTiles, Bounds, Order, RowIv, Counters,
+    QueryTiles, Bounds, Order, RowIv, WindowKeys, RowSlot0, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
     bounds_bstride, iv_bstride,
-    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_INLINE: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
-    """dQ of query tile ``Order[tile_rank]`` of (batch x head) ``pid_bh``."""
+    """dQ of query tile ``Order[tile_rank]`` of (batch x head) ``pid_bh``; window rows start from their
+    intra-window part (``SLOT_INLINE``: computed here, else the slot kernel's ``DQPart``)."""
     pid_bh = pid_bh.to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
     h = pid_bh % n_heads
@@ -163,19 +195,19 @@ def _dq_program(
     ok = offs_m < q_len
     iv_base = b * iv_bstride
     q_off = b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
-    do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
     # Padding rows: do = 0 and delta = 0 make ds = 0 there whatever p is.
     lse2 = _lse2_for_grad(tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0))
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=ok, other=0.0)
     kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
 
-    if seeded != 0:
-        wrow = rows + query_offset - n_ctx
-        dq = tl.load(DQPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=ok[:, None], other=0.0)
-    else:
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if not SLOT_INLINE:
+        if seeded != 0:  # start from the slot kernel's part
+            wrow = rows + query_offset - n_ctx
+            dq = tl.load(DQPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
+                         mask=ok[:, None], other=0.0)
+    q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
+    do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
 
     bounds = Bounds + b * bounds_bstride + tile * n_intervals * 4
     for interval in range(0, n_intervals):
@@ -191,6 +223,12 @@ def _dq_program(
                            stride_kn, qk_scale, Counters, BLOCK_N, False, INSTRUMENT)
         dq = _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, full_end, n_tiles, lo, hi, n_keys,
                            stride_kn, qk_scale, Counters, BLOCK_N, True, INSTRUMENT)
+    if SLOT_INLINE:
+        if seeded != 0:  # the intra-window part last: with q and dO (re-read there) no longer live, it fits
+            slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
+            dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq, q_off, lse2, delta,
+                            b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv, stride_kn,
+                            qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
 
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
@@ -287,11 +325,12 @@ def _dq_kernel(
     n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    """Grid (B * H, query tiles)."""
+    """Grid (B * H, query tiles); window rows start from the slot kernel's ``DQPart`` (``split``)."""
     _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
-                RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-                stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys, n_ctx, query_offset,
-                n_intervals, n_iv, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)
+                RowIv, RowIv, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys,
+                n_ctx, query_offset, n_intervals, n_iv, 0, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False,
+                INSTRUMENT)
 
 
 @_kernel
@@ -313,26 +352,38 @@ def _dkdv_kernel(
 @_kernel
 def _bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
-    QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
+    QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
     bounds_bstride, stepptr_bstride, iv_bstride,
-    n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, n_bh, n_bkv, n_dkdv_programs,
-    qk_scale, sm_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
+    windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_DQ_INLINE: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    """dQ and dK/dV in one launch (1-D grid): the first ``n_dkdv_programs`` = ``n_bkv`` x key tiles are
-    dK/dV programs (the larger share of the work, so they start first), the rest ``n_bh`` x query tiles
-    dQ programs, each kind in its own longest-first order with (batch x head) fastest. One launch
-    instead of two saves a launch's host time; the register allocation is the larger of the two."""
+    """The whole backward after ``delta`` in one launch (1-D grid), programs split by id: the first
+    ``n_dkdv_programs`` = ``n_bkv`` x key tiles are dK/dV programs (the larger share of the work, so
+    they start first), the next ``n_dq_programs`` = ``n_bh`` x query tiles dQ programs (window rows
+    add their intra-window part inline), the rest ``n_bkv`` x slot blocks the window keys' dK/dV
+    (slot mode only); each kind in its own longest-first order with (batch x head) fastest. One
+    launch instead of three saves their host time; the register allocation is the largest kind's.
+    Without ``SLOT_DQ_INLINE`` the slot kernel ran first: window rows start from its ``DQPart`` and
+    it wrote the window keys' dK/dV (no third kind)."""
     pid = tl.program_id(0)
     if pid < n_dkdv_programs:
         _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                       StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                       stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
                       sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
-    else:
+    elif pid < n_dkdv_programs + n_dq_programs:
         p = pid - n_dkdv_programs
         _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
-                    RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb,
-                    stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys, n_ctx,
-                    query_offset, n_intervals, n_iv, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)
+                    RowIv, WindowKeys, RowSlot0, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
+                    stride_kn, stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads,
+                    kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
+                    BLOCK_M, BLOCK_N, HEAD_DIM, SLOT_DQ_INLINE, INSTRUMENT)
+    elif SLOT_DQ_INLINE:
+        p = pid - n_dkdv_programs - n_dq_programs
+        _slot_dkdv_program(p % n_bkv, p // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys, Counters,
+                           stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+                           n_kv_heads, kv_group, num_windows, window_size, query_offset, windows_per_block,
+                           iv_bstride, n_iv, qk_scale, sm_scale, BLOCK_T, HEAD_DIM, INSTRUMENT)

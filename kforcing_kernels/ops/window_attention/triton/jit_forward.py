@@ -1,10 +1,12 @@
 """The forward kernels (``@triton.jit`` source only; launched by ``launch.py``).
 
-* ``_slot_fwd_kernel`` (small windows only): the intra-window part, one block of
-  whole windows per program, w slot steps; writes a partial ``(out, lse)``.
-* ``_fwd_kernel``: one program per (batch x head, query tile), seeded with the
-  slot kernel's partial for window rows. Per interval of the plan it walks key
-  tiles of BLOCK_N; only tiles outside the plan's full range are masked.
+* ``_window_softmax`` (small windows only): the intra-window part of a block of rows,
+  w slot steps (``SLOT_INLINE``: inside ``_fwd_kernel``'s window tiles, so no launch of its own).
+* ``_slot_fwd_kernel`` (``split``/``legacy`` kernels only): the same as a launch, one block of
+  whole windows per program; writes a partial ``(out, lse)`` that the main kernel reads.
+* ``_fwd_kernel``: one program per (batch x head, query tile); window rows start from their
+  intra-window part. Per interval of the plan it walks key tiles of BLOCK_N; only tiles
+  outside the plan's full range are masked.
 
 FlashAttention-2 style: online softmax in base 2 with fp32 accumulators; the
 natural-log LSE is saved for the backward, which recomputes probabilities.
@@ -12,10 +14,44 @@ natural-log LSE is saved for the backward, which recomputes probabilities.
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from .jit_common import _finish, _kernel, _row_interval, _sees, _slot_block
 
+
+
+@triton.jit
+def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows, ok, slot0, iv_base, window_size, n_iv,
+                    stride_qm, stride_kn, qk_scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    INSTRUMENT: tl.constexpr):
+    """The intra-window part of query ``rows`` (BLOCK of them, any windows): ``(out, lse2)`` over the
+    ``window_size`` slots from each row's ``slot0`` in WindowKeys, out normalised (fp32), lse in log2
+    units (-inf for a row that sees no slot). Step i gathers slot i of every row's own window: a
+    row-wise dot, no tensor-core product."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + q_head + rows[:, None] * stride_qm + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    for i in range(0, window_size):
+        key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
+        visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
+        at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+        k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0)
+        v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
+        s_i = tl.where(visible, tl.sum(q * k_i.to(tl.float32), 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, s_i)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p_i = tl.exp2(s_i - m_sub)
+        l_i = l_i * alpha + p_i
+        acc = acc * alpha[:, None] + p_i[:, None] * v_i.to(tl.float32)
+        m_i = m_new
+        if INSTRUMENT:
+            tl.atomic_add(Counters + 1, 1)
+    inv_l, lse2 = _finish(m_i, l_i)
+    return acc * inv_l[:, None], lse2
 
 
 @_kernel
@@ -31,47 +67,27 @@ def _slot_fwd_kernel(
     h = pid_bh % n_heads
     kvh = h // kv_group
     ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
-    iv_base = b * iv_bstride
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = key.to(tl.int64) - query_offset
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    kv_head = b * stride_kb + kvh * stride_kh + offs_d[None, :]
-    m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32)
-    for i in range(0, window_size):
-        key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
-        visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
-        at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn
-        k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0)
-        v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
-        s_i = tl.where(visible, tl.sum(q * k_i.to(tl.float32), 1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, s_i)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p_i = tl.exp2(s_i - m_sub)
-        l_i = l_i * alpha + p_i
-        acc = acc * alpha[:, None] + p_i[:, None] * v_i.to(tl.float32)
-        m_i = m_new
-        if INSTRUMENT:
-            tl.atomic_add(Counters + 1, 1)
-    inv_l, lse2 = _finish(m_i, l_i)
+    out, lse2 = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
+                                b * stride_kb + kvh * stride_kh, key.to(tl.int64) - query_offset, ok, slot0,
+                                b * iv_bstride, window_size, n_iv, stride_qm, stride_kn, qk_scale, BLOCK_T, HEAD_DIM,
+                                INSTRUMENT)
     wrow = key.to(tl.int64) - n_ctx
-    tl.store(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-             acc * inv_l[:, None], mask=ok[:, None])
+    tl.store(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=ok[:, None])
     tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, lse2, mask=ok)
 
 
 @_kernel
 def _fwd_kernel(
     Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
-    OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles)
-    QueryTiles, Bounds, Order, RowIv, Counters,
+    OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles unless SLOT_INLINE)
+    QueryTiles, Bounds, Order, RowIv, WindowKeys, RowSlot0, Counters,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
     stride_wb, stride_wh, bounds_bstride, iv_bstride,
-    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_INLINE: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
@@ -94,11 +110,17 @@ def _fwd_kernel(
     k_tile0 = K + kv_tile0
     v_tile0 = V + kv_tile0
 
-    if seeded != 0:  # start from the intra-window partial: normalised out, l = 1
+    if seeded != 0:  # start from the intra-window part: normalised out, l = 1
         wrow = rows + query_offset - n_ctx
-        acc = tl.load(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=ok[:, None], other=0.0)
-        m_i = tl.load(LsePart + b * stride_wb + h * stride_wh + wrow, mask=ok, other=float("-inf"))
+        if SLOT_INLINE:  # computed here (no slot launch): each row's window from RowSlot0
+            slot0 = tl.load(RowSlot0 + wrow, mask=ok, other=0)
+            acc, m_i = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
+                                       b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv,
+                                       stride_qm, stride_kn, qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
+        else:  # the slot kernel's
+            acc = tl.load(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
+                          mask=ok[:, None], other=0.0)
+            m_i = tl.load(LsePart + b * stride_wb + h * stride_wh + wrow, mask=ok, other=float("-inf"))
         l_i = tl.where(ok, 1.0, 0.0)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

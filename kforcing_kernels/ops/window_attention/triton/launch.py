@@ -8,12 +8,12 @@ tensor, and window slots are located through the layout's slot-to-key table, so
 both storage orders (position-major, and the stream-major DoubleForward storage
 ``[ctx | Future-1 | Future-2]``) are read in place and no kernel re-derives the mask.
 
-Launch order: forward ``slot_fwd`` (small windows only), ``fwd``
-(``jit_forward.py``); backward ``delta``, ``slot_bwd``, ``dq``, ``dkdv``
-(``jit_backward.py``), where ``bwd`` is dQ and dK/dV in one launch (default;
-``KFORCING_TRITON_BACKWARD=split`` launches ``dq`` and ``dkdv`` separately, ``=legacy`` the
-first-generation ``dq_legacy``, ``dkdv_legacy`` of ``jit_backward_legacy.py`` with their own
-dK/dV tiles, for A/B runs). Launchers take contiguous ``[B, H, L, D]`` tensors. Under
+Launches per forward + backward (default): ``fwd`` (``jit_forward.py``; window tiles compute their
+rows' intra-window part inline), ``delta``, ``bwd`` (``jit_backward.py``: dK/dV, dQ and the window
+keys' dK/dV, programs split by id). ``KFORCING_TRITON_KERNELS=split`` launches the slot work and
+dQ / dK/dV apart (``slot_fwd``, ``fwd``, ``delta``, ``slot_bwd``, ``dq``, ``dkdv``), ``=legacy`` the
+same with the first-generation ``dq_legacy``, ``dkdv_legacy`` of ``jit_backward_legacy.py`` and
+their own dK/dV tiles, for A/B runs. Launchers take contiguous ``[B, H, L, D]`` tensors. Under
 ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
 a fixed config; on a GPU each kernel is autotuned over its entries in
 ``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
@@ -34,7 +34,7 @@ from triton.runtime import driver as _triton_driver
 
 from ....layouts import WindowLayout
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
-                      TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, backward_variant, check_head_dim, length_bucket,
+                      TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, kernel_variant, check_head_dim, length_bucket,
                       tile_set_for, tiles_for)
 from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
@@ -145,7 +145,7 @@ def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]
     """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs. The
     legacy backward keeps its own dK/dV tiles (forward tiles are the same in both tables)."""
     d = q.shape[-1]
-    sets = LEGACY_TILE_SETS if backward_variant() == "legacy" else TILE_SETS
+    sets = LEGACY_TILE_SETS if kernel_variant() == "legacy" else TILE_SETS
     if tiles is None:
         name = tile_set_for(d, q.shape[2], q.device)
         return sets[name][d], name
@@ -194,27 +194,31 @@ def _forward(q, k, v, layout, scale, tiles, counters):
     kv_group = n_heads // k.shape[1]
     q_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
 
+    inline = kernel_variant() == "fused"  # window slots inside the fwd programs, else a slot launch first
     n_window_rows = lq - (g.n_ctx - g.query_offset)
-    o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
+    o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks and not inline else 0, d,
+                         dtype=torch.float32)
     lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
-    _launch(
-        "slot_fwd", (bsz * n_heads, plan.intra_blocks), key,
-        q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
-        *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-        n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
-        pt["iv_bstride"], pt["n_iv"], scale * LOG2E,
-        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
-    )
+    if not inline:
+        _launch(
+            "slot_fwd", (bsz * n_heads, plan.intra_blocks), key,
+            q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
+            *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+            n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+            pt["iv_bstride"], pt["n_iv"], scale * LOG2E,
+            BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+        )
     out = torch.empty_like(q)
     lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     _launch(
         "fwd", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, out, lse, o_part, lse_part,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
         *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         lse_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
-        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], g.window_size,
+        scale * LOG2E, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, SLOT_INLINE=inline,
+        INSTRUMENT=instrument,
     )
     return out, lse
 
@@ -260,43 +264,51 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    n_window_rows = lq - (g.n_ctx - g.query_offset)
-    dq_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks else 0, d, dtype=torch.float32)
-    _launch(
-        "slot_bwd", (bsz * n_kv, plan.intra_blocks), key,
-        q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
-        *strides, dq_part.stride(0), dq_part.stride(1),
-        n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
-        pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
-    )
-    variant = backward_variant()
     dq = torch.empty_like(q)
+    variant = kernel_variant()
+    # The slot kernel runs first (window keys' dK/dV, window rows' dQ part) unless the default kernels
+    # do that inside the backward launch (every tile set but the wide one: its dQ programs would spill).
+    slot_launch = plan.intra_blocks > 0 and (variant != "fused" or not tiles.slot_dq_inline)
+    n_window_rows = lq - (g.n_ctx - g.query_offset)
+    dq_part = q.new_empty(bsz, n_heads, n_window_rows if slot_launch else 0, d, dtype=torch.float32)
+    if slot_launch:
+        _launch(
+            "slot_bwd", (bsz * n_kv, plan.intra_blocks), key,
+            q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
+            *strides, dq_part.stride(0), dq_part.stride(1),
+            n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
+            pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
+            BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+        )
+    if variant == "fused":
+        st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
+        n_dkdv = bsz * n_kv * plan.num_key_tiles
+        n_dq = bsz * n_heads * plan.num_query_tiles
+        n_slot = 0 if slot_launch else bsz * n_kv * plan.intra_blocks
+        _launch(
+            "bwd", (n_dkdv + n_dq + n_slot, 1), key,
+            q, k, v, dout, lse, delta, dq, dk, dv, dq_part,
+            pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
+            st["step_order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
+            *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], st["stepptr_bstride"],
+            pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
+            g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
+            scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
+            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, SLOT_DQ_INLINE=tiles.slot_dq_inline,
+            INSTRUMENT=instrument,
+        )
+        return dq, dk, dv
     if variant == "legacy":
         _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
                          instrument)
         return dq, dk, dv
     st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
-    dq_sizes = (g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"])
-    if variant == "fused":
-        n_dkdv = bsz * n_kv * plan.num_key_tiles
-        _launch(
-            "bwd", (n_dkdv + bsz * n_heads * plan.num_query_tiles, 1), key,
-            q, k, v, dout, lse, delta, dq, dk, dv, dq_part,
-            pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
-            st["step_order"], pt["row_iv"], counters,
-            *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], st["stepptr_bstride"],
-            pt["iv_bstride"], n_heads, n_kv, kv_group, *dq_sizes, bsz * n_heads, bsz * n_kv, n_dkdv, scale * LOG2E,
-            scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-            BLOCK_N_DKDV=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
-        )
-        return dq, dk, dv
     _launch(
         "dq", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, dout, lse, delta, dq, dq_part,
         pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
         *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
-        n_heads, kv_group, *dq_sizes, scale * LOG2E, scale,
+        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E, scale,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     _launch(
@@ -312,7 +324,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
 
 def _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
                      instrument):
-    """The first-generation dQ and dK/dV kernels (KFORCING_TRITON_BACKWARD=legacy), for A/B runs."""
+    """The first-generation dQ and dK/dV kernels (KFORCING_TRITON_KERNELS=legacy), for A/B runs."""
     (bsz, n_heads, _, d), n_kv, g, tiles = q.shape, k.shape[1], plan.geometry, plan.tiles
     kv_group = n_heads // n_kv
     _launch(

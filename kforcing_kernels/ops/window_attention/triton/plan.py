@@ -18,14 +18,16 @@ it is longer than a tile: windows of w <= BLOCK_M rows are packed
 context key tile loaded is reused by all of them. Stream-major storage
 (DoubleForward) is tiled per stream; rows are located by index arithmetic.
 
-Small windows (w <= ``SLOT_WINDOW_MAX``) handle their intra-window part in a
-separate *slot-step* kernel instead of tile products: blocks of
-``block_t // w`` whole windows, and step i gathers slot i of every token's
+Small windows (w <= ``SLOT_WINDOW_MAX``) handle their intra-window part in
+*slot steps* instead of tile products: step i gathers slot i of every row's
 own window (a row-wise dot, no tensor-core product). A packed tile of BLOCK_M
 rows would otherwise pay a BLOCK_M x BLOCK_M block-diagonal product for
-BLOCK_M * (w+1)/2 useful pairs. The forward's partial (out, lse) seeds the main
-kernel's online softmax; backward, window keys are only seen by their own
-window, so the slot kernel produces their dK/dV outright (and a partial dQ).
+BLOCK_M * (w+1)/2 useful pairs. The default kernels run them inside the
+window ("seeded") query tiles, which start their online softmax (forward) or
+dQ from them; window keys are only seen by their own window, so their dK/dV
+come outright from slot blocks of ``block_t // w`` whole windows. The
+``split``/``legacy`` kernels run all of it as a separate slot kernel whose
+partials the main kernels read.
 Large windows use tile products (their intra part is a causal band, intervals 1..S).
 
 The backward dK/dV kernel walks the transposed plan: for each key tile (aligned
@@ -66,6 +68,9 @@ class Tiles:
     block_t: int = 64
     block_m_dkdv: int = 0
     slot_window_max: Optional[int] = None  # lowers SLOT_WINDOW_MAX for these tiles (None: the module's)
+    # dQ programs do their window rows' slot steps inline (False: a slot launch before the backward does,
+    # for tiles whose dQ program has no registers left for them)
+    slot_dq_inline: bool = True
 
     @property
     def dkdv_step_rows(self) -> int:
@@ -133,7 +138,7 @@ class TilePlan:
 
     Attributes:
         query_tiles: [T, 3] ``(q_start, q_len, seeded)`` per query tile (rows of q); seeded tiles
-            start from the slot-step kernel's partial result for their rows.
+            (window rows in slot mode) start from their rows' intra-window slot steps.
         bounds: [B', T, J, 4] per query tile and interval: ``key_start`` (any key
             index, not tile-aligned), ``n_tiles`` key tiles of BLOCK_N from there, and
             the full (unmasked) ones ``[full_begin, full_end)``.
@@ -177,6 +182,12 @@ class TilePlan:
         The backward slot kernel runs twice as many (one pass for dQ, one for dK/dV).
         """
         return self.intra_blocks * self.geometry.window_size
+
+    def inline_slot_steps(self) -> int:
+        """Slot steps per (batch, head) when the window tiles do their rows' intra-window part inline
+        (the default kernels), each block_m rows x 1 key: the forward's, and the backward's dQ part
+        (whose dK/dV part still runs :meth:`slot_steps` in slot blocks)."""
+        return int(self.query_tiles[:, 2].sum()) * self.geometry.window_size if self.intra_blocks else 0
 
     def dkdv_tile_products(self) -> torch.Tensor:
         """int64 [B']: (key tile, query tile) products the dK/dV kernel runs per (batch, query head)."""
@@ -377,6 +388,18 @@ def device_plan(plan: TilePlan, layout: WindowLayout, device: torch.device) -> d
     return layout._derived(key, lambda: _upload(plan, layout, device))
 
 
+def _row_slot0(layout: WindowLayout) -> torch.Tensor:
+    """int64 [window tokens]: per window row (key - n_ctx), where its window's slot 0 is in the flat
+    slot-to-key table: the inverse of ``window_token_keys``, so kernels that walk query tiles find a
+    row's window slots without a storage formula."""
+    keys = layout.window_token_keys
+    valid = keys >= 0
+    slot0 = (torch.arange(keys.shape[0]) * keys.shape[1])[:, None].expand_as(keys)
+    out = torch.zeros(int(valid.sum()), dtype=torch.int64)
+    out[keys[valid] - layout.n_ctx] = slot0[valid]
+    return out
+
+
 def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
     row_iv = layout.row_intervals_int32
 
@@ -388,6 +411,7 @@ def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
         query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
         key_tiles=dev(plan.key_tiles), key_ptr=dev(plan.key_ptr), key_entries=dev(plan.key_entries),
         key_order=dev(plan.key_order), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
+        row_slot0=dev(_row_slot0(layout)),
         bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
         keyptr_bstride=plan.key_ptr.shape[1] if plan.key_ptr.shape[0] > 1 else 0,
         iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0, n_iv=row_iv.shape[2],
