@@ -60,7 +60,8 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # measurement (pipelined kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
 # base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
 # 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set); with the window slot steps
-# inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead). Legacy lists: as tuned in 0.3.
+# inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead) and the D=64 one at 8/1
+# (8/2 replaces it). Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
 _SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
@@ -72,7 +73,7 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1)],
              ("hopper", 64): [(8, 3), (4, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
-    "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 1)], ("hopper", 64): [(4, 3), (8, 3)],
+    "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
             ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
     "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
                   ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
