@@ -22,9 +22,9 @@ this path out).
 from __future__ import annotations
 
 import array
-import functools
 import operator
 import threading
+from math import gcd
 from typing import Optional
 
 import torch
@@ -50,41 +50,46 @@ class ArgSignature:
     key at least as fine as ``native_specialize_impl``'s result, or None when an argument's type is not
     handled here. Tensors: dtype and 16-byte alignment; ints: 32/64-bit or unsigned 64-bit range, and
     for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
-    constexprs passed positionally: their value. Bulk checks keep the common case (every pointer
-    aligned, every int in int32, every specialised int a multiple of 16) at a few C-level passes."""
+    constexprs passed positionally: their value. The tuple of argument types picks a plan (which
+    positions hold what); bulk checks keep the common case (every pointer aligned, every int in int32,
+    every specialised int a multiple of 16) at a few C-level passes: ``math.gcd`` of all the pointers
+    (or specialised ints) is a multiple of 16 exactly when each of them is."""
 
     def __init__(self, fn):
         self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
         self._plans: dict[tuple, object] = {}
+        self._last: tuple = ((), None)  # (argument types, plan) of the previous call: a launcher's types rarely change
 
     def __call__(self, args: tuple) -> Optional[tuple]:
         types = tuple(map(type, args))
-        plan = self._plans.get(types)
-        if plan is None:
-            plan = self._plans[types] = self._plan(types)
+        last = self._last
+        if types == last[0]:
+            plan = last[1]
+        else:
+            plan = self._plans.get(types)
+            if plan is None:
+                plan = self._plans[types] = self._plan(types)
+            self._last = (types, plan)
         if plan is False:
             return None
         tensors_of, ints_of, specialised_of, constants_of = plan
-        key = [plan]  # one plan per tuple of argument types: it stands for them in the key (cheaper to hash)
         tensors = tensors_of(args)
+        # One plan per tuple of argument types: it stands for them in the key (cheaper to hash).
         if tensors:
-            key.append(tuple(map(_dtype, tensors)))
-            pointers = tuple(map(torch.Tensor.data_ptr, tensors))
-            key.append(True if functools.reduce(operator.or_, pointers) % 16 == 0
-                       else tuple(p % 16 == 0 for p in pointers))
+            dtypes = tuple(map(_dtype, tensors))
+            aligned = True if gcd(*map(_data_ptr, tensors)) & 15 == 0 else tuple(
+                p & 15 == 0 for p in map(_data_ptr, tensors))
+        else:
+            dtypes = aligned = ()
         ints = ints_of(args)
-        if ints:
-            try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
-                array.array("i", ints)
-                key.append(True)
-            except OverflowError:
-                key.append(tuple(map(_int_width, ints)))
+        try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
+            array.array("i", ints)
+            widths = True
+        except OverflowError:
+            widths = tuple(map(_int_width, ints))
         specialised = specialised_of(args)
-        if specialised:
-            key.append(True if functools.reduce(operator.or_, specialised) % 16 == 0
-                       else tuple((a % 16 == 0, a == 1) for a in specialised))
-        key.append(constants_of(args))
-        return tuple(key)
+        divisible = True if gcd(*specialised) & 15 == 0 else tuple((a % 16 == 0, a == 1) for a in specialised)
+        return plan, dtypes, aligned, widths, divisible, constants_of(args)
 
     def _plan(self, types: tuple):
         if self.params is None or len(types) > len(self.params):
@@ -114,6 +119,7 @@ def _getter(positions: list):
 
 
 _dtype = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _int_width(a: int) -> int:
@@ -121,26 +127,34 @@ def _int_width(a: int) -> int:
 
 
 class DirectLaunch:
-    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments."""
+    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments.
+    Its launcher, function handle and packed metadata are read once: Triton sets them when the kernel
+    is first launched (the autotuner path did that) and never resets them while the kernel lives."""
 
-    __slots__ = ("kernel", "tail")
+    __slots__ = ("kernel", "tail", "_run", "_function", "_packed")
 
     def __init__(self, kernel, tail: tuple):
+        global _runtime_knobs
+        if _runtime_knobs is None:
+            from triton import knobs
+
+            _runtime_knobs = knobs.runtime
         self.kernel = kernel
         self.tail = tail
+        self._run, self._function, self._packed = kernel.run, kernel.function, kernel.packed_metadata
 
     def __call__(self, grid: tuple, args: tuple, stream) -> None:
-        from triton import knobs
-
-        kernel = self.kernel
-        bound = (*args, *self.tail)
-        size = len(grid)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
         # The metadata only feeds the enter hook: skipped while that is an empty HookChain.
-        metadata = kernel.launch_metadata(grid, stream, *bound) if getattr(enter, "calls", enter) else None
+        metadata = (self.kernel.launch_metadata(grid, stream, *args, *self.tail) if getattr(enter, "calls", enter)
+                    else None)
+        size = len(grid)
         # JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
-        kernel.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, metadata, enter, leave, *bound)
+        self._run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, self._function,
+                  self._packed, metadata, enter, leave, *args, *self.tail)
+
+
+_runtime_knobs = None  # triton.knobs.runtime (the launch hooks), imported with the first DirectLaunch
 
 
 def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
@@ -167,6 +181,17 @@ class DirectCache:
         if signer is None:
             signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
         return signer(args)
+
+    def lookup(self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple,
+               kwargs: dict) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
+        """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
+        with autotuning on/off on ``device``: the key holds these, the keyword constexprs and the
+        arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
+        signature = self.signature(kernel_name, fn, args)
+        if signature is None:
+            return None, None
+        key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
+        return key, self._entries.get(key)
 
     def get(self, key: tuple) -> Optional[DirectLaunch]:
         return self._entries.get(key)
