@@ -31,25 +31,30 @@ class _Variable:
     """One variable, read from ``os.environ`` on every call, as ``os.environ.get`` would (so a test's
     ``monkeypatch.setenv`` takes effect at once), in ~0.1 us instead of ~1 us: the Triton launchers read
     their switches on every kernel launch. CPython's ``os.environ`` keeps its values in an encoded dict
-    (``_data``) that every ``os.environ[...] =`` / ``del`` / ``putenv`` through it updates; this reads that
-    dict and decodes a value only when its stored object changed. Where ``os.environ`` is not that
-    object (replaced, or another implementation), it is plain ``os.environ.get``."""
+    (``_data``) that every ``os.environ[...] =`` / ``del`` through it updates; this reads that dict and
+    decodes a value only when its stored object changed. Where ``os.environ`` is not that object
+    (replaced, or another implementation), it is plain ``os.environ.get``. ``get`` returns None for an
+    empty value too unless ``empty_is_unset`` is False."""
 
-    __slots__ = ("name", "_key", "_last")
+    __slots__ = ("name", "empty_is_unset", "_key", "_last")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, empty_is_unset: bool = True):
         self.name = name
+        self.empty_is_unset = empty_is_unset
         self._key = _ENVIRON.encodekey(name) if _DATA is not None else None
-        self._last: tuple = (None, None)  # (stored encoded value, its decoded str): one tuple, so threads see a pair
+        self._last: tuple = (None, None)  # (stored encoded value, its result): one tuple, so threads see a pair
 
     def get(self) -> Optional[str]:
         if os.environ is not _ENVIRON or _DATA is None:
-            return os.environ.get(self.name)
+            value = os.environ.get(self.name)
+            return None if self.empty_is_unset and not value else value
         raw = _DATA.get(self._key)
         last = self._last
         if raw is last[0]:
             return last[1]
         value = None if raw is None else _ENVIRON.decodevalue(raw)
+        if self.empty_is_unset and not value:
+            value = None
         self._last = (raw, value)
         return value
 
@@ -60,22 +65,12 @@ _DATA = getattr(_ENVIRON, "_data", None) if all(
 _VARIABLES: dict[str, _Variable] = {}
 
 
-def _variable(name: str) -> _Variable:
+def _get(name: str) -> Optional[str]:
+    """The value of ``name``, None when unset or empty."""
     var = _VARIABLES.get(name)
     if var is None:
         var = _VARIABLES.setdefault(name, _Variable(name))
-    return var
-
-
-_TRITON_AUTOTUNE = _variable("KFORCING_TRITON_AUTOTUNE")
-_TRITON_TILES = _variable("KFORCING_TRITON_TILES")
-_TRITON_BACKWARD = _variable("KFORCING_TRITON_BACKWARD")
-_TRITON_DIRECT_LAUNCH = _variable("KFORCING_TRITON_DIRECT_LAUNCH")
-
-
-def _get(name: str) -> Optional[str]:
-    value = _variable(name).get()
-    return value if value else None
+    return var.get()
 
 
 def backend_override() -> Optional[str]:
@@ -92,22 +87,13 @@ def cpp_isa() -> Optional[str]:
     return _get("KFORCING_CPP_ISA")
 
 
-def triton_autotune() -> Optional[str]:
-    """The raw value (an empty string is an error for the caller to report, not "unset")."""
-    return _TRITON_AUTOTUNE.get()
-
-
-def triton_tiles() -> Optional[str]:
-    return _TRITON_TILES.get() or None
-
-
-def triton_backward() -> Optional[str]:
-    return _TRITON_BACKWARD.get() or None
-
-
-def triton_direct_launch() -> Optional[str]:
-    """The raw value, None when unset or empty (the caller reports anything but ``0``/``1``)."""
-    return _TRITON_DIRECT_LAUNCH.get() or None
+# Read on every Triton kernel launch: the bound ``get`` of each (no wrapper call).
+# The raw value (an empty string is an error for the caller to report, not "unset"):
+triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).get
+triton_tiles = _Variable("KFORCING_TRITON_TILES").get
+triton_backward = _Variable("KFORCING_TRITON_BACKWARD").get
+# None when unset or empty (the caller reports anything but ``0``/``1``):
+triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
 
 
 def triton_interpret() -> bool:

@@ -57,7 +57,7 @@ class ArgSignature:
 
     def __init__(self, fn):
         self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
-        self._plans: dict[tuple, object] = {}
+        self._plans: dict[tuple, Optional[_Plan]] = {}
         self._last: tuple = ((), None)  # (argument types, plan) of the previous call: a launcher's types rarely change
 
     def __call__(self, args: tuple) -> Optional[tuple]:
@@ -66,34 +66,37 @@ class ArgSignature:
         if types == last[0]:
             plan = last[1]
         else:
-            plan = self._plans.get(types)
-            if plan is None:
+            plan = self._plans.get(types, False)
+            if plan is False:
                 plan = self._plans[types] = self._plan(types)
             self._last = (types, plan)
-        if plan is False:
+        if plan is None:
             return None
-        tensors_of, ints_of, specialised_of, constants_of = plan
-        tensors = tensors_of(args)
-        # One plan per tuple of argument types: it stands for them in the key (cheaper to hash).
-        if tensors:
+        # The plan stands for the argument types in the key (one per tuple of types; hashed by identity).
+        dtypes = aligned = widths = divisible = constants = ()
+        if plan.tensors is not None:
+            tensors = plan.tensors(args)
             dtypes = tuple(map(_dtype, tensors))
             aligned = True if gcd(*map(_data_ptr, tensors)) & 15 == 0 else tuple(
                 p & 15 == 0 for p in map(_data_ptr, tensors))
-        else:
-            dtypes = aligned = ()
-        ints = ints_of(args)
-        try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
-            array.array("i", ints)
-            widths = True
-        except OverflowError:
-            widths = tuple(map(_int_width, ints))
-        specialised = specialised_of(args)
-        divisible = True if gcd(*specialised) & 15 == 0 else tuple((a % 16 == 0, a == 1) for a in specialised)
-        return plan, dtypes, aligned, widths, divisible, constants_of(args)
+        if plan.ints is not None:
+            ints = plan.ints(args)
+            try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
+                array.array("i", ints)
+                widths = True
+            except OverflowError:
+                widths = tuple(map(_int_width, ints))
+        if plan.specialised is not None:
+            specialised = plan.specialised(args)
+            divisible = True if gcd(*specialised) & 15 == 0 else tuple(
+                (a % 16 == 0, a == 1) for a in specialised)
+        if plan.constants is not None:
+            constants = plan.constants(args)
+        return plan, dtypes, aligned, widths, divisible, constants
 
-    def _plan(self, types: tuple):
+    def _plan(self, types: tuple) -> Optional["_Plan"]:
         if self.params is None or len(types) > len(self.params):
-            return False
+            return None
         tensors, ints, specialised, constants = [], [], [], []
         for i, (t, param) in enumerate(zip(types, self.params)):
             if param.is_constexpr:
@@ -105,16 +108,27 @@ class ArgSignature:
                 if not param.do_not_specialize:
                     specialised.append(i)
             elif t not in (float, bool, type(None)):
-                return False
-        return tuple(_getter(positions) for positions in (tensors, ints, specialised, constants))
+                return None
+        return _Plan(*map(_getter, (tensors, ints, specialised, constants)))
+
+
+class _Plan:
+    """Where one tuple of argument types puts the tensors, the ints, the specialised ints and the
+    positional constexprs: C-level getters returning a tuple, None where there are none."""
+
+    __slots__ = ("tensors", "ints", "specialised", "constants")
+
+    def __init__(self, tensors, ints, specialised, constants):
+        self.tensors, self.ints, self.specialised, self.constants = tensors, ints, specialised, constants
 
 
 def _getter(positions: list):
+    """``args -> tuple(args[i] for i in positions)`` without a Python frame (None for no positions):
+    a slice where the positions are consecutive (the launchers pass tensors first), else an itemgetter."""
     if not positions:
-        return lambda args: ()
-    if len(positions) == 1:
-        (only,) = positions
-        return lambda args: (args[only],)
+        return None
+    if positions == list(range(positions[0], positions[-1] + 1)):
+        return operator.itemgetter(slice(positions[0], positions[-1] + 1))
     return operator.itemgetter(*positions)
 
 
@@ -187,7 +201,10 @@ class DirectCache:
         """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
         with autotuning on/off on ``device``: the key holds these, the keyword constexprs and the
         arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
-        signature = self.signature(kernel_name, fn, args)
+        signer = self._signatures.get(kernel_name)
+        if signer is None:
+            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
+        signature = signer(args)
         if signature is None:
             return None, None
         key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
