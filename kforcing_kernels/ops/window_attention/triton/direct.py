@@ -207,7 +207,8 @@ class DirectCache:
         signature = signer(args)
         if signature is None:
             return None, None
-        key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
+        # The keyword names then their values, flat (unambiguous: as many names as values).
+        key = (kernel_name, tune_key, autotune, device, (*kwargs, *kwargs.values()), signature)
         return key, self._entries.get(key)
 
     def get(self, key: tuple) -> Optional[DirectLaunch]:
