@@ -17,6 +17,12 @@ the autotuner path. Triton's debug and instrumentation knobs are read when a key
 kernel's global constants did not change since it compiled runs on the first launch only.
 KFORCING_TRITON_DIRECT_LAUNCH=0 keeps every launch on the autotuner path (to compare, or to rule
 this path out).
+
+Building the key is most of a direct launch's host time, so it is a handful of C-level passes over
+the arguments: their types (which pick a cached plan of positions; the previous call's plan is
+reused while the types are equal), the tensors' dtypes, one ``math.gcd`` of their pointers for the
+alignment, one ``array('i')`` for the int32 range, one ``gcd`` of the specialised ints; the
+switches come from ``env.py``'s cheap reads of ``os.environ`` (still read on every launch).
 """
 
 from __future__ import annotations
