@@ -205,6 +205,10 @@ def test_direct_launch_hands_the_launcher_what_the_autotuner_path_does(monkeypat
         assert first[1] == (4, 1, 1) and first[4] == (x, y, 100, 1, 0.5, 32)
         other, through_jit = call(x, y, 99, 3, 0.5)  # stride 3: another specialisation, a new key
         assert through_jit == 1 and len(launch._direct) == 2 and other[4][2:4] == (99, 3)
+        # Back and forth between the two keys (each kernel remembers its previous key): both direct.
+        for args, expected in (((x, y, 100, 1, 0.5), first), ((x, y, 99, 3, 0.5), other), ((x, y, 100, 1, 0.5), first)):
+            again, through_jit = call(*args)
+            assert through_jit == 0 and again == expected
         monkeypatch.setenv(ENV, "0")
         slow, through_jit = call(x, y, 100, 1, 0.5)
         assert through_jit == 1 and slow == first

@@ -187,35 +187,55 @@ def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
     return tuple(kwargs[name] for name in names)
 
 
+class _KernelSite:
+    """Per kernel name: its ``ArgSignature`` and the last (key, launch) found for it. Most launches
+    repeat their kernel's previous key, and comparing with it is cheaper than hashing the key."""
+
+    __slots__ = ("signer", "last")
+
+    def __init__(self, fn):
+        self.signer = ArgSignature(fn)
+        self.last: tuple = (None, None)
+
+
 class DirectCache:
     """Direct launches by key; filled from the autotuner path's results."""
 
     def __init__(self):
         self._entries: dict[tuple, DirectLaunch] = {}
-        self._signatures: dict[str, ArgSignature] = {}
+        self._sites: dict[str, _KernelSite] = {}
         self._lock = threading.Lock()
+
+    def _site(self, kernel_name: str, fn) -> _KernelSite:
+        site = self._sites.get(kernel_name)
+        if site is None:
+            site = self._sites.setdefault(kernel_name, _KernelSite(fn))
+        return site
 
     def signature(self, kernel_name: str, fn, args: tuple) -> Optional[tuple]:
         """``ArgSignature`` of ``fn`` (the kernel called ``kernel_name``) applied to ``args``."""
-        signer = self._signatures.get(kernel_name)
-        if signer is None:
-            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
-        return signer(args)
+        return self._site(kernel_name, fn).signer(args)
 
     def lookup(self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple,
                kwargs: dict) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
         """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
         with autotuning on/off on ``device``: the key holds these, the keyword constexprs and the
         arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
-        signer = self._signatures.get(kernel_name)
-        if signer is None:
-            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
-        signature = signer(args)
+        site = self._sites.get(kernel_name)
+        if site is None:
+            site = self._site(kernel_name, fn)
+        signature = site.signer(args)
         if signature is None:
             return None, None
         # The keyword names then their values, flat (unambiguous: as many names as values).
         key = (kernel_name, tune_key, autotune, device, (*kwargs, *kwargs.values()), signature)
-        return key, self._entries.get(key)
+        last = site.last
+        if key == last[0]:
+            return key, last[1]
+        entry = self._entries.get(key)
+        if entry is not None:
+            site.last = (key, entry)
+        return key, entry
 
     def get(self, key: tuple) -> Optional[DirectLaunch]:
         return self._entries.get(key)
@@ -237,7 +257,7 @@ class DirectCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._signatures.clear()
+            self._sites.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
