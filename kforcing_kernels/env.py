@@ -87,12 +87,12 @@ def cpp_isa() -> Optional[str]:
     return _get("KFORCING_CPP_ISA")
 
 
-# Read on every Triton kernel launch: the bound ``get`` of each (no wrapper call).
-# The raw value (an empty string is an error for the caller to report, not "unset"):
+# Read on every Triton call or kernel launch: each is a bound ``get`` (no wrapper call).
+# KFORCING_TRITON_AUTOTUNE: the raw value (an empty string is an error for the caller to report, not "unset").
 triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).get
+# The others: None when unset or empty (the caller reports a value it cannot parse).
 triton_tiles = _Variable("KFORCING_TRITON_TILES").get
 triton_backward = _Variable("KFORCING_TRITON_BACKWARD").get
-# None when unset or empty (the caller reports anything but ``0``/``1``):
 triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
 
 
