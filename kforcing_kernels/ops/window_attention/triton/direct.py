@@ -206,16 +206,6 @@ class DirectCache:
         self._sites: dict[str, _KernelSite] = {}
         self._lock = threading.Lock()
 
-    def _site(self, kernel_name: str, fn) -> _KernelSite:
-        site = self._sites.get(kernel_name)
-        if site is None:
-            site = self._sites.setdefault(kernel_name, _KernelSite(fn))
-        return site
-
-    def signature(self, kernel_name: str, fn, args: tuple) -> Optional[tuple]:
-        """``ArgSignature`` of ``fn`` (the kernel called ``kernel_name``) applied to ``args``."""
-        return self._site(kernel_name, fn).signer(args)
-
     def lookup(self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple,
                kwargs: dict) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
         """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
@@ -223,7 +213,7 @@ class DirectCache:
         arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
         site = self._sites.get(kernel_name)
         if site is None:
-            site = self._site(kernel_name, fn)
+            site = self._sites.setdefault(kernel_name, _KernelSite(fn))
         signature = site.signer(args)
         if signature is None:
             return None, None
@@ -236,9 +226,6 @@ class DirectCache:
         if entry is not None:
             site.last = (key, entry)
         return key, entry
-
-    def get(self, key: tuple) -> Optional[DirectLaunch]:
-        return self._entries.get(key)
 
     def remember(self, key: tuple, fn, kernel, n_positional: int, kwargs: dict) -> Optional[DirectLaunch]:
         """Cache ``kernel`` (what the autotuner path launched for ``key``) if it can be launched directly."""
