@@ -1,4 +1,5 @@
-"""Every environment variable the package reads, in one place (read at call time, so tests may set them).
+"""Every environment variable the package reads, in one place (read at call time, so tests may set them;
+cheaply: ``_Variable``).
 
 =========================  ==========================================================================
 ``KFORCING_BACKEND``        force the window-attention backend picked when ``backend=None``
@@ -27,9 +28,50 @@ from pathlib import Path
 from typing import Optional
 
 
+class _Variable:
+    """One variable, read from ``os.environ`` on every call, as ``os.environ.get`` would (so a test's
+    ``monkeypatch.setenv`` takes effect at once), in ~0.1 us instead of ~1 us: the Triton launchers read
+    their switches on every kernel launch. CPython's ``os.environ`` keeps its values in an encoded dict
+    (``_data``) that every ``os.environ[...] =`` / ``del`` through it updates; this reads that dict and
+    decodes a value only when its stored object changed. Where ``os.environ`` is not that object
+    (replaced, or another implementation), it is plain ``os.environ.get``. ``get`` returns None for an
+    empty value too unless ``empty_is_unset`` is False."""
+
+    __slots__ = ("name", "empty_is_unset", "_key", "_last")
+
+    def __init__(self, name: str, empty_is_unset: bool = True):
+        self.name = name
+        self.empty_is_unset = empty_is_unset
+        self._key = _ENVIRON.encodekey(name) if _DATA is not None else None
+        self._last: tuple = (None, None)  # (stored encoded value, its result): one tuple, so threads see a pair
+
+    def get(self) -> Optional[str]:
+        if os.environ is not _ENVIRON or _DATA is None:
+            value = os.environ.get(self.name)
+            return None if self.empty_is_unset and not value else value
+        raw = _DATA.get(self._key)
+        last = self._last
+        if raw is last[0]:
+            return last[1]
+        value = None if raw is None else _ENVIRON.decodevalue(raw)
+        if self.empty_is_unset and not value:
+            value = None
+        self._last = (raw, value)
+        return value
+
+
+_ENVIRON = os.environ
+_DATA = getattr(_ENVIRON, "_data", None) if all(
+    hasattr(_ENVIRON, attr) for attr in ("_data", "encodekey", "decodevalue")) else None
+_VARIABLES: dict[str, _Variable] = {}
+
+
 def _get(name: str) -> Optional[str]:
-    value = os.environ.get(name)
-    return value if value else None
+    """The value of ``name``, None when unset or empty."""
+    var = _VARIABLES.get(name)
+    if var is None:
+        var = _VARIABLES.setdefault(name, _Variable(name))
+    return var.get()
 
 
 def backend_override() -> Optional[str]:
@@ -46,22 +88,13 @@ def cpp_isa() -> Optional[str]:
     return _get("KFORCING_CPP_ISA")
 
 
-def triton_autotune() -> Optional[str]:
-    """The raw value (an empty string is an error for the caller to report, not "unset")."""
-    return os.environ.get("KFORCING_TRITON_AUTOTUNE")
-
-
-def triton_tiles() -> Optional[str]:
-    return _get("KFORCING_TRITON_TILES")
-
-
-def triton_kernels() -> Optional[str]:
-    return _get("KFORCING_TRITON_KERNELS")
-
-
-def triton_direct_launch() -> Optional[str]:
-    """The raw value, None when unset or empty (the caller reports anything but ``0``/``1``)."""
-    return _get("KFORCING_TRITON_DIRECT_LAUNCH")
+# Read on every Triton call or kernel launch: each is a bound ``get`` (no wrapper call).
+# KFORCING_TRITON_AUTOTUNE: the raw value (an empty string is an error for the caller to report, not "unset").
+triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).get
+# The others: None when unset or empty (the caller reports a value it cannot parse).
+triton_tiles = _Variable("KFORCING_TRITON_TILES").get
+triton_kernels = _Variable("KFORCING_TRITON_KERNELS").get
+triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
 
 
 def triton_interpret() -> bool:

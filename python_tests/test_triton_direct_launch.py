@@ -43,6 +43,29 @@ def test_switch_parsing(monkeypatch):
         direct.direct_launch_enabled()
 
 
+def test_switches_follow_os_environ_at_once(monkeypatch):
+    """env.py reads CPython's encoded environ dict instead of os.environ.get (per launch): every way of
+    changing the variable through os.environ shows on the next call, and a replaced os.environ is read."""
+    import os
+
+    from kforcing_kernels import env
+    from kforcing_kernels.ops.window_attention.triton import configs
+
+    monkeypatch.setenv(ENV, "0")
+    assert direct.direct_launch_enabled() is False
+    os.environ[ENV] = "1"
+    assert direct.direct_launch_enabled() is True
+    os.environ[ENV] = "0"  # a new value object with the same text as two steps ago
+    assert direct.direct_launch_enabled() is False
+    del os.environ[ENV]
+    assert direct.direct_launch_enabled() is True and env.triton_direct_launch() is None
+    monkeypatch.setenv("KFORCING_TRITON_AUTOTUNE", "")  # empty: an error, not "unset"
+    with pytest.raises(ValueError, match="KFORCING_TRITON_AUTOTUNE"):
+        configs.autotune_enabled()
+    monkeypatch.setattr(os, "environ", {ENV: "0", "KFORCING_TRITON_AUTOTUNE": "1"})  # not an os._Environ
+    assert direct.direct_launch_enabled() is False and configs.autotune_enabled() is True
+
+
 def _triton_specialisation(fn, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
@@ -73,6 +96,32 @@ def test_signature_distinguishes_whatever_triton_specialises_on():
     assert signer((base, base, 3, 16, 0.5)) == signer((base.clone(), base.clone(), 5, 32, 0.25))
     assert signer((base, base, 3, 16, "x")) is None  # an unhandled type: the autotuner path
     assert direct.ArgSignature(object())((base, 3)) is None  # not a JITFunction: never direct
+
+
+@triton.jit(do_not_specialize=["n"])
+def _interleaved_kernel(X, n, Y, stride, alpha, Z, HEAD_DIM: tl.constexpr):  # tensors apart: itemgetter plans
+    offs = tl.program_id(0) * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    ok = offs < n
+    tl.store(Z + offs * stride, tl.load(X + offs, mask=ok) * alpha + tl.load(Y + offs, mask=ok), mask=ok)
+
+
+@compiled_kernels
+def test_signature_follows_changing_argument_types():
+    """One signer reused across calls whose argument types change back and forth (it reuses the previous
+    call's plan while the types are equal): equal keys still mean equal Triton specialisations, and a
+    fresh signer gives the same key as the reused one."""
+    base = torch.zeros(64, dtype=torch.float32)
+    calls = [(base, 7, base, 16, 0.5, base), (base, 7, base, 16, 2, base), (base, 7, base[1:], 16, 0.5, base),
+             (base, 2**31, base, 16, 0.5, base), (base, 7, base, 17, 0.5, base.half()), (base, 7, base, 1, 0.5, base),
+             (base, 7, base, True, 0.5, base), (base, 7.0, base, 16, 0.5, base)]
+    signer = direct.ArgSignature(_interleaved_kernel)
+    by_key = {}
+    for args in calls + calls[::-1] + calls:
+        key = signer(args)
+        assert key[1:] == direct.ArgSignature(_interleaved_kernel)(args)[1:]
+        spec = _triton_specialisation(_interleaved_kernel, args, {"HEAD_DIM": 32})[1]
+        assert by_key.setdefault(key, spec) == spec, args
+    assert len(by_key) == len(calls)  # each call differs from the first in something Triton specialises on
 
 
 @compiled_kernels
@@ -156,6 +205,10 @@ def test_direct_launch_hands_the_launcher_what_the_autotuner_path_does(monkeypat
         assert first[1] == (4, 1, 1) and first[4] == (x, y, 100, 1, 0.5, 32)
         other, through_jit = call(x, y, 99, 3, 0.5)  # stride 3: another specialisation, a new key
         assert through_jit == 1 and len(launch._direct) == 2 and other[4][2:4] == (99, 3)
+        # Back and forth between the two keys (each kernel remembers its previous key): both direct.
+        for args, expected in (((x, y, 100, 1, 0.5), first), ((x, y, 99, 3, 0.5), other), ((x, y, 100, 1, 0.5), first)):
+            again, through_jit = call(*args)
+            assert through_jit == 0 and again == expected
         monkeypatch.setenv(ENV, "0")
         slow, through_jit = call(x, y, 100, 1, 0.5)
         assert through_jit == 1 and slow == first

@@ -17,14 +17,20 @@ the autotuner path. Triton's debug and instrumentation knobs are read when a key
 kernel's global constants did not change since it compiled runs on the first launch only.
 KFORCING_TRITON_DIRECT_LAUNCH=0 keeps every launch on the autotuner path (to compare, or to rule
 this path out).
+
+Building the key is most of a direct launch's host time, so it is a handful of C-level passes over
+the arguments: their types (which pick a cached plan of positions; the previous call's plan is
+reused while the types are equal), the tensors' dtypes, one ``math.gcd`` of their pointers for the
+alignment, one ``array('i')`` for the int32 range, one ``gcd`` of the specialised ints; the
+switches come from ``env.py``'s cheap reads of ``os.environ`` (still read on every launch).
 """
 
 from __future__ import annotations
 
 import array
-import functools
 import operator
 import threading
+from math import gcd
 from typing import Optional
 
 import torch
@@ -50,45 +56,53 @@ class ArgSignature:
     key at least as fine as ``native_specialize_impl``'s result, or None when an argument's type is not
     handled here. Tensors: dtype and 16-byte alignment; ints: 32/64-bit or unsigned 64-bit range, and
     for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
-    constexprs passed positionally: their value. Bulk checks keep the common case (every pointer
-    aligned, every int in int32, every specialised int a multiple of 16) at a few C-level passes."""
+    constexprs passed positionally: their value. The tuple of argument types picks a plan (which
+    positions hold what); bulk checks keep the common case (every pointer aligned, every int in int32,
+    every specialised int a multiple of 16) at a few C-level passes: ``math.gcd`` of all the pointers
+    (or specialised ints) is a multiple of 16 exactly when each of them is."""
 
     def __init__(self, fn):
         self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
-        self._plans: dict[tuple, object] = {}
+        self._plans: dict[tuple, Optional[_Plan]] = {}
+        self._last: tuple = ((), None)  # (argument types, plan) of the previous call: a launcher's types rarely change
 
     def __call__(self, args: tuple) -> Optional[tuple]:
         types = tuple(map(type, args))
-        plan = self._plans.get(types)
+        last = self._last
+        if types == last[0]:
+            plan = last[1]
+        else:
+            plan = self._plans.get(types, False)
+            if plan is False:
+                plan = self._plans[types] = self._plan(types)
+            self._last = (types, plan)
         if plan is None:
-            plan = self._plans[types] = self._plan(types)
-        if plan is False:
             return None
-        tensors_of, ints_of, specialised_of, constants_of = plan
-        key = [plan]  # one plan per tuple of argument types: it stands for them in the key (cheaper to hash)
-        tensors = tensors_of(args)
-        if tensors:
-            key.append(tuple(map(_dtype, tensors)))
-            pointers = tuple(map(torch.Tensor.data_ptr, tensors))
-            key.append(True if functools.reduce(operator.or_, pointers) % 16 == 0
-                       else tuple(p % 16 == 0 for p in pointers))
-        ints = ints_of(args)
-        if ints:
+        # The plan stands for the argument types in the key (one per tuple of types; hashed by identity).
+        dtypes = aligned = widths = divisible = constants = ()
+        if plan.tensors is not None:
+            tensors = plan.tensors(args)
+            dtypes = tuple(map(_dtype, tensors))
+            aligned = True if gcd(*map(_data_ptr, tensors)) & 15 == 0 else tuple(
+                p & 15 == 0 for p in map(_data_ptr, tensors))
+        if plan.ints is not None:
+            ints = plan.ints(args)
             try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
                 array.array("i", ints)
-                key.append(True)
+                widths = True
             except OverflowError:
-                key.append(tuple(map(_int_width, ints)))
-        specialised = specialised_of(args)
-        if specialised:
-            key.append(True if functools.reduce(operator.or_, specialised) % 16 == 0
-                       else tuple((a % 16 == 0, a == 1) for a in specialised))
-        key.append(constants_of(args))
-        return tuple(key)
+                widths = tuple(map(_int_width, ints))
+        if plan.specialised is not None:
+            specialised = plan.specialised(args)
+            divisible = True if gcd(*specialised) & 15 == 0 else tuple(
+                (a % 16 == 0, a == 1) for a in specialised)
+        if plan.constants is not None:
+            constants = plan.constants(args)
+        return plan, dtypes, aligned, widths, divisible, constants
 
-    def _plan(self, types: tuple):
+    def _plan(self, types: tuple) -> Optional["_Plan"]:
         if self.params is None or len(types) > len(self.params):
-            return False
+            return None
         tensors, ints, specialised, constants = [], [], [], []
         for i, (t, param) in enumerate(zip(types, self.params)):
             if param.is_constexpr:
@@ -100,20 +114,32 @@ class ArgSignature:
                 if not param.do_not_specialize:
                     specialised.append(i)
             elif t not in (float, bool, type(None)):
-                return False
-        return tuple(_getter(positions) for positions in (tensors, ints, specialised, constants))
+                return None
+        return _Plan(*map(_getter, (tensors, ints, specialised, constants)))
+
+
+class _Plan:
+    """Where one tuple of argument types puts the tensors, the ints, the specialised ints and the
+    positional constexprs: C-level getters returning a tuple, None where there are none."""
+
+    __slots__ = ("tensors", "ints", "specialised", "constants")
+
+    def __init__(self, tensors, ints, specialised, constants):
+        self.tensors, self.ints, self.specialised, self.constants = tensors, ints, specialised, constants
 
 
 def _getter(positions: list):
+    """``args -> tuple(args[i] for i in positions)`` without a Python frame (None for no positions):
+    a slice where the positions are consecutive (the launchers pass tensors first), else an itemgetter."""
     if not positions:
-        return lambda args: ()
-    if len(positions) == 1:
-        (only,) = positions
-        return lambda args: (args[only],)
+        return None
+    if positions == list(range(positions[0], positions[-1] + 1)):
+        return operator.itemgetter(slice(positions[0], positions[-1] + 1))
     return operator.itemgetter(*positions)
 
 
 _dtype = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _int_width(a: int) -> int:
@@ -121,26 +147,34 @@ def _int_width(a: int) -> int:
 
 
 class DirectLaunch:
-    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments."""
+    """One cached ``CompiledKernel`` and the constexpr values that follow the positional arguments.
+    Its launcher, function handle and packed metadata are read once: Triton sets them when the kernel
+    is first launched (the autotuner path did that) and never resets them while the kernel lives."""
 
-    __slots__ = ("kernel", "tail")
+    __slots__ = ("kernel", "tail", "_run", "_function", "_packed")
 
     def __init__(self, kernel, tail: tuple):
+        global _runtime_knobs
+        if _runtime_knobs is None:
+            from triton import knobs
+
+            _runtime_knobs = knobs.runtime
         self.kernel = kernel
         self.tail = tail
+        self._run, self._function, self._packed = kernel.run, kernel.function, kernel.packed_metadata
 
     def __call__(self, grid: tuple, args: tuple, stream) -> None:
-        from triton import knobs
-
-        kernel = self.kernel
-        bound = (*args, *self.tail)
-        size = len(grid)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
         # The metadata only feeds the enter hook: skipped while that is an empty HookChain.
-        metadata = kernel.launch_metadata(grid, stream, *bound) if getattr(enter, "calls", enter) else None
+        metadata = (self.kernel.launch_metadata(grid, stream, *args, *self.tail) if getattr(enter, "calls", enter)
+                    else None)
+        size = len(grid)
         # JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
-        kernel.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, metadata, enter, leave, *bound)
+        self._run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, self._function,
+                  self._packed, metadata, enter, leave, *args, *self.tail)
+
+
+_runtime_knobs = None  # triton.knobs.runtime (the launch hooks), imported with the first DirectLaunch
 
 
 def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
@@ -153,23 +187,45 @@ def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:
     return tuple(kwargs[name] for name in names)
 
 
+class _KernelSite:
+    """Per kernel name: its ``ArgSignature`` and the last (key, launch) found for it. Most launches
+    repeat their kernel's previous key, and comparing with it is cheaper than hashing the key."""
+
+    __slots__ = ("signer", "last")
+
+    def __init__(self, fn):
+        self.signer = ArgSignature(fn)
+        self.last: tuple = (None, None)
+
+
 class DirectCache:
     """Direct launches by key; filled from the autotuner path's results."""
 
     def __init__(self):
         self._entries: dict[tuple, DirectLaunch] = {}
-        self._signatures: dict[str, ArgSignature] = {}
+        self._sites: dict[str, _KernelSite] = {}
         self._lock = threading.Lock()
 
-    def signature(self, kernel_name: str, fn, args: tuple) -> Optional[tuple]:
-        """``ArgSignature`` of ``fn`` (the kernel called ``kernel_name``) applied to ``args``."""
-        signer = self._signatures.get(kernel_name)
-        if signer is None:
-            signer = self._signatures.setdefault(kernel_name, ArgSignature(fn))
-        return signer(args)
-
-    def get(self, key: tuple) -> Optional[DirectLaunch]:
-        return self._entries.get(key)
+    def lookup(self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple,
+               kwargs: dict) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
+        """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
+        with autotuning on/off on ``device``: the key holds these, the keyword constexprs and the
+        arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
+        site = self._sites.get(kernel_name)
+        if site is None:
+            site = self._sites.setdefault(kernel_name, _KernelSite(fn))
+        signature = site.signer(args)
+        if signature is None:
+            return None, None
+        # The keyword names then their values, flat (unambiguous: as many names as values).
+        key = (kernel_name, tune_key, autotune, device, (*kwargs, *kwargs.values()), signature)
+        last = site.last
+        if key == last[0]:
+            return key, last[1]
+        entry = self._entries.get(key)
+        if entry is not None:
+            site.last = (key, entry)
+        return key, entry
 
     def remember(self, key: tuple, fn, kernel, n_positional: int, kwargs: dict) -> Optional[DirectLaunch]:
         """Cache ``kernel`` (what the autotuner path launched for ``key``) if it can be launched directly."""
@@ -188,7 +244,7 @@ class DirectCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._signatures.clear()
+            self._sites.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -81,14 +81,12 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
     autotune = autotune_enabled()
     direct_key = None
     if direct_launch_enabled():
-        signature = _direct.signature(kernel_name, KERNELS[kernel_name], args)
-        if signature is not None:
-            device = _triton_driver.active.get_current_device()
-            direct_key = (kernel_name, tune_key, autotune, device, tuple(kwargs), tuple(kwargs.values()), signature)
-            entry = _direct.get(direct_key)
-            if entry is not None:
-                entry(grid, args, _triton_driver.active.get_current_stream(device))
-                return
+        active = _triton_driver.active
+        device = active.get_current_device()
+        direct_key, entry = _direct.lookup(kernel_name, KERNELS[kernel_name], tune_key, autotune, device, args, kwargs)
+        if entry is not None:
+            entry(grid, args, active.get_current_stream(device))
+            return
     key = (kernel_name, *tune_key, autotune)
     with _tuned_lock:
         tuned = _tuned.get(key)
