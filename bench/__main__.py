@@ -18,6 +18,7 @@ COMMANDS = {
     "validate": ("schema", "check attention JSON reports against their schema"),
     "report": ("report", "reprint an attention JSON report and redraw its plots"),
     "host-cost": ("triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
+    "batch-invariance": ("batch_invariance", "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
 }
 
 

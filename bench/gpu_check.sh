@@ -26,6 +26,8 @@
 #   7 bench C: triton (kernels fused: 3 launches / split: 6 / legacy: old dQ, dK/dV) vs compiled FlexAttention (analytic
 #     BlockMask), N 1024/8192, k 4, D 64/128
 #   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
+#   9 batch invariance (bench/batch_invariance.py): triton fwd+bwd bitwise alone vs inside batches of 2-16, under
+#     the autotuned choice and every config forced in turn; teacher targets batched vs per sample (JSON as it goes)
 set -uo pipefail
 
 ROOT=${KF_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -366,11 +368,12 @@ main() {
     if [ "$have_cuda" -eq 0 ]; then
         echo "gpu_check: torch/triton not importable or no CUDA device; every GPU step is skipped"
         local s
-        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step; do
+        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step 9_batch_invariance; do
             skip_step "$s" "no CUDA device or torch/triton not importable"
         done
     else
-        # Correctness first. Each reserve is the sum of the later steps' caps (benches: about 4.5 minutes).
+        # Correctness first. Each reserve is the sum of the later steps' caps (benches: about 4.5 minutes);
+        # step 9's minute comes out of the benches (steps 1-4 keep theirs).
         run_step 1_smoke 100 465 "$PY" "$WORK/smoke.py"
         if [ "$have_pytest" -eq 1 ]; then
             run_step 2_pytest_gpu 110 355 "$PY" -m pytest python_tests/test_triton_gpu.py -q -p no:cacheprovider \
@@ -381,18 +384,20 @@ main() {
         run_step 3_int64_offsets 40 315 "$PY" "$WORK/int64.py"
         run_step 4_sampler 30 285 "$PY" "$WORK/sampler.py"
         gpu_state
-        run_step 5_bench_single_d128 70 215 "$PY" -m bench.triton_gpu --layout single --n 1024 4096 8192 --k 2 4 8 \
+        run_step 5_bench_single_d128 70 275 "$PY" -m bench.triton_gpu --layout single --n 1024 4096 8192 --k 2 4 8 \
             --dim 128 --batch-size 1 --heads 16 --methods triton sdpa_flash_causal fa2_causal --triton-tiles auto base wide \
             --json "$OUT_DIR/bench_single_d128.json"
-        run_step 5b_bench_in_tile 35 180 "$PY" -m bench.triton_gpu --layout single double --n 1024 8192 --k 2 4 --dim 128 \
+        run_step 5b_bench_in_tile 35 240 "$PY" -m bench.triton_gpu --layout single double --n 1024 8192 --k 2 4 --dim 128 \
             --batch-size 1 --heads 16 --methods triton --slot-window-max 0 --json "$OUT_DIR/bench_in_tile_d128.json"
-        run_step 6_bench_composite_dense 45 135 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 --k 4 --dim 64 128 \
+        run_step 6_bench_composite_dense 45 195 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
-        run_step 7_bench_flex 90 65 "$PY" -m bench.triton_gpu --layout single --n 1024 8192 --k 4 --dim 64 128 \
+        run_step 7_bench_flex 90 125 "$PY" -m bench.triton_gpu --layout single --n 1024 8192 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton flex --triton-kernels fused split legacy \
             --json "$OUT_DIR/bench_flex_single.json"
-        run_step 8_train_step 65 0 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
+        run_step 8_train_step 65 60 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
             --json "$OUT_DIR/train_step.json"
+        run_step 9_batch_invariance 60 0 "$PY" -m bench.batch_invariance --n 1024 --k 4 --dims 64 128 \
+            --batch-sizes 2,4,8,16 --json "$OUT_DIR/batch_invariance.json"
         gpu_state
     fi
 
