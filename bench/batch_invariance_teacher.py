@@ -11,10 +11,13 @@ batches of other random sequences, four targets are compared:
                        DoubleForward on its tokens)
   ar_inverse_cdf       the stage-1 targets: AR logits -> inverse CDF (``app.objectives.forward_distillation_targets``)
 
-in two modes:
+in three modes:
 
   batched     one model call over the batch, as training runs it: every matmul sees B x rows rows, and
               the noise encoder's temperature MLP sees one row per sequence (M = B; M = 1 alone).
+  batched_tau_per_row
+              the same, with the temperature MLP run one row at a time (M = 1, as alone): what is left
+              are the large matmuls (M = B x rows), the ones cuBLAS may choose other kernels for by size.
   per_sample  the batch-invariant mode: one call per sequence (batch 1), outputs concatenated, so every
               matmul, norm and attention call sees exactly the shapes of the sequence alone. Invariant
               by construction, checked all the same (hidden state or a nondeterministic kernel would
@@ -38,7 +41,7 @@ from kforcing_kernels.app.objectives import forward_distillation_targets, self_f
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
 
-MODES = ("batched", "per_sample")
+MODES = ("batched", "batched_tau_per_row", "per_sample")
 TOKEN_TARGETS = ("single_inverse_cdf", "self_forcing", "ar_inverse_cdf")
 # Logits of the batch-1 run vs a float64 copy of the model with reference attention: at most 2x the
 # error of the same-precision model with reference attention, plus this floor.
@@ -74,6 +77,31 @@ def targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.T
         second_stage = self_forcing_targets(model, tokens, z, tau)
     return {"single_logits": logits, "single_inverse_cdf": inverse_cdf_sample(logits, u, tau[:, None, None].expand(u.shape)),
             "self_forcing": second_stage, "ar_inverse_cdf": forward_distillation_targets(ar_logits, u[..., 0], tau)}
+
+
+@contextlib.contextmanager
+def tau_mlp_per_row(model: KForcingLM):
+    """Inside the block the noise encoder's temperature MLP multiplies one row at a time (M = 1 whatever B)."""
+    mlp = model.noise_encoder.tau_mlp
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([torch.nn.Sequential.forward(mlp, rows[i:i + 1]) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    mlp.forward = per_row
+    try:
+        yield
+    finally:
+        del mlp.forward
+
+
+def run_mode(mode: str, model: KForcingLM, inputs: list, autocast) -> dict[str, torch.Tensor]:
+    """Every target of the batch ``inputs`` in ``mode`` (one of MODES)."""
+    if mode == "per_sample":
+        return per_sample_targets(model, *inputs, autocast)
+    with tau_mlp_per_row(model) if mode == "batched_tau_per_row" else contextlib.nullcontext():
+        return targets(model, *inputs, autocast)
 
 
 def per_sample_targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.Tensor]:
@@ -125,7 +153,8 @@ def leaf_calls(model: torch.nn.Module, run: Callable[[], object]) -> list[tuple]
 
 
 def first_divergent_module(model, one: list, batched: list, pos: int, autocast) -> Optional[dict]:
-    """The first leaf module (SingleForward, call order) whose output for the sequence differs alone vs batched."""
+    """The first leaf module (SingleForward, call order) whose output for the sequence differs alone vs batched.
+    Calls are matched by module name and occurrence; a module whose batched output is not batch-first is skipped."""
     k = one[2].shape[-1]
 
     def single(inputs):
@@ -136,7 +165,14 @@ def first_divergent_module(model, one: list, batched: list, pos: int, autocast) 
 
     alone, in_batch = leaf_calls(model, single(one)), leaf_calls(model, single(batched))
     batch = batched[0].shape[0]
-    for (name, kind, in_a, out_a), (_, _, in_b, out_b) in zip(alone, in_batch):
+    by_occurrence, seen = {}, {}
+    for name, _, in_b, out_b in in_batch:  # a module may run more often batched (tau_mlp_per_row): match by count
+        by_occurrence[(name, seen.setdefault(name, 0))] = (in_b, out_b)
+        seen[name] += 1
+    seen.clear()
+    for name, kind, in_a, out_a in alone:
+        in_b, out_b = by_occurrence.get((name, seen.setdefault(name, 0)), (None, None))
+        seen[name] += 1
         if out_a is None or out_b is None or out_b.shape[0] != batch or out_a.shape[0] != 1:
             continue
         mine = out_b[pos:pos + 1]
@@ -191,11 +227,10 @@ def _seconds(run: Callable[[], object], device: torch.device, reps: int = 3) -> 
 
 
 def throughput(model, inputs: list, autocast, device: torch.device) -> dict:
-    """Seconds for all targets of one batch, batched vs per sample (best of 3), and the slowdown."""
-    batched = _seconds(lambda: targets(model, *inputs, autocast), device)
-    per_sample = _seconds(lambda: per_sample_targets(model, *inputs, autocast), device)
-    return {"batch": inputs[0].shape[0], "batched_s": batched, "per_sample_s": per_sample,
-            "per_sample_slowdown": per_sample / batched}
+    """Seconds for all targets of one batch in each mode (best of 3), and the per-sample mode's slowdown."""
+    seconds = {mode: _seconds(lambda: run_mode(mode, model, inputs, autocast), device) for mode in MODES}
+    return {"batch": inputs[0].shape[0], **{f"{mode}_s": s for mode, s in seconds.items()},
+            "per_sample_slowdown": seconds["per_sample"] / seconds["batched"]}
 
 
 def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optional[int], k: int,
@@ -219,12 +254,12 @@ def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optio
         for pos in positions(batch):
             batched = [torch.cat([o[:pos], t, o[pos:]]) for o, t in zip(others, one)]
             for mode in MODES:
-                run = targets if mode == "batched" else per_sample_targets
-                ok, detail, logit_diff = compare(alone, run(model, *batched, autocast), pos)
+                ok, detail, logit_diff = compare(alone, run_mode(mode, model, batched, autocast), pos)
                 record = {"check": "teacher", **base, "mode": mode, "batch": batch, "position": pos, "pass": ok,
-                          "observation": mode == "batched", "targets": detail, "max_abs_diff": logit_diff}
-                if mode == "batched" and not ok:
-                    record["first_divergent_module"] = first_divergent_module(model, one, batched, pos, autocast)
+                          "observation": mode != "per_sample", "targets": detail, "max_abs_diff": logit_diff}
+                if mode != "per_sample" and not ok:
+                    with tau_mlp_per_row(model) if mode == "batched_tau_per_row" else contextlib.nullcontext():
+                        record["first_divergent_module"] = first_divergent_module(model, one, batched, pos, autocast)
                 report.add(record)
     largest = random_inputs(model.config, max(batch_sizes), n, k, gen, device)
     report.data["meta"]["teacher_throughput"] = throughput(model, largest, autocast, device)

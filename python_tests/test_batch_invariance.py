@@ -77,7 +77,8 @@ def test_teacher_per_sample_mode_is_invariant_and_the_default_mode_repeatable():
     for c in per_sample:
         assert c["pass"], c
         assert all(t["equal"] for t in c["targets"].values())
-    for c in batched:  # an observation: on CPU the BLAS may pick another kernel for B rows than for one
+    tau_per_row = [c for c in checks if c.get("mode") == "batched_tau_per_row"]
+    for c in batched + tau_per_row:  # observations: on CPU the BLAS may pick another kernel for B rows than for one
         assert c["observation"] and c["max_abs_diff"]["single_logits"] < 1e-4, c
         assert c["pass"] or c["first_divergent_module"] is not None
     assert not report.failures()
@@ -101,6 +102,18 @@ def test_first_divergent_module_finds_a_planted_batch_variant_layer():
     assert found["module"] == "noise_encoder.z_in" and found["input_equal"], found
     assert found["rows_alone"] == 6 * 2 and found["rows_batched"] == 3 * 6 * 2
     assert abs(found["max_abs_diff"] - 1e-3) < 1e-5
+
+
+def test_tau_mlp_per_row_computes_the_same_function_and_restores_the_module():
+    model = bt.teacher_model(torch.device("cpu"), 6, 0)
+    mlp = model.noise_encoder.tau_mlp
+    x = torch.randn(5, 1, 1, mlp[0].in_features)
+    whole = mlp(x)
+    with bt.tau_mlp_per_row(model):
+        rows = mlp(x)
+        assert torch.equal(rows[2:3], mlp[2](mlp[1](mlp[0](x[2:3]))))  # row 2 computed alone
+    assert rows.shape == whole.shape and torch.allclose(rows, whole, atol=1e-6)
+    assert "forward" not in vars(mlp) and torch.equal(mlp(x), whole)
 
 
 def test_forced_config_runs_the_chosen_entry_and_restores_everything(monkeypatch):
