@@ -43,12 +43,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from kforcing_kernels import WindowLayout, default_backend, window_attention
+from kforcing_kernels import WindowLayout, default_backend, env, window_attention
 from kforcing_kernels.ops.window_attention import reference
 from kforcing_kernels.app.cli import add_batch_sizes, add_device, add_seed, add_threads, apply_threads, make_parser, positive_int
 
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 CHECKS = ("attention", "configs", "teacher")
+LAYOUTS = ("single", "double")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 AUTOTUNE_ENV = "KFORCING_TRITON_AUTOTUNE"
 # Absolute slack over 2x the reference's own error in the same dtype (as bench/gpu_check.sh's smoke).
@@ -142,8 +143,10 @@ def positions(batch: int) -> list[int]:
     return sorted({0, batch // 2, batch - 1})
 
 
-def layouts(n: int, k: int) -> dict[str, WindowLayout]:
-    return {"single": WindowLayout.kforcing_single(n, k), "double": WindowLayout.kforcing_double(n, k)}
+def layouts(n: int, k: int, names=LAYOUTS) -> dict[str, WindowLayout]:
+    """SingleForward (eq. 18) and DoubleForward (eq. 19) layouts at context n and window k, by name."""
+    make = {"single": WindowLayout.kforcing_single, "double": WindowLayout.kforcing_double}
+    return {name: make[name](n, k) for name in names}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -198,7 +201,7 @@ def attention_case(report: Report, backend: str, name: str, layout: WindowLayout
 def attention_checks(report: Report, args, backend: str, dtype: torch.dtype, config: str = "dispatcher default",
                      extra: Optional[dict] = None) -> None:
     for dim in args.dims:
-        for name, layout in layouts(args.n, args.k).items():
+        for name, layout in layouts(args.n, args.k, getattr(args, "layouts", LAYOUTS)).items():
             attention_case(report, backend, name, layout, dim=dim, heads=args.heads, dtype=dtype, device=args.device,
                            batch_sizes=args.batch_sizes, seed=args.seed, config=config, extra=extra)
 
@@ -288,7 +291,7 @@ def config_checks(report: Report, args, dtype: torch.dtype) -> None:
     """The attention check under every config of every kernel the shapes launch (autotuning off)."""
     launch = triton_launch()
     for dim in args.dims:
-        for name, layout in layouts(args.n, args.k).items():
+        for name, layout in layouts(args.n, args.k, getattr(args, "layouts", LAYOUTS)).items():
             case = dict(dim=dim, heads=args.heads, dtype=dtype, device=args.device, batch_sizes=args.batch_sizes,
                         seed=args.seed)
             with autotune_off(), recorded_launches() as launched:
@@ -314,6 +317,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS),
                    help="which checks (configs: CUDA and the triton backend only)")
     add_batch_sizes(p, [2, 4, 8, 16], help="batch sizes the sequence is placed in")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="attention layouts")
     p.add_argument("--n", type=positive_int, default=None, help="context length N (None: 1024 on CUDA, 48 on CPU)")
     p.add_argument("--k", type=positive_int, default=None, help="window k (None: 4)")
     p.add_argument("--dims", type=positive_int, nargs="+", default=None, help="head dims (None: 64 128 on CUDA, 32 64 on CPU)")
@@ -359,7 +363,10 @@ def execute(args) -> int:
         teacher.teacher_checks(report, device=device, dtype=dtype, n=args.teacher_n, k=args.teacher_k,
                                batch_sizes=args.batch_sizes, seed=args.seed)
     if "configs" in args.checks:
-        if device.type == "cuda" and backend == "triton":
+        if backend == "triton" and (device.type == "cuda" or env.triton_interpret()):
+            if device.type != "cuda":
+                meta["configs_note"] = ("Triton's interpreter runs every launch with one fixed config: the sweep's "
+                                        "machinery is exercised, not the configs")
             config_checks(report, args, dtype)
         else:
             meta["configs_skipped"] = f"needs the triton backend on CUDA (here: {backend} on {device})"

@@ -261,6 +261,26 @@ def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optio
                     with tau_mlp_per_row(model) if mode == "batched_tau_per_row" else contextlib.nullcontext():
                         record["first_divergent_module"] = first_divergent_module(model, one, batched, pos, autocast)
                 report.add(record)
+    report.data["meta"]["teacher_summary"] = summarize(report.data["checks"])
+    print("teacher summary:", report.data["meta"]["teacher_summary"], flush=True)
     largest = random_inputs(model.config, max(batch_sizes), n, k, gen, device)
     report.data["meta"]["teacher_throughput"] = throughput(model, largest, autocast, device)
     report.write()
+
+
+def summarize(checks: list[dict]) -> dict:
+    """Per mode: bitwise invariant in every record?, the largest logit difference, tokens that changed, and
+    the modules named as the first to differ (with how many records named each)."""
+    found = {}
+    for mode in MODES:
+        records = [c for c in checks if c["check"] == "teacher" and c["mode"] == mode]
+        modules: dict[str, int] = {}
+        for c in records:
+            named = (c.get("first_divergent_module") or {}).get("module")
+            if named:
+                modules[named] = modules.get(named, 0) + 1
+        found[mode] = {"invariant": all(c["pass"] for c in records), "records": len(records),
+                       "max_logit_diff": max((c["max_abs_diff"]["single_logits"] for c in records), default=0.0),
+                       "tokens_differing": sum(t.get("tokens_differing", 0) for c in records for t in c["targets"].values()),
+                       "first_divergent_modules": modules}
+    return found

@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,13 +69,13 @@ def test_attention_check_fails_a_batch_variant_kernel_and_a_wrong_invariant_one(
 
 def test_teacher_per_sample_mode_is_invariant_and_the_default_mode_repeatable():
     report = bi.Report(None, {}, quiet=True)
-    bt.teacher_checks(report, device=torch.device("cpu"), dtype=torch.float32, n=8, k=2, batch_sizes=[2, 4], seed=0)
+    bt.teacher_checks(report, device=torch.device("cpu"), dtype=torch.float32, n=8, k=2, batch_sizes=[3], seed=0)
     checks = report.data["checks"]
     oracle = [c for c in checks if c["check"] == "teacher_vs_reference"]
     assert len(oracle) == 1 and oracle[0]["pass"], oracle  # the batch-1 logits vs a float64 model
     per_sample = [c for c in checks if c.get("mode") == "per_sample"]
     batched = [c for c in checks if c.get("mode") == "batched"]
-    assert len(per_sample) == len(batched) == 2 + 3
+    assert len(per_sample) == len(batched) == 3  # positions 0, 1, 2
     for c in per_sample:
         assert c["pass"], c
         assert all(t["equal"] for t in c["targets"].values())
@@ -82,6 +84,10 @@ def test_teacher_per_sample_mode_is_invariant_and_the_default_mode_repeatable():
         assert c["observation"] and c["max_abs_diff"]["single_logits"] < 1e-4, c
         assert c["pass"] or c["first_divergent_module"] is not None
     assert not report.failures()
+    summary = report.data["meta"]["teacher_summary"]
+    assert summary["per_sample"] == {"invariant": True, "records": 3, "max_logit_diff": 0.0, "tokens_differing": 0,
+                                     "first_divergent_modules": {}}
+    assert summary["batched"]["invariant"] == all(c["pass"] for c in batched)
     assert report.data["meta"]["teacher_throughput"]["per_sample_s"] > 0
     # The default mode is deterministic on CPU: the same batch twice gives the same bits.
     model = bt.teacher_model(torch.device("cpu"), 8, 0)
@@ -159,6 +165,31 @@ def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
     args = parser.parse_args(argv)
     assert args.json == str(tmp_path / "batch_invariance.json")
     assert "9_batch_invariance" in text.split("for s in")[1].split(";")[0]  # skipped by name without CUDA
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="starts its own interpreter process")
+def test_config_sweep_runs_end_to_end_through_the_triton_interpreter(tmp_path):
+    """The configs check on CPU: the triton backend in Triton's interpreter, fp32. The interpreter runs one
+    fixed config whatever is forced, so this holds the sweep's machinery (the launches it records, the config
+    lists it walks, the forced runs) and the kernels' invariance there, not the configs themselves."""
+    pytest.importorskip("triton")
+    out = tmp_path / "interp.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("KFORCING_BACKEND", None)
+    cmd = [sys.executable, "-m", "bench.batch_invariance", "--device", "cpu", "--backend", "triton", "--checks", "configs",
+           "--layouts", "single", "--n", "4", "--k", "2", "--dims", "32", "--heads", "1", "--batch-sizes", "2",
+           "--json", str(out), "--quiet"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert report["complete"] and "configs_note" in report["meta"] and not [c for c in report["checks"] if not c["pass"]]
+    from kforcing_kernels.ops.window_attention.triton.configs import KERNEL_CONFIGS
+
+    # fwd, delta and bwd launch (the fused kernels); one run with every first entry, one per other entry
+    others = sum(len(KERNEL_CONFIGS[name][("base", 32)]) - 1 for name in ("fwd", "delta", "bwd"))
+    runs = {c["config"] for c in report["checks"]}
+    assert len(runs) == 1 + others, runs
+    assert len(report["checks"]) == (1 + others) * (1 + 2)  # the oracle check and positions 0, 1 of batch 2
 
 
 @needs_gpu
