@@ -66,6 +66,33 @@ def test_switches_follow_os_environ_at_once(monkeypatch):
     assert direct.direct_launch_enabled() is False and configs.autotune_enabled() is True
 
 
+def test_trusted_plan_tables_are_int32_aligned_and_left_out_of_the_key():
+    """The launchers' plan tables are passed for PLAN_POINTERS parameters only, and device_int32 makes
+    each one int32 and 16-byte aligned (even from a misaligned view), so the key may skip them; every
+    other tensor (here the caller's Counters and a misaligned q) still changes the key."""
+    from kforcing_kernels.ops.window_attention.triton import plan
+    from kforcing_kernels.ops.window_attention.triton.jit_common import PLAN_POINTERS
+
+    misaligned = torch.arange(9, dtype=torch.int64)[1:]
+    table = plan.device_int32(misaligned, torch.device("cpu"))
+    assert table.dtype == torch.int32 and table.data_ptr() % 16 == 0 and table.tolist() == list(range(1, 9))
+    fn = launch.KERNELS["fwd"]
+    assert {p.name for p in fn.params if p.name in PLAN_POINTERS} == {
+        "QueryTiles", "Bounds", "Order", "RowIv", "WindowKeys", "RowSlot0"}
+    names = [p.name for p in fn.params if not p.is_constexpr]
+    base = {name: (torch.zeros(8, dtype=torch.int32) if name in PLAN_POINTERS or name == "Counters" else
+                   torch.zeros(8)) if name[0].isupper() else (0.5 if name in launch.FLOAT_ARGS else 32) for name in names}
+    signer = direct.ArgSignature(fn, PLAN_POINTERS)
+    key = signer(tuple(base.values()))
+    other_table = dict(base, Bounds=torch.zeros(8, dtype=torch.int64)[1:])  # never passed: not checked
+    assert signer(tuple(other_table.values())) == key
+    for name, t in (("Counters", torch.zeros(9, dtype=torch.int32)[1:]), ("Q", torch.zeros(9)[1:]),
+                    ("Q", torch.zeros(8, dtype=torch.float16))):
+        assert signer(tuple(dict(base, **{name: t}).values())) != key, name
+    untrusting = direct.ArgSignature(fn)
+    assert untrusting(tuple(other_table.values())) != untrusting(tuple(base.values()))
+
+
 def _triton_specialisation(fn, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend

@@ -56,13 +56,16 @@ class ArgSignature:
     key at least as fine as ``native_specialize_impl``'s result, or None when an argument's type is not
     handled here. Tensors: dtype and 16-byte alignment; ints: 32/64-bit or unsigned 64-bit range, and
     for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
-    constexprs passed positionally: their value. The tuple of argument types picks a plan (which
+    constexprs passed positionally: their value. Tensors passed for a ``trusted`` parameter name add
+    nothing: the caller guarantees their dtype and 16-byte alignment (the launchers' int32 plan tables,
+    ``jit_common.PLAN_POINTERS``, all made by ``plan.device_int32``). The tuple of argument types picks a plan (which
     positions hold what); bulk checks keep the common case (every pointer aligned, every int in int32,
     every specialised int a multiple of 16) at a few C-level passes: ``math.gcd`` of all the pointers
     (or specialised ints) is a multiple of 16 exactly when each of them is."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, trusted: tuple = ()):
         self.params = getattr(fn, "params", None)  # None: not a plain JITFunction, never launched directly
+        self.trusted = frozenset(trusted)
         self._plans: dict[tuple, Optional[_Plan]] = {}
         self._last: tuple = ((), None)  # (argument types, plan) of the previous call: a launcher's types rarely change
 
@@ -108,7 +111,8 @@ class ArgSignature:
             if param.is_constexpr:
                 constants.append(i)
             elif issubclass(t, torch.Tensor):
-                tensors.append(i)
+                if param.name not in self.trusted:
+                    tensors.append(i)
             elif t is int:
                 ints.append(i)
                 if not param.do_not_specialize:
@@ -193,15 +197,17 @@ class _KernelSite:
 
     __slots__ = ("signer", "last")
 
-    def __init__(self, fn):
-        self.signer = ArgSignature(fn)
+    def __init__(self, fn, trusted: tuple):
+        self.signer = ArgSignature(fn, trusted)
         self.last: tuple = (None, None)
 
 
 class DirectCache:
     """Direct launches by key; filled from the autotuner path's results."""
 
-    def __init__(self):
+    def __init__(self, trusted: tuple = ()):
+        """``trusted``: parameter names whose tensors ``ArgSignature`` need not inspect (see there)."""
+        self.trusted = tuple(trusted)
         self._entries: dict[tuple, DirectLaunch] = {}
         self._sites: dict[str, _KernelSite] = {}
         self._lock = threading.Lock()
@@ -213,7 +219,7 @@ class DirectCache:
         arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""
         site = self._sites.get(kernel_name)
         if site is None:
-            site = self._sites.setdefault(kernel_name, _KernelSite(fn))
+            site = self._sites.setdefault(kernel_name, _KernelSite(fn, self.trusted))
         signature = site.signer(args)
         if signature is None:
             return None, None

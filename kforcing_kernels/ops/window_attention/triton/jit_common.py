@@ -18,6 +18,9 @@ LOG2E = 1.4426950408889634
 # Argument roles (the AOT report builds kernel signatures from these).
 IO_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")  # in the inputs' dtype
 FP32_POINTERS = ("Lse", "OPart", "LsePart", "Delta", "DQPart")  # other pointers are int32 plan tensors
+# The int32 plan tables (plan.device_int32 uploads them 16-byte aligned), and Counters (int32, the caller's).
+PLAN_POINTERS = ("QueryTiles", "Bounds", "Order", "KeyTiles", "KeyPtr", "KeyEntries", "KeyOrder", "StepPtr",
+                 "StepEntries", "StepOrder", "RowIv", "WindowKeys", "RowSlot0")
 FLOAT_ARGS = ("qk_scale", "sm_scale")
 # Strides of q/k/v/dout are multiples of the head dim (>= 32), so Triton may assume 16-divisibility.
 ALIGNED_STRIDES = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")

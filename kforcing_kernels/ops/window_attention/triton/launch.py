@@ -39,7 +39,7 @@ from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS
 from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
 from .direct import DirectCache, direct_launch_enabled
-from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, interpreting
+from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, PLAN_POINTERS, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
 from .plan import TilePlan, Tiles, _stream_id, device_plan, tile_plan
 from .steps import device_steps, step_plan
@@ -64,7 +64,7 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 _tuned_lock = threading.Lock()
 _tuned: dict[tuple, object] = {}
-_direct = DirectCache()  # steady-state launches (direct.py), filled from the autotuner path's results
+_direct = DirectCache(trusted=PLAN_POINTERS)  # steady-state launches (direct.py), filled from the autotuner path's results
 
 
 def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:

@@ -400,12 +400,20 @@ def _row_slot0(layout: WindowLayout) -> torch.Tensor:
     return out
 
 
+def device_int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` flat as a contiguous int32 tensor on ``device``, 16-byte aligned (four zeros when empty: a
+    kernel needs a valid pointer). The direct launch (direct.py) trusts the plan tables' dtype and
+    alignment instead of checking them per launch, so every table a kernel reads is made here."""
+    x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
+    x = x.to(device=device, dtype=torch.int32).contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()  # a fresh allocation is aligned
+
+
 def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
     row_iv = layout.row_intervals_int32
 
     def dev(x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
-        return x.to(device=device, dtype=torch.int32).contiguous()
+        return device_int32(x, device)
 
     return dict(
         query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
@@ -418,4 +426,5 @@ def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
     )
 
 
-__all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan", "device_plan"]
+__all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan", "device_plan",
+           "device_int32"]

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from ....layouts import WindowLayout
-from .plan import TilePlan, _tile_intervals, _transpose
+from .plan import TilePlan, _tile_intervals, _transpose, device_int32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -89,8 +89,7 @@ def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.dev
 
     def upload() -> dict:
         def dev(x: torch.Tensor) -> torch.Tensor:
-            x = x.reshape(-1) if x.numel() else torch.zeros(4, dtype=torch.int32)
-            return x.to(device=device, dtype=torch.int32).contiguous()
+            return device_int32(x, device)
 
         return dict(step_ptr=dev(steps.ptr), step_entries=dev(steps.entries), step_order=dev(steps.order),
                     stepptr_bstride=steps.ptr[0].numel() if steps.ptr.shape[0] > 1 else 0)
