@@ -96,7 +96,7 @@ def _cases():
     add("double-N70-k2-hopper64", WindowLayout.kforcing_double(70, 2), TILE_SETS["hopper"][64])
     add("causal-N200-wide", WindowLayout.causal(200), TILE_SETS["wide"][128])
     add("double-N40-k8-wide", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide"][128])
-    add("single-N40-k2-wide", WindowLayout.kforcing_single(40, 2), TILE_SETS["wide"][128])  # slot launch + bwd
+    add("single-N40-k2-wide", WindowLayout.kforcing_single(40, 2), TILE_SETS["wide"][128])  # slot steps inline
     add("packed-single-hopper64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]),
         TILE_SETS["hopper"][64])
     add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
@@ -125,11 +125,10 @@ def _expected_counts(plan, layout, tiles, variant, batch, heads):
     slot = plan.slot_steps() * batch * heads
     # Fused: the window tiles run their rows' slot steps inline (forward, and the backward's dQ part).
     fwd_slot = plan.inline_slot_steps() * batch * heads if variant == "fused" else slot
-    bwd_slot = fwd_slot if variant == "fused" and tiles.slot_dq_inline else slot
     # Fused / split: one count per (key tile, row step, head); legacy: per (key tile, query tile, head).
     per_b = plan.dkdv_tile_products() if variant == "legacy" else step_plan(layout, plan).products()
     dkdv = per_b.sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
-    return [int(per_bh), fwd_slot, int(per_bh), bwd_slot + slot, int(dkdv)]
+    return [int(per_bh), fwd_slot, int(per_bh), fwd_slot + slot, int(dkdv)]
 
 
 @pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads, variant", _cases())

@@ -187,8 +187,7 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
                     HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "bwd":
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim,
-                    SLOT_DQ_INLINE=tiles.slot_dq_inline, INSTRUMENT=False)
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "dkdv":
         return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
                     INSTRUMENT=False)

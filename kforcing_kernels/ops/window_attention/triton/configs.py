@@ -32,9 +32,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
-    # 128-row x D=128 dQ programs: the window rows' slot steps inline would spill (16-216 bytes), so
-    # the slot kernel computes them (4 launches per forward + backward in slot mode)
-    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4, slot_dq_inline=False)},
+    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4)},
 }
 # The tiles of the legacy backward (KFORCING_TRITON_KERNELS=legacy): forward tiles as above, the dK/dV
 # tiles it was tuned with (32-key programs at D <= 64: no wgmma; 16-row steps in the wide set).

@@ -24,6 +24,11 @@ import triton.language as tl
 
 from .jit_common import _kernel, _lse2_for_grad, _row_interval, _sees, _slot_block
 
+# Columns per piece of the window dQ's row dot products in the dQ programs: whole rows of q, k, dO and v
+# beside a 128-row x D=128 dQ accumulator spill 16-48 bytes on sm_90a; 32-column pieces compile clean.
+# The slot kernel (split/legacy) keeps whole rows (its D=32 sm_80 build spills 16-24 bytes in pieces).
+WINDOW_DQ_COLUMNS = tl.constexpr(32)
+
 
 @_kernel
 def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -37,26 +42,44 @@ def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.
 
 
 @triton.jit
-def _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq, q_off, lse2, delta, kv_head, rows, ok, slot0, iv_base,
+def _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq, q_row, lse2, delta, kv_head, rows, ok, slot0, iv_base,
                window_size, n_iv, stride_kn, qk_scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               INSTRUMENT: tl.constexpr):
-    """``dq`` + the unscaled dQ of query ``rows`` (BLOCK of them at ``q_off``, any windows) over the
-    key slots of their own window, ``window_size`` slot steps from each row's ``slot0`` in WindowKeys.
-    q and dO are re-read each step (from cache) rather than held: with them in registers besides the
-    gathered k and v rows, a 128-row x D=128 dQ program spills."""
+               COLUMNS: tl.constexpr, INSTRUMENT: tl.constexpr):
+    """``dq`` + the unscaled dQ of query ``rows`` (BLOCK of them, row offsets ``q_row`` into Q and dO, any
+    windows) over the key slots of their own window, ``window_size`` slot steps from each row's ``slot0``
+    in WindowKeys. q and dO are re-read each step (from cache) rather than held; the row dot products
+    take COLUMNS columns at a time (a divisor of HEAD_DIM): with whole rows of q, k, dO and v live
+    beside ``dq``, a 128-row x D=128 dQ program spills."""
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, COLUMNS)
     for i in range(0, window_size):
         key_i = tl.load(WindowKeys + slot0 + i, mask=ok, other=-1)
         visible = _sees(RowIv, iv_base, rows, ok, key_i, n_iv)
-        at_i = kv_head + key_i.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-        # Loads stay in their storage dtype, converted where used (fewer live registers).
-        k_i = tl.load(K + at_i, mask=visible[:, None], other=0.0)
-        q_i = tl.load(Q + q_off, mask=visible[:, None], other=0.0)
-        p_i = tl.where(visible, tl.exp2(tl.sum(q_i.to(tl.float32) * k_i.to(tl.float32), 1) * qk_scale - lse2), 0.0)
-        v_i = tl.load(V + at_i, mask=visible[:, None], other=0.0)
-        do_i = tl.load(DOut + q_off, mask=visible[:, None], other=0.0)
-        ds_i = p_i * (tl.sum(do_i.to(tl.float32) * v_i.to(tl.float32), 1) - delta)
-        dq += ds_i[:, None] * k_i.to(tl.float32)
+        kv_row = kv_head + key_i.to(tl.int64) * stride_kn
+        if COLUMNS == HEAD_DIM:
+            # Loads stay in their storage dtype, converted where used (fewer live registers).
+            at_k = kv_row[:, None] + offs_d[None, :]
+            k_i = tl.load(K + at_k, mask=visible[:, None], other=0.0)
+            q_i = tl.load(Q + q_row[:, None] + offs_d[None, :], mask=visible[:, None], other=0.0)
+            s_i = tl.sum(q_i.to(tl.float32) * k_i.to(tl.float32), 1)
+            v_i = tl.load(V + at_k, mask=visible[:, None], other=0.0)
+            do_i = tl.load(DOut + q_row[:, None] + offs_d[None, :], mask=visible[:, None], other=0.0)
+            dp_i = tl.sum(do_i.to(tl.float32) * v_i.to(tl.float32), 1)
+        else:
+            s_i = tl.zeros([BLOCK], dtype=tl.float32)
+            dp_i = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in tl.static_range(0, HEAD_DIM, COLUMNS):
+                at_q = q_row[:, None] + (c + offs_c)[None, :]
+                at_k = kv_row[:, None] + (c + offs_c)[None, :]
+                q_c = tl.load(Q + at_q, mask=visible[:, None], other=0.0)
+                k_c = tl.load(K + at_k, mask=visible[:, None], other=0.0)
+                s_i += tl.sum(q_c.to(tl.float32) * k_c.to(tl.float32), 1)
+                do_c = tl.load(DOut + at_q, mask=visible[:, None], other=0.0)
+                v_c = tl.load(V + at_k, mask=visible[:, None], other=0.0)
+                dp_i += tl.sum(do_c.to(tl.float32) * v_c.to(tl.float32), 1)
+            k_i = tl.load(K + kv_row[:, None] + offs_d[None, :], mask=visible[:, None], other=0.0)
+        p_i = tl.where(visible, tl.exp2(s_i * qk_scale - lse2), 0.0)
+        dq += (p_i * (dp_i - delta))[:, None] * k_i.to(tl.float32)
         if INSTRUMENT:
             tl.atomic_add(Counters + 3, 1)
     return dq
@@ -128,9 +151,9 @@ def _slot_bwd_kernel(
         lse2_t = _lse2_for_grad(tl.load(Lse + l_head + rows, mask=ok, other=0.0))
         delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
         dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32),
-                        q_head + rows[:, None] * stride_qm + offs_d[None, :], lse2_t, delta_t,
+                        q_head + rows * stride_qm, lse2_t, delta_t,
                         b * stride_kb + kvh * stride_kh, rows, ok, slot0, b * iv_bstride, window_size, n_iv,
-                        stride_kn, qk_scale, BLOCK_T, HEAD_DIM, INSTRUMENT)
+                        stride_kn, qk_scale, BLOCK_T, HEAD_DIM, HEAD_DIM, INSTRUMENT)
         tl.store(DQPart + b * stride_pb + h * stride_ph + (key64 - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
                  mask=ok[:, None])
     _slot_dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys,
@@ -226,9 +249,10 @@ def _dq_program(
     if SLOT_INLINE:
         if seeded != 0:  # the intra-window part last: with q and dO (re-read there) no longer live, it fits
             slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
-            dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq, q_off, lse2, delta,
+            dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq,
+                            b * stride_qb + h * stride_qh + rows * stride_qm, lse2, delta,
                             b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv, stride_kn,
-                            qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
+                            qk_scale, BLOCK_M, HEAD_DIM, WINDOW_DQ_COLUMNS, INSTRUMENT)
 
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
@@ -358,16 +382,14 @@ def _bwd_kernel(
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_DQ_INLINE: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     """The whole backward after ``delta`` in one launch (1-D grid), programs split by id: the first
     ``n_dkdv_programs`` = ``n_bkv`` x key tiles are dK/dV programs (the larger share of the work, so
     they start first), the next ``n_dq_programs`` = ``n_bh`` x query tiles dQ programs (window rows
     add their intra-window part inline), the rest ``n_bkv`` x slot blocks the window keys' dK/dV
     (slot mode only); each kind in its own longest-first order with (batch x head) fastest. One
-    launch instead of three saves their host time; the register allocation is the largest kind's.
-    Without ``SLOT_DQ_INLINE`` the slot kernel ran first: window rows start from its ``DQPart`` and
-    it wrote the window keys' dK/dV (no third kind)."""
+    launch instead of three saves their host time; the register allocation is the largest kind's."""
     pid = tl.program_id(0)
     if pid < n_dkdv_programs:
         _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
@@ -380,8 +402,8 @@ def _bwd_kernel(
                     RowIv, WindowKeys, RowSlot0, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                     stride_kn, stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads,
                     kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, SLOT_DQ_INLINE, INSTRUMENT)
-    elif SLOT_DQ_INLINE:
+                    BLOCK_M, BLOCK_N, HEAD_DIM, True, INSTRUMENT)
+    else:
         p = pid - n_dkdv_programs - n_dq_programs
         _slot_dkdv_program(p % n_bkv, p // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys, Counters,
                            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,

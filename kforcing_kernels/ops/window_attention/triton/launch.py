@@ -264,9 +264,9 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     dv = torch.empty_like(v)
     dq = torch.empty_like(q)
     variant = kernel_variant()
-    # The slot kernel runs first (window keys' dK/dV, window rows' dQ part) unless the default kernels
-    # do that inside the backward launch (every tile set but the wide one: its dQ programs would spill).
-    slot_launch = plan.intra_blocks > 0 and (variant != "fused" or not tiles.slot_dq_inline)
+    # split/legacy: the slot kernel runs first (window keys' dK/dV, window rows' dQ part); the default
+    # kernels do that inside the backward launch.
+    slot_launch = plan.intra_blocks > 0 and variant != "fused"
     n_window_rows = lq - (g.n_ctx - g.query_offset)
     dq_part = q.new_empty(bsz, n_heads, n_window_rows if slot_launch else 0, d, dtype=torch.float32)
     if slot_launch:
@@ -282,7 +282,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
         n_dkdv = bsz * n_kv * plan.num_key_tiles
         n_dq = bsz * n_heads * plan.num_query_tiles
-        n_slot = 0 if slot_launch else bsz * n_kv * plan.intra_blocks
+        n_slot = bsz * n_kv * plan.intra_blocks
         _launch(
             "bwd", (n_dkdv + n_dq + n_slot, 1), key,
             q, k, v, dout, lse, delta, dq, dk, dv, dq_part,
@@ -292,8 +292,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
             pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
             g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
             scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, SLOT_DQ_INLINE=tiles.slot_dq_inline,
-            INSTRUMENT=instrument,
+            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
         )
         return dq, dk, dv
     if variant == "legacy":

@@ -68,9 +68,6 @@ class Tiles:
     block_t: int = 64
     block_m_dkdv: int = 0
     slot_window_max: Optional[int] = None  # lowers SLOT_WINDOW_MAX for these tiles (None: the module's)
-    # dQ programs do their window rows' slot steps inline (False: a slot launch before the backward does,
-    # for tiles whose dQ program has no registers left for them)
-    slot_dq_inline: bool = True
 
     @property
     def dkdv_step_rows(self) -> int:
