@@ -28,6 +28,10 @@
 #   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
 #   9 batch invariance (bench/batch_invariance.py): triton fwd+bwd bitwise alone vs inside batches of 2-16, under
 #     the autotuned choice and every config forced in turn; teacher targets batched vs per sample (JSON as it goes)
+#  10 serving (only when named: GPU_CHECK_ONLY="10_serving_b4 10_serving_b16 10_serving_b128", a call of its own):
+#     K-Forcing's Table 1 protocol through `bench infer`: the paper backbone (12 x 768, random weights, no EOS
+#     stop), bf16, 64-token prompts completed to 1,024 tokens, AR vs K-Forcing k = 2 / 4, paged and contiguous
+#     KV cache, 5 timed runs after a warm-up; one batch size per step, each writing its own JSON
 set -uo pipefail
 
 ROOT=${KF_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -398,6 +402,14 @@ main() {
             --json "$OUT_DIR/train_step.json"
         run_step 9_batch_invariance 60 0 "$PY" -m bench.batch_invariance --n 1024 --k 4 --dims 64 128 \
             --batch-sizes 2,4,8,16 --json "$OUT_DIR/batch_invariance.json"
+        if [ -n "${GPU_CHECK_ONLY:-}" ]; then  # opt-in: the default run's budget goes to steps 1-9
+            local b
+            for b in 4 16 128; do
+                run_step "10_serving_b$b" 190 0 "$PY" -m bench infer --device cuda --preset paper --dtype bfloat16 \
+                    --k 2,4 --batch-sizes "$b" --prompt-len 64 --new-tokens 960 --warmup 1 --reps 5 --max-seconds 60 \
+                    --no-progress --out "$OUT_DIR/serving_b$b"
+            done
+        fi
         gpu_state
     fi
 

@@ -3,6 +3,8 @@
     python -m bench infer --quick
     python -m bench infer                         # k = 1, 2, 4 at batch 4, 16; prompt 64; 64 new tokens (short on CPU)
     python -m bench infer --full                  # the issue's grid: batch 4, 16, 128; prompt 64 and 512; 256 new tokens
+    python -m bench infer --device cuda --preset paper --dtype bfloat16 --k 2,4 --batch-sizes 4,16,128 \
+        --prompt-len 64 --new-tokens 960 --warmup 1 --reps 5    # K-Forcing's Table 1 protocol (64 -> 1024 tokens)
 
 Both use ``kforcing_kernels.app.inference`` (``generate_ar`` one token per forward,
 ``generate_kforcing`` k per forward, paper Algorithm 1) on the same random-weight
@@ -10,7 +12,8 @@ model and prompts, each with ``cache="contiguous"`` (one buffer per layer; every
 decode step concatenates the cache with the new keys) and ``cache="paged"`` (pages
 read in place by ``paged_attention``); throughput is generated tokens per second
 (batch x new tokens / time), all timed round-robin in one process. Weights are
-random: the work per step does not depend on training, only the text does.
+random: the work per step does not depend on training, only the text does. Generation never stops
+early (no EOS check): every request generates exactly ``--new-tokens``.
 
 Memory: ``kv_bytes_per_step`` is the analytic K/V traffic of one decode step at the
 mean context length (reads + writes of cached K/V, all layers); ``cache_bytes`` the
@@ -37,6 +40,7 @@ FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tok
 DEFAULT = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [64], "new_tokens": 64, "reps": 3, "warmup": 1, "max_seconds": 10.0}
 QUICK = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [32], "new_tokens": 16, "reps": 3, "warmup": 1, "max_seconds": 1.0}
 CACHES = ("contiguous", "paged")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAGE_SIZE = 16
 
 
@@ -74,12 +78,12 @@ def run(args) -> dict:
     paged_backend = backend if backend in ("reference", "composite", "cpp") else default_paged_backend(device)
     cfg = PRESETS[args.preset](seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend, **args.overrides)
     torch.manual_seed(0)
-    model = KForcingLM(cfg).to(device).eval()
+    model = KForcingLM(cfg).to(device=device, dtype=DTYPES[args.dtype]).eval()  # weights and KV cache
     elt = model.wte.weight.element_size()
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
         "threads": threads, "backend": backend, "paged_backend": paged_backend, "page_size": PAGE_SIZE,
-        "preset": args.preset, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes, "prompt_len": args.prompt_len,
+        "preset": args.preset, "dtype": args.dtype, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "caches": args.cache, "loadavg_start": busy_cores(),
     }
@@ -136,7 +140,7 @@ def format_report(report: dict) -> str:
     m = meta["model"]
     lines = [
         f"inference throughput: {meta['command']}",
-        f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
+        f"  model {meta['preset']} ({meta.get('dtype', 'float32')}): {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
         f"{meta['new_tokens']} new tokens; attention backend {meta['backend']!r}, paged backend {meta['paged_backend']!r}, "
         f"page size {meta['page_size']}",
         f"  {meta['device']}, threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} reps; torch {meta['torch']}, "
@@ -170,6 +174,8 @@ def add_arguments(p) -> None:
     add_new_tokens(p, None, help_extra=" (None: the profile's)")
     add_model_args(p)
     p.add_argument("--backend", default=None, help="attention backend (None: default_backend for the device)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="model weights and KV cache (the paper's serving table: bfloat16 on a GPU)")
     add_run_args(p, "bench-infer-")
 
 

@@ -58,3 +58,40 @@ def test_inference_bench_rows(tmp_path, capsys):
             assert r["kv_bytes_per_step"] < twin["kv_bytes_per_step"]
     assert (tmp_path / "inference.json").exists() and (tmp_path / "inference.csv").exists()
     assert "K-Forcing k=2" in capsys.readouterr().out
+
+
+def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
+    """--dtype sets the weights and so the KV caches (the paper's serving table runs bf16)."""
+    report = inference.main(TINY + ["--k", "2", "--batch-sizes", "2", "--prompt-len", "5", "--new-tokens", "4",
+                                    "--dtype", "bfloat16", "--out", str(tmp_path), "--no-progress"])
+    assert report["meta"]["dtype"] == "bfloat16"
+    assert len(report["rows"]) == 4 and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in report["rows"])
+    # 2 bytes per element: the cache holds half the bytes of the same shapes in float32.
+    from kforcing_kernels.model import PRESETS
+
+    cfg = PRESETS["micro"](seq_len=9)
+    for r in report["rows"]:
+        fp32 = inference.kv_traffic(cfg, 2, 5, 4, r["k"], r["cache"], report["meta"]["paged_backend"], 4)
+        assert 2 * r["cache_bytes"] == fp32["cache_bytes"], r
+
+
+def test_gpu_check_serving_steps_follow_the_papers_protocol(tmp_path):
+    """bench/gpu_check.sh's opt-in serving steps pass `bench infer` arguments it accepts, and they are
+    K-Forcing's Table 1 protocol: paper backbone, bf16, 64-token prompts to 1,024 tokens, k = 2 / 4,
+    batch 4 / 16 / 128, 5 timed runs after a warm-up."""
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_check.sh")).read()
+    loop = re.search(r'for b in ([\d ]+); do\s+run_step "10_serving_b\$b" \d+ \d+ "\$PY" -m bench infer ((?:\\\n|[^\n])*)', text)
+    assert loop is not None
+    assert [int(b) for b in loop.group(1).split()] == [4, 16, 128]
+    argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").replace('"$b"', "4").rstrip('"')
+            for a in loop.group(2).replace("\\\n", " ").split()]
+    assert argv[argv.index("--device") + 1] == "cuda"
+    argv[argv.index("--device") + 1] = "cpu"  # parsing checks the device exists
+    args = inference.parse_args(argv)
+    assert (args.preset, args.dtype, args.k, args.batch_sizes) == ("paper", "bfloat16", [2, 4], [4])
+    assert [p + args.new_tokens for p in args.prompt_len] == [1024] and args.prompt_len == [64]
+    assert (args.warmup, args.reps) == (1, 5) and set(args.cache) == {"paged", "contiguous"}
+    assert args.out.startswith(str(tmp_path))
