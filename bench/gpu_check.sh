@@ -25,7 +25,9 @@
 #   6 bench B: + composite (CUDA path) and dense-mask SDPA, N 1024/2048, k 4, D 64/128
 #   7 bench C: triton (kernels fused: 3 launches / split: 6 / legacy: old dQ, dK/dV) vs compiled FlexAttention (analytic
 #     BlockMask), N 1024/8192, k 4, D 64/128
-#   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4, dense vs triton
+#   8 train step: paper backbone (12 layers, width 768), N 1024, B 4, teacher k 2 -> student 4: dense-mask SDPA vs
+#     triton vs the same step with attention replaced by a zero-cost op (the limit; target: triton within 10%)
+#   8b the same at N 4096, teacher k 4 -> student 8 (target: >= 7x dense)
 #   9 batch invariance (bench/batch_invariance.py): triton fwd+bwd bitwise alone vs inside batches of 2-16, under
 #     the autotuned choice and every config forced in turn; teacher targets batched vs per sample (JSON as it goes)
 #  10 serving (only when named: GPU_CHECK_ONLY="10_serving_b4 10_serving_b16 10_serving_b128", a call of its own):
@@ -372,12 +374,12 @@ main() {
     if [ "$have_cuda" -eq 0 ]; then
         echo "gpu_check: torch/triton not importable or no CUDA device; every GPU step is skipped"
         local s
-        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step 9_batch_invariance; do
+        for s in 1_smoke 2_pytest_gpu 3_int64_offsets 4_sampler 5_bench_single_d128 5b_bench_in_tile 6_bench_composite_dense 7_bench_flex 8_train_step 8b_train_step_n4096 9_batch_invariance; do
             skip_step "$s" "no CUDA device or torch/triton not importable"
         done
     else
         # Correctness first. Each reserve is the sum of the later steps' caps (benches: about 4.5 minutes);
-        # step 9's minute comes out of the benches (steps 1-4 keep theirs).
+        # steps 8b's and 9's minutes come out of the benches 5-6 (steps 1-4 keep theirs; 7 reserves 8, 8b and 9).
         run_step 1_smoke 100 465 "$PY" "$WORK/smoke.py"
         if [ "$have_pytest" -eq 1 ]; then
             run_step 2_pytest_gpu 110 355 "$PY" -m pytest python_tests/test_triton_gpu.py -q -p no:cacheprovider \
@@ -395,11 +397,13 @@ main() {
             --batch-size 1 --heads 16 --methods triton --slot-window-max 0 --json "$OUT_DIR/bench_in_tile_d128.json"
         run_step 6_bench_composite_dense 45 195 "$PY" -m bench.triton_gpu --layout single --n 1024 2048 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton sdpa_flash_causal composite dense_sdpa --json "$OUT_DIR/bench_composite_dense.json"
-        run_step 7_bench_flex 90 125 "$PY" -m bench.triton_gpu --layout single --n 1024 8192 --k 4 --dim 64 128 \
+        run_step 7_bench_flex 90 185 "$PY" -m bench.triton_gpu --layout single --n 1024 8192 --k 4 --dim 64 128 \
             --batch-size 1 --heads 16 --methods triton flex --triton-kernels fused split legacy \
             --json "$OUT_DIR/bench_flex_single.json"
-        run_step 8_train_step 65 60 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
+        run_step 8_train_step 65 120 "$PY" -m bench.triton_gpu --train-step --n 1024 --k 2 --batch-size 4 \
             --json "$OUT_DIR/train_step.json"
+        run_step 8b_train_step_n4096 60 60 "$PY" -m bench.triton_gpu --train-step --n 4096 --k 4 --batch-size 4 \
+            --json "$OUT_DIR/train_step_n4096.json"
         run_step 9_batch_invariance 60 0 "$PY" -m bench.batch_invariance --n 1024 --k 4 --dims 64 128 \
             --batch-sizes 2,4,8,16 --json "$OUT_DIR/batch_invariance.json"
         if [ -n "${GPU_CHECK_ONLY:-}" ]; then  # opt-in: the default run's budget goes to steps 1-9

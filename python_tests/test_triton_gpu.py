@@ -191,10 +191,51 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     for name, body in blocks:
         compile(body, name, "exec")
     commands = re.findall(r'"\$PY" -m bench\.triton_gpu ((?:\\\n|[^\n])*)', text)
-    assert len(commands) == 5, commands
+    assert len(commands) == 6, commands
+    from bench import triton_gpu
+
+    train_shapes = []
     for cmd in commands:
         argv = [a for a in cmd.replace("\\\n", " ").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
-        from bench import triton_gpu
+        args = triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted
+        if args.train_step:
+            assert args.train_preset == "paper" and args.batch == 4 and "zero" in args.train_variants
+            train_shapes.append((args.n[0], args.k))
+    # The issue's two training-step shapes: the paper's (k 2 -> 4, N=1024) and N=4096 with k 4 -> 8.
+    assert train_shapes == [(1024, [2]), (4096, [4])]
 
-        triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted
+
+def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(monkeypatch):
+    """The training-step rows (bench/triton_gpu.py --train-step) on the micro model with the timer
+    replaced: three variants of one step, the ratios from their times, and a zero-cost variant that
+    really runs no attention (while the others do)."""
+    from bench import triton_gpu
+    from kforcing_kernels.model import gpt
+
+    calls = {"attention": 0}
+    real = gpt.window_attention
+
+    def counting(*args, **kwargs):
+        calls["attention"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpt, "window_attention", counting)
+    seen = {}
+
+    def fake_time(fn):
+        before = calls["attention"]
+        fn()
+        seen[len(seen)] = calls["attention"] - before
+        return {0: 40.0, 1: 10.0, 2: 8.0}[len(seen) - 1]  # dense, ours, zero
+
+    monkeypatch.setattr(triton_gpu, "time_ms", fake_time)
+    args = triton_gpu.parse_args(["--train-step", "--n", "16", "--k", "1", "--batch-size", "2", "--device", "cpu",
+                                  "--train-preset", "micro", "--train-ours", "cpp"])
+    (row,) = triton_gpu.train_step(args)
+    assert (row["dense_ms"], row["ours_ms"], row["zero_ms"]) == (40.0, 10.0, 8.0)
+    assert row["speedup"] == pytest.approx(4.0) and row["ours_vs_zero"] == pytest.approx(1.25)
+    assert (row["teacher_k"], row["student_k"], row["n"], row["batch"]) == (1, 2, 16, 2)
+    # dense replaces the op by masked SDPA, zero by nothing: only "ours" calls window_attention.
+    assert seen[0] == 0 and seen[1] > 0 and seen[2] == 0
+    assert gpt.window_attention is counting  # every replacement undone
