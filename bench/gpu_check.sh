@@ -34,6 +34,9 @@
 #     K-Forcing's Table 1 protocol through `bench infer`: the paper backbone (12 x 768, random weights, no EOS
 #     stop), bf16, 64-token prompts completed to 1,024 tokens, AR vs K-Forcing k = 2 / 4, paged and contiguous
 #     KV cache, 5 timed runs after a warm-up; one batch size per step, each writing its own JSON
+#  11 the README table (only when named: GPU_CHECK_ONLY="11_table_d64 11_table_d128", a call of its own): triton vs
+#     compiled FlexAttention, SDPA-flash causal and dense-mask SDPA, single layout, N 1024/4096/8192, k 2/4/8,
+#     B 1, H 16; `python -m bench.triton_gpu --render $OUT/table_d*.json` prints the markdown table
 set -uo pipefail
 
 ROOT=${KF_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -412,6 +415,12 @@ main() {
                 run_step "10_serving_b$b" 190 0 "$PY" -m bench infer --device cuda --preset paper --dtype bfloat16 \
                     --k 2,4 --batch-sizes "$b" --prompt-len 64 --new-tokens 960 --warmup 1 --reps 5 --max-seconds 60 \
                     --no-progress --out "$OUT_DIR/serving_b$b"
+            done
+            local d
+            for d in 64 128; do
+                run_step "11_table_d$d" 280 0 "$PY" -m bench.triton_gpu --layout single --n 1024 4096 8192 \
+                    --k 2 4 8 --dim "$d" --batch-size 1 --heads 16 \
+                    --methods triton flex sdpa_flash_causal dense_sdpa --json "$OUT_DIR/table_d$d.json"
             done
         fi
         gpu_state

@@ -191,19 +191,23 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     for name, body in blocks:
         compile(body, name, "exec")
     commands = re.findall(r'"\$PY" -m bench\.triton_gpu ((?:\\\n|[^\n])*)', text)
-    assert len(commands) == 6, commands
+    assert len(commands) == 7, commands
     from bench import triton_gpu
 
-    train_shapes = []
+    train_shapes, tables = [], 0
     for cmd in commands:
-        argv = [a for a in cmd.replace("\\\n", " ").split() if a]
+        argv = [a for a in cmd.replace("\\\n", " ").replace('"$d"', "64").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
         args = triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted
+        if args.json.endswith("table_d64.json"):  # the README table's grid, with its baselines
+            assert (args.n, args.k, set(args.methods)) == ([1024, 4096, 8192], [2, 4, 8], {
+                "triton", "flex", "sdpa_flash_causal", "dense_sdpa"})
+            tables += 1
         if args.train_step:
             assert args.train_preset == "paper" and args.batch == 4 and "zero" in args.train_variants
             train_shapes.append((args.n[0], args.k))
     # The two training-step shapes: the paper's (k 2 -> 4, N=1024) and N=4096 with k 4 -> 8.
-    assert train_shapes == [(1024, [2]), (4096, [4])]
+    assert train_shapes == [(1024, [2]), (4096, [4])] and tables == 1
 
 
 def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(monkeypatch):
