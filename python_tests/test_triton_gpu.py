@@ -196,7 +196,7 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
 
     train_shapes, tables = [], 0
     for cmd in commands:
-        argv = [a for a in cmd.replace("\\\n", " ").replace('"$d"', "64").split() if a]
+        argv = [a for a in cmd.replace("\\\n", " ").replace('"$d"', "64").replace("$d", "64").split() if a]
         argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in argv]
         args = triton_gpu.parse_args(argv)  # every bench command line the script uses is accepted
         if args.json.endswith("table_d64.json"):  # the README table's grid, with its baselines
