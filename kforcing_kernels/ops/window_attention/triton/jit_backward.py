@@ -24,10 +24,12 @@ import triton.language as tl
 
 from .jit_common import _kernel, _lse2_for_grad, _row_interval, _sees, _slot_block
 
-# Columns per piece of the window dQ's row dot products in the dQ programs: whole rows of q, k, dO and v
-# beside a 128-row x D=128 dQ accumulator spill 16-48 bytes on sm_90a; 32-column pieces compile clean.
-# The slot kernel (split/legacy) keeps whole rows (its D=32 sm_80 build spills 16-24 bytes in pieces).
+# Columns per piece of the window dQ's row dot products in dQ programs of at least WINDOW_DQ_PIECES_FROM
+# elements (the wide set's 128 rows x D=128): whole rows of q, k, dO and v beside such a dQ accumulator
+# spill 16-48 bytes on sm_90a; 32-column pieces compile clean. Smaller programs, and the slot kernel
+# (split/legacy; its D=32 sm_80 build spills 16-24 bytes in pieces), take whole rows.
 WINDOW_DQ_COLUMNS = tl.constexpr(32)
+WINDOW_DQ_PIECES_FROM = tl.constexpr(128 * 128)
 
 
 @_kernel
@@ -252,7 +254,9 @@ def _dq_program(
             dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq,
                             b * stride_qb + h * stride_qh + rows * stride_qm, lse2, delta,
                             b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv, stride_kn,
-                            qk_scale, BLOCK_M, HEAD_DIM, WINDOW_DQ_COLUMNS, INSTRUMENT)
+                            qk_scale, BLOCK_M, HEAD_DIM,
+                            WINDOW_DQ_COLUMNS if BLOCK_M * HEAD_DIM >= WINDOW_DQ_PIECES_FROM else HEAD_DIM,
+                            INSTRUMENT)
 
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
