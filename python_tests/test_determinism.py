@@ -57,18 +57,21 @@ _MINE = [0, 8, 60, 100, 144]  # the element under test (boundaries at multiples 
 _OTHERS = [[0, 144], [0, 4, 8, 12, 140, 144], [0, 96, 144], [0, 20, 24, 28, 32, 36, 40, 120, 144]]
 
 
+@pytest.mark.parametrize("mine", [_MINE, [0, 144]], ids=["packed", "one-document"])
 @pytest.mark.parametrize("name", sorted(_PACKED))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bitwise_per_batch_documents_whatever_the_other_elements_boundaries(backend, name):
+def test_bitwise_per_batch_documents_whatever_the_other_elements_boundaries(backend, name, mine):
+    """One document too: per-batch ranges of a batch of one are that element's layout (composite once took
+    another piece decomposition for them than for the same row inside a batch)."""
     make, n = _PACKED[name], 144
-    alone_layout = make(n, [_MINE])
+    alone_layout = make(n, [mine])
     g = torch.Generator().manual_seed(5)
     rand = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     q, dout = rand(1, 2, alone_layout.n_queries, 16), rand(1, 2, alone_layout.n_queries, 16)
     k, v = rand(1, 2, alone_layout.n_keys, 16), rand(1, 2, alone_layout.n_keys, 16)
     alone = _run(backend, alone_layout, q, k, v, dout, threads=2)
     for pos, others in ((1, [_OTHERS[0]]), (1, _OTHERS[1:3]), (2, _OTHERS[1:]), (0, _OTHERS[3:])):
-        cus = others[:pos] + [_MINE] + others[pos:]
+        cus = others[:pos] + [mine] + others[pos:]
         layout = make(n, cus)
         assert layout.range_batch == len(cus)
         fill = lambda t: torch.cat([rand(pos, *t.shape[1:]), t, rand(len(cus) - pos - 1, *t.shape[1:])])  # noqa: E731

@@ -61,6 +61,8 @@ def _per_element(fn, tensors, layout: WindowLayout, *args):
     batch sizes and memory alignments; one element at a time, on freshly allocated
     tensors, a sequence gets the same bits alone or in any batch (docs/DESIGN.md §3).
     """
+    if layout.batch_size == 1:  # per-batch ranges of one element: that element's layout, so the same pieces
+        layout = _element_layout(layout, 0)  # as inside a batch (a one-document row is a staircase there)
     if tensors[0].device.type != "cpu" or tensors[0].shape[0] <= 1:
         return fn(*tensors, layout, *args)
     parts = [fn(*(t[b:b + 1].contiguous() for t in tensors), _element_layout(layout, b), *args)
