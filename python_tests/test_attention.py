@@ -250,3 +250,14 @@ def test_absent_backend_says_why():
             q, k, v, layout = _valid()
             with pytest.raises(RuntimeError, match=f"backend '{name}' is not available"):
                 window_attention(q, k, v, layout, backend=name)
+
+
+def test_a_bad_backend_switch_names_the_environment_variable(monkeypatch):
+    """KFORCING_BACKEND=<typo> is a clear error that names the switch, not the backend= argument."""
+    layout = LAYOUTS["single_k3_odd"]
+    q, k, v = make_qkv(layout, requires_grad=False)
+    monkeypatch.setenv("KFORCING_BACKEND", "CPP")
+    with pytest.raises(ValueError, match="KFORCING_BACKEND: expected one of"):
+        window_attention(q, k, v, layout)
+    monkeypatch.setenv("KFORCING_BACKEND", "reference")
+    torch.testing.assert_close(window_attention(q, k, v, layout), window_attention(q, k, v, layout, backend="reference"))

@@ -46,10 +46,12 @@ class OpRegistry:
             the first that is available, preferred here and supports the inputs wins.
         fallback: the backend used when none of the preferred ones qualifies (must run anywhere).
         override: optional callable returning a forced backend name (an environment switch), or None.
+        override_name: what the forced name is called in errors (the environment variable).
     """
 
     def __init__(self, op: str, backends: tuple[BackendSpec, ...], preference: Mapping[str, tuple[str, ...]],
-                 fallback: str, override: Optional[Callable[[], Optional[str]]] = None):
+                 fallback: str, override: Optional[Callable[[], Optional[str]]] = None,
+                 override_name: str = "backend override"):
         self.op = op
         self.specs = {spec.name: spec for spec in backends}
         self.names = tuple(self.specs)
@@ -59,6 +61,7 @@ class OpRegistry:
         self.preference = dict(preference)
         self.fallback = fallback
         self.override = override
+        self.override_name = override_name
 
     def check_name(self, name: Optional[str], argument: str = "backend") -> None:
         """Raise ValueError naming ``argument`` unless ``name`` is None or one of :attr:`names`."""
@@ -96,6 +99,7 @@ class OpRegistry:
         """
         forced = self.override() if self.override is not None else None
         if forced:
+            self.check_name(forced, self.override_name)  # a typo in the switch names the switch
             return ((forced, None),)
         out = []
         for name in self.preference.get(torch.device(device).type, ()):

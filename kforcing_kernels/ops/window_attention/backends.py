@@ -51,6 +51,7 @@ REGISTRY = OpRegistry(
     preference={"cuda": ("triton", "composite"), "cpu": ("cpp", "composite")},
     fallback="composite",
     override=env.backend_override,
+    override_name="KFORCING_BACKEND",
 )
 BACKENDS = REGISTRY.names
 
