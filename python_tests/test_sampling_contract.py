@@ -197,3 +197,16 @@ def test_noise_inversion_never_returns_one(backend):
         back = op.inverse_cdf_sample(logits, z)
         live = tokens < 5
         assert torch.equal(back[live], tokens[live])
+
+
+@pytest.mark.parametrize("bad", ["1", True, torch.tensor(1), None])
+def test_temperature_of_the_wrong_type_is_refused_by_name(bad):
+    """A string, a bool or an integer tensor would convert silently to a temperature; each is an error."""
+    from kforcing_kernels.ops.sampling.op import inverse_cdf_sample
+
+    logits, z = torch.randn(3, 7), torch.rand(3)
+    with pytest.raises(ValueError, match="temperature: expected"):
+        inverse_cdf_sample(logits, z, temperature=bad)
+    import numpy as np
+
+    assert torch.equal(inverse_cdf_sample(logits, z, temperature=np.float32(0.5)), inverse_cdf_sample(logits, z, temperature=0.5))
