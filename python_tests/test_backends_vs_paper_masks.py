@@ -47,6 +47,8 @@ CASES = {
     "double_packed": (lambda: WindowLayout.kforcing_double(7, 2, cu_seqlens=[0, 3, 7]),
                       lambda: kforcing_double_packed_elementwise(7, 2, [0, 3, 7])),
     "sbd_packed": (lambda: WindowLayout.sbd(12, 3, cu_seqlens=[0, 6, 12]), lambda: sbd_packed_elementwise(12, 3, [0, 6, 12])),
+    "sbd_packed_short_end": (lambda: WindowLayout.sbd(11, 3, cu_seqlens=[0, 6, 11]),
+                             lambda: sbd_packed_elementwise(11, 3, [0, 6, 11])),
     "bd3lm": (lambda: WindowLayout.bd3lm(12, 4), lambda: _bd3lm_ours(12, 4)),
     # Block drafters (two batch elements, as check() uses): DFlash full blocks with dropped blocks and
     # anchors at 0, at the last context token and at S; causal blocks; speculators' block window over

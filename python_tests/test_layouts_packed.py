@@ -34,9 +34,20 @@ def test_causal_packed_and_block_causal(cu, block):
     assert torch.equal(got, causal_packed_elementwise(7, cu, block))
 
 
-@pytest.mark.parametrize("n,block,cu", [(8, 2, [0, 8]), (8, 2, [0, 4, 8]), (12, 3, [0, 3, 9, 12]), (6, 1, [0, 1, 2, 6])])
+@pytest.mark.parametrize("n,block,cu", [(8, 2, [0, 8]), (8, 2, [0, 4, 8]), (12, 3, [0, 3, 9, 12]), (6, 1, [0, 1, 2, 6]),
+                                         (10, 3, [0, 10]), (11, 3, [0, 6, 11]), (7, 4, [0, 4, 7])])
 def test_sbd_packed(n, block, cu):
+    """The sequence end need not be a multiple of block (the last block is shorter, as unpacked)."""
     assert torch.equal(WindowLayout.sbd(n, block, cu_seqlens=cu).dense_mask(), sbd_packed_elementwise(n, block, cu))
+
+
+@pytest.mark.parametrize("make", [WindowLayout.sbd, WindowLayout.bd3lm])
+def test_blockwise_one_document_equals_the_unpacked_layout_and_inner_boundaries_stay_aligned(make):
+    for n in range(1, 12):
+        for block in range(1, 5):
+            assert torch.equal(make(n, block, cu_seqlens=[0, n]).dense_mask(), make(n, block).dense_mask()), (n, block)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected document boundaries at multiples of block=3, got 5"):
+        make(10, 3, cu_seqlens=[0, 5, 10])
 
 
 @pytest.mark.parametrize("n,block", [(4, 1), (4, 2), (8, 2), (12, 4), (6, 3), (8, 8)])

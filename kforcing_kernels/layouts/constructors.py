@@ -63,7 +63,7 @@ def sbd(cls: "type[WindowLayout]", n_ctx: int, block: int, *, cu_seqlens=None) -
     Clean tokens are causal; masked block b (tokens ``L + b*block ..``) sees the
     clean tokens ``[0, b*block)`` and its whole block. The last block is shorter
     when ``block`` does not divide L. With ``cu_seqlens`` (boundaries at
-    multiples of ``block``) everything stays inside its document.
+    multiples of ``block``, but for L itself) everything stays inside its document.
     """
     n_ctx, block = positive_int("n_ctx", n_ctx), positive_int("block", block)
     return _blockwise(cls, n_ctx, block, cu_seqlens, context_block=None)
@@ -84,7 +84,7 @@ def bd3lm(cls: "type[WindowLayout]", n_ctx: int, block: int, *, cu_seqlens=None)
 def _blockwise(cls: "type[WindowLayout]", n_ctx: int, block: int, cu_seqlens,
                context_block: Optional[int]) -> "WindowLayout":
     docs = parse_cu_seqlens(cu_seqlens, n_ctx)
-    check_block_aligned("cu_seqlens", docs, block)
+    check_block_aligned("cu_seqlens", docs, block, n_ctx)
     m = -(-n_ctx // block)
     hi = torch.arange(m) * block
     lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs, PerBatch)) if docs else torch.zeros_like(hi)
@@ -101,7 +101,9 @@ def ptp(cls: "type[WindowLayout]", n_ctx: int, starts: IntsLike, completion_len:
     completion tokens only. Completion n sees context ``[doc_starts[n], starts[n])``
     (its document up to the split point) and its own auxiliary tokens causally.
     With ``doc_ends``, aux token i of completion n (position ``starts[n] + i``) is
-    blank when ``starts[n] + i >= doc_ends[n]``, as the original PTP packing does.
+    blank when ``starts[n] + i >= doc_ends[n]``, as the original PTP packing does (its training
+    mask always blanks past the document end: pass ``doc_ends`` to reproduce it). Without
+    ``doc_ends`` no aux token is blank, even past ``n_ctx`` (completions of new tokens, as at inference).
     ``starts``/``doc_starts``/``doc_ends`` are ``[n]`` or ``[B, n]``; ``doc_starts`` defaults to 0.
     """
     n_ctx, completion_len = positive_int("n_ctx", n_ctx), positive_int("completion_len", completion_len)
@@ -180,6 +182,8 @@ def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, bloc
     ``window=W`` restricts the context to a sliding window:
 
     * ``window_mode="block"`` (vLLM speculators): the whole block sees ``[max(doc_start, a - W), a)``;
+      ``intra`` stays ``"full"`` unless given; speculators' sliding-window layers with its default
+      ``sliding_window_non_causal=False`` are causal inside the block: pass ``intra="causal"`` for them;
     * ``window_mode="slot"`` (SpecForge's sliding-window layers): slot o sees
       ``[max(doc_start, a + o - (W - 1)), a)``, the window counting the slot itself; these layers
       are causal inside the block, so ``intra`` defaults to ``"causal"`` in this mode.
