@@ -57,6 +57,13 @@ void for_rows(int64_t rows, int64_t V, const F& f) {
   });
 }
 
+// The first bad row, whichever thread finds it (the reference backend names the first too).
+void note_bad_row(std::atomic<int64_t>& bad, int64_t r) {
+  int64_t seen = bad.load();
+  while ((seen < 0 || r < seen) && !bad.compare_exchange_weak(seen, r)) {
+  }
+}
+
 void raise_bad_row(int64_t bad) {
   TORCH_CHECK_VALUE(bad < 0, "logits: expected every row to define a distribution, row ", bad,
                     " has no finite maximum or a non-finite sum (all -inf, +inf or NaN)");
@@ -89,7 +96,7 @@ at::Tensor inverse_cdf_sample(const at::Tensor& logits, const at::Tensor& z, con
         break;
       default: id = kern.sample_f(x.data_ptr<float>() + r * V, V, tp[r], zp[r], scratch);
     }
-    if (id < 0) bad.store(r);
+    if (id < 0) note_bad_row(bad, r);
     out[r] = id < 0 ? V - 1 : id;
   });
   raise_bad_row(bad.load());
@@ -129,7 +136,7 @@ at::Tensor noise_inversion(const at::Tensor& logits, const at::Tensor& tokens, c
         break;
       default: zr = kern.invert_f(x.data_ptr<float>() + r * V, V, taup[r], tp[r], up[r], scratch);
     }
-    if (std::isnan(zr)) bad.store(r);
+    if (std::isnan(zr)) note_bad_row(bad, r);
     out[r] = zr;
   });
   raise_bad_row(bad.load());

@@ -199,9 +199,10 @@ def test_noise_inversion_never_returns_one(backend):
         assert torch.equal(back[live], tokens[live])
 
 
-@pytest.mark.parametrize("bad", ["1", True, torch.tensor(1), None])
+@pytest.mark.parametrize("bad", ["1", True, torch.tensor(True), None])
 def test_temperature_of_the_wrong_type_is_refused_by_name(bad):
-    """A string, a bool or an integer tensor would convert silently to a temperature; each is an error."""
+    """A string or a bool (Python or tensor) would convert silently to a temperature; each is an error.
+    Integer tensors are real temperatures (generation's checks take them on both caches)."""
     from kforcing_kernels.ops.sampling.op import inverse_cdf_sample
 
     logits, z = torch.randn(3, 7), torch.rand(3)
@@ -210,3 +211,17 @@ def test_temperature_of_the_wrong_type_is_refused_by_name(bad):
     import numpy as np
 
     assert torch.equal(inverse_cdf_sample(logits, z, temperature=np.float32(0.5)), inverse_cdf_sample(logits, z, temperature=0.5))
+    assert torch.equal(inverse_cdf_sample(logits, z, temperature=torch.tensor([1, 2, 1])),
+                       inverse_cdf_sample(logits, z, temperature=torch.tensor([1.0, 2.0, 1.0])))
+
+
+def test_every_backend_names_the_first_row_without_a_distribution():
+    """Several bad rows: the error names the first (the cpp kernels' threads once named whichever came last)."""
+    from kforcing_kernels.ops.sampling.op import inverse_cdf_sample, inverse_cdf_sample_reference
+
+    logits = torch.randn(64, 9)
+    logits[[5, 17, 40, 63]] = float("-inf")
+    z = torch.rand(64)
+    for fn in (inverse_cdf_sample, inverse_cdf_sample_reference):
+        with pytest.raises(ValueError, match="row 5 has no finite maximum"):
+            fn(logits, z)

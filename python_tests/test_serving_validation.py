@@ -114,3 +114,45 @@ def test_k_train_given_to_generate_kforcing_counts_on_both_caches(model):
     a = generate_kforcing(model, [[1, 2]], 3, 6, noise=noise, k_train=3, cache="contiguous")
     b = generate_kforcing(model, [[1, 2]], 3, 6, noise=noise, k_train=3, cache="paged")
     assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("bad", [1.0, -3.0, float("nan")])
+@pytest.mark.parametrize("tau", [0, 0.8])
+def test_ar_noise_is_checked_on_both_caches_greedy_or_not(model, bad, tau):
+    """generate_ar's noise: the contiguous cache checks it as the paged one does (it once used it unchecked)."""
+    noise = torch.rand(1, 3, dtype=torch.float64)
+    noise[0, 1] = bad
+    for cache in ("contiguous", "paged"):
+        with pytest.raises(ValueError, match="noise: expected values in"):
+            generate_ar(model, [[1, 2, 3]], 3, noise=noise, temperature=tau, cache=cache)
+    for cache in ("contiguous", "paged"):
+        with pytest.raises(ValueError, match="noise: expected a floating tensor"):
+            generate_ar(model, [[1, 2, 3]], 3, noise=torch.zeros(1, 3, dtype=torch.int64), cache=cache)
+
+
+def test_integer_temperature_tensors_run_alike_on_both_caches(model):
+    got = [generate_ar(model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1, 2]), cache=cache,
+                       generator=torch.Generator().manual_seed(0)) for cache in ("contiguous", "paged")]
+    want = generate_ar(model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1.0, 2.0]), cache="contiguous",
+                       generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], want)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda m: generate_kforcing(m, [[1, 2]], 2, 4, noise=[[[0.1, 0.2]] * 2]), "noise"),
+    (lambda m: generate_ar(m, [[1, 2]], 2, noise=[[0.1, 0.2]]), "noise"),
+    (lambda m: generate_kforcing(m, None, 2, 4), "prompts"),
+    (lambda m: generate_ar(m, 7, 2), "prompts"),
+    (lambda m: generate_ar(m, [[1, 2]], 2, generator=5), "generator"),
+    (lambda m: generate_ar(m, [[1, 2**70]], 2), "prompts"),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name(model, call, name):
+    with pytest.raises(ValueError, match=f"^{name}: (prompt 0: )?expected"):
+        call(model)
+
+
+def test_a_request_prompt_must_be_one_dimensional(model):
+    gen = PagedGenerator(model, k=2, num_pages=8)
+    with pytest.raises(ValueError, match=r"^prompt: expected a 1-D sequence of token ids, got shape \(2, 2\)"):
+        gen.step([Request([[1, 2], [3, 4]], 4)])
+    assert gen.cache.free_pages == 8

@@ -38,6 +38,13 @@ def is_greedy(temperature: Temperature) -> bool:
     return isinstance(temperature, Real) and not isinstance(temperature, bool) and float(temperature) == 0
 
 
+def check_generator(generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+    """The generator the noise is drawn from: a ``torch.Generator`` or None (torch's default one)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    return generator
+
+
 def check_noise(noise: torch.Tensor, name: str = "noise") -> None:
     """Uniform noise: a floating tensor with every value in [0, 1) (NaN refused), as the sampler requires."""
     if not isinstance(noise, torch.Tensor) or not noise.dtype.is_floating_point:

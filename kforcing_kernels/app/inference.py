@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterable
 from numbers import Integral
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -36,7 +37,7 @@ from ..layouts import WindowLayout
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
 from ..types import Temperature
-from .generation_checks import check_k, check_noise, check_temperature, is_greedy
+from .generation_checks import check_generator, check_k, check_noise, check_temperature, is_greedy
 from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
@@ -88,12 +89,19 @@ def _is_token(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
 
+def _id_tensor(i: int, ids) -> torch.Tensor:
+    try:
+        return torch.tensor([int(x) for x in ids], dtype=torch.int64)
+    except (OverflowError, RuntimeError, ValueError) as exc:  # an id past int64: not a token id of any vocabulary
+        raise ValueError(f"prompts: prompt {i}: expected token ids that fit int64, got {list(ids)!r}") from exc
+
+
 def _prompt_row(i: int, p) -> torch.Tensor:
     t = p if isinstance(p, torch.Tensor) else torch.as_tensor(p) if not isinstance(p, (list, tuple)) else None
     if t is None:
         if not all(_is_token(x) for x in p):
             raise ValueError(f"prompts: prompt {i}: expected integer token ids, got {list(p)!r}")
-        t = torch.tensor([int(x) for x in p], dtype=torch.int64)
+        t = _id_tensor(i, p)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex() or t.dim() > 1:
         raise ValueError(f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, shape {tuple(t.shape)}")
     if t.numel() == 0:
@@ -118,11 +126,13 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
         return prompts.to(device=device, dtype=torch.int64), torch.full((prompts.shape[0],), prompts.shape[1], dtype=torch.int64)
     if isinstance(prompts, (str, bytes)):
         raise ValueError(f"prompts: expected token ids (encode text with the tokenizer first), got {type(prompts).__name__}")
+    if not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts: expected a [B, P] tensor or sequences of token ids, got {type(prompts).__name__}")
     items = list(prompts)
     if not items:
         raise ValueError("prompts: expected at least one prompt, got an empty batch")
     if all(_is_token(x) for x in items):
-        rows = [torch.tensor([int(x) for x in items], dtype=torch.int64)]  # a flat list of ids is one prompt
+        rows = [_id_tensor(0, items)]  # a flat list of ids is one prompt
     elif any(_is_token(x) for x in items):
         raise ValueError("prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids and sequences")
     else:
@@ -212,10 +222,10 @@ def generate_kforcing(
     check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
-        noise = torch.rand((b, steps, k), generator=generator, device=generator.device if generator else "cpu")
+        noise = torch.rand((b, steps, k), generator=check_generator(generator), device=generator.device if generator else "cpu")
+    check_noise(noise)
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
-    check_noise(noise)
     noise = noise.to(device)
     if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_student.py): its own KV cache
         from .hf_student import generate_grouped
@@ -285,7 +295,8 @@ def generate_ar(
     b, p_max = tokens.shape
     check_temperature(temperature, b, allow_zero=True)
     if noise is None:
-        noise = torch.rand((b, max_new_tokens), generator=generator, device=generator.device if generator else "cpu")
+        noise = torch.rand((b, max_new_tokens), generator=check_generator(generator), device=generator.device if generator else "cpu")
+    check_noise(noise)  # the same checks as the paged cache's requests
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)

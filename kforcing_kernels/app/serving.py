@@ -130,7 +130,10 @@ class PagedGenerator:
 
     def _admission(self, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """A new request's (prompt, noise), checked; the request itself is not changed here."""
-        prompt = torch.as_tensor(r.prompt).flatten()
+        prompt = torch.as_tensor(r.prompt)
+        if prompt.dim() > 1:  # a [1, P] or [B, P] tensor is not one prompt: refused, as generate_* refuses it
+            raise ValueError(f"prompt: expected a 1-D sequence of token ids, got shape {tuple(prompt.shape)}")
+        prompt = prompt.flatten()
         if prompt.numel() == 0 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
             raise ValueError(f"prompt: expected a non-empty sequence of token ids, got {r.prompt!r}")
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.model.config.vocab_size:

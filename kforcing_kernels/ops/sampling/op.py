@@ -72,13 +72,14 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
         if bool(outside.any()):
             raise ValueError(f"{other_name}: expected ids in [0, {logits.shape[-1]}), got {other[outside].flatten()[0].item()}")
     if isinstance(temperature, torch.Tensor):
-        if not temperature.dtype.is_floating_point:
-            raise ValueError(f"temperature: expected a floating tensor, got {temperature.dtype}")
-        tau = temperature.to(logits.device)
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            raise ValueError(f"temperature: expected a real tensor, got {temperature.dtype}")
+        # integer tensors are real temperatures too (as generation's checks take them)
+        tau = temperature.to(logits.device, None if temperature.dtype.is_floating_point else torch.float64)
     elif isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
         tau = torch.tensor(float(temperature), dtype=torch.float64, device=logits.device)
     else:  # a string or a bool would convert silently ("1" -> 1.0, True -> 1.0)
-        raise ValueError(f"temperature: expected a number or a floating tensor, got {type(temperature).__name__}")
+        raise ValueError(f"temperature: expected a number or a real tensor, got {type(temperature).__name__}")
     if tau.dim() and tau.shape != logits.shape[:-1]:
         raise ValueError(f"temperature: expected a scalar or shape {tuple(logits.shape[:-1])}, got {tuple(tau.shape)}")
     if not bool(((tau > 0) & torch.isfinite(tau)).all()):
