@@ -4,6 +4,7 @@ Each test drives the public entry points (``train``, ``main``, ``load_checkpoint
 ``load_model``) the way a user's interrupted, repeated or misconfigured run does.
 """
 
+import dataclasses
 import errno
 import functools
 import json
@@ -93,12 +94,15 @@ def test_rerun_into_a_partial_run_without_checkpoints_is_refused(tmp_path, corpu
 def test_overwrite_replaces_the_old_run_and_equals_a_fresh_one(tmp_path, corpus_dir, finished):
     out = tmp_path / "run"
     train(micro(out, corpus_dir, steps=6, stop_at=3))  # a different, partial run
-    (out / "notes.txt").write_text("mine")  # not a file of the run: must survive
+    (out / "notes.txt").write_text("mine")  # not files of the run: must survive, in checkpoints/ too
+    (out / "checkpoints" / "my_notes.txt").write_text("mine too")
     train(micro(out, corpus_dir, overwrite=True))
     assert run_record(out) == run_record(finished)  # nothing of the replaced run is mixed in
     assert same_weights(out, finished)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004.json", "step_00000004.safetensors"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "my_notes.txt", "step_00000004.json", "step_00000004.safetensors"]
     assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "checkpoints" / "my_notes.txt").read_text() == "mine too"
     with pytest.raises(ValueError, match="overwrite: .*pass one"):
         train(micro(out, corpus_dir, overwrite=True, resume=True))
 
@@ -474,3 +478,29 @@ def test_resume_starts_from_the_newest_checkpoint_and_trains_only_the_rest(tmp_p
     assert re.search(r"resumed from \S*step_00000005\.json at step 5", err), err[-2000:]
     assert len(steps) == 1  # step 6 only
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in m] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_stage_writing_into_its_teachers_folder_is_refused_before_anything_is_removed(tmp_path, corpus_dir, finished):
+    """--teacher X --out X (with --overwrite even more so) would replace the teacher: refused up front."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(finished, teacher)
+    before = snapshot(teacher)
+    for overwrite in (False, True):
+        cfg = dataclasses.replace(micro(teacher, corpus_dir, overwrite=overwrite), stage="stage1", teacher=str(teacher))
+        with pytest.raises(ValueError, match="^out: .* is the teacher's folder"):
+            train(cfg)
+        assert snapshot(teacher) == before
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("ckpt_every", 0), ("log_every", 0), ("grad_accum", 0), ("eval_batches", 0), ("steps", 0), ("steps", -3),
+    ("batch_size", 0), ("keep_checkpoints", -1), ("keep_checkpoints", 0), ("seed", 1.5), ("device", "bogus"),
+    ("model_overrides", {"n_layers": 2}), ("warmup_steps", -1), ("seq_len", True),
+])
+def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, setting, value):
+    """train(TrainConfig(...)) refuses what the CLI's argument types refuse, naming the setting, before
+    touching --out (these once divided by zero mid-run, trained on empty batches or deleted checkpoints)."""
+    cfg = dataclasses.replace(micro(tmp_path / "run", corpus_dir), **{setting: value})
+    with pytest.raises(ValueError, match=f"^{setting}: "):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

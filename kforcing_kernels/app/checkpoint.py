@@ -205,6 +205,21 @@ def checkpoint_dir(out: str | Path) -> Path:
     return Path(out) / "checkpoints"
 
 
+def remove_checkpoints(out: str | Path) -> None:
+    """Remove a run's checkpoints (``step_*`` files and sharded ``step_*`` folders) and then the checkpoint
+    folder if nothing else is left in it: files a user put there are not the run's and stay."""
+    folder = checkpoint_dir(out)
+    for path in folder.glob("step_*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # absent, or holds the user's files
+        pass
+
+
 def latest_checkpoint(out: str | Path) -> Optional[Path]:
     """The newest complete checkpoint: a whole-model checkpoint's JSON (it exists once its JSON does), or a
     sharded checkpoint's folder ``step_*.dcp`` (it exists once renamed into place, see sharded_checkpoint.py)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint
+from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, remove_checkpoints
+from .cli import resolve_device
 from .data import DEFAULT_SOURCE
 from ..model import PRESETS
 from .objectives import crop_tokens
@@ -162,12 +163,47 @@ def check_out_folder(out, option: str = "--out") -> None:
             break
 
 
+# Settings the CLI takes as positive / non-negative ints; the Python API (train(TrainConfig(...))) is checked alike.
+_POSITIVE_INTS = ("vocab_size", "seq_len", "steps", "batch_size", "grad_accum", "log_every", "ckpt_every",
+                  "keep_checkpoints", "eval_batches")
+_NON_NEGATIVE_INTS = ("warmup_steps", "eval_every")
+# Model settings a native run may override (the CLI's --n-layer, --n-head, --n-embd).
+MODEL_OVERRIDES = ("n_layer", "n_head", "n_embd")
+
+
+def check_device(name) -> None:
+    """``device``: auto, cpu, cuda, cuda:N or mps, as this machine has it (the CLI's check)."""
+    try:
+        resolve_device(name)
+    except (argparse.ArgumentTypeError, TypeError) as exc:
+        raise ConfigError(f"device: {exc}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     """Clear errors for settings that cannot work, naming the setting."""
     if cfg.stage not in STAGES:
         raise ConfigError(f"stage: expected one of {STAGES}, got {cfg.stage!r}")
+    for name in _POSITIVE_INTS:
+        if not _is_int(getattr(cfg, name)) or getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: expected a positive int, got {getattr(cfg, name)!r}")
+    for name in _NON_NEGATIVE_INTS:
+        if not _is_int(getattr(cfg, name)) or getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: expected an int >= 0, got {getattr(cfg, name)!r}")
+    if not _is_int(cfg.seed):
+        raise ConfigError(f"seed: expected an int, got {cfg.seed!r}")
+    unknown = sorted(set(cfg.model_overrides) - set(MODEL_OVERRIDES))
+    if unknown or not all(_is_int(v) and v >= 1 for v in cfg.model_overrides.values()):
+        raise ConfigError(f"model_overrides: expected positive ints for {MODEL_OVERRIDES}, got {cfg.model_overrides!r}")
+    check_device(cfg.device)
     if cfg.stage != "stage0" and not cfg.teacher:
         raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
+    if cfg.teacher and Path(cfg.teacher).resolve() == Path(cfg.out).resolve():
+        raise ConfigError(f"out: {cfg.out!r} is the teacher's folder (--teacher); a stage writes its own folder "
+                          "(the teacher would be replaced, or removed by --overwrite)")
     _validate_hf(cfg)
     if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists() and not cfg.model:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
@@ -267,7 +303,7 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
         log(f"--overwrite: removing the previous run's files in {out}: {', '.join(found)}")
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-        shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+        remove_checkpoints(out)  # the run's step_* files and folders only: anything else there is the user's
 
 
 def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:

@@ -71,6 +71,7 @@ from .train_config import (
     check_splits,
     prepare_out,
     teacher_sha256,
+    check_device,
     validate_config,
 )
 
@@ -238,6 +239,7 @@ def train(cfg: TrainConfig) -> dict:
     The run folder is locked (:class:`~kforcing_kernels.app.checkpoint.RunLock`, held by rank 0) from the
     first look at it to the return: a second run into the same ``out`` fails at once.
     """
+    check_device(cfg.device)  # before anything is set up on it
     info = setup_distributed(cfg.device)
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
