@@ -54,6 +54,8 @@ def twin_models(config, *implementations):
         if models:
             model.load_state_dict(models[0].state_dict())
         models.append(model.eval())
+    # Each model still runs its own implementation (a shared config would give every one the last).
+    assert [m.config._attn_implementation for m in models] == list(implementations)
     return models
 
 
