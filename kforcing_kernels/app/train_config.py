@@ -11,7 +11,7 @@ from typing import Optional
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, remove_checkpoints
 from .cli import resolve_device
 from .data import DEFAULT_SOURCE
-from ..model import PRESETS
+from ..model import PRESETS, ModelConfig
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES
 
@@ -167,8 +167,8 @@ def check_out_folder(out, option: str = "--out") -> None:
 _POSITIVE_INTS = ("vocab_size", "seq_len", "steps", "batch_size", "grad_accum", "log_every", "ckpt_every",
                   "keep_checkpoints", "eval_batches")
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every")
-# Model settings a native run may override (the CLI's --n-layer, --n-head, --n-embd).
-MODEL_OVERRIDES = ("n_layer", "n_head", "n_embd")
+# Model settings a native run may override: fields of ModelConfig (the CLI sets n_layer, n_head, n_embd).
+MODEL_OVERRIDES = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
 def check_device(name) -> None:
@@ -196,8 +196,9 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     if not _is_int(cfg.seed):
         raise ConfigError(f"seed: expected an int, got {cfg.seed!r}")
     unknown = sorted(set(cfg.model_overrides) - set(MODEL_OVERRIDES))
-    if unknown or not all(_is_int(v) and v >= 1 for v in cfg.model_overrides.values()):
-        raise ConfigError(f"model_overrides: expected positive ints for {MODEL_OVERRIDES}, got {cfg.model_overrides!r}")
+    if unknown:
+        raise ConfigError(f"model_overrides: {', '.join(unknown)} is not a model setting (ModelConfig's fields: "
+                          f"{', '.join(MODEL_OVERRIDES)})")
     check_device(cfg.device)
     if cfg.stage != "stage0" and not cfg.teacher:
         raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
