@@ -224,8 +224,7 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError("precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use --precision bf16")
     if not 0 < cfg.tau_min <= cfg.tau_max:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
-    if isinstance(cfg.context_parallel, bool) or not isinstance(cfg.context_parallel, int) or cfg.context_parallel < 1 \
-            or world % cfg.context_parallel:
+    if not _is_int(cfg.context_parallel) or cfg.context_parallel < 1 or world % cfg.context_parallel:
         raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
     if cfg.context_parallel > 1 and cfg.parallel == "fsdp":  # not tested together yet: refuse rather than guess
         raise ConfigError("context_parallel: --context-parallel runs with --parallel ddp only (FSDP2 + CP is not "

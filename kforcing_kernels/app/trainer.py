@@ -68,10 +68,10 @@ from .train_config import (
     TrainConfig,
     changed_provenance,
     changed_settings,
+    check_device,
     check_splits,
     prepare_out,
     teacher_sha256,
-    check_device,
     validate_config,
 )
 

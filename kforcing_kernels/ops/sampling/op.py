@@ -19,8 +19,7 @@ noise inversion's uniform; the backends compute.
 
 from __future__ import annotations
 
-import numbers
-
+from numbers import Real
 from typing import Optional, Union
 
 import torch
@@ -76,7 +75,7 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
             raise ValueError(f"temperature: expected a real tensor, got {temperature.dtype}")
         # integer tensors are real temperatures too (as generation's checks take them)
         tau = temperature.to(logits.device, None if temperature.dtype.is_floating_point else torch.float64)
-    elif isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+    elif isinstance(temperature, Real) and not isinstance(temperature, bool):
         tau = torch.tensor(float(temperature), dtype=torch.float64, device=logits.device)
     else:  # a string or a bool would convert silently ("1" -> 1.0, True -> 1.0)
         raise ValueError(f"temperature: expected a number or a real tensor, got {type(temperature).__name__}")
