@@ -26,6 +26,10 @@ describing the whole sequence: cached tokens + this call's tokens), optionally w
   cache, as transformers does) and inside the model's sliding window: a layout in eager
   mode, a dense mask under ``torch.compile`` (:mod:`.hf_masks`).
 
+Under ``torch.autocast`` q, k and v are cast to the autocast dtype and attention runs with autocast
+off, as SDPA's autocast rule does (so bf16 training and HF ``Trainer(bf16=True)`` run); outside
+autocast a dtype mix is refused, as SDPA refuses it.
+
 HF ``eager`` attention adds its 4-D mask to the scores, so give it :func:`additive_mask`
 (never the boolean ``dense_mask()``). transformers is an optional dependency
 (``pip install kforcing_kernels[hf]``).
@@ -84,7 +88,38 @@ def kforcing_attention_forward(
     kforcing_backend: Optional[str] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: returns ``(out [B, Lq, H, D], None)``."""
+    """transformers attention function: returns ``(out [B, Lq, H, D], None)``.
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype and attention runs with
+    autocast off, as SDPA's autocast rule does (Llama and Qwen2 leave q/k in fp32 after RoPE while
+    v is bf16); the output is in that dtype. Outside autocast q, k and v must share a dtype (as SDPA requires).
+    """
+    query, key, value = _autocast_inputs(query, key, value)
+    if torch.is_autocast_enabled(query.device.type):
+        with torch.autocast(query.device.type, enabled=False):
+            return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout,
+                              kforcing_backend, **kwargs)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(
+            f"key, value: expected dtype {query.dtype} (query's) with attn_implementation='kforcing', got key "
+            f"{key.dtype}, value {value.dtype}; outside torch.autocast nothing is cast (sdpa refuses the mix too): "
+            "run the model in one dtype or under torch.autocast"
+        )
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
+                      **kwargs)
+
+
+def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q, k, v in the autocast dtype when autocast is on for their device (SDPA's rule), else unchanged."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t if t.dtype == dtype or t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
+               **kwargs) -> tuple[torch.Tensor, None]:
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}")
