@@ -15,9 +15,10 @@ describing the whole sequence: cached tokens + this call's tokens), optionally w
 ``kforcing_backend``. Per call:
 
 * with ``kforcing_layout``: ``window_attention`` under that layout. Padding masks,
-  attention dropout and soft-capping are rejected, not ignored; a sliding window runs
-  only where it hides nothing the layout attends, packed documents (flash kwargs, or
-  restarting context ``position_ids``) only where the layout keeps them apart.
+  attention dropout and soft-capping are rejected, not ignored; the model's sliding window
+  (per layer) is intersected with the layout in position space, as inference has it (a token
+  at position p sees ``(p - W, p]``: :meth:`WindowLayout.with_sliding_window`); packed documents
+  (flash kwargs, or restarting context ``position_ids``) run only where the layout keeps them apart.
 * without it, a 4-D mask: a mask whose rows are key intervals runs as that layout;
   otherwise routed to ``window_attention`` if it equals a known layout's dense mask
   exactly (:mod:`kforcing_kernels.sdpa`), else SDPA with it.
@@ -57,14 +58,21 @@ from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
 from ..sdpa import scaled_dot_product_attention
-from .hf_masks import (additive_mask, check_layout_documents, check_layout_window, documents_from_positions,
-                       flash_documents, interval_layout_from_mask, sliding_window_of, structure_layout, structure_mask)
+from .hf_masks import (additive_mask, check_layout_documents, documents_from_positions,
+                       flash_documents, interval_layout_from_mask, sliding_layout, sliding_window_of, structure_layout,
+                       structure_mask)
 from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"
 
 # Per-call features of other attention implementations that no layout can express (they change every score).
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+SOFTCAP_ADVICE = (
+    " (the model's config.attn_logit_softcapping, Gemma2's default: tanh-capped scores); turn it off with "
+    "attn_logit_softcapping=None, e.g. AutoModelForCausalLM.from_pretrained(path, attn_implementation='kforcing', "
+    "attn_logit_softcapping=None) or config.attn_logit_softcapping = None in config.json; this changes the "
+    "model's scores, so the teacher is then the uncapped model"
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "register", "kforcing_attention_forward", "kforcing_mask", "additive_mask", "crop_cache",
@@ -122,7 +130,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                **kwargs) -> tuple[torch.Tensor, None]:
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}")
+            raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}"
+                             + (SOFTCAP_ADVICE if name == "softcap" else ""))
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     compiling = torch.compiler.is_compiling()
     window = sliding_window_of(module, kwargs)
@@ -153,7 +162,6 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
             )
         cu = flash_documents(kwargs, batch, lq, lk)
         if not compiling:  # layout numbers and position values: checked eagerly, once per call and layer
-            check_layout_window(kforcing_layout, window)
             if cu is not None:
                 check_layout_documents(kforcing_layout, cu, "cu_seq_lens_q")
             elif kwargs.get("position_ids") is not None and kforcing_layout.queries == "all":
@@ -161,7 +169,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 n_ctx = kforcing_layout.n_ctx
                 docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
                 check_layout_documents(kforcing_layout, docs, "position_ids")
-        out = window_attention(query, key, value, kforcing_layout, scale=scaling, backend=kforcing_backend)
+        # This layer's window (Gemma's local layers; None on global ones) in position space, as inference has it.
+        layout = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
+        out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
