@@ -111,6 +111,15 @@ def test_layout_positions_and_windows_that_have_no_meaning_are_refused_by_name()
         ours(input_ids=ids, position_ids=torch.arange(24)[None], kforcing_layout=layout, use_cache=False)
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids: with the model's sliding window"):
         ours(input_ids=ids, kforcing_layout=layout, use_cache=False)  # the model's default positions: the same
+    # A layout over the model's own sliding cache, which dropped all but the last W - 1 keys: the message says what to pass.
+    with torch.no_grad():
+        cache = ours(input_ids=ids[:, :8], use_cache=True).past_key_values
+        windows = WindowLayout(8, 1, 2, [0], [8], queries="windows")
+        with pytest.raises(ValueError, match=r"past_key_values=DynamicCache\(\)"):
+            ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows, past_key_values=cache)
+        full = transformers.DynamicCache()
+        ours(input_ids=ids[:, :8], past_key_values=full, use_cache=True)
+        ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows, past_key_values=full)
     # A window shorter than the layout's windows (k = 6 > W = 4): a slot would lose its own window's first slots.
     wide = WindowLayout.kforcing_single(4, 6)
     with torch.no_grad(), pytest.raises(ValueError, match="sliding_window: the model's window \\(4\\).*shorter than the layout's windows of 6"):
@@ -235,3 +244,26 @@ def test_k_forcing_generation_past_the_window_equals_recomputation(family):
                 assert out[b, s * k:(s + 1) * k].tolist() == want[0].argmax(-1).tolist()
                 seq = torch.cat([seq, want.argmax(-1)], 1)
 
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_compiled_single_forward_under_a_sliding_window_equals_eager(family):
+    """fullgraph=True: the per-layer intersection's range numbers go to the custom op (no layout is built in the
+    trace); logits equal the per-window recomputation, gradients the eager model's."""
+    ours, eager, sdpa = H.twin_models(SLIDING[family](), "kforcing", "kforcing", "sdpa")
+    noise_embedding = kf_hf.NoiseEmbedding(H.HIDDEN)
+    n, k = 12, 2
+    gen = torch.Generator().manual_seed(2)
+    ids, noise = torch.randint(0, H.VOCAB, (2, n), generator=gen), torch.rand(2, n, k, generator=gen)
+    with torch.no_grad():
+        batch = kf_hf.single_forward_inputs(ours, ids, noise, noise_embedding, torch.ones(2))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+        got = H.logits_and_grads(compiled, **batch, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    H.assert_same_logits_and_grads(got, H.logits_and_grads(eager, **batch, use_cache=False), 1e-4)
+    with torch.no_grad():
+        want_windows, _ = per_window_recomputation(sdpa, noise_embedding, ids, noise, torch.ones(2))
+    torch.testing.assert_close(got[0][:, n:].reshape(2, n, k, -1), want_windows, atol=1e-5, rtol=1e-5)

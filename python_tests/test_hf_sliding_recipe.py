@@ -4,7 +4,8 @@ every stage at N = 24 (three times the window) to k = 4 and generates K-Forcing 
 It used to be refused when Stage 2 at k = 4 started (the window was counted in key storage order, so
 K-Forcing needed N * (1 + k) <= W), and K-Forcing generation past the window ended in a traceback
 (the model's own sliding cache drops keys and cannot be cropped back). Exactness against per-window
-recomputation is test_hf_sliding.py's; this runs the one command a user runs.
+recomputation is test_hf_sliding.py's; this runs the one command a user runs, in fp32 and under bf16
+autocast (``--precision bf16``, issue 37: the HF route used to fail there at its first step).
 """
 
 import json
@@ -26,7 +27,8 @@ from train_helpers import write_json_package  # noqa: E402
 VOCAB, W = 300, 8
 
 
-def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: autocast, where q/k leave RoPE in fp32 and v is bf16
+def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, monkeypatch, precision):
     write_json_package(tmp_path / "corpus")
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
     config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -37,7 +39,7 @@ def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, m
     train_cli.main(["pipeline", "--out", str(out), "--data", str(tmp_path / "corpus"), "--model-config",
                     str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "2", "--seq-len", "24",
                     "--batch-size", "2", "--steps-stage1", "2", "--steps-stage2", "2", "--warmup-steps", "1",
-                    "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu"])
+                    "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu", "--precision", precision])
     for name in ("stage0", "stage1", "stage2_k2", "stage2_k4"):
         losses = [m["loss"] for m in read_metrics(out / name / "metrics.jsonl") if "loss" in m]
         assert losses and all(math.isfinite(x) for x in losses), name

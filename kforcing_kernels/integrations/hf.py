@@ -54,7 +54,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "`pip install transformers` (or `pip install kforcing_kernels[hf]`)"
     ) from exc
 
-from ..ops.window_attention import window_attention
+from ..ops.window_attention import op as window_op, window_attention
+from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
 from ..sdpa import scaled_dot_product_attention
@@ -139,6 +140,12 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
     # transformers packs by restarting position_ids only without a cache (use_cache=False); so do we.
     positions = kwargs.get("position_ids") if kwargs.get("use_cache") is not True and lq == lk else None
     if kforcing_layout is not None:
+        if window is not None and isinstance(kforcing_layout, WindowLayout) and lk < kforcing_layout.n_keys:
+            raise ValueError(
+                f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got "
+                f"{lk}: a sliding layer's own cache keeps only its last window - 1 tokens; with a layout pass a full "
+                "cache, past_key_values=DynamicCache()"
+            )
         if attention_mask is not None:
             raise ValueError(
                 "attention_mask: expected None or all ones with kforcing_layout (the layout is the mask; padding, "
@@ -170,8 +177,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
                 check_layout_documents(kforcing_layout, docs, "position_ids")
         # This layer's window (Gemma's local layers; None on global ones) in position space, as inference has it.
-        layout = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
-        out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
+        if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout, window)):
+            out = _traced_sliding_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend)
+        else:
+            layout = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
+            out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
@@ -214,6 +224,29 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
         scale=scaling, enable_gqa=gqa,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: int, scaling, backend) -> torch.Tensor:
+    """``window_attention`` under ``layout.with_sliding_window(window)`` while torch.compile traces.
+
+    No layout can be built in a trace (its constructor checks values), so the intersection's range numbers
+    (``layouts.sliding.sliding_bounds``, the rule's one home) replace the layout's in the custom op's arguments,
+    which the op turns back into that layout outside the graph. The ``position_ids`` it relies on are checked
+    by eager calls only.
+    """
+    ranges, geometry, intra_causal, queries_all = window_op._layout_args(layout)
+    context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, queries_all, ranges[1], layout.context_lo,
+                                                      layout.context_hi, window)
+    ranges = list(ranges)
+    if queries_all:
+        ranges[2], ranges[3] = context_lo, context_hi
+    if layout.num_windows:
+        ranges[5] = slide_lo
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    name = backend or window_op._default_backend_for(query.device.type, query.dtype, query.shape[-1])
+    out, _ = torch.ops.kforcing_kernels.window_attention(query, key, value, ranges, geometry, intra_causal, queries_all,
+                                                         scale, name)
+    return out
 
 
 def kforcing_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:

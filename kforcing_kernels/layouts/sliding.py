@@ -22,14 +22,14 @@ Keys are counted in key storage order only through these relations, never as dis
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from .window_layout import WindowLayout
 
-__all__ = ["with_sliding_window"]
+__all__ = ["with_sliding_window", "check_window", "sliding_bounds", "window_hides_nothing"]
 
 
 def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
@@ -40,6 +40,14 @@ def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
     hides nothing. Raises ValueError naming ``window`` when it is shorter than the layout's windows
     (``window_size``), and ``layout`` when it already has per-slot sliding bounds (two sliding rules).
     """
+    window = check_window(layout, window)
+    if window_hides_nothing(layout, window):
+        return layout
+    return layout._derived(("sliding.window", window), lambda: _intersect(layout, window))
+
+
+def check_window(layout: "WindowLayout", window) -> int:
+    """``window`` as an int after the refusals of :func:`with_sliding_window` (no value of a tensor is read)."""
     from .window_layout import WindowLayout
 
     if isinstance(window, bool):
@@ -61,26 +69,38 @@ def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
     if layout.has_sliding_context:
         raise ValueError("layout: expected a layout without prefix_slide_lo/hi (its own sliding bounds) to intersect "
                          "with a model's sliding window")
-    if layout.n_ctx + (layout.window_size if layout.num_windows else 0) <= window:
-        return layout  # the farthest reach (last context row, or last slot of the last window) is < window back
-    return layout._derived(("sliding.window", window), lambda: _intersect(layout, window))
+    return window
+
+
+def window_hides_nothing(layout: "WindowLayout", window: int) -> bool:
+    """Whether no row reaches ``window`` positions back: the last context row, or the last slot of a window."""
+    return layout.n_ctx + (layout.window_size if layout.num_windows else 0) <= window
 
 
 def _intersect(layout: "WindowLayout", window: int) -> "WindowLayout":
     from .window_layout import WindowLayout
 
-    n = layout.n_ctx
-    context_lo, context_hi = layout.context_lo, layout.context_hi
-    if layout.queries == "all":
-        rows = torch.arange(n)
-        lo = torch.zeros(n, dtype=torch.int64) if context_lo is None else context_lo
-        context_lo = torch.maximum(lo, rows - window + 1)
-        context_hi = rows + 1 if context_hi is None else context_hi
-        context_hi = context_hi.expand_as(context_lo).clone()
-    slide_lo = layout.prefix_hi - window + 1  # slot o keeps context keys j >= prefix_hi - W + 1 + o
+    context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, layout.queries == "all", layout.prefix_hi,
+                                                      layout.context_lo, layout.context_hi, window)
     return WindowLayout(
-        n, layout.num_windows, layout.window_size, layout.prefix_lo, layout.prefix_hi,
+        layout.n_ctx, layout.num_windows, layout.window_size, layout.prefix_lo, layout.prefix_hi,
         last_window_size=layout.last_window_size, intra=layout.intra, queries=layout.queries,
         n_streams=layout.n_streams, context_lo=context_lo, context_hi=context_hi, live_slots=layout.live_slots,
         prefix_slide_lo=slide_lo if layout.num_windows else None,
     )
+
+
+def sliding_bounds(n_ctx: int, queries_all: bool, prefix_hi: torch.Tensor, context_lo: Optional[torch.Tensor],
+                   context_hi: Optional[torch.Tensor], window: int):
+    """The range numbers of the intersection: ``(context_lo, context_hi, prefix_slide_lo)``.
+
+    The one place the rule is written; tensor ops only, so compiled callers (``integrations/hf.py`` under
+    torch.compile, where no layout can be built) trace it. ``context_lo/hi`` None mean causal; they are
+    returned unchanged when the context rows are no queries (``queries="windows"``).
+    """
+    if queries_all:
+        rows = torch.arange(n_ctx, device=prefix_hi.device)
+        lo = torch.zeros_like(rows) if context_lo is None else context_lo
+        context_lo = torch.maximum(lo, rows - window + 1)  # row i keeps keys j >= i - W + 1
+        context_hi = (rows + 1 if context_hi is None else context_hi).expand_as(context_lo).clone()
+    return context_lo, context_hi, prefix_hi - window + 1  # slot o keeps context keys j >= prefix_hi - W + 1 + o
