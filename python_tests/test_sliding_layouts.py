@@ -126,3 +126,13 @@ def test_backends_run_the_sliding_layout_like_a_dense_softmax(backend):
     want_grads = torch.autograd.grad(want.sum(), (q, kk, v))
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_bench_sliding_window_counts_the_pairs_of_the_masks():
+    from bench.sliding_window import main
+
+    got = main(["--n", "16", "--k", "2", "--window", "8", "--reps", "1", "--backend", "reference", "--threads", "1"])
+    full = WindowLayout.kforcing_single(16, 2)
+    slid = windowed(P.kforcing_single_elementwise(16, 2), single_positions(16, 2), single_positions(16, 2), 8)
+    assert got["layouts"]["global"]["pairs"] == int(full.dense_mask().sum())
+    assert got["layouts"]["sliding W=8"]["pairs"] == int(slid.sum()) < int(full.dense_mask().sum())
