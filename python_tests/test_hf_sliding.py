@@ -281,3 +281,16 @@ def test_compiled_single_forward_under_a_sliding_window_equals_eager(family):
     with torch.no_grad():
         want_windows, _ = per_window_recomputation(sdpa, noise_embedding, ids, noise, torch.ones(2))
     torch.testing.assert_close(got[0][:, n:].reshape(2, n, k, -1), want_windows, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_package_ar_generation_past_the_window_equals_transformers_generate(family):
+    """The package's AR decoding (the evaluation's baseline) over the full cache: HF generate's tokens, past W."""
+    from kforcing_kernels.app.hf_student import HFStudent
+    from kforcing_kernels.app.inference import generate_ar
+
+    ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
+    prompts = torch.randint(3, H.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = sdpa.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, min_new_tokens=20,
+                         do_sample=False, pad_token_id=0)
+    assert generate_ar(HFStudent(ours), prompts, 20, temperature=0).tolist() == want[:, 5:].tolist()
