@@ -15,7 +15,8 @@ Every call passes its ``WindowLayout`` (``kforcing_layout``) and ``position_ids`
 packed documents included. The HF model is kept in eval mode (no dropout) even while the wrapper trains:
 K-Forcing's targets are deterministic given the noise, and ``--resume`` must repeat a run bit for bit.
 
-Generation (paper Algorithm 1) runs over the model's own KV cache (``DynamicCache``): the prefill is
+Generation (paper Algorithm 1) runs over the model's KV cache (a full ``DynamicCache`` on every layer, also on
+sliding-window layers, which see only their window through the layout): the prefill is
 ``[prompt | k noise]``, each step ``[k new tokens | k noise]``; the noise tokens' K/V are cropped off the
 cache after every call, so only context enters it (as in ``app/inference.py``). Prompts of several lengths
 are run as groups of equal length (each request's tokens do not depend on the batch).
@@ -28,6 +29,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from ..integrations import hf as kf_hf  # registers attn_implementation="kforcing"
 from ..integrations.hf_noise import NoiseEmbedding
@@ -66,6 +68,9 @@ class HFStudent(nn.Module):
         impl = getattr(hf_model.config, "_attn_implementation", None)
         if impl != kf_hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"hf_model: expected attn_implementation='kforcing' (layouts are its masks), got {impl!r}")
+        if getattr(hf_model.config, "attn_logit_softcapping", None) is not None:  # refused here, before any training
+            raise ValueError(f"attn_logit_softcapping: not supported by attn_implementation='kforcing', got "
+                             f"{hf_model.config.attn_logit_softcapping!r}" + kf_hf.SOFTCAP_ADVICE)
         self.hf = hf_model.eval()
         hidden = self.wte.weight.shape[1]
         self.noise_encoder = noise_encoder if noise_encoder is not None else NoiseEmbedding(hidden)
@@ -112,8 +117,11 @@ class HFStudent(nn.Module):
         b, length = embeds.shape[:2]
         kwargs = {"inputs_embeds": embeds, "position_ids": positions.expand(b, length), "kforcing_layout": layout,
                   "use_cache": use_cache or cache is not None}
-        if cache is not None:
-            kwargs[self._cache_kw] = cache
+        if kwargs["use_cache"]:
+            # A full cache on every layer: a sliding layer's own cache (DynamicSlidingWindowLayer) drops keys beyond
+            # the window and cannot be cropped back past it, while the layouts index the whole context; the
+            # attention call applies each layer's window to the layout instead (integrations/hf_masks.sliding_layout).
+            kwargs[self._cache_kw] = DynamicCache() if cache is None else cache
         if keep and self._keep_kw:
             kwargs["logits_to_keep"] = keep
         out = self.hf(**kwargs)

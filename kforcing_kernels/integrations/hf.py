@@ -15,9 +15,10 @@ describing the whole sequence: cached tokens + this call's tokens), optionally w
 ``kforcing_backend``. Per call:
 
 * with ``kforcing_layout``: ``window_attention`` under that layout. Padding masks,
-  attention dropout and soft-capping are rejected, not ignored; a sliding window runs
-  only where it hides nothing the layout attends, packed documents (flash kwargs, or
-  restarting context ``position_ids``) only where the layout keeps them apart.
+  attention dropout and soft-capping are rejected, not ignored; the model's sliding window
+  (per layer) is intersected with the layout in position space, as inference has it (a token
+  at position p sees ``(p - W, p]``: :meth:`WindowLayout.with_sliding_window`); packed documents
+  (flash kwargs, or restarting context ``position_ids``) run only where the layout keeps them apart.
 * without it, a 4-D mask: a mask whose rows are key intervals runs as that layout;
   otherwise routed to ``window_attention`` if it equals a known layout's dense mask
   exactly (:mod:`kforcing_kernels.sdpa`), else SDPA with it.
@@ -25,6 +26,10 @@ describing the whole sequence: cached tokens + this call's tokens), optionally w
   packed documents of ``cu_seq_lens_q/k`` or of restarting ``position_ids`` (without a
   cache, as transformers does) and inside the model's sliding window: a layout in eager
   mode, a dense mask under ``torch.compile`` (:mod:`.hf_masks`).
+
+Under ``torch.autocast`` q, k and v are cast to the autocast dtype and attention runs with autocast
+off, as SDPA's autocast rule does (so bf16 training and HF ``Trainer(bf16=True)`` run); outside
+autocast a dtype mix is refused, as SDPA refuses it.
 
 HF ``eager`` attention adds its 4-D mask to the scores, so give it :func:`additive_mask`
 (never the boolean ``dense_mask()``). transformers is an optional dependency
@@ -49,18 +54,26 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "`pip install transformers` (or `pip install kforcing_kernels[hf]`)"
     ) from exc
 
-from ..ops.window_attention import window_attention
+from ..ops.window_attention import op as window_op, window_attention
+from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
 from ..sdpa import scaled_dot_product_attention
-from .hf_masks import (additive_mask, check_layout_documents, check_layout_window, documents_from_positions,
-                       flash_documents, interval_layout_from_mask, sliding_window_of, structure_layout, structure_mask)
+from .hf_masks import (additive_mask, check_layout_documents, documents_from_positions,
+                       flash_documents, interval_layout_from_mask, sliding_layout, sliding_window_of, structure_layout,
+                       structure_mask)
 from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"
 
 # Per-call features of other attention implementations that no layout can express (they change every score).
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux")
+SOFTCAP_ADVICE = (
+    " (the model's config.attn_logit_softcapping, Gemma2's default: tanh-capped scores); turn it off with "
+    "attn_logit_softcapping=None, e.g. AutoModelForCausalLM.from_pretrained(path, attn_implementation='kforcing', "
+    "attn_logit_softcapping=None) or config.attn_logit_softcapping = None in config.json; this changes the "
+    "model's scores, so the teacher is then the uncapped model"
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "register", "kforcing_attention_forward", "kforcing_mask", "additive_mask", "crop_cache",
@@ -84,10 +97,42 @@ def kforcing_attention_forward(
     kforcing_backend: Optional[str] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: returns ``(out [B, Lq, H, D], None)``."""
+    """transformers attention function: returns ``(out [B, Lq, H, D], None)``.
+
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype and attention runs with
+    autocast off, as SDPA's autocast rule does (Llama and Qwen2 leave q/k in fp32 after RoPE while
+    v is bf16); the output is in that dtype. Outside autocast q, k and v must share a dtype (as SDPA requires).
+    """
+    query, key, value = _autocast_inputs(query, key, value)
+    if torch.is_autocast_enabled(query.device.type):
+        with torch.autocast(query.device.type, enabled=False):
+            return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout,
+                              kforcing_backend, **kwargs)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(
+            f"key, value: expected dtype {query.dtype} (query's) with attn_implementation='kforcing', got key "
+            f"{key.dtype}, value {value.dtype}; outside torch.autocast nothing is cast (sdpa refuses the mix too): "
+            "run the model in one dtype or under torch.autocast"
+        )
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
+                      **kwargs)
+
+
+def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q, k, v in the autocast dtype when autocast is on for their device (SDPA's rule), else unchanged."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t if t.dtype == dtype or t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
+               **kwargs) -> tuple[torch.Tensor, None]:
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}")
+            raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}"
+                             + (SOFTCAP_ADVICE if name == "softcap" else ""))
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     compiling = torch.compiler.is_compiling()
     window = sliding_window_of(module, kwargs)
@@ -95,6 +140,12 @@ def kforcing_attention_forward(
     # transformers packs by restarting position_ids only without a cache (use_cache=False); so do we.
     positions = kwargs.get("position_ids") if kwargs.get("use_cache") is not True and lq == lk else None
     if kforcing_layout is not None:
+        if window is not None and isinstance(kforcing_layout, WindowLayout) and lk < kforcing_layout.n_keys:
+            raise ValueError(
+                f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got "
+                f"{lk}: a sliding layer's own cache keeps only its last window - 1 tokens; with a layout pass a full "
+                "cache, past_key_values=DynamicCache()"
+            )
         if attention_mask is not None:
             raise ValueError(
                 "attention_mask: expected None or all ones with kforcing_layout (the layout is the mask; padding, "
@@ -118,7 +169,6 @@ def kforcing_attention_forward(
             )
         cu = flash_documents(kwargs, batch, lq, lk)
         if not compiling:  # layout numbers and position values: checked eagerly, once per call and layer
-            check_layout_window(kforcing_layout, window)
             if cu is not None:
                 check_layout_documents(kforcing_layout, cu, "cu_seq_lens_q")
             elif kwargs.get("position_ids") is not None and kforcing_layout.queries == "all":
@@ -126,7 +176,12 @@ def kforcing_attention_forward(
                 n_ctx = kforcing_layout.n_ctx
                 docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
                 check_layout_documents(kforcing_layout, docs, "position_ids")
-        out = window_attention(query, key, value, kforcing_layout, scale=scaling, backend=kforcing_backend)
+        # This layer's window (Gemma's local layers; None on global ones) in position space, as inference has it.
+        if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout, window)):
+            out = _traced_sliding_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend)
+        else:
+            layout = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
+            out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
@@ -169,6 +224,29 @@ def kforcing_attention_forward(
         scale=scaling, enable_gqa=gqa,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: int, scaling, backend) -> torch.Tensor:
+    """``window_attention`` under ``layout.with_sliding_window(window)`` while torch.compile traces.
+
+    No layout can be built in a trace (its constructor checks values), so the intersection's range numbers
+    (``layouts.sliding.sliding_bounds``, the rule's one home) replace the layout's in the custom op's arguments,
+    which the op turns back into that layout outside the graph. The ``position_ids`` it relies on are checked
+    by eager calls only.
+    """
+    ranges, geometry, intra_causal, queries_all = window_op._layout_args(layout)
+    context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, queries_all, ranges[1], layout.context_lo,
+                                                      layout.context_hi, window)
+    ranges = list(ranges)
+    if queries_all:
+        ranges[2], ranges[3] = context_lo, context_hi
+    if layout.num_windows:
+        ranges[5] = slide_lo
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    name = backend or window_op._default_backend_for(query.device.type, query.dtype, query.shape[-1])
+    out, _ = torch.ops.kforcing_kernels.window_attention(query, key, value, ranges, geometry, intra_causal, queries_all,
+                                                         scale, name)
+    return out
 
 
 def kforcing_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:

@@ -14,9 +14,10 @@ exactly the sequence, extra mask functions); everything else is rebuilt here fro
   with tensor ops only (no data-dependent Python, so ``fullgraph=True`` holds);
 * :func:`interval_layout_from_mask`: a materialised boolean mask whose rows are contiguous key
   intervals, as a layout (exact by construction);
-* :func:`check_layout_documents` / :func:`check_layout_window`: a user's ``kforcing_layout``
-  composed with packed documents or a sliding window; refused (naming the setting) when they
-  would change what the layout computes;
+* :func:`check_layout_documents`: a user's ``kforcing_layout`` composed with packed documents;
+  refused (naming the setting) when they would change what the layout computes;
+* :func:`sliding_layout`: a ``kforcing_layout`` under the model's sliding window, as inference
+  sees it (a token at position p sees positions ``(p - W, p]``), per layer;
 * :func:`additive_mask`: a layout as the additive float mask HF ``eager`` attention expects.
 
 Pure torch: importing this module never imports transformers.
@@ -34,7 +35,7 @@ from ..layouts import WindowLayout
 
 __all__ = [
     "sliding_window_of", "flash_documents", "documents_from_positions", "structure_layout", "structure_mask",
-    "interval_layout_from_mask", "check_layout_documents", "check_layout_window", "additive_mask",
+    "interval_layout_from_mask", "check_layout_documents", "sliding_layout", "additive_mask",
 ]
 
 
@@ -239,27 +240,86 @@ def check_layout_documents(layout: WindowLayout, docs, source: str) -> None:
             )
 
 
-def check_layout_window(layout: WindowLayout, window: Optional[int]) -> None:
-    """Refuse a sliding window that would hide keys a ``kforcing_layout`` attends.
+def sliding_layout(layout: WindowLayout, window: Optional[int], position_ids) -> WindowLayout:
+    """A ``kforcing_layout`` under the model's sliding ``window`` (None: unchanged), in position space.
 
-    transformers' window lets key j be seen from query i (both in key storage order) iff
-    ``j > i - W``. Where every row of the layout only sees such keys, the window changes
-    nothing and the call runs; otherwise a window over a layout has no single meaning, so it is refused.
+    The token at position p sees the keys at positions ``(p - W, p]``, as at inference: context row i
+    keeps ``[max(lo, i - W + 1), hi)``, slot o of a window keeps the context keys less than W positions
+    back of its own position (:meth:`WindowLayout.with_sliding_window`). That reading needs the
+    positions the recipe gives (``layouts/positions.py``): consecutive inside each document, and every
+    window right after the last context token it sees; ``position_ids`` (eager calls; the model's
+    default ``arange`` when None) are checked against it, and refused naming them otherwise. A window
+    shorter than the layout's windows is refused naming ``sliding_window``.
     """
-    if window is None or layout.n_keys <= window:
+    if window is None:
+        return layout
+    try:
+        windowed = layout.with_sliding_window(window)
+    except ValueError as exc:
+        raise ValueError(f"sliding_window: the model's window ({window}) with this kforcing_layout: {exc}") from None
+    if windowed is not layout and not torch.compiler.is_compiling():
+        _check_window_positions(layout, position_ids)
+    return windowed
+
+
+_LAST_POSITION_CHECK: list = []  # (layout, position_ids, version): every layer of one forward checks the same pair
+
+
+def _check_window_positions(layout: WindowLayout, position_ids) -> None:
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         return
-    iv = layout.row_intervals()  # [B', Lq, J, 2]
-    q = layout.query_offset + torch.arange(iv.shape[1])
-    lo, hi = iv[..., 0], iv[..., 1]
-    hidden = (hi > lo) & (lo <= q[None, :, None] - window)
-    if bool(hidden.any()):
-        b, row, part = (int(x) for x in torch.nonzero(hidden)[0])
+    key = (layout, position_ids, None if position_ids is None else position_ids._version)
+    if _LAST_POSITION_CHECK:
+        last = _LAST_POSITION_CHECK[0]
+        if last[0] is key[0] and last[1] is key[1] and last[2] == key[2]:
+            return
+    lq, start = layout.n_queries, layout.n_keys - layout.n_queries  # query row r is key start + r
+    pos = torch.arange(start, layout.n_keys)[None] if position_ids is None else position_ids.detach().cpu().to(torch.int64)
+    if pos.dim() != 2 or pos.shape[-1] != lq:
+        raise ValueError(f"position_ids: expected [B, {lq}] (one per input token), got {tuple(pos.shape)}")
+    slots = layout.window_token_keys  # [M, w], -1 past a short last window
+    ranges = layout.range_batch
+    for b in range(max(pos.shape[0], ranges or 1)):  # a shared row of positions or ranges holds for every element
+        row = layout if ranges is None else layout.batch_element(min(b, ranges - 1))
+        _check_row_positions(row, pos[min(b, pos.shape[0] - 1)], start, slots)
+    _LAST_POSITION_CHECK[:] = [key]
+
+
+def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, slots: torch.Tensor) -> None:
+    def refuse(what: str):
         raise ValueError(
-            f"sliding_window: the model's window of {window} keys would hide keys the kforcing_layout attends "
-            f"(query row {row} sees keys [{int(lo[b, row, part])}, {int(hi[b, row, part])})); not supported by "
-            "attn_implementation='kforcing' with a layout; use a layout whose rows reach back fewer than "
-            f"{window} keys, or a model config without sliding_window"
-        )
+            "position_ids: with the model's sliding window, attn_implementation='kforcing' reads a kforcing_layout in "
+            "position space: positions consecutive within each document and window slot o at the position of the last "
+            f"context token the window sees + 1 + o (layouts/positions.py, e.g. kforcing_position_ids); {what}")
+
+    if layout.queries == "all":  # context rows are queries: their positions are known
+        iv = layout.row_intervals()[0, : layout.n_ctx, 0]  # [C, 2]
+        rows = torch.arange(layout.n_ctx)
+        lo, hi = iv.unbind(-1)
+        seen = hi > lo
+        lo, hi, rows = lo[seen], hi[seen], rows[seen]
+        if bool(((pos[rows] - pos[lo]) != (rows - lo)).any() or ((pos[hi - 1] - pos[lo]) != (hi - 1 - lo)).any()):
+            bad = int(rows[((pos[rows] - pos[lo]) != (rows - lo)) | ((pos[hi - 1] - pos[lo]) != (hi - 1 - lo))][0])
+            refuse(f"context row {bad} at position {int(pos[bad])} sees keys [{int(iv[bad, 0])}, {int(iv[bad, 1])}) "
+                   "whose positions are not consecutive up to it")
+    if not layout.num_windows:
+        return
+    valid = slots >= 0
+    slot_pos = torch.where(valid, pos[(slots - start).clamp(min=0)], 0)  # [M, w]
+    first = slot_pos[:, :1]
+    offsets = torch.arange(slots.shape[1])[None]
+    if bool((valid & (slot_pos != first + offsets)).any()):
+        m = int(torch.nonzero((valid & (slot_pos != first + offsets)).any(-1))[0])
+        refuse(f"window {m}'s slots are at positions {slot_pos[m][valid[m]].tolist()}, not consecutive")
+    if layout.queries == "all":
+        lo, hi = layout.prefix_lo.reshape(-1), layout.prefix_hi.reshape(-1)
+        seen = hi > lo
+        bad = seen & ((pos[(hi - 1).clamp(min=0)] + 1 != first[:, 0])
+                      | (pos[(hi - 1).clamp(min=0)] - pos[lo.clamp(max=max(layout.n_ctx - 1, 0))] != hi - 1 - lo))
+        if bool(bad.any()):
+            m = int(torch.nonzero(bad)[0])
+            refuse(f"window {m} at position {int(first[m, 0])} sees context [{int(lo[m])}, {int(hi[m])}) whose last "
+                   f"token is at position {int(pos[hi[m] - 1])}")
 
 
 def additive_mask(layout: WindowLayout, batch: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:

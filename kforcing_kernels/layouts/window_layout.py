@@ -327,6 +327,13 @@ class WindowLayout:
             prefix_slide_lo=pick(self._prefix_slide_lo), prefix_slide_hi=pick(self._prefix_slide_hi),
         )
 
+    def with_sliding_window(self, window: int) -> "WindowLayout":
+        """This layout under a model's sliding window of ``window`` positions (a token at position p sees
+        ``(p - window, p]``), intersected in position space: ``layouts/sliding.py``."""
+        from .sliding import with_sliding_window
+
+        return with_sliding_window(self, window)
+
     def restrict_rows(self, rows: IntsLike) -> "QueryRowsLayout":
         """This layout's query rows ``rows`` (int ``[R]``, strictly increasing) over all of its keys, in order:
         a :class:`~kforcing_kernels.layouts.query_rows.QueryRowsLayout` derived from the row intervals
