@@ -106,3 +106,28 @@ def test_padded_batch_mask_with_a_window_runs_as_interval_layout(monkeypatch):
     real = padding.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
     assert len(layouts) == 2 and layouts[0].context_lo[0, 8] == 8 - W + 1  # row 8 sees keys 5..8
+
+
+@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "single_large_window", "ptp_per_batch", "blank_full_windows"])
+def test_the_window_refusal_is_exact_at_the_boundary(name):
+    """check_layout_window refuses a window W iff some attended key j of a query i (key storage order) has
+    j <= i - W, transformers' rule; every W from 1 to n_keys, so the row that reaches back exactly W keys is tried.
+    Oracle: the layout's dense mask, element by element."""
+    from kforcing_kernels.integrations.hf_masks import check_layout_window
+    from kforcing_kernels.layouts import zoo
+
+    layout = zoo.small()[name]
+    mask = layout.dense_mask()
+    mask = mask[None] if mask.dim() == 2 else mask
+    i = layout.query_offset + torch.arange(mask.shape[1])[:, None]
+    j = torch.arange(mask.shape[2])[None, :]
+    reach = int(((i - j) * mask).amax())  # the farthest any query looks back
+    assert reach >= 1
+    for window in range(1, layout.n_keys + 1):
+        hidden = bool((mask & (j <= i - window)).any())
+        assert hidden == (window <= reach)
+        if hidden:
+            with pytest.raises(ValueError, match="^sliding_window: "):
+                check_layout_window(layout, window)
+        else:
+            check_layout_window(layout, window)

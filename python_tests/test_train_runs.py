@@ -577,3 +577,36 @@ def test_weight_decay_falls_on_matrices_only():
     assert decay.keys() == seen  # every parameter in exactly one group
     assert {i for i, wd in decay.items() if wd == 0.25} == should_decay
     assert all(wd == 0.0 for i, wd in decay.items() if i not in should_decay)
+
+
+@pytest.mark.parametrize("writer", ["atomic_write_file", "atomic_write"])
+def test_atomic_writes_fsync_the_temporary_before_the_rename_and_the_folder_after(tmp_path, monkeypatch, writer):
+    """Durability order (a crash at any point leaves the old file or the whole new one): fsync of the temporary's
+    data, then os.replace(temporary, path), then fsync of the folder that holds the new name. Recorded by
+    wrapping os.fsync / os.replace; each fsync names what its descriptor is open on (/proc/self/fd)."""
+    from kforcing_kernels.app import files
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "out.bin"
+    if writer == "atomic_write_file":
+        files.atomic_write_file(target, lambda f: f.write(b"new"))
+    else:
+        files.atomic_write(target, lambda name: Path(name).write_bytes(b"new"))
+    assert target.read_bytes() == b"new"
+    replaced = [e for e in events if e[0] == "replace"]
+    assert len(replaced) == 1 and replaced[0][2] == str(target)
+    tmp, at = replaced[0][1], events.index(replaced[0])
+    assert ("fsync", tmp) in events[:at], events  # the temporary's data reached the disk before it got the name
+    assert ("fsync", str(tmp_path)) in events[at + 1:], events  # and the rename itself after
