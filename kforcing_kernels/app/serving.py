@@ -31,7 +31,7 @@ import torch
 
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
-from .generation_checks import check_k, check_noise, check_temperature
+from .generation_checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
 from ..layouts import WindowLayout
 
@@ -104,6 +104,8 @@ class PagedGenerator:
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
             check_k(model, k, k_train)  # at most the trained window (k_train, default model.k_train), not on an AR model
+        else:
+            check_ar(model)  # AR steps on a K-Forcing model would decode it without its noise window
         self.model, self.k, self.keep_logits = model, k, keep_logits
         if cache is None:
             if num_pages is None:
