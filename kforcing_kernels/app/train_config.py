@@ -199,8 +199,7 @@ def float_setting_error(name: str, value) -> Optional[str]:
 
 def setting_type(name: str):
     """The CLI's argparse ``type`` for the real-valued setting ``name``: the same check as validate_config."""
-    accept, expected = FLOAT_SETTINGS[name]
-    return checked(float, lambda v: float_setting_error(name, v) is None, expected)
+    return checked(float, lambda v: float_setting_error(name, v) is None, FLOAT_SETTINGS[name][1])
 
 
 def check_device(name) -> None:
