@@ -149,7 +149,9 @@ class PagedGenerator:
         """One forward pass for every live request in ``requests``; returns those that finished in it.
 
         Raises :class:`PagePoolFull` before doing anything when the pool cannot take
-        this step's context tokens (nothing is computed, written or lost).
+        this step's context tokens (nothing is computed, written or lost). A listed request that
+        the caller marked ``done`` while it held pages is cancelled first (:meth:`cancel`): its
+        pages go back to the pool even when the step is then refused.
         """
         for r in requests:
             if not isinstance(r, Request):
