@@ -12,7 +12,7 @@ are the names renamed in 0.3 (:data:`RENAMED`: ``data.sample_windows`` is ``data
 Cost (measured with ``python -X importtime -c "import kforcing_kernels"`` on a loaded 2-core machine):
 importing this module takes about 1 ms of the package's import (seconds, torch included). :func:`install`
 appends one finder to ``sys.meta_path``; sitting last, it is asked only about modules the standard finders
-did not find (a prefix test and a dict lookup, about 1 microsecond). The renamed names cost nothing until
+did not find (a prefix test and a dict lookup). The renamed names cost nothing until
 looked up: the modules' ``__getattr__`` runs only for names they lack. The aliases and this module go in 0.4.
 """
 
