@@ -33,10 +33,8 @@ from .cli import (
     add_seed,
     add_threads,
     apply_threads,
-    fraction,
     make_parser,
     non_negative_int,
-    positive_float,
     positive_int,
 )
 from .data import DataError
@@ -48,7 +46,7 @@ from .trainer import NonFiniteLoss, train
 # ---------------------------------------------------------------------- CLI
 
 
-_positive_int, _non_negative_int, _positive_float, _fraction = positive_int, non_negative_int, positive_float, fraction
+_positive_int, _non_negative_int = positive_int, non_negative_int
 
 
 def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -> None:
