@@ -6,7 +6,14 @@ paged cache) moved from the package root into :mod:`kforcing_kernels.app` so tha
 gives the new module itself (``kforcing_kernels.train is kforcing_kernels.app.train``) with a
 DeprecationWarning, and ``python -m kforcing_kernels.train ...`` runs the new module after a
 notice on stderr. Names that moved to another module (``train()`` now lives in ``app.trainer``)
-are listed in :data:`MOVED_NAMES` and are found through the old module with the same warning.
+are listed in :data:`MOVED_NAMES` and are found through the old module with the same warning, as
+are the names renamed in 0.3 (:data:`RENAMED`: ``data.sample_windows`` is ``data.sample_crops``).
+
+Cost (measured with ``python -X importtime -c "import kforcing_kernels"`` on a loaded 2-core machine):
+importing this module takes about 1 ms of the package's import (seconds, torch included). :func:`install`
+appends one finder to ``sys.meta_path``; sitting last, it is asked only about modules the standard finders
+did not find (a prefix test and a dict lookup). The renamed names cost nothing until
+looked up: the modules' ``__getattr__`` runs only for names they lack. The aliases and this module go in 0.4.
 """
 
 from __future__ import annotations
@@ -34,6 +41,25 @@ MOVED_MODULES = {
 }
 # Names the old kforcing_kernels.train offered that now live in the loop's module.
 MOVED_NAMES = {"kforcing_kernels.app.train": "kforcing_kernels.app.trainer"}
+# Names of 0.2 modules that moved to another module or were renamed in 0.3: (module, old name) -> "module:new name".
+# Found through the module (old or new name) with the same DeprecationWarning; removed with the module aliases in 0.4.
+RENAMED = {
+    ("kforcing_kernels.app.data", "sample_windows"): "kforcing_kernels.app.data:sample_crops",
+    ("kforcing_kernels.app.data", "document_offsets"): "kforcing_kernels.layouts.positions:document_offsets",
+    ("kforcing_kernels.app.objectives", "window_tokens"): "kforcing_kernels.app.objectives:crop_tokens",
+    ("kforcing_kernels.app.checkpoint", "atomic_write"): "kforcing_kernels.app.files:atomic_write",
+    ("kforcing_kernels.app.checkpoint", "append_jsonl"): "kforcing_kernels.app.files:append_jsonl",
+    ("kforcing_kernels.app.evaluate", "format_table1"): "kforcing_kernels.app.report:format_table1",
+    ("kforcing_kernels.app.evaluate", "format_tau_table"): "kforcing_kernels.app.report:format_tau_table",
+    ("kforcing_kernels.app.evaluate", "format_nll_table"): "kforcing_kernels.app.report:format_nll_table",
+    ("kforcing_kernels.app.evaluate", "plot_summary"): "kforcing_kernels.app.report:plot_summary",
+}
+# 0.2 names with no equivalent to alias: the error says what replaced them (CHANGELOG, breaking changes of 0.3).
+REMOVED = {
+    ("kforcing_kernels.app.paged_cache", "paged_trunk"): (
+        "was removed in kforcing_kernels 0.3: the model reads the paged cache in place, "
+        "model.trunk(x, positions, None, past=cache.views(rows))"),
+}
 
 _PREFIX = "kforcing_kernels."
 
@@ -83,7 +109,17 @@ def install() -> None:
 
 
 def moved_name(module_name: str, name: str):
-    """``module.<name>`` for a name that moved out of ``module_name`` (see :data:`MOVED_NAMES`), or AttributeError."""
+    """``module.<name>`` for a name that moved out of ``module_name`` or was renamed (:data:`MOVED_NAMES`,
+    :data:`RENAMED`), with a DeprecationWarning; else AttributeError (naming the replacement, :data:`REMOVED`)."""
+    renamed = RENAMED.get((module_name, name))
+    if renamed is not None:
+        home, new_name = renamed.split(":")
+        old = f"{_PREFIX}{module_name.rsplit('.', 1)[1]}.{name}"
+        warnings.warn(f"{old} is {home}.{new_name} since kforcing_kernels 0.3; the old name will be removed in 0.4",
+                      DeprecationWarning, stacklevel=3)
+        return getattr(importlib.import_module(home), new_name)
+    if (module_name, name) in REMOVED:
+        raise AttributeError(f"{module_name}.{name} {REMOVED[(module_name, name)]}")
     target = MOVED_NAMES.get(module_name)
     if target is not None:
         module = importlib.import_module(target)

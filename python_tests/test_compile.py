@@ -141,3 +141,20 @@ def test_scale_check_refuses_without_math_isfinite(bad):
     with pytest.raises(ValueError, match="scale: expected a positive finite number"):
         check_scale(bad)
     assert check_scale(0.5) == 0.5 and check_scale(None) is None
+
+
+def test_an_argument_error_under_fullgraph_carries_the_message_the_readme_promises():
+    """Under fullgraph=True dynamo reports a ValueError raised while tracing as its own "Observed exception"
+    (torch._dynamo.exc.Unsupported), not as the ValueError; the README says so and that the original message is in its
+    text and __cause__. Eagerly the same call raises the ValueError itself."""
+    layout = WindowLayout.causal(8)
+    q = torch.randn(1, 2, 8, 4)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: window_attention(x, x, x, layout, scale=-1.0), fullgraph=True, backend="eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        f(q)
+    assert "Observed exception" in str(info.value)
+    assert "ValueError('scale: expected a positive finite number" in str(info.value)
+    assert "scale: expected a positive finite number" in repr(info.value.__cause__)
+    with pytest.raises(ValueError, match="^scale: expected a positive finite number"):
+        window_attention(q, q, q, layout, scale=-1.0)

@@ -147,3 +147,43 @@ def test_bench_measures_the_same_saved_activations_on_both_paths():
     plain, cp = saved_bytes(model, 6, 3, False), saved_bytes(model, 6, 3, True)
     assert plain > 0 and cp == plain
     assert saved_bytes(model, 12, 3, False) > plain  # grows with the rows
+
+
+# ---------------------------------------------------------------------- issue 40: planted bugs that survived
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_split_cache_tells_two_packed_batches_of_one_length_apart(world):
+    """The second packed batch of the same length gets its own split and mask, not the first batch's (the cache
+    is keyed by the layout's content). Oracle: a fresh balanced_split of each layout."""
+    first = WindowLayout.causal(64, cu_seqlens=[0, 10, 64])
+    second = WindowLayout.causal(64, cu_seqlens=[0, 40, 50, 64])
+    cp = ContextParallel(rank=0, world=world)
+    for layout in (first, second, first):
+        split, fresh = cp.split(layout), balanced_split(layout, world)
+        assert torch.equal(split.layout.dense_mask(), layout.dense_mask())
+        assert all(torch.equal(a, b) for a, b in zip(split.query_rows, fresh.query_rows))
+        assert cp.shard(layout).split is split
+
+
+def test_the_memory_estimate_counts_every_buffer_of_the_backward():
+    """attention_transient_bytes by hand on a small split: gathered K/V, their padded gather buffers, fp32 dK/dV and
+    their scatter buffers, dq, one chunk's score-sized tensors. Each part is written out here from what the CP
+    backward allocates (gather_keys, scatter_key_grads in parallel/context_parallel.py), so leaving one out fails."""
+    from kforcing_kernels.parallel.cost import attention_transient_bytes
+
+    layout = WindowLayout.causal(24, cu_seqlens=[0, 7, 24])
+    b, h, hkv, d, elem, chunk_rows = 2, 4, 2, 8, 2, 5
+    for world in (2, 3):
+        split = balanced_split(layout, world)
+        rows = max(int(r.numel()) for r in split.query_rows)
+        n = layout.n_keys
+        gathered_kv = 2 * b * hkv * n * d * elem  # the whole sequence's K and V after the gather
+        gather_buffers = 2 * b * hkv * world * split.max_keys * d * elem  # padded shards received
+        dkdv = 2 * (2 * b * hkv * n * d * 4)  # full-length fp32 dK, dV, and their torch.stack copy
+        scatter = 2 * (2 * b * hkv * world * split.max_keys * d * 4)  # the padded buffer and its per-rank contiguous copy
+        dq = b * h * rows * d * 4
+        scores = 3 * b * h * min(chunk_rows, rows) * n * 4
+        expected = gathered_kv + gather_buffers + dkdv + scatter + dq + scores
+        got = attention_transient_bytes(split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem, chunk_rows=chunk_rows)
+        assert got == expected, (world, got, expected)

@@ -7,6 +7,8 @@ and all gradients, is checked against fp64 in test_backends_vs_paper_masks.py.""
 
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
 from paper_masks import dflash_elementwise, jacobi_batched_elementwise, jacobi_elementwise
@@ -155,3 +157,37 @@ def test_unbatched_jacobi_is_unchanged():
         WindowLayout.jacobi(4)
     with pytest.raises(ValueError, match="num_blocks"):
         WindowLayout.jacobi(4, 6, num_blocks=2, block_size=3)
+
+
+# ---------------------------------------------------------------------- issue 40, item 3
+
+
+@pytest.mark.parametrize("length, message", [
+    (6, "length: expected at least 7"), (-1, "length: expected at least 7"), (7.0, "length: expected an int"),
+    (True, "length: expected an int"),
+])
+def test_from_streams_refuses_a_length_that_cannot_hold_the_order(length, message):
+    """These raised IndexError / RuntimeError / TypeError from inside the scatter."""
+    order = stream_order(3, 2, 1)  # [prompt 3 | noisy, clean | noisy, clean]: interleaved positions 0..6
+    need = 7
+    y = torch.randn(1, order.shape[1], 2)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        from_streams(y, order, length)
+    assert from_streams(y, order, need).shape == (1, need, 2)
+
+
+@pytest.mark.parametrize("scalar", [lambda v: np.int64(v), lambda v: torch.tensor(v), lambda v: np.array(v)])
+def test_jacobi_and_stream_order_take_numpy_ints_and_0_dim_tensors(scalar):
+    """As every other constructor does: the same layout and order as from Python ints."""
+    assert torch.equal(stream_order(scalar(3), scalar(2), scalar(2)), stream_order(3, 2, 2))
+    assert torch.equal(stream_order([3, 2], scalar(2), scalar(1)), stream_order([3, 2], 2, 1))
+    order = stream_order(3, 2, 1)
+    y = torch.randn(1, order.shape[1])
+    assert torch.equal(from_streams(y, order, scalar(12)), from_streams(y, order, 12))
+    assert torch.equal(WindowLayout.jacobi(scalar(4), scalar(6)).dense_mask(), jacobi_elementwise(4, 6))
+    batched = WindowLayout.jacobi(np.array([3, 2]), num_blocks=scalar(2), block_size=torch.tensor([2, 1]))
+    assert torch.equal(batched.dense_mask(), WindowLayout.jacobi([3, 2], num_blocks=2, block_size=[2, 1]).dense_mask())
+    with pytest.raises(ValueError, match="^n_prompt: expected an int"):
+        WindowLayout.jacobi(torch.tensor(4.0), 6)
+    with pytest.raises(ValueError, match="^prompt_lens: expected an int"):
+        stream_order(np.float64(3), 2, 2)

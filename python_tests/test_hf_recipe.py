@@ -283,3 +283,21 @@ def test_stage1_targets_at_low_tau_are_the_teachers_greedy_tokens():
         prefix = ctx[:, :t + 1]
         want = oracle.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, do_sample=False)[:, -1]
         assert targets[:, t].tolist() == want.tolist()
+
+
+def test_the_hf_corpus_cache_keeps_each_tokenizers_ids(tmp_path, monkeypatch):
+    """Two tokenizers over the same --data: the second gets its own ids, not the first one's cached streams
+    (oracle: the second tokenizer's corpus built in an empty cache)."""
+    from kforcing_kernels.app.hf_files import load_hf_corpus
+
+    write_json_package(tmp_path / "corpus")
+    data = str(tmp_path / "corpus")
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "native"))
+    tokenizers = [transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(data, vocab_size=v).tokenizer, eos_token=EOS)
+                  for v in (280, 320)]
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "shared"))
+    first, second = (load_hf_corpus(data, tok) for tok in tokenizers)
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "alone"))
+    alone = load_hf_corpus(data, tokenizers[1])
+    assert not torch.equal(first.train[:len(alone.train)], alone.train[:len(first.train)])  # the two really differ
+    assert torch.equal(second.train, alone.train) and torch.equal(second.val, alone.val)

@@ -107,3 +107,15 @@ def test_parent_must_be_a_window_layout():
         QueryRowsLayout(sub, [0])
     with pytest.raises(ValueError, match="^parent: "):
         QueryRowsLayout("causal", [0])
+
+
+def test_row_n_queries_is_refused_at_once():
+    """The bound itself: row n_queries (one past the last) is refused when the sub-layout is made, not later by an IndexError."""
+    parent = WindowLayout.causal(10)
+    with pytest.raises(ValueError, match=r"^rows: expected query rows in \[0, 10\) \(parent.n_queries\), got 10"):
+        parent.restrict_rows([9, 10])
+    assert parent.restrict_rows([9]).dense_mask().shape == (1, 10)  # the last row itself is fine
+    sub = parent.restrict_rows([1, 3, 5])
+    with pytest.raises(ValueError, match=r"^rows: expected rows in \[0, 3\) \(n_queries\)"):
+        sub.restrict_rows([2, 3])
+    assert torch.equal(sub.restrict_rows([2]).dense_mask(), parent.dense_mask()[[5]])

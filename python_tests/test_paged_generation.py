@@ -147,3 +147,142 @@ def test_step_api_bad_requests(model):
         PagedGenerator(model, 2)
     with pytest.raises(ValueError, match="k: expected a positive int or None"):
         PagedGenerator(model, True, num_pages=4)
+
+
+# ---------------------------------------------------------------------- cancellation (issue 40, item 1)
+
+
+def test_cancel_returns_the_pages_and_a_refused_request_is_admitted(model, prompts):
+    """The PagePoolFull advice works: cancelling the running request frees its pages and the refused one runs."""
+    k = 2
+    gen = PagedGenerator(model, k, page_size=2, num_pages=9)
+    noise = torch.rand(2, 5, k, dtype=torch.float64)
+    first = Request(prompts[1], 10, noise=noise[0])  # 9 prompt tokens: 5 pages
+    gen.step([first])
+    second = Request(prompts[1], 4, noise=noise[1, :2])
+    with pytest.raises(PagePoolFull, match="cancel requests"):
+        gen.step([first, second])
+    produced = first.tokens[:]
+    gen.cancel(first)
+    assert (first.done, first.cancelled, first.row, first.tokens) == (True, True, None, produced)
+    assert gen.cache.free_pages == 9 and gen.running == []
+    gen.cancel(first)  # a second cancel changes nothing
+    assert gen.cache.free_pages == 9
+    while not second.done:
+        gen.step([first, second])  # the cancelled request in the list is skipped
+    assert not second.cancelled and second.tokens == expected_tokens(model, prompts[1], k, noise[1, :2], 4)
+    assert gen.cache.free_pages == 9
+
+
+def test_a_request_marked_done_by_the_caller_gives_its_pages_back(model, prompts):
+    gen = PagedGenerator(model, 2, page_size=2, num_pages=9)
+    r = Request(prompts[1], 10, noise=torch.rand(5, 2, dtype=torch.float64))
+    gen.step([r])
+    assert gen.cache.free_pages == 4
+    r.done = True  # dropped the way the PagePoolFull message used to suggest
+    assert gen.step([r]) == [] and gen.cache.free_pages == 9
+    assert (r.row, r.cancelled) == (None, True)
+
+
+def test_cancel_refuses_a_request_of_another_generator(model, prompts):
+    one = PagedGenerator(model, 2, page_size=2, num_pages=9)
+    other = PagedGenerator(model, 2, page_size=2, num_pages=9)
+    r = Request(prompts[0], 6, noise=torch.rand(3, 2, dtype=torch.float64))
+    one.step([r])
+    with pytest.raises(ValueError, match="request: holds row 0 of another generator"):
+        other.cancel(r)
+    with pytest.raises(ValueError, match="requests: a request holds row 0 of another generator"):
+        other.step([r])
+    assert one.cache.free_pages == 9 - 2 and other.cache.free_pages == 9 and not r.done
+    with pytest.raises(ValueError, match="request: expected a Request"):
+        one.cancel(r.row)
+    r2 = Request(prompts[0], 2, noise=torch.rand(1, 2, dtype=torch.float64))
+    one.cancel(r2)  # not started: only marked
+    assert (r2.done, r2.cancelled, r2.tokens, one.cache.free_pages) == (True, True, [], 7)
+
+
+def _pages_held(r: Request, k, page: int) -> int:
+    """The model of the pool: a running request holds its context (prompt + what the decode steps appended) in pages."""
+    ctx = len(r.prompt) + (r.steps - 1) * (1 if k is None else k)
+    return math.ceil(ctx / page)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_the_pool_is_whole_after_any_mix_of_finish_cancel_and_refused_steps(model, k):
+    counts = {"refused": 0, "cancelled": 0, "marked done": 0, "finished": 0}
+    for seed in range(5):
+        _random_serving_run(model, k, seed, counts)
+    assert all(counts.values()), counts  # every kind of event happened (the seeds are fixed)
+
+
+def _random_serving_run(model, k, seed: int, counts: dict) -> None:
+    """Random finish / cancel / mark-done / pause / refused steps against a model of the pool.
+
+    After every action: each running request holds exactly the pages its context needs, no page is held twice or
+    both held and free, and free + held = the pool; a refused step changes nothing; at the end every page is free.
+    Requests that ran to the end (never cancelled) give the tokens they give alone.
+    """
+    rng = torch.Generator().manual_seed(seed)
+    rand = lambda n: int(torch.randint(0, n, (), generator=rng))  # noqa: E731
+    page, num_pages = 2, 7
+    gen = PagedGenerator(model, k, page_size=page, num_pages=num_pages)
+    pending, active, ended = [], [], []
+
+    def check_pool():
+        held = [p for r in gen.running for p in gen.cache.pages_of(r.row)]
+        assert len(held) == len(set(held)) and not set(held) & set(gen.cache._free)
+        assert sorted(held + gen.cache._free) == list(range(num_pages))
+        assert {id(r) for r in gen.running} == {id(r) for r in active if r.row is not None}
+        for r in gen.running:
+            assert len(gen.cache.pages_of(r.row)) == _pages_held(r, k, page)
+            assert gen.cache.length(r.row) == len(r.prompt) + (r.steps - 1) * (1 if k is None else k)
+
+    for _ in range(30):
+        action = rand(6)
+        if action == 0 or not (pending or active):
+            n, t = 1 + rand(9), 1 + rand(7)
+            shape = (t,) if k is None else (math.ceil(t / k), k)
+            pending.append(Request(torch.randint(0, CFG.vocab_size, (n,), generator=rng), t,
+                                   noise=torch.rand(shape, generator=rng, dtype=torch.float64), temperature=0.9))
+        elif action == 1 and active:
+            r = active.pop(rand(len(active)))
+            gen.cancel(r)
+            assert r.row is None and r.done and r.cancelled
+            ended.append(r)
+            counts["cancelled"] += 1
+        elif action == 2 and active:
+            r = active[rand(len(active))]
+            r.done = True  # the caller drops it its own way: the next step it is listed in releases it
+            counts["marked done"] += 1
+        else:
+            listed = [r for r in active + pending if rand(4)]  # some requests paused this step
+            released = sum(_pages_held(r, k, page) for r in listed if r.done and r.row is not None)
+            state = [(r.row, r.steps, r.tokens[:]) for r in listed if not r.done]
+            free = gen.cache.free_pages
+            try:
+                gen.step(listed)
+            except PagePoolFull:  # nothing changed, except that the requests marked done were released
+                counts["refused"] += 1
+                assert gen.cache.free_pages == free + released
+                assert [(r.row, r.steps, r.tokens) for r in listed if not r.done] == state
+            for r in listed:
+                if r in pending and (r.row is not None or r.done):  # started (a one-step request ends at once)
+                    pending.remove(r)
+                    active.append(r)
+            for r in [r for r in active if r.done]:
+                if r.row is None:
+                    active.remove(r)
+                    ended.append(r)
+        check_pool()
+    for r in active + pending:
+        gen.cancel(r)
+    assert gen.cache.free_pages == num_pages and gen.running == []
+    for r in [r for r in ended if not r.cancelled][:2]:  # the tokens of two requests that ran to the end (time)
+        if r.done:
+            counts["finished"] += 1
+            prompt = r.prompt.tolist()
+            if k is None:
+                ref = generate_ar(model, [r.prompt], r.max_new_tokens, temperature=0.9, noise=r.noise[None], cache="contiguous")[0]
+            else:
+                ref = generate_kforcing(model, [r.prompt], k, r.max_new_tokens, temperature=0.9, noise=r.noise[None], cache="contiguous")[0]
+            assert r.tokens == ref.tolist(), prompt

@@ -22,6 +22,15 @@ def model():
     return m
 
 
+@pytest.fixture(scope="module")
+def ar_model(model):
+    """The same weights recorded as an AR model (k_train=0): what generate_ar takes (it refuses K-Forcing models)."""
+    m = KForcingLM(CFG).double().eval()
+    m.load_state_dict(model.state_dict())
+    m.k_train = 0
+    return m
+
+
 @pytest.mark.parametrize("tau", [float("nan"), float("inf"), 0.0, -1.0])
 def test_request_temperature_is_checked_like_generate_kforcing(model, tau):
     with pytest.raises(ValueError, match="temperature"):
@@ -83,12 +92,12 @@ def test_append_refuses_a_repeated_row():
     assert cache.length(row) == 0 and cache.free_pages == 4
 
 
-def test_numpy_zero_temperature_is_greedy_on_both_caches(model):
+def test_numpy_zero_temperature_is_greedy_on_both_caches(ar_model):
     prompts = [[1, 2, 3], [4]]
-    want = generate_ar(model, prompts, 5, temperature=0, cache="contiguous").tolist()
+    want = generate_ar(ar_model, prompts, 5, temperature=0, cache="contiguous").tolist()
     for cache in ("contiguous", "paged"):
         for tau in (np.float32(0), np.float64(0), np.int64(0)):
-            assert generate_ar(model, prompts, 5, temperature=tau, cache=cache).tolist() == want
+            assert generate_ar(ar_model, prompts, 5, temperature=tau, cache=cache).tolist() == want
 
 
 def test_paged_attention_takes_a_numpy_scale_like_window_attention():
@@ -118,37 +127,37 @@ def test_k_train_given_to_generate_kforcing_counts_on_both_caches(model):
 
 @pytest.mark.parametrize("bad", [1.0, -3.0, float("nan")])
 @pytest.mark.parametrize("tau", [0, 0.8])
-def test_ar_noise_is_checked_on_both_caches_greedy_or_not(model, bad, tau):
+def test_ar_noise_is_checked_on_both_caches_greedy_or_not(ar_model, bad, tau):
     """generate_ar's noise: the contiguous cache checks it as the paged one does (it once used it unchecked)."""
     noise = torch.rand(1, 3, dtype=torch.float64)
     noise[0, 1] = bad
     for cache in ("contiguous", "paged"):
         with pytest.raises(ValueError, match="noise: expected values in"):
-            generate_ar(model, [[1, 2, 3]], 3, noise=noise, temperature=tau, cache=cache)
+            generate_ar(ar_model, [[1, 2, 3]], 3, noise=noise, temperature=tau, cache=cache)
     for cache in ("contiguous", "paged"):
         with pytest.raises(ValueError, match="noise: expected a floating tensor"):
-            generate_ar(model, [[1, 2, 3]], 3, noise=torch.zeros(1, 3, dtype=torch.int64), cache=cache)
+            generate_ar(ar_model, [[1, 2, 3]], 3, noise=torch.zeros(1, 3, dtype=torch.int64), cache=cache)
 
 
-def test_integer_temperature_tensors_run_alike_on_both_caches(model):
-    got = [generate_ar(model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1, 2]), cache=cache,
+def test_integer_temperature_tensors_run_alike_on_both_caches(ar_model):
+    got = [generate_ar(ar_model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1, 2]), cache=cache,
                        generator=torch.Generator().manual_seed(0)) for cache in ("contiguous", "paged")]
-    want = generate_ar(model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1.0, 2.0]), cache="contiguous",
+    want = generate_ar(ar_model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1.0, 2.0]), cache="contiguous",
                        generator=torch.Generator().manual_seed(0))
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], want)
 
 
 @pytest.mark.parametrize("call, name", [
-    (lambda m: generate_kforcing(m, [[1, 2]], 2, 4, noise=[[[0.1, 0.2]] * 2]), "noise"),
-    (lambda m: generate_ar(m, [[1, 2]], 2, noise=[[0.1, 0.2]]), "noise"),
-    (lambda m: generate_kforcing(m, None, 2, 4), "prompts"),
-    (lambda m: generate_ar(m, 7, 2), "prompts"),
-    (lambda m: generate_ar(m, [[1, 2]], 2, generator=5), "generator"),
-    (lambda m: generate_ar(m, [[1, 2**70]], 2), "prompts"),
+    (lambda m, ar: generate_kforcing(m, [[1, 2]], 2, 4, noise=[[[0.1, 0.2]] * 2]), "noise"),
+    (lambda m, ar: generate_ar(ar, [[1, 2]], 2, noise=[[0.1, 0.2]]), "noise"),
+    (lambda m, ar: generate_kforcing(m, None, 2, 4), "prompts"),
+    (lambda m, ar: generate_ar(ar, 7, 2), "prompts"),
+    (lambda m, ar: generate_ar(ar, [[1, 2]], 2, generator=5), "generator"),
+    (lambda m, ar: generate_ar(ar, [[1, 2**70]], 2), "prompts"),
 ])
-def test_arguments_of_the_wrong_type_are_refused_by_name(model, call, name):
+def test_arguments_of_the_wrong_type_are_refused_by_name(model, ar_model, call, name):
     with pytest.raises(ValueError, match=f"^{name}: (prompt 0: )?expected"):
-        call(model)
+        call(model, ar_model)
 
 
 def test_a_request_prompt_must_be_one_dimensional(model):
@@ -156,3 +165,16 @@ def test_a_request_prompt_must_be_one_dimensional(model):
     with pytest.raises(ValueError, match=r"^prompt: expected a 1-D sequence of token ids, got shape \(2, 2\)"):
         gen.step([Request([[1, 2], [3, 4]], 4)])
     assert gen.cache.free_pages == 8
+
+
+
+def test_ar_decoding_refuses_a_k_forcing_model(model, ar_model):
+    """generate_ar and an AR PagedGenerator on a K-Forcing model (k_train=2) would decode it without its noise
+    window: refused by name on both caches; the AR model with the same weights runs."""
+    for cache in ("contiguous", "paged"):
+        with pytest.raises(ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\).*generate_kforcing"):
+            generate_ar(model, [[1, 2]], 3, cache=cache)
+    with pytest.raises(ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\)"):
+        PagedGenerator(model, None, num_pages=8)
+    assert generate_ar(ar_model, [[1, 2]], 3, temperature=0).shape == (1, 3)
+    assert PagedGenerator(ar_model, None, num_pages=8).k is None

@@ -16,6 +16,7 @@ One torchrun launch (2 ranks; gloo on CPU, nccl when CUDA has >= 2 GPUs) does ev
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,3 +258,27 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]  # nothing else
     finally:
         release_process_group(group)
+
+
+def test_export_refuses_a_file_or_the_run_folder_as_out_before_reading_anything(tmp_path, capsys):
+    """--out naming a file is a usage error naming --out; --out the run folder itself (whose model.safetensors and
+    model.json are the run's final model) is refused instead of silently replacing them. Python API alike."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000003.dcp"
+    ckpt.mkdir(parents=True)
+    (run / "model.json").write_text("{}")  # the run's own final model: must stay as it is
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"x")
+    cases = [([str(run), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
+             ([str(ckpt), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
+             ([str(run), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out"),
+             ([str(ckpt), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            export_main(argv)
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err), argv
+    for out in (a_file, run):
+        with pytest.raises(ConfigError, match="^out: "):
+            export_model(ckpt, out)
+    assert (run / "model.json").read_text() == "{}" and a_file.read_bytes() == b"x"

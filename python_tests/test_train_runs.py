@@ -496,6 +496,9 @@ def test_a_stage_writing_into_its_teachers_folder_is_refused_before_anything_is_
     ("ckpt_every", 0), ("log_every", 0), ("grad_accum", 0), ("eval_batches", 0), ("steps", 0), ("steps", -3),
     ("batch_size", 0), ("keep_checkpoints", -1), ("keep_checkpoints", 0), ("seed", 1.5), ("device", "bogus"),
     ("model_overrides", {"n_layers": 2}), ("warmup_steps", -1), ("seq_len", True),
+    # issue 40: real-valued settings (these trained and saved a NaN model, or ran with nonsense, or a TypeError mid-run)
+    ("lr", float("inf")), ("lr", "0.001"), ("lr", 0.0), ("grad_clip", float("nan")), ("grad_clip", 0), ("weight_decay", -3),
+    ("min_lr_ratio", 5), ("tau_min", -1.0), ("tau_max", float("inf")), ("beta1", 1.0), ("beta2", -0.1), ("lr", True),
 ])
 def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, setting, value):
     """train(TrainConfig(...)) refuses what the CLI's argument types refuse, naming the setting, before
@@ -504,3 +507,108 @@ def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, se
     with pytest.raises(ValueError, match=f"^{setting}: "):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, value", [("lr", "inf"), ("lr", "0"), ("grad_clip", "nan"), ("grad_clip", "0"),
+                                            ("weight_decay", "-3"), ("min_lr_ratio", "5"), ("tau_min", "-1")])
+def test_the_cli_refuses_the_same_real_settings_with_the_same_words(tmp_path, corpus_dir, capsys, setting, value):
+    """One check (train_config.FLOAT_SETTINGS) for both entry points: the CLI's refusal says what the API's says."""
+    from kforcing_kernels.app.train_config import float_setting_error
+
+    flag = "--" + setting.replace("_", "-")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stage0", "--out", str(tmp_path / "run"), "--data", str(corpus_dir), flag, value])
+    assert exit_info.value.code == 2
+    expected = float_setting_error(setting, float(value)).split(", got")[0]
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
+    cfg = dataclasses.replace(micro(tmp_path / "run", corpus_dir), **{setting: float(value)})
+    with pytest.raises(ValueError, match=f"^{setting}: {re.escape(expected)}, got"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, corpus_dir, monkeypatch, capsys):
+    """Step 3's loss is NaN: the run stops with an error naming the step before the optimizer uses it; the step-2
+    checkpoint (equal to an uninterrupted run's) stays the newest, and no model or later metrics are written."""
+    from kforcing_kernels.app import trainer
+
+    good = tmp_path / "good"
+    train(micro(good, corpus_dir, ckpt_every=2, keep_checkpoints=5))
+    calls = []
+    real = trainer.compute_loss
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, per_pos = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), per_pos) if len(calls) == 3 else (loss, per_pos)
+
+    monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(trainer.NonFiniteLoss, match=r"^loss: step 3 gave a non-finite loss \(nan\).*step_00000002, holds the last good"):
+        train(micro(out, corpus_dir, ckpt_every=2, keep_checkpoints=5))
+    assert latest_checkpoint(out).stem == "step_00000002"
+    assert not (out / "model.json").exists()
+    assert run_record(out) == run_record(good)[:2]  # steps 1 and 2 only
+    saved = lambda run: load_file(str(run / "checkpoints" / "step_00000002.safetensors"))  # noqa: E731
+    assert all(torch.equal(saved(out)[name], t) for name, t in saved(good).items())  # the good step-2 weights
+    calls.clear()  # the CLI says the same, as an error (exit status 1), not a traceback
+    monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
+    with pytest.raises(SystemExit, match="^kforcing-train: error: loss: step 3 gave a non-finite loss"):
+        main(["stage0", "--out", str(tmp_path / "cli"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
+              "--seq-len", "16", "--steps", "4", "--batch-size", "4", "--warmup-steps", "1", "--ckpt-every", "2",
+              "--eval-batches", "1", "--no-progress"])
+
+
+def test_weight_decay_falls_on_matrices_only():
+    """AdamW decays the Linear and Embedding weights and nothing else (norm gains, biases): the oracle is
+    the module each parameter belongs to, not its shape."""
+    from torch import nn
+
+    cfg = TrainConfig(weight_decay=0.25)
+    model = KForcingLM(ModelConfig.micro(vocab_size=40))
+    should_decay, seen = set(), set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            seen.add(id(p))
+            if isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
+                should_decay.add(id(p))
+    assert seen == {id(p) for p in model.parameters()} and should_decay and seen - should_decay
+    decay = {id(p): group["weight_decay"] for group in _optimizer(model, cfg, fused_ok=False).param_groups for p in group["params"]}
+    assert decay.keys() == seen  # every parameter in exactly one group
+    assert {i for i, wd in decay.items() if wd == 0.25} == should_decay
+    assert all(wd == 0.0 for i, wd in decay.items() if i not in should_decay)
+
+
+@pytest.mark.parametrize("writer", ["atomic_write_file", "atomic_write"])
+def test_atomic_writes_fsync_the_temporary_before_the_rename_and_the_folder_after(tmp_path, monkeypatch, writer):
+    """Durability order (a crash at any point leaves the old file or the whole new one): fsync of the temporary's
+    data, then os.replace(temporary, path), then fsync of the folder that holds the new name. Recorded by
+    wrapping os.fsync / os.replace; each fsync names what its descriptor is open on (/proc/self/fd)."""
+    from kforcing_kernels.app import files
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to name what a descriptor is open on (Linux)")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "out.bin"
+    if writer == "atomic_write_file":
+        files.atomic_write_file(target, lambda f: f.write(b"new"))
+    else:
+        files.atomic_write(target, lambda name: Path(name).write_bytes(b"new"))
+    assert target.read_bytes() == b"new"
+    replaced = [e for e in events if e[0] == "replace"]
+    assert len(replaced) == 1 and replaced[0][2] == str(target)
+    tmp, at = replaced[0][1], events.index(replaced[0])
+    assert ("fsync", tmp) in events[:at], events  # the temporary's data reached the disk before it got the name
+    assert ("fsync", str(tmp_path)) in events[at + 1:], events  # and the rename itself after

@@ -20,6 +20,11 @@ LAYOUTS = {
     "ptp": WindowLayout.ptp(200, [[20, 120, 200], [0, 50, 199]], 48, [[0, 100, 150], [0, 50, 3]]),
     "jacobi": WindowLayout.jacobi(100, 200),
     "causal": WindowLayout.causal(333),
+    # A context start that moves inside one query tile while the rows share keys (issue 40): partly masked tiles.
+    "sliding_context": WindowLayout(300, 4, 4, [0, 50, 100, 260], [40, 160, 300, 300], queries="all",
+                                    context_lo=(torch.arange(300) - 100).clamp(min=0), context_hi=torch.arange(1, 301)),
+    "anchor_sliding_slot": WindowLayout.anchor_blocks(300, [[64, 200, 299], [17, 150, 250]], 16, window=70,
+                                                      window_mode="slot"),
 }
 
 

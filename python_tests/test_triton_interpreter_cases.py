@@ -107,6 +107,11 @@ def _cases():
         "long-streams": WindowLayout(20, 3, 40, [0, 5, 20], [10, 20, 20], queries="all", n_streams=2),
         "long-full-short-last": WindowLayout(11, 3, 37, [2, 0, 3], [9, 11, 3], last_window_size=5, intra="full"),
         "no-context": WindowLayout(0, 4, 5, [0, 0, 0, 0], [0, 0, 0, 0]),
+        # The context start moves inside one query tile while the rows share keys (issue 40: a plan that marks
+        # such a partly masked tile full skips its mask): a sliding-window context, per-slot sliding blocks.
+        "sliding-context": WindowLayout(48, 2, 3, [5, 0], [30, 48], queries="all",
+                                        context_lo=(torch.arange(48) - 20).clamp(min=0), context_hi=torch.arange(1, 49)),
+        "anchor-sliding-slot": WindowLayout.anchor_blocks(48, [20, 45], 16, window=21, window_mode="slot"),
     }
     for name, layout in general.items():
         add(f"general-{name}", layout, SMALL)

@@ -311,3 +311,12 @@ def sample_crops(tokens: torch.Tensor, batch: int, length: int, generator: torch
         raise ValueError(f"tokens: the stream has {tokens.numel()} tokens, fewer than one crop of {length} + 1")
     starts = torch.randint(0, tokens.numel() - length, (batch,), generator=generator)
     return tokens[starts[:, None] + torch.arange(length)]
+
+
+def __getattr__(name: str):
+    # 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
+    if name.startswith("__"):  # the import system probes dunders (__path__, ...) while aliasing this module
+        raise AttributeError(name)
+    from kforcing_kernels._moved import moved_name
+
+    return moved_name(__name__, name)

@@ -65,3 +65,12 @@ def check_k(model: KForcingLM, k, k_train: Optional[int] = None) -> None:
         raise ValueError("k: this model was trained as an AR model (k_train=0); use generate_ar")
     if k > k_train:
         raise ValueError(f"k: expected 1 <= k <= k_train={k_train} (the window the model was trained with), got {k}")
+
+
+def check_ar(model) -> None:
+    """AR decoding needs an AR model: a K-Forcing model (``k_train >= 1``) predicts from noise windows, and its
+    next-token logits without noise are not what it was trained to give. A model without ``k_train`` is not checked."""
+    k_train = getattr(model, "k_train", None)
+    if k_train:
+        raise ValueError(f"model: this model was trained with K-Forcing (k_train={k_train}); AR decoding would read it "
+                         f"without its noise window: use generate_kforcing (1 <= k <= {k_train}), or an AR (stage0) model")

@@ -37,7 +37,7 @@ from ..layouts import WindowLayout
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
 from ..types import Temperature
-from .generation_checks import check_generator, check_k, check_noise, check_temperature, is_greedy
+from .generation_checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
 from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
@@ -289,6 +289,7 @@ def generate_ar(
     Returns:
         int64 ``[B, T]`` (and the logits ``[B, T, V]`` with ``return_logits``).
     """
+    check_ar(model)
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
     _check_generation(model, tokens, max_new_tokens, cache)

@@ -267,3 +267,12 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
     keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:])
     return _masked_mean(per_token, keep)
+
+
+def __getattr__(name: str):
+    # 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
+    if name.startswith("__"):  # the import system probes dunders (__path__, ...) while aliasing this module
+        raise AttributeError(name)
+    from kforcing_kernels._moved import moved_name
+
+    return moved_name(__name__, name)

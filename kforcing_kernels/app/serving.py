@@ -12,6 +12,13 @@ others decode one window over their pages, read in place. A request that reaches
 ``max_new_tokens`` or produces ``eos_id`` is finished and its pages go back to the
 pool at once. Per request the computation is that of ``generate_kforcing`` /
 ``generate_ar`` (same noise, same tokens), whichever other requests share the step.
+
+A request is dropped with ``gen.cancel(request)``: its pages go back to the pool at
+once, it is marked ``done`` and ``cancelled`` (its tokens so far stay), and the
+next step may admit a request that the full pool refused before. A request left
+out of a step's list is paused, not dropped: it keeps its pages until it is listed
+again, cancelled or finished. A running request that the caller marks ``done``
+itself is released (cancelled) by the next ``step`` it is listed in.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 
 from ..model import KForcingLM
 from ..ops.sampling import inverse_cdf_sample
-from .generation_checks import check_k, check_noise, check_temperature
+from .generation_checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
 from ..layouts import WindowLayout
 
@@ -74,6 +81,7 @@ class Request:
     tokens: list = field(default_factory=list)  # generated ids so far
     logits: list = field(default_factory=list)  # per step [n, V] when the generator keeps logits
     done: bool = False
+    cancelled: bool = False  # dropped by PagedGenerator.cancel before it finished (done is True as well)
     row: Optional[int] = None  # cache row while running
     steps: int = 0
 
@@ -96,6 +104,8 @@ class PagedGenerator:
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
             check_k(model, k, k_train)  # at most the trained window (k_train, default model.k_train), not on an AR model
+        else:
+            check_ar(model)  # AR steps on a K-Forcing model would decode it without its noise window
         self.model, self.k, self.keep_logits = model, k, keep_logits
         if cache is None:
             if num_pages is None:
@@ -103,6 +113,34 @@ class PagedGenerator:
             cache = PagedKVCache.for_model(model, page_size=page_size, num_pages=num_pages)
         self.cache = cache
         self.device = model.wte.weight.device
+        self._running: dict[int, Request] = {}  # cache row -> the request holding it (started, not finished)
+
+    @property
+    def running(self) -> list[Request]:
+        """The requests that hold pages of this generator's pool (started, neither finished nor cancelled)."""
+        return list(self._running.values())
+
+    def cancel(self, request: Request) -> None:
+        """Drop ``request``: its pages go back to the pool now; it is marked ``done`` and ``cancelled``.
+
+        The tokens generated so far stay in ``request.tokens``. A request that has not started is only
+        marked; a finished or already cancelled one is left as it is. A request running on another
+        generator is refused (ValueError): its row is not this pool's.
+        """
+        if not isinstance(request, Request):
+            raise ValueError(f"request: expected a Request, got {type(request).__name__}")
+        if request.row is not None:
+            if self._running.get(request.row) is not request:
+                raise ValueError(f"request: holds row {request.row} of another generator's cache, not this one's")
+            self._release(request)
+        elif request.done:
+            return
+        request.done = request.cancelled = True
+
+    def _release(self, request: Request) -> None:
+        del self._running[request.row]
+        self.cache.free(request.row)
+        request.row = None
 
     # -------------------------------------------------------------- the step
 
@@ -111,8 +149,18 @@ class PagedGenerator:
         """One forward pass for every live request in ``requests``; returns those that finished in it.
 
         Raises :class:`PagePoolFull` before doing anything when the pool cannot take
-        this step's context tokens (nothing is computed, written or lost).
+        this step's context tokens (nothing is computed, written or lost). A listed request that
+        the caller marked ``done`` while it held pages is cancelled first (:meth:`cancel`): its
+        pages go back to the pool even when the step is then refused.
         """
+        for r in requests:
+            if not isinstance(r, Request):
+                raise ValueError(f"requests: expected Request objects, got {type(r).__name__}")
+            if r.row is not None and self._running.get(r.row) is not r:
+                raise ValueError(f"requests: a request holds row {r.row} of another generator's cache, not this one's")
+        for r in requests:  # marked done by the caller while running: dropped, its pages returned
+            if r.done and r.row is not None:
+                self.cancel(r)
         live = [r for r in requests if not r.done]
         if len({id(r) for r in live}) != len(live):
             raise ValueError("requests: the same request is listed more than once in this step")
@@ -161,7 +209,8 @@ class PagedGenerator:
         if need > cache.free_pages:
             raise PagePoolFull(
                 f"page pool full: this step needs {need} more pages of {page} tokens, {cache.free_pages} of "
-                f"{cache.num_pages} free; finish or drop requests, or use a larger pool (num_pages)"
+                f"{cache.num_pages} free; cancel requests (PagedGenerator.cancel) or wait for some to finish, or use a "
+                f"larger pool (num_pages)"
             )
 
     def _finish_step(self, reqs: list[Request], new_tokens: torch.Tensor, logits: torch.Tensor) -> None:
@@ -179,8 +228,7 @@ class PagedGenerator:
             if len(r.tokens) >= r.max_new_tokens:
                 r.done = True
             if r.done:
-                self.cache.free(r.row)
-                r.row = None
+                self._release(r)
 
     # -------------------------------------------------------------- prefill and decode
 
@@ -198,6 +246,7 @@ class PagedGenerator:
         rows = [self.cache.add_row() for _ in reqs]
         for r, row in zip(reqs, rows):
             r.row = row
+            self._running[row] = r
         if self.k is None:
             h, kvs = model.trunk(model.wte(tokens), torch.arange(p_max, device=dev), WindowLayout.causal(p_max))
             self.cache.append(rows, kvs, lengths.tolist())  # each prompt's true tokens, straight into pages

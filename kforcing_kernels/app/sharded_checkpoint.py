@@ -212,6 +212,18 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
 # ---------------------------------------------------------------------- export
 
 
+def check_export_out(checkpoint: Path, out: Path) -> None:
+    """``out`` must be a folder (or not exist yet) other than the checkpoint's own run folder, whose model.safetensors
+    and model.json are the run's final model (an export there would replace them); ConfigError naming --out."""
+    from .train_config import ConfigError, check_out_folder
+
+    check_out_folder(out, "--out")
+    run = Path(checkpoint).parent.parent
+    if out.resolve() == run.resolve():
+        raise ConfigError(f"out: {str(out)!r} is the run folder of {str(checkpoint)!r}; exporting there would replace the "
+                          "run's own model.safetensors and model.json: choose another --out")
+
+
 def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     """A plain ``model.safetensors`` + ``model.json`` in ``out`` from a sharded checkpoint folder (one process).
 
@@ -222,6 +234,7 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     from ..model import KForcingLM, ModelConfig
 
     checkpoint, out = Path(checkpoint), Path(out)
+    check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
     model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
     state = {"model": model.state_dict()}
@@ -245,7 +258,13 @@ def main(argv=None) -> None:
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
     parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and tokenizer.json")
     args = parser.parse_args(argv)
+    from .train_config import ConfigError
+
     source = Path(args.checkpoint)
+    try:  # before looking for the checkpoint: a wrong --out is the first thing to say
+        check_export_out(source if is_sharded(source) else checkpoint_dir(source) / f"step{SHARDED_SUFFIX}", Path(args.out))
+    except ConfigError as exc:
+        parser.error(f"argument --out: {str(exc).removeprefix('out: ')}")
     if not is_sharded(source):
         found = sorted(checkpoint_dir(source).glob(f"step_*{SHARDED_SUFFIX}"))
         if not found:
@@ -253,7 +272,7 @@ def main(argv=None) -> None:
         source = found[-1]
     try:
         print(export_model(source, args.out))
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:
         parser.error(str(exc))
 
 

@@ -33,22 +33,20 @@ from .cli import (
     add_seed,
     add_threads,
     apply_threads,
-    fraction,
     make_parser,
     non_negative_int,
-    positive_float,
     positive_int,
 )
 from .data import DataError
 from .parallel import PARALLEL_MODES
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
-from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig
-from .trainer import train
+from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
+from .trainer import NonFiniteLoss, train
 
 # ---------------------------------------------------------------------- CLI
 
 
-_positive_int, _non_negative_int, _positive_float, _fraction = positive_int, non_negative_int, positive_float, fraction
+_positive_int, _non_negative_int = positive_int, non_negative_int
 
 
 def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -> None:
@@ -58,12 +56,12 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--seq-len", type=_positive_int, default=defaults.seq_len, help="context length N")
     add_batch_size(p, defaults.batch_size, help="global sequences per optimizer step (all ranks, all accumulation steps)")
     p.add_argument("--grad-accum", type=_positive_int, default=defaults.grad_accum, help="gradient accumulation steps per optimizer step")
-    p.add_argument("--min-lr-ratio", type=_fraction, default=defaults.min_lr_ratio, help="cosine schedule floor, as a fraction of --lr")
+    p.add_argument("--min-lr-ratio", type=setting_type("min_lr_ratio"), default=defaults.min_lr_ratio, help="cosine schedule floor, as a fraction of --lr")
     p.add_argument("--warmup-steps", type=_non_negative_int, default=defaults.warmup_steps, help="linear learning-rate warmup steps")
-    p.add_argument("--weight-decay", type=_fraction, default=defaults.weight_decay, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=_positive_float, default=defaults.grad_clip, help="gradient norm clip")
-    p.add_argument("--tau-min", type=_positive_float, default=defaults.tau_min, help="lowest training temperature tau (sampled per sequence)")
-    p.add_argument("--tau-max", type=_positive_float, default=defaults.tau_max, help="highest training temperature tau")
+    p.add_argument("--weight-decay", type=setting_type("weight_decay"), default=defaults.weight_decay, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=setting_type("grad_clip"), default=defaults.grad_clip, help="gradient norm clip")
+    p.add_argument("--tau-min", type=setting_type("tau_min"), default=defaults.tau_min, help="lowest training temperature tau (sampled per sequence)")
+    p.add_argument("--tau-max", type=setting_type("tau_max"), default=defaults.tau_max, help="highest training temperature tau")
     add_seed(p)
     p.add_argument("--packed-docs", action="store_true", default=None,
                    help="windows keep document boundaries: no attention across documents, positions restart per document, "
@@ -109,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = add_command(sub, name, help=help_text, description=help_text)
         _add_common(p, d, name)
         p.add_argument("--steps", type=_positive_int, default=d.steps, help="optimizer steps")
-        p.add_argument("--lr", type=_positive_float, default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
+        p.add_argument("--lr", type=setting_type("lr"), default=d.lr if name == "stage0" else PipelineConfig.lr_distill, help="peak learning rate")
         if name != "stage0":
             p.add_argument("--teacher", required=name == "stage2", help="the previous stage's output folder"
                            + (" (or --model)" if name == "stage1" else ""))
@@ -128,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1, help="steps of the k=1 forward distillation")
     pp.add_argument("--steps-stage2", type=per_round_type(int, "positive integers"), default=pd.steps_stage2,
                     help="steps of the self-forcing rounds: one value for all, or one per round (k=2,4,...), e.g. 300,450")
-    pp.add_argument("--lr-stage0", type=_positive_float, default=pd.lr_stage0, help="peak learning rate of stage0")
-    pp.add_argument("--lr-distill", type=_positive_float, default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
+    pp.add_argument("--lr-stage0", type=setting_type("lr"), default=pd.lr_stage0, help="peak learning rate of stage0")
+    pp.add_argument("--lr-distill", type=setting_type("lr"), default=pd.lr_distill, help="peak learning rate of stage1 (and stage2 unless --lr-stage2)")
     pp.add_argument("--lr-stage2", type=per_round_type(float, "positive numbers"), default=None,
                     help="learning rates of the self-forcing rounds: one value or one per round (None: --lr-distill)")
     pp.add_argument("--evaluate", choices=("quick", "demo"), default=None,
@@ -195,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
+    except NonFiniteLoss as exc:  # not a usage error: the settings were valid, the run diverged
+        sys.exit(f"{parser.prog}: error: {exc}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

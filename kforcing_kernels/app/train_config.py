@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from numbers import Real
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, remove_checkpoints
-from .cli import resolve_device
+from .cli import checked, resolve_device
 from .data import DEFAULT_SOURCE
 from ..model import PRESETS, ModelConfig
 from .objectives import crop_tokens
@@ -171,6 +173,35 @@ _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every")
 MODEL_OVERRIDES = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
+# Real-valued settings: what each accepts (besides being a finite real number) and how the refusal says it. The
+# one table for both entry points: validate_config checks TrainConfig with it, and the CLI's argument types are
+# made from it (setting_type). grad_clip 0 is refused as the CLI always refused it: clipping is not optional here
+# (a huge value turns it off in effect).
+FLOAT_SETTINGS = {
+    "lr": (lambda v: v > 0, "a positive number"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "weight_decay": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "grad_clip": (lambda v: v > 0, "a positive number"),
+    "tau_min": (lambda v: v > 0, "a positive number"),
+    "tau_max": (lambda v: v > 0, "a positive number"),
+    "beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+}
+
+
+def float_setting_error(name: str, value) -> Optional[str]:
+    """Why ``value`` is not a valid ``name`` (one of FLOAT_SETTINGS), or None when it is."""
+    accept, expected = FLOAT_SETTINGS[name]
+    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value) or not accept(value):
+        return f"expected {expected}, got {value!r}"
+    return None
+
+
+def setting_type(name: str):
+    """The CLI's argparse ``type`` for the real-valued setting ``name``: the same check as validate_config."""
+    return checked(float, lambda v: float_setting_error(name, v) is None, FLOAT_SETTINGS[name][1])
+
+
 def check_device(name) -> None:
     """``device``: auto, cpu, cuda, cuda:N or mps, as this machine has it (the CLI's check)."""
     try:
@@ -195,6 +226,10 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
             raise ConfigError(f"{name}: expected an int >= 0, got {getattr(cfg, name)!r}")
     if not _is_int(cfg.seed):
         raise ConfigError(f"seed: expected an int, got {cfg.seed!r}")
+    for name in FLOAT_SETTINGS:
+        error = float_setting_error(name, getattr(cfg, name))
+        if error:
+            raise ConfigError(f"{name}: {error}")
     unknown = sorted(set(cfg.model_overrides) - set(MODEL_OVERRIDES))
     if unknown:
         raise ConfigError(f"model_overrides: {', '.join(unknown)} is not a model setting (ModelConfig's fields: "

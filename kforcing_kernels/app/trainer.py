@@ -233,6 +233,18 @@ def _lock_out(out: Path, info: DistInfo) -> Optional[RunLock]:
     return lock
 
 
+class NonFiniteLoss(RuntimeError):
+    """A training step's loss was NaN or infinite: the run stopped before that step changed the model."""
+
+
+def _non_finite_message(loss: float, step: int, out: Path) -> str:
+    ckpt = latest_checkpoint(out)
+    kept = (f"its newest checkpoint, {ckpt.stem}, holds the last good state" if ckpt is not None
+            else "no checkpoint was written yet")
+    return (f"loss: step {step} gave a non-finite loss ({loss}); the run stopped before the optimizer step, so nothing "
+            f"from it was saved ({out}: {kept}). Lower --lr, keep --grad-clip small or train in --precision fp32")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run one stage; returns a summary (final loss, validation loss, timings).
 
@@ -347,18 +359,20 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
             grads = full_gradients(student)  # under FSDP a collective: every rank gathers
             if info.main:
                 save_tensors(Path(cfg.dump_grads), grads)
+        done = step + 1
+        stats = torch.cat([(loss_sum / cfg.grad_accum)[None], pos_sum / cfg.grad_accum]).float()
+        if info.world > 1:
+            dist.all_reduce(stats)  # every rank sees the same mean, so all of them stop together below
+            stats /= info.world
+        if not math.isfinite(float(stats[0])):  # before the optimizer step: the checkpoints keep the last good weights
+            raise NonFiniteLoss(_non_finite_message(float(stats[0]), done, out))
+        last_loss = float(stats[0])
         scaler.unscale_(optimizer)
         grad_norm = local_value(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        stats = torch.cat([(loss_sum / cfg.grad_accum)[None], pos_sum / cfg.grad_accum]).float()
-        if info.world > 1:
-            dist.all_reduce(stats)
-            stats /= info.world
-        last_loss = float(stats[0])
         tok_s = tokens_per_step / (time.perf_counter() - t0)
         if info.main:
             bar.set_postfix_str(f"loss {last_loss:.4f} {tok_s:,.0f} tok/s", refresh=False)

@@ -255,8 +255,10 @@ def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, bloc
 
 
 def _per_sample(name: str, value) -> torch.Tensor:
-    """An int (0-dim int64 tensor) or a per-sample ``[B]`` sequence of positive ints."""
-    if isinstance(value, (list, tuple, torch.Tensor)):
+    """An int (0-dim int64 tensor) or a per-sample ``[B]`` sequence of positive ints.
+
+    A scalar is a Python or numpy int or a 0-dim tensor; a sequence a list, tuple, tensor or numpy array."""
+    if getattr(value, "ndim", None) != 0 and hasattr(value, "__len__"):
         t = as_int_tensor(name, value, dims=(1,))
         if t.numel() == 0 or bool((t < 1).any()):
             raise ValueError(f"{name}: expected positive ints, one per sample, got {t.tolist()}")

@@ -18,11 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from .documents import as_int_tensor
+from .documents import as_int, as_int_tensor
+
+
+def _ints(name: str, value) -> torch.Tensor:
+    """int64 ``[n]``: one int (a Python or numpy int, a 0-dim tensor) as ``[1]``, or a sequence as it is."""
+    if getattr(value, "ndim", None) == 0 or not hasattr(value, "__len__"):  # a scalar, as the other constructors take it
+        return torch.tensor([as_int(name, value)], dtype=torch.int64)
+    return as_int_tensor(name, value, dims=(1,))
 
 
 def _per_sample(name: str, value, b: int) -> torch.Tensor:
-    t = as_int_tensor(name, [value] if isinstance(value, int) else value, dims=(1,))
+    t = _ints(name, value)
     if t.numel() == 1 and b > 1:
         t = t.expand(b).clone()
     if t.numel() != b:
@@ -37,7 +44,7 @@ def stream_order(prompt_lens, num_blocks, block_sizes) -> torch.Tensor:
     block sizes T_b >= 1. Stream order per sample: ``[prompt | clean_0 .. clean_{N-1} | pad]``
     (C = max(P_b + N_b T_b)) then ``[noisy_0 .. noisy_{N-1} | pad]`` (max(N_b T_b) slots).
     """
-    sizes = [as_int_tensor(n, [v] if isinstance(v, int) else v, dims=(1,)).numel()
+    sizes = [_ints(n, v).numel()
              for n, v in (("prompt_lens", prompt_lens), ("num_blocks", num_blocks), ("block_sizes", block_sizes))]
     b = max(sizes)
     p = _per_sample("prompt_lens", prompt_lens, b)
@@ -72,9 +79,17 @@ def to_streams(x: torch.Tensor, order: torch.Tensor, fill=0) -> torch.Tensor:
 
 
 def from_streams(y: torch.Tensor, order: torch.Tensor, length: int, fill=0) -> torch.Tensor:
-    """Stream order ``y [B, C + T_max, ...]`` -> interleaved ``[B, length, ...]`` (``fill`` where no token maps)."""
+    """Stream order ``y [B, C + T_max, ...]`` -> interleaved ``[B, length, ...]`` (``fill`` where no token maps).
+
+    ``length`` (an int, numpy int or 0-dim tensor) must hold every interleaved position ``order`` maps to
+    (at least ``order.max() + 1``; the collator's padded length is usual).
+    """
     if y.dim() < 2 or tuple(y.shape[:2]) != tuple(order.shape):
         raise ValueError(f"y: expected [B, C + T_max] = {tuple(order.shape)} leading dims, got {tuple(y.shape)}")
+    length = as_int("length", length)
+    need = int(order.max()) + 1 if order.numel() else 0
+    if length < need:
+        raise ValueError(f"length: expected at least {need} (the interleaved positions order maps to), got {length}")
     out = torch.full((y.shape[0], length, *y.shape[2:]), fill, dtype=y.dtype, device=y.device)
     for i in range(y.shape[0]):
         keep = order[i] >= 0
