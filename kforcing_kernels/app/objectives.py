@@ -62,12 +62,34 @@ class Objective(str, enum.Enum):
 # ---------------------------------------------------------------------- targets (paper Algorithms 2 and 3)
 
 
-def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+# The vocabulary order of the Stage-1 CDF. Any order gives exact teacher samples at uniform z (the
+# paper's construction fixes one per context); what differs is what the student must compute.
+# "vocab" (token-id order): the bin of a token starts at the teacher's mass on all smaller ids, a
+# context-dependent sum over the vocabulary that the student cannot resolve, so it learns the
+# posterior over the bins and its argmax is the teacher's mode (issue 39: noise ignored, text
+# collapsed). "probability" (descending teacher probability, ties by id): z in [0, p_1) is the
+# mode, the next p_2 of z the runner-up, ..., so the student only compares z with the teacher's
+# own top probabilities, which it already computes.
+CDF_ORDERS = ("probability", "vocab")
+STAGE1_CDF_ORDER = "vocab"
+
+
+def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor,
+                                 order: str = STAGE1_CDF_ORDER) -> torch.Tensor:
     """Stage-1 targets: inverse-CDF of ``softmax(logits / tau)`` at z (Algorithm 2, lines 5-6).
 
     teacher_logits ``[B, N, V]``, z ``[B, N]`` uniform, tau ``[B]`` -> token ids ``[B, N]``.
+    ``order``: the vocabulary order the CDF accumulates in (:data:`CDF_ORDERS`; see there why
+    Stage 1 uses "probability").
     """
-    return inverse_cdf_sample(teacher_logits, z, tau[:, None].expand(z.shape))
+    taus = tau[:, None].expand(z.shape)
+    if order == "vocab":
+        return inverse_cdf_sample(teacher_logits, z, taus)
+    if order != "probability":
+        raise ValueError(f"order: expected one of {CDF_ORDERS}, got {order!r}")
+    by_probability = torch.sort(teacher_logits, dim=-1, descending=True, stable=True).indices  # [B, N, V] ids, most probable first
+    rank = inverse_cdf_sample(teacher_logits.gather(-1, by_probability), z, taus)  # [B, N]
+    return by_probability.gather(-1, rank[..., None])[..., 0]
 
 
 @torch.no_grad()
