@@ -63,13 +63,13 @@ class Objective(str, enum.Enum):
 
 
 # The vocabulary order of the Stage-1 CDF. Any order gives exact teacher samples at uniform z (the
-# paper's construction fixes one per context); what differs is what the student must compute.
-# "vocab" (token-id order): the bin of a token starts at the teacher's mass on all smaller ids, a
-# context-dependent sum over the vocabulary that the student cannot resolve, so it learns the
-# posterior over the bins and its argmax is the teacher's mode (issue 39: noise ignored, text
-# collapsed). "probability" (descending teacher probability, ties by id): z in [0, p_1) is the
-# mode, the next p_2 of z the runner-up, ..., so the student only compares z with the teacher's
-# own top probabilities, which it already computes.
+# paper's construction fixes one per context); what differs is the z -> token map the student must
+# learn. "vocab": token-id order (the sampler's own). "probability": descending teacher probability,
+# ties by id (z in [0, p_1) is the mode). Measured on the default demo's teacher (BENCHMARKS.md,
+# "Stage 1: mode collapse, diagnosed"), the vocab order is the easier one: after the same 200 steps the
+# student's tokens change with redrawn noise at 0.63 (probability order: 0.41) against the teacher's
+# 0.82, probably because in id order part of the map is context-independent (BPE ids run from bytes to rarer
+# merges), while in probability order every rank -> token step depends on the context.
 CDF_ORDERS = ("probability", "vocab")
 STAGE1_CDF_ORDER = "vocab"
 
@@ -80,7 +80,7 @@ def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, 
 
     teacher_logits ``[B, N, V]``, z ``[B, N]`` uniform, tau ``[B]`` -> token ids ``[B, N]``.
     ``order``: the vocabulary order the CDF accumulates in (:data:`CDF_ORDERS`; see there why
-    Stage 1 uses "probability").
+    Stage 1 keeps the token-id order).
     """
     taus = tau[:, None].expand(z.shape)
     if order == "vocab":
