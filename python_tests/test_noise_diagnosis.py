@@ -91,3 +91,17 @@ def test_both_cdf_orders_sample_the_tempered_teacher_and_differ_per_noise():
                        inverse_cdf_sample(logits.expand(1, n, v), z, 0.8))
     with pytest.raises(ValueError, match="order: expected one of"):
         forward_distillation_targets(logits.expand(1, 1, v), z[:, :1], tau, order="sorted")
+
+
+def test_the_report_says_which_way_a_deviation_from_the_teacher_is_bad():
+    from kforcing_kernels.app.report import format_report
+
+    q = {"nll": 3.0, "ppl": 20.0, "distinct2": 0.9, "distinct4": 0.97, "tokens": 100}
+    summary = {"batch_sizes": [4], "prompt_len": 16, "new_tokens": 48, "temperature": 0.8, "threads": 2, "reps": 1,
+               "final_k": 1, "throughput": {"AR": {"4": 100.0}, "K-Forcing k=1": {"4": 90.0}},
+               "speedup": {"AR": {"4": 1.0}, "K-Forcing k=1": {"4": 0.9}},
+               "quality": {"AR": q, "K-Forcing k=1": {**q, "ppl": 8.0, "distinct4": 0.45}, "data (held-out text)": q},
+               "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}]}
+    text = format_report(summary)
+    assert "| K-Forcing k=1 | 1 |" in text and "0.40x" in text
+    assert "Far BELOW 1.00x is not better than the teacher" in text and "mode collapse" in text

@@ -55,9 +55,14 @@ def format_report(summary: dict) -> str:
                 f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated tokens "
                 f"given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. Judge-scored, "
                 "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
-                "repetitive text can score a low perplexity).")
+                "repetitive text can score a low perplexity). Which way is bad: a student that samples like its teacher "
+                "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
+                "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
+                "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
+                "real data, not a target (the judge is the teacher, so its own samples score lower).")
     caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; the "
-                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau).")
+                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau); a "
+                   "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its noise.")
     caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and how often "
                 "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
     parts = [format_table1(summary), caption1]
