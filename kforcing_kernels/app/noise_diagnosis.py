@@ -1,6 +1,6 @@
 """Does a Stage-1 PFLM(1) student sample like its AR teacher, or emit the teacher's mode?
 
-    python -m kforcing_kernels.app.noise_diagnosis RUN [--tau 0.8] [--student RUN/stage1]
+    python -m kforcing_kernels.app.noise_diagnosis RUN [--tau 0.8] [--student RUN/stage1] [--generate]
 
 A push-forward student maps uniform noise u to the token the teacher's inverse CDF gives at u,
 so with fresh noise its tokens should vary exactly as often as two independent teacher samples
@@ -19,6 +19,10 @@ do. This tool prints, on held-out windows of the run's text (teacher = ``RUN/sta
   1 - u, the other vocabulary order of the CDF, the teacher's mode): the highest agreement says
   which construction the student actually learned; and whether cached generation's first
   token equals the training-time SingleForward's argmax at the same u and tau.
+* the student as a language model: its softmax averaged over u, scored on real next tokens at
+  tau = 1, against the teacher's next-token NLL (has the noise slot relearned next-token prediction?).
+* ``--generate``: :func:`decode_bracket`, the judge perplexity of the student's k=1 samples decoded
+  by argmax and by its own posterior, against the teacher's samples.
 
 The metric definitions (:func:`noise_sensitivity`, :func:`collision_complement`,
 :func:`accuracy_by_width`) are what ``python_tests/test_noise_diagnosis.py`` holds on hand-made cases.
@@ -85,7 +89,7 @@ def accuracy_by_width(widths: torch.Tensor, correct: torch.Tensor, edges: Sequen
 
 @torch.no_grad()
 def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, batches: int = 4, batch_size: int = 16,
-             seq_len: int = 128, sweep_contexts: int = 16, sweep_points: int = 128, sweep_len: int = 32, seed: int = 0) -> dict:
+             seq_len: int = 128, sweep_contexts: int = 16, sweep_points: int = 128, sweep_len: int = 32, lm_draws: int = 8, seed: int = 0) -> dict:
     """All the numbers of the module docstring for one (AR teacher, PFLM(1) student) pair at temperature ``tau``.
 
     ``order``: the vocabulary order of the CDF the student was trained with (:data:`CDF_ORDERS`).
@@ -128,6 +132,21 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
            "teacher mean p_max": pmax / n, "teacher entropy": entropy / n, "student nll": nll / n, "agreement": {k: v / n for k, v in agree.items()},
            "accuracy_by_width": accuracy_by_width(torch.cat([w.reshape(-1) for w in widths]), torch.cat([c.reshape(-1) for c in correct]))}
 
+    # The student as a language model: its posterior averaged over u (a mixture over u draws) scored on the
+    # real next token at tau = 1, against the teacher's own next-token NLL. A student whose u-averaged
+    # prediction is much worse than the teacher's has not yet relearned next-token prediction in its noise
+    # slot (that slot sees the noise embedding, not the last context token).
+    lm_teacher, lm_student = 0.0, 0.0
+    for _ in range(batches):
+        x = sample_crops(val, batch_size, seq_len + 1, gen)
+        ctx, nxt = x[:, :-1], x[:, 1:]
+        ones = torch.ones(batch_size)
+        lm_teacher += float(torch.nn.functional.cross_entropy(teacher(ctx).float().flatten(0, 1), nxt.flatten()))
+        mix = torch.stack([torch.softmax(student(ctx, torch.rand(batch_size, seq_len, 1, generator=gen), ones)[..., 0, :].float(), -1)
+                           for _ in range(lm_draws)]).mean(0)  # [B, N, V]
+        lm_student += float(-mix.gather(-1, nxt[..., None]).clamp_min(1e-12).log().mean())
+    out["next_token_nll_tau1"] = {"teacher": lm_teacher / batches, f"student (posterior averaged over {lm_draws} u)": lm_student / batches}
+
     # The u sweep: the last position of short windows, every grid point of u as one more row of a batch.
     ctx = sample_crops(val, sweep_contexts, sweep_len, gen)
     grid = (torch.arange(sweep_points, dtype=torch.float32) + 0.5) / sweep_points
@@ -167,6 +186,39 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
     return out
 
 
+@torch.no_grad()
+def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, batch: int = 128, prompt_len: int = 16,
+                   new_tokens: int = 48, seed: int = 1) -> dict:
+    """Judge (= teacher) perplexity and distinct-4 of the student's own k=1 samples, decoded two ways, against the teacher's.
+
+    "argmax" is the PFLM decoding (the paper's). "posterior" picks the token at the inverse CDF of the
+    student's own softmax at the noise's low digits ``frac(4096 u)`` (about independent of what the student
+    resolves of u): for a calibrated student both are samples of the teacher; an argmax far below the
+    teacher's perplexity with a posterior far above it says the student is uncertain (its posterior is
+    broad) and argmax turns that uncertainty into the mode. Same prompts and noise for all three.
+    """
+    from .evaluate import judge_score
+    from .inference import generate_ar
+    from ..ops.sampling import inverse_cdf_sample
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = sample_crops(val, batch, prompt_len, gen)
+    noise = torch.rand(batch, new_tokens, generator=gen)
+    taus = torch.full((batch,), tau)
+    out = {"AR teacher": judge_score(teacher, prompts, generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise), eos_id)}
+    for rule in ("argmax", "posterior"):
+        seq = prompts
+        for s in range(new_tokens):
+            z = torch.zeros(batch, seq.shape[1], 1)
+            z[:, -1, 0] = noise[:, s]
+            logits = student(seq, z, taus)[:, -1, 0].float()
+            low = torch.frac(noise[:, s].double() * 4096).float()
+            tok = logits.argmax(-1) if rule == "argmax" else inverse_cdf_sample(logits, low, 1.0)
+            seq = torch.cat([seq, tok[:, None]], 1)
+        out[f"student, {rule}"] = judge_score(teacher, prompts, seq[:, prompt_len:], eos_id)
+    return out
+
+
 def format_diagnosis(d: dict) -> str:
     s = d["noise_sensitivity"]
     lines = [f"tau {d['tau']}, CDF order {d['order']}, {d['positions']} positions",
@@ -176,6 +228,8 @@ def format_diagnosis(d: dict) -> str:
              f"(a student that ignored u would match the entropy: it uses >= {d['teacher entropy'] - d['student nll']:.3f} nats of u)",
              "student argmax agreement with:"]
     lines += [f"  {k:34s} {v:.3f}" for k, v in d["agreement"].items()]
+    lm = list(d["next_token_nll_tau1"].items())
+    lines.append(f"next-token NLL of real text at tau=1: {lm[0][0]} {lm[0][1]:.3f}, {lm[1][0]} {lm[1][1]:.3f}")
     lines.append("accuracy by CDF interval width (target probability at tau):")
     lines += [f"  [{r['lo']:.2f}, {r['hi']:.2f}{']' if r['hi'] == 1.0 else ')'}  n={r['count']:6d}  "
               f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f')}" for r in d["accuracy_by_width"]]
@@ -186,6 +240,10 @@ def format_diagnosis(d: dict) -> str:
                  f"agreement {u['agreement']:.3f}")
     lines.append("noise encoder cosine(enc(u), enc(u + d)): " + ", ".join(f"d={k}: {v:.3f}" for k, v in d["encoder_cosine"].items()))
     lines.append(f"cached generation's first token == SingleForward argmax: {d['generation_matches_single_forward']}")
+    if "decode_bracket" in d:
+        ar = d["decode_bracket"]["AR teacher"]["ppl"]
+        lines.append("k=1 samples (128 x 48 tokens), judge PPL (x teacher's), distinct-4: " + "; ".join(
+            f"{name} {q['ppl']:.2f} ({q['ppl'] / ar:.2f}x), {q['distinct4']:.3f}" for name, q in d["decode_bracket"].items()))
     return "\n".join(lines)
 
 
@@ -200,6 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="the CDF vocabulary order the student was trained with (None: the one its model.json records)")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--generate", action="store_true", help="also judge 128 k=1 samples decoded by argmax and by the "
+                        "student's posterior (decode_bracket; minutes on a CPU)")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args(argv)
     run = Path(args.run)
@@ -211,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     corpus = corpus_for(str(run / "stage0"), tinfo["data"], teacher.config.vocab_size)
     d = diagnose(teacher.eval(), student.eval(), corpus.val, tau=args.tau, order=order, batches=args.batches,
                  seq_len=tinfo["train_config"]["seq_len"], seed=args.seed)
+    if args.generate:
+        d["decode_bracket"] = decode_bracket(teacher.eval(), student.eval(), corpus.val, corpus.eos_id, tau=args.tau)
     print(format_diagnosis(d))
     if args.json:
         Path(args.json).write_text(json.dumps(d, indent=1))
