@@ -139,6 +139,16 @@ def test_noise_inversion_baseline_recovers_the_real_tokens():
     assert bool(((z >= 0) & (z < 1)).all())
 
 
+def test_stage1_records_the_cdf_order_of_its_targets(chain):
+    # noise_diagnosis and any later evaluation rebuild the targets in the order the student learned.
+    from kforcing_kernels.app.objectives import STAGE1_CDF_ORDER
+
+    _, info, _ = load_model(str(chain / "stage1"))
+    assert info["cdf_order"] == STAGE1_CDF_ORDER == "vocab"
+    _, ar_info, _ = load_model(str(chain / "stage0"))
+    assert "cdf_order" not in ar_info
+
+
 def test_noise_inversion_stage_trains_any_k(tmp_path, corpus_dir, chain):
     train(micro(tmp_path / "ni", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), steps=2,
                 supervision="noise_inversion", k=3))

@@ -66,6 +66,8 @@ class EvalSettings:
 
 
 DEMO_EVAL = EvalSettings()
+# The quality row of the Stage-1 PFLM(1) student itself (the k rows decode the final PFLM).
+STAGE1_ROW = "Stage-1 PFLM(1), k=1"
 # `kforcing-train pipeline --evaluate quick`: every table once, in seconds (a smoke check of a run, not a measurement).
 QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=8, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2)
 
@@ -308,6 +310,11 @@ def evaluate_pipeline(
         for name, ts in times.items():
             throughput[name][b] = b * new_tokens / statistics.median(ts)
     prompts_dev = prompts_all.to(device)
+    # The "K-Forcing k=1" row decodes the FINAL PFLM one token per step; the Stage-1 student's own samples
+    # (what forward distillation produced, before self-forcing) get a row of their own, untimed.
+    stage1_name = STAGE1_ROW if final_k > 1 else None
+    if stage1_name:
+        outputs[stage1_name] = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=temperature, noise=noise_kf[1])
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
     reference = sample_crops(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
     quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
@@ -319,12 +326,18 @@ def evaluate_pipeline(
     # The temperature sweep: same prompts and noise, every method at every tau, one judge.
     log(f"[eval] quality over tau in {list(taus)}")
     sweep: dict[str, dict[str, dict]] = {}
+    stage1_sweep: dict[str, dict] = {}
     for tau in taus:
         outs: dict[str, torch.Tensor] = {}
         for fn in generators(prompts_dev, tau, max(batch_sizes), outs).values():
             fn()
+        if stage1_name:  # kept apart from the timed methods' rows (tau_sweep holds exactly those)
+            out1 = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=tau, noise=noise_kf[1])
+            stage1_sweep[str(tau)] = judge_score(judge_model, prompts_dev, out1, corpus.eos_id)
         sweep[str(tau)] = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outs.items()}
     summary["tau_sweep"] = sweep
+    if stage1_sweep:
+        summary["tau_sweep_stage1"] = {"name": stage1_name, "scores": stage1_sweep}
     summary["final_k"] = final_k
     return summary
 

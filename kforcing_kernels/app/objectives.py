@@ -62,12 +62,34 @@ class Objective(str, enum.Enum):
 # ---------------------------------------------------------------------- targets (paper Algorithms 2 and 3)
 
 
-def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+# The vocabulary order of the Stage-1 CDF. Any order gives exact teacher samples at uniform z (the
+# paper's construction fixes one per context); what differs is the z -> token map the student must
+# learn. "vocab": token-id order (the sampler's own). "probability": descending teacher probability,
+# ties by id (z in [0, p_1) is the mode). Measured on the default demo's teacher (BENCHMARKS.md,
+# "Stage 1: mode collapse, diagnosed"), the vocab order is the easier one: after the same 200 steps the
+# student's tokens change with redrawn noise at 0.63 (probability order: 0.41) against the teacher's
+# 0.82, probably because in id order part of the map is context-independent (BPE ids run from bytes to rarer
+# merges), while in probability order every rank -> token step depends on the context.
+CDF_ORDERS = ("probability", "vocab")
+STAGE1_CDF_ORDER = "vocab"
+
+
+def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor,
+                                 order: str = STAGE1_CDF_ORDER) -> torch.Tensor:
     """Stage-1 targets: inverse-CDF of ``softmax(logits / tau)`` at z (Algorithm 2, lines 5-6).
 
     teacher_logits ``[B, N, V]``, z ``[B, N]`` uniform, tau ``[B]`` -> token ids ``[B, N]``.
+    ``order``: the vocabulary order the CDF accumulates in (:data:`CDF_ORDERS`; see there why
+    Stage 1 keeps the token-id order).
     """
-    return inverse_cdf_sample(teacher_logits, z, tau[:, None].expand(z.shape))
+    taus = tau[:, None].expand(z.shape)
+    if order == "vocab":
+        return inverse_cdf_sample(teacher_logits, z, taus)
+    if order != "probability":
+        raise ValueError(f"order: expected one of {CDF_ORDERS}, got {order!r}")
+    by_probability = torch.sort(teacher_logits, dim=-1, descending=True, stable=True).indices  # [B, N, V] ids, most probable first
+    rank = inverse_cdf_sample(teacher_logits.gather(-1, by_probability), z, taus)  # [B, N]
+    return by_probability.gather(-1, rank[..., None])[..., 0]
 
 
 @torch.no_grad()

@@ -27,6 +27,9 @@ def format_table1(summary: dict) -> str:
         lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | {q['distinct4']:.3f} |")
     ref = summary["quality"]["data (held-out text)"]
     blank = " | ".join("-" for _ in bs)
+    for name, q in summary["quality"].items():  # untimed rows (the Stage-1 student's own samples)
+        if name not in summary["throughput"] and name != "data (held-out text)":
+            lines.append(f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | {q['distinct4']:.3f} |")
     lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
     return "\n".join(lines)
 
@@ -42,6 +45,11 @@ def format_tau_table(summary: dict) -> str:
             q, ar = summary["tau_sweep"][t][name], summary["tau_sweep"][t]["AR"]
             cells.append(f"{q['ppl']:.2f} ({_ratio(q, ar)}), {q['distinct4']:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    stage1 = summary.get("tau_sweep_stage1")
+    if stage1:
+        cells = [f"{stage1['scores'][t]['ppl']:.2f} ({_ratio(stage1['scores'][t], summary['tau_sweep'][t]['AR'])}), "
+                 f"{stage1['scores'][t]['distinct4']:.3f}" for t in taus]
+        lines.append(f"| {stage1['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -51,13 +59,19 @@ def format_report(summary: dict) -> str:
     judge = summary.get("judge", "the run's Stage-0 AR teacher")
     caption1 = (f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
                 f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, median of {summary.get('reps', '?')} timed runs "
-                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}). Quality of the {max(bs)} completions of the "
+                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row (untimed) is the Stage-1 "
+                f"student's own samples, one token per step. Quality of the {max(bs)} completions of the "
                 f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated tokens "
                 f"given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. Judge-scored, "
                 "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
-                "repetitive text can score a low perplexity).")
+                "repetitive text can score a low perplexity). Which way is bad: a student that samples like its teacher "
+                "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
+                "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
+                "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
+                "real data, not a target (the judge is the teacher, so its own samples score lower).")
     caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; the "
-                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau).")
+                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau); a "
+                   "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its noise.")
     caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and how often "
                 "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
     parts = [format_table1(summary), caption1]

@@ -55,6 +55,7 @@ from .parallel import (broadcast_value, data_parallel, ensure_process_group, ful
                        release_process_group)
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 from .objectives import (
+    STAGE1_CDF_ORDER,
     Objective,
     compute_loss,
     make_batch,
@@ -169,6 +170,8 @@ def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
     student.requires_grad_(True)
     info = {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
             **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
+    if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/noise_diagnosis.py reads it)
+        info["cdf_order"] = STAGE1_CDF_ORDER
     return student, teacher, k, info
 
 
