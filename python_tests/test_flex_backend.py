@@ -15,18 +15,17 @@ import torch
 from conftest import make_qkv
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels.ops.window_attention import dispatch, flex, op
+from kforcing_kernels.ops.window_attention import backend_limits, dispatch, flex, op
 from kforcing_kernels.ops.window_attention.backends import REGISTRY
 
 ZOO = zoo.small()
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 
 
-def test_backends_available_lists_flex():
-    status = backends_available()
-    assert "flex" in status
-    if not torch.cuda.is_available():  # present, but says what it lacks here
-        assert "forward only" in status["flex"] and "backward" in status["flex"]
+def test_backends_available_lists_flex_and_its_limit():
+    assert backends_available()["flex"] is None  # torch has FlexAttention: usable (forward anywhere)
+    assert "no backward on CPU" in backend_limits()["flex"]
+    assert "cpp" not in backend_limits()
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -9,8 +9,8 @@ provide ``supports(dtype, head_dim) -> bool`` (the default choice skips it other
 whose answer depends on the head dim lists the head dims it can take as ``HEAD_DIMS``, and
 ``supports`` is then asked about those only, else with ``head_dim=None``) and
 ``preferred() -> bool`` (present but slower than the next choice here, e.g. cpp's portable
-build) and ``limits() -> Optional[str]`` (present, but some of the op is missing here, e.g. flex's
-backward on a machine without CUDA: ``available()`` reports that note, ``get`` still loads it). A backend that is not built or cannot import is reported absent with its reason; it is
+build) and ``limits() -> Optional[str]`` (usable, but not for everything: flex has no backward on CPU
+tensors; :meth:`OpRegistry.limits` collects these notes, ``available()`` stays None for it). A backend that is not built or cannot import is reported absent with its reason; it is
 never faked, and ``reference`` is a backend like any other.
 """
 
@@ -79,14 +79,18 @@ class OpRegistry:
         return module, module.available()
 
     def available(self) -> dict[str, Optional[str]]:
-        """``{backend: None if fully usable here, else the reason it is absent or what it lacks here}``."""
-        status = {}
+        """``{backend: None if usable here, else the reason it is absent}``."""
+        return {name: self.load(name)[1] for name in self.names}
+
+    def limits(self) -> dict[str, str]:
+        """``{backend: what it cannot do}`` for the usable backends that declare a limit (``limits()``)."""
+        notes = {}
         for name in self.names:
             module, reason = self.load(name)
-            if reason is None and hasattr(module, "limits"):
-                reason = module.limits()
-            status[name] = reason
-        return status
+            note = module.limits() if reason is None and hasattr(module, "limits") else None
+            if note:
+                notes[name] = note
+        return notes
 
     def get(self, name: str) -> ModuleType:
         """The backend's module; ValueError for an unknown name, RuntimeError (with the reason) if absent."""

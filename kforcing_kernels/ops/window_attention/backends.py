@@ -59,9 +59,15 @@ BACKENDS = REGISTRY.names
 
 
 def backends_available() -> dict[str, Optional[str]]:
-    """``{backend: None if usable here, else the reason it is absent or what it lacks here}``
-    (``flex`` without CUDA: forward only)."""
+    """``{backend: None if usable here, else the reason it is absent}``; what a usable backend cannot do
+    (``flex``: no backward on CPU tensors) is in :func:`backend_limits`."""
     return REGISTRY.available()
+
+
+def backend_limits() -> dict[str, str]:
+    """``{backend: what it cannot do}`` for usable backends with a limit, e.g. ``flex``: no backward on CPU tensors
+    (FlexAttention has none there; its CPU forward runs, a backward through it raises naming the backend)."""
+    return REGISTRY.limits()
 
 
 def get_backend(name: str) -> ModuleType:

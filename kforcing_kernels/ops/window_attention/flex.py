@@ -10,7 +10,8 @@ forward compared with calling compiled ``flex_attention`` directly (the GPU chec
 
 On CPU tensors the forward is eager ``flex_attention`` (the same mask_mod math, dense scores:
 compiling it for CPU takes about a minute per shape) and the backward is refused, as
-FlexAttention has none on CPU; ``backends_available()["flex"]`` says so on a machine without CUDA.
+FlexAttention has none on CPU; ``backend_limits()["flex"]`` says so (``backends_available()["flex"]``
+is None wherever torch has FlexAttention: it is usable, forward only on CPU).
 
 ``KFORCING_FLEX_BACKEND`` passes ``kernel_options={"BACKEND": value}`` (``FLASH``: the
 FlashAttention-4 route, which needs the ``flash-attn-4`` package; ``TRITON``, ``AUTO``) where this
@@ -46,11 +47,9 @@ def available() -> Optional[str]:
 
 
 def limits() -> Optional[str]:
-    """What this backend cannot do here although it is present (the registry reports it as its status)."""
-    if not torch.cuda.is_available():
-        return ("forward only: no CUDA device, and FlexAttention has no CPU backward "
-                "(backend='flex' runs a CPU forward; a CPU backward is refused)")
-    return None
+    """What this backend cannot do although it is usable (``backend_limits()``)."""
+    return ("no backward on CPU tensors: FlexAttention implements it on CUDA only (CPU: eager forward; "
+            "a backward through it raises naming backend 'flex')")
 
 
 def supports(dtype: torch.dtype, head_dim: Optional[int]) -> bool:
