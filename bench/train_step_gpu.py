@@ -69,7 +69,8 @@ def rows(args, time_ms) -> list[dict]:
     amp_dtype = getattr(torch, getattr(args, "train_dtype", "bfloat16"))
     rows = []
     for k in args.k:
-        ns = argparse.Namespace(preset=args.train_preset, seq_len=args.n[0], overrides={}, device=device)
+        ns = argparse.Namespace(preset=args.train_preset, seq_len=args.n[0],
+                                overrides=getattr(args, "train_overrides", {}), device=device)
         gen = torch.Generator().manual_seed(k)
         teacher, _, _ = build_models(ns, None, None)
         cfg = teacher.config

@@ -15,7 +15,9 @@ backward 3.5x that (FlashAttention-2's convention). Methods, bf16, same q/k/v:
   runs with the tile set or the kernel variant forced: ``triton[wide]``, ``triton[legacy]``; ``--variants FILE``
   adds one run per line of FILE, ``NAME VAR=VALUE ...``, e.g. ``triton[noprefetch]`` from
   ``noprefetch KFORCING_TRITON_PREFETCH=0``: bench/gpu_variants.txt);
-* ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128);
+* ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128), called as the
+  flex backend calls it (``flex.attention``: its LSE returned too, so both share one compiled graph per shape)
+  and differentiated by FlexAttention's own autograd;
 * ``flex_backend``: ``window_attention(backend="flex")``, the same FlexAttention as users get it (its
   backward recomputes the forward): what the CUDA dispatch table weighs against ``triton``;
 * ``sdpa_flash_causal``: torch SDPA, flash kernel forced, causal over L' tokens with
@@ -88,8 +90,18 @@ def once_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def once_ms_synced(fn) -> float:
+    """--warm's timer: one call, wall clock after a CUDA sync (the compile and autotune cost of a first call)."""
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _timer(args):
-    return once_ms if getattr(args, "dry_run", False) else time_ms  # looked up per call: tests replace time_ms
+    if getattr(args, "dry_run", False):
+        return once_ms
+    return once_ms_synced if getattr(args, "warm", False) else time_ms  # looked up per call: tests replace time_ms
 
 
 def read_variants(path: str) -> list[tuple[str, dict]]:
@@ -111,10 +123,18 @@ def read_variants(path: str) -> list[tuple[str, dict]]:
     return variants
 
 
-def _tile_set_dims(name: str) -> tuple:
-    from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
+def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) -> bool:
+    """Whether a variant that only forces a tile set runs what the dispatcher picks unforced at this shape (the
+    set is the default here, or has no tiles for this head dim or GPU and falls back to it)."""
+    from kforcing_kernels.ops.window_attention.triton.configs import tile_set_for
 
-    return tuple(TILE_SETS.get(name, {}))
+    if set(assignments) != {"KFORCING_TRITON_TILES"}:
+        return False
+    with _triton_env():
+        default = tile_set_for(head_dim, rows, device)
+    with _triton_env(extra=assignments):
+        forced = tile_set_for(head_dim, rows, device)
+    return forced == default
 
 
 def variant_problem(assignments: dict) -> str | None:
@@ -203,20 +223,20 @@ def _methods(layout, q, kk, v, args, extras):
 
         out[name] = (tri, (q, kk, v), pairs)
     for vname, assignments in (getattr(args, "variant_list", ()) if "triton" in args.methods else ()):
-        tiles = assignments.get("KFORCING_TRITON_TILES")
-        if tiles is not None and q.shape[-1] not in _tile_set_dims(tiles):
-            continue  # the set has no tiles for this head dim: the run would repeat the default's
+        if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
+            continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
         def tri_variant(assignments=assignments):
             with _triton_env(extra=assignments):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[f"triton[{vname}]"] = (tri_variant, (q, kk, v), pairs)
-    if "flex" in args.methods and extras.get("flex") is not None:
-        block_mask = layout.to_block_mask(128, device=q.device)
+    if "flex" in args.methods:
+        from kforcing_kernels.ops.window_attention import flex as flex_backend
+
         # CPU (a dry run): forward only, on inputs that need no grad, as FlexAttention requires there
         flex_in = (q, kk, v) if q.device.type == "cuda" else tuple(t.detach() for t in (q, kk, v))
-        out["flex"] = (lambda: extras["flex"](*flex_in, block_mask=block_mask), (q, kk, v), pairs)
+        out["flex"] = (lambda: flex_backend.attention(*flex_in, layout)[0], (q, kk, v), pairs)
     if "flex_backend" in args.methods:
         out["flex_backend"] = (lambda: window_attention(q, kk, v, layout, backend="flex"), (q, kk, v), pairs)
     lc = equivalent_causal_length(pairs)
@@ -239,7 +259,9 @@ def _methods(layout, q, kk, v, args, extras):
     if "dense_sdpa" in args.methods and layout.n_queries * layout.n_keys <= args.dense_max_elems:
         mask = layout.dense_mask().to(q.device)
         out["dense_sdpa"] = (lambda: F.scaled_dot_product_attention(q, kk, v, attn_mask=mask), (q, kk, v), pairs)
-    return out, lc
+    # By value: the default and FlexAttention first (a run cut short still compares them), then the alternatives.
+    first = [name for name in ("triton", "flex", "flex_backend") if name in out]
+    return {**{name: out[name] for name in first}, **out}, lc
 
 
 def bench_one(layout_name, n, k, d, args, extras) -> dict:
@@ -254,6 +276,7 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
     rows, errors = {}, {}
     for name, (fwd, inputs, pairs) in methods.items():
         flops = 4.0 * pairs * d * b * h
+        started = time.perf_counter()
         try:
             if dev.type == "cpu" and name in NO_CPU_BACKWARD:  # forward only: FlexAttention has no CPU backward
                 with torch.no_grad():
@@ -275,12 +298,15 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
             continue
         rows[name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / fwd_ms / 1e9,
                       "fwd_bwd_tflops": FWD_BWD_FACTOR * flops / fb_ms / 1e9}
+        if getattr(args, "warm", False):  # first calls: compile + autotune; no timings worth keeping
+            rows[name] = {"first_calls_s": time.perf_counter() - started}
+            print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s", flush=True)
     ratios = {}
     if "triton" in rows:
         for other in rows:
             if other != "triton":
                 for phase in ("fwd", "fwd_bwd"):
-                    if rows[other][f"{phase}_tflops"] and rows["triton"][f"{phase}_tflops"]:
+                    if rows[other].get(f"{phase}_tflops") and rows["triton"].get(f"{phase}_tflops"):
                         ratios[f"{phase}_vs_{other}"] = rows["triton"][f"{phase}_tflops"] / rows[other][f"{phase}_tflops"]
     return {"layout": layout_name, "n": n, "k": k, "dim": d, "batch": b, "heads": h, "pairs": int(layout.num_pairs()),
             "causal_equivalent_len": lc, "results": rows, "errors": errors, "ratios": ratios}
@@ -289,11 +315,15 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
 def format_row(r: dict) -> str:
     cells = [f"{r['layout']:<7}{r['n']:>6}{r['k']:>3}{r['dim']:>5} |"]
     for name, res in r["results"].items():
+        if "first_calls_s" in res:  # --warm
+            cells.append(f" {name} {res['first_calls_s']:.1f}s")
+            continue
         fb = "-" if res["fwd_bwd_tflops"] is None else f"{res['fwd_bwd_tflops']:.0f}"
         cells.append(f" {name} {res['fwd_tflops']:.0f}/{fb}")
-    for name in ("sdpa_flash_causal", "flex"):
+    for name in ("sdpa_flash_causal", "flex", "flex_backend"):
         if f"fwd_vs_{name}" in r["ratios"]:
-            cells.append(f" | x{name} {r['ratios'][f'fwd_vs_{name}']:.2f}/{r['ratios'][f'fwd_bwd_vs_{name}']:.2f}")
+            fb = r["ratios"].get(f"fwd_bwd_vs_{name}")  # absent where one side has no backward (CPU flex)
+            cells.append(f" | x{name} {r['ratios'][f'fwd_vs_{name}']:.2f}/{'-' if fb is None else f'{fb:.2f}'}")
     for name, err in r["errors"].items():
         cells.append(f" | {name} FAILED {err}")
     return "".join(cells)
@@ -309,7 +339,7 @@ def train_step(args) -> list[dict]:
     """The training-step rows (``train_step_gpu.rows``), timed with this module's ``time_ms``."""
     from .train_step_gpu import rows
 
-    return rows(args, time_ms)
+    return rows(args, _timer(args))
 
 
 # ---------------------------------------------------------------------- sampler
@@ -364,6 +394,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=None, metavar="FILE",
                    help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... (bench/gpu_variants.txt); "
                         "a variant this checkout cannot run (unknown variable or tile set) is skipped with the reason")
+    p.add_argument("--warm", action="store_true",
+                   help="call every method once (forward, forward + backward) to compile and autotune; time nothing "
+                        "(bench/gpu_check.sh's first step: later steps reuse the disk caches)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, fp32, each method called once (bench/gpu_check.sh --dry-run; no numbers)")
     p.add_argument("--slot-window-max", type=int, default=None,
@@ -462,24 +495,11 @@ def main(argv=None) -> int:
             return 1
         return 0
     extras = {}
-    if "flex" in args.methods:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # One static graph per shape: past dynamo's recompile limit (8) flex_attention would silently run
-        # eagerly (dense scores, OOM at N=4096), so the limit goes up and hitting it raises.
-        import torch._dynamo.config as dynamo_config
-
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
-        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
-            dynamo_config.fail_on_recompile_limit_hit = True
-        # The dry run compiles with dynamo's eager backend: inductor would take a minute per CPU shape.
-        extras["flex"] = torch.compile(flex_attention, dynamic=False, backend="eager" if args.dry_run else "inductor")
-    if "flex_backend" in args.methods and args.dry_run:
+    if args.dry_run and {"flex", "flex_backend"} & set(args.methods):
         from kforcing_kernels.ops.window_attention import flex as flex_backend
 
-        flex_backend.CPU_COMPILE_BACKEND = "eager"  # walk the backend's compiled (CUDA) path on CPU
+        # Walk the compiled (CUDA) path on CPU with dynamo's eager backend: inductor takes a minute per CPU shape.
+        flex_backend.CPU_COMPILE_BACKEND = "eager"
     try:
         from flash_attn import flash_attn_func
 
@@ -516,13 +536,16 @@ def capability(device: str) -> str:
 
 
 def dry_run_shapes(args) -> None:
-    """--dry-run: CPU, one tiny shape per layout and head dim (the smallest k), batch 1, 2 heads; the training
+    """--dry-run: CPU, one tiny shape per layout (the smallest k and head dim: on CPU the interpreter takes the
+    base tile set at every head dim, so a second one reruns the same Python), batch 1, 2 heads; the training
     step on the micro preset in fp16 autocast (the Triton interpreter runs fp16 and fp32, not bf16)."""
     args.device = "cpu"
-    args.n = [min(DRY_RUN_N, n) for n in args.n[:1]]
-    args.k = [min(args.k)]
+    args.n = [min(DRY_RUN_N // 2 if args.train_step else DRY_RUN_N, n) for n in args.n[:1]]
+    args.k = [min(args.k + ([2] if args.train_step else []))]  # the step's students run k = 4 at most
+    args.dim = [min(args.dim)]
     args.batch, args.heads = (2, args.heads) if args.train_step else (1, 2)
     args.train_preset = "micro" if args.train_step else args.train_preset
+    args.train_overrides = {"n_embd": 64, "n_head": 2}  # head dim 32: the smallest the triton backend takes
     args.train_dtype = "float16"
     args.dense_max_elems = max(args.dense_max_elems, 1)
 

@@ -116,10 +116,11 @@ def main(argv=None) -> int:
         from .triton_gpu import DRY_RUN_N
 
         args.n, args.k, args.batch, args.heads = [min(DRY_RUN_N, args.n[0])], [min(args.k)], 1, 2
+        args.dim = [min(args.dim)]  # the interpreter's tile set is base at every head dim: one is the same Python
     elif not torch.cuda.is_available():
         print("bench/triton_profile.py: skipped, no CUDA device here; nothing was measured.")
         return 0
-    from .triton_gpu import _tile_set_dims, read_variants, variant_problem
+    from .triton_gpu import _repeats_the_default, read_variants, variant_problem
 
     runs = [(m, m, None) for m in args.methods]
     for name, assignments in (read_variants(args.variants) if args.variants and "triton" in args.methods else ()):
@@ -135,9 +136,10 @@ def main(argv=None) -> int:
             for k in args.k:
                 for d in args.dim:
                     for label, method, assignments in runs:
-                        tiles = (assignments or {}).get("KFORCING_TRITON_TILES")
-                        if tiles is not None and d not in _tile_set_dims(tiles):
-                            continue  # no tiles of that set at this head dim: the default's run again
+                        layout = attention.LAYOUTS[layout_name](n, k)
+                        device = torch.device("cpu" if args.dry_run else "cuda")
+                        if assignments and _repeats_the_default(assignments, d, layout.n_queries, device):
+                            continue  # the dispatcher's own tile set here: the default's run profiles it
                         try:
                             r = profile_one(layout_name, n, k, d, args.batch, args.heads, args.reps, method,
                                             assignments, args.dry_run)

@@ -101,6 +101,14 @@ def _dynamo_limits():
     return cfg.patch(patch)
 
 
+def attention(q, k, v, layout: WindowLayout, scale: Optional[float] = None):
+    """FlexAttention over ``layout`` as this backend calls it, differentiable by FlexAttention's own autograd
+    (CUDA): ``(out [B, H, Lq, D], lse [B, H, Lq])``. The GPU bench times it as "compiled FlexAttention"; it
+    shares the backend's compiled graph, so both cost one compile per shape."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _call(q, k, v, layout, scale, with_lse=True)
+
+
 def _call(q, k, v, layout: WindowLayout, scale: float, with_lse: bool):
     """flex_attention(q, k, v) over the layout: compiled on CUDA, eager on CPU; (out, natural-log lse or None)."""
     from torch.nn.attention import flex_attention as flex_module
@@ -148,6 +156,6 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
             "only); use backend='triton' on CUDA or 'cpp' / 'composite' / 'reference' on CPU for gradients")
     with torch.enable_grad():
         leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
-        again, _ = _call(*leaves, layout, scale, with_lse=False)
+        again, _ = _call(*leaves, layout, scale, with_lse=True)  # the forward's own graph: no second compile
         grads = torch.autograd.grad(again, leaves, dout)
     return tuple(g.contiguous() for g in grads)
