@@ -114,7 +114,7 @@ def read_variants(path: str) -> list[tuple[str, dict]]:
                 continue
             name, assignments = words[0], words[1:]
             bad = [a for a in assignments if "=" not in a or not a.startswith("KFORCING_")]
-            if bad:
+            if bad or not assignments:  # no setting: the default's run again
                 raise ValueError(f"{path}:{number}: expected NAME KFORCING_VAR=VALUE ..., got {bad}")
             variants.append((name, dict(a.split("=", 1) for a in assignments)))
     names = [name for name, _ in variants]
@@ -137,9 +137,17 @@ def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) ->
     return forced == default
 
 
+def variant_backend(assignments: dict) -> str:
+    """The backend a variant runs: ``flex`` when it sets a KFORCING_FLEX_* switch, else ``triton``."""
+    return "flex" if any(var.startswith("KFORCING_FLEX_") for var in assignments) else "triton"
+
+
 def variant_problem(assignments: dict) -> str | None:
-    """Why this checkout cannot run a variant (a variable its env.py does not read, a tile set configs.py lacks),
-    else None: the variant list may name switches another branch adds."""
+    """Why this checkout cannot run a variant (a variable its env.py does not read, a tile set configs.py lacks,
+    a FlexAttention kernel this torch or machine lacks), else None: the variant list may name switches another
+    branch adds, and FlexAttention's FLASH route needs the flash-attn-4 package."""
+    import importlib.util
+
     from kforcing_kernels import env
     from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
@@ -148,6 +156,19 @@ def variant_problem(assignments: dict) -> str | None:
             return f"{var} is not read by this checkout (not in kforcing_kernels/env.py)"
         if var == "KFORCING_TRITON_TILES" and value not in TILE_SETS:
             return f"KFORCING_TRITON_TILES={value}: no such tile set in configs.TILE_SETS ({sorted(TILE_SETS)})"
+        if var == "KFORCING_FLEX_BACKEND":
+            from kforcing_kernels.ops.window_attention import flex
+
+            with _triton_env(extra={var: value}):
+                try:
+                    flex.kernel_options()
+                except ValueError as exc:
+                    return str(exc)
+            if value == "FLASH" and (importlib.util.find_spec("flash_attn") is None
+                                     or importlib.util.find_spec("flash_attn.cute") is None):
+                return "KFORCING_FLEX_BACKEND=FLASH needs the flash-attn-4 package (flash_attn.cute), not installed here"
+            if not torch.cuda.is_available():
+                return f"KFORCING_FLEX_BACKEND={value}: FlexAttention's kernel choice applies to compiled CUDA runs only"
     return None
 
 
@@ -222,15 +243,18 @@ def _methods(layout, q, kk, v, args, extras):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[name] = (tri, (q, kk, v), pairs)
-    for vname, assignments in (getattr(args, "variant_list", ()) if "triton" in args.methods else ()):
+    for vname, assignments in getattr(args, "variant_list", ()):
+        backend = variant_backend(assignments)
+        if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
+            continue
         if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
             continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
-        def tri_variant(assignments=assignments):
+        def run_variant(assignments=assignments, backend=backend):
             with _triton_env(extra=assignments):
-                return window_attention(q, kk, v, layout, backend="triton")
+                return window_attention(q, kk, v, layout, backend=backend)
 
-        out[f"triton[{vname}]"] = (tri_variant, (q, kk, v), pairs)
+        out[f"{backend}[{vname}]"] = (run_variant, (q, kk, v), pairs)
     if "flex" in args.methods:
         from kforcing_kernels.ops.window_attention import flex as flex_backend
 

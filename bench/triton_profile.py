@@ -120,16 +120,17 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench/triton_profile.py: skipped, no CUDA device here; nothing was measured.")
         return 0
-    from .triton_gpu import _repeats_the_default, read_variants, variant_problem
+    from .triton_gpu import _repeats_the_default, read_variants, variant_backend, variant_problem
 
     runs = [(m, m, None) for m in args.methods]
-    for name, assignments in (read_variants(args.variants) if args.variants and "triton" in args.methods else ()):
+    for name, assignments in (read_variants(args.variants) if args.variants else ()):
         problem = variant_problem(assignments)
         if problem:
             print(f"variant {name}: SKIPPED, {problem}")
         else:
-            runs.insert(len([r for r in runs if r[0] == "triton" or r[0].startswith("triton[")]),
-                        (f"triton[{name}]", "triton", assignments))
+            method = "flex_backend" if variant_backend(assignments) == "flex" else "triton"
+            if method in args.methods:
+                runs.append((f"{'flex' if method == 'flex_backend' else 'triton'}[{name}]", method, assignments))
     rows, failures = [], 0
     for layout_name in args.layout:
         for n in args.n:
