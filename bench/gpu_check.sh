@@ -391,7 +391,7 @@ dry_rewrite() {
         case "${3:-}" in
             bench.triton_gpu|bench.triton_profile) kind=bench ;;
             pytest) kind=pytest; extra=(--collect-only) ;;
-            bench.batch_invariance) kind=invariance; extra=(--device cpu --backend triton --layouts single --heads 1) ;;
+            bench.batch_invariance) kind=invariance; extra=(--device cpu --backend triton --layouts single --heads 1 --teacher-n 8) ;;
             bench) kind=infer; extra=() ;;
             *) kind=other; extra=() ;;
         esac
