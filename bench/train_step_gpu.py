@@ -65,9 +65,12 @@ def rows(args, time_ms) -> list[dict]:
     from kforcing_kernels.app.objectives import Batch
 
     device = torch.device(args.device)
+    # bf16; a dry run (bench/triton_gpu.py --dry-run) sets fp16: the Triton interpreter's bf16 dot is wrong
+    amp_dtype = getattr(torch, getattr(args, "train_dtype", "bfloat16"))
     rows = []
     for k in args.k:
-        ns = argparse.Namespace(preset=args.train_preset, seq_len=args.n[0], overrides={}, device=device)
+        ns = argparse.Namespace(preset=args.train_preset, seq_len=args.n[0],
+                                overrides=getattr(args, "train_overrides", {}), device=device)
         gen = torch.Generator().manual_seed(k)
         teacher, _, _ = build_models(ns, None, None)
         cfg = teacher.config
@@ -83,7 +86,7 @@ def rows(args, time_ms) -> list[dict]:
             step = make_step(teacher, student, optimizer, batch, k)
 
             def amp_step(step=step, label=label):
-                with torch.autocast(device.type, dtype=torch.bfloat16), _dense_sdpa_model(label == "dense"), \
+                with torch.autocast(device.type, dtype=amp_dtype), _dense_sdpa_model(label == "dense"), \
                         (_zero_cost_attention() if label == "zero" else contextlib.nullcontext()):
                     step()
 

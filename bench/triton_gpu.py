@@ -12,14 +12,25 @@ attended pairs |M| (``layout.num_pairs()``): forward 4 |M| D per (batch, head), 
 backward 3.5x that (FlashAttention-2's convention). Methods, bf16, same q/k/v:
 
 * ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` / ``--triton-kernels`` add
-  runs with the tile set or the kernel variant forced: ``triton[wide]``, ``triton[legacy]``);
-* ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128);
+  runs with the tile set or the kernel variant forced: ``triton[wide]``, ``triton[legacy]``; ``--variants FILE``
+  adds one run per line of FILE, ``NAME VAR=VALUE ...``, e.g. ``triton[noprefetch]`` from
+  ``noprefetch KFORCING_TRITON_PREFETCH=0``: bench/gpu_variants.txt);
+* ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128), called as the
+  flex backend calls it (``flex.attention``: its LSE returned too, so both share one compiled graph per shape)
+  and differentiated by FlexAttention's own autograd;
+* ``flex_backend``: ``window_attention(backend="flex")``, the same FlexAttention as users get it (its
+  backward recomputes the forward): what the CUDA dispatch table weighs against ``triton``;
 * ``sdpa_flash_causal``: torch SDPA, flash kernel forced, causal over L' tokens with
   L'(L'+1)/2 ~ |M|: the same useful work at autoregressive-attention efficiency (the FA2 anchor);
 * ``fa2_causal``: flash-attn's own kernel on the same L' (when flash-attn is installed);
 * ``composite``: ``window_attention(backend="composite")``, its pieces in fused SDPA / flash-attn kernels;
 * ``dense_sdpa``: SDPA with the layout's dense boolean mask (what a dense-mask implementation does;
   skipped when the mask would exceed ``--dense-max-elems``).
+
+``--dry-run`` (bench/gpu_check.sh --dry-run): the same code on CPU at a tiny shape per layout and
+head dim, fp32 (the Triton interpreter's bf16 dot is wrong; TRITON_INTERPRET=1 is the caller's),
+every method called once and timed by the wall clock (meaningless numbers); exit status 1 if any
+method failed, except FlexAttention's backward, which CPU tensors do not have.
 
 Targets (issues #24/#25, H100, bf16): triton fwd+bwd >= 1.0x flex at every (N, k, D) and >= 1.3x at
 N=1024; >= 1.0x sdpa_flash_causal at N=8192, D=128; D=64 N=1024 fwd+bwd >= 100 TFLOP/s; the
@@ -48,7 +59,9 @@ from kforcing_kernels import WindowLayout, window_attention
 
 LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5
-METHODS = ("triton", "flex", "sdpa_flash_causal", "fa2_causal", "composite", "dense_sdpa")
+METHODS = ("triton", "flex", "flex_backend", "sdpa_flash_causal", "fa2_causal", "composite", "dense_sdpa")
+DRY_RUN_N = 16  # --dry-run's context length: every code path at interpreter speed
+NO_CPU_BACKWARD = ("flex", "flex_backend")  # FlexAttention has no CPU backward: --dry-run times their forward only
 
 
 def useful_flops(layout: WindowLayout, batch: int, heads: int, dim: int) -> tuple[float, float]:
@@ -70,6 +83,95 @@ def shapes(args):
                     yield layout_name, n, k, d
 
 
+def once_ms(fn) -> float:
+    """--dry-run's timer: one call, wall clock (CPU; the number only says the path ran)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def once_ms_synced(fn) -> float:
+    """--warm's timer: one call, wall clock after a CUDA sync (the compile and autotune cost of a first call)."""
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _timer(args):
+    if getattr(args, "dry_run", False):
+        return once_ms
+    return once_ms_synced if getattr(args, "warm", False) else time_ms  # looked up per call: tests replace time_ms
+
+
+def read_variants(path: str) -> list[tuple[str, dict]]:
+    """``[(name, {VAR: value})]`` from a variants file: one ``NAME VAR=VALUE ...`` per line, ``#`` comments."""
+    variants = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            name, assignments = words[0], words[1:]
+            bad = [a for a in assignments if "=" not in a or not a.startswith("KFORCING_")]
+            if bad or not assignments:  # no setting: the default's run again
+                raise ValueError(f"{path}:{number}: expected NAME KFORCING_VAR=VALUE ..., got {bad}")
+            variants.append((name, dict(a.split("=", 1) for a in assignments)))
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: a variant name appears twice: {names}")
+    return variants
+
+
+def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) -> bool:
+    """Whether a variant that only forces a tile set runs what the dispatcher picks unforced at this shape (the
+    set is the default here, or has no tiles for this head dim or GPU and falls back to it)."""
+    from kforcing_kernels.ops.window_attention.triton.configs import tile_set_for
+
+    if set(assignments) != {"KFORCING_TRITON_TILES"}:
+        return False
+    with _triton_env():
+        default = tile_set_for(head_dim, rows, device)
+    with _triton_env(extra=assignments):
+        forced = tile_set_for(head_dim, rows, device)
+    return forced == default
+
+
+def variant_backend(assignments: dict) -> str:
+    """The backend a variant runs: ``flex`` when it sets a KFORCING_FLEX_* switch, else ``triton``."""
+    return "flex" if any(var.startswith("KFORCING_FLEX_") for var in assignments) else "triton"
+
+
+def variant_problem(assignments: dict) -> str | None:
+    """Why this checkout cannot run a variant (a variable its env.py does not read, a tile set configs.py lacks,
+    a FlexAttention kernel this torch or machine lacks), else None: the variant list may name switches another
+    branch adds, and FlexAttention's FLASH route needs the flash-attn-4 package."""
+    import importlib.util
+
+    from kforcing_kernels import env
+    from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
+
+    for var, value in assignments.items():
+        if var not in (env.__doc__ or ""):
+            return f"{var} is not read by this checkout (not in kforcing_kernels/env.py)"
+        if var == "KFORCING_TRITON_TILES" and value not in TILE_SETS:
+            return f"KFORCING_TRITON_TILES={value}: no such tile set in configs.TILE_SETS ({sorted(TILE_SETS)})"
+        if var == "KFORCING_FLEX_BACKEND":
+            from kforcing_kernels.ops.window_attention import flex
+
+            with _triton_env(extra={var: value}):
+                try:
+                    flex.kernel_options()
+                except ValueError as exc:
+                    return str(exc)
+            if value == "FLASH" and (importlib.util.find_spec("flash_attn") is None
+                                     or importlib.util.find_spec("flash_attn.cute") is None):
+                return "KFORCING_FLEX_BACKEND=FLASH needs the flash-attn-4 package (flash_attn.cute), not installed here"
+            if not torch.cuda.is_available():
+                return f"KFORCING_FLEX_BACKEND={value}: FlexAttention's kernel choice applies to compiled CUDA runs only"
+    return None
+
+
 def time_ms(fn) -> float:
     """Median ms of ``fn`` by triton.testing.do_bench (one untimed call first: compile / autotune)."""
     from triton.testing import do_bench
@@ -80,10 +182,11 @@ def time_ms(fn) -> float:
 
 
 @contextlib.contextmanager
-def _triton_env(tiles: str = "auto", kernels: str = "fused"):
-    """KFORCING_TRITON_TILES / _KERNELS for the duration ("auto" / "fused": the dispatcher's own)."""
+def _triton_env(tiles: str = "auto", kernels: str = "fused", extra: dict | None = None):
+    """KFORCING_TRITON_TILES / _KERNELS (and ``extra`` variables) for the duration ("auto" / "fused": the
+    dispatcher's own)."""
     want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles,
-            "KFORCING_TRITON_KERNELS": None if kernels == "fused" else kernels}
+            "KFORCING_TRITON_KERNELS": None if kernels == "fused" else kernels, **(extra or {})}
     old = {name: os.environ.pop(name, None) for name in want}
     os.environ.update({name: value for name, value in want.items() if value})
     try:
@@ -140,9 +243,26 @@ def _methods(layout, q, kk, v, args, extras):
                 return window_attention(q, kk, v, layout, backend="triton")
 
         out[name] = (tri, (q, kk, v), pairs)
-    if "flex" in args.methods and extras.get("flex") is not None:
-        block_mask = layout.to_block_mask(128, device=q.device)
-        out["flex"] = (lambda: extras["flex"](q, kk, v, block_mask=block_mask), (q, kk, v), pairs)
+    for vname, assignments in getattr(args, "variant_list", ()):
+        backend = variant_backend(assignments)
+        if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
+            continue
+        if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
+            continue  # the dispatcher picks that tile set here anyway: the default's run measures it
+
+        def run_variant(assignments=assignments, backend=backend):
+            with _triton_env(extra=assignments):
+                return window_attention(q, kk, v, layout, backend=backend)
+
+        out[f"{backend}[{vname}]"] = (run_variant, (q, kk, v), pairs)
+    if "flex" in args.methods:
+        from kforcing_kernels.ops.window_attention import flex as flex_backend
+
+        # CPU (a dry run): forward only, on inputs that need no grad, as FlexAttention requires there
+        flex_in = (q, kk, v) if q.device.type == "cuda" else tuple(t.detach() for t in (q, kk, v))
+        out["flex"] = (lambda: flex_backend.attention(*flex_in, layout)[0], (q, kk, v), pairs)
+    if "flex_backend" in args.methods:
+        out["flex_backend"] = (lambda: window_attention(q, kk, v, layout, backend="flex"), (q, kk, v), pairs)
     lc = equivalent_causal_length(pairs)
     qc, kc, vc = (torch.randn(q.shape[0], q.shape[1], lc, q.shape[3], device=q.device, dtype=q.dtype)
                   .requires_grad_(True) for _ in range(3))
@@ -163,13 +283,16 @@ def _methods(layout, q, kk, v, args, extras):
     if "dense_sdpa" in args.methods and layout.n_queries * layout.n_keys <= args.dense_max_elems:
         mask = layout.dense_mask().to(q.device)
         out["dense_sdpa"] = (lambda: F.scaled_dot_product_attention(q, kk, v, attn_mask=mask), (q, kk, v), pairs)
-    return out, lc
+    # By value: the default and FlexAttention first (a run cut short still compares them), then the alternatives.
+    first = [name for name in ("triton", "flex", "flex_backend") if name in out]
+    return {**{name: out[name] for name in first}, **out}, lc
 
 
 def bench_one(layout_name, n, k, d, args, extras) -> dict:
     layout = LAYOUTS[layout_name](n, k)
     b, h = args.batch, args.heads
-    dev, dt = torch.device(args.device), torch.bfloat16
+    dev, dt = torch.device(args.device), (torch.float32 if getattr(args, "dry_run", False) else torch.bfloat16)
+    timer = _timer(args)
     torch.manual_seed(0)
     q = torch.randn(b, h, layout.n_queries, d, device=dev, dtype=dt).requires_grad_(True)
     kk, v = (torch.randn(b, h, layout.n_keys, d, device=dev, dtype=dt).requires_grad_(True) for _ in range(2))
@@ -177,27 +300,38 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
     rows, errors = {}, {}
     for name, (fwd, inputs, pairs) in methods.items():
         flops = 4.0 * pairs * d * b * h
+        started = time.perf_counter()
         try:
+            if dev.type == "cpu" and name in NO_CPU_BACKWARD:  # forward only: FlexAttention has no CPU backward
+                with torch.no_grad():
+                    fwd_ms = timer(fwd)
+                rows[name] = {"fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_ms": None,
+                              "fwd_bwd_tflops": None, "note": "forward only: FlexAttention has no CPU backward"}
+                continue
             dout = torch.randn_like(fwd())
 
             def step(fwd=fwd, inputs=inputs, dout=dout):
                 torch.autograd.grad(fwd(), inputs, dout)
 
             with torch.no_grad():
-                fwd_ms = time_ms(fwd)
-            fb_ms = time_ms(step)
+                fwd_ms = timer(fwd)
+            fb_ms = timer(step)
         except Exception as exc:  # noqa: BLE001 - one method failing (OOM, missing kernel) must not end the sweep
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             torch.cuda.empty_cache()
             continue
         rows[name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / fwd_ms / 1e9,
                       "fwd_bwd_tflops": FWD_BWD_FACTOR * flops / fb_ms / 1e9}
+        if getattr(args, "warm", False):  # first calls: compile + autotune; no timings worth keeping
+            rows[name] = {"first_calls_s": time.perf_counter() - started}
+            print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s", flush=True)
     ratios = {}
     if "triton" in rows:
         for other in rows:
             if other != "triton":
                 for phase in ("fwd", "fwd_bwd"):
-                    ratios[f"{phase}_vs_{other}"] = rows["triton"][f"{phase}_tflops"] / rows[other][f"{phase}_tflops"]
+                    if rows[other].get(f"{phase}_tflops") and rows["triton"].get(f"{phase}_tflops"):
+                        ratios[f"{phase}_vs_{other}"] = rows["triton"][f"{phase}_tflops"] / rows[other][f"{phase}_tflops"]
     return {"layout": layout_name, "n": n, "k": k, "dim": d, "batch": b, "heads": h, "pairs": int(layout.num_pairs()),
             "causal_equivalent_len": lc, "results": rows, "errors": errors, "ratios": ratios}
 
@@ -205,10 +339,15 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
 def format_row(r: dict) -> str:
     cells = [f"{r['layout']:<7}{r['n']:>6}{r['k']:>3}{r['dim']:>5} |"]
     for name, res in r["results"].items():
-        cells.append(f" {name} {res['fwd_tflops']:.0f}/{res['fwd_bwd_tflops']:.0f}")
-    for name in ("sdpa_flash_causal", "flex"):
+        if "first_calls_s" in res:  # --warm
+            cells.append(f" {name} {res['first_calls_s']:.1f}s")
+            continue
+        fb = "-" if res["fwd_bwd_tflops"] is None else f"{res['fwd_bwd_tflops']:.0f}"
+        cells.append(f" {name} {res['fwd_tflops']:.0f}/{fb}")
+    for name in ("sdpa_flash_causal", "flex", "flex_backend"):
         if f"fwd_vs_{name}" in r["ratios"]:
-            cells.append(f" | x{name} {r['ratios'][f'fwd_vs_{name}']:.2f}/{r['ratios'][f'fwd_bwd_vs_{name}']:.2f}")
+            fb = r["ratios"].get(f"fwd_bwd_vs_{name}")  # absent where one side has no backward (CPU flex)
+            cells.append(f" | x{name} {r['ratios'][f'fwd_vs_{name}']:.2f}/{'-' if fb is None else f'{fb:.2f}'}")
     for name, err in r["errors"].items():
         cells.append(f" | {name} FAILED {err}")
     return "".join(cells)
@@ -224,7 +363,7 @@ def train_step(args) -> list[dict]:
     """The training-step rows (``train_step_gpu.rows``), timed with this module's ``time_ms``."""
     from .train_step_gpu import rows
 
-    return rows(args, time_ms)
+    return rows(args, _timer(args))
 
 
 # ---------------------------------------------------------------------- sampler
@@ -276,6 +415,14 @@ def parse_args(argv=None):
     p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")
+    p.add_argument("--variants", default=None, metavar="FILE",
+                   help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... (bench/gpu_variants.txt); "
+                        "a variant this checkout cannot run (unknown variable or tile set) is skipped with the reason")
+    p.add_argument("--warm", action="store_true",
+                   help="call every method once (forward, forward + backward) to compile and autotune; time nothing "
+                        "(bench/gpu_check.sh's first step: later steps reuse the disk caches)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, tiny shapes, fp32, each method called once (bench/gpu_check.sh --dry-run; no numbers)")
     p.add_argument("--slot-window-max", type=int, default=None,
                    help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
                         "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")
@@ -330,7 +477,17 @@ def main(argv=None) -> int:
             print(f"{layout_name} N={n} k={k} D={d}: |M|={int(layout.num_pairs())} "
                   f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, fwd+bwd {fb / 1e9:.2f} GFLOP")
         return 0
-    if not torch.cuda.is_available():
+    args.variant_list = []
+    if args.variants:
+        for name, assignments in read_variants(args.variants):
+            problem = variant_problem(assignments)
+            if problem:
+                print(f"variant {name}: SKIPPED, {problem}")
+            else:
+                args.variant_list.append((name, assignments))
+    if args.dry_run:
+        dry_run_shapes(args)
+    elif not torch.cuda.is_available():
         print("bench/triton_gpu.py: skipped, no CUDA device here; nothing was measured (GPU-only benchmark).")
         return 0
     from kforcing_kernels import backends_available
@@ -343,7 +500,9 @@ def main(argv=None) -> int:
         from kforcing_kernels.ops.window_attention.triton import plan as tile_plan
 
         tile_plan.SLOT_WINDOW_MAX = args.slot_window_max  # read when a plan is built; set before the first
-    report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time()}
+    report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time(),
+              "capability": capability(args.device),
+              "command": "python -m bench.triton_gpu " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.sampler:
         report["sampler"] = sampler_bench(args)
         if args.json:
@@ -353,21 +512,18 @@ def main(argv=None) -> int:
         report["train_step"] = train_step(args)
         if args.json:
             write_json(report, args.json, indent=2)
+        failed = [(r["teacher_k"], key) for r in report["train_step"] for key, value in r.items()
+                  if key.endswith("_ms") and isinstance(value, str)]
+        if args.dry_run and failed:
+            print(f"dry run: train-step variants failed: {failed}")
+            return 1
         return 0
     extras = {}
-    if "flex" in args.methods:
-        from torch.nn.attention.flex_attention import flex_attention
+    if args.dry_run and {"flex", "flex_backend"} & set(args.methods):
+        from kforcing_kernels.ops.window_attention import flex as flex_backend
 
-        # One static graph per shape: past dynamo's recompile limit (8) flex_attention would silently run
-        # eagerly (dense scores, OOM at N=4096), so the limit goes up and hitting it raises.
-        import torch._dynamo.config as dynamo_config
-
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
-        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
-            dynamo_config.fail_on_recompile_limit_hit = True
-        extras["flex"] = torch.compile(flex_attention, dynamic=False)
+        # Walk the compiled (CUDA) path on CPU with dynamo's eager backend: inductor takes a minute per CPU shape.
+        flex_backend.CPU_COMPILE_BACKEND = "eager"
     try:
         from flash_attn import flash_attn_func
 
@@ -386,7 +542,36 @@ def main(argv=None) -> int:
             report["composite_cuda"] = composite_cuda.status()
             write_json(report, args.json, indent=2)
     print("composite_cuda:", composite_cuda.status())
+    if args.dry_run:
+        failed = [(r["layout"], r["dim"], name, err) for r in report["rows"] for name, err in r["errors"].items()]
+        for failure in failed:
+            print("dry run: method failed:", *failure)
+        return 1 if failed else 0
     return 0
+
+
+def capability(device: str) -> str:
+    """The CUDA compute capability of ``device`` ("9.0"), or its type when it is not CUDA ("cpu": a dry run)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev.type
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"{major}.{minor}"
+
+
+def dry_run_shapes(args) -> None:
+    """--dry-run: CPU, one tiny shape per layout (the smallest k and head dim: on CPU the interpreter takes the
+    base tile set at every head dim, so a second one reruns the same Python), batch 1, 2 heads; the training
+    step on the micro preset in fp16 autocast (the Triton interpreter runs fp16 and fp32, not bf16)."""
+    args.device = "cpu"
+    args.n = [min(DRY_RUN_N // 2 if args.train_step else DRY_RUN_N, n) for n in args.n[:1]]
+    args.k = [min(args.k + ([2] if args.train_step else []))]  # the step's students run k = 4 at most
+    args.dim = [min(args.dim)]
+    args.batch, args.heads = (2, args.heads) if args.train_step else (1, 2)
+    args.train_preset = "micro" if args.train_step else args.train_preset
+    args.train_overrides = {"n_embd": 64, "n_head": 2}  # head dim 32: the smallest the triton backend takes
+    args.train_dtype = "float16"
+    args.dense_max_elems = max(args.dense_max_elems, 1)
 
 
 if __name__ == "__main__":

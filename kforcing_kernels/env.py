@@ -14,6 +14,9 @@ cheaply: ``_Variable``).
                             kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
+``KFORCING_FLEX_BACKEND``   the ``flex`` backend's FlexAttention kernel (``kernel_options["BACKEND"]``):
+                            ``FLASH`` (FlashAttention-4, needs ``flash-attn-4``), ``TRITON``, ``AUTO``; unset: torch's default
+``KFORCING_DISPATCH_TABLE`` a dispatch table JSON to read instead of the package's ``dispatch_table.json``
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
                             in its interpreter on CPU tensors
 ``KFORCING_CACHE``          the app's cache folder (tokenizers, token arrays); default ``~/.cache/kforcing_kernels``
@@ -76,6 +79,14 @@ def _get(name: str) -> Optional[str]:
 
 def backend_override() -> Optional[str]:
     return _get("KFORCING_BACKEND")
+
+
+def flex_backend() -> Optional[str]:
+    return _get("KFORCING_FLEX_BACKEND")
+
+
+def dispatch_table_path() -> Optional[str]:
+    return _get("KFORCING_DISPATCH_TABLE")
 
 
 def extension_disabled() -> Optional[str]:

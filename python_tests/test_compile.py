@@ -15,8 +15,10 @@ import torch._dynamo.testing
 from conftest import make_qkv, run_with_grads
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.ops.window_attention import backend_limits
 
-CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None]
+# Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
+CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None and name not in backend_limits()]
 # On a CUDA machine the composite backend also runs its CUDA path (composite_cuda) under compile.
 CASES = CPU_BACKENDS + (["composite-cuda"] if torch.cuda.is_available() else [])
 

@@ -121,7 +121,8 @@ def test_sdist_holds_everything_the_build_needs(sdist):
     assert not missing, f"sdist lacks {missing}"
     for required in ("LICENSE", "README.md", "CHANGELOG.md", "BENCHMARKS.md", "pyproject.toml", "setup.py",
                      "third_party/README.md", "kforcing_kernels/__init__.py", "kforcing_kernels/py.typed",
-                     "kforcing_kernels/ops/window_attention/op.py", "kforcing_kernels/ops/sampling/op.py"):
+                     "kforcing_kernels/ops/window_attention/op.py", "kforcing_kernels/ops/sampling/op.py",
+                     "kforcing_kernels/ops/window_attention/dispatch_table.json"):
         assert required in names, f"sdist lacks {required}"
     binaries = [n for n in names if n.endswith((".so", ".o", ".pyc"))]
     assert not binaries, f"sdist carries build outputs: {binaries}"
@@ -140,6 +141,7 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
         (so_name,) = [n for n in names if re.fullmatch(r"kforcing_kernels/_C\..*\.so", n)]
         so_bytes = whl.read(so_name)
     assert "kforcing_kernels/py.typed" in names
+    assert "kforcing_kernels/ops/window_attention/dispatch_table.json" in names  # backend=None on CUDA reads it
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert not any(n.startswith("csrc/") for n in names)
     # The release build carries no debug info and no symbol table (15.6 MB -> 0.53 MB).

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.ops.window_attention import backend_limits
 from kforcing_kernels.ops.window_attention.op import _layout_args
 
-CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None]
+# Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
+CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None and name not in backend_limits()]
 LAYOUTS = {
     "single": WindowLayout.kforcing_single(4, 2),
     "double": WindowLayout.kforcing_double(3, 2),

@@ -9,7 +9,8 @@ provide ``supports(dtype, head_dim) -> bool`` (the default choice skips it other
 whose answer depends on the head dim lists the head dims it can take as ``HEAD_DIMS``, and
 ``supports`` is then asked about those only, else with ``head_dim=None``) and
 ``preferred() -> bool`` (present but slower than the next choice here, e.g. cpp's portable
-build). A backend that is not built or cannot import is reported absent with its reason; it is
+build) and ``limits() -> Optional[str]`` (usable, but not for everything: flex has no backward on CPU
+tensors; :meth:`OpRegistry.limits` collects these notes, ``available()`` stays None for it). A backend that is not built or cannot import is reported absent with its reason; it is
 never faked, and ``reference`` is a backend like any other.
 """
 
@@ -80,6 +81,16 @@ class OpRegistry:
     def available(self) -> dict[str, Optional[str]]:
         """``{backend: None if usable here, else the reason it is absent}``."""
         return {name: self.load(name)[1] for name in self.names}
+
+    def limits(self) -> dict[str, str]:
+        """``{backend: what it cannot do}`` for the usable backends that declare a limit (``limits()``)."""
+        notes = {}
+        for name in self.names:
+            module, reason = self.load(name)
+            note = module.limits() if reason is None and hasattr(module, "limits") else None
+            if note:
+                notes[name] = note
+        return notes
 
     def get(self, name: str) -> ModuleType:
         """The backend's module; ValueError for an unknown name, RuntimeError (with the reason) if absent."""

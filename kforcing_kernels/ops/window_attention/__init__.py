@@ -6,11 +6,13 @@
     composite/        a few standard attention calls merged by log-sum-exp (pieces, fused CUDA calls)
     lse_attention.py  attention with its log-sum-exp and the matching backward (composite, reference, paged)
     cpp.py            the C++ CPU kernels (csrc/)
+    flex.py           torch's FlexAttention over the layout's analytic BlockMask (CPU: forward only)
+    dispatch.py       the measured CUDA dispatch table (dispatch_table.json): backend=None's choice by GPU measurement
     query_rows.py     a QueryRowsLayout (some rows of a layout): chunked interval math, any device
     triton/           the Triton GPU kernels: tile plan, configs, launchers, @triton.jit source
 """
 
-from .backends import BACKENDS, backends_available, default_backend, get_backend
+from .backends import BACKENDS, backend_limits, backends_available, default_backend, get_backend
 from .op import SUPPORTED_DTYPES, window_attention
 
-__all__ = ["window_attention", "BACKENDS", "backends_available", "default_backend", "get_backend", "SUPPORTED_DTYPES"]
+__all__ = ["window_attention", "BACKENDS", "backends_available", "backend_limits", "default_backend", "get_backend", "SUPPORTED_DTYPES"]

@@ -9,7 +9,7 @@ Non-finite values are each backend's own business (the op does not scan K/V). On
 row does not see never changes that row, forward or backward: ``cpp`` in its kernels
 (masked keys never enter a product), ``reference`` (any device) and ``composite`` (CPU)
 by computing with ``masked_keys`` when K or V holds such a value. ``triton`` (and
-``composite``'s fused CUDA kernels) behave like FlashAttention: keep K/V finite there.
+``composite``'s fused CUDA kernels, and ``flex``) behave like FlashAttention: keep K/V finite there.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ REGISTRY = OpRegistry(
         BackendSpec("composite", f"{_HERE}.composite", ("*",), "standard attention calls merged by log-sum-exp"),
         BackendSpec("cpp", f"{_HERE}.cpp", ("cpu",), "the compiled CPU kernels of kforcing_kernels._C"),
         BackendSpec("triton", f"{_HERE}.triton", ("cuda",), "fused Triton kernels (CPU tensors only in the interpreter)"),
+        BackendSpec("flex", f"{_HERE}.flex", ("cuda", "cpu"),
+                    "compiled FlexAttention over the analytic BlockMask (CPU: eager forward only)"),
     ),
     preference={"cuda": ("triton", "composite"), "cpu": ("cpp", "composite")},
     fallback="composite",
@@ -57,8 +59,15 @@ BACKENDS = REGISTRY.names
 
 
 def backends_available() -> dict[str, Optional[str]]:
-    """``{backend: None if usable here, else the reason it is absent}``."""
+    """``{backend: None if usable here, else the reason it is absent}``; what a usable backend cannot do
+    (``flex``: no backward on CPU tensors) is in :func:`backend_limits`."""
     return REGISTRY.available()
+
+
+def backend_limits() -> dict[str, str]:
+    """``{backend: what it cannot do}`` for usable backends with a limit, e.g. ``flex``: no backward on CPU tensors
+    (FlexAttention has none there; its CPU forward runs, a backward through it raises naming the backend)."""
+    return REGISTRY.limits()
 
 
 def get_backend(name: str) -> ModuleType:

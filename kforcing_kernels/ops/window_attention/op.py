@@ -32,6 +32,8 @@ import torch
 
 from ..validation import check_scale
 from ..registry import pick
+from ... import env
+from . import dispatch
 from .backends import REGISTRY, get_backend
 from .lse_attention import acc_dtype
 from . import query_rows
@@ -61,8 +63,10 @@ def window_attention(
         layout: the mask; a ``QueryRowsLayout`` (some rows of a layout, ``layout.restrict_rows``) runs the
             interval path of ``query_rows.py`` whatever ``backend`` says (eager only, not a custom op).
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"`` or None
-            (fastest available for the device; env ``KFORCING_BACKEND`` overrides).
+        backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"``, ``"flex"`` or None (fastest
+            available for the device; on CUDA the measured winner of ``dispatch_table.json`` for this GPU,
+            dtype, head dim, length bucket and layout family where it has one (``dispatch.py``), else the
+            registry's default; env ``KFORCING_BACKEND`` overrides).
         return_lse: also return the natural-log log-sum-exp ``[B, H, Lq]`` (fp32; fp64 for fp64 inputs),
             which is not differentiated through.
 
@@ -78,7 +82,7 @@ def window_attention(
     if isinstance(layout, QueryRowsLayout):
         out, lse = query_rows.QueryRowsAttention.apply(q, k, v, layout, scale)
         return (out, lse.detach()) if return_lse else out
-    name = backend or _default_backend_for(q.device.type, q.dtype, q.shape[-1])
+    name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     if _plain_eager(q, k, v):
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
     else:
@@ -103,11 +107,32 @@ def _current_dispatch_mode():
     return _get_current_dispatch_mode()
 
 
-def _default_backend_for(device_type: str, dtype: torch.dtype, head_dim) -> str:
-    # The registry's choices for the device and dtype are constants; the head dim picks among them.
-    # Under torch.compile(dynamic=True) head_dim is a SymInt: `head_dim in dims` guards on it (a head
-    # dim that changes the choice recompiles), where passing it to the constant function would fail.
-    return pick(_default_choices(device_type, dtype), head_dim)
+def _default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layout: WindowLayout) -> str:
+    # The registry's choices and the measured rows for the device and dtype are constants; the head dim
+    # and the layout's length and family pick among them. Under torch.compile(dynamic=True) head_dim and
+    # n_ctx may be SymInts: comparing them guards on them (a change of choice recompiles), where passing
+    # them to the constant functions would fail.
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        measured = dispatch.choose(_measured_rows(index, dtype), *_measured_keys(index, dtype), head_dim,
+                                   layout.n_ctx, dispatch.layout_family(layout))
+        if measured is not None:
+            return measured
+    return pick(_default_choices(device.type, dtype), head_dim)
+
+
+@torch.compiler.assume_constant_result
+def _measured_rows(device_index: int, dtype: torch.dtype) -> tuple:
+    # The dispatch table's rows for this GPU and dtype whose backend is usable here; none under KFORCING_BACKEND.
+    if env.backend_override():
+        return ()
+    return dispatch.measured_rows(
+        device_index, dtype, lambda: {name for name in REGISTRY.names if REGISTRY.load(name)[1] is None})
+
+
+@torch.compiler.assume_constant_result
+def _measured_keys(device_index: int, dtype: torch.dtype) -> tuple:
+    return dispatch.capability_of(device_index), dispatch.dtype_name(dtype)
 
 
 @torch.compiler.assume_constant_result

@@ -1,0 +1,188 @@
+"""The measured CUDA dispatch table: which backend ``backend=None`` runs, by GPU measurement.
+
+``dispatch_table.json`` (next to this file; ``KFORCING_DISPATCH_TABLE`` names another) holds rows
+written by the GPU check (``bench/dispatch_table.py`` from ``bench/triton_gpu.py``'s JSON), each::
+
+    {"capability": "9.0", "dtype": "bfloat16", "head_dim": 128, "length_bucket": 1024, "family": "single",
+     "backend": "flex", "fwd_bwd_ms": {"triton": 1.31, "flex_backend": 1.12},
+     "provenance": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
+                    "date": "2026-11-27T10:00:00Z", "command": "bash bench/gpu_check.sh"}}
+
+A row applies to CUDA inputs on a GPU of that compute capability, of that dtype and head dim,
+whose layout is of that family (:func:`layout_family`) with a context length in that bucket
+(:func:`length_bucket`). For such inputs ``backend=None`` runs the row's backend (when it is
+available); without a row it runs the registry's default (``triton``). ``KFORCING_BACKEND`` still
+overrides both. The table ships with no rows until a GPU run measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ... import env
+
+FORMAT = 1
+TABLE_PATH = Path(__file__).with_name("dispatch_table.json")
+FAMILIES = ("single", "streams", "full")
+PROVENANCE_KEYS = ("gpu", "torch", "triton", "date", "command")
+ROW_KEYS = ("capability", "dtype", "head_dim", "length_bucket", "family", "backend", "fwd_bwd_ms", "provenance")
+SMALLEST_BUCKET = 1024  # every context length up to 1024 shares one bucket: the benches measure N >= 1024
+
+
+def layout_family(layout) -> str:
+    """``single``: causal windows, one stream (K-Forcing single, PTP, packed documents); ``streams``: causal windows
+    stored stream-major (K-Forcing double, ``n_streams > 1``); ``full``: windows that see each other fully
+    (SBD, BD3-LM, Jacobi, blank slots)."""
+    if layout.intra == "full":
+        return "full"
+    return "streams" if layout.n_streams > 1 else "single"
+
+
+def length_bucket(n_ctx) -> int:
+    """The bucket of context length ``n_ctx``: the smallest power of two >= it, at least ``SMALLEST_BUCKET``."""
+    bucket = SMALLEST_BUCKET
+    while bucket < n_ctx:
+        bucket *= 2
+    return bucket
+
+
+def in_bucket(n_ctx, bucket: int) -> bool:
+    """Whether ``length_bucket(n_ctx) == bucket`` (comparisons only: ``n_ctx`` may be a SymInt under compile)."""
+    low = 0 if bucket <= SMALLEST_BUCKET else bucket // 2
+    return low < n_ctx <= bucket
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def capability_name(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def validate(table: dict, where: str = "dispatch table") -> dict:
+    """``table`` if it is a well-formed dispatch table, else ValueError naming the field."""
+    if not isinstance(table, dict) or table.get("format") != FORMAT:
+        raise ValueError(f"{where}: expected a JSON object with \"format\": {FORMAT}")
+    rows = table.get("rows")
+    if not isinstance(rows, list):
+        raise ValueError(f"{where}: rows: expected a list")
+    seen = set()
+    for i, row in enumerate(rows):
+        missing = [key for key in ROW_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"{where}: rows[{i}]: missing {missing}")
+        if row["family"] not in FAMILIES:
+            raise ValueError(f"{where}: rows[{i}].family: expected one of {FAMILIES}, got {row['family']!r}")
+        bucket = row["length_bucket"]
+        if not isinstance(bucket, int) or bucket != length_bucket(bucket):
+            raise ValueError(f"{where}: rows[{i}].length_bucket: expected a power of two >= {SMALLEST_BUCKET}, got {bucket!r}")
+        if not isinstance(row["head_dim"], int) or row["head_dim"] < 1:
+            raise ValueError(f"{where}: rows[{i}].head_dim: expected a positive int, got {row['head_dim']!r}")
+        if not isinstance(row["fwd_bwd_ms"], dict) or row["backend"] not in _measured_backends(row):
+            raise ValueError(f"{where}: rows[{i}].backend: {row['backend']!r} is not among its measurements "
+                             f"{sorted(row['fwd_bwd_ms']) if isinstance(row['fwd_bwd_ms'], dict) else row['fwd_bwd_ms']}")
+        provenance = row["provenance"]
+        absent = [key for key in PROVENANCE_KEYS if not isinstance(provenance, dict) or not provenance.get(key)]
+        if absent:
+            raise ValueError(f"{where}: rows[{i}].provenance: missing {absent}")
+        key = row_key(row)
+        if key in seen:
+            raise ValueError(f"{where}: rows[{i}]: a second row for {key}")
+        seen.add(key)
+    return table
+
+
+# The bench names the flex backend's measurement "flex_backend" ("flex" is FlexAttention called directly).
+BENCH_METHOD = {"triton": "triton", "flex": "flex_backend"}
+
+
+def _measured_backends(row: dict) -> set:
+    return {name for name, method in BENCH_METHOD.items() if method in row["fwd_bwd_ms"]}
+
+
+def row_key(row: dict) -> tuple:
+    return (row["capability"], row["dtype"], row["head_dim"], row["length_bucket"], row["family"])
+
+
+def empty_table() -> dict:
+    return {"format": FORMAT, "rows": []}
+
+
+def load(path=None) -> dict:
+    """The table at ``path`` (default: ``KFORCING_DISPATCH_TABLE`` or the package's), validated."""
+    path = Path(path or env.dispatch_table_path() or TABLE_PATH)
+    with open(path) as f:
+        return validate(json.load(f), str(path))
+
+
+def write(table: dict, path=None) -> Path:
+    """Write ``table`` (validated) to ``path`` (default: the package's), rows sorted, atomically."""
+    path = Path(path or TABLE_PATH)
+    validate(table, str(path))
+    table = dict(table, rows=sorted(table["rows"], key=row_key))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def merge(table: dict, rows: list[dict]) -> dict:
+    """``table`` with ``rows`` added; a new row replaces the old one with the same key."""
+    by_key = {row_key(row): row for row in table["rows"]}
+    by_key.update({row_key(row): row for row in rows})
+    return dict(table, rows=list(by_key.values()))
+
+
+def choose(rows, capability: str, dtype: str, head_dim, n_ctx, family: str) -> Optional[str]:
+    """The backend of the row matching the inputs, or None. ``rows``: dicts or ``(capability, dtype, head_dim,
+    length_bucket, family, backend)`` tuples; ``head_dim`` / ``n_ctx`` may be SymInts (compared only)."""
+    for row in rows:
+        cap, dt, dim, bucket, fam, backend = (row if isinstance(row, tuple) else
+                                              (*row_key(row), row["backend"]))
+        if cap == capability and dt == dtype and fam == family and head_dim == dim and in_bucket(n_ctx, bucket):
+            return backend
+    return None
+
+
+def device_capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``device_index`` (tests replace it to select rows on CPU)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+_cache: dict = {}
+
+
+def measured_rows(device_index: int, dtype: torch.dtype, usable) -> tuple:
+    """The table rows for this GPU and dtype whose backend is usable (``usable()``: the set of usable backend names),
+    as ``choose`` tuples. Cached per table path, device and dtype: the op asks on every call."""
+    path = env.dispatch_table_path() or str(TABLE_PATH)
+    key = ("rows", path, device_index, dtype)
+    rows = _cache.get(key)
+    if rows is None:
+        capability, names = capability_of(device_index), usable()
+        rows = tuple((*row_key(row), row["backend"]) for row in load(path)["rows"]
+                     if row["capability"] == capability and row["dtype"] == dtype_name(dtype) and row["backend"] in names)
+        _cache[key] = rows
+    return rows
+
+
+def capability_of(device_index: int) -> str:
+    """``capability_name(device_capability(device_index))``, cached."""
+    key = ("capability", device_index)
+    name = _cache.get(key)
+    if name is None:
+        name = _cache[key] = capability_name(device_capability(device_index))
+    return name
+
+
+def clear_cache() -> None:
+    """Forget the rows and capabilities read so far (after writing a table, or when a test swaps either)."""
+    _cache.clear()
