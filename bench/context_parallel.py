@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kforcing_kernels.app.cli import make_parser, positive_int
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.ops.window_attention.query_rows import CHUNK_ROWS
+from kforcing_kernels.ops.window_attention.query_rows import GROUP_ROWS
 from kforcing_kernels.parallel import ContextParallel, balanced_split
 from kforcing_kernels.parallel.cost import attention_transient_bytes, layer_traffic
 
@@ -86,7 +86,7 @@ def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[flo
         per_rank = [(int((r < n).sum()), int((r >= n).sum())) for r in split.query_rows]
         rows_ctx, rows_win = max(per_rank, key=lambda cw: a * cw[0] + w * cw[1])
         transient = attention_transient_bytes(split, batch=1, heads=h, kv_heads=h, head_dim=d, elem_bytes=4,
-                                              chunk_rows=CHUNK_ROWS)
+                                              chunk_rows=GROUP_ROWS)
     act = a * rows_ctx + w * rows_win + c
     return {"n": n, "k": k, "length": length, "world": world, "rows": rows_ctx + rows_win, "static": static,
             "activations": act, "attention_transient": transient, "total": static + act + transient, "split": split}

@@ -6,7 +6,7 @@
     composite/        a few standard attention calls merged by log-sum-exp (pieces, fused CUDA calls)
     lse_attention.py  attention with its log-sum-exp and the matching backward (composite, reference, paged)
     cpp.py            the C++ CPU kernels (csrc/)
-    query_rows.py     a QueryRowsLayout (some rows of a layout): chunked interval math, any device
+    query_rows.py     the composite backend on a QueryRowsLayout (some rows of a layout): per-interval calls
     triton/           the Triton GPU kernels: tile plan, configs, launchers, @triton.jit source
 """
 
