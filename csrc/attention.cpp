@@ -254,6 +254,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   const at::ScalarType mt = math_type(q.scalar_type());
   AttnArgs<T> a = base_args<T>(q, k, p, scale);
   a.window_granule = g.s;
+  a.window_origin = g.n_ctx;
   const at::Tensor qf = q.to(mt).contiguous();
   const at::Tensor kt = transposed_packed(k, mt, a.Dp, p.kt_cols, a.kt_ld);
   const at::Tensor kr = rows_packed(k, mt, a.Dp), vr = rows_packed(v, mt, a.Dp);
@@ -289,6 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   const at::ScalarType mt = math_type(q.scalar_type());
   AttnArgs<T> a = base_args<T>(q, k, p, scale);
   a.window_granule = g.s;
+  a.window_origin = g.n_ctx;
   const at::Tensor qf = q.to(mt).contiguous(), df = dout.to(mt).contiguous(), of = out.to(mt).contiguous();
   const at::Tensor lf = lse.to(mt).contiguous();
   int64_t ld = 0;

@@ -368,11 +368,12 @@ struct TileView {
     // Window spans are cut at window boundaries so that a chunk's rows are few.
     const int64_t g = slot == 0 ? 1 : a.window_granule;
     const int64_t step = g <= a.chunk_cols ? a.chunk_cols / g * g : a.chunk_cols;
-    // Context chunks start at multiples of the step (not at the tile's first key): a row's chunks, hence
-    // its online-softmax order and its bits, then do not depend on which rows share its tile, so a row
-    // gets the same bits in a full layout and in any row subset (QueryRowsLayout) holding it. Window
-    // chunks already start at a window boundary and hold whole window streams.
-    for (int64_t c0 = slot == 0 ? ka - ka % step : ka; c0 < kb; c0 += step) {
+    // Chunks start at fixed key positions (multiples of the step; window chunks counted from the first
+    // window key, so they still start at window boundaries), not at the tile's first key: a row's chunks,
+    // the column of each of its keys in them, hence its bits, then do not depend on which rows share its
+    // tile, so a row gets the same bits in a full layout and in any row subset (QueryRowsLayout) holding it.
+    const int64_t origin = slot == 0 ? 0 : a.window_origin;
+    for (int64_t c0 = ka - (ka - origin) % step; c0 < kb; c0 += step) {
       const int64_t c1 = std::min(c0 + step, kb);
       int64_t ra = nr, rb = 0, n_seeing = 0, sa = c0, sb = c1;
       for (int64_t r = 0; r < nr; ++r) {

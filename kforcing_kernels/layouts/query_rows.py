@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # What a subset reads from its parent unchanged: the key storage geometry (queries are its own rows).
 _PARENT_GEOMETRY = ("n_ctx", "num_windows", "window_size", "last_window_size", "n_streams", "slots_per_stream",
-                    "intra", "queries", "query_offset", "n_window_tokens")
+                    "intra", "queries", "query_offset", "n_window_tokens", "window_token_keys")
 
 
 class QueryRowsLayout:

@@ -4,7 +4,7 @@ Each rank holds q/k/v of its own rows (:class:`~kforcing_kernels.parallel.balanc
 query rows, and the keys whose K/V it computes). Forward: the K/V shards are all-gathered (padded to
 the longest shard, one collective for K and V together) and put back into the layout's key order;
 the rank computes its rows on its sub-layout (``layout.restrict_rows``) with the kernels of the default
-row-subset backend (``op.query_rows_backend``: ``cpp`` on CPU, ``composite`` on CUDA).
+row-subset backend (``op.query_rows_backend``: ``cpp`` on CPU, ``triton`` on CUDA).
 Backward: K/V are all-gathered again (only the local shards are saved, so a layer keeps ``1/P`` of
 its K/V between forward and backward, not the whole sequence), the rank's rows give dq and
 full-length dK/dV, and dK/dV are reduce-scattered so each rank gets the sum over ranks for its own

@@ -87,9 +87,9 @@ def window_attention(
 
 
 # The backends that run a row subset (QueryRowsLayout) from its own rows' intervals and tiles: cpp (the
-# same kernels), composite (query_rows.py), reference (its dense mask). The Triton kernels walk query
-# tiles of contiguous rows with window index arithmetic, which a subset does not have: refused by name.
-ROW_SUBSET_BACKENDS = ("reference", "composite", "cpp")
+# same kernels), triton (the same kernels over a tile-mode plan of the subset, triton/plan.py), composite
+# (query_rows.py), reference (its dense mask). A backend outside this list is refused by name.
+ROW_SUBSET_BACKENDS = ("reference", "composite", "cpp", "triton")
 
 
 def query_rows_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
