@@ -69,7 +69,7 @@ MUTATIONS = [
          tests=["python_tests/test_layouts.py", "python_tests/test_backends_vs_paper_masks.py"]),
     # --- cpp backend (Python side: what is passed to the kernels)
     dict(id="cpp-backward-scale-1", file=f"{WA}/cpp.py",
-         old="out, lse, *_layout_args(layout), float(scale))", new="out, lse, *_layout_args(layout), 1.0)",
+         old="out, lse, *_layout_args(layout), float(scale),", new="out, lse, *_layout_args(layout), 1.0,",
          tests=["python_tests/test_cpp_attention.py"]),
     dict(id="cpp-row-intervals-shifted-one-row", file=f"{WA}/cpp.py",
          old="layout.row_intervals_int32, *layout.cpu_query_tiles,", new="layout.row_intervals_int32.roll(1, 1).contiguous(), *layout.cpu_query_tiles,",
