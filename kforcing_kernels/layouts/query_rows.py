@@ -84,7 +84,7 @@ class QueryRowsLayout:
 
     # The kernels take a layout's geometry (key storage, streams, window size: it sizes the keys and picks
     # the small-window path) with per-row intervals and query tiles; a subset keeps its parent's geometry
-    # and brings its own rows' intervals and tiles (backends ``cpp``, ``composite``).
+    # and brings its own rows' intervals and tiles (backends ``cpp``, ``triton``, ``composite``).
     def __getattr__(self, name: str):
         if name in _PARENT_GEOMETRY:
             return getattr(self.parent, name)
