@@ -17,6 +17,14 @@ N(1+k) sequence a memory budget admits with CP 1 and 2, and the bytes CP communi
 3. Bytes through a rank per training step over all layers (``parallel/cost.layer_traffic``): what the
    implementation sends (padded all-gather forward, again in backward, reduce-scatter of dK/dV), the
    same without the backward's re-gather, and the mask-aware ideal.
+
+``--time-attention`` instead times one attention layer, forward + backward, of rank 0 of 2 and of 4
+(``balanced_split``, its rows on its sub-layout: ``restrict_rows``) against the whole layout in one
+process, for SingleForward, DoubleForward and SingleForward over 8 packed documents, all in one
+interleaved run (``measure_many``: ratios are per round), with each rank's attended pairs and bytes
+communicated per layer (``layer_traffic``: padded all-gather forward and backward, reduce-scatter):
+
+    OMP_NUM_THREADS=2 python -m bench.context_parallel --time-attention --n 1024 --k 4 --backend cpp
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch.nn.functional as F
 from kforcing_kernels.app.cli import make_parser, positive_int
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.ops.window_attention.query_rows import CHUNK_ROWS
+from kforcing_kernels.ops.window_attention.query_rows import GROUP_ROWS
 from kforcing_kernels.parallel import ContextParallel, balanced_split
 from kforcing_kernels.parallel.cost import attention_transient_bytes, layer_traffic
 
@@ -86,7 +94,7 @@ def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[flo
         per_rank = [(int((r < n).sum()), int((r >= n).sum())) for r in split.query_rows]
         rows_ctx, rows_win = max(per_rank, key=lambda cw: a * cw[0] + w * cw[1])
         transient = attention_transient_bytes(split, batch=1, heads=h, kv_heads=h, head_dim=d, elem_bytes=4,
-                                              chunk_rows=CHUNK_ROWS)
+                                              chunk_rows=GROUP_ROWS)
     act = a * rows_ctx + w * rows_win + c
     return {"n": n, "k": k, "length": length, "world": world, "rows": rows_ctx + rows_win, "static": static,
             "activations": act, "attention_transient": transient, "total": static + act + transient, "split": split}
@@ -109,14 +117,82 @@ def traffic(cfg: ModelConfig, split, world: int) -> dict:
     return {name: cfg.n_layer * max(getattr(t, name) for t in per) for name in ("actual", "all_gather_once", "ideal")}
 
 
+TIMED_FAMILIES = {
+    "single": lambda n, k: WindowLayout.kforcing_single(n, k),
+    "double": lambda n, k: WindowLayout.kforcing_double(n, k),
+    "single_packed8": lambda n, k: WindowLayout.kforcing_single(n, k, cu_seqlens=[n * d // 8 for d in range(9)]),
+}
+
+
+def time_attention(args: argparse.Namespace) -> dict:
+    """Rank 0 of 2 and of 4 vs the whole layout, one attention layer forward + backward (ms), interleaved."""
+    from kforcing_kernels.ops.window_attention import window_attention
+
+    from ._timing import measure_many, paired_ratio, pin_threads
+
+    threads = pin_threads(args.threads)
+    heads, head_dim = 8, 64
+    report = {"threads": threads, "heads": heads, "head_dim": head_dim, "backend": args.backend, "rows": []}
+    print(f"attention fwd+bwd, B=1 H={heads} D={head_dim} fp32, {threads} threads, backend={args.backend}; "
+          f"min / median ms over {args.reps} interleaved rounds, ratio = median over rounds of rank / whole")
+    print("| layout | N | k | world | rank rows / all | rank pairs / all | ms (whole -> rank 0) | rank / whole "
+          "| comm per layer MiB (actual / ideal) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in args.n:
+        for family, make in TIMED_FAMILIES.items():
+            layout = make(n, args.k)
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, heads, layout.n_queries, head_dim, generator=g)
+            k = torch.randn(1, heads, layout.n_keys, head_dim, generator=g)
+            v = torch.randn(1, heads, layout.n_keys, head_dim, generator=g)
+
+            def step(lay, rows):
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q if rows is None else q[:, :, rows], k, v))
+                out = window_attention(qq, kk, vv, lay, backend=args.backend)
+                torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))
+
+            splits = {w: balanced_split(layout, w) for w in (2, 4)}
+            fns = {"whole": lambda: step(layout, None)}
+            for w, split in splits.items():
+                fns[w] = (lambda s: lambda: step(s.sub_layout(0), s.query_rows[0]))(split)
+            timing = measure_many(fns, warmup=1, reps=args.reps)
+            whole = timing["whole"]
+            for w, split in splits.items():
+                t = timing[w]
+                ratio = paired_ratio(t["times_ms"], whole["times_ms"])
+                traffic = layer_traffic(split, 0, batch=1, kv_heads=heads, head_dim=head_dim, elem_bytes=4)
+                rows = split.query_rows[0].numel()
+                pairs = int(split.sub_layout(0).num_pairs())
+                print(f"| {family} | {n} | {args.k} | {w} | {rows} / {layout.n_queries} | {pairs / layout.num_pairs():.3f} "
+                      f"| {whole['min_ms']:.1f} / {whole['median_ms']:.1f} -> {t['min_ms']:.1f} / {t['median_ms']:.1f} "
+                      f"| {ratio:.2f} | {traffic.actual / 2**20:.2f} / {traffic.ideal / 2**20:.2f} |")
+                report["rows"].append({"layout": family, "n": n, "k": args.k, "world": w, "rank_rows": rows,
+                                       "all_rows": layout.n_queries, "rank_pairs": pairs,
+                                       "all_pairs": layout.num_pairs(), "whole_ms": whole, "rank_ms": t,
+                                       "rank_over_whole": ratio, "comm_bytes_actual": traffic.actual,
+                                       "comm_bytes_ideal": traffic.ideal})
+    return report
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=positive_int, default=4, help="student window k (SingleForward over N(1+k) rows)")
     p.add_argument("--budget-gib", type=float, default=80.0, help="per-rank memory budget (GiB), e.g. one H100")
     p.add_argument("--n", type=positive_int, nargs="+", default=[2048, 8192], help="context lengths of the table")
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--time-attention", action="store_true",
+                   help="time rank 0 of 2 and 4 against the whole layout (one attention layer, fwd+bwd) instead")
+    p.add_argument("--backend", default="cpp", help="backend of --time-attention (a row-subset backend)")
+    p.add_argument("--reps", type=positive_int, default=5, help="interleaved rounds of --time-attention")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (None: all cores)")
 
 
 def execute(args: argparse.Namespace) -> int:
+    if args.time_attention:
+        report = time_attention(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        return 0
     cfg = ModelConfig.paper_backbone()
     torch.manual_seed(0)
     model = KForcingLM(cfg)

@@ -42,7 +42,11 @@ struct Geometry {
 
 };
 
-Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool queries_all) {
+// n_rows: the query rows of this call, -1 for all of the layout's; a row subset (QueryRowsLayout,
+// layouts/query_rows.py) passes its row count with its own intervals and tiles, the geometry staying its
+// parent's: the kernels read only the intervals and the tiles, the geometry sizes the keys.
+Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64_t S, bool queries_all,
+                        int64_t n_rows) {
   TORCH_CHECK_VALUE(n_ctx >= 0, "n_ctx: expected >= 0, got ", n_ctx);
   TORCH_CHECK_VALUE(M >= 0, "num_windows: expected >= 0, got ", M);
   TORCH_CHECK_VALUE(w >= 1, "window_size: expected >= 1, got ", w);
@@ -57,6 +61,9 @@ Geometry check_geometry(int64_t n_ctx, int64_t M, int64_t w, int64_t last, int64
   g.Lk = n_ctx + g.n_win;
   g.Lq = queries_all ? g.Lk : g.n_win;
   g.qoff = queries_all ? 0 : n_ctx;
+  TORCH_CHECK_VALUE(n_rows == -1 || (n_rows >= 1 && n_rows <= g.Lq), "n_rows: expected -1 (every query row) or a "
+                    "row count in [1, ", g.Lq, "] (the layout's queries), got ", n_rows);
+  if (n_rows != -1) g.Lq = n_rows;
   TORCH_CHECK_VALUE(g.Lk < (int64_t(1) << 31), "k: expected fewer than 2^31 keys, got ", g.Lk);
   return g;
 }
@@ -247,6 +254,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   const at::ScalarType mt = math_type(q.scalar_type());
   AttnArgs<T> a = base_args<T>(q, k, p, scale);
   a.window_granule = g.s;
+  a.window_origin = g.n_ctx;
   const at::Tensor qf = q.to(mt).contiguous();
   const at::Tensor kt = transposed_packed(k, mt, a.Dp, p.kt_cols, a.kt_ld);
   const at::Tensor kr = rows_packed(k, mt, a.Dp), vr = rows_packed(v, mt, a.Dp);
@@ -282,6 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   const at::ScalarType mt = math_type(q.scalar_type());
   AttnArgs<T> a = base_args<T>(q, k, p, scale);
   a.window_granule = g.s;
+  a.window_origin = g.n_ctx;
   const at::Tensor qf = q.to(mt).contiguous(), df = dout.to(mt).contiguous(), of = out.to(mt).contiguous();
   const at::Tensor lf = lse.to(mt).contiguous();
   int64_t ld = 0;
@@ -343,8 +352,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      const at::Tensor& tile_begin, int64_t n_ctx,
                                                      int64_t num_windows, int64_t window_size,
                                                      int64_t last_window_size, int64_t n_streams, bool queries_all,
-                                                     double scale) {
-  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
+                                                     double scale, int64_t n_rows) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all, n_rows);
   check_qkv(q, k, v, g, scale);
   const Plan p = make_plan(g, check_intervals(row_intervals, g, q.size(0)), row_order, tile_begin);
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, p, g, scale);
@@ -355,8 +364,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& row_intervals, const at::Tensor& row_order, const at::Tensor& tile_begin,
     int64_t n_ctx, int64_t num_windows, int64_t window_size,
-    int64_t last_window_size, int64_t n_streams, bool queries_all, double scale) {
-  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all);
+    int64_t last_window_size, int64_t n_streams, bool queries_all, double scale, int64_t n_rows) {
+  const Geometry g = check_geometry(n_ctx, num_windows, window_size, last_window_size, n_streams, queries_all, n_rows);
   check_qkv(q, k, v, g, scale);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"dout", dout}, {"out", out}}) {
     TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());

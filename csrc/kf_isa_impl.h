@@ -368,8 +368,17 @@ struct TileView {
     // Window spans are cut at window boundaries so that a chunk's rows are few.
     const int64_t g = slot == 0 ? 1 : a.window_granule;
     const int64_t step = g <= a.chunk_cols ? a.chunk_cols / g * g : a.chunk_cols;
-    for (int64_t c0 = ka; c0 < kb; c0 += step) {
-      const int64_t c1 = std::min(c0 + step, kb);
+    // Chunks start at fixed key positions (multiples of the step; window chunks counted from the first
+    // window key, so they still start at window boundaries), not at the tile's first key: a row's chunks,
+    // the column of each of its keys in them, hence its bits, then do not depend on which rows share its
+    // tile, so a row gets the same bits in a full layout and in any row subset (QueryRowsLayout) holding it.
+    // The products of the first chunk skip its whole groups of 16 columns before the tile's first key: 16 is
+    // a multiple of every vector width, so each kept key keeps its lane, and a skipped group only adds
+    // exact zeros to every row's sums (no masked columns of another document computed for nothing).
+    const int64_t origin = slot == 0 ? 0 : a.window_origin;
+    for (int64_t chunk = ka - (ka - origin) % step; chunk < kb; chunk += step) {
+      const int64_t c0 = chunk + (std::max(chunk, ka) - chunk) / 16 * 16;
+      const int64_t c1 = std::min(chunk + step, kb);
       int64_t ra = nr, rb = 0, n_seeing = 0, sa = c0, sb = c1;
       for (int64_t r = 0; r < nr; ++r) {
         if (lo_buf[r] < hi_buf[r] && lo_buf[r] < c1 && hi_buf[r] > c0) {

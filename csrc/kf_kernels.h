@@ -43,6 +43,7 @@ struct AttnArgs {
   int64_t n_slots;         // 1 + S
   int64_t first_direct;    // slots >= this are small windows done row by row
   int64_t window_granule;  // keys per window stream: chunk alignment of window spans
+  int64_t window_origin;   // key of the first window token (n_ctx): window chunks start at origin + i * step
 };
 
 // Scratch elements (of T) one thread needs for attention_forward/backward_item.

@@ -12,12 +12,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("row_intervals"), py::arg("row_order"),
         py::arg("tile_begin"), py::arg("n_ctx"), py::arg("num_windows"),
         py::arg("window_size"), py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("n_rows") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("attention_backward", &kf::attention_backward, "Prefix-window attention backward: (dq, dk, dv)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("row_intervals"), py::arg("row_order"), py::arg("tile_begin"), py::arg("n_ctx"),
         py::arg("num_windows"), py::arg("window_size"),
-        py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("last_window_size"), py::arg("n_streams"), py::arg("queries_all"), py::arg("scale"),
+        py::arg("n_rows") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_forward", &kf::paged_attention_forward,
         "Decode attention over a paged KV cache [num_pages, page_size, Hkv, D]: out [B, H, W, D]", py::arg("q"),
         py::arg("k_new"), py::arg("v_new"), py::arg("k_pages"), py::arg("v_pages"), py::arg("block_table"),

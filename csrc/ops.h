@@ -19,14 +19,15 @@ namespace kf {
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& row_intervals,
     const at::Tensor& row_order, const at::Tensor& tile_begin, int64_t n_ctx, int64_t num_windows,
-    int64_t window_size, int64_t last_window_size, int64_t n_streams, bool queries_all, double scale);
+    int64_t window_size, int64_t last_window_size, int64_t n_streams, bool queries_all, double scale,
+    int64_t n_rows = -1);
 
 // Gradients (dq, dk, dv) given the forward's out and lse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& row_intervals, const at::Tensor& row_order, const at::Tensor& tile_begin,
     int64_t n_ctx, int64_t num_windows, int64_t window_size, int64_t last_window_size, int64_t n_streams,
-    bool queries_all, double scale);
+    bool queries_all, double scale, int64_t n_rows = -1);
 
 // Decode attention over a paged KV cache (paged_attention.cpp): q [B, H, W, D], k_new/v_new [B, Hkv, W, D],
 // k_pages/v_pages [num_pages, page_size, Hkv, D], block_table int32/int64 [B, max_pages], context_lens int64 [B].

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .documents import (IntsLike, PerBatch, as_int_tensor, check_block_aligned, check_spans, document_bounds,
+from .documents import (IntsLike, PerBatch, as_int, as_int_tensor, check_block_aligned, check_spans, document_bounds,
                         parse_cu_seqlens, positive_int, stack_rows)
 
 if TYPE_CHECKING:
@@ -295,3 +295,51 @@ def _context_ranges(n: int, cu_seqlens, block: Optional[int]) -> dict:
         his.append(hi)
     per_batch = isinstance(docs, PerBatch)
     return dict(context_lo=stack_rows(los, per_batch), context_hi=stack_rows(his, per_batch))
+
+
+def eagle3_ttt(cls: "type[WindowLayout]", length: int, step: int, *, valid_lengths=None, drop_per_step: int = 0,
+               cu_seqlens=None, window: Optional[int] = None):
+    """One step of EAGLE-3's training-time test (SpecForge, vLLM speculators): its ``length`` query rows only.
+
+    Keys ``[base (L) | step 1 (L) | ... | step j (L)]`` (``(j + 1) * L``, ``j = step``): the draft's
+    K/V of the base pass and of each earlier test step, then this step's own; queries the L rows of
+    step j. Row i sees the base keys ``[doc_start(i), i]`` (``[max(doc_start(i), i - window + 1), i]``
+    with a sliding ``window``, which counts the row's own position) and key ``t * L + i`` of every
+    step ``t = 1..j`` (its own position at each step, itself last). A row past its sample's valid
+    length sees nothing (output 0, no gradient) and no row sees its keys.
+
+    Args:
+        length: L, the positions of one pass.
+        step: j >= 1, the test step (step 0 is the base pass: ``WindowLayout.causal(L, cu_seqlens=...)``).
+        valid_lengths: an int or ``[B]`` ints (per batch element), the valid positions (default L); rows
+            ``>= valid`` are padding.
+        drop_per_step: rows dropped from the valid length per step, SpecForge's flex path (1: step j's
+            valid length is ``valid - j``); 0 (default) keeps every valid row live, as its eager path.
+        cu_seqlens: packed documents (speculators' one packed row): base keys never cross a boundary.
+            Padding given as one-token documents sees only its own position's keys, as speculators does.
+        window: a sliding window over the base keys (None: all of the row's document up to it).
+
+    Returns:
+        A :class:`~kforcing_kernels.layouts.QueryRowsLayout`: the last stream of the stream-major layout
+        with one window of j slots per position (``n_ctx=L``, ``num_windows=L``, ``n_streams=j``,
+        ``queries="windows"``), restricted to step j's rows; ``window_attention`` runs only those rows.
+    """
+    length, step = positive_int("length", length), positive_int("step", step)
+    drop = as_int("drop_per_step", drop_per_step)
+    if drop < 0:
+        raise ValueError(f"drop_per_step: expected an int >= 0, got {drop}")
+    if window is not None:
+        window = positive_int("window", window)
+    valid = torch.tensor(length) if valid_lengths is None else _per_sample("valid_lengths", valid_lengths)
+    if bool((valid > length).any()):
+        raise ValueError(f"valid_lengths: expected ints in [1, {length}] (length), got {valid.tolist()}")
+    live_rows = torch.clamp(valid - step * drop, min=0)  # [] or [B]
+    pos = torch.arange(length)
+    live = (pos < live_rows[..., None]).to(torch.int64) * step  # [L] or [B, L]: every slot of a live row, or none
+    lo, hi = _staircase(length, cu_seqlens)
+    if window is not None:
+        lo = torch.maximum(lo, pos - (window - 1))
+    if live.dim() == 2 and lo.dim() == 2 and live.shape[0] != lo.shape[0]:
+        raise ValueError(f"valid_lengths: expected {lo.shape[0]} values (cu_seqlens' batch), got {live.shape[0]}")
+    parent = cls(length, length, step, lo, hi, intra="causal", queries="windows", n_streams=step, live_slots=live)
+    return parent.restrict_rows(torch.arange((step - 1) * length, step * length))

@@ -132,6 +132,104 @@ def cpu_query_tiles(layout: "WindowLayout", tile_rows: int = CPU_TILE_ROWS) -> t
     return rows_t.to(torch.int32).contiguous(), begin.to(torch.int32).contiguous()
 
 
+# Windows of at most this many slots do their intra-window part row by row in the C++ kernels (a few dot
+# products, csrc/kf_kernels.h kDirectWindowMax): their window intervals cost no tile area.
+CPU_DIRECT_WINDOW_MAX = 16
+
+# A subset tile takes the next parent tile's selected rows only when that adds at most this share to the
+# key area the two would visit apart (rows x union span, per interval): neighbouring windows of a staircase
+# merge, a zig-zag rank's far-apart blocks do not.
+SUBSET_MERGE_SLACK = 0.1
+
+
+def subset_query_tiles(layout: "WindowLayout", rows: torch.Tensor,
+                       tile_rows: int = CPU_TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_order int32 [R], tile_begin int32 [T + 1])``: C++ query tiles of the parent rows ``rows``
+    (int64 [R], strictly increasing), as indices into ``rows``.
+
+    Each parent tile (:func:`cpu_query_tiles`) keeps its selected rows together, in the parent's tile
+    order. Consecutive parent tiles' rows share a subset tile while it holds at most ``tile_rows`` rows,
+    context and window rows are not mixed, and the merge visits at most ``SUBSET_MERGE_SLACK`` more key
+    area (:func:`tile_area`) than the two apart. So an EAGLE-3 step (one slot of each window: 16 rows of a
+    parent tile at k=4) fills 64-row tiles, while a balanced context-parallel rank's distant blocks keep
+    their own spans.
+    """
+    order, begin = (t.to(torch.int64) for t in cpu_query_tiles(layout, tile_rows))
+    position = torch.full((layout.n_queries,), -1, dtype=torch.int64)
+    position[rows] = torch.arange(rows.numel())
+    in_order = position[order]  # subset index of each parent row in tile order, -1 when not selected
+    parent_tile = torch.repeat_interleave(torch.arange(begin.numel() - 1), begin[1:] - begin[:-1])
+    keep = in_order >= 0
+    in_order, parent_tile = in_order[keep], parent_tile[keep]
+    parent_rows = rows[in_order]
+    n_ctx_rows = layout.n_ctx if layout.query_offset == 0 else 0
+    # Per selected row and interval, its [lo, hi) (empty: lo = +big, hi = -1), for union spans by min/max.
+    iv = layout._row_intervals[:, parent_rows]  # [B', r, J, 2]
+    if uses_direct_windows(layout):
+        iv = iv[:, :, :1]  # only the context part is walked in key chunks
+    seen = iv[..., 1] > iv[..., 0]
+    lo = torch.where(seen, iv[..., 0], torch.iinfo(torch.int64).max).amin(0)  # [r, J] over the batch
+    hi = torch.where(seen, iv[..., 1], -1).amax(0)
+    n_pieces = int(parent_tile.max()) + 1 if parent_tile.numel() else 0
+    counts = torch.bincount(parent_tile, minlength=n_pieces)
+    idx = parent_tile[:, None].expand_as(lo)
+    big = torch.iinfo(torch.int64).max
+    p_lo = torch.full((n_pieces, lo.shape[1]), big, dtype=torch.int64).scatter_reduce(0, idx, lo, "amin")
+    p_hi = torch.full((n_pieces, lo.shape[1]), -1, dtype=torch.int64).scatter_reduce(0, idx, hi, "amax")
+    p_ctx = torch.zeros(n_pieces, dtype=torch.bool)
+    p_ctx[parent_tile] = parent_rows < n_ctx_rows
+
+    def area(n, los, his):
+        return sum(n * max(0, h - l) for l, h in zip(los, his) if h > l)
+
+    sizes, size, kind, cur_lo, cur_hi = [], 0, None, None, None
+    for n, c, los, his in zip(counts.tolist(), p_ctx.tolist(), p_lo.tolist(), p_hi.tolist()):
+        while n:
+            take = min(n, tile_rows)
+            if size:
+                m_lo = [min(a, b) for a, b in zip(cur_lo, los)]
+                m_hi = [max(a, b) for a, b in zip(cur_hi, his)]
+                merged = area(size + take, m_lo, m_hi)
+                apart = area(size, cur_lo, cur_hi) + area(take, los, his)
+                if size + take <= tile_rows and c == kind and merged <= (1 + SUBSET_MERGE_SLACK) * apart:
+                    size, cur_lo, cur_hi, n = size + take, m_lo, m_hi, n - take
+                    continue
+                sizes.append(size)
+            size, kind, cur_lo, cur_hi, n = take, c, los, his, n - take
+    if size:
+        sizes.append(size)
+    tile_begin = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+    tile_begin[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0)
+    return in_order.to(torch.int32).contiguous(), tile_begin.to(torch.int32).contiguous()
+
+
+def tile_area(iv: torch.Tensor, row_order: torch.Tensor, tile_begin: torch.Tensor, *,
+              direct_windows: bool = False) -> torch.Tensor:
+    """int64 [B']: the key area the C++ kernels visit with these query tiles: per tile and interval, (rows of
+    the tile seeing the interval) x (the union span of their intervals), the unit their plan costs
+    (``waste = tile_area / num_pairs``). ``direct_windows`` (windows of at most ``CPU_DIRECT_WINDOW_MAX``
+    slots): intervals 1.. are done row by row, so they cost their pairs. ``iv`` int64 [B', Lq, J, 2]; tiles
+    as :func:`cpu_query_tiles`."""
+    order, begin = row_order.to(torch.int64), tile_begin.to(torch.int64)
+    tile_of_row = torch.empty(iv.shape[1], dtype=torch.int64)
+    tile_of_row[order] = torch.repeat_interleave(torch.arange(begin.numel() - 1), begin[1:] - begin[:-1])
+    walked = iv[:, :, :1] if direct_windows else iv
+    spans = reduce_over_tiles(walked, tile_of_row, begin.numel() - 1)  # [B', T, J, 4]
+    seen = (walked[..., 1] > walked[..., 0]).to(torch.int64)  # [B', Lq, J]
+    rows_seeing = torch.zeros(iv.shape[0], begin.numel() - 1, walked.shape[2], dtype=torch.int64)
+    rows_seeing.index_add_(1, tile_of_row, seen)
+    area = (rows_seeing * (spans[..., 1] - spans[..., 0])).sum((1, 2))
+    if direct_windows:
+        area = area + (iv[:, :, 1:, 1] - iv[:, :, 1:, 0]).clamp(min=0).sum((1, 2))
+    return area
+
+
+def uses_direct_windows(layout) -> bool:
+    """Whether the C++ kernels do ``layout``'s intra-window part row by row (windows of at most
+    ``CPU_DIRECT_WINDOW_MAX`` slots)."""
+    return layout.num_windows > 0 and layout.window_size <= CPU_DIRECT_WINDOW_MAX
+
+
 def dense_mask_from(iv: torch.Tensor, n_keys: int) -> torch.Tensor:
     """bool [B', Lq, Lk]: the union of each row's intervals."""
     cols = torch.arange(n_keys)

@@ -23,6 +23,10 @@ from .documents import IntsLike, as_int_tensor
 if TYPE_CHECKING:
     from .window_layout import WindowLayout
 
+# What a subset reads from its parent unchanged: the key storage geometry (queries are its own rows).
+_PARENT_GEOMETRY = ("n_ctx", "num_windows", "window_size", "last_window_size", "n_streams", "slots_per_stream",
+                    "intra", "queries", "query_offset", "n_window_tokens", "window_token_keys")
+
 
 class QueryRowsLayout:
     """Rows ``rows`` (int64 ``[R]``, strictly increasing, in ``[0, parent.n_queries)``) of ``parent``.
@@ -47,6 +51,7 @@ class QueryRowsLayout:
         self.parent = parent
         self._rows = r
         self._iv = None
+        self._rows_key = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -76,6 +81,31 @@ class QueryRowsLayout:
     def row_intervals(self) -> torch.Tensor:
         """int64 [B', R, 1 + S, 2]: the parent's intervals of the selected rows."""
         return self._row_intervals.clone()
+
+    # The kernels take a layout's geometry (key storage, streams, window size: it sizes the keys and picks
+    # the small-window path) with per-row intervals and query tiles; a subset keeps its parent's geometry
+    # and brings its own rows' intervals and tiles (backends ``cpp``, ``triton``, ``composite``).
+    def __getattr__(self, name: str):
+        if name in _PARENT_GEOMETRY:
+            return getattr(self.parent, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _derived(self, name, build):
+        """An artifact of this subset, kept in the parent's store (keyed by the rows), built once."""
+        if self._rows_key is None:
+            self._rows_key = (self._rows.numel(), self._rows.numpy().tobytes())
+        return self.parent._derived(("query_rows", self._rows_key, name), build)
+
+    @property
+    def row_intervals_int32(self) -> torch.Tensor:
+        """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
+        return self._derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:, self._rows].contiguous())
+
+    @property
+    def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 ``(row_order [R], tile_begin [T + 1])``: the parent's C++ query tiles restricted to these rows
+        (indices into the subset), re-packed up to ``CPU_TILE_ROWS`` rows (``intervals.subset_query_tiles``)."""
+        return self._derived("layout.cpu_query_tiles", lambda: _iv.subset_query_tiles(self.parent, self._rows))
 
     def dense_mask(self) -> torch.Tensor:
         """bool [R, Lk] (or [B, R, Lk] for per-batch ranges): the parent's mask rows."""

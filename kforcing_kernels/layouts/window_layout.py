@@ -177,6 +177,7 @@ class WindowLayout:
     ptp = classmethod(_constructors.ptp)
     jacobi = classmethod(_constructors.jacobi)
     anchor_blocks = classmethod(_constructors.anchor_blocks)
+    eagle3_ttt = classmethod(_constructors.eagle3_ttt)
 
     # ------------------------------------------------------------------ the numbers (copies)
 

@@ -14,7 +14,7 @@ gets blocks r and 2P-1-r. It generalises to layouts zig-zag does not balance: Si
 ``[context | windows]``, two staircases of different heights one after the other; packed documents
 are many small staircases. Blocks are halved until the pairs are within ``tolerance`` of equal (or
 blocks are single rows). Contiguous blocks keep each rank's rows in runs, so a chunk of its rows
-covers a short key span (``ops/window_attention/query_rows.py``).
+covers a short key span (the row-subset tiles of ``layouts/intervals.py``).
 
 Contiguous chunks with equal pairs (no dealing) were rejected: they balance pairs but not rows
 (causal, 2 ranks: 71% / 29% of the rows), so the memory CP exists to divide would stay on one rank.

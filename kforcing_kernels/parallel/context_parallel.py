@@ -3,7 +3,8 @@
 Each rank holds q/k/v of its own rows (:class:`~kforcing_kernels.parallel.balance.RowSplit`: its
 query rows, and the keys whose K/V it computes). Forward: the K/V shards are all-gathered (padded to
 the longest shard, one collective for K and V together) and put back into the layout's key order;
-the rank computes its rows with ``window_attention`` on its sub-layout (``layout.restrict_rows``).
+the rank computes its rows on its sub-layout (``layout.restrict_rows``) with the kernels of the default
+row-subset backend (``op.query_rows_backend``: ``cpp`` on CPU, ``triton`` on CUDA).
 Backward: K/V are all-gathered again (only the local shards are saved, so a layer keeps ``1/P`` of
 its K/V between forward and backward, not the whole sequence), the rank's rows give dq and
 full-length dK/dV, and dK/dV are reduce-scattered so each rank gets the sum over ranks for its own
@@ -23,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..layouts import WindowLayout
-from ..ops.window_attention import query_rows as _rows
-from ..ops.window_attention import window_attention
+from ..ops.window_attention.backends import get_backend
+from ..ops.window_attention.op import query_rows_backend
 from .balance import RowSplit, balanced_split
 
 
@@ -151,16 +152,19 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, split: RowSplit, rank: int, group, scale: float):
         k_all, v_all = gather_keys(k, v, split, group)
         sub = split.sub_layout(rank)
-        out, lse = window_attention(q, k_all, v_all, sub, scale=scale, return_lse=True)  # the sub-layout's path
+        # The rank's rows through a backend's kernels, planned from the sub-layout's own row intervals.
+        backend = get_backend(query_rows_backend(q))
+        out, lse = backend.forward(q.contiguous(), k_all.contiguous(), v_all.contiguous(), sub, scale)
         ctx.save_for_backward(q, k, v, out, lse)  # local K/V only: re-gathered in backward
-        ctx.meta = (split, rank, group, scale, sub)
+        ctx.meta = (split, rank, group, scale, sub, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        split, rank, group, scale, sub = ctx.meta
+        split, rank, group, scale, sub, backend = ctx.meta
         k_all, v_all = gather_keys(k, v, split, group)
-        dq, dk_all, dv_all = _rows.backward(dout.contiguous(), q.contiguous(), k_all, v_all, out, lse, sub, scale)
+        dq, dk_all, dv_all = backend.backward(dout.contiguous(), q.contiguous(), k_all.contiguous(), v_all.contiguous(),
+                                              out, lse, sub, scale)
         dk, dv = scatter_key_grads(dk_all, dv_all, split, rank, group)
         return dq, dk, dv, None, None, None, None

@@ -8,7 +8,7 @@
     cpp.py            the C++ CPU kernels (csrc/)
     flex.py           torch's FlexAttention over the layout's analytic BlockMask (CPU: forward only)
     dispatch.py       the measured CUDA dispatch table (dispatch_table.json): backend=None's choice by GPU measurement
-    query_rows.py     a QueryRowsLayout (some rows of a layout): chunked interval math, any device
+    query_rows.py     the composite backend on a QueryRowsLayout (some rows of a layout): per-interval calls
     triton/           the Triton GPU kernels: tile plan, configs, launchers, @triton.jit source
 """
 

@@ -36,7 +36,6 @@ from ... import env
 from . import dispatch
 from .backends import REGISTRY, get_backend
 from .lse_attention import acc_dtype
-from . import query_rows
 from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 
@@ -60,8 +59,9 @@ def window_attention(
             storage order (``[context | windows]`` or windows only).
         k, v: keys/values ``[B, Hkv, Lk, D]`` with ``Lk == layout.n_keys``
             (``[context | windows]``); ``H % Hkv == 0`` (GQA).
-        layout: the mask; a ``QueryRowsLayout`` (some rows of a layout, ``layout.restrict_rows``) runs the
-            interval path of ``query_rows.py`` whatever ``backend`` says (eager only, not a custom op).
+        layout: the mask; a ``QueryRowsLayout`` (some rows of a layout, ``layout.restrict_rows``) runs on the
+            backends of :data:`ROW_SUBSET_BACKENDS` (planned from the subset's own row intervals; eager
+            only, not a custom op); another ``backend`` is refused by name.
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: ``"reference"``, ``"composite"``, ``"cpp"``, ``"triton"``, ``"flex"`` or None (fastest
             available for the device; on CUDA the measured winner of ``dispatch_table.json`` for this GPU,
@@ -75,12 +75,12 @@ def window_attention(
     """
     _validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if q.shape[0] == 0 or q.shape[1] == 0:  # nothing to attend: empty outputs on every backend
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:  # nothing to attend (q.shape[2]: a subset of no rows)
         out = q * 0.0 + (k.sum() + v.sum()) * 0.0  # empty, yet connected to q, k and v for autograd
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
-    if isinstance(layout, QueryRowsLayout):
-        out, lse = query_rows.QueryRowsAttention.apply(q, k, v, layout, scale)
+    if isinstance(layout, QueryRowsLayout):  # eager only: a subset does not travel through the custom op
+        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, query_rows_backend(q, backend))
         return (out, lse.detach()) if return_lse else out
     name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     if _plain_eager(q, k, v):
@@ -88,6 +88,27 @@ def window_attention(
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
+
+
+# The backends that run a row subset (QueryRowsLayout) from its own rows' intervals and tiles: cpp (the
+# same kernels), triton (the same kernels over a tile-mode plan of the subset, triton/plan.py), composite
+# (query_rows.py), reference (its dense mask). A backend outside this list is refused by name.
+ROW_SUBSET_BACKENDS = ("reference", "composite", "cpp", "triton")
+
+
+def query_rows_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
+    """The backend a row subset (``QueryRowsLayout``) runs on for queries like ``q``: ``backend`` when it can
+    (else a ``ValueError`` naming it), or the first default choice for the device and dtype that can."""
+    if backend is not None:
+        REGISTRY.check_name(backend)
+        if backend not in ROW_SUBSET_BACKENDS:
+            raise ValueError(f"backend: {backend!r} cannot run a QueryRowsLayout (a row subset of a layout); "
+                             f"expected one of {ROW_SUBSET_BACKENDS}")
+        return backend
+    for name, dims in _default_choices(q.device.type, q.dtype):
+        if name in ROW_SUBSET_BACKENDS and (dims is None or q.shape[-1] in dims):
+            return name
+    return "composite"
 
 
 def _plain_eager(*tensors: torch.Tensor) -> bool:
@@ -306,6 +327,9 @@ class _EagerWindowAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, backend = ctx.meta
+        if torch.is_grad_enabled() and isinstance(layout, QueryRowsLayout):
+            raise RuntimeError(f"double backward is not supported by window_attention (backend {backend!r}) on a "
+                               "QueryRowsLayout: its backward is itself not differentiable")
         if torch.is_grad_enabled():  # create_graph=True: the backward op, whose own backward says it is unsupported
             ranges, geometry, intra_causal, queries_all = _layout_args(layout)
             grads = torch.ops.kforcing_kernels.window_attention_backward(

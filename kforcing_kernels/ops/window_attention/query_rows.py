@@ -1,87 +1,99 @@
-"""``window_attention`` on a :class:`~kforcing_kernels.layouts.QueryRowsLayout` (some rows of a layout).
+"""The ``composite`` backend on a :class:`~kforcing_kernels.layouts.QueryRowsLayout` (some rows of a layout).
 
-The backends' kernels plan their tiles from a ``WindowLayout``'s geometry (context tiles, windows
-packed per tile), which an arbitrary row subset does not have. This path reads only the row
-intervals: query rows are taken in chunks, each chunk attends over the key span its rows' intervals
-cover, with the chunk's dense mask (a ``CHUNK_ROWS x span`` bool tensor) and the portable attention
-math of ``lse_attention`` (fp32 accumulation, fp64 for fp64). Memory is bounded by the chunk, work
-by the chunk's key span (about the rows' attended pairs for the staircase-shaped layouts), not by
-``Lq x Lk``. Any device; GQA as in ``window_attention``. Context parallelism runs each rank's
-rows through it (``kforcing_kernels.parallel``).
+A row subset (a context-parallel rank's rows, an EAGLE-3 step's rows) has no window geometry of
+its own to regroup, so the composite backend plans it from the subset's row intervals, as the C++
+kernels do: rows are grouped as in ``layouts.intervals.subset_query_tiles`` (the parent's query tiles
+restricted to the subset, :data:`GROUP_ROWS` rows a group, context and window rows never mixed), and
+each group runs one masked attention call per interval (context part, each window stream) over the
+key span that interval covers for the group's rows. The pieces are merged by log-sum-exp; backward
+gives each piece the merged ``out``/``lse`` (``lse_attention``'s contract). Work is the groups'
+spans, which for the staircase layouts is within a group's spread of the rows' attended pairs, not
+``R x Lk``.
+
+Calls go to the composite backend's fused kernels (``composite/cuda.py`` on CUDA, torch's flash CPU
+kernel on CPU). A NaN/inf in K or V takes ``masked_keys`` on CPU (as the composite backend on a full
+layout): a masked key never reaches a row. Same values as the full layout's rows up to rounding; no
+bitwise promise across subsets (the ``cpp`` backend makes that one).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...layouts.intervals import subset_query_tiles
 from ...layouts.query_rows import QueryRowsLayout
-from .lse_attention import acc_dtype, attend, attend_backward
+from . import masked_keys
+from .composite.cuda import attend, attend_backward
+from .lse_attention import acc_dtype
 
-CHUNK_ROWS = 128
+# Rows per attention call: groups of the subset's query tiles up to this size (fewer, larger calls
+# than the C++ kernels' 64-row tiles; a group's masked area beyond its rows' pairs grows with it).
+GROUP_ROWS = 128
 
 
-def _chunks(layout: QueryRowsLayout, device):
-    """Yield ``(rows slice, key lo, key hi, allowed bool [B'|1, 1, r, hi - lo] or None when nothing is seen)``."""
+def _build_pieces(layout: QueryRowsLayout) -> list:
+    """``[(rows int64 [r] (subset indices), key lo, key hi, allowed bool [B', 1, r, hi - lo])]``: one per
+    group and interval whose rows see some key through that interval."""
+    order, begin = subset_query_tiles(layout.parent, layout._rows, GROUP_ROWS)
+    order, begin = order.to(torch.int64), begin.tolist()
     iv = layout._row_intervals  # [B', R, J, 2]
-    for r0 in range(0, layout.n_queries, CHUNK_ROWS):
-        rows = slice(r0, min(layout.n_queries, r0 + CHUNK_ROWS))
-        part = iv[:, rows]
-        seen = part[..., 1] > part[..., 0]
-        if not bool(seen.any()):
-            yield rows, 0, 0, None
-            continue
-        lo = int(torch.where(seen, part[..., 0], layout.n_keys).min())
-        hi = int(torch.where(seen, part[..., 1], 0).max())
-        cols = torch.arange(lo, hi)
-        mask = torch.zeros(part.shape[0], part.shape[1], hi - lo, dtype=torch.bool)
-        for j in range(part.shape[2]):
-            mask |= (part[:, :, j, 0, None] <= cols) & (cols < part[:, :, j, 1, None])
-        yield rows, lo, hi, mask[:, None].to(device)
+    pieces = []
+    for t in range(len(begin) - 1):
+        group = order[begin[t]:begin[t + 1]]
+        for j in range(iv.shape[2]):
+            part = iv[:, group, j]  # [B', r, 2]
+            seen = part[..., 1] > part[..., 0]
+            rows_seeing = seen.any(0)
+            if not bool(rows_seeing.any()):
+                continue
+            rows, part, seen = group[rows_seeing], part[:, rows_seeing], seen[:, rows_seeing]
+            lo = int(torch.where(seen, part[..., 0], layout.n_keys).min())
+            hi = int(torch.where(seen, part[..., 1], 0).max())
+            cols = torch.arange(lo, hi)
+            allowed = (part[..., 0, None] <= cols) & (cols < part[..., 1, None])  # [B', r, span]
+            pieces.append((rows, lo, hi, allowed[:, None]))
+    return pieces
+
+
+def _pieces(layout: QueryRowsLayout, device: torch.device) -> list:
+    cpu = layout._derived(("composite.query_rows_pieces", GROUP_ROWS), lambda: _build_pieces(layout))
+    if device.type == "cpu":
+        return cpu
+    return layout._derived(("composite.query_rows_pieces", GROUP_ROWS, str(device)), lambda: [
+        (rows.to(device), lo, hi, allowed.to(device)) for rows, lo, hi, allowed in cpu])
 
 
 def forward(q, k, v, layout: QueryRowsLayout, scale: float):
     """q [B, H, R, D], k/v [B, Hkv, Lk, D] -> (out [B, H, R, D] q.dtype, lse [B, H, R] acc dtype; -inf where a row sees nothing)."""
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    for rows, lo, hi, allowed in _chunks(layout, q.device):
-        if allowed is None:
-            continue
-        o, l = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed,
-                      force_math=True)
-        out[:, :, rows], lse[:, :, rows] = o, l
-    return out, lse
+    if masked_keys.needed(k, v):
+        return masked_keys.forward(q, k, v, layout, scale)
+    ct = acc_dtype(q.dtype)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=ct, device=q.device)
+    parts = []
+    for rows, lo, hi, allowed in _pieces(layout, q.device):
+        o, l = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed)
+        parts.append((rows, o, l))
+        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], l)
+    out = torch.zeros(q.shape, dtype=ct, device=q.device)
+    finite = torch.where(lse > float("-inf"), lse, 0.0)
+    for rows, o, l in parts:  # each piece weighted by its share of the row's softmax mass
+        out[:, :, rows] += torch.exp(l - finite[:, :, rows])[..., None] * o.to(ct)
+    return out.to(q.dtype), lse
 
 
 def backward(dout, q, k, v, out, lse, layout: QueryRowsLayout, scale: float):
     """``(dq, dk, dv)`` shaped like ``(q, k, v)`` from the forward's ``out`` and ``lse``."""
+    if masked_keys.needed(k, v):
+        return masked_keys.backward(dout, q, k, v, layout, scale)
     ct = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=k.device)
     dv = torch.zeros(v.shape, dtype=ct, device=v.device)
-    for rows, lo, hi, allowed in _chunks(layout, q.device):
-        if allowed is None:
-            continue
+    lse = torch.where(lse > float("-inf"), lse, float("inf"))  # a row that sees nothing: every p = 0
+    for rows, lo, hi, allowed in _pieces(layout, q.device):
         gq, gk, gv = attend_backward(dout[:, :, rows], q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, rows],
-                                     lse[:, :, rows], causal=False, scale=scale, allowed=allowed, force_math=True,
-                                     acc_grads=True)
-        dq[:, :, rows] = gq
-        dk[:, :, lo:hi] += gk
-        dv[:, :, lo:hi] += gv
+                                     lse[:, :, rows], causal=False, scale=scale, allowed=allowed)
+        dq.index_add_(2, rows, gq.to(ct))
+        dk[:, :, lo:hi] += gk.to(ct)
+        dv[:, :, lo:hi] += gv.to(ct)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class QueryRowsAttention(torch.autograd.Function):
-    """Differentiable ``(out, lse)`` of :func:`forward` (lse not differentiated)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layout: QueryRowsLayout, scale: float):
-        out, lse = forward(q, k, v, layout, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale = layout, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*backward(dout.contiguous(), q, k, v, out, lse, ctx.layout, ctx.scale), None, None)

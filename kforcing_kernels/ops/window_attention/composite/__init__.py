@@ -25,6 +25,7 @@ sees no key gets out 0 and LSE -inf, and no gradient.
     __init__.py  the backend: available/supports/forward/backward, per-element CPU runs, the merge
     pieces.py    storage order, prefix chunks (staircase or masked), intra-window products
     cuda.py      fused CUDA kernels for each call (flash-attn, SDPA flash / efficient), with fallback
+    ../query_rows.py     a row subset (QueryRowsLayout): per-interval calls over groups of its rows
     ../lse_attention.py  the portable attention-with-LSE path (shared with reference, paged, masked_keys)
 """
 
@@ -34,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ....layouts import WindowLayout
+from ....layouts import QueryRowsLayout, WindowLayout
 from .. import masked_keys
 from ..lse_attention import acc_dtype
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
@@ -52,6 +53,12 @@ def available() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- entry points
+
+
+def _query_rows():
+    from .. import query_rows  # imports this package's cuda.py: loaded on first use, not at package import
+
+    return query_rows
 
 
 def _per_element(fn, tensors, layout: WindowLayout, *args):
@@ -84,6 +91,8 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
     On CPU a NaN/inf in K or V takes ``masked_keys`` (its products touch only the keys a row
     sees), so it never reaches a row that does not see it; on CUDA the fused kernels are
     FlashAttention-like (keep K/V finite)."""
+    if isinstance(layout, QueryRowsLayout):  # a row subset: planned from its rows' intervals
+        return _query_rows().forward(q, k, v, layout, scale)
     if masked_keys.needed(k, v):
         return masked_keys.forward(q, k, v, layout, scale)
     return _per_element(_forward, (q, k, v), layout, scale)
@@ -91,6 +100,8 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
 
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse`` (non-finite K/V: see ``forward``)."""
+    if isinstance(layout, QueryRowsLayout):
+        return _query_rows().backward(dout, q, k, v, out, lse, layout, scale)
     if masked_keys.needed(k, v):
         return masked_keys.backward(dout, q, k, v, layout, scale)
     return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)

@@ -7,7 +7,7 @@ for bfloat16, so that combination is refused). This module imports triton only
 when asked (``available``, ``kernels``), so the backend reports its absence.
 
     __init__.py       the backend: available/supports/forward/backward, kernels() (launch.py)
-    plan.py           tile shapes (Tiles), the tile plan of a layout, its device copies
+    plan.py           tile shapes (Tiles), the tile plan of a layout (or of a row subset, QueryRowsLayout), its device copies
     configs.py        tile sets, per-kernel (warps, stages) tables, the tile set and autotune choices
     launch.py         autotuned launchers: attention_forward / attention_backward
     direct.py         steady-state launches of the cached compiled kernel (no autotuner, no JIT binding)
