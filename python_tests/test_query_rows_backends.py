@@ -204,3 +204,23 @@ def test_an_eagle3_step_fills_whole_tiles():
     sizes = (begin[1:] - begin[:-1]).tolist()
     # Only the first windows (short context spans, where merging would double a tile's area) stay apart.
     assert sum(s for s in sizes if s == iv.CPU_TILE_ROWS) >= 0.8 * step.n_queries, sizes
+
+
+def test_kforcing_backend_switch_is_honoured_or_refused_on_a_subset(monkeypatch):
+    """KFORCING_BACKEND naming a backend with no row-subset plan (flex) is refused by name, not replaced."""
+    layout = ZOO["single_k3_odd"]
+    sub = layout.restrict_rows(torch.arange(1, layout.n_queries, 3))
+    q, k, v = _qkv(layout, torch.float64)
+    monkeypatch.setenv("KFORCING_BACKEND", "flex")
+    with pytest.raises(ValueError, match=r"^KFORCING_BACKEND: 'flex' cannot run a QueryRowsLayout"):
+        window_attention(q[:, :, sub.rows], k, v, sub)
+    from kforcing_kernels.ops.window_attention import composite
+
+    calls = []
+    real = composite.forward
+    monkeypatch.setattr(composite, "forward", lambda *a: calls.append("composite") or real(*a))
+    monkeypatch.setenv("KFORCING_BACKEND", "composite")  # not the CPU default (cpp): the switch decides
+    got = window_attention(q[:, :, sub.rows], k, v, sub)
+    assert calls == ["composite"]
+    want = window_attention(q, k, v, layout, backend="reference")[:, :, sub.rows]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -105,6 +105,10 @@ def query_rows_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
             raise ValueError(f"backend: {backend!r} cannot run a QueryRowsLayout (a row subset of a layout); "
                              f"expected one of {ROW_SUBSET_BACKENDS}")
         return backend
+    forced = env.backend_override()
+    if forced is not None and forced not in ROW_SUBSET_BACKENDS:  # the switch is honoured or refused, never ignored
+        raise ValueError(f"KFORCING_BACKEND: {forced!r} cannot run a QueryRowsLayout (a row subset of a layout); "
+                         f"expected one of {ROW_SUBSET_BACKENDS}, or pass backend=")
     for name, dims in _default_choices(q.device.type, q.dtype):
         if name in ROW_SUBSET_BACKENDS and (dims is None or q.shape[-1] in dims):
             return name
