@@ -243,7 +243,7 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
     if layout.num_windows:
         ranges[5] = slide_lo
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-    name = backend or window_op._default_backend_for(query.device.type, query.dtype, query.shape[-1])
+    name = backend or window_op._default_backend_for(query.device, query.dtype, query.shape[-1], layout)
     out, _ = torch.ops.kforcing_kernels.window_attention(query, key, value, ranges, geometry, intra_causal, queries_all,
                                                          scale, name)
     return out
