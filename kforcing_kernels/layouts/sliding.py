@@ -48,8 +48,6 @@ def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
 
 def check_window(layout: "WindowLayout", window) -> int:
     """``window`` as an int after the refusals of :func:`with_sliding_window` (no value of a tensor is read)."""
-    from .window_layout import WindowLayout
-
     if isinstance(window, bool):
         raise ValueError(f"window: expected a positive int, got {window!r}")
     try:
@@ -58,7 +56,8 @@ def check_window(layout: "WindowLayout", window) -> int:
         raise ValueError(f"window: expected a positive int, got {window!r}") from None
     if window < 1:
         raise ValueError(f"window: expected a positive int, got {window}")
-    if not isinstance(layout, WindowLayout):
+    # Duck-typed: window_layout.py imports this module (its with_sliding_window method), not the reverse.
+    if type(layout).__name__ != "WindowLayout" or not hasattr(layout, "with_sliding_window"):
         raise ValueError(f"layout: expected a WindowLayout, got {type(layout).__name__}")
     if layout.num_windows and window < layout.window_size:
         raise ValueError(
@@ -78,11 +77,9 @@ def window_hides_nothing(layout: "WindowLayout", window: int) -> bool:
 
 
 def _intersect(layout: "WindowLayout", window: int) -> "WindowLayout":
-    from .window_layout import WindowLayout
-
     context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, layout.queries == "all", layout.prefix_hi,
                                                       layout.context_lo, layout.context_hi, window)
-    return WindowLayout(
+    return type(layout)(
         layout.n_ctx, layout.num_windows, layout.window_size, layout.prefix_lo, layout.prefix_hi,
         last_window_size=layout.last_window_size, intra=layout.intra, queries=layout.queries,
         n_streams=layout.n_streams, context_lo=context_lo, context_hi=context_hi, live_slots=layout.live_slots,
