@@ -1,6 +1,6 @@
 """Does a Stage-1 PFLM(1) student sample like its AR teacher, or emit the teacher's mode?
 
-    python -m kforcing_kernels.app.noise_diagnosis RUN [--tau 0.8] [--student RUN/stage1] [--generate]
+    python -m kforcing_kernels.app.noise_diagnosis RUN [--temperature 0.8] [--student RUN/stage1] [--generate]
 
 A push-forward student maps uniform noise u to the token the teacher's inverse CDF gives at u,
 so with fresh noise its tokens should vary exactly as often as two independent teacher samples
@@ -248,12 +248,12 @@ def format_diagnosis(d: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .cli import make_parser
+    from .cli import add_temperature, make_parser
 
-    parser = make_parser("kforcing-noise-diagnosis", "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.")
+    parser = make_parser("python -m kforcing_kernels.app.noise_diagnosis", "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.")
     parser.add_argument("run", help="a pipeline folder holding stage0 (the AR teacher) and stage1")
     parser.add_argument("--student", help="the PFLM(1) folder (None: RUN/stage1)")
-    parser.add_argument("--tau", type=float, default=0.8)
+    add_temperature(parser)
     parser.add_argument("--order", choices=CDF_ORDERS, default=None,
                         help="the CDF vocabulary order the student was trained with (None: the one its model.json records)")
     parser.add_argument("--batches", type=int, default=4)
@@ -269,10 +269,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument --student: expected a PFLM(1) (stage1) folder, got k={sinfo.get('k')}")
     order = args.order or sinfo.get("cdf_order", "vocab")  # stages saved before the order was recorded used vocab order
     corpus = corpus_for(str(run / "stage0"), tinfo["data"], teacher.config.vocab_size)
-    d = diagnose(teacher.eval(), student.eval(), corpus.val, tau=args.tau, order=order, batches=args.batches,
+    d = diagnose(teacher.eval(), student.eval(), corpus.val, tau=args.temperature, order=order, batches=args.batches,
                  seq_len=tinfo["train_config"]["seq_len"], seed=args.seed)
     if args.generate:
-        d["decode_bracket"] = decode_bracket(teacher.eval(), student.eval(), corpus.val, corpus.eos_id, tau=args.tau)
+        d["decode_bracket"] = decode_bracket(teacher.eval(), student.eval(), corpus.val, corpus.eos_id, tau=args.temperature)
     print(format_diagnosis(d))
     if args.json:
         Path(args.json).write_text(json.dumps(d, indent=1))
