@@ -179,28 +179,64 @@ def subset_query_tiles(layout: "WindowLayout", rows: torch.Tensor,
     p_ctx = torch.zeros(n_pieces, dtype=torch.bool)
     p_ctx[parent_tile] = parent_rows < n_ctx_rows
 
-    def area(n, los, his):
-        return sum(n * max(0, h - l) for l, h in zip(los, his) if h > l)
-
-    sizes, size, kind, cur_lo, cur_hi = [], 0, None, None, None
-    for n, c, los, his in zip(counts.tolist(), p_ctx.tolist(), p_lo.tolist(), p_hi.tolist()):
-        while n:
-            take = min(n, tile_rows)
-            if size:
-                m_lo = [min(a, b) for a, b in zip(cur_lo, los)]
-                m_hi = [max(a, b) for a, b in zip(cur_hi, his)]
-                merged = area(size + take, m_lo, m_hi)
-                apart = area(size, cur_lo, cur_hi) + area(take, los, his)
-                if size + take <= tile_rows and c == kind and merged <= (1 + SUBSET_MERGE_SLACK) * apart:
-                    size, cur_lo, cur_hi, n = size + take, m_lo, m_hi, n - take
-                    continue
-                sizes.append(size)
-            size, kind, cur_lo, cur_hi, n = take, c, los, his, n - take
-    if size:
-        sizes.append(size)
+    sizes = merge_subset_pieces(counts.tolist(), p_ctx.tolist(), p_lo.tolist(), p_hi.tolist(), tile_rows)
     tile_begin = torch.zeros(len(sizes) + 1, dtype=torch.int64)
     tile_begin[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0)
     return in_order.to(torch.int32).contiguous(), tile_begin.to(torch.int32).contiguous()
+
+
+def merge_subset_pieces(counts: list, kinds: list, los: list, his: list, tile_rows: int) -> list:
+    """Row counts of a subset's query tiles, built greedily from consecutive pieces of its rows (the one rule
+    both the C++ and the Triton subset plans use). Piece p has ``counts[p]`` rows of kind ``kinds[p]``
+    (context or window) whose intervals' union spans are ``[los[p][j], his[p][j])`` (empty: ``hi <= lo``).
+    A piece is cut at ``tile_rows``; a cut joins the current tile while the tile stays within ``tile_rows``
+    rows of one kind and the merge visits at most ``SUBSET_MERGE_SLACK`` more key area (rows x union span,
+    per interval) than the two apart."""
+    def area(n, lo, hi):
+        return sum(n * (h - l) for l, h in zip(lo, hi) if h > l)
+
+    sizes, size, kind, cur_lo, cur_hi = [], 0, None, None, None
+    for n, c, lo, hi in zip(counts, kinds, los, his):
+        while n:
+            take = min(n, tile_rows)
+            if size:
+                if size + take <= tile_rows and c == kind:
+                    m_lo = [min(a, b) for a, b in zip(cur_lo, lo)]
+                    m_hi = [max(a, b) for a, b in zip(cur_hi, hi)]
+                    apart = area(size, cur_lo, cur_hi) + area(take, lo, hi)
+                    if area(size + take, m_lo, m_hi) <= (1 + SUBSET_MERGE_SLACK) * apart:
+                        size, cur_lo, cur_hi, n = size + take, m_lo, m_hi, n - take
+                        continue
+                sizes.append(size)
+            size, kind, cur_lo, cur_hi, n = take, c, lo, hi, n - take
+    if size:
+        sizes.append(size)
+    return sizes
+
+
+def subset_query_runs(layout, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_start, q_len)`` int64 [T]: the Triton query tiles of a row subset (a ``QueryRowsLayout``), as
+    ranges of its rows (contiguous in q: a subset keeps its parent's order). Runs of consecutive parent
+    rows of one kind (context or window) are cut at ``tile_rows`` and merged as
+    :func:`merge_subset_pieces` says (an EAGLE-3 step's rows form one run; a zig-zag rank's distant
+    blocks stay apart)."""
+    rows = layout._rows
+    n_ctx_rows = layout.n_ctx if layout.query_offset == 0 else 0
+    is_ctx = rows < n_ctx_rows
+    brk = torch.ones(rows.numel(), dtype=torch.bool)
+    brk[1:] = (rows[1:] != rows[:-1] + 1) | (is_ctx[1:] != is_ctx[:-1])
+    run_start = torch.nonzero(brk).flatten().tolist() + [rows.numel()]
+    iv = layout._row_intervals
+    seen = iv[..., 1] > iv[..., 0]
+    lo = torch.where(seen, iv[..., 0], torch.iinfo(torch.int64).max).amin(0)  # [R, J] over the batch
+    hi = torch.where(seen, iv[..., 1], -1).amax(0)
+    cuts = [(p0, min(b, p0 + tile_rows)) for a, b in zip(run_start[:-1], run_start[1:])
+            for p0 in range(a, b, tile_rows)]
+    lens = merge_subset_pieces([p1 - p0 for p0, p1 in cuts], [bool(is_ctx[p0]) for p0, _ in cuts],
+                               [lo[p0:p1].amin(0).tolist() for p0, p1 in cuts],
+                               [hi[p0:p1].amax(0).tolist() for p0, p1 in cuts], tile_rows)
+    q_len = torch.tensor(lens, dtype=torch.int64)
+    return torch.cumsum(q_len, 0) - q_len, q_len
 
 
 def tile_area(iv: torch.Tensor, row_order: torch.Tensor, tile_begin: torch.Tensor, *,

@@ -35,7 +35,7 @@ BLOCK_N chunks of the context, and of each window stream in tile mode), the
 list of (query tile, interval, full) that touch it, in CSR form.
 
 A row subset (``QueryRowsLayout``: a context-parallel rank, an EAGLE-3 step) is planned the same way
-from its own rows' intervals (``_build_subset``), in tile mode, with query tiles of runs of its rows.
+from its own rows' intervals (``_build``), in tile mode, with query tiles of runs of its rows.
 
 Plans (``tile_plan``, per tile shapes) and their int32 device copies
 (``device_plan``, per device and CUDA stream) are artifacts of the layout
@@ -50,7 +50,7 @@ from typing import Optional, Union
 import torch
 
 from ....layouts import QueryRowsLayout, WindowLayout
-from ....layouts.intervals import SUBSET_MERGE_SLACK, reduce_over_tiles
+from ....layouts.intervals import reduce_over_tiles, subset_query_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,14 +329,20 @@ def _transpose(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.
 # ---------------------------------------------------------------------- build
 
 
-def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
-    g = Geometry.of(layout, tiles)
-    bm, bn = tiles.block_m, tiles.block_n
-    qt = _query_tiles(g, bm)
+def _build(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePlan:
+    if isinstance(layout, QueryRowsLayout):
+        # A row subset: tile mode always (every interval as tile products: the slot steps locate a row's window
+        # slots by index arithmetic over the parent's rows), query tiles from the subset's rows
+        # (intervals.subset_query_runs), key tiles the parent's.
+        g = dataclasses.replace(Geometry.of(layout.parent, tiles), n_queries=layout.n_queries, use_slots=False)
+        q_start, q_len = subset_query_runs(layout, tiles.block_m)
+        qt, seeded, per_block = dict(q_start=q_start, q_len=q_len), torch.zeros_like(q_start, dtype=torch.bool), 1
+    else:
+        g = Geometry.of(layout, tiles)
+        qt = _query_tiles(g, tiles.block_m)
+        seeded, per_block = (qt["m_a"] >= 0) & g.use_slots, tiles.block_t // g.window_size
     intervals = _tile_intervals(layout, g, qt)  # [B', T, J, 4] (klo, khi, flo, fhi)
-    bounds = _to_tile_bounds(intervals, bn)
-
-    seeded = (qt["m_a"] >= 0) & g.use_slots
+    bounds = _to_tile_bounds(intervals, tiles.block_n)
     query_tiles = torch.stack([qt["q_start"], qt["q_len"], seeded.to(torch.int64)], -1)
     # Longest first (ties keep storage order).
     order = torch.sort(bounds[..., 1].sum((0, 2)), descending=True, stable=True).indices
@@ -344,88 +350,13 @@ def _build(layout: WindowLayout, tiles: Tiles) -> TilePlan:
     key_tiles = _key_tiles(g, tiles.block_n_dkdv)
     key_ptr, entries = _transpose(intervals, key_tiles)
     key_order = torch.sort((key_ptr[:, 1:] - key_ptr[:, :-1]).sum(0), descending=True, stable=True).indices
-
-    per_block = tiles.block_t // g.window_size
     intra_blocks = -(-g.num_windows // per_block) if g.use_slots else 0
 
     i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
     return TilePlan(
         layout_key=layout.cache_key, tiles=tiles, geometry=g, query_tiles=i32(query_tiles), bounds=i32(bounds),
         order=i32(order), key_tiles=i32(key_tiles), intra_blocks=intra_blocks, windows_per_block=per_block,
-        key_ptr=i32(key_ptr), key_entries=i32(entries),
-        key_order=i32(key_order),
-    )
-
-
-# ---------------------------------------------------------------------- row subsets (QueryRowsLayout)
-
-
-def _subset_query_tiles(layout: QueryRowsLayout, bm: int) -> dict:
-    """Query tiles of a row subset: runs of its rows (contiguous in q: a subset keeps its parent's order)
-    that are consecutive parent rows of one kind (context or window), cut at ``bm`` rows; neighbouring runs
-    share a tile when it holds at most ``bm`` rows and visits at most ``SUBSET_MERGE_SLACK`` more key area
-    than the two apart (an EAGLE-3 step's rows form one run; a zig-zag rank's distant blocks stay apart)."""
-    rows = layout._rows
-    n_ctx_rows = layout.n_ctx if layout.query_offset == 0 else 0
-    is_ctx = rows < n_ctx_rows
-    brk = torch.ones(rows.numel(), dtype=torch.bool)
-    brk[1:] = (rows[1:] != rows[:-1] + 1) | (is_ctx[1:] != is_ctx[:-1])
-    run_start = torch.nonzero(brk).flatten().tolist() + [rows.numel()]
-    iv = layout._row_intervals
-    seen = iv[..., 1] > iv[..., 0]
-    lo = torch.where(seen, iv[..., 0], torch.iinfo(torch.int64).max).amin(0).tolist()  # [R][J]
-    hi = torch.where(seen, iv[..., 1], -1).amax(0).tolist()
-
-    def span(a, b):
-        return ([min(x[j] for x in lo[a:b]) for j in range(len(lo[0]))],
-                [max(x[j] for x in hi[a:b]) for j in range(len(hi[0]))])
-
-    def area(n, los, his):
-        return sum(n * (h - l) for l, h in zip(los, his) if h > l)
-
-    starts, lens = [], []
-    cur = None  # (start, length, kind, los, his)
-    for a, b in zip(run_start[:-1], run_start[1:]):
-        for p0 in range(a, b, bm):
-            p1 = min(b, p0 + bm)
-            los, his = span(p0, p1)
-            kind = bool(is_ctx[p0])
-            if cur is not None and cur[1] + (p1 - p0) <= bm and cur[2] == kind:
-                m_lo = [min(x, y) for x, y in zip(cur[3], los)]
-                m_hi = [max(x, y) for x, y in zip(cur[4], his)]
-                apart = area(cur[1], cur[3], cur[4]) + area(p1 - p0, los, his)
-                if area(cur[1] + p1 - p0, m_lo, m_hi) <= (1 + SUBSET_MERGE_SLACK) * apart:
-                    cur = (cur[0], cur[1] + p1 - p0, kind, m_lo, m_hi)
-                    continue
-            if cur is not None:
-                starts.append(cur[0])
-                lens.append(cur[1])
-            cur = (p0, p1 - p0, kind, los, his)
-    if cur is not None:
-        starts.append(cur[0])
-        lens.append(cur[1])
-    q_start, q_len = torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
-    return dict(q_start=q_start, q_len=q_len)
-
-
-def _build_subset(layout: QueryRowsLayout, tiles: Tiles) -> TilePlan:
-    """The plan of a row subset: tile mode always (every interval as tile products: the slot steps locate a
-    row's window slots by index arithmetic over the parent's rows), query tiles from the subset's rows,
-    key tiles the parent's; the kernels read only the plan, the subset's row intervals and the key order."""
-    g = dataclasses.replace(Geometry.of(layout.parent, tiles), n_queries=layout.n_queries, use_slots=False)
-    qt = _subset_query_tiles(layout, tiles.block_m)
-    intervals = _tile_intervals(layout, g, qt)
-    bounds = _to_tile_bounds(intervals, tiles.block_n)
-    query_tiles = torch.stack([qt["q_start"], qt["q_len"], torch.zeros_like(qt["q_start"])], -1)
-    order = torch.sort(bounds[..., 1].sum((0, 2)), descending=True, stable=True).indices
-    key_tiles = _key_tiles(g, tiles.block_n_dkdv)
-    key_ptr, entries = _transpose(intervals, key_tiles)
-    key_order = torch.sort((key_ptr[:, 1:] - key_ptr[:, :-1]).sum(0), descending=True, stable=True).indices
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return TilePlan(
-        layout_key=layout.cache_key, tiles=tiles, geometry=g, query_tiles=i32(query_tiles), bounds=i32(bounds),
-        order=i32(order), key_tiles=i32(key_tiles), intra_blocks=0, windows_per_block=1, key_ptr=i32(key_ptr),
-        key_entries=i32(entries), key_order=i32(key_order),
+        key_ptr=i32(key_ptr), key_entries=i32(entries), key_order=i32(key_order),
     )
 
 
@@ -438,8 +369,7 @@ def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAU
         raise ValueError(f"tiles: expected block_m_dkdv <= block_m, got {tiles}")
     if tiles.block_t < SLOT_WINDOW_MAX:
         raise ValueError(f"tiles: expected block_t >= {SLOT_WINDOW_MAX} (a whole window per slot block), got {tiles}")
-    build = _build_subset if isinstance(layout, QueryRowsLayout) else _build
-    return layout._derived(("triton.tile_plan", tiles), lambda: build(layout, tiles))
+    return layout._derived(("triton.tile_plan", tiles), lambda: _build(layout, tiles))
 
 
 # ---------------------------------------------------------------------- device copies
