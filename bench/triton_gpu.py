@@ -42,18 +42,18 @@ why and measures nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import attention
+from . import attention, sampler_gpu
+from .gpu_table import render_markdown
 from ._cli import write_json
 from ._timing import machine_info
+from .gpu_variants import _repeats_the_default, _triton_env, read_variants, variant_backend, variant_problem
 from .train_step_gpu import TRAIN_VARIANTS
 from kforcing_kernels import WindowLayout, window_attention
 
@@ -104,74 +104,6 @@ def _timer(args):
     return once_ms_synced if getattr(args, "warm", False) else time_ms  # looked up per call: tests replace time_ms
 
 
-def read_variants(path: str) -> list[tuple[str, dict]]:
-    """``[(name, {VAR: value})]`` from a variants file: one ``NAME VAR=VALUE ...`` per line, ``#`` comments."""
-    variants = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            words = line.split("#", 1)[0].split()
-            if not words:
-                continue
-            name, assignments = words[0], words[1:]
-            bad = [a for a in assignments if "=" not in a or not a.startswith("KFORCING_")]
-            if bad or not assignments:  # no setting: the default's run again
-                raise ValueError(f"{path}:{number}: expected NAME KFORCING_VAR=VALUE ..., got {bad}")
-            variants.append((name, dict(a.split("=", 1) for a in assignments)))
-    names = [name for name, _ in variants]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{path}: a variant name appears twice: {names}")
-    return variants
-
-
-def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) -> bool:
-    """Whether a variant that only forces a tile set runs what the dispatcher picks unforced at this shape (the
-    set is the default here, or has no tiles for this head dim or GPU and falls back to it)."""
-    from kforcing_kernels.ops.window_attention.triton.configs import tile_set_for
-
-    if set(assignments) != {"KFORCING_TRITON_TILES"}:
-        return False
-    with _triton_env():
-        default = tile_set_for(head_dim, rows, device)
-    with _triton_env(extra=assignments):
-        forced = tile_set_for(head_dim, rows, device)
-    return forced == default
-
-
-def variant_backend(assignments: dict) -> str:
-    """The backend a variant runs: ``flex`` when it sets a KFORCING_FLEX_* switch, else ``triton``."""
-    return "flex" if any(var.startswith("KFORCING_FLEX_") for var in assignments) else "triton"
-
-
-def variant_problem(assignments: dict) -> str | None:
-    """Why this checkout cannot run a variant (a variable its env.py does not read, a tile set configs.py lacks,
-    a FlexAttention kernel this torch or machine lacks), else None: the variant list may name switches another
-    branch adds, and FlexAttention's FLASH route needs the flash-attn-4 package."""
-    import importlib.util
-
-    from kforcing_kernels import env
-    from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
-
-    for var, value in assignments.items():
-        if var not in (env.__doc__ or ""):
-            return f"{var} is not read by this checkout (not in kforcing_kernels/env.py)"
-        if var == "KFORCING_TRITON_TILES" and value not in TILE_SETS:
-            return f"KFORCING_TRITON_TILES={value}: no such tile set in configs.TILE_SETS ({sorted(TILE_SETS)})"
-        if var == "KFORCING_FLEX_BACKEND":
-            from kforcing_kernels.ops.window_attention import flex
-
-            with _triton_env(extra={var: value}):
-                try:
-                    flex.kernel_options()
-                except ValueError as exc:
-                    return str(exc)
-            if value == "FLASH" and (importlib.util.find_spec("flash_attn") is None
-                                     or importlib.util.find_spec("flash_attn.cute") is None):
-                return "KFORCING_FLEX_BACKEND=FLASH needs the flash-attn-4 package (flash_attn.cute), not installed here"
-            if not torch.cuda.is_available():
-                return f"KFORCING_FLEX_BACKEND={value}: FlexAttention's kernel choice applies to compiled CUDA runs only"
-    return None
-
-
 def time_ms(fn) -> float:
     """Median ms of ``fn`` by triton.testing.do_bench (one untimed call first: compile / autotune)."""
     from triton.testing import do_bench
@@ -179,22 +111,6 @@ def time_ms(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-@contextlib.contextmanager
-def _triton_env(tiles: str = "auto", kernels: str = "fused", extra: dict | None = None):
-    """KFORCING_TRITON_TILES / _KERNELS (and ``extra`` variables) for the duration ("auto" / "fused": the
-    dispatcher's own)."""
-    want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles,
-            "KFORCING_TRITON_KERNELS": None if kernels == "fused" else kernels, **(extra or {})}
-    old = {name: os.environ.pop(name, None) for name in want}
-    os.environ.update({name: value for name, value in want.items() if value})
-    try:
-        yield
-    finally:
-        os.environ.update({name: value for name, value in old.items() if value is not None})
-        for name in [n for n, value in old.items() if value is None]:
-            os.environ.pop(name, None)
 
 
 _WIDE_DKDV_DEFAULT: list = []  # [(tiles, configs)] of the shipped wide D=128 set, saved on first use
@@ -366,39 +282,6 @@ def train_step(args) -> list[dict]:
     return rows(args, _timer(args))
 
 
-# ---------------------------------------------------------------------- sampler
-
-
-def sampler_bench(args) -> list[dict]:
-    """The Triton inverse-CDF sampler vs softmax + cumsum + searchsorted (fp32, fp64) on bf16 logits."""
-    from .cpu_kernels import softmax_cumsum_searchsorted
-    from kforcing_kernels.ops import sampling
-
-    rows = []
-    for vocab in args.sampler_vocab:
-        for n_rows in args.sampler_rows:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            logits = (torch.randn(n_rows, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-            z = torch.rand(n_rows, device="cuda", generator=gen)
-            tau = 0.8
-            methods = {
-                "triton": lambda: sampling.inverse_cdf_sample(logits, z, tau),
-                "softmax+cumsum+searchsorted fp32": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float32),
-                "softmax+cumsum+searchsorted fp64": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float64),
-            }
-            times = {name: time_ms(fn) for name, fn in methods.items()}
-            agree = float((methods["triton"]() == sampling.inverse_cdf_sample_reference(logits, z, tau)).double().mean())
-            read_gb = logits.numel() * logits.element_size() / 1e9
-            row = {"vocab": vocab, "rows": n_rows, "backend": sampling.sampler_backend("cuda"), "ms": times,
-                   "logits_read_gb_per_s": {name: read_gb / (ms / 1e3) for name, ms in times.items()},
-                   "agreement_with_fp64_reference": agree}
-            rows.append(row)
-            print(f"sampler V={vocab} rows={n_rows}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items())
-                  + f" | triton x{times['softmax+cumsum+searchsorted fp32'] / times['triton']:.1f} vs fp32; "
-                  f"agrees with fp64 on {agree:.4f}", flush=True)
-    return rows
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"])
@@ -443,28 +326,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def render_markdown(paths: list[str]) -> str:
-    """A markdown table (TFLOP/s per useful FLOP, fwd / fwd+bwd) of the rows in report JSON files."""
-    methods = ("triton", "flex", "sdpa_flash_causal", "composite", "dense_sdpa")
-    lines = ["| N | k | D | triton | flex (compiled) | SDPA-flash causal | composite | dense-mask SDPA "
-             "| triton / flex | triton / SDPA-flash |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for path in paths:
-        import json
-
-        with open(path) as f:
-            report = json.load(f)
-        for r in report["rows"]:
-            cells = []
-            for m in methods:
-                res = r["results"].get(m)
-                cells.append(f"{res['fwd_tflops']:.0f} / {res['fwd_bwd_tflops']:.0f}" if res else
-                             ("OOM" if "OutOfMemory" in r["errors"].get(m, "") else "-"))
-            ratios = [f"{r['ratios'][f'fwd_vs_{o}']:.2f} / {r['ratios'][f'fwd_bwd_vs_{o}']:.2f}"
-                      if f"fwd_vs_{o}" in r["ratios"] else "-" for o in ("flex", "sdpa_flash_causal")]
-            lines.append(f"| {r['n']} | {r['k']} | {r['dim']} | " + " | ".join(cells + ratios) + " |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
@@ -504,7 +365,7 @@ def main(argv=None) -> int:
               "capability": capability(args.device),
               "command": "python -m bench.triton_gpu " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.sampler:
-        report["sampler"] = sampler_bench(args)
+        report["sampler"] = sampler_gpu.rows(args, time_ms)
         if args.json:
             write_json(report, args.json, indent=2)
         return 0

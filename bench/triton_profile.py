@@ -47,7 +47,7 @@ def part_of(kernel_name: str) -> str:
 
 def profile_one(layout_name: str, n: int, k: int, d: int, batch: int, heads: int, reps: int,
                 method: str = "triton", assignments: dict | None = None, dry_run: bool = False) -> dict:
-    from .triton_gpu import _triton_env
+    from .gpu_variants import _triton_env
 
     layout = attention.LAYOUTS[layout_name](n, k)
     dev, dt = (torch.device("cpu"), torch.float32) if dry_run else (torch.device("cuda"), torch.bfloat16)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench/triton_profile.py: skipped, no CUDA device here; nothing was measured.")
         return 0
-    from .triton_gpu import _repeats_the_default, read_variants, variant_backend, variant_problem
+    from .gpu_variants import _repeats_the_default, read_variants, variant_backend, variant_problem
 
     runs = [(m, m, None) for m in args.methods]
     for name, assignments in (read_variants(args.variants) if args.variants else ()):

@@ -46,34 +46,34 @@ def test_variant_lines_are_checked_and_unknown_switches_skipped(tmp_path):
     reason (candidates may come from another branch), a malformed line an error naming the line."""
     import pytest
 
-    from bench import triton_gpu
+    from bench import gpu_variants
 
     path = tmp_path / "variants.txt"
     path.write_text("# comment\nsplit KFORCING_TRITON_KERNELS=split  # trailing\nghost KFORCING_NOT_A_SWITCH=1\n"
                     "newtiles KFORCING_TRITON_TILES=no_such_set\nflash KFORCING_FLEX_BACKEND=NOT_A_KERNEL\n")
-    variants = dict(triton_gpu.read_variants(str(path)))
+    variants = dict(gpu_variants.read_variants(str(path)))
     assert variants["split"] == {"KFORCING_TRITON_KERNELS": "split"}
-    assert triton_gpu.variant_problem(variants["split"]) is None
-    assert "not read by this checkout" in triton_gpu.variant_problem(variants["ghost"])
-    assert "no such tile set" in triton_gpu.variant_problem(variants["newtiles"])
-    assert "KFORCING_FLEX_BACKEND" in triton_gpu.variant_problem(variants["flash"])
-    assert triton_gpu.variant_backend(variants["flash"]) == "flex" and triton_gpu.variant_backend(variants["split"]) == "triton"
+    assert gpu_variants.variant_problem(variants["split"]) is None
+    assert "not read by this checkout" in gpu_variants.variant_problem(variants["ghost"])
+    assert "no such tile set" in gpu_variants.variant_problem(variants["newtiles"])
+    assert "KFORCING_FLEX_BACKEND" in gpu_variants.variant_problem(variants["flash"])
+    assert gpu_variants.variant_backend(variants["flash"]) == "flex" and gpu_variants.variant_backend(variants["split"]) == "triton"
     for bad in ("x split\n", "alone\n", "a KFORCING_X=1\na KFORCING_Y=2\n"):
         path.write_text(bad)
         with pytest.raises(ValueError, match="variants.txt"):
-            triton_gpu.read_variants(str(path))
-    shipped = triton_gpu.read_variants(os.path.join(ROOT, "bench", "gpu_variants.txt"))
+            gpu_variants.read_variants(str(path))
+    shipped = gpu_variants.read_variants(os.path.join(ROOT, "bench", "gpu_variants.txt"))
     assert {"split", "legacy"} <= {name for name, _ in shipped}
 
 
 def test_a_forced_tile_set_equal_to_the_dispatchers_choice_is_not_timed_twice():
     import torch
 
-    from bench import triton_gpu
+    from bench import gpu_variants
 
     cpu = torch.device("cpu")  # the interpreter's choice: base at every head dim
-    assert triton_gpu._repeats_the_default({"KFORCING_TRITON_TILES": "base"}, 64, 1000, cpu)
-    assert not triton_gpu._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 128, 1000, cpu)
-    assert triton_gpu._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 64, 1000, cpu)  # no D=64 tiles: base
-    assert not triton_gpu._repeats_the_default({"KFORCING_TRITON_TILES": "base", "KFORCING_TRITON_KERNELS": "split"},
+    assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "base"}, 64, 1000, cpu)
+    assert not gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 128, 1000, cpu)
+    assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 64, 1000, cpu)  # no D=64 tiles: base
+    assert not gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "base", "KFORCING_TRITON_KERNELS": "split"},
                                                64, 1000, cpu)
