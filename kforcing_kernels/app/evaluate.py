@@ -198,7 +198,14 @@ def ar_teacher_folder(run: Path) -> Path:
     """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
     if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
         return run / "stage0"
-    return Path(read_json(run / "stage1" / "model.json").get("teacher") or run / "stage0")
+    teacher = read_json(run / "stage1" / "model.json").get("teacher")
+    if teacher is None:
+        return run / "stage0"
+    if not is_hf_source(teacher) and not (Path(teacher) / "model.json").exists():  # say what is missing in an HF folder's terms
+        raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in {run / 'stage1' / 'model.json'}) is "
+                         "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run was trained "
+                         "before teachers were recorded as absolute paths (then evaluate it from the directory it was trained in)")
+    return Path(teacher)
 
 
 def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM, str]:

@@ -41,6 +41,7 @@ from .cli import (
 )
 from .data import DataError
 from .parallel import PARALLEL_MODES
+from .hf_files import check_hf_source, read_model_config
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
 from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig
 from .trainer import train
@@ -192,6 +193,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if args.evaluate:
                 result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
+            if cfg.model:  # a bad model source is a usage error before the stage folder is made
+                check_hf_source(cfg.model)
+            if cfg.model_config:
+                read_model_config(cfg.model_config)
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
