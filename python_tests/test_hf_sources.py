@@ -122,9 +122,33 @@ def test_the_run_finds_its_teacher_from_any_directory(root, trained, tmp_path, m
     pipeline(root, tmp_path / "run", "qwen2")
     monkeypatch.chdir(tmp_path)
     assert ar_teacher_folder(tmp_path / "run") == (root / "qwen2").resolve()
-    summary = evaluate_pipeline(tmp_path / "run", batch_sizes=[1], ks=[1, 2], new_tokens=2, taus=[], reps=1, nll_batches=1,
+    summary = evaluate_pipeline(tmp_path / "run", batch_sizes=[1], ks=[1, 2], new_tokens=2, taus=[], reps=3, nll_batches=1,
                                 nll_batch_size=2, prompt_len=4, log=lambda line: None)
     assert [row["k"] for row in summary["per_position_nll"]] == [0, 1, 2]
+    # Timings (section 2): every method's runs and their spread, and transformers' generate beside the package's AR.
+    assert set(summary["timing"]) == {"AR", "K-Forcing k=1", "K-Forcing k=2", "HF generate (sdpa)"}
+    for per_batch in summary["timing"].values():
+        t = per_batch["1"]
+        assert t["runs"] == 3 and 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+        assert t["spread"] == pytest.approx((t["max_s"] - t["min_s"]) / t["median_s"])
+    assert summary["hf_generate"]["1"] > 0 and "HF generate (sdpa)" not in summary["throughput"]
+    for name, row in summary["speedup_vs_hf_generate"].items():
+        assert row["1"] == pytest.approx(summary["throughput"][name]["1"] / summary["hf_generate"]["1"])
+
+
+def test_quick_evaluation_times_enough_tokens_and_runs():
+    from kforcing_kernels.app.evaluate import QUICK_EVAL
+
+    assert QUICK_EVAL.new_tokens >= 32 and QUICK_EVAL.reps >= 5
+
+
+def test_hf_generate_of_the_timing_samples_every_token(root):
+    from kforcing_kernels.app.evaluate import _hf_generate
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "qwen2", attn_implementation="sdpa").eval()
+    prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    out = _hf_generate(model, prompts, 12, 1.0, eos_id=0)
+    assert out.shape == (2, 16) and torch.equal(out[:, :4], prompts)  # no early stop at eos: the timed work is fixed
 
 
 def test_a_moved_teacher_is_named_without_model_json(fresh_run):
@@ -178,3 +202,33 @@ def test_bad_model_folders_are_usage_errors(root, tmp_path, capsys, monkeypatch,
         err = usage_error(capsys, argv)
         assert "Traceback" not in err and f"error: model: " in err and message in err and "(--model)" in err, err
         assert not (tmp_path / "out" / "stage1").exists() and not (tmp_path / "out" / "model.json").exists()
+
+
+# ---------------------------------------------------------------------- the smaller items of section 3
+
+
+def test_vocab_size_with_model_is_refused_not_ignored(root, tmp_path, capsys):
+    err = usage_error(capsys, ["pipeline", "--out", str(tmp_path / "out"), "--data", str(root / "corpus"), "--model",
+                               str(root / "qwen2"), "--vocab-size", "512", *SMALL])
+    assert "argument --vocab-size: --model brings its own tokenizer" in err and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_ends_in_one_line_not_a_traceback(root, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "run_pipeline", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        pipeline(root, tmp_path / "out", root / "qwen2")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and "interrupted" in err and "--resume" in err and "Traceback" not in err
+
+
+def test_the_pipeline_prints_where_the_evaluation_is_not_all_of_it(root, trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
+    out = tmp_path / "run"
+    shutil.copytree(root / "run", out)
+    monkeypatch.setattr(train_cli, "_evaluate", lambda out, which, device: {"per_position_nll": [{"k": 0}] * 200})
+    pipeline(root, out, trained, "--evaluate", "quick")
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"training", "evaluation"} and "summary.json" in printed["evaluation"]
