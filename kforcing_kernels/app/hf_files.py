@@ -4,7 +4,8 @@ Sources of the model (``kforcing-train --model PATH`` / ``--model-config PATH.js
 
 * a plain HF folder (``config.json`` + weights + tokenizer, no ``model.json``): a pretrained AR
   teacher, loaded with ``AutoModelForCausalLM.from_pretrained(PATH, attn_implementation="kforcing",
-  dtype=float32)`` and ``AutoTokenizer.from_pretrained(PATH)``;
+  dtype=float32)`` and ``AutoTokenizer.from_pretrained(PATH)``; checked first (:func:`check_hf_source`), and known to
+  later stages by :func:`hf_source_sha256` (weights, ``config.json`` and tokenizer files) and its resolved path;
 * a transformers config file: a random initialisation (seeded by ``--seed``), trained as an AR model
   by Stage 0 on ``--data`` with the package's own BPE tokenizer (its size must be the config's ``vocab_size``).
 
