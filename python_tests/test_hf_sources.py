@@ -232,3 +232,17 @@ def test_the_pipeline_prints_where_the_evaluation_is_not_all_of_it(root, trained
     pipeline(root, out, trained, "--evaluate", "quick")
     printed = json.loads(capsys.readouterr().out)
     assert set(printed) == {"training", "evaluation"} and "summary.json" in printed["evaluation"]
+
+
+def test_the_exporters_usage_names_a_command_that_exists(capsys):
+    import tomllib
+    from pathlib import Path
+
+    from kforcing_kernels.app import sharded_checkpoint
+
+    with pytest.raises(SystemExit):
+        sharded_checkpoint.main(["--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    command = usage.split("usage: ", 1)[1].split(" [")[0]
+    assert command in scripts or command == "python -m kforcing_kernels.app.sharded_checkpoint", usage
