@@ -95,6 +95,29 @@ def test_an_unchanged_model_folder_reuses_the_finished_stages(root, fresh_run, c
     assert f"{out / 'stage1'} is done; skipping" in err and f"{out / 'stage2_k2'} is done; skipping" in err
 
 
+def test_a_stage_saved_before_config_and_tokenizer_were_recorded_is_reused_with_a_warning(root, fresh_run, capsys):
+    from kforcing_kernels.app.hf_files import hf_weights_sha256
+
+    teacher, out = fresh_run
+    path = out / "stage1" / "model.json"
+    saved = path.read_text()
+    try:
+        path.write_text(json.dumps({**json.loads(saved), "teacher_sha256": hf_weights_sha256(teacher)}))  # the old record
+        pipeline(root, out, teacher)
+        err = capsys.readouterr().err
+        assert "saved before the --model folder's config.json and tokenizer files were recorded" in err
+        assert f"{out / 'stage1'} is done; skipping" in err
+        config = json.loads((teacher / "config.json").read_text())
+        (teacher / "config.json").write_text(json.dumps({**config, "rope_theta": 500.0}))
+        pipeline(root, out, teacher)  # not checkable for such a stage: the warning says so
+        assert "did not change" in capsys.readouterr().err
+        (teacher / "model.safetensors").write_bytes((teacher / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\1")
+        err = usage_error(capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher), *SMALL])
+        assert "stage1, but the --model folder" in err  # other weights are refused as before
+    finally:
+        path.write_text(saved)
+
+
 def test_a_changed_config_json_is_another_teacher(root, fresh_run, capsys):
     teacher, out = fresh_run
     config = json.loads((teacher / "config.json").read_text())

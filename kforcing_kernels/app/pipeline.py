@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 from .checkpoint import read_json
 
 from .files import RunLock
-from .hf_files import check_hf_source, is_hf_source, read_model_config
+from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
                            existing_run, teacher_sha256)
@@ -113,6 +113,13 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
                           f"{wanted!r}; {_RETRAIN}")
     # Its identity, not its path: a teacher retrained in place is another teacher.
     changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)})
+    if is_hf_source(cfg.teacher) and finished.get("teacher_sha256") == hf_weights_sha256(cfg.teacher):
+        # Saved before a --model folder's identity covered its config.json and tokenizer files: the weights are the same;
+        # accepted with a warning, as any run saved before a record existed.
+        changed = [(key, what) for key, what in changed if key != "teacher_sha256"]
+        print(f"[pipeline] warning: {folder} was saved before the --model folder's config.json and tokenizer files were "
+              f"recorded; its weights are the same, reusing it without checking that config.json and the tokenizer did not "
+              f"change", file=sys.stderr)
     for key, what in changed:
         if key == "teacher_sha256" and is_hf_source(cfg.teacher):
             raise ConfigError(f"model: {folder} holds a finished {folder.name}, but the --model folder {cfg.teacher} changed since "
