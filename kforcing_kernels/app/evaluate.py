@@ -68,8 +68,11 @@ class EvalSettings:
 DEMO_EVAL = EvalSettings()
 # The quality row of the Stage-1 PFLM(1) student itself (the k rows decode the final PFLM).
 STAGE1_ROW = "Stage-1 PFLM(1), k=1"
-# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (a smoke check of a run, not a measurement).
-QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=8, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2)
+# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (its quality numbers are a smoke check of a run).
+# Its timings are a measurement all the same: 32 new tokens and 9 timed runs per method (one run of 8 tokens gave k = 4
+# "speedups" from 0.77x to 59x across models of one size); summary["timing"] reports the spread of the runs.
+QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1, nll_batch_size=2)
+HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
 
 
 # ---------------------------------------------------------------------- NLL
@@ -200,7 +203,14 @@ def ar_teacher_folder(run: Path) -> Path:
     """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
     if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
         return run / "stage0"
-    return Path(read_json(run / "stage1" / "model.json").get("teacher") or run / "stage0")
+    teacher = read_json(run / "stage1" / "model.json").get("teacher")
+    if teacher is None:
+        return run / "stage0"
+    if not is_hf_source(teacher) and not (Path(teacher) / "model.json").exists():  # say what is missing in an HF folder's terms
+        raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in {run / 'stage1' / 'model.json'}) is "
+                         "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run was trained "
+                         "before teachers were recorded as absolute paths (then evaluate it from the directory it was trained in)")
+    return Path(teacher)
 
 
 def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM, str]:
@@ -304,11 +314,19 @@ def evaluate_pipeline(
 
     throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
     outputs: dict[str, torch.Tensor] = {}
+    hf_model = _hf_generate_model(ar_folder, teacher, device)
+    timing: dict[str, dict[str, dict]] = {}
     for b in batch_sizes:
         log(f"[eval] throughput at batch {b}")
-        times = interleaved_timings(generators(prompts_all[:b].to(device), temperature, b, outputs), reps, torch.device(device))
+        fns = generators(prompts_all[:b].to(device), temperature, b, outputs)
+        if hf_model is not None:
+            fns[HF_GENERATE] = lambda b=b: _hf_generate(hf_model, prompts_all[:b].to(device), new_tokens, temperature, corpus.eos_id)
+        times = interleaved_timings(fns, reps, torch.device(device))
         for name, ts in times.items():
-            throughput[name][b] = b * new_tokens / statistics.median(ts)
+            throughput.setdefault(name, {})[b] = b * new_tokens / statistics.median(ts)
+            timing.setdefault(name, {})[str(b)] = {"runs": len(ts), "median_s": statistics.median(ts), "min_s": min(ts),
+                                                   "max_s": max(ts), "spread": (max(ts) - min(ts)) / statistics.median(ts)}
+    hf_throughput = throughput.pop(HF_GENERATE, None)
     prompts_dev = prompts_all.to(device)
     # The "K-Forcing k=1" row decodes the FINAL PFLM one token per step; the Stage-1 student's own samples
     # (what forward distillation produced, before self-forcing) get a row of their own, untimed.
@@ -320,6 +338,12 @@ def evaluate_pipeline(
     quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
     summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
     summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}
+    # Seconds per timed run: median, min, max and spread ((max - min) / median) over the ``reps`` runs, per batch size.
+    summary["timing"] = timing
+    if hf_throughput is not None:  # HF's generate beside the package's AR: the speedup an HF user sees
+        summary["hf_generate"] = {str(b): v for b, v in hf_throughput.items()}
+        summary["speedup_vs_hf_generate"] = {name: {str(b): row[b] / hf_throughput[b] for b in row}
+                                             for name, row in throughput.items()}
     summary["quality"] = quality
     summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name, out in outputs.items()}
 
@@ -340,6 +364,39 @@ def evaluate_pipeline(
         summary["tau_sweep_stage1"] = {"name": stage1_name, "scores": stage1_sweep}
     summary["final_k"] = final_k
     return summary
+
+
+def _hf_generate_model(folder: Path, teacher, device: str):
+    """The AR teacher as an HF user runs it (``from_pretrained(attn_implementation="sdpa")``), or None for a native teacher."""
+    if not getattr(teacher, "is_hf", False):
+        return None
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa",
+                                                             dtype=torch.float32).to(device).eval()
+
+
+@torch.no_grad()
+def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: float, eos_id: int) -> torch.Tensor:
+    """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early stop)."""
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=eos_id)
+
+
+def timing_report(summary: dict) -> str:
+    """Lines on how stable the timings are and, for an HF model, K-Forcing against transformers' own ``generate``."""
+    lines = []
+    for name, per_batch in summary.get("timing", {}).items():
+        for b, t in per_batch.items():
+            lines.append(f"  {name:<22} batch {b}: {t['runs']} runs, median {t['median_s'] * 1e3:.1f} ms "
+                         f"(min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}, spread {100 * t['spread']:.0f}%)")
+    text = "Timed runs (seconds per generation of the whole batch):\n" + "\n".join(lines) if lines else ""
+    if "hf_generate" in summary:
+        rows = [f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
+                for name, per_batch in summary["speedup_vs_hf_generate"].items()]
+        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b, v in summary["hf_generate"].items())
+                 + "), the baseline an HF user runs:\n" + "\n".join(rows))
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -389,6 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     print(format_report(summary))
+    print(timing_report(summary))
     if args.json:
         try:
             write_json(args.json, summary)

@@ -4,7 +4,8 @@ Sources of the model (``kforcing-train --model PATH`` / ``--model-config PATH.js
 
 * a plain HF folder (``config.json`` + weights + tokenizer, no ``model.json``): a pretrained AR
   teacher, loaded with ``AutoModelForCausalLM.from_pretrained(PATH, attn_implementation="kforcing",
-  dtype=float32)`` and ``AutoTokenizer.from_pretrained(PATH)``;
+  dtype=float32)`` and ``AutoTokenizer.from_pretrained(PATH)``; checked first (:func:`check_hf_source`), and known to
+  later stages by :func:`hf_source_sha256` (weights, ``config.json`` and tokenizer files) and its resolved path;
 * a transformers config file: a random initialisation (seeded by ``--seed``), trained as an AR model
   by Stage 0 on ``--data`` with the package's own BPE tokenizer (its size must be the config's ``vocab_size``).
 
@@ -49,6 +50,11 @@ if TYPE_CHECKING:
 HF_FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 NOISE_FILE = "noise_embedding.safetensors"
+# Besides the weights, what decides which model a plain HF folder is and which ids its text becomes: a changed
+# config.json (rope_theta, ...) or tokenizer file (other merges, same size) is another teacher.
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "vocab.txt")
 
 
 # ---------------------------------------------------------------------- what a folder holds
@@ -85,6 +91,61 @@ def hf_weights_sha256(folder) -> str:
     return h.hexdigest()
 
 
+def hf_source_sha256(folder) -> str:
+    """The identity of a plain HF folder as a teacher: SHA-256 over its weights' identity (:func:`hf_weights_sha256`) and
+    the names and SHA-256s of its ``config.json`` and tokenizer files (:data:`TOKENIZER_FILES` present)."""
+    folder = Path(folder)
+    h = hashlib.sha256(b"weights\0" + hf_weights_sha256(folder).encode())
+    for name in (CONFIG_FILE, *sorted(TOKENIZER_FILES)):
+        if (folder / name).is_file():
+            h.update(b"\0" + name.encode() + b"\0" + _sha256(folder / name).encode())
+    return h.hexdigest()
+
+
+def check_hf_source(folder, option: str = "--model") -> None:
+    """A plain HF folder given as ``option``: a readable ``config.json`` (a JSON object naming its ``model_type``) and
+    tokenizer files; a ``CheckpointError`` naming the option otherwise (before any stage starts)."""
+    name = option.lstrip("-").replace("-", "_")
+    folder = Path(folder)
+    config = folder / CONFIG_FILE
+    try:
+        values = json.loads(config.read_text())
+    except OSError as exc:
+        raise CheckpointError(f"{name}: cannot read {config} ({exc.strerror or exc}); {option} expects a Hugging Face model "
+                              "folder (config.json, weights, tokenizer)") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{name}: {config} is not valid JSON ({exc}); restore the folder's config.json ({option})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise CheckpointError(f"{name}: {config} is not a transformers config (a JSON object with a \"model_type\"); "
+                              f"restore the folder's config.json ({option})")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"{name}: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save the "
+                              f"model's tokenizer into it (tokenizer.save_pretrained) ({option})")
+
+
+def read_model_config(path):
+    """A ``--model-config`` file as a transformers config: a JSON object with a known ``model_type``, else a ``CheckpointError``
+    naming the option."""
+    tf = _transformers()
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"model_config: cannot read a transformers config from {str(path)!r} ({exc}) (--model-config)") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"model_config: {str(path)!r} holds a JSON {type(values).__name__}, expected an object (a "
+                              "transformers config, e.g. config.to_json_string()) (--model-config)")
+    if not isinstance(values.get("model_type"), str):
+        raise CheckpointError(f"model_config: {str(path)!r} has no \"model_type\" (e.g. \"llama\"), so transformers cannot "
+                              "tell which model it configures (--model-config)")
+    try:
+        config = tf.AutoConfig.for_model(**values)
+        with torch.device("meta"):  # the sizes transformers rejects only when it builds the model, without allocating it
+            tf.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"model_config: transformers rejects {str(path)!r} ({type(exc).__name__}: {exc}) (--model-config)") from None
+    return config
+
+
 # ---------------------------------------------------------------------- building and loading
 
 
@@ -100,11 +161,7 @@ def _transformers():
 def build_from_config(path, seed: int) -> "HFStudent":
     """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by ``seed``."""
     tf = _transformers()
-    try:
-        values = json.loads(Path(path).read_text())
-        config = tf.AutoConfig.for_model(**values)
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"model_config: cannot read a transformers config from {str(path)!r} ({exc})") from None
+    config = read_model_config(path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
@@ -129,10 +186,12 @@ def load_hf_source(folder, device="cpu"):
     """A plain HF folder as an AR teacher: ``(HFStudent in eval mode, info, tokenizer)`` (info: ``k=0`` and the weights' identity)."""
     from .hf_student import HFStudent
 
+    check_hf_source(folder)
     model, tokenizer = _from_pretrained(folder, device)
     student = HFStudent(model, k_train=0)
     student.hf_tokenizer = tokenizer
-    info = {"k": 0, "tensors": {"sha256": hf_weights_sha256(folder)}, "source": str(folder)}
+    # "tensors" is the teacher identity every stage compares (teacher_sha256): the weights, config and tokenizer files.
+    info = {"k": 0, "tensors": {"sha256": hf_source_sha256(folder)}, "source": str(Path(folder).resolve())}
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
 
 
@@ -245,6 +304,12 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
 def corpus_for(teacher: Optional[str], data: Optional[str], vocab_size: int, verbose: bool = False) -> Corpus:
     """The text of a stage whose teacher is ``teacher``: an HF teacher's tokenizer, else the native BPE of ``data``."""
     if is_hf(teacher):
+        if is_hf_source(teacher):
+            check_hf_source(teacher)
         tf = _transformers()
-        return load_hf_corpus(data, tf.AutoTokenizer.from_pretrained(str(teacher)), verbose=verbose)
+        try:
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{teacher}: cannot load the Hugging Face tokenizer ({exc})") from None
+        return load_hf_corpus(data, tokenizer, verbose=verbose)
     return load_corpus(data, vocab_size=vocab_size, verbose=verbose)

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 from .checkpoint import read_json
 
 from .files import RunLock
+from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
                            existing_run, teacher_sha256)
@@ -112,7 +113,18 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
                           f"{wanted!r}; {_RETRAIN}")
     # Its identity, not its path: a teacher retrained in place is another teacher.
     changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)})
+    if is_hf_source(cfg.teacher) and finished.get("teacher_sha256") == hf_weights_sha256(cfg.teacher):
+        # Saved before a --model folder's identity covered its config.json and tokenizer files: the weights are the same;
+        # accepted with a warning, as any run saved before a record existed.
+        changed = [(key, what) for key, what in changed if key != "teacher_sha256"]
+        print(f"[pipeline] warning: {folder} was saved before the --model folder's config.json and tokenizer files were "
+              f"recorded; its weights are the same, reusing it without checking that config.json and the tokenizer did not "
+              f"change", file=sys.stderr)
     for key, what in changed:
+        if key == "teacher_sha256" and is_hf_source(cfg.teacher):
+            raise ConfigError(f"model: {folder} holds a finished {folder.name}, but the --model folder {cfg.teacher} changed since "
+                              f"it was trained (its weights, config.json or tokenizer files: {what.split('(', 1)[1].rstrip(')')}); "
+                              f"{_RETRAIN}")
         raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was trained "
                           f"({PROVENANCE[key]}); {_RETRAIN}")
     if unknown:
@@ -127,12 +139,18 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     trained again); one trained with other settings (steps, learning rate, batch size, ...: the keys
     a resume must agree on) is refused with a ConfigError rather than mixed into this run. With
     ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
-    A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file) changed
+    A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file; of a ``--model``
+    folder, of its weights, config.json and tokenizer files) changed
     since it was trained is refused the same way. ``pipe.out`` is locked while the stages run.
     """
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
     check_out_folder(pipe.out)
+    # A bad model source is a usage error before any stage folder is made, not a traceback inside a stage.
+    if base.model:
+        check_hf_source(base.model)
+    if base.model_config:
+        read_model_config(base.model_config)
     with RunLock(pipe.out):  # one pipeline per folder at a time (each stage's train() locks its own folder too)
         return _run_stages(pipe, base, steps, lrs)
 
@@ -143,7 +161,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
     for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
         distill = stage != "stage0"
         if stage == "stage0" and base.model:  # a pretrained Hugging Face model is the AR teacher: no stage0
-            teacher = Path(base.model)
+            teacher = Path(base.model).resolve()  # recorded as stage1's teacher: the run folder works from any directory
             continue
         cfg = dataclasses.replace(
             base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,

@@ -254,7 +254,9 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
 def main(argv=None) -> None:
     from .cli import make_parser
 
-    parser = make_parser("kforcing-export", "Export a sharded (--parallel fsdp) checkpoint as a plain model.safetensors.")
+    # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
+    parser = make_parser("python -m kforcing_kernels.app.sharded_checkpoint",
+                         "Export a sharded (--parallel fsdp) checkpoint as a plain model.safetensors.")
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
     parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and tokenizer.json")
     args = parser.parse_args(argv)

@@ -39,6 +39,7 @@ from .cli import (
 )
 from .data import DataError
 from .parallel import PARALLEL_MODES
+from .hf_files import check_hf_source, read_model_config
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
 from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
 from .trainer import NonFiniteLoss, train
@@ -152,13 +153,13 @@ def _evaluate(out: str, which: str, device: str) -> dict:
     """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
     from pathlib import Path
 
-    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
+    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline, timing_report
     from .files import write_json, write_text
     from .report import format_report
 
     settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
     summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)
-    report = format_report(summary)
+    report = format_report(summary) + "\n\n" + timing_report(summary)
     print(report, file=sys.stderr)
     write_json(Path(out) / "summary.json", summary)
     write_text(Path(out) / "tables.md", report)
@@ -174,6 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     native = sorted(given & {"--preset", "--n-layer", "--n-head", "--n-embd"})
     if hf_option and native:
         parser.error(f"argument {native[0]}: sizes the native model; {hf_option} gives the model (leave {', '.join(native)} out)")
+    if hf_option == "--model" and "--vocab-size" in given:  # it would be recorded, yet the folder's tokenizer decides
+        parser.error("argument --vocab-size: --model brings its own tokenizer and vocabulary (leave --vocab-size out)")
     if args.command == "stage1" and not (args.teacher or args.model):
         parser.error("argument --teacher: stage1 needs --teacher (the stage0 folder) or --model (a Hugging Face model folder)")
     cfg = config_from_args(args)
@@ -190,14 +193,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if args.evaluate:
                 result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
+            if cfg.model:  # a bad model source is a usage error before the stage folder is made
+                check_hf_source(cfg.model)
+            if cfg.model_config:
+                read_model_config(cfg.model_config)
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
     except NonFiniteLoss as exc:  # not a usage error: the settings were valid, the run diverged
         sys.exit(f"{parser.prog}: error: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; the checkpoints written so far are kept
+        print(f"\n{parser.prog}: interrupted; the checkpoints written so far are in {args.out}: continue with the same "
+              "command and --resume", file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if args.command == "pipeline" and args.evaluate:  # the tables went to stderr and tables.md; the whole summary to summary.json
+        result = {"training": result["training"], "evaluation": f"{args.out}/summary.json, {args.out}/tables.md"}
     if env.distributed_ranks()[1] == 0:
         print(json.dumps(result, indent=1))
 

@@ -145,13 +145,14 @@ def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], l
 
 
 def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
-    """The SHA-256 of a teacher stage's model file (recorded in its model.json), or None without a teacher."""
+    """The SHA-256 of a teacher stage's model file (recorded in its model.json), or None without a teacher; of a plain
+    Hugging Face folder, its weights', config.json's and tokenizer files' (``hf_files.hf_source_sha256``)."""
     if not teacher:
         return None
     from .checkpoint import read_model_info
-    from .hf_files import hf_weights_sha256, is_hf_source
+    from .hf_files import hf_source_sha256, is_hf_source
 
-    return hf_weights_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
+    return hf_source_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
 
 
 def check_out_folder(out, option: str = "--out") -> None:

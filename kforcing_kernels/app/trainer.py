@@ -168,7 +168,7 @@ def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
         student = copy.deepcopy(teacher).cpu()
         k = 2 * tinfo["k"]
     student.requires_grad_(True)
-    info = {"kind": "pflm", "k": k, "teacher": str(cfg.teacher), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
+    info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
             **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
     if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/noise_diagnosis.py reads it)
         info["cdf_order"] = STAGE1_CDF_ORDER
