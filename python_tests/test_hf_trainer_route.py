@@ -1,5 +1,5 @@
 """Issue 38 section 3, the HF ``Trainer`` route: ``app.hf_trainer`` (the loss and targets of Stage 1 and Stage 2,
-``KForcingTrainer``) and ``HFStudent.save_pretrained`` / ``from_pretrained`` (the noise embedding saved and loaded
+``KForcingTrainer``) and ``save_pflm`` / ``load_pflm`` (the noise embedding saved and loaded
 with the backbone).
 
 Oracles: Stage 1's targets are the inverse-CDF samples of an ``sdpa`` twin's logits (``AutoModelForCausalLM`` as
@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
 from kforcing_kernels.app.hf_student import HFStudent  # noqa: E402
-from kforcing_kernels.app.hf_trainer import KForcingTrainer, kforcing_loss, kforcing_targets  # noqa: E402
+from kforcing_kernels.app.hf_trainer import KForcingTrainer, kforcing_loss, kforcing_targets, load_pflm, save_pflm  # noqa: E402
 from kforcing_kernels.app.inference import generate_kforcing  # noqa: E402
 from kforcing_kernels.ops.sampling import inverse_cdf_sample  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402
@@ -91,7 +91,7 @@ def test_stage1_then_stage2_with_trainer_save_and_load(source, tmp_path):
     run.save_model(str(tmp_path / "stage1"))
 
     # One call back: backbone and noise embedding, bit for bit; plain from_pretrained loads the backbone cleanly.
-    pflm = HFStudent.from_pretrained(tmp_path / "stage1")
+    pflm = load_pflm(tmp_path / "stage1")
     assert pflm.k_train == 1
     trained, loaded = student.state_dict(), pflm.state_dict()
     assert trained.keys() == loaded.keys() and any(key.startswith("noise_encoder.") for key in trained)
@@ -100,8 +100,8 @@ def test_stage1_then_stage2_with_trainer_save_and_load(source, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
     # Stage 2 (k = 2) from the loaded PFLM(1), its targets two rounds of the teacher.
-    teacher2 = HFStudent.from_pretrained(tmp_path / "stage1")
-    student2 = HFStudent.from_pretrained(tmp_path / "stage1").train()
+    teacher2 = load_pflm(tmp_path / "stage1")
+    student2 = load_pflm(tmp_path / "stage1").train()
     data = rows(2, seed=4)
     ids, noise = torch.stack([r["input_ids"] for r in data]), torch.stack([r["noise"] for r in data])
     targets = kforcing_targets("stage2", teacher2, ids, noise, 1.0)
@@ -111,7 +111,7 @@ def test_stage1_then_stage2_with_trainer_save_and_load(source, tmp_path):
     run2 = trainer(student2, teacher2, "stage2", data, tmp_path / "t2", tokenizer, steps=2)
     run2.train()
     run2.save_model(str(tmp_path / "stage2_k2"))
-    final = HFStudent.from_pretrained(tmp_path / "stage2_k2")
+    final = load_pflm(tmp_path / "stage2_k2")
     assert final.k_train == 2
 
     # generate_kforcing accepts the loaded wrapper, and it decodes as the trained one.
@@ -133,4 +133,4 @@ def test_the_route_refuses_what_it_cannot_train(source, tmp_path):
         trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=0), "stage2", rows(2, 0), tmp_path,
                 tokenizer)
     with pytest.raises(ValueError, match="tokenizer: a stage folder holds its tokenizer"):
-        HFStudent(load(source / "qwen2"), k_train=1).save_pretrained(tmp_path / "x")
+        save_pflm(HFStudent(load(source / "qwen2"), k_train=1), tmp_path / "x")

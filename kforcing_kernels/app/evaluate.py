@@ -42,7 +42,7 @@ from .inference import generate_ar, generate_kforcing
 from .checkpoint import CheckpointError, read_json
 from .hf_files import corpus_for, is_hf_source, load_any_model
 from .files import check_writable, write_json
-from .report import format_report
+from .report import HF_GENERATE, format_report, timing_report
 from ..model import KForcingLM
 from .objectives import forward_distillation_targets, self_forcing_targets
 
@@ -72,7 +72,6 @@ STAGE1_ROW = "Stage-1 PFLM(1), k=1"
 # Its timings are a measurement all the same: 32 new tokens and 9 timed runs per method (one run of 8 tokens gave k = 4
 # "speedups" from 0.77x to 59x across models of one size); summary["timing"] reports the spread of the runs.
 QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1, nll_batch_size=2)
-HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
 
 
 # ---------------------------------------------------------------------- NLL
@@ -381,22 +380,6 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: flo
     """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early stop)."""
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=eos_id)
-
-
-def timing_report(summary: dict) -> str:
-    """Lines on how stable the timings are and, for an HF model, K-Forcing against transformers' own ``generate``."""
-    lines = []
-    for name, per_batch in summary.get("timing", {}).items():
-        for b, t in per_batch.items():
-            lines.append(f"  {name:<22} batch {b}: {t['runs']} runs, median {t['median_s'] * 1e3:.1f} ms "
-                         f"(min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}, spread {100 * t['spread']:.0f}%)")
-    text = "Timed runs (seconds per generation of the whole batch):\n" + "\n".join(lines) if lines else ""
-    if "hf_generate" in summary:
-        rows = [f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
-                for name, per_batch in summary["speedup_vs_hf_generate"].items()]
-        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b, v in summary["hf_generate"].items())
-                 + "), the baseline an HF user runs:\n" + "\n".join(rows))
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

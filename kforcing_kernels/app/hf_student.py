@@ -110,34 +110,6 @@ class HFStudent(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, 0.02, generator=generator)
 
-    # -------------------------------------------------------------- files: one call each way
-
-    def save_pretrained(self, folder, tokenizer=None, k: Optional[int] = None) -> None:
-        """Write a stage folder: the backbone as ``save_pretrained`` writes it (``AutoModelForCausalLM.from_pretrained``
-        loads it), the tokenizer, ``noise_embedding.safetensors`` and ``model.json`` (k, files' SHA-256s), as the CLI's stages.
-
-        ``tokenizer``: an HF fast tokenizer (default: the one this model was loaded with, ``hf_tokenizer``); ``k``: the
-        window the model was trained for (default ``k_train``). :meth:`from_pretrained` loads it back, noise embedding included.
-        """
-        from .hf_files import save_hf_stage
-
-        tokenizer = tokenizer if tokenizer is not None else getattr(self, "hf_tokenizer", None)
-        if tokenizer is None:
-            raise ValueError("tokenizer: a stage folder holds its tokenizer (generation and the CLI read it); pass the "
-                             "model's tokenizer")
-        k = self.k_train if k is None else k
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"k: expected the window the model was trained for (an int >= 1; k_train is {self.k_train!r}), got {k!r}")
-        save_hf_stage(folder, self, {"kind": "pflm", "k": k}, tokenizer)
-
-    @classmethod
-    def from_pretrained(cls, folder, device="cpu") -> "HFStudent":
-        """A stage folder of :meth:`save_pretrained` (or of ``kforcing-train``) as the PFLM: backbone + noise embedding,
-        every file's size and SHA-256 checked; in eval mode, ``k_train`` and ``hf_tokenizer`` set."""
-        from .hf_files import load_hf_stage
-
-        return load_hf_stage(folder, device)[0]
-
     # -------------------------------------------------------------- the three training-time forwards
 
     def _run(self, embeds: torch.Tensor, positions: torch.Tensor, layout: WindowLayout, keep: int = 0, cache=None,

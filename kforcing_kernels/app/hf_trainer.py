@@ -4,7 +4,7 @@ What the CLI route (``kforcing-train pipeline --model``) does for a user who tra
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
     from kforcing_kernels.app.hf_student import HFStudent
-    from kforcing_kernels.app.hf_trainer import KForcingTrainer
+    from kforcing_kernels.app.hf_trainer import KForcingTrainer, load_pflm
 
     load = lambda: AutoModelForCausalLM.from_pretrained(path, attn_implementation="kforcing", dtype=torch.float32)
     teacher = HFStudent(load(), k_train=0)            # Stage 1: the AR model, frozen
@@ -13,13 +13,13 @@ What the CLI route (``kforcing-train pipeline --model``) does for a user who tra
     KForcingTrainer(model=student, teacher=teacher, stage="stage1", args=TrainingArguments(..., remove_unused_columns=False),
                     train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(path)).train()
     trainer.save_model("stage1")                       # a stage folder, noise embedding included
-    pflm = HFStudent.from_pretrained("stage1")         # back: generate_kforcing(pflm, prompts, k, n) accepts it
+    pflm = load_pflm("stage1")                         # back: generate_kforcing(pflm, prompts, k, n) accepts it
 
 * :func:`kforcing_loss` is the CLI's loss (``objectives.compute_loss``): Stage 1 (``stage="stage1"``, paper Algorithm 2)
   distils the AR teacher's inverse-CDF sample at each noise ``u`` (noise ``[B, N, 1]``); Stage 2 (``stage="stage2"``,
   Algorithm 3) trains PFLM(2k) from a PFLM(k) teacher's two rounds (SingleForward on ``noise[..., :k]``, then
   DoubleForward on ``noise[..., k:]``; noise ``[B, N, 2k]``). :func:`kforcing_targets` gives those targets alone.
-* :class:`KForcingTrainer` computes that loss and saves the model with :meth:`HFStudent.save_pretrained` (a plain
+* :class:`KForcingTrainer` computes that loss and saves the model with :func:`save_pflm` (a plain
   ``Trainer`` saves only a state dict, and a noise embedding attached to an HF model as a submodule is dropped by
   ``from_pretrained`` as unexpected keys). ``resume_from_checkpoint`` is not supported (the CLI's ``--resume`` is).
 """
@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import transformers
 
+from .hf_files import load_hf_stage, save_hf_stage
 from .hf_student import HFStudent
 from .objectives import Batch, Objective, compute_loss, student_inputs
 
@@ -75,16 +76,46 @@ def kforcing_loss(stage: str, student: HFStudent, teacher: HFStudent, input_ids:
     return compute_loss(objective, student, _batch(input_ids, noise, tau, separator), teacher)[0]
 
 
+# ---------------------------------------------------------------------- stage folders: one call each way
+# (Functions here rather than HFStudent methods: hf_files builds HFStudents, so hf_student cannot import it.)
+
+
+def save_pflm(student: HFStudent, folder, tokenizer=None, k: Optional[int] = None) -> None:
+    """Write ``student`` as a stage folder: the backbone as ``save_pretrained`` writes it
+    (``AutoModelForCausalLM.from_pretrained`` loads it), the tokenizer, ``noise_embedding.safetensors`` and
+    ``model.json`` (k, files' SHA-256s), as the CLI's stages. :func:`load_pflm` loads it back.
+
+    ``tokenizer``: an HF fast tokenizer (default: the one the model was loaded with, ``hf_tokenizer``); ``k``: the
+    window the model was trained for (default ``student.k_train``).
+    """
+    if not isinstance(student, HFStudent):
+        raise ValueError(f"student: expected an HFStudent, got {type(student).__name__}")
+    tokenizer = tokenizer if tokenizer is not None else getattr(student, "hf_tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("tokenizer: a stage folder holds its tokenizer (generation and the CLI read it); pass the "
+                         "model's tokenizer")
+    k = student.k_train if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k: expected the window the model was trained for (an int >= 1; k_train is {student.k_train!r}), got {k!r}")
+    save_hf_stage(folder, student, {"kind": "pflm", "k": k}, tokenizer)
+
+
+def load_pflm(folder, device="cpu") -> HFStudent:
+    """A stage folder of :func:`save_pflm` (or of ``kforcing-train``) as the PFLM: backbone + noise embedding, every
+    file's size and SHA-256 checked; in eval mode, ``k_train`` and ``hf_tokenizer`` set. ``generate_kforcing`` accepts it."""
+    return load_hf_stage(folder, device)[0]
+
+
 class KForcingTrainer(transformers.Trainer):
     """``transformers.Trainer`` for one K-Forcing stage: ``model`` an :class:`HFStudent` (the student), ``teacher`` the
     frozen teacher, ``stage`` "stage1" or "stage2"; rows ``{"input_ids" [N], "noise" [N, k], "tau"}`` (``tau`` optional:
-    1.0). Saves stage folders (:meth:`HFStudent.save_pretrained`, ``processing_class`` as the tokenizer)."""
+    1.0). Saves stage folders (:func:`save_pflm`, ``processing_class`` as the tokenizer)."""
 
     def __init__(self, *args, teacher: HFStudent, stage: str, separator: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
         _objective(stage, self.model, teacher)
         if stage == "stage2" and not (isinstance(teacher.k_train, int) and teacher.k_train >= 1):
-            raise ValueError(f"teacher: stage2 needs a PFLM teacher with its k_train set (HFStudent.from_pretrained of a stage "
+            raise ValueError(f"teacher: stage2 needs a PFLM teacher with its k_train set (load_pflm of a stage "
                              f"folder), got k_train={teacher.k_train!r}")
         self.teacher, self.stage, self.separator = teacher.requires_grad_(False).eval(), stage, separator
         self.model.k_train = 1 if stage == "stage1" else 2 * teacher.k_train
@@ -98,5 +129,5 @@ class KForcingTrainer(transformers.Trainer):
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, tokenizer=self.processing_class)
+        save_pflm(self.accelerator.unwrap_model(self.model), output_dir, tokenizer=self.processing_class)
         torch.save(self.args, f"{output_dir}/training_args.bin")

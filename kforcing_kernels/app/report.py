@@ -8,6 +8,8 @@ from typing import Optional
 
 from .files import atomic_write_file
 
+HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
+
 
 def _ratio(q: dict, ar: dict) -> str:
     return f"{q['ppl'] / ar['ppl']:.2f}x"
@@ -92,6 +94,22 @@ def format_nll_table(summary: dict) -> str:
         agree += ["-"] * (kmax - len(agree))
         lines.append(f"| {r['model']} | " + " | ".join(nll) + " | " + " | ".join(agree) + " |")
     return "\n".join(lines)
+
+
+def timing_report(summary: dict) -> str:
+    """Lines on how stable the timings are and, for an HF model, K-Forcing against transformers' own ``generate``."""
+    lines = []
+    for name, per_batch in summary.get("timing", {}).items():
+        for b, t in per_batch.items():
+            lines.append(f"  {name:<22} batch {b}: {t['runs']} runs, median {t['median_s'] * 1e3:.1f} ms "
+                         f"(min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}, spread {100 * t['spread']:.0f}%)")
+    text = "Timed runs (seconds per generation of the whole batch):\n" + "\n".join(lines) if lines else ""
+    if "hf_generate" in summary:
+        rows = [f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
+                for name, per_batch in summary["speedup_vs_hf_generate"].items()]
+        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b, v in summary["hf_generate"].items())
+                 + "), the baseline an HF user runs:\n" + "\n".join(rows))
+    return text
 
 
 def plot_summary(summary: dict, path: str | Path) -> Optional[str]:

@@ -153,9 +153,9 @@ def _evaluate(out: str, which: str, device: str) -> dict:
     """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
     from pathlib import Path
 
-    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline, timing_report
+    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
     from .files import write_json, write_text
-    from .report import format_report
+    from .report import format_report, timing_report
 
     settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
     summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)
