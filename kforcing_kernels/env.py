@@ -12,6 +12,10 @@ cheaply: ``_Variable``).
 ``KFORCING_TRITON_KERNELS`` Triton kernel generation, for A/B runs: ``fused`` (default; 3 launches per
                             forward + backward, window slots inline), ``split`` (slot, dQ and dK/dV
                             kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)
+``KFORCING_TRITON_PREFETCH`` Triton, for A/B runs: ``1`` (default) the dK/dV step loops read each step's
+                            table entry one item ahead (loop-carried), so Triton's pipeliner prefetches
+                            q/dO; ``0`` the earlier loop that reads it in the same iteration (on sm_90a its
+                            loads are waited for at once: ``async_wait {num = 0}``)
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
@@ -95,6 +99,7 @@ triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).ge
 triton_tiles = _Variable("KFORCING_TRITON_TILES").get
 triton_kernels = _Variable("KFORCING_TRITON_KERNELS").get
 triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
+triton_prefetch = _Variable("KFORCING_TRITON_PREFETCH").get
 
 
 def triton_interpret() -> bool:

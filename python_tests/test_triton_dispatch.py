@@ -76,6 +76,33 @@ def test_kernel_variant_switch(monkeypatch):
         configs.kernel_variant()
 
 
+@pytest.mark.parametrize("variant, kernel", [("fused", "bwd"), ("split", "dkdv")])
+def test_prefetch_switch_reaches_the_dkdv_launches(monkeypatch, variant, kernel):
+    """KFORCING_TRITON_PREFETCH selects the dK/dV step loop (1, the default: prefetching; 0: the earlier loop,
+    for GPU A/B runs) in the launch of the kernel that runs it; any other value is refused by name."""
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+    launched = {}
+    monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.__setitem__(name, kw))
+    layout = WindowLayout.kforcing_single(300, 4)
+    q, kv = torch.randn(1, 2, layout.n_queries, 64), torch.randn(1, 2, layout.n_keys, 64)
+    lse = torch.zeros(1, 2, layout.n_queries)
+    for value, expected in ((None, True), ("", True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("KFORCING_TRITON_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KFORCING_TRITON_PREFETCH", value)
+        assert configs.prefetch_enabled() is expected
+        launched.clear()
+        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
+        assert launched[kernel]["PREFETCH"] is expected
+        assert all("PREFETCH" not in kw for name, kw in launched.items() if name != kernel)
+    monkeypatch.setenv("KFORCING_TRITON_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
+        configs.prefetch_enabled()
+    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
+        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
+
+
 @pytest.mark.parametrize("variant, slot_launches, tile_launches", [
     ("fused", ["fwd", "delta", "bwd"], ["fwd", "delta", "bwd"]),
     ("split", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq", "dkdv"], ["fwd", "delta", "dq", "dkdv"]),

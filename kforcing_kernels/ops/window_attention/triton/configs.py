@@ -122,6 +122,16 @@ def kernel_variant() -> str:
     return value
 
 
+def prefetch_enabled() -> bool:
+    """Whether the dK/dV step loops (``bwd``, ``dkdv``) read each step's table entry one item ahead so that
+    Triton pipelines their q/dO loads (KFORCING_TRITON_PREFETCH: ``1``, the default, or ``0``, the earlier
+    loop, kept for GPU A/B runs; jit_backward._dkdv_steps). Both give the same bits."""
+    value = env.triton_prefetch() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KFORCING_TRITON_PREFETCH: expected '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q: the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
