@@ -219,14 +219,15 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def compile_one(job: Job) -> Row:
-    """Compile one job and read its resource usage."""
+def compile_one(job: Job, fn=None) -> Row:
+    """Compile one job and read its resource usage. ``fn``: another ``@triton.jit`` kernel with ``job.kernel``'s
+    arguments and constexprs, compiled in its place (bench/bwd_registers.py: one program kind of ``bwd``)."""
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernel_fn(job.kernel)
+    fn = fn or _kernel_fn(job.kernel)
     constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
     signature, attrs = (_paged_signature if job.kernel == PAGED else _signature)(fn, job.dtype, constexprs)
     try:

@@ -29,8 +29,11 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # "hopper" is the sm_90+ D=64 set (the paper backbone's head dim): 64-key dK/dV programs, so every product
 # is a 64-row wgmma (32-key programs fall back to mma_v2); under Triton 3.6 they spill on sm_80, where
 # "base" keeps 32-key programs. The wide set now steps 32 rows (the pipelined dK/dV kernel compiles clean).
+# Base D=128 dK/dV programs step 32 rows too: with the prefetching step loop (issue 34; q/dO of two steps
+# in flight) 64-row steps spill 32-56 bytes under Triton 3.6 (sm_80 bwd, sm_90a bwd and dkdv); 32-row steps
+# compile clean (sm_90a: 229 registers fused, 206 split).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
-    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32, block_m_dkdv=32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
     "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4)},
 }

@@ -297,7 +297,6 @@ def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv,
         head = head0 + (i - e * kv_group)
         if PREFETCH:
             row0, n_rows, interval = next_row0, next_n_rows, next_interval
-            next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i + 1, i_end, kv_group, MASKED)
         else:
             row0 = tl.load(StepEntries + e * 3)
             n_rows = tl.load(StepEntries + e * 3 + 1)
@@ -319,6 +318,8 @@ def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv,
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds.to(q.dtype), q)
+        if PREFETCH:  # after the math: read at the top of the body, several configs spill under Triton 3.6
+            next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i + 1, i_end, kv_group, MASKED)
         if INSTRUMENT:
             tl.atomic_add(Counters + 4, 1)
     return dk, dv
