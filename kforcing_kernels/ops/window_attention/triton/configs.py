@@ -62,7 +62,9 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
 # 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set); with the window slot steps
 # inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead) and the D=64 one at 8/1
-# (8/2 replaces it). Legacy lists: as tuned in 0.3.
+# (8/2 replaces it). With the prefetching dK/dV step loop (issue 34) under Triton 3.6 the split dkdv's
+# base D=64 4/2 (sm_80) and hopper 4/3 (sm_90a) spill 8 bytes, and base D=64 4/3 spills 8 on sm_80 under 3.9:
+# base D=64 now leads with 8/3 (3 stages, 98-128 registers), hopper keeps 8/3 only. Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
 _SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
@@ -72,8 +74,8 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
             ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3), (4, 2)],
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1)],
-             ("hopper", 64): [(8, 3), (4, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(8, 3), (8, 2), (4, 1)],
+             ("hopper", 64): [(8, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
     "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
             ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
     "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
