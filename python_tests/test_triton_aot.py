@@ -275,11 +275,16 @@ def test_default_main_kernels_are_hopper_grade(default_report):
 
 
 def test_default_step_loops_keep_a_step_in_flight(default_report):
-    """Every sm_90a default of the dK/dV kernels (fused and split) at 3+ stages: each main loop opens with
-    copies still in flight (top wait >= 1) into at least num_stages q/dO (and k/v) buffers."""
+    """Every default of the dK/dV kernels (fused and split) that sm_90a dispatches (D = 64, 128) at 3+ stages:
+    each main loop opens with copies still in flight (top wait >= 1) into at least num_stages q/dO (and
+    k/v) buffers. (The mma_v2 sets keep num_stages - 1 buffers: their operands go through registers.)"""
+    from kforcing_kernels.ops.window_attention.triton import configs
+
     _, rows = default_report
-    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in ("bwd", "dkdv") and int(r["stages"]) >= 3]
-    assert checked
+    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in ("bwd", "dkdv") and int(r["stages"]) >= 3
+               and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
+    assert {(r["kernel"], r["tiles"], r["d"]) for r in checked} == {
+        (k, t, d) for k in ("bwd", "dkdv") for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
     for r in checked:
         waits, bufs = r["top_wait"].split("/"), r["bufs"].split("/")
         assert len(waits) == len(bufs) >= 2 and "-" not in waits + bufs, r
