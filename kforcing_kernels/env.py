@@ -8,7 +8,8 @@ cheaply: ``_Variable``).
                             the extension reads it too (csrc/dispatch.cpp)
 ``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
                             unset: tune, except under torch.distributed with more than one rank
-``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper`` or ``wide``) where it applies
+``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper``, ``wide``, or the A/B candidate
+                            ``hopper128``: 128-key D=64 dK/dV programs) where it applies
 ``KFORCING_TRITON_KERNELS`` Triton kernel generation, for A/B runs: ``fused`` (default; 3 launches per
                             forward + backward, window slots inline), ``split`` (slot, dQ and dK/dV
                             kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)

@@ -163,6 +163,20 @@ def test_autotuner_per_key_with_the_tables_configs(env):
     assert configs.autotune_enabled()  # no process group here
 
 
+def test_candidate_tile_set_runs_only_when_forced(env):
+    """hopper128 (128-key D=64 dK/dV programs, for the GPU A/B) is never picked nor held to the Hopper
+    standard unforced; forced, it runs where the hopper set would."""
+    env.setattr(configs, "_capabilities", {0: (9, 0), 1: (8, 0)})
+    hopper, ampere = torch.device("cuda:0"), torch.device("cuda:1")
+    assert "hopper128" in configs.FORCED_ONLY_TILE_SETS
+    assert configs.tile_set_for(64, 8192, hopper) == "hopper"
+    assert not configs.dispatched_by_default("hopper128", 64, 9)
+    env.setenv("KFORCING_TRITON_TILES", "hopper128")
+    assert configs.tiles_for(64, 8192, hopper).block_n_dkdv == 128
+    assert configs.tile_set_for(128, 8192, hopper) == "base"  # no D=128 tiles in the set
+    assert configs.tile_set_for(64, 8192, ampere) == "base"  # sm_90+ only
+
+
 def test_every_tile_set_has_configs_for_every_kernel():
     for name in launch.KERNELS:
         for tile_set, by_d in configs.TILE_SETS.items():

@@ -18,7 +18,7 @@ are synchronous, "-" without a dot-bearing loop), and per main loop in kernel or
 ``top wait``, the ``num`` of the ``ttg.async_wait`` that opens each iteration, and ``bufs``, the
 buffers of its operand tiles (q/dO in the dK/dV step loops, k/v in the key loops; "-": none). A
 loop of ``num_stages >= 3`` whose top wait is 0 drains every copy before its math: it stalls
-(``ttgir.stalls``), and is flagged ``STALLS`` in the status.
+(``ttgir.stalls``); ``stalls`` lists such loops by their 1-based place in ``top wait`` ("-": none).
 
 It prints one table and exits 1 if a config the dispatcher can choose spills (STACK or LOCAL > 0)
 or needs more shared memory than the target has, or, with ``--require-hopper`` (on by default with
@@ -322,7 +322,7 @@ def hopper_failures(rows: list[Row], count: bool = False):
 
 def format_table(rows: list[Row]) -> str:
     header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit",
-              "wgmma", "dots", "depth", "top wait", "bufs", "chosen", "status")
+              "wgmma", "dots", "depth", "top wait", "bufs", "stalls", "chosen", "status")
     lines = [header]
 
     def per_loop(values) -> str:
@@ -331,12 +331,11 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
-        if r.error is None and r.stalled_loops:
-            status += " STALLS"
+        stalled = ",".join(str(i + 1) for i in r.stalled_loops) or "-"
         lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
                       str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
                       str(r.wgmma), str(r.dots), "-" if r.depth is None else str(r.depth),
-                      per_loop(r.top_waits), per_loop(r.buffers),
+                      per_loop(r.top_waits), per_loop(r.buffers), stalled,
                       "default" if j.default else ("yes" if j.chosen else "no"), status))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
