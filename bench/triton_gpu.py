@@ -291,7 +291,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "wide"), default=["auto"],
+    p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "hopper", "wide", "hopper128"), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
     p.add_argument("--triton-kernels", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
                    help="triton kernels: fused (3 launches), split (6), legacy (split, first-generation dQ/dK-dV)")

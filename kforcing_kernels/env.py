@@ -8,10 +8,15 @@ cheaply: ``_Variable``).
                             the extension reads it too (csrc/dispatch.cpp)
 ``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
                             unset: tune, except under torch.distributed with more than one rank
-``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper`` or ``wide``) where it applies
+``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper``, ``wide``, or the A/B candidate
+                            ``hopper128``: 128-key D=64 dK/dV programs) where it applies
 ``KFORCING_TRITON_KERNELS`` Triton kernel generation, for A/B runs: ``fused`` (default; 3 launches per
                             forward + backward, window slots inline), ``split`` (slot, dQ and dK/dV
                             kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)
+``KFORCING_TRITON_PREFETCH`` Triton, for A/B runs: ``1`` (default) the dK/dV step loops read each step's
+                            table entry one item ahead (loop-carried), so Triton's pipeliner prefetches
+                            q/dO; ``0`` the earlier loop that reads it in the same iteration (on sm_90a its
+                            loads are waited for at once: ``async_wait {num = 0}``)
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``KFORCING_FLEX_BACKEND``   the ``flex`` backend's FlexAttention kernel (``kernel_options["BACKEND"]``):
@@ -106,6 +111,7 @@ triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).ge
 triton_tiles = _Variable("KFORCING_TRITON_TILES").get
 triton_kernels = _Variable("KFORCING_TRITON_KERNELS").get
 triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
+triton_prefetch = _Variable("KFORCING_TRITON_PREFETCH").get
 
 
 def triton_interpret() -> bool:

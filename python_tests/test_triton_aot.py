@@ -129,9 +129,40 @@ def test_ttgir_sibling_main_loops_report_the_shallowest():
     assert ttgir.main_loop_depth(_func(pipelined + plain)) == 0
 
 
-def _row(kernel, arch=90, default=True, wgmma=2, dots=2, depth=2, error=None, tiles="hopper", d=64):
-    job = aot_report.Job(arch, kernel, tiles, d, "bf16", 4, 2, True, default)
-    return aot_report.Row(job, 128, 0, 0, 1024, 0, error=error, wgmma=wgmma, dots=dots, depth=depth)
+def _stepping_loop(buffers, wait):
+    """A kernel whose main loop has two copies in its prologue (depth 3: num_stages = 3) into ``buffers``
+    buffers and opens each iteration with ``async_wait {num = wait}``."""
+    alloc = ALLOC.replace("<3x64x64", f"<{buffers}x64x64")
+    body = WAIT0.replace("num = 0", f"num = {wait}") + "\n" + WGMMA + "\n" + _copy("t2", "buf", 2 % buffers)
+    return _func(alloc + _copy("t0", "buf", 0) + _copy("t1", "buf", 1 % buffers) + _loop("n", body))
+
+
+def test_ttgir_reports_each_main_loops_top_wait_and_buffers():
+    """Depth 3 alone does not tell a pipeline from a stall: the stepping loop that reads its row start in the
+    same iteration (issue 34) had two copies in its prologue, two q/dO buffers, and drained both at the top."""
+    stalling, prefetching = _stepping_loop(2, 0), _stepping_loop(3, 2)
+    for text in (stalling, prefetching):
+        assert ttgir.main_loop_depth(text) == 3
+    [stall], [ahead] = ttgir.main_loops(stalling), ttgir.main_loops(prefetching)
+    assert (stall.top_wait, stall.buffers) == (0, 2)
+    assert (ahead.top_wait, ahead.buffers) == (2, 3)
+    assert ttgir.stalls(stall.top_wait, 3) and ttgir.stalls(stall.top_wait, 4)
+    assert not ttgir.stalls(ahead.top_wait, 3)
+    assert not ttgir.stalls(0, 2)  # two stages: every copy is waited for one iteration after it was issued
+    assert not ttgir.stalls(None, 3)  # no async_wait at all: synchronous, which depth 0 reports
+    # The wait that counts is the loop's own first one, not one after its math or in a nested loop.
+    late = _func(ALLOC + _copy("t0", "buf", 0) + _copy("t1", "buf", 1) + _loop(
+        "n", WAIT0.replace("num = 0", "num = 2") + "\n" + WGMMA + "\n" + WAIT0 + "\n" + _copy("t2", "buf", 2)))
+    assert [loop.top_wait for loop in ttgir.main_loops(late)] == [2]
+    synchronous = _func(_loop("n", "%x = tt.load %ptr : tensor<64x64x!tt.ptr<f16>> loc(#loc5)\n" + WGMMA))
+    assert [(loop.top_wait, loop.buffers) for loop in ttgir.main_loops(synchronous)] == [(None, None)]
+
+
+def _row(kernel, arch=90, default=True, wgmma=2, dots=2, depth=2, error=None, tiles="hopper", d=64, stages=2,
+         top_waits=()):
+    job = aot_report.Job(arch, kernel, tiles, d, "bf16", 4, stages, True, default)
+    return aot_report.Row(job, 128, 0, 0, 1024, 0, error=error, wgmma=wgmma, dots=dots, depth=depth,
+                          top_waits=top_waits, buffers=tuple(3 for _ in top_waits))
 
 
 def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
@@ -146,19 +177,26 @@ def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
             _row("delta", wgmma=0, dots=0, depth=None),
             # Not held to the standard: legacy A/B kernels, sets sm_90a never picks unforced, D = 32.
             _row("dkdv_legacy", wgmma=0, depth=0), _row("dkdv", tiles="base", wgmma=0, depth=0),
-            _row("dq", tiles="base", d=32, depth=0)]
+            _row("dq", tiles="base", d=32, depth=0),
+            # A stall counts at 3+ stages only (two stages wait with num = 0 in a real pipeline).
+            _row("bwd", depth=3, stages=3, top_waits=(0, 6, 2)), _row("dkdv", depth=3, stages=3, top_waits=(4, 6)),
+            _row("fwd", depth=2, stages=2, top_waits=(0,))]
     failures = {(r.job.kernel, r.depth): problems for r, problems in aot_report.hopper_failures(rows)}
     assert failures == {("dq", 0): ["main loop not pipelined (depth 0)"],
                         ("dkdv", 0): ["no wgmma (0 of 2 dots)", "main loop not pipelined (depth 0)"],
                         ("bwd_fused", None): ["no main loop with a dot"],
-                        ("fwd", 2): ["does not compile (PTXASError: x)"]}
+                        ("fwd", 2): ["does not compile (PTXASError: x)"],
+                        ("bwd", 3): ["main loop 1 of 3 stalls (async_wait num = 0 at the top, 3 stages)"]}
+    table = aot_report.format_table(rows[-3:])
+    assert [line.split("|")[-4].strip() for line in table.splitlines()[2:]] == ["1", "-", "-"]  # stalls
+    assert "| 0/6/2 " in table and "| 3/3/3 " in table
 
 
 # ---------------------------------------------------------------- the report on the real kernels (compiles)
 
 
 COLUMNS = ("target", "kernel", "tiles", "d", "dtype", "warps", "stages", "regs", "spill", "smem", "limit", "wgmma",
-           "dots", "depth", "chosen", "status")
+           "dots", "depth", "top_wait", "bufs", "stalls", "chosen", "status")
 
 
 def _ci_kernels() -> list[str]:
@@ -220,7 +258,7 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
     held = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in main and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
             and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
     expected = {(r["kernel"], r["tiles"], r["d"], r["dtype"], r["warps"], r["stages"]) for r in held
-                if r["wgmma"] == "0" or r["depth"] in ("0", "-")}
+                if r["wgmma"] == "0" or r["depth"] in ("0", "-") or r["stalls"] != "-"}
     listed = set(re.findall(r"NOT HOPPER-GRADE: (\w+) (\w+) D=(\d+) (\w+) \((\d+) warps, (\d+) stages\)",
                             result.stdout))
     assert listed == expected
@@ -230,6 +268,50 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
 
 def test_default_main_kernels_are_hopper_grade(default_report):
     """Issue #25's standard: every default sm_90a config of fwd, dq, dkdv and the fused
-    backward at D = 64 and 128 runs wgmma in a software-pipelined main loop."""
+    backward at D = 64 and 128 runs wgmma in a software-pipelined main loop; issue #34's: none of those
+    loops drains its copies at the top (the dK/dV step loops prefetch q/dO)."""
     result, _ = default_report
     assert "NOT HOPPER-GRADE" not in result.stdout, result.stdout[-3000:]
+
+
+def test_default_step_loops_keep_a_step_in_flight(default_report):
+    """Every default of the dK/dV kernels (fused and split) that sm_90a dispatches (D = 64, 128) at 3+ stages:
+    each main loop opens with copies still in flight (top wait >= 1) into at least num_stages q/dO (and
+    k/v) buffers. (The mma_v2 sets keep num_stages - 1 buffers: their operands go through registers.)"""
+    from kforcing_kernels.ops.window_attention.triton import configs
+
+    _, rows = default_report
+    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in ("bwd", "dkdv") and int(r["stages"]) >= 3
+               and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
+    assert {(r["kernel"], r["tiles"], r["d"]) for r in checked} == {
+        (k, t, d) for k in ("bwd", "dkdv") for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
+    for r in checked:
+        waits, bufs = r["top_wait"].split("/"), r["bufs"].split("/")
+        assert len(waits) == len(bufs) >= 2 and "-" not in waits + bufs, r
+        assert all(int(w) >= 1 for w in waits) and all(int(b) >= int(r["stages"]) for b in bufs), r
+
+
+def test_report_flags_the_non_prefetching_step_loop():
+    """Compiled for sm_90a on this CPU: the dK/dV loop as it was (KFORCING_TRITON_PREFETCH=0) stalls and the
+    report says so; the prefetching one (default) does not, with as many q/dO buffers as stages."""
+    if aot_report.tools_missing() is not None:
+        pytest.skip(aot_report.tools_missing())
+    from kforcing_kernels.ops.window_attention.triton import launch
+
+    if launch.interpreting():
+        pytest.skip("kernels were built for the interpreter in this process")
+    job = aot_report.Job(90, "dkdv", "hopper", 64, "bf16", 8, 3, True, True)
+    rows = {}
+    for prefetch in ("0", "1"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KFORCING_TRITON_PREFETCH", prefetch)
+            rows[prefetch] = aot_report.compile_one(job)
+    old, new = rows["0"], rows["1"]
+    assert old.error is None and new.error is None
+    assert old.depth == new.depth == 3  # depth alone cannot tell them apart
+    assert old.top_waits[0] == 0 and old.stalled_loops == [0]
+    assert [line.split("|")[-4].strip() for line in aot_report.format_table([old, new]).splitlines()[2:]] == ["1", "-"]
+    assert any("stall" in p for p in old.hopper_problems())
+    assert len(new.top_waits) == 2 and all(w >= 1 for w in new.top_waits) and not new.stalled_loops
+    assert all(b >= 3 for b in new.buffers) and min(old.buffers) < 3
+    assert new.hopper_problems() == []

@@ -76,6 +76,33 @@ def test_kernel_variant_switch(monkeypatch):
         configs.kernel_variant()
 
 
+@pytest.mark.parametrize("variant, kernel", [("fused", "bwd"), ("split", "dkdv")])
+def test_prefetch_switch_reaches_the_dkdv_launches(monkeypatch, variant, kernel):
+    """KFORCING_TRITON_PREFETCH selects the dK/dV step loop (1, the default: prefetching; 0: the earlier loop,
+    for GPU A/B runs) in the launch of the kernel that runs it; any other value is refused by name."""
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+    launched = {}
+    monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.__setitem__(name, kw))
+    layout = WindowLayout.kforcing_single(300, 4)
+    q, kv = torch.randn(1, 2, layout.n_queries, 64), torch.randn(1, 2, layout.n_keys, 64)
+    lse = torch.zeros(1, 2, layout.n_queries)
+    for value, expected in ((None, True), ("", True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("KFORCING_TRITON_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KFORCING_TRITON_PREFETCH", value)
+        assert configs.prefetch_enabled() is expected
+        launched.clear()
+        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
+        assert launched[kernel]["PREFETCH"] is expected
+        assert all("PREFETCH" not in kw for name, kw in launched.items() if name != kernel)
+    monkeypatch.setenv("KFORCING_TRITON_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
+        configs.prefetch_enabled()
+    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
+        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
+
+
 @pytest.mark.parametrize("variant, slot_launches, tile_launches", [
     ("fused", ["fwd", "delta", "bwd"], ["fwd", "delta", "bwd"]),
     ("split", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq", "dkdv"], ["fwd", "delta", "dq", "dkdv"]),
@@ -134,6 +161,20 @@ def test_autotuner_per_key_with_the_tables_configs(env):
         configs.autotune_enabled()
     env.delenv("KFORCING_TRITON_AUTOTUNE")
     assert configs.autotune_enabled()  # no process group here
+
+
+def test_candidate_tile_set_runs_only_when_forced(env):
+    """hopper128 (128-key D=64 dK/dV programs, for the GPU A/B) is never picked nor held to the Hopper
+    standard unforced; forced, it runs where the hopper set would."""
+    env.setattr(configs, "_capabilities", {0: (9, 0), 1: (8, 0)})
+    hopper, ampere = torch.device("cuda:0"), torch.device("cuda:1")
+    assert "hopper128" in configs.FORCED_ONLY_TILE_SETS
+    assert configs.tile_set_for(64, 8192, hopper) == "hopper"
+    assert not configs.dispatched_by_default("hopper128", 64, 9)
+    env.setenv("KFORCING_TRITON_TILES", "hopper128")
+    assert configs.tiles_for(64, 8192, hopper).block_n_dkdv == 128
+    assert configs.tile_set_for(128, 8192, hopper) == "base"  # no D=128 tiles in the set
+    assert configs.tile_set_for(64, 8192, ampere) == "base"  # sm_90+ only
 
 
 def test_every_tile_set_has_configs_for_every_kernel():

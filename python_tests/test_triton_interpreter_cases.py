@@ -159,6 +159,35 @@ def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch,
         dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
 
 
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_prefetching_step_loop_gives_the_same_bits(kernels, monkeypatch, variant):
+    """KFORCING_TRITON_PREFETCH=1 (default: each step's table entry read one item ahead) and 0 (read in its
+    own iteration) sum the same products in the same order: dQ/dK/dV bit for bit, over full and masked
+    steps, a GQA group of 2 (consecutive items share an entry), short last steps and key tiles without
+    full steps; and both match the reference. Windows of 6 > slot_window_max take tile products, so masked
+    steps read intervals 0 and 1 from the carried entry."""
+    layout = WindowLayout(37, 4, 6, [0, 9, 20, 37], [9, 20, 37, 37], last_window_size=3)
+    tiles = Tiles(32, 16, 32, 16, block_m_dkdv=16, slot_window_max=4)
+    assert sorted(set(step_plan(layout, tile_plan(layout, tiles)).entries[:, 2].tolist())) == [0, 1]
+    q, k, v = make_qkv(layout, heads=4, kv_heads=2, head_dim=32, requires_grad=False)
+    dout = torch.randn(q.shape, dtype=torch.float64).float()
+    scale = 32 ** -0.5
+    out, lse = kernels.attention_forward(q, k, v, layout, scale, tiles=tiles)
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+    grads = {}
+    for prefetch in ("0", "1"):
+        monkeypatch.setenv("KFORCING_TRITON_PREFETCH", prefetch)
+        counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
+        grads[prefetch] = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles,
+                                                     counters=counters)
+        assert counters[4].item() == int(step_plan(layout, tile_plan(layout, tiles)).products().sum()) * 4
+    for name, old, new in zip(("dq", "dk", "dv"), grads["0"], grads["1"]):
+        assert torch.equal(old, new), name
+    _, _, want = _reference(q, k, v, dout, layout, scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads["1"], want):
+        torch.testing.assert_close(got.double(), ref, **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
+
+
 # ---------------------------------------------------------------------- work accounting at the contract's shape
 
 

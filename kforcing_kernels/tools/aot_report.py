@@ -12,15 +12,21 @@ the cubin's registers, stack (spill frame), local and shared memory with the
 ``cuobjdump --dump-resource-usage`` that ships with Triton. Dynamic shared memory
 comes from the compiled kernel's metadata. From the TTGIR (tools/ttgir.py, which defines both):
 ``wgmma``, the number of ``ttng.warp_group_dot`` ops (Hopper warpgroup MMA; ``dots`` counts every
-matrix product, so wgmma < dots means some fell back to mma_v2), and ``depth``, the software-
+matrix product, so wgmma < dots means some fell back to mma_v2), ``depth``, the software-
 pipelining depth of the main loop (S when its loads are issued S - 1 iterations ahead, 0 when they
-are synchronous, "-" without a dot-bearing loop).
+are synchronous, "-" without a dot-bearing loop), and per main loop in kernel order (``/``-separated)
+``top wait``, the ``num`` of the ``ttg.async_wait`` that opens each iteration, and ``bufs``, the
+buffers of its operand tiles (q/dO in the dK/dV step loops, k/v in the key loops; "-": none). A
+loop of ``num_stages >= 3`` whose top wait is 0 drains every copy before its math: it stalls
+(``ttgir.stalls``); ``stalls`` lists such loops by their 1-based place in ``top wait`` ("-": none).
 
 It prints one table and exits 1 if a config the dispatcher can choose spills (STACK or LOCAL > 0)
 or needs more shared memory than the target has, or, with ``--require-hopper`` (on by default with
 ``--defaults``), if a default config (the first of its list, what runs without autotuning) of a
 main kernel (``main_kernels()``: fwd, dq, dkdv and any new kernel not in AUXILIARY_KERNELS) has
-no wgmma or a main loop of depth 0 on sm_90a; 2 if Triton's ptxas/cuobjdump are missing.
+no wgmma, a main loop of depth 0 or a main loop that stalls on sm_90a; 2 if Triton's ptxas/cuobjdump
+are missing. The dK/dV step loops are compiled as KFORCING_TRITON_PREFETCH selects (default: prefetching;
+``KFORCING_TRITON_PREFETCH=0`` reports the earlier loop).
 """
 
 from __future__ import annotations
@@ -72,6 +78,13 @@ class Row:
     wgmma: int = 0  # ttng.warp_group_dot ops in the TTGIR (tools/ttgir.py)
     dots: int = 0  # every matrix-product op in the TTGIR (wgmma + tt.dot)
     depth: Optional[int] = None  # the main loop's software-pipelining depth; None: no dot-bearing loop
+    top_waits: tuple = ()  # per main loop (ttgir.main_loops order): the loop-top async_wait num, None: no wait
+    buffers: tuple = ()  # per main loop: buffers of its operand tiles, None: it copies none
+
+    @property
+    def stalled_loops(self) -> list[int]:
+        """Indices of the main loops that stall (``ttgir.stalls`` at this config's num_stages)."""
+        return [i for i, wait in enumerate(self.top_waits) if ttgir.stalls(wait, self.job.num_stages)]
 
     @property
     def spills(self) -> int:
@@ -90,6 +103,11 @@ class Row:
             problems.append(f"no wgmma (0 of {self.dots} dots)")
         if not self.depth:
             problems.append("main loop not pipelined (depth 0)" if self.depth == 0 else "no main loop with a dot")
+        stalled = self.stalled_loops
+        if stalled:
+            problems.append(f"main loop{'s' if len(stalled) > 1 else ''} {', '.join(str(i + 1) for i in stalled)} of "
+                            f"{len(self.top_waits)} stall{'' if len(stalled) > 1 else 's'} "
+                            f"(async_wait num = 0 at the top, {self.job.num_stages} stages)")
         return problems
 
 
@@ -185,12 +203,13 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
         tiles = configs.LEGACY_TILE_SETS[tile_set][head_dim]
         return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
                     HEAD_DIM=head_dim, INSTRUMENT=False)
-    if kernel == "bwd":
+    if kernel == "bwd":  # the dK/dV step loops as KFORCING_TRITON_PREFETCH selects them (default: prefetching)
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim,
+                    PREFETCH=configs.prefetch_enabled(), INSTRUMENT=False)
     if kernel == "dkdv":
         return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
-                    INSTRUMENT=False)
+                    PREFETCH=configs.prefetch_enabled(), INSTRUMENT=False)
     if kernel == "fwd":  # the default kernels' forward (window slots inline); split/legacy's skips that code
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, SLOT_INLINE=True,
                     INSTRUMENT=False)
@@ -200,14 +219,15 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def compile_one(job: Job) -> Row:
-    """Compile one job and read its resource usage."""
+def compile_one(job: Job, fn=None) -> Row:
+    """Compile one job and read its resource usage. ``fn``: another ``@triton.jit`` kernel with ``job.kernel``'s
+    arguments and constexprs, compiled in its place (bench/bwd_registers.py: one program kind of ``bwd``)."""
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernel_fn(job.kernel)
+    fn = fn or _kernel_fn(job.kernel)
     constexprs = _constexprs(job.kernel, job.head_dim, job.tile_set)
     signature, attrs = (_paged_signature if job.kernel == PAGED else _signature)(fn, job.dtype, constexprs)
     try:
@@ -227,9 +247,12 @@ def compile_one(job: Job) -> Row:
     if match is None:
         return Row(job, 0, 0, 0, 0, 0, error=f"cannot parse cuobjdump output: {dump[:200]!r}")
     reg, stack, static_shared, local = (int(x) for x in match.groups())
-    wgmma, dots = ttgir.dot_counts(compiled.asm["ttgir"])
+    text = compiled.asm["ttgir"]
+    wgmma, dots = ttgir.dot_counts(text)
+    main = ttgir.main_loops(text)
     return Row(job, reg, stack, local, int(compiled.metadata.shared), static_shared, wgmma=wgmma, dots=dots,
-               depth=ttgir.main_loop_depth(compiled.asm["ttgir"]))
+               depth=ttgir.main_loop_depth(text), top_waits=tuple(loop.top_wait for loop in main),
+               buffers=tuple(loop.buffers for loop in main))
 
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
@@ -299,14 +322,20 @@ def hopper_failures(rows: list[Row], count: bool = False):
 
 def format_table(rows: list[Row]) -> str:
     header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit",
-              "wgmma", "dots", "depth", "chosen", "status")
+              "wgmma", "dots", "depth", "top wait", "bufs", "stalls", "chosen", "status")
     lines = [header]
+
+    def per_loop(values) -> str:
+        return "/".join("-" if v is None else str(v) for v in values) or "-"
+
     for r in rows:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
+        stalled = ",".join(str(i + 1) for i in r.stalled_loops) or "-"
         lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
                       str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
                       str(r.wgmma), str(r.dots), "-" if r.depth is None else str(r.depth),
+                      per_loop(r.top_waits), per_loop(r.buffers), stalled,
                       "default" if j.default else ("yes" if j.chosen else "no"), status))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
@@ -324,8 +353,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
     parser.add_argument("--require-hopper", action=argparse.BooleanOptionalAction, default=None,
-                        help="fail when a default sm_90a config of a main kernel has no wgmma or no pipelined main "
-                             "loop (default: on with --defaults)")
+                        help="fail when a default sm_90a config of a main kernel has no wgmma, no pipelined main "
+                             "loop or a main loop that stalls (default: on with --defaults)")
     args = parser.parse_args(argv)
     missing = tools_missing()
     if missing:
@@ -342,7 +371,8 @@ def main(argv=None) -> int:
     failures, checked = hopper_failures(rows, count=True) if require_hopper else ([], 0)
     if require_hopper:
         print(f"Hopper check (main kernels {', '.join(main_kernels())}; default configs of the sets sm_90a dispatches, "
-              f"D in {HOPPER_HEAD_DIMS}): {checked - len(failures)} of {checked} have wgmma and a pipelined main loop")
+              f"D in {HOPPER_HEAD_DIMS}): {checked - len(failures)} of {checked} have wgmma and pipelined main loops "
+              f"that do not stall")
         for r, problems in failures:
             j = r.job
             print(f"  NOT HOPPER-GRADE: {j.kernel} {j.tile_set} D={j.head_dim} {j.dtype} "

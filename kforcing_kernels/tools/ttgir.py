@@ -23,6 +23,16 @@ visible), with the same meaning under Triton 3.6 .. 3.9:
   pipelining across it overlaps nothing); when several loops qualify (e.g. separate loops over full
   and partial tiles) the smallest depth is reported. A kernel without a dot-bearing loop has depth
   ``None``.
+* ``main_loops``: every such main loop, each with ``top_wait`` and ``buffers``. Depth alone does not
+  show a loop that stalls: a loop can have ``S - 1`` copies in its prologue and still open every
+  iteration by draining them all. ``top_wait`` is the ``num`` of the first ``ttg.async_wait`` in the
+  loop's own body (how many copy groups may stay in flight while the iteration starts): with
+  ``num_stages >= 3`` it must be >= 1, else the next iteration's tiles are requested only after this
+  one's math and waited for at once (``stalls``; e.g. a load whose address depends on another load
+  of the same iteration, such as a step-table entry, keeps the pipeliner from issuing it ahead).
+  ``buffers`` is the fewest buffers of a 2-D operand tile (``ttg.local_alloc`` of ``N x rows x cols``)
+  the loop's body copies into: ``S`` buffers for an ``S``-stage pipeline whose copies stay in flight,
+  fewer when the pipeliner could not run them ahead. ``None`` where the loop has no async_wait / copies.
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ _FOR = re.compile(r"\bscf\.for\s+%[\w.]+\s*=\s*%?[\w.\-]+\s+to\s+%?([\w.\-]+)\s+
 _DEF = re.compile(r"^\s*(%[\w.]+)(?::\d+)?\s*=\s*(.*)$")
 _VALUE = re.compile(r"%([\w.]+)")
 _ALLOC_DEPTH = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x")
+# A multi-buffered 2-D tile: buffers x rows x cols (1-D row vectors and table scalars have one dim fewer).
+_TILE_ALLOC = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x")
+_ASYNC_WAIT = re.compile(r"\bttg\.async_wait\b.*\{num = (\d+) : i32\}")
 _VIEW_OPS = ("ttg.memdesc_index", "ttg.memdesc_subview", "ttg.memdesc_subslice", "ttg.memdesc_reinterpret")
 
 
@@ -59,6 +72,8 @@ class Loop:
     parent: Optional[int]  # index into the loop list
     dots: int = 0  # matrix products in its body, nested loops included
     depth: int = 0  # software-pipelining depth (module docstring)
+    top_wait: Optional[int] = None  # num of the first ttg.async_wait of its own body
+    buffers: Optional[int] = None  # fewest buffers of a 2-D operand tile its own body copies into
 
     @property
     def over_group(self) -> bool:
@@ -96,9 +111,13 @@ def loops(ttgir: str) -> list[Loop]:
         nested = [(other.start, other.end) for other in found if other.parent is not None and
                   found[other.parent] is loop]
         direct = [i for i in body if not any(s <= i <= e for s, e in nested)]
+        waits = [int(m.group(1)) for m in (_ASYNC_WAIT.search(lines[i]) for i in direct) if m]
+        loop.top_wait = waits[0] if waits else None
         allocs = {a for i in direct if _is_copy(lines[i]) for a in _copy_allocs(i, lines, defs)}
         if not allocs:
             continue
+        tiles = [int(m.group(1)) for m in (_TILE_ALLOC.search(lines[at]) for _, at in allocs) if m]
+        loop.buffers = min(tiles) if tiles else None
         prologue = {a: 0 for a in allocs}
         for i in range(min(a[1] for a in allocs), loop.start):
             if _is_copy(lines[i]) and not _inside(i, found, exclude=loop):
@@ -148,17 +167,27 @@ def _copy_allocs(index: int, lines: list[str], defs: dict) -> set[tuple[str, int
     return out
 
 
-def main_loop_depth(ttgir: str) -> Optional[int]:
-    """Pipelining depth of the kernel's main loop (module docstring), None without a dot-bearing loop."""
+def main_loops(ttgir: str) -> list[Loop]:
+    """The kernel's main loops in text order (module docstring): the innermost dot-bearing loops, not
+    counting loops over the GQA group."""
     found = loops(ttgir)
     candidates = [i for i, loop in enumerate(found) if loop.dots and not loop.over_group]
-    if not candidates:
-        return None
 
     def ancestors(i):
         while found[i].parent is not None:
             i = found[i].parent
             yield i
 
-    innermost = [i for i in candidates if not any(i in set(ancestors(j)) for j in candidates if j != i)]
-    return min(found[i].depth for i in innermost)
+    return [found[i] for i in candidates if not any(i in set(ancestors(j)) for j in candidates if j != i)]
+
+
+def main_loop_depth(ttgir: str) -> Optional[int]:
+    """Pipelining depth of the kernel's main loop (module docstring), None without a dot-bearing loop."""
+    main = main_loops(ttgir)
+    return min(loop.depth for loop in main) if main else None
+
+
+def stalls(top_wait: Optional[int], num_stages: int) -> bool:
+    """Whether a main loop whose ``top_wait`` is this, compiled with ``num_stages``, opens each iteration by
+    draining every copy in flight (0 at 3 or more stages: nothing it issued ahead overlaps its math)."""
+    return num_stages >= 3 and top_wait == 0

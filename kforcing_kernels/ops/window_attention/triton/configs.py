@@ -29,17 +29,29 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # "hopper" is the sm_90+ D=64 set (the paper backbone's head dim): 64-key dK/dV programs, so every product
 # is a 64-row wgmma (32-key programs fall back to mma_v2); under Triton 3.6 they spill on sm_80, where
 # "base" keeps 32-key programs. The wide set now steps 32 rows (the pipelined dK/dV kernel compiles clean).
+# Base D=128 dK/dV programs step 32 rows too: with the prefetching step loop (issue 34; q/dO of two steps
+# in flight) 64-row steps spill 32-56 bytes under Triton 3.6 (sm_80 bwd, sm_90a bwd and dkdv); 32-row steps
+# compile clean (sm_90a: 229 registers fused, 206 split).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
-    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
+    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32, block_m_dkdv=32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
     "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=32, slot_window_max=4)},
+    # A/B candidate, never dispatched unless forced (KFORCING_TRITON_TILES=hopper128; the GPU run decides):
+    # the hopper D=64 set with 128-key dK/dV programs at 8 warps, as FlexAttention's sm_90 backward (128-key
+    # tiles, 3 stages, 8 warps): half the q/dO re-reads per key of 64-key programs. sm_90a: 0 spill bytes under
+    # Triton 3.6.0 and 3.9.0 (bwd 255 / 220 registers, dkdv 255 / 222; bench/results/aot/). Not a candidate:
+    # the wide D=128 set with 64-row steps, which spills 64-144 bytes (bwd, dkdv) on sm_90a.
+    "hopper128": {64: Tiles(64, 64, 128, 64)},
 }
+# Tile sets tile_set_for picks only when KFORCING_TRITON_TILES names them (A/B candidates).
+FORCED_ONLY_TILE_SETS = ("hopper128",)
 # The tiles of the legacy backward (KFORCING_TRITON_KERNELS=legacy): forward tiles as above, the dK/dV
 # tiles it was tuned with (32-key programs at D <= 64: no wgmma; 16-row steps in the wide set).
 LEGACY_TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
     "hopper": {64: DEFAULT_TILES},
     "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
+    "hopper128": {64: DEFAULT_TILES},
 }
 # Three launches per forward + backward (default), the slot / dQ / dK/dV kernels as launches of their own,
 # or those with the first-generation dQ and dK/dV kernels (KFORCING_TRITON_KERNELS).
@@ -48,7 +60,7 @@ TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
 # Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
 # for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
-TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
+TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9, "hopper128": 9}
 # (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
 # and within shared memory on sm_80 and sm_90a ("hopper", "wide": sm_90a only) in fp16 and bf16 under both
 # ends of the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources").
@@ -59,7 +71,9 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9}
 # base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
 # 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set); with the window slot steps
 # inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead) and the D=64 one at 8/1
-# (8/2 replaces it). Legacy lists: as tuned in 0.3.
+# (8/2 replaces it). With the prefetching dK/dV step loop (issue 34) under Triton 3.6 the split dkdv's
+# base D=64 4/2 (sm_80) and hopper 4/3 (sm_90a) spill 8 bytes, and base D=64 4/3 spills 8 on sm_80 under 3.9:
+# base D=64 now leads with 8/3 (3 stages, 98-128 registers), hopper keeps 8/3 only. Legacy lists: as tuned in 0.3.
 _SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
 _SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
@@ -69,10 +83,11 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
             ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3), (4, 2)],
            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1)],
-             ("hopper", 64): [(8, 3), (4, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
+    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(8, 3), (8, 2), (4, 1)],
+             ("hopper", 64): [(8, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)],
+             ("hopper128", 64): [(8, 3)]},
     "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
-            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)]},
+            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)], ("hopper128", 64): [(8, 3)]},
     "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
                   ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "dkdv_legacy": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
@@ -83,6 +98,9 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
     "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
     "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
 }
+# The candidate set's forward, dQ and legacy kernels are the hopper set's (the same tiles there).
+for _name in ("fwd", "dq", "dq_legacy", "dkdv_legacy"):
+    KERNEL_CONFIGS[_name][("hopper128", 64)] = KERNEL_CONFIGS[_name][("hopper", 64)]
 # Candidates the AOT report compiles to prune the table above (`aot_report --all`).
 CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
 DELTA_BLOCK = 64
@@ -122,6 +140,16 @@ def kernel_variant() -> str:
     return value
 
 
+def prefetch_enabled() -> bool:
+    """Whether the dK/dV step loops (``bwd``, ``dkdv``) read each step's table entry one item ahead so that
+    Triton pipelines their q/dO loads (KFORCING_TRITON_PREFETCH: ``1``, the default, or ``0``, the earlier
+    loop, kept for GPU A/B runs; jit_backward._dkdv_steps). Both give the same bits."""
+    value = env.triton_prefetch() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"KFORCING_TRITON_PREFETCH: expected '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q: the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -143,7 +171,7 @@ def _capability(device: Optional[torch.device]) -> tuple[int, int]:
 def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
     """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
 
-    KFORCING_TRITON_TILES=base|hopper|wide forces a set where it applies (head dims it has no tiles for,
+    KFORCING_TRITON_TILES=base|hopper|wide|hopper128 forces a set where it applies (head dims it has no tiles for,
     and CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base"). Unforced, CUDA sm_90+ takes "wide"
     for long D=128 heads and "hopper" where it has tiles; everything else (and the interpreter) "base".
     """
@@ -166,7 +194,8 @@ def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = 
 def dispatched_by_default(tile_set: str, head_dim: int, capability_major: int) -> bool:
     """Whether ``tile_set_for`` (nothing forced) picks ``tile_set`` for ``head_dim`` on some shape of a device
     of this capability: the sets whose defaults the AOT report holds to that target's standard."""
-    if head_dim not in TILE_SETS[tile_set] or capability_major < TILE_SET_MIN_CAPABILITY[tile_set]:
+    if (head_dim not in TILE_SETS[tile_set] or capability_major < TILE_SET_MIN_CAPABILITY[tile_set]
+            or tile_set in FORCED_ONLY_TILE_SETS):
         return False
     if tile_set == "base" and capability_major >= TILE_SET_MIN_CAPABILITY["hopper"]:
         return head_dim not in TILE_SETS["hopper"]

@@ -262,20 +262,44 @@ def _dq_program(
 
 
 @triton.jit
+def _step_entry(StepEntries, i, i_end, kv_group, MASKED: tl.constexpr):
+    """(row start, rows, interval) of item ``i``'s step (``i // kv_group``); zeros when ``i >= i_end``
+    (the prefetch one past the last item; the interval is 0 unless ``MASKED``: full steps never read it)."""
+    entry = StepEntries + (i // kv_group) * 3
+    valid = i < i_end
+    row0 = tl.load(entry, mask=valid, other=0)
+    n_rows = tl.load(entry + 1, mask=valid, other=0)
+    interval = tl.load(entry + 2, mask=valid, other=0) if MASKED else 0
+    return row0, n_rows, interval
+
+
+@triton.jit
 def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, i_begin, i_end, head0,
                 q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
                 BLOCK_M_STEP: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                INSTRUMENT: tl.constexpr):
+                PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr):
     """dK/dV of one key block += the flattened (step, head) items ``[i_begin, i_end)``: item i is
     query-row step ``i // kv_group`` of ``StepEntries`` (row start, rows, interval) for head
-    ``head0 + i % kv_group``. One loop with no inner loop, so Triton pipelines its loads."""
+    ``head0 + i % kv_group``. One loop with no inner loop, so Triton pipelines its loads.
+
+    ``PREFETCH`` (KFORCING_TRITON_PREFETCH, default on): the step's table entry is a loop-carried value
+    read one item ahead, so the q/dO addresses of item i do not depend on a load of iteration i and
+    Triton's pipeliner can issue item i+1's q/dO (and i+2's) while item i computes. Without it the
+    entry is read in the same iteration: on sm_90a the loop then opens with ``async_wait {num = 0}``
+    (every copy drained, q/dO requested only after the previous item's math: tools/ttgir.py reports it).
+    Both orders compute the same sums in the same order."""
     offs_m = tl.arange(0, BLOCK_M_STEP)
     offs_d = tl.arange(0, HEAD_DIM)
+    if PREFETCH:
+        next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i_begin, i_end, kv_group, MASKED)
     for i in range(i_begin, i_end):
         e = i // kv_group
         head = head0 + (i - e * kv_group)
-        row0 = tl.load(StepEntries + e * 3)
-        n_rows = tl.load(StepEntries + e * 3 + 1)
+        if PREFETCH:
+            row0, n_rows, interval = next_row0, next_n_rows, next_interval
+        else:
+            row0 = tl.load(StepEntries + e * 3)
+            n_rows = tl.load(StepEntries + e * 3 + 1)
         rows = row0 + offs_m
         ok = offs_m < n_rows
         q_off = q_batch + head * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
@@ -287,11 +311,15 @@ def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv,
         delta = tl.load(Delta + l_off, mask=ok, other=0.0)
         p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M_STEP]
         if MASKED:
-            lo, hi = _row_interval(RowIv, iv_base, rows, ok, tl.load(StepEntries + e * 3 + 2), n_iv)
+            if not PREFETCH:  # the non-prefetching loop reads it here, as it always did
+                interval = tl.load(StepEntries + e * 3 + 2)
+            lo, hi = _row_interval(RowIv, iv_base, rows, ok, interval, n_iv)
             p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds.to(q.dtype), q)
+        if PREFETCH:  # after the math: read at the top of the body, several configs spill under Triton 3.6
+            next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i + 1, i_end, kv_group, MASKED)
         if INSTRUMENT:
             tl.atomic_add(Counters + 4, 1)
     return dk, dv
@@ -304,7 +332,8 @@ def _dkdv_program(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     stepptr_bstride, iv_bstride,
     n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
     """dK/dV of key tile ``StepOrder[tile_rank]`` of (batch x kv head) ``pid_bh``: BLOCK_N keys, whose
     steps StepPtr gives as [begin, first masked, end)."""
@@ -335,10 +364,10 @@ def _dkdv_program(
     iv_base = b * iv_bstride
     dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, begin, first_masked,
                          head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
-                         BLOCK_M_STEP, HEAD_DIM, False, INSTRUMENT)
+                         BLOCK_M_STEP, HEAD_DIM, False, PREFETCH, INSTRUMENT)
     dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, first_masked, end,
                          head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
-                         BLOCK_M_STEP, HEAD_DIM, True, INSTRUMENT)
+                         BLOCK_M_STEP, HEAD_DIM, True, PREFETCH, INSTRUMENT)
 
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
@@ -368,13 +397,14 @@ def _dkdv_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     stepptr_bstride, iv_bstride,
     n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
     """Grid (B * Hkv, key tiles)."""
     _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                   StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                   stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                  sm_scale, BLOCK_M_STEP, BLOCK_N, HEAD_DIM, INSTRUMENT)
+                  sm_scale, BLOCK_M_STEP, BLOCK_N, HEAD_DIM, PREFETCH, INSTRUMENT)
 
 
 @_kernel
@@ -386,7 +416,7 @@ def _bwd_kernel(
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     """The whole backward after ``delta`` in one launch (1-D grid), programs split by id: the first
     ``n_dkdv_programs`` = ``n_bkv`` x key tiles are dK/dV programs (the larger share of the work, so
@@ -399,7 +429,7 @@ def _bwd_kernel(
         _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                       StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                       stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
+                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, PREFETCH, INSTRUMENT)
     elif pid < n_dkdv_programs + n_dq_programs:
         p = pid - n_dkdv_programs
         _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,

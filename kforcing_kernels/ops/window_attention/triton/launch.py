@@ -35,7 +35,7 @@ from triton.runtime import driver as _triton_driver
 from ....layouts import WindowLayout
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
                       TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, kernel_variant, check_head_dim, length_bucket,
-                      tile_set_for, tiles_for)
+                      prefetch_enabled, tile_set_for, tiles_for)
 from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
 from .direct import DirectCache, direct_launch_enabled
@@ -292,7 +292,8 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
             pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
             g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
             scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, PREFETCH=prefetch_enabled(),
+            INSTRUMENT=instrument,
         )
         return dq, dk, dv
     if variant == "legacy":
@@ -314,7 +315,8 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         pt["key_tiles"], st["step_ptr"], st["step_entries"], st["step_order"], pt["row_iv"], counters,
         *strides, st["stepptr_bstride"], pt["iv_bstride"],
         n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, INSTRUMENT=instrument,
+        BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, PREFETCH=prefetch_enabled(),
+        INSTRUMENT=instrument,
     )
     return dq, dk, dv
 
