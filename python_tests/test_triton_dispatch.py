@@ -103,6 +103,26 @@ def test_prefetch_switch_reaches_the_dkdv_launches(monkeypatch, variant, kernel)
         launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
 
 
+
+def test_each_dkdv_loop_has_its_own_autotuner(monkeypatch):
+    """The two dK/dV loops are other code: an A/B run in one process must not hand one loop the config the
+    autotuner picked for the other (the autotuner's own key holds HEAD_DIM only), so PREFETCH keys the autotuner."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "direct_launch_enabled", lambda: False)
+    monkeypatch.setattr(launch, "_tuned", {})
+    made = []
+
+    class Tuner:  # stands in for triton.autotune(...)(kernel): indexing by the grid gives the launcher
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(launch, "_tuned_kernel", lambda name, key: made.append(name) or Tuner())
+    tune_key = ("hopper", 64, 1024, "tile-full")
+    for prefetch in (True, False, True, False):
+        launch._launch("bwd", (2, 1), tune_key, PREFETCH=prefetch)
+    launch._launch("fwd", (2, 1), tune_key)
+    assert made == ["bwd", "bwd", "fwd"] and len(launch._tuned) == 3
+
 @pytest.mark.parametrize("variant, slot_launches, tile_launches", [
     ("fused", ["fwd", "delta", "bwd"], ["fwd", "delta", "bwd"]),
     ("split", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq", "dkdv"], ["fwd", "delta", "dq", "dkdv"]),

@@ -87,7 +87,8 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
         if entry is not None:
             entry(grid, args, active.get_current_stream(device))
             return
-    key = (kernel_name, *tune_key, autotune)
+    # PREFETCH (the dK/dV loop's A/B switch) picks other code: its own autotuner, so neither loop inherits the other's config.
+    key = (kernel_name, *tune_key, autotune, kwargs.get("PREFETCH"))
     with _tuned_lock:
         tuned = _tuned.get(key)
         if tuned is None:
