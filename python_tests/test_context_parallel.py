@@ -4,6 +4,8 @@ model and loss (the torchrun tests with 2 ranks are in test_context_parallel_tor
 Oracles: pairs counted from the layout's dense mask; single-process ``window_attention`` / model / ``compute_loss``.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -187,3 +189,19 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
         expected = gathered_kv + gather_buffers + dkdv + scatter + dq + scores
         got = attention_transient_bytes(split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem, chunk_rows=chunk_rows)
         assert got == expected, (world, got, expected)
+
+
+def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_path):
+    """bench.cp_throughput: the median tokens/s after the first logged step (its compiles), from metrics.jsonl;
+    a world size that does not divide the cores is refused by name."""
+    from bench import cp_throughput
+
+    lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}, {"step": 2, "val_loss": 2.9},
+             *({"step": s, "loss": 2.0, "tokens_per_s": r} for s, r in ((2, 300.0), (3, 100.0), (4, 200.0)))]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in lines) + "\n")
+    assert cp_throughput.steady_tokens_per_s(tmp_path) == (200.0, [10.0, 300.0, 100.0, 200.0])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    with pytest.raises(RuntimeError, match="expected >= 2 logged steps"):
+        cp_throughput.steady_tokens_per_s(tmp_path)
+    with pytest.raises(SystemExit):
+        cp_throughput.main(["--threads", "2", "--worlds", "4"])
