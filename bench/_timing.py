@@ -43,7 +43,8 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, reps: int = 5, max_sec
         times.append((time.perf_counter() - t0) * 1e3)
         if max_seconds is not None and i + 1 >= min_reps and time.perf_counter() - start > max_seconds:
             break
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": len(times), "first_ms": first_ms}
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": len(times),
+            "first_ms": first_ms}
 
 
 def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: float | None = None, min_reps: int = 3) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -22,7 +21,7 @@ from kforcing_kernels.app.cli import make_parser, positive_int
 from kforcing_kernels.layouts import WindowLayout, derived
 from kforcing_kernels.ops.window_attention import window_attention
 
-from ._timing import measure_many, paired_ratio, pin_threads
+from ._timing import measure, measure_many, paired_ratio, pin_threads
 
 
 def specforge_mask_mod(length: int):
@@ -88,12 +87,7 @@ def execute(args: argparse.Namespace) -> int:
         print(f"  create_block_mask: not importable ({exc})")
     build_ms = {}
     for name, fn in builds.items():
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        build_ms[name] = min(times)
+        build_ms[name] = measure(fn, warmup=0, reps=args.reps)["min_ms"]
     print("  mask construction ms (min): " + ", ".join(f"{name} {ms:.2f}" for name, ms in build_ms.items()))
     report["build_ms"] = build_ms
     if args.json:

@@ -14,28 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.app.cli import make_parser, positive_int
 
-
-def _times_ms(fn, reps: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+from ._timing import measure
 
 
-def _summary(times: list[float]) -> dict:
-    return {"median_ms": round(statistics.median(times), 2), "min_ms": round(min(times), 2), "max_ms": round(max(times), 2)}
+def _summary(fn, reps: int) -> dict:
+    t = measure(fn, warmup=1, reps=reps)
+    return {key: round(t[key], 2) for key in ("median_ms", "min_ms", "max_ms")}
 
 
 def main(argv=None) -> dict:
@@ -68,8 +58,8 @@ def main(argv=None) -> dict:
             out = window_attention(q, k, v, layout, backend=args.backend)
             torch.autograd.grad(out.sum(), (q, k, v))
 
-        results["layouts"][name] = {"pairs": int(layout.num_pairs()), "forward": _summary(_times_ms(forward, args.reps)),
-                                    "forward_backward": _summary(_times_ms(forward_backward, args.reps))}
+        results["layouts"][name] = {"pairs": int(layout.num_pairs()), "forward": _summary(forward, args.reps),
+                                    "forward_backward": _summary(forward_backward, args.reps)}
         row = results["layouts"][name]
         print(f"{name:>16}: {row['pairs']:>11,} pairs  fwd {row['forward']['median_ms']:8.1f} ms "
               f"[{row['forward']['min_ms']:.1f}-{row['forward']['max_ms']:.1f}]  fwd+bwd "
