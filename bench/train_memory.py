@@ -113,7 +113,7 @@ def measure(preset: str, seq_len: int, k: int, batch: int, checkpointed: bool, d
     import torch.distributed as dist
 
     from kforcing_kernels.app.objectives import Objective, compute_loss, make_batch
-    from kforcing_kernels.app.parallel import prepare_student
+    from kforcing_kernels.app.parallel import parallelize, setup_parallel
     from kforcing_kernels.model import PRESETS, KForcingLM
 
     cfg = PRESETS[preset](seq_len=seq_len)
@@ -121,7 +121,8 @@ def measure(preset: str, seq_len: int, k: int, batch: int, checkpointed: bool, d
     teacher = KForcingLM(cfg).to(device).eval().requires_grad_(False)  # replicated (see app/parallel.py)
     student = KForcingLM(cfg).to(device).train()
     n_params = student.num_parameters()
-    prepare_student(student, "fsdp", checkpointed, device, None)
+    dims = setup_parallel(device.type, parallel="fsdp")  # the mesh over the existing process group
+    parallelize(student, dims, activation_checkpointing=checkpointed)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
     stream = torch.randint(0, cfg.vocab_size, (64 * seq_len,), generator=torch.Generator().manual_seed(1))
     data = make_batch(Objective.SELF_FORCING, stream, batch, seq_len, k, (0.5, 1.0),

@@ -5,18 +5,17 @@ import torch
 import torch.distributed as dist
 
 from bench.train_memory import format_report, measure
-from kforcing_kernels.app.parallel import ensure_process_group, release_process_group
+from kforcing_kernels.app.parallel import setup_parallel
 from kforcing_kernels.model import ModelConfig
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 def test_one_rank_counts_match_the_model():
-    group = ensure_process_group("fsdp", torch.device("cpu"))
-    assert group is not None
+    dims = setup_parallel("cpu", parallel="fsdp")  # a one-rank process group
     try:
         rows = [measure("micro", 16, 2, 2, ac, torch.device("cpu")) for ac in (False, True)]
     finally:
-        release_process_group(group)
+        dims.close()
     n_params = sum(p.numel() for p in torch.nn.Module.parameters(_micro()))
     for row in rows:
         assert row["parameters"] == n_params

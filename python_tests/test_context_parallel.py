@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from kforcing_kernels.app.context_parallel import context_parallel_loss, setup
+from kforcing_kernels.app.context_parallel import context_parallel_loss
+from kforcing_kernels.app.parallel import ParallelDims, setup_parallel
 from kforcing_kernels.app.objectives import Objective, compute_loss, make_batch
-from kforcing_kernels.app.train_config import ConfigError
+from kforcing_kernels.app.train_config import ConfigError, TrainConfig, validate_config
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.window_attention import window_attention
@@ -110,10 +111,17 @@ def test_one_rank_model_and_loss_match_the_plain_ones():
     torch.testing.assert_close(logits, model(tokens, noise, 1.0).flatten(1, 2))
 
 
-def test_setup_refuses_a_size_that_does_not_divide_the_world():
-    assert setup(1, 0, 4).cp is None and setup(1, 3, 4).dp_rank == 3
-    with pytest.raises(ConfigError, match="^context_parallel: "):
-        setup(3, 0, 4)
+def test_mesh_coordinates_and_a_size_that_does_not_divide_the_world(monkeypatch):
+    """Rank r of a dp x cp world is (r // cp, r % cp): CP groups are consecutive ranks, the batch goes by rows."""
+    cpu = torch.device("cpu")
+    assert [ParallelDims(2, 2, False, r, cpu).dp_rank for r in range(4)] == [0, 0, 1, 1]
+    assert [ParallelDims(4, 1, False, r, cpu).dp_rank for r in range(4)] == [0, 1, 2, 3]
+    assert ParallelDims(4, 1, False, 3, cpu).context_parallel is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="^context_parallel: expected a divisor of the world size 4, got 3"):
+        setup_parallel("cpu", 3)
+    with pytest.raises(ConfigError, match="^context_parallel: expected a divisor"):
+        validate_config(TrainConfig(context_parallel=3), 4)
 
 
 def test_traffic_accounting_matches_the_dense_mask():

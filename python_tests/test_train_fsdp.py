@@ -219,7 +219,7 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
 
 
 def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model(tmp_path, monkeypatch):
-    from kforcing_kernels.app.parallel import ensure_process_group, release_process_group, prepare_student
+    from kforcing_kernels.app.parallel import parallelize, setup_parallel
     from kforcing_kernels.app.sharded_checkpoint import load_sharded_checkpoint
     from kforcing_kernels.model import KForcingLM, ModelConfig
     from train_helpers import micro_config
@@ -239,11 +239,10 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
         assert mode & 0o600 == 0o600, (path.name, oct(mode))
     with pytest.raises(ConfigError, match="precision: --parallel fsdp"):
         train(micro_config(tmp_path / "fp16", corpus, steps=1, parallel="fsdp", precision="fp16"))
-    group = ensure_process_group("fsdp", torch.device("cpu"))
-    assert group is not None
+    dims = setup_parallel("cpu", parallel="fsdp")  # a one-rank process group
     try:
         other = KForcingLM(ModelConfig.micro(vocab_size=300, n_layer=3))
-        prepare_student(other, "fsdp", False, torch.device("cpu"), None)
+        parallelize(other, dims)
         optimizer = torch.optim.AdamW(other.parameters())
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         with pytest.raises(CheckpointError, match=r"saved for another model \(config differs in n_layer\)"):
@@ -257,7 +256,7 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
             sharded_checkpoint.save_sharded_checkpoint(tmp_path / "run", 7, other, optimizer, scaler, {}, {}, keep=2)
         assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]  # nothing else
     finally:
-        release_process_group(group)
+        dims.close()
 
 
 def test_export_refuses_a_file_or_the_run_folder_as_out_before_reading_anything(tmp_path, capsys):

@@ -228,6 +228,11 @@ def latest_checkpoint(out: str | Path) -> Optional[Path]:
     return max(found, key=lambda p: (p.stem, p.suffix)) if found else None
 
 
+def config_dict(model) -> dict:
+    """The model's config as JSON gives it back (native ``ModelConfig`` or a Hugging Face config)."""
+    return json.loads(model.config.to_json_string()) if hasattr(model.config, "to_json_string") else model.config.to_dict()
+
+
 def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:
     """Model + optimizer + scaler state after ``step``; keeps the newest ``keep`` checkpoints.
 
@@ -243,7 +248,7 @@ def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict
             tensors[f"optim/{pid}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     meta = {
         "format": CHECKPOINT_FORMAT, "step": step, "train_config": train_config,
-        "model_config": json.loads(model.config.to_json_string()) if hasattr(model.config, "to_json_string") else model.config.to_dict(),
+        "model_config": config_dict(model),
         "info": info, "param_groups": opt["param_groups"], "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
     tensor_path, json_path = ckpt / f"{stem}.safetensors", ckpt / f"{stem}.json"

@@ -1,7 +1,7 @@
 """The trainer's context parallelism (``--context-parallel N``): N ranks share each sequence.
 
-The world (``torchrun --nproc_per_node W``) is cut into ``W / N`` CP groups of N consecutive ranks.
-The batch is sharded over the groups (data parallel between groups); the ranks of a group get the
+The world (``torchrun --nproc_per_node W``) is a ``W / N`` x N device mesh (``app/parallel.ParallelDims``):
+its ``cp`` dim makes the CP groups of N consecutive ranks, and the batch is sharded over the ``dp`` rows; the ranks of a group get the
 same sequences and split each one's query rows (``kforcing_kernels.parallel``: balanced by attended
 pairs, K/V all-gathered per attention layer, dK/dV reduce-scattered). Each rank runs the student on
 its rows only, so activation memory per rank is about 1/N of the sequence's (see BENCHMARKS.md).
@@ -17,7 +17,6 @@ every rank of the group: its targets are the same on every rank and only the stu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,26 +25,6 @@ import torch.nn.functional as F
 
 from ..parallel import ContextParallel
 from .objectives import Batch, Objective, _require, document_mask, student_inputs
-from .train_config import ConfigError
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """Where this rank sits: its data-parallel shard (``dp_rank`` of ``dp_world``) and its CP group (or None)."""
-
-    dp_rank: int
-    dp_world: int
-    cp: Optional[ContextParallel]
-
-
-def setup(size: int, rank: int, world: int) -> Parallelism:
-    """The CP groups of ``size`` consecutive ranks (every rank must call this: it creates the process groups)."""
-    if size < 1 or world % size:
-        raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {size}")
-    if size == 1:
-        return Parallelism(rank, world, None)
-    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
-    return Parallelism(rank // size, world // size, ContextParallel(rank % size, size, groups[rank // size]))
 
 
 def context_parallel_loss(objective: Objective | str, model, batch: Batch, teacher, cp: ContextParallel, *,

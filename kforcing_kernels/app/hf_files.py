@@ -170,6 +170,16 @@ def build_from_config(path, seed: int) -> "HFStudent":
     return HFStudent(model.float())
 
 
+def build_like(student: "HFStudent") -> "HFStudent":
+    """A fresh (randomly initialised, fp32, CPU) HFStudent of ``student``'s HF config and noise embedding settings:
+    the frame a full state dict (an FSDP2 run's final weights) is loaded into."""
+    from ..integrations.hf_noise import NoiseEmbedding
+    from .hf_student import HFStudent
+
+    model = _transformers().AutoModelForCausalLM.from_config(student.config, attn_implementation="kforcing", dtype=torch.float32)
+    return HFStudent(model.float(), NoiseEmbedding(**student.noise_encoder.settings()), k_train=student.k_train)
+
+
 def _from_pretrained(folder, device):
     tf = _transformers()
     try:

@@ -1,26 +1,38 @@
-"""How the trainer spreads the student over ranks: DDP (a full copy per rank) or FSDP2 (``fully_shard``),
-and per-block activation checkpointing. The trainer calls :func:`prepare_student` before it builds the
-optimizer and :func:`data_parallel` where it used to wrap DDP; nothing here changes what a step computes.
+"""Where every rank sits, and how the models are spread over the ranks: one :class:`ParallelDims` and one
+named ``DeviceMesh`` for every parallelism, one :func:`parallelize` step for both model kinds.
 
-FSDP2 (``--parallel fsdp``): every transformer block is one ``fully_shard`` unit and the root (embedding,
-noise encoder, final norm, tied head) another, over a 1-D device mesh of all ranks. Parameters, gradients
-and AdamW state are sharded (dim 0, ``1/world`` each); a unit's full parameters exist only while its
-forward or backward runs. On CUDA the policy computes in bf16 and reduces in fp32 (``--precision`` auto or
-bf16); on CPU everything stays fp32. A single process (no torchrun) gets a one-rank process group, so
-``--parallel fsdp`` means the same code and the same checkpoint format at every world size.
+**The world.** ``torchrun --nproc_per_node W`` gives W ranks, laid out as a ``dp x cp`` mesh (named dims
+``"dp"``, ``"cp"``; ``tp`` has room to come as a third dim). The ``cp`` ranks of a row share each sequence
+(context parallelism, :mod:`kforcing_kernels.app.context_parallel`: its group is ``mesh["cp"]``); the ``dp``
+rows get different sequences. Ranks of one CP group are consecutive: rank ``r`` is ``(r // cp, r % cp)``.
+The same code runs on gloo (CPU) and nccl (CUDA).
 
-The frozen teacher (stages 1 and 2) is **replicated**, not sharded: it has no gradients and no optimizer
-state, so it costs 4 bytes per parameter (fp32) against the student's 16 (weights, gradients, two Adam
-moments) before sharding, and a self-forcing step runs it twice (SingleForward, DoubleForward). Sharding it
-would add an all-gather of every teacher layer per teacher pass (two per step, more than the student's own
-forward traffic) to save those 4 bytes per parameter per rank; with the paper's backbone (~124M parameters
-with a GPT-2 vocabulary) that is ~0.5 GB, which every GPU that trains the student has.
+**The student** (:func:`parallelize`, in this order, as torchtitan applies them):
 
-Activation checkpointing (``--activation-checkpointing``): each block's forward runs under
-``torch.utils.checkpoint`` (non-reentrant), so only the block's inputs are kept and its inside is
-recomputed in backward. The recomputation runs the same ops on the same inputs (no dropout, no random
-state in the model), so loss and gradients are bitwise those without it (python_tests/test_train_fsdp.py).
-The wrapper replaces the block's ``forward`` on the instance: parameter names (and checkpoints) do not change.
+1. activation checkpointing per decoder layer (native: ``model.blocks``; Hugging Face: the model's own layer
+   class, ``_no_split_modules``): each layer's forward runs under ``torch.utils.checkpoint`` (non-reentrant),
+   so only its inputs are kept and its inside is recomputed in backward. The recomputation runs the same ops
+   on the same inputs (no dropout, no random state), so loss and gradients are bitwise those without it. The
+   wrapper replaces the layer's ``forward`` on the instance: parameter names (and checkpoints) do not change;
+2. ``torch.compile`` per decoder layer (``--compile``);
+3. ``--parallel fsdp``: FSDP2 ``fully_shard`` per decoder layer, then the root (embeddings, noise encoder, final
+   norm, head), over all ``dp x cp`` ranks (the mesh's ``("dp", "cp")`` flattened: CP ranks hold the same
+   parameters, so they shard them too). Parameters, gradients and AdamW state are ``1/W`` each per rank. On
+   CUDA the policy computes in the autocast dtype and reduces in fp32; on CPU everything stays fp32.
+   ``--parallel ddp``: ``DistributedDataParallel`` over the world (more than one rank).
+
+Either way a step averages gradients over all W ranks; context parallelism scales each rank's share of its
+group's loss by ``cp`` (see :mod:`kforcing_kernels.app.context_parallel`), so the step's gradient is the
+mean over dp groups of each group's whole-sequence gradient, as in a single process. A single process
+(no torchrun) with ``--parallel fsdp`` gets a one-rank process group: the same code and checkpoint format at
+every world size.
+
+**The frozen teacher** (stages 1 and 2, :func:`place_teacher`): ``--teacher-parallel replicate`` (default) keeps
+a full copy per rank; ``fsdp`` shards it like the student (per layer, then the root; its parameters are
+gathered for each teacher pass and freed after). A replicated teacher costs 4 bytes per parameter per rank in
+fp32 (2 in bf16) and no communication; a sharded one costs ``1/W`` of that plus an all-gather of every
+parameter per teacher pass (a self-forcing step runs it twice: SingleForward, DoubleForward). BENCHMARKS.md
+("Teacher: replicated or sharded") has the measured cost; replicate while the teacher fits beside the student.
 """
 
 from __future__ import annotations
@@ -30,13 +42,20 @@ import shutil
 import tempfile
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import env
+from ..parallel import ContextParallel
+
 PARALLEL_MODES = ("ddp", "fsdp")
+TEACHER_MODES = ("replicate", "fsdp")
+MESH_DIMS = ("dp", "cp")
 
 
 def _is_fsdp(module) -> bool:
@@ -45,26 +64,106 @@ def _is_fsdp(module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-# ---------------------------------------------------------------------- process group
+# ---------------------------------------------------------------------- the world
 
 
-def ensure_process_group(parallel: str, device: torch.device) -> Optional[str]:
-    """FSDP2 needs a process group even for one process: create a one-rank group (a file store in a temporary
-    folder) when none exists. Returns that folder when it created one (hand it to :func:`release_process_group`),
-    else None."""
-    if parallel != "fsdp" or dist.is_initialized():
-        return None
-    store_dir = tempfile.mkdtemp(prefix="kforcing-pg-")
-    store = dist.FileStore(os.path.join(store_dir, "store"), 1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
-    return store_dir
+@dataclass
+class ParallelDims:
+    """This rank's place in a ``dp x cp`` world, and the mesh that names it (None: one process, nothing sharded).
+
+    Build it with :func:`setup_parallel`; release it with :meth:`close` (it destroys a one-rank group it made).
+    """
+
+    dp: int
+    cp: int
+    shard: bool  # FSDP2: the student's parameters, gradients and optimizer state are sharded over all ranks
+    rank: int
+    device: torch.device
+    mesh: Optional[object] = None  # torch.distributed.device_mesh.DeviceMesh with dims MESH_DIMS
+    _own_store: Optional[str] = field(default=None, repr=False)
+    _context_parallel: Optional[ContextParallel] = field(default=None, repr=False)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel shard of the batch this rank (and its CP group) trains on."""
+        return self.rank // self.cp
+
+    @property
+    def context_parallel(self) -> Optional[ContextParallel]:
+        """This rank's CP group (``mesh["cp"]``), or None without context parallelism."""
+        if self.cp > 1 and self._context_parallel is None:
+            self._context_parallel = ContextParallel(self.rank % self.cp, self.cp, self.mesh["cp"].get_group())
+        return self._context_parallel
+
+    def shard_mesh(self):
+        """The 1-D mesh FSDP2 shards over: every rank (``("dp", "cp")`` flattened when both are > 1)."""
+        if self.cp == 1:
+            return self.mesh["dp"]
+        if self.dp == 1:
+            return self.mesh["cp"]
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the one-rank process group :func:`setup_parallel` created (nothing when it created none)."""
+        if self._own_store is not None:
+            dist.destroy_process_group()
+            shutil.rmtree(self._own_store, ignore_errors=True)
+            self._own_store = None
 
 
-def release_process_group(store_dir: Optional[str]) -> None:
-    """Destroy the one-rank group :func:`ensure_process_group` created (nothing when it created none)."""
-    if store_dir is not None:
-        dist.destroy_process_group()
-        shutil.rmtree(store_dir, ignore_errors=True)
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when there is one; a bare ``cuda`` -> this rank's GPU (LOCAL_RANK) on a torchrun node."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", env.distributed_ranks()[2])
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def init_process_group(device: torch.device) -> None:
+    """The torchrun world's process group (gloo on CPU, nccl on CUDA), once; nothing outside torchrun."""
+    if env.distributed_ranks()[0] > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def setup_parallel(device: str, context_parallel: int = 1, parallel: str = "ddp", group: bool = False) -> ParallelDims:
+    """The world torchrun started (one process without torchrun) as ``dp x cp`` ranks on one device mesh.
+
+    Every rank must call it (it creates the process groups). ``context_parallel`` must divide the world size.
+    One process gets a one-rank process group (a file store in a temporary folder) when something is sharded
+    (``parallel="fsdp"``, or ``group``: a sharded teacher), so the same code runs at every world size."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel: expected one of {PARALLEL_MODES}, got {parallel!r}")
+    world, rank, _ = env.distributed_ranks()
+    if not isinstance(context_parallel, int) or context_parallel < 1 or world % context_parallel:
+        raise ValueError(f"context_parallel: expected a divisor of the world size {world}, got {context_parallel!r}")
+    dev = resolve_device(device)
+    init_process_group(dev)
+    own_store = None
+    if (parallel == "fsdp" or group) and not dist.is_initialized():
+        own_store = tempfile.mkdtemp(prefix="kforcing-pg-")
+        store = dist.FileStore(os.path.join(own_store, "store"), 1)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    mesh = None
+    if dist.is_initialized():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world // context_parallel, context_parallel), mesh_dim_names=MESH_DIMS)
+    return ParallelDims(world // context_parallel, context_parallel, parallel == "fsdp", rank, dev, mesh, own_store)
 
 
 def broadcast_value(value, src: int = 0):
@@ -76,22 +175,44 @@ def broadcast_value(value, src: int = 0):
     return box[0]
 
 
-# ---------------------------------------------------------------------- wrapping
+# ---------------------------------------------------------------------- parallelize
+
+
+def decoder_layers(model) -> list[nn.Module]:
+    """The repeated layers of a model, in order: ``model.blocks`` of the native model; the Hugging Face model's
+    layers (the modules of a class it names in ``_no_split_modules``, its unit for sharding and offloading)."""
+    if not getattr(model, "is_hf", False):
+        return list(model.blocks)
+    names = set(getattr(model.hf, "_no_split_modules", None) or ())
+    layers = [m for m in model.hf.modules() if type(m).__name__ in names]
+    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+    layers = [m for m in layers if id(m) not in inner]
+    if not layers:
+        raise ValueError(f"model: cannot find the decoder layers of {type(model.hf).__name__} (no module of a class in its "
+                         f"_no_split_modules {sorted(names)})")
+    return layers
+
+
+def checkpoint_layers(layers) -> None:
+    """Activation checkpointing: each layer recomputes its forward in backward (non-reentrant)."""
+    for layer in layers:
+        forward = layer.forward  # the bound method of the class
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation and generation: nothing is saved, nothing to recompute
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
 
 
 def checkpoint_blocks(model) -> None:
-    """Activation checkpointing per block: each ``model.blocks[i]`` recomputes its forward in backward."""
-    for block in model.blocks:
-        forward = block.forward  # the bound method of the class
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        block.forward = checkpointed
+    """Activation checkpointing on every decoder layer of ``model`` (native or Hugging Face)."""
+    checkpoint_layers(decoder_layers(model))
 
 
 def mixed_precision(device: torch.device, amp: Optional[torch.dtype]):
-    """The FSDP2 policy: None (fp32) on CPU or without autocast; bf16 parameters, fp32 gradient reduction on CUDA.
+    """The FSDP2 policy: None (fp32) on CPU or without autocast; ``amp`` parameters, fp32 gradient reduction on CUDA.
 
     Forward inputs are never cast: the noise ``z`` feeds sinusoids up to ~1000 radians per unit, which bf16
     would quantise away (the noise encoder casts after its features, as it does under autocast)."""
@@ -102,39 +223,54 @@ def mixed_precision(device: torch.device, amp: Optional[torch.dtype]):
     return MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard(model, device: torch.device, amp: Optional[torch.dtype] = None) -> None:
-    """``fully_shard`` every block, then the root, over a mesh of all ranks (in place; needs a process group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods: tuple[str, ...] = ()) -> None:
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    # The blocks return K/V views and the root returns logits views; nothing modifies them in place, which is
+    # The layers return K/V views and the root returns logits views; nothing modifies them in place, which is
     # what FSDP2's warning about view outputs is about.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = mixed_precision(device, amp)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    mesh, policy = dims.shard_mesh(), mixed_precision(dims.device, amp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    for name in methods:  # methods called instead of forward must gather the root's parameters too
+        register_fsdp_forward_method(model, name)
 
 
-def prepare_student(student, parallel: str, activation_checkpointing: bool, device: torch.device,
-                    amp: Optional[torch.dtype]) -> None:
-    """Before the optimizer is built: activation checkpointing (any mode), then FSDP2 sharding (``fsdp``)."""
-    if parallel not in PARALLEL_MODES:
-        raise ValueError(f"parallel: expected one of {PARALLEL_MODES}, got {parallel!r}")
+def parallelize(model, dims: ParallelDims, *, activation_checkpointing: bool = False, compile: bool = False,
+                amp: Optional[torch.dtype] = None):
+    """Spread the student over the ranks (in place, before the optimizer is built); returns the module a step calls.
+
+    Activation checkpointing, then ``torch.compile``, per decoder layer, then FSDP2 (``dims.shard``) or DDP
+    (more than one rank): see the module docstring. ``model`` is on ``dims.device`` already."""
+    layers = decoder_layers(model)
     if activation_checkpointing:
-        checkpoint_blocks(student)
-    if parallel == "fsdp":
-        shard(student, device, amp)
+        checkpoint_layers(layers)
+    if compile:
+        for layer in layers:
+            layer.compile()
+    if dims.shard:
+        _fully_shard(model, dims, amp)
+        return model
+    if dims.world > 1:
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None, broadcast_buffers=False)
+    return model
 
 
-def data_parallel(student, parallel: str, world: int, device: torch.device):
-    """The module a step calls: DDP around the student (``ddp``, more than one rank), else the student itself."""
-    if parallel == "ddp" and world > 1:
-        return torch.nn.parallel.DistributedDataParallel(
-            student, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
-    return student
+def place_teacher(teacher, dims: ParallelDims, mode: str, amp: Optional[torch.dtype] = None) -> None:
+    """The frozen teacher on every rank: a full copy (``replicate``) or FSDP2-sharded over all ranks (``fsdp``).
+
+    A sharded teacher's passes are collectives: every rank must run the same teacher calls."""
+    if mode not in TEACHER_MODES:
+        raise ValueError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {mode!r}")
+    if mode == "fsdp":
+        if dims.mesh is None:
+            raise ValueError("teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one process)")
+        _fully_shard(teacher, dims, amp, methods=("single_forward", "double_forward"))
+
+
+# ---------------------------------------------------------------------- during a step
 
 
 @contextmanager
@@ -152,7 +288,7 @@ def gradient_sync(model, sync: bool):
         return nullcontext()
     if _is_fsdp(model):
         return _fsdp_no_sync(model)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     return nullcontext()
 
@@ -178,12 +314,17 @@ def full_copy(student, main: bool):
         return student if main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from ..model import KForcingLM
-
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main:
         return None
-    copy = KForcingLM(student.config)
+    if getattr(student, "is_hf", False):
+        from .hf_files import build_like
+
+        copy = build_like(student)
+    else:
+        from ..model import KForcingLM
+
+        copy = KForcingLM(student.config)
     copy.load_state_dict(state)
     copy.k_train = getattr(student, "k_train", None)
     return copy

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import _sha256, checkpoint_dir, read_json, save_model
+from .checkpoint import _sha256, checkpoint_dir, config_dict, read_json, save_model
 from .files import _TMP_SUFFIX, CheckpointError, _fsync_dir, write_json
 from .parallel import broadcast_value
 
@@ -114,7 +114,7 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_conf
             try:
                 _publish(tmp, final, keep, {
                     "format": SHARDED_FORMAT, "step": step, "world_size": world, "train_config": train_config,
-                    "model_config": model.config.to_dict(), "info": info,
+                    "model_config": config_dict(model), "info": info,
                     "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
                 })
             except (OSError, CheckpointError) as exc:
@@ -187,8 +187,8 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
     if rank == 0:
         try:
             manifest = verify_sharded(folder)
-            if manifest["model_config"] != model.config.to_dict():
-                changed = sorted(k for k, v in model.config.to_dict().items() if manifest["model_config"].get(k) != v)
+            if manifest["model_config"] != config_dict(model):
+                changed = sorted(k for k, v in config_dict(model).items() if manifest["model_config"].get(k) != v)
                 raise CheckpointError(f"{folder}: saved for another model (config differs in {', '.join(changed)}); "
                                       "resume with the run's own model (--preset, --n-layer, ...) or start again")
         except CheckpointError as exc:
@@ -236,6 +236,9 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
+    if "model_type" in manifest["model_config"]:  # a Hugging Face model: its stage folder is the export
+        raise CheckpointError(f"checkpoint: {checkpoint} holds a Hugging Face model ({manifest['model_config']['model_type']}); "
+                              "a finished stage folder is its save_pretrained export, and --resume continues an unfinished one")
     model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)

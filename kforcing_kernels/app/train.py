@@ -9,6 +9,7 @@
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ...      # data parallel, same flags
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --context-parallel 2   # one sequence, 2 ranks
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --parallel fsdp   # FSDP2: sharded over the ranks
+    torchrun --nproc_per_node 4 -m kforcing_kernels.app.train ... --parallel fsdp --context-parallel 2   # 2 x 2 mesh
 
 The loop is :mod:`kforcing_kernels.app.trainer`, the chain of stages :mod:`kforcing_kernels.app.pipeline`.
 """
@@ -38,7 +39,7 @@ from .cli import (
     positive_int,
 )
 from .data import DataError
-from .parallel import PARALLEL_MODES
+from .parallel import PARALLEL_MODES, TEACHER_MODES
 from .hf_files import check_hf_source, read_model_config
 from .pipeline import PipelineConfig, per_round_type, run_pipeline
 from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
@@ -74,7 +75,13 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
                    help="with torchrun: ddp (a full copy per rank) or fsdp (FSDP2: parameters, gradients and optimizer "
                         "state sharded over the ranks; sharded checkpoints)")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute each transformer block in backward: less activation memory, same loss and gradients")
+                   help="recompute each decoder layer in backward: less activation memory, same loss and gradients")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each decoder layer (after activation checkpointing, before FSDP2)")
+    if stage != "stage0":
+        p.add_argument("--teacher-parallel", choices=TEACHER_MODES, default=defaults.teacher_parallel,
+                       help="the frozen teacher: replicate (a full copy per rank, no communication) or fsdp (sharded over "
+                            "the ranks like the student: 1/W of its memory, an all-gather of its weights per teacher pass)")
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
     add_device(p)
     add_threads(p)

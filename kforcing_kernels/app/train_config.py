@@ -15,7 +15,7 @@ from .cli import checked, resolve_device
 from .data import DEFAULT_SOURCE
 from ..model import PRESETS, ModelConfig
 from .objectives import crop_tokens
-from .parallel import PARALLEL_MODES
+from .parallel import PARALLEL_MODES, TEACHER_MODES
 
 STAGES = ("stage0", "stage1", "stage2")
 SUPERVISIONS = ("forward", "noise_inversion")
@@ -86,6 +86,9 @@ class TrainConfig:
     # whole-model checkpoints) or "fsdp" (FSDP2 fully_shard, sharded DCP checkpoints).
     parallel: str = "ddp"
     activation_checkpointing: bool = False  # recompute each block in backward (same loss and gradients, less memory)
+    compile: bool = False  # torch.compile each decoder layer (after activation checkpointing, before FSDP2)
+    # The frozen teacher of stages 1 and 2: "replicate" (a full copy per rank) or "fsdp" (sharded like the student).
+    teacher_parallel: str = "replicate"
 
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
@@ -262,12 +265,11 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
     if not _is_int(cfg.context_parallel) or cfg.context_parallel < 1 or world % cfg.context_parallel:
         raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
-    if cfg.context_parallel > 1 and cfg.parallel == "fsdp":  # not tested together yet: refuse rather than guess
-        raise ConfigError("context_parallel: --context-parallel runs with --parallel ddp only (FSDP2 + CP is not "
-                          "supported yet)")
-    if (cfg.model or cfg.model_config) and (cfg.parallel == "fsdp" or cfg.context_parallel > 1):
-        raise ConfigError("parallel: a Hugging Face model (--model / --model-config) trains with --parallel ddp and "
-                          "without --context-parallel for now (FSDP2 and CP are wired for the native model)")
+    if cfg.teacher_parallel not in TEACHER_MODES:
+        raise ConfigError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {cfg.teacher_parallel!r}")
+    if (cfg.model or cfg.model_config) and cfg.context_parallel > 1:
+        raise ConfigError("context_parallel: a Hugging Face model (--model / --model-config) trains without "
+                          "--context-parallel for now (CP is wired for the native model)")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
         raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "

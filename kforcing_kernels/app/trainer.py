@@ -46,14 +46,12 @@ from tqdm import tqdm
 
 from .. import env
 from ..model import PRESETS, KForcingLM
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_checkpoint_meta, read_json,
-                         read_metrics, recover_metrics, save_checkpoint, save_model, save_tensors, stderr_log)
+from .checkpoint import CheckpointError, latest_checkpoint, read_json, read_metrics, recover_metrics, save_tensors, stderr_log
+from .checkpointer import Checkpointer, read_meta
 from .files import RunLock, append_jsonl, check_writable, write_json, write_text
 from .data import Corpus, data_sha256, tokenizer_sha256
-from .hf_files import build_from_config, corpus_for, hf_tokenizer_of, load_any_model, save_hf_stage
-from .parallel import (broadcast_value, data_parallel, ensure_process_group, full_copy, full_gradients, gradient_sync, local_value, prepare_student,
-                       release_process_group)
-from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
+from .hf_files import build_from_config, corpus_for, hf_tokenizer_of, load_any_model
+from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, parallelize, place_teacher, setup_parallel
 from .objectives import (
     STAGE1_CDF_ORDER,
     Objective,
@@ -62,7 +60,6 @@ from .objectives import (
     step_generator,
 )
 from .context_parallel import context_parallel_loss
-from .context_parallel import setup as setup_context_parallel
 from .train_config import (
     PROVENANCE,
     ConfigError,
@@ -75,39 +72,6 @@ from .train_config import (
     teacher_sha256,
     validate_config,
 )
-
-# ---------------------------------------------------------------------- distributed
-
-
-@dataclass
-class DistInfo:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str) -> DistInfo:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; gloo on CPU, nccl on CUDA. Single process otherwise."""
-    world, rank, local = env.distributed_ranks()
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank, world, dev)
-
-
-def _barrier(info: DistInfo) -> None:
-    if info.world > 1:
-        dist.barrier()
-
 
 # ---------------------------------------------------------------------- schedule, model, optimizer
 
@@ -140,7 +104,7 @@ def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus
                           "teacher's --data and --vocab-size, or train a teacher on this --data")
 
 
-def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
+def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     """(student, teacher or None, student k, provenance info)."""
     init = torch.Generator().manual_seed(cfg.seed)
     if cfg.stage == "stage0" and cfg.model_config:  # a Hugging Face model from a config, trained as an AR model
@@ -153,7 +117,7 @@ def _build(cfg: TrainConfig, info: DistInfo, corpus: Corpus, log):
         student.reset_parameters(init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    teacher, tinfo, teacher_tokenizer = load_any_model(cfg.teacher, info.device)
+    teacher, tinfo, teacher_tokenizer = load_any_model(cfg.teacher, dims.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
@@ -208,7 +172,7 @@ def _require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
-    meta = (read_sharded_meta if is_sharded(ckpt) else read_checkpoint_meta)(ckpt)
+    meta = read_meta(ckpt)
     _require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
     _require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
                              f"the run in {out}", log)
@@ -218,15 +182,15 @@ def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
 # ---------------------------------------------------------------------- the training loop
 
 
-def _lock_out(out: Path, info: DistInfo) -> Optional[RunLock]:
+def _lock_out(out: Path, dims: ParallelDims) -> Optional[RunLock]:
     """Rank 0 locks the run folder; every rank fails with the same message when another run holds it."""
     lock, error = None, None
-    if info.main:
+    if dims.main:
         try:
             lock = RunLock(out).acquire()
         except CheckpointError as exc:
             error = exc
-    if info.world > 1:
+    if dims.world > 1:
         box = [None if error is None else str(error)]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None and error is None:
@@ -255,25 +219,57 @@ def train(cfg: TrainConfig) -> dict:
     first look at it to the return: a second run into the same ``out`` fails at once.
     """
     check_device(cfg.device)  # before anything is set up on it
-    info = setup_distributed(cfg.device)
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
-    validate_config(cfg, info.world)
-    own_group = ensure_process_group(cfg.parallel, info.device)  # FSDP2 in one process: a one-rank group
+    validate_config(cfg, env.distributed_ranks()[0])
+    # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
+    dims = setup_parallel(cfg.device, cfg.context_parallel,
+                          cfg.parallel, group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
     out = Path(cfg.out)
     try:
-        lock = _lock_out(out, info)
+        lock = _lock_out(out, dims)
         try:
-            return _train(cfg, info, out)
+            return _train(cfg, dims, out)
         finally:
             if lock is not None:
                 lock.release()
     finally:
-        release_process_group(own_group)
+        dims.close()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
-    log = stderr_log(f"[{cfg.stage}]") if info.main else (lambda message: None)
+@dataclass
+class _Stage:
+    """What one stage trains and with what, built once by :func:`_set_up` (every rank holds its own)."""
+
+    cfg: TrainConfig
+    dims: ParallelDims
+    out: Path
+    log: object
+    corpus: Corpus
+    objective: Objective
+    k: int
+    student: torch.nn.Module  # the model the optimizer updates (sharded under FSDP2)
+    model: torch.nn.Module  # what a step calls: the student, or DDP around it
+    teacher: Optional[torch.nn.Module]
+    model_info: dict
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    checkpointer: Checkpointer
+    autocast: object
+    start: int
+
+    @property
+    def everyone_evaluates(self) -> bool:
+        """Evaluation is a collective when the student or the teacher is sharded; else rank 0 runs it alone."""
+        return self.dims.shard or (self.teacher is not None and self.cfg.teacher_parallel == "fsdp")
+
+    def evaluate(self) -> tuple[float, list[float]]:
+        return evaluate_loss(self.student, self.teacher, self.objective, self.k, self.cfg, self.corpus, self.dims.device,
+                             self.autocast)
+
+
+def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
+    log = stderr_log(f"[{cfg.stage}]") if dims.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
         _require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
@@ -281,24 +277,56 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
                                  f"the finished run in {out}", log)
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
-    prepare_out(cfg, info.main, log)
-    if cfg.dump_grads and info.main:
+    stage = _set_up(cfg, dims, out, log)
+    t_start = time.perf_counter()
+    last_loss = _run_steps(stage)
+    return _finish(stage, last_loss, t_start)
+
+
+def _set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> _Stage:
+    """The run folder, data, models (parallelized), optimizer and checkpointer of a stage; restores a checkpoint."""
+    prepare_out(cfg, dims.main, log)
+    if cfg.dump_grads and dims.main:
         check_writable(cfg.dump_grads, "--dump-grads")  # now, not after the first step
     # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new tokenizer).
     ckpt, ckpt_meta = _resume_state(out, cfg, log) if cfg.resume else (None, None)
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
-    if info.main:
+    if dims.main:
         corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size, verbose=True)
-    _barrier(info)
-    if not info.main:
+    dims.barrier()
+    if not dims.main:
         corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size)
 
     objective = Objective.of(cfg.stage, cfg.supervision)
-    par = setup_context_parallel(cfg.context_parallel, info.rank, info.world)  # CP groups; data parallel between them
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
         _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
-    student, teacher, k, model_info = _build(cfg, info, corpus, log)
+    student, teacher, k, model_info = _build(cfg, dims, corpus, log)
+    _check_vocab(cfg, student, corpus)
+    check_splits(cfg, corpus, objective, k)
+    student.to(dims.device).train()
+    amp = _amp_dtype(cfg.precision, dims.device)
+    if teacher is not None:
+        place_teacher(teacher, dims, cfg.teacher_parallel, amp)
+    model = parallelize(student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, amp=amp)
+    optimizer = _optimizer(student, cfg, fused_ok=dims.device.type == "cuda")
+    scaler = torch.amp.GradScaler(dims.device.type, enabled=amp == torch.float16)
+    checkpointer = Checkpointer(out, dims, cfg.keep_checkpoints)
+    start = 0
+    if cfg.resume:
+        start = checkpointer.load(ckpt, student, optimizer, scaler)
+        log(f"resumed from {ckpt} at step {start}")
+    if dims.main:
+        out.mkdir(parents=True, exist_ok=True)
+        recover_metrics(out / "metrics.jsonl", start, log)
+        write_json(out / "train_config.json", cfg.to_dict())
+        write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
+    autocast = (lambda: torch.autocast(dims.device.type, dtype=amp)) if amp is not None else nullcontext
+    return _Stage(cfg, dims, out, log, corpus, objective, k, student, model, teacher, model_info, optimizer, scaler,
+                  checkpointer, autocast, start)
+
+
+def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
     hf, vocab = getattr(student, "is_hf", False), student.config.vocab_size
     if hf and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids on --data must have embeddings
         top = max(int(corpus.train.max()), int(corpus.val.max()))
@@ -308,116 +336,111 @@ def _train(cfg: TrainConfig, info: DistInfo, out: Path) -> dict:
         what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
         raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} (--vocab-size "
                           f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")
-    check_splits(cfg, corpus, objective, k)
-    student.to(info.device).train()
-    amp = _amp_dtype(cfg.precision, info.device)
-    fsdp = cfg.parallel == "fsdp"
-    prepare_student(student, cfg.parallel, cfg.activation_checkpointing, info.device, amp)  # FSDP2 shards here
-    optimizer = _optimizer(student, cfg, fused_ok=info.device.type == "cuda")
-    scaler = torch.amp.GradScaler(info.device.type, enabled=amp == torch.float16)
-    start = 0
-    if cfg.resume:
-        if is_sharded(ckpt) != fsdp:  # the settings check names --parallel first; this is the same refusal
-            raise ConfigError(f"parallel: {ckpt} is {'a sharded' if is_sharded(ckpt) else 'a whole-model'} checkpoint; "
-                              f"resume it with --parallel {'fsdp' if is_sharded(ckpt) else 'ddp'}")
-        start = (load_sharded_checkpoint if fsdp else load_checkpoint)(ckpt, student, optimizer, scaler)["step"]
-        log(f"resumed from {ckpt} at step {start}")
-    if info.main:
-        out.mkdir(parents=True, exist_ok=True)
-        recover_metrics(out / "metrics.jsonl", start, log)
-        write_json(out / "train_config.json", cfg.to_dict())
-        write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
-    model = data_parallel(student, cfg.parallel, info.world, info.device)
 
-    autocast = (lambda: torch.autocast(info.device.type, dtype=amp)) if amp is not None else nullcontext
-    evaluate = lambda: evaluate_loss(student, teacher, objective, k, cfg, corpus, info.device, autocast)  # noqa: E731
+
+def _step_loss(stage: _Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(backward loss, reported loss, per-position loss) of one micro-batch on this rank."""
+    cp = stage.dims.context_parallel
+    if cp is None:
+        loss, per_pos = compute_loss(stage.objective, stage.model, part, stage.teacher, k=stage.k)
+        return loss, loss, per_pos
+    # This rank's share of its CP group's sequences (app/context_parallel.py).
+    return context_parallel_loss(stage.objective, stage.model, part, stage.teacher, cp, k=stage.k)
+
+
+def _run_steps(stage: _Stage) -> float:
+    """The optimizer steps from ``stage.start`` to ``--stop-at`` (or the end); returns the last step's loss."""
+    cfg, dims, out = stage.cfg, stage.dims, stage.out
     stop = cfg.stop_at or cfg.steps
-    separator = corpus.eos_id if cfg.packed_docs else None
+    separator = stage.corpus.eos_id if cfg.packed_docs else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     live = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"[{cfg.stage}]", disable=not (info.main and live), file=sys.stderr,
+    bar = tqdm(total=cfg.steps, initial=stage.start, desc=f"[{cfg.stage}]", disable=not (dims.main and live), file=sys.stderr,
                dynamic_ncols=True, mininterval=0.2)
-    every = max(1, (stop - start) // 10)  # without a live bar: about ten plain progress lines
+    every = max(1, (stop - stage.start) // 10)  # without a live bar: about ten plain progress lines
     t_start, last_loss = time.perf_counter(), float("nan")
-    for step in range(start, stop):
+    for step in range(stage.start, stop):
         t0 = time.perf_counter()
         lr = learning_rate(cfg, step)
-        for group in optimizer.param_groups:
+        for group in stage.optimizer.param_groups:
             group["lr"] = lr
-        batch = make_batch(objective, corpus.train, cfg.batch_size, cfg.seq_len, k, (cfg.tau_min, cfg.tau_max),
-                           step_generator(cfg.seed, step), separator).shard(par.dp_rank, par.dp_world)
+        batch = make_batch(stage.objective, stage.corpus.train, cfg.batch_size, cfg.seq_len, stage.k, (cfg.tau_min, cfg.tau_max),
+                           step_generator(cfg.seed, step), separator).shard(dims.dp_rank, dims.dp)
         loss_sum, pos_sum = 0.0, 0.0
         for micro in range(cfg.grad_accum):
-            part = batch.shard(micro, cfg.grad_accum).to(info.device)
-            sync = micro == cfg.grad_accum - 1 or info.world == 1
-            with gradient_sync(model, sync), autocast():
-                if par.cp is None:
-                    loss, per_pos = compute_loss(objective, model, part, teacher, k=k)
-                    reported = loss
-                else:  # loss: this rank's share of its group's sequences (app/context_parallel.py)
-                    loss, reported, per_pos = context_parallel_loss(objective, model, part, teacher, par.cp, k=k)
-            scaler.scale(loss / cfg.grad_accum).backward()
+            part = batch.shard(micro, cfg.grad_accum).to(dims.device)
+            sync = micro == cfg.grad_accum - 1 or dims.world == 1
+            with gradient_sync(stage.model, sync), stage.autocast():
+                loss, reported, per_pos = _step_loss(stage, part)
+            stage.scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum, pos_sum = loss_sum + reported.detach(), pos_sum + per_pos
-        if cfg.dump_grads and step == start and (info.main or fsdp):
-            grads = full_gradients(student)  # under FSDP a collective: every rank gathers
-            if info.main:
+        if cfg.dump_grads and step == stage.start and (dims.main or dims.shard):
+            grads = full_gradients(stage.student)  # under FSDP a collective: every rank gathers
+            if dims.main:
                 save_tensors(Path(cfg.dump_grads), grads)
         done = step + 1
         stats = torch.cat([(loss_sum / cfg.grad_accum)[None], pos_sum / cfg.grad_accum]).float()
-        if info.world > 1:
+        if dims.world > 1:
             dist.all_reduce(stats)  # every rank sees the same mean, so all of them stop together below
-            stats /= info.world
+            stats /= dims.world
         if not math.isfinite(float(stats[0])):  # before the optimizer step: the checkpoints keep the last good weights
             raise NonFiniteLoss(_non_finite_message(float(stats[0]), done, out))
         last_loss = float(stats[0])
-        scaler.unscale_(optimizer)
-        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        stage.scaler.unscale_(stage.optimizer)
+        grad_norm = local_value(torch.nn.utils.clip_grad_norm_(stage.student.parameters(), cfg.grad_clip))
+        stage.scaler.step(stage.optimizer)
+        stage.scaler.update()
+        stage.optimizer.zero_grad(set_to_none=True)
 
         tok_s = tokens_per_step / (time.perf_counter() - t0)
-        if info.main:
+        if dims.main:
             bar.set_postfix_str(f"loss {last_loss:.4f} {tok_s:,.0f} tok/s", refresh=False)
             bar.update(1)
             if not live and (done % every == 0 or done == stop):
-                log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s ({time.perf_counter() - t_start:.0f}s)")
+                stage.log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s ({time.perf_counter() - t_start:.0f}s)")
             if done % cfg.log_every == 0 or done == stop:
                 append_jsonl(out / "metrics.jsonl", {
                     "step": done, "loss": last_loss, "loss_pos": stats[1:].tolist(), "lr": lr,
                     "grad_norm": float(grad_norm), "tokens_per_s": tok_s, "elapsed_s": time.perf_counter() - t_start,
                 })
         # The checkpoint comes before the evaluation: an evaluation error never costs trained steps.
-        # Under FSDP both are collectives (every rank takes part); otherwise rank 0 alone does them.
-        if (done % cfg.ckpt_every == 0 or done == stop) and fsdp:
-            save_sharded_checkpoint(out, done, student, optimizer, scaler, cfg.to_dict(), model_info, cfg.keep_checkpoints)
-        elif (done % cfg.ckpt_every == 0 or done == stop) and info.main:
-            save_checkpoint(out, done, student, optimizer, scaler, cfg.to_dict(), model_info, cfg.keep_checkpoints)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and (info.main or fsdp):
-            val = evaluate()
-            if info.main:
+        if done % cfg.ckpt_every == 0 or done == stop:
+            stage.checkpointer.save(done, stage.student, stage.optimizer, stage.scaler, cfg.to_dict(), stage.model_info)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and (dims.main or stage.everyone_evaluates):
+            val = stage.evaluate()
+            if dims.main:
                 append_jsonl(out / "metrics.jsonl", {"step": done, "val_loss": val[0], "val_loss_pos": val[1]})
     bar.close()
+    return last_loss
 
+
+def _finish(stage: _Stage, last_loss: float, t_start: float) -> dict:
+    """The final evaluation (once) and the stage's model folder, when the last step is done."""
+    cfg, dims, out = stage.cfg, stage.dims, stage.out
     summary = {"final_loss": last_loss, "steps": cfg.steps, "seconds": time.perf_counter() - t_start}
-    if stop == cfg.steps and (info.main or fsdp):
+    if (cfg.stop_at or cfg.steps) != cfg.steps:
+        dims.barrier()
+        return summary
+    vals = None
+    if dims.main or stage.everyone_evaluates:
         # The final evaluation, once: a resume after it failed (the last checkpoint is in place) runs only this.
-        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if info.main else None
+        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if dims.main else None
         again = not vals or vals[-1]["step"] != cfg.steps
-        if broadcast_value(again) if fsdp else again:  # under FSDP rank 0 decides for all
-            val = evaluate()
-            if info.main:
+        if broadcast_value(again) if stage.everyone_evaluates else again:  # a collective: rank 0 decides for all
+            val = stage.evaluate()
+            if dims.main:
                 vals.append({"step": cfg.steps, "val_loss": val[0], "val_loss_pos": val[1]})
                 append_jsonl(out / "metrics.jsonl", vals[-1])
-        final = full_copy(student, info.main)  # under FSDP a collective: rank 0 gets the full weights
-    if stop == cfg.steps and info.main:
+    record = None
+    if dims.main:
         if math.isnan(last_loss):  # resumed at the last step: the loss of the last logged step
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
-        record = {**model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary}
-        save_hf_stage(out, final, record, hf_tokenizer_of(corpus)) if hf else save_model(out, final, record)
-    _barrier(info)
+        record = {**stage.model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary}
+    hf_tokenizer = hf_tokenizer_of(stage.corpus) if getattr(stage.student, "is_hf", False) and dims.main else None
+    stage.checkpointer.export(stage.student, record, hf_tokenizer)  # a collective under FSDP2: rank 0 writes
+    dims.barrier()
     return summary
 
 
