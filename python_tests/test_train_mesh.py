@@ -1,0 +1,112 @@
+"""One device mesh for every parallelism (app/parallel.py): FSDP2 with context parallelism, a sharded teacher,
+and Hugging Face students under FSDP2 with activation checkpointing, each against a single process.
+
+One torchrun launch (4 ranks, gloo on CPU; nccl when CUDA has >= 4 GPUs) runs mesh_worker.py; the references
+are single-process runs of the same settings (fsdp_settings.stage2_config: three self-forcing steps on packed
+documents, fp32). A 4-rank step sums the same per-sequence gradients in another order, so gradients agree
+within rtol 1e-4 and the first loss within rel 1e-5 (as in test_train_fsdp.py); activation checkpointing and
+resuming a sharded checkpoint are bitwise.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from kforcing_kernels.app.checkpoint import latest_checkpoint, read_metrics
+from kforcing_kernels.app.hf_files import load_any_model
+from kforcing_kernels.app.trainer import train
+from fsdp_settings import stage2_config
+from train_helpers import write_json_package
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 4 else "cpu"
+BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
+needs_dist = pytest.mark.skipif(not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
+GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
+
+
+def losses(run: Path) -> list:
+    return [m["loss"] for m in read_metrics(run / "metrics.jsonl") if "loss" in m]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KFORCING_CACHE", str(root / "cache"))
+        _make_runs(root)
+    return root
+
+
+def _make_runs(root: Path) -> None:
+    write_json_package(root / "corpus", one_document_per_line=False)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    (root / "llama.json").write_text(config.to_json_string())
+    native, hf = stage2_config(root, DEVICE), stage2_config(root, DEVICE, teacher=str(root / "h1"))
+    teacher = dict(packed_docs=False, steps=2, ckpt_every=100, teacher=None)
+    train(dataclasses.replace(native, stage="stage0", out=str(root / "s0"), **teacher))
+    train(dataclasses.replace(native, stage="stage1", out=str(root / "s1"), **{**teacher, "teacher": str(root / "s0")}))
+    train(dataclasses.replace(native, stage="stage0", out=str(root / "h0"), model_config=str(root / "llama.json"), **teacher))
+    train(dataclasses.replace(native, stage="stage1", out=str(root / "h1"), **{**teacher, "teacher": str(root / "h0")}))
+    for base, name in ((native, "one"), (hf, "hf_one")):
+        train(dataclasses.replace(base, out=str(root / name), dump_grads=str(root / f"{name}.safetensors")))
+    train(dataclasses.replace(hf, out=str(root / "hf_one_ac"), activation_checkpointing=True,
+                              dump_grads=str(root / "hf_one_ac.safetensors")))
+    if BACKEND_OK:  # one-rank FSDP2 (a one-rank group): a sharded HF checkpoint, stopped and resumed
+        train(dataclasses.replace(hf, out=str(root / "hf_w1"), parallel="fsdp"))
+        train(dataclasses.replace(hf, out=str(root / "hf_w1_parts"), parallel="fsdp", stop_at=2))
+        train(dataclasses.replace(hf, out=str(root / "hf_w1_parts"), parallel="fsdp", resume=True))
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                str(REPO / "python_tests" / "mesh_worker.py"), str(root), DEVICE]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+
+
+def _same_first_step(runs: Path, run: str, reference: str) -> None:
+    want, got = load_file(str(runs / f"{reference}.safetensors")), load_file(str(runs / f"{run}.safetensors"))
+    assert want.keys() == got.keys() and len(want) > 5
+    assert any(float(g.abs().max()) > 0 for g in want.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **GRAD_TOL, msg=name)
+    assert losses(runs / run)[0] == pytest.approx(losses(runs / reference)[0], rel=1e-5)
+    assert losses(runs / run) == pytest.approx(losses(runs / reference), rel=1e-3)
+
+
+@needs_dist
+@pytest.mark.parametrize("run, reference", [("fsdp_cp", "one"), ("teacher_fsdp", "one"), ("hf_fsdp_ac", "hf_one")])
+def test_four_ranks_match_one_process(runs, run, reference):
+    _same_first_step(runs, run, reference)
+    model, info, _ = load_any_model(runs / run)  # the final model of a sharded run: a whole, loadable stage folder
+    assert info["k"] == 2 and getattr(model, "is_hf", False) == reference.startswith("hf")
+
+
+def test_hf_activation_checkpointing_is_bitwise(runs):
+    plain, ac = load_file(str(runs / "hf_one.safetensors")), load_file(str(runs / "hf_one_ac.safetensors"))
+    assert plain.keys() == ac.keys() and any(name.startswith("hf.model.layers.") for name in plain)
+    for name in plain:
+        assert torch.equal(ac[name], plain[name]), name
+    assert losses(runs / "hf_one_ac") == losses(runs / "hf_one")
+
+
+@needs_dist
+def test_hf_sharded_checkpoint_resumes_bitwise(runs):
+    assert latest_checkpoint(runs / "hf_w1_parts").suffix == ".dcp"
+    assert losses(runs / "hf_w1_parts") == losses(runs / "hf_w1") and len(losses(runs / "hf_w1")) == 3
+    for file in ("model.safetensors", "noise_embedding.safetensors"):
+        a, b = load_file(str(runs / "hf_w1" / file)), load_file(str(runs / "hf_w1_parts" / file))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+    one = load_file(str(runs / "hf_one" / "model.safetensors"))  # one-rank FSDP2 is the single process, within rounding
+    for name, tensor in load_file(str(runs / "hf_w1" / "model.safetensors")).items():
+        torch.testing.assert_close(tensor, one[name], rtol=1e-4, atol=1e-6, msg=name)
