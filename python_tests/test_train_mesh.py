@@ -110,3 +110,50 @@ def test_hf_sharded_checkpoint_resumes_bitwise(runs):
     one = load_file(str(runs / "hf_one" / "model.safetensors"))  # one-rank FSDP2 is the single process, within rounding
     for name, tensor in load_file(str(runs / "hf_w1" / "model.safetensors")).items():
         torch.testing.assert_close(tensor, one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_parallelize_compiles_each_decoder_layer_after_checkpointing(monkeypatch):
+    """--compile: torch.compile per decoder layer, around the checkpointed forward; the same loss and gradients.
+    (Inductor on CPU takes minutes to build; dynamo's "eager" backend traces the same graph-broken layers.)"""
+    from kforcing_kernels.app.parallel import ParallelDims, decoder_layers, parallelize
+    from kforcing_kernels.model import KForcingLM, ModelConfig
+
+    compiled = []
+    original = torch.nn.Module.compile
+
+    def compile_eagerly(module, **kwargs):
+        compiled.append(module)
+        return original(module, backend="eager")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_eagerly)
+    dims = ParallelDims(1, 1, False, 0, torch.device("cpu"))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(**options):
+        torch.manual_seed(0)
+        model = KForcingLM(ModelConfig.micro(n_layer=3))
+        assert parallelize(model, dims, **options) is model  # one process, nothing sharded: the model itself
+        loss = model(tokens).logsumexp(-1).mean()
+        loss.backward()
+        return model, loss, [p.grad for p in model.parameters()]
+
+    plain, loss, grads = step()
+    model, loss_c, grads_c = step(compile=True, activation_checkpointing=True)
+    assert compiled == decoder_layers(model) and len(compiled) == 3
+    assert all(layer._compiled_call_impl is not None for layer in model.blocks)
+    torch.testing.assert_close(loss_c, loss, rtol=0, atol=0)
+    for a, b in zip(grads, grads_c):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_hf_decoder_layers_are_the_models_own_layer_class():
+    from kforcing_kernels.app.hf_student import HFStudent
+    from kforcing_kernels.app.parallel import decoder_layers
+
+    for config in (transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2),
+                   transformers.GPT2Config(vocab_size=48, n_embd=32, n_layer=3, n_head=4)):
+        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing")
+        layers = decoder_layers(HFStudent(hf))
+        want = list(hf.model.layers) if hasattr(hf, "model") else list(hf.transformer.h)
+        assert layers == want
