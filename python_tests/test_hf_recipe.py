@@ -140,10 +140,13 @@ def test_a_damaged_or_old_stage_folder_is_refused(run, tmp_path):
         load_hf_stage(folder)
 
 
-def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
+    """fp32, and bf16 autocast (fp32 weights and AdamW state; CPU autocast is deterministic) alike."""
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
     cfg = TrainConfig(stage="stage1", model=str(root / "qwen2"), out=str(tmp_path / "whole"), data=str(root / "corpus"), seq_len=16,
-                      batch_size=4, steps=4, warmup_steps=1, log_every=1, eval_batches=1, progress=False, packed_docs=True, device="cpu")
+                      batch_size=4, steps=4, warmup_steps=1, log_every=1, eval_batches=1, progress=False, packed_docs=True, device="cpu",
+                      precision=precision)
     torch.set_num_threads(1)
     train(cfg)
     parts = dataclasses.replace(cfg, out=str(tmp_path / "parts"), stop_at=2)
