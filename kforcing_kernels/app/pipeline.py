@@ -2,6 +2,11 @@
 
     python -m kforcing_kernels.app.train pipeline --out runs/x
     python -m kforcing_kernels.app.train pipeline --out runs/x --model HF_FOLDER   # no Stage 0: the HF model is the AR teacher
+    torchrun --nproc_per_node 2 -m kforcing_kernels.app.train pipeline --out runs/x   # every stage data parallel
+
+Under torchrun every rank runs the pipeline: rank 0 alone locks ``--out``, checks the sources and decides each
+stage (finished: skip, started: resume, else: train); the other ranks receive its decisions (or its error, the
+same message on every rank), then all of them train the stage together.
 """
 
 from __future__ import annotations
@@ -10,18 +15,24 @@ import argparse
 import dataclasses
 import functools
 import math
+import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
+import torch
+import torch.distributed as dist
+
+from .. import env
 from .checkpoint import read_json
+from .cli import resolve_device
 
 from .files import RunLock
 from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
-from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
-                           existing_run, teacher_sha256)
+from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
+                           check_out_folder, existing_run, teacher_sha256)
 from .trainer import train
 
 
@@ -142,17 +153,31 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file; of a ``--model``
     folder, of its weights, config.json and tokenizer files) changed
     since it was trained is refused the same way. ``pipe.out`` is locked while the stages run.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the process group is created here, if none exists yet, and every stage's
+    :func:`train` uses it; rank 0 locks ``pipe.out`` and takes every decision above, and every rank raises its error.
     """
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
+    check_device(base.device)  # before a process group is made on it
+    join_process_group(base.device)
+    # One pipeline per folder at a time (each stage's train() locks its own folder too): rank 0 holds the lock.
+    lock = decided_by_rank0(lambda: _check_and_lock(pipe, base), share=False)
+    try:
+        return _run_stages(pipe, base, steps, lrs)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
     check_out_folder(pipe.out)
     # A bad model source is a usage error before any stage folder is made, not a traceback inside a stage.
     if base.model:
         check_hf_source(base.model)
     if base.model_config:
         read_model_config(base.model_config)
-    with RunLock(pipe.out):  # one pipeline per folder at a time (each stage's train() locks its own folder too)
-        return _run_stages(pipe, base, steps, lrs)
+    return RunLock(pipe.out).acquire()
 
 
 def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list) -> dict:
@@ -168,14 +193,65 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
             model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
         )
-        if base.resume and not existing_run(folder):
-            cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
-        if (folder / "model.json").exists() and not base.overwrite:
-            finished = read_json(folder / "model.json")
-            _require_same_settings(folder, finished, cfg, data_hash)
-            print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
-            summaries[folder.name] = finished.get("summary", {})
-        else:
-            summaries[folder.name] = train(cfg)
+        done, value = decided_by_rank0(lambda: _stage_decision(folder, cfg, base, data_hash))
+        # The previous stage's train() ended with every rank past its model.json: all ranks see the same folders.
+        summaries[folder.name] = value if done else train(dataclasses.replace(cfg, resume=value))
         teacher = folder
     return summaries
+
+
+def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash) -> tuple[bool, object]:
+    """(True, its summary) for a finished stage to skip; (False, resume) for one to train."""
+    if (folder / "model.json").exists() and not base.overwrite:
+        finished = read_json(folder / "model.json")
+        _require_same_settings(folder, finished, cfg, data_hash)
+        print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
+        return True, finished.get("summary", {})
+    return False, bool(base.resume and existing_run(folder))  # a stage not started yet has nothing to resume
+
+
+# ---------------------------------------------------------------------- ranks (torchrun)
+
+
+def join_process_group(device: str) -> None:
+    """Under torchrun (``WORLD_SIZE`` > 1) create the default process group unless one exists, as train() would
+    (gloo on CPU, nccl on CUDA with this rank's ``LOCAL_RANK`` GPU), so the pipeline can share decisions before
+    its first stage; train() then uses this group. Nothing outside torchrun."""
+    world, _, local = env.distributed_ranks()
+    if world == 1 or dist.is_initialized():
+        return
+    dev = torch.device(resolve_device(device))
+    if dev.type == "cuda" and dev.index is None:
+        torch.cuda.set_device(torch.device("cuda", local))
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+
+
+def decided_by_rank0(decide: Callable[[], object], share: bool = True):
+    """``decide()`` run on rank 0 alone; its value on every rank (``share``; else on rank 0, None elsewhere), or its
+    exception raised on every rank (the same type and message), so all ranks take the same branch. Without a
+    process group of several ranks: ``decide()``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decide()
+    value, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            value = decide()
+        except Exception as exc:  # noqa: BLE001 - handed to every rank, then raised
+            error = exc
+    box = [(value if share else None, _portable(error))]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0][1] is not None:
+        raise box[0][1]
+    return value if dist.get_rank() == 0 or not share else box[0][0]
+
+
+def _portable(error: Optional[Exception]) -> Optional[Exception]:
+    """The error as it can travel to the other ranks: itself, or a RuntimeError with its type and message."""
+    if error is None:
+        return None
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle
+        return RuntimeError(f"{type(error).__name__}: {error}")

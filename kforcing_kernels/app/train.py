@@ -156,6 +156,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def pipeline_config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """The stages of ``pipeline`` (its TrainConfig: :func:`config_from_args`)."""
+    return PipelineConfig(
+        out=args.out, k_final=args.k_final, steps_stage0=args.steps_stage0, steps_stage1=args.steps_stage1,
+        steps_stage2=args.steps_stage2, lr_stage0=args.lr_stage0, lr_distill=args.lr_distill, lr_stage2=args.lr_stage2,
+        batch_size_distill=args.batch_size_distill,
+    )
+
+
 def _evaluate(out: str, which: str, device: str) -> dict:
     """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
     from pathlib import Path
@@ -191,13 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")
     try:
         if args.command == "pipeline":
-            pipe = PipelineConfig(
-                out=args.out, k_final=args.k_final, steps_stage0=args.steps_stage0, steps_stage1=args.steps_stage1,
-                steps_stage2=args.steps_stage2, lr_stage0=args.lr_stage0, lr_distill=args.lr_distill, lr_stage2=args.lr_stage2,
-                batch_size_distill=args.batch_size_distill,
-            )
-            result = run_pipeline(pipe, cfg)
-            if args.evaluate:
+            result = run_pipeline(pipeline_config_from_args(args), cfg)
+            if args.evaluate and env.distributed_ranks()[1] == 0:  # under torchrun rank 0 evaluates; the others are done
                 result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
             if cfg.model:  # a bad model source is a usage error before the stage folder is made
@@ -216,10 +220,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if env.distributed_ranks()[1] != 0:
+        return
     if args.command == "pipeline" and args.evaluate:  # the tables went to stderr and tables.md; the whole summary to summary.json
         result = {"training": result["training"], "evaluation": f"{args.out}/summary.json, {args.out}/tables.md"}
-    if env.distributed_ranks()[1] == 0:
-        print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
