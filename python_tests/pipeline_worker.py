@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforcing_kernels.app import trainer
+from kforcing_kernels.app import checkpointer
 from kforcing_kernels.app.pipeline import run_pipeline
 from kforcing_kernels.app.train import build_parser, config_from_args, pipeline_config_from_args
 
-HF_FSDP = False  # a Hugging Face model under --parallel fsdp: validate_config refuses it for now; switch on once it trains
+HF_FSDP = True  # a Hugging Face model under --parallel fsdp
 
 # Three stages (0, 1, 2 with k=2) of a few steps, checkpoints at step 2 (stage1's is where ``killed`` dies).
 SMALL = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--k-final", "2", "--steps-stage0", "4", "--steps-stage1", "3",
@@ -60,7 +60,7 @@ def main(root: Path) -> None:
     record_error(root, "locked", pipeline_argv(root, "locked", "native", "ddp"))
     record_error(root, "bad_config", pipeline_argv(root, "bad_config", "missing", "ddp"))
 
-    save = trainer.save_checkpoint
+    save = checkpointer.save_checkpoint
 
     def save_then_die(out, step, *args, **kwargs):  # ddp: only rank 0 writes checkpoints
         path = save(out, step, *args, **kwargs)
@@ -68,7 +68,7 @@ def main(root: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return path
 
-    trainer.save_checkpoint = save_then_die
+    checkpointer.save_checkpoint = save_then_die
     run(pipeline_argv(root, "killed", "native", "ddp"))
     raise SystemExit("killed: the run was not killed in stage1")
 

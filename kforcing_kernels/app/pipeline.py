@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-import torch
 import torch.distributed as dist
 
-from .. import env
 from .checkpoint import read_json
-from .cli import resolve_device
 
 from .files import RunLock
+from .parallel import init_process_group
+from .parallel import resolve_device as rank_device
 from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
@@ -215,15 +214,9 @@ def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash
 
 def join_process_group(device: str) -> None:
     """Under torchrun (``WORLD_SIZE`` > 1) create the default process group unless one exists, as train() would
-    (gloo on CPU, nccl on CUDA with this rank's ``LOCAL_RANK`` GPU), so the pipeline can share decisions before
-    its first stage; train() then uses this group. Nothing outside torchrun."""
-    world, _, local = env.distributed_ranks()
-    if world == 1 or dist.is_initialized():
-        return
-    dev = torch.device(resolve_device(device))
-    if dev.type == "cuda" and dev.index is None:
-        torch.cuda.set_device(torch.device("cuda", local))
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    (app/parallel.py: gloo on CPU, nccl on CUDA with this rank's ``LOCAL_RANK`` GPU), so the pipeline can share
+    decisions before its first stage; every stage's mesh is then built over this group. Nothing outside torchrun."""
+    init_process_group(rank_device(device))
 
 
 def decided_by_rank0(decide: Callable[[], object], share: bool = True):
