@@ -9,6 +9,8 @@ same semantics:
 * ``model(tokens, noise, tau, cu_seqlens=)`` / ``single_forward``: SingleForward (eq. 18), logits
   ``[B, N, k, V]``; ``single_forward`` also returns the context cache (an HF ``DynamicCache`` cropped to
   the N context tokens) that ``double_forward`` (eq. 19) reuses and crops back after itself;
+* ``model(tokens, noise, tau, cu_seqlens=, context_parallel=cp)``: this rank's rows under context parallelism,
+  ``(logits [B, R, V], rows)`` (:meth:`HFStudent.context_parallel_forward`, as ``KForcingLM``'s);
 * ``config.vocab_size``, ``wte`` (the input embeddings), ``noise_encoder``, ``reset_noise_encoder``, ``k_train``.
 
 Every call passes its ``WindowLayout`` (``kforcing_layout``) and ``position_ids``: the layout is the mask,
@@ -36,6 +38,7 @@ from ..integrations.hf_noise import NoiseEmbedding
 from ..layouts import WindowLayout
 from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ..ops.sampling import inverse_cdf_sample
+from ..parallel import ContextParallel
 from ..types import Temperature
 
 
@@ -136,8 +139,12 @@ class HFStudent(nn.Module):
         return self.noise_encoder(noise, tau).to(self.wte.weight.dtype)
 
     def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None) -> torch.Tensor:
-        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``."""
+                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None):
+        """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
+
+        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`)."""
+        if context_parallel is not None:
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens)
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
         return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False)[0]
@@ -162,6 +169,37 @@ class HFStudent(nn.Module):
         logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k, cu_seqlens=cu),
                                   keep=n * k, use_cache=keep_cache)
         return logits.reshape(b, n, k, -1), (None if cache is None else crop_cache(cache, n))
+
+    def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
+                                 tau: Temperature = 1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of :meth:`ar_forward` (``noise`` None) or of the SingleForward, as ``KForcingLM``'s.
+
+        Every rank of ``cp``'s group passes the same full inputs; the HF model runs on this rank's rows of the
+        layout only (their ``inputs_embeds`` and ``position_ids``; ``kforcing_layout`` is ``cp.shard(layout)``,
+        whose attention all-gathers the other ranks' K/V per layer). Returns ``(logits [B, R, V], rows int64 [R])``:
+        AR rows are context positions t; SingleForward rows are window tokens ``t * k + j``
+        (``logits[:, i] == forward(tokens, noise, tau).flatten(1, 2)[:, rows[i]]``).
+        """
+        if not isinstance(cp, ContextParallel):
+            raise ValueError(f"context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got {type(cp).__name__}")
+        self._check_tokens("tokens", tokens)
+        b, n = tokens.shape
+        cu = as_cu_seqlens(cu_seqlens, n, b)
+        if noise is None:
+            shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
+            rows = shard.query_rows.to(tokens.device)
+            logits, _ = self._run(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard)
+            return logits, shard.query_rows
+        if noise.dim() != 3 or noise.shape[:2] != (b, n):
+            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
+        k = noise.shape[2]
+        shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
+        rows = shard.query_rows.to(tokens.device)
+        context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
+        embeds = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
+        windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
+        logits, _ = self._run(embeds, single_positions(n, k, tokens.device, cu)[..., rows], shard, keep=max(windows, 1))
+        return logits[:, logits.shape[1] - windows:], window_rows.cpu()
 
     def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
                        cu_seqlens=None) -> torch.Tensor:

@@ -11,8 +11,9 @@ prefix-window layouts without code changes::
     logits = model(**batch).logits                   # [B, N + N*k, V]
 
 The layout travels as the forward kwarg ``kforcing_layout`` (a :class:`WindowLayout`
-describing the whole sequence: cached tokens + this call's tokens), optionally with
-``kforcing_backend``. Per call:
+describing the whole sequence: cached tokens + this call's tokens, or under context parallelism a
+:class:`~kforcing_kernels.parallel.RankRows`: this rank's rows, ``hf_masks.rank_rows_attention``),
+optionally with ``kforcing_backend``. Per call:
 
 * with ``kforcing_layout``: ``window_attention`` under that layout. Padding masks,
   attention dropout and soft-capping are rejected, not ignored; the model's sliding window
@@ -58,10 +59,11 @@ from ..ops.window_attention import op as window_op, window_attention
 from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
+from ..parallel.context_parallel import RankRows
 from ..sdpa import scaled_dot_product_attention
 from .hf_masks import (additive_mask, check_layout_documents, documents_from_positions,
-                       flash_documents, interval_layout_from_mask, sliding_layout, sliding_window_of, structure_layout,
-                       structure_mask)
+                       flash_documents, interval_layout_from_mask, rank_rows_attention, sliding_layout, sliding_window_of,
+                       structure_layout, structure_mask)
 from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"
@@ -154,8 +156,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
             )
         if dropout:
             raise ValueError(f"dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or attention_dropout=0), got {dropout}")
+        if isinstance(kforcing_layout, RankRows):  # context parallelism: this rank's rows (hf_masks.rank_rows_attention)
+            out = rank_rows_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend, flash)
+            return out.transpose(1, 2).contiguous(), None
         if not isinstance(kforcing_layout, WindowLayout):
-            raise ValueError(f"kforcing_layout: expected a WindowLayout, got {type(kforcing_layout).__name__}")
+            raise ValueError(f"kforcing_layout: expected a WindowLayout (or a RankRows), got {type(kforcing_layout).__name__}")
         if lq != kforcing_layout.n_queries:
             raise ValueError(f"kforcing_layout: expected {kforcing_layout.n_queries} input tokens (layout.n_queries), got {lq}")
         if lk != kforcing_layout.n_keys:

@@ -18,13 +18,16 @@ exactly the sequence, extra mask functions); everything else is rebuilt here fro
   refused (naming the setting) when they would change what the layout computes;
 * :func:`sliding_layout`: a ``kforcing_layout`` under the model's sliding window, as inference
   sees it (a token at position p sees positions ``(p - W, p]``), per layer;
-* :func:`additive_mask`: a layout as the additive float mask HF ``eager`` attention expects.
+* :func:`additive_mask`: a layout as the additive float mask HF ``eager`` attention expects;
+* :func:`rank_rows_attention`: context parallelism, a :class:`~kforcing_kernels.parallel.RankRows` as the
+  ``kforcing_layout`` (this rank's rows; each layer's sliding window applied to the split's layout).
 
 Pure torch: importing this module never imports transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from typing import Optional
@@ -32,10 +35,11 @@ from typing import Optional
 import torch
 
 from ..layouts import WindowLayout
+from ..parallel.context_parallel import RankRows
 
 __all__ = [
     "sliding_window_of", "flash_documents", "documents_from_positions", "structure_layout", "structure_mask",
-    "interval_layout_from_mask", "check_layout_documents", "sliding_layout", "additive_mask",
+    "interval_layout_from_mask", "check_layout_documents", "sliding_layout", "additive_mask", "rank_rows_attention",
 ]
 
 
@@ -336,3 +340,40 @@ def additive_mask(layout: WindowLayout, batch: Optional[int] = None, dtype: torc
         dense = dense.expand(batch, 1, -1, -1)
     zero = torch.zeros((), dtype=dtype)
     return torch.where(dense, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype))
+
+
+def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: RankRows,
+                        window: Optional[int], scaling: Optional[float], backend: Optional[str], flash: bool) -> torch.Tensor:
+    """Attention of this rank's rows under context parallelism (``kforcing_layout`` a ``RankRows``): ``[B, H, R, D]``.
+
+    query ``[B, H, R, D]`` holds the rank's query rows (``rows.query_rows``), key/value ``[B, Hkv, K_r, D]`` its keys
+    (``rows.key_rows``; no cache: the other ranks' K/V are all-gathered per layer, GQA's Hkv heads only). A sliding
+    layer's ``window`` is applied to the split's whole layout in position space (:func:`sliding_layout`'s rule;
+    the positions must be those of ``layouts/positions.py`` at the rows, as ``HFStudent`` passes them): the rows and
+    the key gather stay the split's, the rank's sub-layout is the windowed layout restricted to its rows.
+    """
+    if torch.compiler.is_compiling():
+        raise ValueError("kforcing_layout: a RankRows (context parallelism) runs eagerly; torch.compile is not supported with it")
+    if backend is not None:
+        raise ValueError(f"kforcing_backend: a RankRows kforcing_layout (context parallelism) runs the row-subset kernels "
+                         f"of op.query_rows_backend; expected None, got {backend!r}")
+    if flash:
+        raise ValueError("cu_seq_lens_q: flash kwargs with a RankRows kforcing_layout (context parallelism); build the "
+                         "split's layout with cu_seqlens= instead")
+    n_rows, n_keys = int(rows.query_rows.numel()), int(rows.key_rows.numel())
+    if query.shape[2] != n_rows:
+        raise ValueError(f"kforcing_layout: expected {n_rows} input tokens (this rank's rows, RankRows.query_rows), "
+                         f"got {query.shape[2]}")
+    if key.shape[2] != n_keys:
+        raise ValueError(f"kforcing_layout: expected {n_keys} keys (this rank's keys, RankRows.key_rows; context "
+                         f"parallelism runs without a cache), got {key.shape[2]}")
+    if window is not None:
+        layout = rows.split.layout
+        try:
+            windowed = layout.with_sliding_window(window)
+        except ValueError as exc:
+            raise ValueError(f"sliding_window: the model's window ({window}) with this context-parallel split's layout: "
+                             f"{exc}") from None
+        if windowed is not layout:  # same rows and keys: only the rows' intervals shrink
+            rows = RankRows(dataclasses.replace(rows.split, layout=windowed), rows.rank, rows.group)
+    return rows.attend(query, key, value, scaling)

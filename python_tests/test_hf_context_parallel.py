@@ -1,0 +1,152 @@
+"""Context parallelism for Hugging Face models: ``HFStudent(..., context_parallel=cp)`` and a ``RankRows`` as the
+``kforcing_layout`` of ``attn_implementation="kforcing"``.
+
+In process: a one-rank ``ContextParallel`` returns the whole forward's rows (sliding-window layers included) and the
+refusals name their argument. Under torchrun (3 gloo processes, python_tests/hf_cp_worker.py): groups of 2 and 3
+ranks give every rank the single-process logits at its rows and, summed over the group, its gradients; and
+``context_parallel_loss`` gives ``compute_loss``'s loss and gradients for AR, forward distillation and self-forcing.
+The trainer's ``--context-parallel 2`` on an HF model (``--model-config``) runs once ``validate_config`` stops refusing it.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_helpers as H
+from kforcing_kernels.app.hf_student import HFStudent
+from kforcing_kernels.app.train_config import ConfigError, TrainConfig, validate_config
+from kforcing_kernels.integrations import hf as kf_hf
+from kforcing_kernels.layouts import WindowLayout
+from kforcing_kernels.parallel import ContextParallel
+from train_helpers import write_json_package
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "llama_gqa": lambda **kw: H.llama(**kw),
+    "gpt2": lambda **kw: H.gpt2(bos_token_id=0, eos_token_id=0, **kw),
+    "mistral_sliding": lambda **kw: H.mistral(**{"sliding_window": 5, **kw}),
+    "gemma3_alternating": lambda **kw: H.gemma3(**{"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], **kw}),
+}
+
+
+def _student(name, **extra):
+    hf, = H.twin_models(CONFIGS[name](**extra), "kforcing")
+    torch.manual_seed(1)
+    model = HFStudent(hf)
+    model.reset_noise_encoder()
+    return model
+
+
+def _inputs(b=2, n=11, k=3):
+    gen = torch.Generator().manual_seed(4)
+    return (torch.randint(0, H.VOCAB, (b, n), generator=gen), torch.rand(b, n, k, generator=gen), torch.tensor([0.8, 1.2]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("cu", [None, [[0, 4, 11], [0, 11]]], ids=["whole", "packed"])
+def test_one_rank_context_parallel_is_the_forward(name, cu):
+    model = _student(name)
+    tokens, noise, tau = _inputs()
+    cp = ContextParallel()
+    logits, rows = model(tokens, cu_seqlens=cu, context_parallel=cp)
+    assert torch.equal(rows, torch.arange(11))
+    torch.testing.assert_close(logits, model(tokens, cu_seqlens=cu), rtol=1e-5, atol=1e-5)
+    logits, rows = model(tokens, noise, tau, cu_seqlens=cu, context_parallel=cp)
+    assert torch.equal(rows, torch.arange(33))  # window tokens t * k + j
+    torch.testing.assert_close(logits, model(tokens, noise, tau, cu_seqlens=cu).flatten(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_the_sliding_window_is_applied_under_context_parallel():
+    """The sliding configs' windows hide keys at these lengths: the CP forward is not the unwindowed model's."""
+    tokens, noise, tau = _inputs()
+    for name in ("mistral_sliding", "gemma3_alternating"):
+        windowed, full = _student(name), _student(name, sliding_window=64)
+        got = windowed(tokens, noise, tau, context_parallel=ContextParallel())[0]
+        assert not torch.allclose(got, full(tokens, noise, tau, context_parallel=ContextParallel())[0], atol=1e-4), name
+
+
+def test_rank_rows_refusals_name_their_argument():
+    model = _student("llama_gqa")
+    tokens, noise, tau = _inputs()
+    with pytest.raises(ValueError, match="context_parallel: expected a kforcing_kernels.parallel.ContextParallel"):
+        model(tokens, context_parallel=2)
+    with pytest.raises(ValueError, match=r"noise: expected shape \[2, 11, k\]"):
+        model(tokens, noise[:, :3], tau, context_parallel=ContextParallel())
+    shard = ContextParallel().shard(WindowLayout.kforcing_single(4, 2))  # 12 rows, 12 keys
+    q, k = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8)
+    attn = kf_hf.kforcing_attention_forward
+    out, _ = attn(None, q, k, k, None, kforcing_layout=shard)
+    assert out.shape == (1, 12, 4, 8)
+    with pytest.raises(ValueError, match=r"kforcing_layout: expected 12 input tokens \(this rank's rows"):
+        attn(None, q[:, :, :11], k, k, None, kforcing_layout=shard)
+    with pytest.raises(ValueError, match=r"kforcing_layout: expected 12 keys \(this rank's keys"):
+        attn(None, q, torch.randn(1, 2, 14, 8), torch.randn(1, 2, 14, 8), None, kforcing_layout=shard)
+    with pytest.raises(ValueError, match="kforcing_backend: a RankRows kforcing_layout"):
+        attn(None, q, k, k, None, kforcing_layout=shard, kforcing_backend="reference")
+    with pytest.raises(ValueError, match="attention_mask: expected None"):
+        attn(None, q, k, k, torch.zeros(1, 1, 12, 12, dtype=torch.bool), kforcing_layout=shard)
+    with pytest.raises(ValueError, match=r"sliding_window: the model's window \(1\)"):
+        attn(None, q, k, k, None, kforcing_layout=shard, sliding_window=1)  # shorter than the layout's windows (2)
+
+
+def _torchrun(nproc, *args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+
+
+@GLOO
+def test_hf_context_parallel_matches_one_process_gloo():
+    out = _torchrun(3, ROOT / "python_tests" / "hf_cp_worker.py", "gloo")
+    for name in CONFIGS:
+        for case in ("ar", "ar_packed", "single", "single_packed"):
+            assert out.count(f" world2 {name} {case}: ok") == 2, (name, case, out[-3000:])
+            assert out.count(f" world3 {name} {case}: ok") == 3, (name, case, out[-3000:])
+    for name in ("llama_gqa", "gpt2"):
+        for case in ("ar", "forward", "self_forcing"):
+            for packed in ("", "_packed"):
+                assert out.count(f" loss {name} {case}{packed}: ok") == 2, (name, case + packed, out[-3000:])
+
+
+@GLOO
+def test_trainer_hf_context_parallel_2_matches_one_process(tmp_path, monkeypatch):
+    """Stage 0 of an HF Llama (GQA, ``--model-config``) over packed documents: ``--context-parallel 2``'s first-step
+    gradients and losses equal one process's (tolerances as the native trainer test's)."""
+    from safetensors.torch import load_file
+
+    from kforcing_kernels.app.checkpoint import read_metrics
+    from kforcing_kernels.app.trainer import train
+
+    config = H.llama()
+    config.vocab_size = 300  # the corpus tokenizer's
+    (tmp_path / "llama.json").write_text(config.to_json_string())
+    base = TrainConfig(stage="stage0", model_config=str(tmp_path / "llama.json"), data=str(write_json_package(tmp_path / "corpus")),
+                       vocab_size=300, seq_len=16, batch_size=4, steps=2, log_every=1, eval_batches=1, progress=False,
+                       packed_docs=True, lr=1e-3, device="cpu")
+    try:
+        validate_config(dataclasses.replace(base, context_parallel=2), 2)
+    except ConfigError as exc:
+        pytest.skip(f"validate_config refuses --context-parallel for HF models: {exc}")
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    train(dataclasses.replace(base, out=str(tmp_path / "one"), dump_grads=str(tmp_path / "one.safetensors")))
+    _torchrun(2, "-m", "kforcing_kernels.app.train", "stage0", "--model-config", base.model_config, "--data", base.data,
+              "--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--log-every", "1",
+              "--eval-batches", "1", "--no-progress", "--packed-docs", "--lr", "1e-3", "--device", "cpu",
+              "--out", tmp_path / "two", "--dump-grads", tmp_path / "two.safetensors", "--context-parallel", "2")
+    one, two = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
+    assert one.keys() == two.keys() and len(one) > 5
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=name)
+    losses = lambda run: [m["loss"] for m in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in m]  # noqa: E731
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-5) and len(losses("one")) == 2
