@@ -18,6 +18,8 @@ def main(root: Path, device: str) -> None:
     run(native, "fsdp_cp", parallel="fsdp", context_parallel=2)  # a 2 x 2 mesh: FSDP2 over all four, CP groups of two
     run(native, "teacher_fsdp", teacher_parallel="fsdp")  # DDP student, sharded teacher
     run(hf, "hf_fsdp_ac", parallel="fsdp", activation_checkpointing=True, teacher_parallel="fsdp")
+    run(hf, "hf_fsdp_cp", parallel="fsdp", context_parallel=2)  # an HF student on the 2 x 2 mesh
+    run(hf, "hf_ddp_cp", context_parallel=2)  # DDP over dp, CP groups of two
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ In process: a one-rank ``ContextParallel`` returns the whole forward's rows (sli
 refusals name their argument. Under torchrun (3 gloo processes, python_tests/hf_cp_worker.py): groups of 2 and 3
 ranks give every rank the single-process logits at its rows and, summed over the group, its gradients; and
 ``context_parallel_loss`` gives ``compute_loss``'s loss and gradients for AR, forward distillation and self-forcing.
-The trainer's ``--context-parallel 2`` on an HF model (``--model-config``) runs once ``validate_config`` stops refusing it.
+The trainer's ``--context-parallel 2`` on an HF student (DDP and FSDP2) is held by test_train_mesh.py.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -20,11 +19,9 @@ import torch.distributed as dist
 
 import hf_helpers as H
 from kforcing_kernels.app.hf_student import HFStudent
-from kforcing_kernels.app.train_config import ConfigError, TrainConfig, validate_config
 from kforcing_kernels.integrations import hf as kf_hf
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.parallel import ContextParallel
-from train_helpers import write_json_package
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -119,34 +116,3 @@ def test_hf_context_parallel_matches_one_process_gloo():
                 assert out.count(f" loss {name} {case}{packed}: ok") == 2, (name, case + packed, out[-3000:])
 
 
-@GLOO
-def test_trainer_hf_context_parallel_2_matches_one_process(tmp_path, monkeypatch):
-    """Stage 0 of an HF Llama (GQA, ``--model-config``) over packed documents: ``--context-parallel 2``'s first-step
-    gradients and losses equal one process's (tolerances as the native trainer test's)."""
-    from safetensors.torch import load_file
-
-    from kforcing_kernels.app.checkpoint import read_metrics
-    from kforcing_kernels.app.trainer import train
-
-    config = H.llama()
-    config.vocab_size = 300  # the corpus tokenizer's
-    (tmp_path / "llama.json").write_text(config.to_json_string())
-    base = TrainConfig(stage="stage0", model_config=str(tmp_path / "llama.json"), data=str(write_json_package(tmp_path / "corpus")),
-                       vocab_size=300, seq_len=16, batch_size=4, steps=2, log_every=1, eval_batches=1, progress=False,
-                       packed_docs=True, lr=1e-3, device="cpu")
-    try:
-        validate_config(dataclasses.replace(base, context_parallel=2), 2)
-    except ConfigError as exc:
-        pytest.skip(f"validate_config refuses --context-parallel for HF models: {exc}")
-    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
-    train(dataclasses.replace(base, out=str(tmp_path / "one"), dump_grads=str(tmp_path / "one.safetensors")))
-    _torchrun(2, "-m", "kforcing_kernels.app.train", "stage0", "--model-config", base.model_config, "--data", base.data,
-              "--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--log-every", "1",
-              "--eval-batches", "1", "--no-progress", "--packed-docs", "--lr", "1e-3", "--device", "cpu",
-              "--out", tmp_path / "two", "--dump-grads", tmp_path / "two.safetensors", "--context-parallel", "2")
-    one, two = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
-    assert one.keys() == two.keys() and len(one) > 5
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=name)
-    losses = lambda run: [m["loss"] for m in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in m]  # noqa: E731
-    assert losses("two") == pytest.approx(losses("one"), rel=1e-5) and len(losses("one")) == 2

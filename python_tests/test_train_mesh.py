@@ -85,7 +85,8 @@ def _same_first_step(runs: Path, run: str, reference: str) -> None:
 
 
 @needs_dist
-@pytest.mark.parametrize("run, reference", [("fsdp_cp", "one"), ("teacher_fsdp", "one"), ("hf_fsdp_ac", "hf_one")])
+@pytest.mark.parametrize("run, reference", [("fsdp_cp", "one"), ("teacher_fsdp", "one"), ("hf_fsdp_ac", "hf_one"),
+                                            ("hf_fsdp_cp", "hf_one"), ("hf_ddp_cp", "hf_one")])
 def test_four_ranks_match_one_process(runs, run, reference):
     _same_first_step(runs, run, reference)
     model, info, _ = load_any_model(runs / run)  # the final model of a sharded run: a whole, loadable stage folder

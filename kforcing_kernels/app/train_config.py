@@ -267,9 +267,6 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
     if cfg.teacher_parallel not in TEACHER_MODES:
         raise ConfigError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {cfg.teacher_parallel!r}")
-    if (cfg.model or cfg.model_config) and cfg.context_parallel > 1:
-        raise ConfigError("context_parallel: a Hugging Face model (--model / --model-config) trains without "
-                          "--context-parallel for now (CP is wired for the native model)")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
         raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "

@@ -1,9 +1,11 @@
 """The K-Forcing training loop: one stage (Stage 0 AR teacher, Stage 1 forward distillation, Stage 2
 self-forcing) from a :class:`TrainConfig`; :func:`train` returns the run's summary.
 
-The command line is :mod:`kforcing_kernels.app.train`; the objectives are in
-:mod:`kforcing_kernels.app.objectives`, the files of a run (checkpoints, models, metrics, the
-atomic writer) in :mod:`kforcing_kernels.app.checkpoint`, the settings in
+:func:`train` is three steps: the world (:func:`~kforcing_kernels.app.parallel.setup_parallel`: one dp x cp
+device mesh), the stage's set-up (:func:`~kforcing_kernels.app.stage.set_up`: data, models parallelized,
+optimizer, checkpointer, resume), then the steps and the finish here. The command line is
+:mod:`kforcing_kernels.app.train`; the objectives are in :mod:`kforcing_kernels.app.objectives`, the
+checkpoint formats behind :class:`~kforcing_kernels.app.checkpointer.Checkpointer`, the settings in
 :mod:`kforcing_kernels.app.train_config`.
 
 Reproducibility: the batch, noise and temperatures of step s are drawn from a
@@ -13,7 +15,7 @@ the uninterrupted run bit for bit and a data-parallel run averages the same
 gradients as a single process. With ``--parallel fsdp`` the student is sharded by FSDP2
 (:mod:`kforcing_kernels.app.parallel`) and checkpoints are sharded
 (:mod:`kforcing_kernels.app.sharded_checkpoint`); writing a checkpoint, evaluating and gathering the
-final model are then collectives that every rank joins.
+final model are then collectives that every rank joins (evaluation too with ``--teacher-parallel fsdp``).
 
 An output folder holds one run: a second run into it is refused unless it continues
 the first (``--resume``) or replaces it (``--overwrite``), and a run holds an exclusive lock
@@ -30,48 +32,26 @@ recorded resumes with a warning (its settings, vocabulary size and teacher path 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import env
-from ..model import PRESETS, KForcingLM
-from .checkpoint import CheckpointError, latest_checkpoint, read_json, read_metrics, recover_metrics, save_tensors, stderr_log
-from .checkpointer import Checkpointer, read_meta
-from .files import RunLock, append_jsonl, check_writable, write_json, write_text
-from .data import Corpus, data_sha256, tokenizer_sha256
-from .hf_files import build_from_config, corpus_for, hf_tokenizer_of, load_any_model
-from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, parallelize, place_teacher, setup_parallel
-from .objectives import (
-    STAGE1_CDF_ORDER,
-    Objective,
-    compute_loss,
-    make_batch,
-    step_generator,
-)
+from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
 from .context_parallel import context_parallel_loss
-from .train_config import (
-    PROVENANCE,
-    ConfigError,
-    TrainConfig,
-    changed_provenance,
-    changed_settings,
-    check_device,
-    check_splits,
-    prepare_out,
-    teacher_sha256,
-    validate_config,
-)
+from .data import Corpus, data_sha256
+from .files import append_jsonl
+from .hf_files import hf_tokenizer_of
+from .objectives import Objective, compute_loss, make_batch, step_generator
+from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
+from .stage import Stage, _optimizer, _require_resume_settings, _require_same_provenance, lock_out, set_up  # noqa: F401 (_optimizer)
+from .train_config import TrainConfig, check_device, teacher_sha256, validate_config
 
 # ---------------------------------------------------------------------- schedule, model, optimizer
 
@@ -85,119 +65,7 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    if precision == "auto":
-        if device.type != "cuda":
-            return None  # CPU: fp32 (bf16 autocast is slower than fp32 on most CPUs)
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus, log) -> None:
-    """The student learns the teacher's token ids: the tokenizer of --data must be the teacher's."""
-    if teacher_tokenizer is None:
-        log(f"warning: {cfg.teacher} has no tokenizer.json; only its vocabulary size can be checked against --data")
-        return
-    if tokenizer_sha256(teacher_tokenizer) != corpus.tokenizer_sha256:
-        raise ConfigError(f"teacher: the tokenizer of --teacher {cfg.teacher} is not the one --data {cfg.data!r} "
-                          f"(--vocab-size {cfg.vocab_size}) gives: the same ids would mean other text; distil on the "
-                          "teacher's --data and --vocab-size, or train a teacher on this --data")
-
-
-def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
-    """(student, teacher or None, student k, provenance info)."""
-    init = torch.Generator().manual_seed(cfg.seed)
-    if cfg.stage == "stage0" and cfg.model_config:  # a Hugging Face model from a config, trained as an AR model
-        student = build_from_config(cfg.model_config, cfg.seed)
-        student.noise_encoder.requires_grad_(False)
-        return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    if cfg.stage == "stage0":
-        model_cfg = PRESETS[cfg.preset](**{"seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size, **cfg.model_overrides})
-        student = KForcingLM(model_cfg)
-        student.reset_parameters(init)
-        student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
-        return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    teacher, tinfo, teacher_tokenizer = load_any_model(cfg.teacher, dims.device)
-    teacher.requires_grad_(False)
-    _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
-    if cfg.stage == "stage1":
-        if tinfo["k"] != 0:
-            raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}")
-        student = copy.deepcopy(teacher).cpu()
-        student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
-        k = cfg.k
-    else:
-        if tinfo["k"] == 0:
-            raise ConfigError(f"teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in {cfg.teacher}")
-        student = copy.deepcopy(teacher).cpu()
-        k = 2 * tinfo["k"]
-    student.requires_grad_(True)
-    info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
-            **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
-    if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/noise_diagnosis.py reads it)
-        info["cdf_order"] = STAGE1_CDF_ORDER
-    return student, teacher, k, info
-
-
-def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if p.dim() >= 2]
-    no_decay = [p for n, p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True if fused_ok else None)
-
-
-def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
-    """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
-    for key, used, wanted in changed_settings(saved, cfg):
-        flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
-        raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
-
-
-def _text_provenance(corpus: Corpus) -> dict:
-    return {"data_sha256": corpus.data_sha256, "tokenizer_sha256": corpus.tokenizer_sha256}
-
-
-def _require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
-    """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
-    changed, unknown = changed_provenance(saved, now)
-    for key, what in changed:
-        raise ConfigError(f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or start "
-                          f"again with --overwrite (or another --out) ({PROVENANCE[key]})")
-    if unknown:
-        log(f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
-            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since")
-
-
-def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
-    """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
-    ckpt = latest_checkpoint(out)
-    meta = read_meta(ckpt)
-    _require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
-    _require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
-                             f"the run in {out}", log)
-    return ckpt, meta
-
-
 # ---------------------------------------------------------------------- the training loop
-
-
-def _lock_out(out: Path, dims: ParallelDims) -> Optional[RunLock]:
-    """Rank 0 locks the run folder; every rank fails with the same message when another run holds it."""
-    lock, error = None, None
-    if dims.main:
-        try:
-            lock = RunLock(out).acquire()
-        except CheckpointError as exc:
-            error = exc
-    if dims.world > 1:
-        box = [None if error is None else str(error)]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None and error is None:
-            error = CheckpointError(box[0])
-    if error is not None:
-        raise error
-    return lock
 
 
 class NonFiniteLoss(RuntimeError):
@@ -227,7 +95,7 @@ def train(cfg: TrainConfig) -> dict:
                           cfg.parallel, group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
     out = Path(cfg.out)
     try:
-        lock = _lock_out(out, dims)
+        lock = lock_out(out, dims)
         try:
             return _train(cfg, dims, out)
         finally:
@@ -235,37 +103,6 @@ def train(cfg: TrainConfig) -> dict:
                 lock.release()
     finally:
         dims.close()
-
-
-@dataclass
-class _Stage:
-    """What one stage trains and with what, built once by :func:`_set_up` (every rank holds its own)."""
-
-    cfg: TrainConfig
-    dims: ParallelDims
-    out: Path
-    log: object
-    corpus: Corpus
-    objective: Objective
-    k: int
-    student: torch.nn.Module  # the model the optimizer updates (sharded under FSDP2)
-    model: torch.nn.Module  # what a step calls: the student, or DDP around it
-    teacher: Optional[torch.nn.Module]
-    model_info: dict
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    checkpointer: Checkpointer
-    autocast: object
-    start: int
-
-    @property
-    def everyone_evaluates(self) -> bool:
-        """Evaluation is a collective when the student or the teacher is sharded; else rank 0 runs it alone."""
-        return self.dims.shard or (self.teacher is not None and self.cfg.teacher_parallel == "fsdp")
-
-    def evaluate(self) -> tuple[float, list[float]]:
-        return evaluate_loss(self.student, self.teacher, self.objective, self.k, self.cfg, self.corpus, self.dims.device,
-                             self.autocast)
 
 
 def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
@@ -277,68 +114,18 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
                                  f"the finished run in {out}", log)
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
-    stage = _set_up(cfg, dims, out, log)
+    stage = set_up(cfg, dims, out, log)
     t_start = time.perf_counter()
     last_loss = _run_steps(stage)
     return _finish(stage, last_loss, t_start)
 
 
-def _set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> _Stage:
-    """The run folder, data, models (parallelized), optimizer and checkpointer of a stage; restores a checkpoint."""
-    prepare_out(cfg, dims.main, log)
-    if cfg.dump_grads and dims.main:
-        check_writable(cfg.dump_grads, "--dump-grads")  # now, not after the first step
-    # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new tokenizer).
-    ckpt, ckpt_meta = _resume_state(out, cfg, log) if cfg.resume else (None, None)
-
-    # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
-    if dims.main:
-        corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size, verbose=True)
-    dims.barrier()
-    if not dims.main:
-        corpus = corpus_for(cfg.teacher, cfg.data, cfg.vocab_size)
-
-    objective = Objective.of(cfg.stage, cfg.supervision)
-    if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
-        _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
-    student, teacher, k, model_info = _build(cfg, dims, corpus, log)
-    _check_vocab(cfg, student, corpus)
-    check_splits(cfg, corpus, objective, k)
-    student.to(dims.device).train()
-    amp = _amp_dtype(cfg.precision, dims.device)
-    if teacher is not None:
-        place_teacher(teacher, dims, cfg.teacher_parallel, amp)
-    model = parallelize(student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, amp=amp)
-    optimizer = _optimizer(student, cfg, fused_ok=dims.device.type == "cuda")
-    scaler = torch.amp.GradScaler(dims.device.type, enabled=amp == torch.float16)
-    checkpointer = Checkpointer(out, dims, cfg.keep_checkpoints)
-    start = 0
-    if cfg.resume:
-        start = checkpointer.load(ckpt, student, optimizer, scaler)
-        log(f"resumed from {ckpt} at step {start}")
-    if dims.main:
-        out.mkdir(parents=True, exist_ok=True)
-        recover_metrics(out / "metrics.jsonl", start, log)
-        write_json(out / "train_config.json", cfg.to_dict())
-        write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
-    autocast = (lambda: torch.autocast(dims.device.type, dtype=amp)) if amp is not None else nullcontext
-    return _Stage(cfg, dims, out, log, corpus, objective, k, student, model, teacher, model_info, optimizer, scaler,
-                  checkpointer, autocast, start)
+def _evaluate(stage: Stage) -> tuple[float, list[float]]:
+    return evaluate_loss(stage.student, stage.teacher, stage.objective, stage.k, stage.cfg, stage.corpus, stage.dims.device,
+                         stage.autocast)
 
 
-def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
-    hf, vocab = getattr(student, "is_hf", False), student.config.vocab_size
-    if hf and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids on --data must have embeddings
-        top = max(int(corpus.train.max()), int(corpus.val.max()))
-        if top >= vocab:
-            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")
-    elif vocab != corpus.vocab_size:
-        what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
-        raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} (--vocab-size "
-                          f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")
-
-
-def _step_loss(stage: _Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _step_loss(stage: Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(backward loss, reported loss, per-position loss) of one micro-batch on this rank."""
     cp = stage.dims.context_parallel
     if cp is None:
@@ -348,7 +135,7 @@ def _step_loss(stage: _Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return context_parallel_loss(stage.objective, stage.model, part, stage.teacher, cp, k=stage.k)
 
 
-def _run_steps(stage: _Stage) -> float:
+def _run_steps(stage: Stage) -> float:
     """The optimizer steps from ``stage.start`` to ``--stop-at`` (or the end); returns the last step's loss."""
     cfg, dims, out = stage.cfg, stage.dims, stage.out
     stop = cfg.stop_at or cfg.steps
@@ -407,14 +194,14 @@ def _run_steps(stage: _Stage) -> float:
         if done % cfg.ckpt_every == 0 or done == stop:
             stage.checkpointer.save(done, stage.student, stage.optimizer, stage.scaler, cfg.to_dict(), stage.model_info)
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and (dims.main or stage.everyone_evaluates):
-            val = stage.evaluate()
+            val = _evaluate(stage)
             if dims.main:
                 append_jsonl(out / "metrics.jsonl", {"step": done, "val_loss": val[0], "val_loss_pos": val[1]})
     bar.close()
     return last_loss
 
 
-def _finish(stage: _Stage, last_loss: float, t_start: float) -> dict:
+def _finish(stage: Stage, last_loss: float, t_start: float) -> dict:
     """The final evaluation (once) and the stage's model folder, when the last step is done."""
     cfg, dims, out = stage.cfg, stage.dims, stage.out
     summary = {"final_loss": last_loss, "steps": cfg.steps, "seconds": time.perf_counter() - t_start}
@@ -427,7 +214,7 @@ def _finish(stage: _Stage, last_loss: float, t_start: float) -> dict:
         vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if dims.main else None
         again = not vals or vals[-1]["step"] != cfg.steps
         if broadcast_value(again) if stage.everyone_evaluates else again:  # a collective: rank 0 decides for all
-            val = stage.evaluate()
+            val = _evaluate(stage)
             if dims.main:
                 vals.append({"step": cfg.steps, "val_loss": val[0], "val_loss_pos": val[1]})
                 append_jsonl(out / "metrics.jsonl", vals[-1])
