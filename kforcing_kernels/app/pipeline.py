@@ -21,7 +21,7 @@ from .files import RunLock
 from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_out_folder,
-                           existing_run, teacher_sha256)
+                           effective_config, existing_run, teacher_sha256)
 from .trainer import train
 
 
@@ -172,7 +172,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
         if (folder / "model.json").exists() and not base.overwrite:
             finished = read_json(folder / "model.json")
-            _require_same_settings(folder, finished, cfg, data_hash)
+            _require_same_settings(folder, finished, effective_config(cfg), data_hash)  # as train() records it
             print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
             summaries[folder.name] = finished.get("summary", {})
         else:

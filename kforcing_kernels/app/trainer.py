@@ -71,6 +71,7 @@ from .train_config import (
     changed_settings,
     check_device,
     check_splits,
+    effective_config,
     prepare_out,
     teacher_sha256,
     validate_config,
@@ -187,6 +188,7 @@ def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
         flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
+        flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else flag
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
 
 
@@ -259,6 +261,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, info.world)
+    cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     own_group = ensure_process_group(cfg.parallel, info.device)  # FSDP2 in one process: a one-rank group
     out = Path(cfg.out)
     try:
