@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from numbers import Real
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Optional
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
 from .cli import checked, resolve_device
 from .data import DEFAULT_SOURCE
+from .files import LOCK_NAME
 from ..model import PRESETS, ModelConfig
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES
@@ -371,6 +373,45 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
         remove_checkpoints(out)  # the run's step_* files and folders only: anything else there is the user's
+
+
+# What a start writes before its first step is trained (the lock when it locks the folder, then the config and the
+# tokenizer): left alone after a failed start, they would make the folder "a partial run" that only --overwrite reuses.
+START_FILES = (LOCK_NAME, "train_config.json", "tokenizer.json")
+
+
+def folder_before_start(out: Path) -> tuple[list[Path], Optional[set]]:
+    """``(folders of out's path that do not exist yet, deepest first; the names in out, None when it is absent)``,
+    taken before a run locks ``out``: what :func:`discard_failed_start` may remove."""
+    missing = [part for part in (out, *out.parents) if not part.exists()]
+    return missing, (set(os.listdir(out)) if out.is_dir() else None)
+
+
+def discard_failed_start(out: Path, before: tuple[list[Path], Optional[set]], overwrite: bool) -> None:
+    """After a run failed (while it still holds the lock): when it trained nothing, remove what its start left in ``out``.
+
+    Only names that were not in ``out`` before (``before``, from :func:`folder_before_start`; with --overwrite the old
+    run's files count as gone, as the user asked) are candidates, and only if every one of them is a start file
+    (START_FILES): a metrics line, a checkpoint or a model means a step was trained, and then everything stays. The
+    folders this start created are removed when empty; a folder that existed keeps whatever it held.
+    """
+    missing, names = before
+    if not out.is_dir():
+        return
+    kept = (names or set()) - (set(RUN_FILES) if overwrite else set())
+    new = set(os.listdir(out)) - kept
+    if not new <= set(START_FILES):
+        return
+    for name in new:  # the lock last: a start that opened it before it goes re-checks it (RunLock.acquire)
+        if name != LOCK_NAME:
+            (out / name).unlink(missing_ok=True)
+    if LOCK_NAME in new:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+    for folder in missing:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another run, or the user's files): it stays
+            break
 
 
 def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:

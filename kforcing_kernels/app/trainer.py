@@ -71,7 +71,9 @@ from .train_config import (
     changed_settings,
     check_device,
     check_splits,
+    discard_failed_start,
     effective_config,
+    folder_before_start,
     prepare_out,
     teacher_sha256,
     validate_config,
@@ -187,8 +189,7 @@ def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.opt
 def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
-        flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
-        flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else flag
+        flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
 
 
@@ -265,9 +266,14 @@ def train(cfg: TrainConfig) -> dict:
     own_group = ensure_process_group(cfg.parallel, info.device)  # FSDP2 in one process: a one-rank group
     out = Path(cfg.out)
     try:
+        before = folder_before_start(out) if info.main else None
         lock = _lock_out(out, info)
         try:
             return _train(cfg, info, out)
+        except BaseException:
+            if lock is not None:  # a start that trained nothing leaves nothing behind (not "a partial run")
+                discard_failed_start(out, before, cfg.overwrite)
+            raise
         finally:
             if lock is not None:
                 lock.release()
