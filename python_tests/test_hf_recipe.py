@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -103,6 +104,37 @@ def test_one_command_k_forces_the_model_end_to_end(run, capsys):
     assert capsys.readouterr().out.startswith("def dumps(")
 
 
+def test_hf_stages_record_no_preset_and_reuse_stages_saved_with_one(run, root, capsys, monkeypatch):
+    """Issue 38: --preset sizes no Hugging Face model, so HF stages record none (and stage2 its own k); stages saved
+    before, with the --preset default and k 1 recorded, are still reused; a recorded k that is not the window is refused."""
+    family, out = run
+    names = (["stage0"] if family == "llama" else []) + ["stage1", "stage2_k2", "stage2_k4"]
+    for name in names:
+        info = json.loads((out / name / "model.json").read_text())
+        for recorded in (json.loads((out / name / "train_config.json").read_text()), info["train_config"]):
+            assert recorded["preset"] is None
+            assert recorded["k"] == (info["k"] if name.startswith("stage2") else 1)
+    copy = root / f"old_records_{family}"
+    shutil.copytree(out, copy)
+
+    def record(name, **values):
+        info = json.loads((copy / name / "model.json").read_text())
+        info["train_config"].update(values)
+        (copy / name / "model.json").write_text(json.dumps(info))
+
+    for name in names:
+        record(name, preset="tiny", **({"k": 1} if name.startswith("stage2") else {}))
+    monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
+    argv = ["pipeline", "--out", str(copy), "--data", str(root / "corpus"), *source_args(root, family), *SMALL]
+    capsys.readouterr()
+    train_cli.main(argv)
+    assert capsys.readouterr().err.count("skipping") == len(names)
+    record("stage2_k4", k=2)
+    with pytest.raises(SystemExit):
+        train_cli.main(argv)
+    assert "k: " + str(copy / "stage2_k4") + " holds a finished stage2_k4 trained with k=2, this run asks for 4" in capsys.readouterr().err
+
+
 def test_the_stage_folder_loads_with_from_pretrained(run):
     _, out = run
     folder = out / "stage2_k4"
@@ -152,6 +184,11 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
     parts = dataclasses.replace(cfg, out=str(tmp_path / "parts"), stop_at=2)
     train(parts)
     assert not (tmp_path / "parts" / "model.json").exists()
+    # The checkpoint as a run saved before issue 38 recorded it: the --preset default, which sizes no HF model.
+    ckpt = latest_checkpoint(tmp_path / "parts")
+    meta = json.loads(ckpt.read_text())
+    assert meta["train_config"]["preset"] is None
+    ckpt.write_text(json.dumps({**meta, "train_config": {**meta["train_config"], "preset": "tiny"}}))
     train(dataclasses.replace(parts, stop_at=None, resume=True))
     losses = lambda name: [(m["step"], m["loss"]) for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]  # noqa: E731
     assert losses("whole") == losses("parts") and len(losses("whole")) == 4

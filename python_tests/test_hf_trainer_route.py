@@ -55,11 +55,11 @@ def rows(k, seed):
             for _ in range(ROWS)]
 
 
-def trainer(student, teacher, stage, data, out, tokenizer, steps=3):
-    args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="constant",
-        report_to="none", save_strategy="no", logging_steps=1, use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
-        seed=0, dataloader_num_workers=0)
+def trainer(student, teacher, stage, data, out, tokenizer, steps=3, **settings):
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(out), "max_steps": steps, "per_device_train_batch_size": 4, "learning_rate": 3e-3,
+        "lr_scheduler_type": "constant", "report_to": "none", "save_strategy": "no", "logging_steps": 1, "use_cpu": True,
+        "remove_unused_columns": False, "disable_tqdm": True, "seed": 0, "dataloader_num_workers": 0, **settings})
     return KForcingTrainer(model=student, teacher=teacher, stage=stage, args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -134,3 +134,42 @@ def test_the_route_refuses_what_it_cannot_train(source, tmp_path):
                 tokenizer)
     with pytest.raises(ValueError, match="tokenizer: a stage folder holds its tokenizer"):
         save_pflm(HFStudent(load(source / "qwen2"), k_train=1), tmp_path / "x")
+
+
+def test_resume_from_checkpoint_continues_the_run_bit_for_bit(source, tmp_path):
+    """Issue 38: Trainer's checkpoints hold the noise embedding with the backbone, and ``resume_from_checkpoint``
+    restores both: the resumed run's losses and final weights equal the uninterrupted run's (CPU, fp32)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source / "qwen2")
+    teacher, data = HFStudent(load(source / "qwen2"), k_train=0), rows(1, seed=6)
+    # A warmup and decay schedule and a mid-epoch checkpoint (8 rows, 4 per step): the schedule, optimizer and data
+    # order must all be restored too.
+    schedule = dict(save_strategy="steps", save_steps=3, lr_scheduler_type="cosine", warmup_steps=2)
+
+    def student(seed):
+        torch.manual_seed(seed)
+        return HFStudent(load(source / "qwen2"))
+
+    whole = student(1)
+    initial = {name: t.clone() for name, t in whole.noise_encoder.state_dict().items()}
+    run = trainer(whole, teacher, "stage1", data, tmp_path / "whole", tokenizer, steps=5, **schedule)
+    run.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert (checkpoint / "noise_embedding.safetensors").exists() and load_pflm(checkpoint).k_train == 1
+    # Another initial noise embedding: only a checkpoint that restores it can give the same run.
+    resumed = student(2)
+    resumed.reset_noise_encoder(torch.Generator().manual_seed(2))
+    assert any(not torch.equal(t, initial[name]) for name, t in resumed.noise_encoder.state_dict().items())
+    again = trainer(resumed, teacher, "stage1", data, tmp_path / "resumed", tokenizer, steps=5, **schedule)
+    again.train(resume_from_checkpoint=str(checkpoint))
+    losses = lambda t: [(e["step"], e["loss"]) for e in t.state.log_history if "loss" in e]  # noqa: E731
+    assert len(losses(run)) == 5 and losses(again) == losses(run)
+    trained, continued = whole.state_dict(), resumed.state_dict()
+    assert trained.keys() == continued.keys() and all(torch.equal(trained[k], continued[k]) for k in trained)
+
+    # A checkpoint of another stage (another window) is refused, naming the argument.
+    stage2 = trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=1), "stage2", rows(2, 0),
+                     tmp_path / "stage2", tokenizer)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*checkpoint-3 holds a PFLM trained for k=1, this trainer trains k=2"):
+        stage2.train(resume_from_checkpoint=str(checkpoint))
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*model.json: not found"):
+        stage2.train(resume_from_checkpoint=str(tmp_path))

@@ -1,6 +1,8 @@
 """End to end with a micro config: Stage 0 -> 1 -> 2 (k=2) -> 2 (k=4), evaluation, tables, plot."""
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ from kforcing_kernels.app.report import format_nll_table, format_report, format_
 from kforcing_kernels.app.inference import generate_kforcing
 from kforcing_kernels.model import KForcingLM
 from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
-from kforcing_kernels.app.checkpoint import load_model, read_json, read_metrics
+from kforcing_kernels.app.checkpoint import latest_checkpoint, load_model, read_json, read_metrics
 from kforcing_kernels.app.train_config import ConfigError, TrainConfig
+from kforcing_kernels.app.trainer import train
 from train_helpers import write_json_package
 
 
@@ -101,6 +104,68 @@ def test_evaluation_tables_and_plot(run, tmp_path):
     assert "NLL j=4" in table2 and "PFLM(k=4)" in table2
     assert plot_summary(summary, tmp_path / "plot.png") is None
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def _edit_record(folder: Path, **values) -> None:
+    """Rewrite the train_config a finished stage recorded in its model.json (what a pipeline compares on reuse)."""
+    info = read_json(folder / "model.json")
+    info["train_config"].update(values)
+    (folder / "model.json").write_text(json.dumps(info))
+
+
+def test_stage2_records_its_own_k_and_records_saved_before_still_match(run, tmp_path, capsys):
+    """Issue 38: stage2 records the window it trains (twice its teacher's), not the --k option's 1; a stage saved
+    before this (k 1, or no k at all) is still reused, while a recorded k that differs from the window is refused."""
+    folder, summaries, _ = run
+    for name, k in (("stage1", 1), ("stage2_k2", 2), ("stage2_k4", 4)):
+        assert read_json(folder / name / "train_config.json")["k"] == k
+        assert read_json(folder / name / "model.json")["train_config"]["k"] == k
+        assert read_json(folder / name / "model.json")["k"] == k  # the oracle: the window the model was built with
+    copy = folder.parent / f"copy_{tmp_path.name}"  # beside the fixture's run: the same corpus cache
+    shutil.copytree(folder, copy)
+    pipe, base = pipeline_configs(folder.parent)
+    pipe = dataclasses.replace(pipe, out=str(copy))
+    try:
+        _edit_record(copy / "stage2_k2", k=1)  # as saved before: the --k default
+        info = read_json(copy / "stage2_k4" / "model.json")
+        del info["train_config"]["k"]  # saved before k was recorded at all
+        (copy / "stage2_k4" / "model.json").write_text(json.dumps(info))
+        capsys.readouterr()
+        assert run_pipeline(pipe, base) == summaries
+        assert capsys.readouterr().err.count("skipping") == 4
+        _edit_record(copy / "stage2_k4", k=2)  # a record that names another window is a changed setting
+        with pytest.raises(ConfigError, match=r"^k: .*stage2_k4 trained with k=2, this run asks for 4; .*--overwrite"):
+            run_pipeline(pipe, base)
+        _edit_record(copy / "stage2_k4", k=4)
+        _edit_record(copy / "stage0", preset="tiny")  # the rule is stage2's k and HF presets: a native preset still counts
+        with pytest.raises(ConfigError, match=r"^preset: .*stage0 trained with preset='tiny', this run asks for 'micro'"):
+            run_pipeline(pipe, base)
+    finally:
+        shutil.rmtree(copy)
+
+
+def test_stage2_resumes_a_checkpoint_saved_before_its_k_was_recorded(run, tmp_path, monkeypatch):
+    folder, _, _ = run
+    monkeypatch.setenv("KFORCING_CACHE", str(folder.parent / "cache"))
+    _, base = pipeline_configs(folder.parent)
+    cfg = dataclasses.replace(base, stage="stage2", teacher=str(folder / "stage2_k2"), steps=2, lr=1e-3)
+
+    def partial(name, recorded_k):
+        out = tmp_path / name
+        train(dataclasses.replace(cfg, out=str(out), stop_at=1))
+        ckpt = latest_checkpoint(out)
+        meta = json.loads(ckpt.read_text())
+        assert meta["train_config"]["k"] == 4 and meta["info"]["k"] == 4
+        meta["train_config"]["k"] = recorded_k
+        ckpt.write_text(json.dumps(meta))
+        return out
+
+    old = partial("old", 1)  # as a stage2 checkpoint was saved before: k 1, the --k default
+    train(dataclasses.replace(cfg, out=str(old), resume=True))
+    assert read_json(old / "model.json")["train_config"]["k"] == 4 and read_json(old / "model.json")["k"] == 4
+    other = partial("other", 2)
+    with pytest.raises(ConfigError, match=r"^k: --resume needs the settings of the run in .*; it used 2, got 4 \(twice the k of --teacher\)"):
+        train(dataclasses.replace(cfg, out=str(other), resume=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

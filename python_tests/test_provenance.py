@@ -282,6 +282,30 @@ def test_a_second_pipeline_into_a_locked_folder_fails_at_once(tmp_path, corpus_d
     assert not (tmp_path / "run" / "stage0").exists()
 
 
+def test_a_lock_file_removed_while_a_run_opens_it_is_not_the_one_locked(tmp_path, monkeypatch):
+    """A failed start removes its lock file while it holds it (issue 38); a run that opened that file just before must
+    lock the file now at the path, or two runs could hold locks on two files of the same name."""
+    import fcntl
+
+    out, real, removed = tmp_path / "run", fcntl.flock, []
+
+    def removed_before_the_lock(fd, operation):
+        if not removed:  # between this run's open and its flock, the failed start's cleanup unlinks the file
+            removed.append((out / LOCK_NAME).unlink())
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", removed_before_the_lock)
+    lock = RunLock(out).acquire()
+    monkeypatch.undo()
+    try:
+        assert removed and (out / LOCK_NAME).exists()  # the file at the path is the one locked, not the removed one
+        assert os.path.samestat(os.fstat(lock._fd), os.stat(out / LOCK_NAME))
+        with pytest.raises(CheckpointError, match="is in use by another run"):
+            RunLock(out).acquire()
+    finally:
+        lock.release()
+
+
 def test_the_lock_file_is_not_a_symlink_target(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

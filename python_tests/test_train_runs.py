@@ -121,6 +121,7 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path, cor
     assert snapshot(out) == before
     with pytest.raises(ValueError, match="resume: no checkpoint.*there is no run in"):
         train(micro(tmp_path / "empty", corpus_dir, resume=True))
+    assert not (tmp_path / "empty").exists()  # the failed start left no folder behind
 
 
 def test_resume_of_a_finished_run_with_other_settings_refuses(tmp_path, corpus_dir):
@@ -160,6 +161,65 @@ def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_f
         train(micro(out, short_val_file, seq_len=96))
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()  # nothing trained, nothing written
     train(micro(tmp_path / "fits", short_val_file, seq_len=16, steps=1))  # a sequence that fits trains
+
+
+def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, corpus_dir, short_val_file, finished, monkeypatch):
+    """Issue 38: an error after the run folder was made (locked) but before a step was trained leaves nothing, not a
+    folder holding only the lock (or the config) that a rerun calls "a partial run" and refuses without --overwrite."""
+    from kforcing_kernels.app import trainer
+
+    deep = tmp_path / "a" / "b" / "run"  # folders the start created on the way are removed too
+    with pytest.raises(ValueError, match="data: the validation split"):  # check_splits, inside train()
+        train(micro(deep, short_val_file, seq_len=96))
+    assert not (tmp_path / "a").exists()
+    bad_teacher = tmp_path / "stage2"
+    with pytest.raises(ValueError, match="teacher: stage2 needs a PFLM teacher"):  # the model is built from the teacher
+        train(micro(bad_teacher, corpus_dir, stage="stage2", teacher=str(finished)))
+    assert not bad_teacher.exists()
+    out = tmp_path / "run"
+
+    def fail(*args, **kwargs):  # step 1 fails after train_config.json and tokenizer.json were written
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(trainer, "compute_loss", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        train(micro(out, corpus_dir))
+    assert not out.exists()
+    monkeypatch.undo()
+    train(micro(out, corpus_dir))  # no --overwrite needed
+    assert run_record(out) == run_record(finished)
+
+
+def test_a_failed_start_leaves_a_folder_with_an_earlier_run_or_a_trained_step_untouched(tmp_path, corpus_dir, finished,
+                                                                                      monkeypatch):
+    from kforcing_kernels.app import trainer
+
+    partial = tmp_path / "partial"  # an earlier run with a checkpoint: a refused --resume removes nothing of it
+    train(micro(partial, corpus_dir, stop_at=2))
+    before = {p.name for p in partial.iterdir()}, snapshot(partial)
+    with pytest.raises(ValueError, match="steps: --resume needs the settings"):
+        train(micro(partial, corpus_dir, resume=True, steps=6))
+    assert ({p.name for p in partial.iterdir()}, snapshot(partial)) == before
+    mine = tmp_path / "mine"  # the user's folder: it stays with their file, the start's files go
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="teacher: stage2 needs a PFLM teacher"):
+        train(micro(mine, corpus_dir, stage="stage2", teacher=str(finished)))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    real, calls = trainer.compute_loss, []
+
+    def fail_at_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "compute_loss", fail_at_step_2)
+    trained = tmp_path / "trained"  # step 1 was trained and logged: the partial run stays for the user to see
+    with pytest.raises(RuntimeError, match="boom"):
+        train(micro(trained, corpus_dir))
+    assert {"train_config.json", "tokenizer.json", "metrics.jsonl"} <= {p.name for p in trained.iterdir()}
+    assert run_record(trained) == run_record(finished)[:1]
 
 
 def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finished, monkeypatch):

@@ -173,8 +173,10 @@ LOCK_NAME = ".kforcing.lock"
 class RunLock:
     """An exclusive, non-blocking ``fcntl.flock`` on ``FOLDER/.kforcing.lock`` for a run's lifetime.
 
-    The lock file is created (``O_NOFOLLOW``, mode from the umask) and kept: it is empty and never removed,
-    since removing it would let two processes hold locks on two different files of the same name. The
+    The lock file is created (``O_NOFOLLOW``, mode from the umask) and kept: it is empty, and removed only by a
+    start that failed before training (``train_config.discard_failed_start``), while it holds the lock; a run that
+    opened the file before it was removed sees, once locked, that the path no longer names it and locks the new
+    one, so two processes never hold locks on two different files of the same name. The
     kernel drops the lock when the process ends, however it ends. A second run into the folder fails at
     once with a :class:`CheckpointError` naming ``option``. Without ``fcntl`` (Windows) nothing is locked.
     """
@@ -189,21 +191,31 @@ class RunLock:
             return self
         path = self.folder / LOCK_NAME
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, flags, 0o666)
+            except OSError as exc:
+                raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CheckpointError(f"out: {self.folder} is in use by another run (it holds {path}); wait for that run "
+                                          f"to end or choose another {self.option}") from None
+                raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
+            if self._still_at_path(fd, path):
+                self._fd = fd
+                return self
+            os.close(fd)  # a failed start removed the file while we opened it: lock the one at the path now
+
+    @staticmethod
+    def _still_at_path(fd: int, path: Path) -> bool:
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, flags, 0o666)
-        except OSError as exc:
-            raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"out: {self.folder} is in use by another run (it holds {path}); wait for that run "
-                                      f"to end or choose another {self.option}") from None
-            raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}") from None
-        self._fd = fd
-        return self
+            return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            return False
 
     def release(self) -> None:
         if self._fd is not None:

@@ -21,7 +21,10 @@ What the CLI route (``kforcing-train pipeline --model``) does for a user who tra
   DoubleForward on ``noise[..., k:]``; noise ``[B, N, 2k]``). :func:`kforcing_targets` gives those targets alone.
 * :class:`KForcingTrainer` computes that loss and saves the model with :func:`save_pflm` (a plain
   ``Trainer`` saves only a state dict, and a noise embedding attached to an HF model as a submodule is dropped by
-  ``from_pretrained`` as unexpected keys). ``resume_from_checkpoint`` is not supported (the CLI's ``--resume`` is).
+  ``from_pretrained`` as unexpected keys). Its checkpoints (``checkpoint-N``) are such stage folders beside
+  Trainer's optimizer, scheduler, RNG and trainer state, so ``train(resume_from_checkpoint=...)`` restores backbone
+  and noise embedding (every file's SHA-256 checked) and continues the run as ``Trainer`` continues any;
+  ``load_best_model_at_end`` loads the same way.
 """
 
 from __future__ import annotations
@@ -127,7 +130,29 @@ class KForcingTrainer(transformers.Trainer):
         loss = kforcing_loss(self.stage, model, self.teacher, ids, inputs["noise"], inputs.get("tau", 1.0), self.separator)
         return (loss, None) if return_outputs else loss
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Trainer would load model.safetensors (the backbone's keys, not the wrapper's) with strict=False: nothing.
+        _load_stage_into(self.accelerator.unwrap_model(model if model is not None else self.model), resume_from_checkpoint,
+                         "resume_from_checkpoint")
+
+    def _load_best_model(self):
+        _load_stage_into(self.accelerator.unwrap_model(self.model), self.state.best_model_checkpoint, "load_best_model_at_end")
+
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_pflm(self.accelerator.unwrap_model(self.model), output_dir, tokenizer=self.processing_class)
         torch.save(self.args, f"{output_dir}/training_args.bin")
+
+
+def _load_stage_into(student: HFStudent, folder, option: str) -> None:
+    """Copy a stage folder's backbone and noise embedding (checked by :func:`load_pflm`) into ``student``, in place."""
+    try:
+        saved, info, _ = load_hf_stage(folder)
+    except ValueError as exc:  # CheckpointError: the folder is missing, damaged or not a stage folder
+        raise ValueError(f"{option}: {exc}") from None
+    if info["k"] != student.k_train:
+        raise ValueError(f"{option}: {folder} holds a PFLM trained for k={info['k']}, this trainer trains k={student.k_train}")
+    try:
+        student.load_state_dict(saved.state_dict())
+    except RuntimeError as exc:
+        raise ValueError(f"{option}: {folder} is not a checkpoint of this model ({exc})") from None

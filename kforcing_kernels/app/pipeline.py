@@ -31,7 +31,7 @@ from .parallel import resolve_device as rank_device
 from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from .data import data_sha256
 from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
-                           check_out_folder, existing_run, teacher_sha256)
+                           check_out_folder, effective_config, existing_run, teacher_sha256)
 from .trainer import train
 
 
@@ -203,7 +203,7 @@ def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash
     """(True, its summary) for a finished stage to skip; (False, resume) for one to train."""
     if (folder / "model.json").exists() and not base.overwrite:
         finished = read_json(folder / "model.json")
-        _require_same_settings(folder, finished, cfg, data_hash)
+        _require_same_settings(folder, finished, effective_config(cfg), data_hash)  # as train() records it
         print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
         return True, finished.get("summary", {})
     return False, bool(base.resume and existing_run(folder))  # a stage not started yet has nothing to resume

@@ -97,7 +97,7 @@ def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.opt
 def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
-        flag = f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
+        flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
 
 

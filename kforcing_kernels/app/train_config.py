@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from numbers import Real
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, remove_checkpoints
+from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
 from .cli import checked, resolve_device
 from .data import DEFAULT_SOURCE
+from .files import LOCK_NAME
 from ..model import PRESETS, ModelConfig
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
@@ -40,7 +42,7 @@ class TrainConfig:
     teacher: Optional[str] = None  # stage folder of the teacher (stage1, stage2)
     data: str = DEFAULT_SOURCE
     vocab_size: int = 1024
-    preset: str = "tiny"  # stage0 only: the model size (later stages inherit the teacher's)
+    preset: Optional[str] = "tiny"  # stage0 only: the model size (later stages inherit the teacher's); recorded None for an HF model
     model_overrides: dict = field(default_factory=dict)
     # A Hugging Face causal LM instead of the native model (app/hf_files.py): `model` is a local HF folder,
     # the AR teacher of stage1 (its tokenizer encodes --data); `model_config` a transformers config file,
@@ -63,7 +65,7 @@ class TrainConfig:
     # stage1 only: "forward" (Algorithm 2, k=1) or "noise_inversion" (the PTP baseline of the
     # paper's ablation: real next-k tokens, z inverted from the AR teacher's CDF bins, any k).
     supervision: str = "forward"
-    k: int = 1
+    k: int = 1  # recorded: stage2's own window (twice its teacher's, effective_config)
     # Packed documents: attention never crosses a document (the corpus's EOS ends each), RoPE
     # positions restart per document, and predictions past a document's end leave the loss.
     packed_docs: bool = False
@@ -116,11 +118,42 @@ def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
         if key in ("teacher", "data", "model", "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
             same = Path(used).resolve() == Path(wanted).resolve()
+        elif key in _LEGACY and _LEGACY[key](saved, used, wanted):
+            same = True
         else:
             same = used == wanted
         if not same:
             changed.append((key, used, wanted))
     return changed
+
+
+# Runs saved before train_config recorded effective values (see effective_config) hold what the option said: a
+# Hugging Face stage the --preset default (it sized nothing there), a stage2 k=1 (the unused --k; its window was then,
+# as now, twice its teacher's, whose identity the teacher path and teacher_sha256 check). Such a record compares equal
+# to the effective value; any other difference is a changed setting.
+_LEGACY = {
+    "preset": lambda saved, used, wanted: wanted is None and used in PRESETS,
+    "k": lambda saved, used, wanted: saved.get("stage") == "stage2" and used == 1,
+}
+
+
+def effective_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the values the stage really uses, as a run records them (train_config.json, checkpoints,
+    model.json) and compares them (--resume, a pipeline's reuse of a finished stage); after :func:`validate_config`.
+
+    ``preset`` is None where no preset sizes the model: a Hugging Face stage (--model-config, --model, or a teacher
+    that is a Hugging Face model); ``k`` of stage2 is the window it trains, twice its teacher's (model.json).
+    """
+    from .hf_files import is_hf
+
+    changes = {}
+    if cfg.model or cfg.model_config or (cfg.stage != "stage0" and is_hf(cfg.teacher)):
+        changes["preset"] = None
+    if cfg.stage == "stage2":
+        teacher_k = read_json(Path(cfg.teacher) / "model.json", {"k": int})["k"]
+        if teacher_k >= 1:  # an AR teacher (k=0) is refused, naming --teacher, when the stage builds its model
+            changes["k"] = 2 * teacher_k
+    return dataclasses.replace(cfg, **changes)
 
 
 # What a run records about the text and the teacher it met (model.json and every checkpoint's "info"), and the
@@ -339,6 +372,45 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
         remove_checkpoints(out)  # the run's step_* files and folders only: anything else there is the user's
+
+
+# What a start writes before its first step is trained (the lock when it locks the folder, then the config and the
+# tokenizer): left alone after a failed start, they would make the folder "a partial run" that only --overwrite reuses.
+START_FILES = (LOCK_NAME, "train_config.json", "tokenizer.json")
+
+
+def folder_before_start(out: Path) -> tuple[list[Path], Optional[set]]:
+    """``(folders of out's path that do not exist yet, deepest first; the names in out, None when it is absent)``,
+    taken before a run locks ``out``: what :func:`discard_failed_start` may remove."""
+    missing = [part for part in (out, *out.parents) if not part.exists()]
+    return missing, (set(os.listdir(out)) if out.is_dir() else None)
+
+
+def discard_failed_start(out: Path, before: tuple[list[Path], Optional[set]], overwrite: bool) -> None:
+    """After a run failed (while it still holds the lock): when it trained nothing, remove what its start left in ``out``.
+
+    Only names that were not in ``out`` before (``before``, from :func:`folder_before_start`; with --overwrite the old
+    run's files count as gone, as the user asked) are candidates, and only if every one of them is a start file
+    (START_FILES): a metrics line, a checkpoint or a model means a step was trained, and then everything stays. The
+    folders this start created are removed when empty; a folder that existed keeps whatever it held.
+    """
+    missing, names = before
+    if not out.is_dir():
+        return
+    kept = (names or set()) - (set(RUN_FILES) if overwrite else set())
+    new = set(os.listdir(out)) - kept
+    if not new <= set(START_FILES):
+        return
+    for name in new:  # the lock last: a start that opened it before it goes re-checks it (RunLock.acquire)
+        if name != LOCK_NAME:
+            (out / name).unlink(missing_ok=True)
+    if LOCK_NAME in new:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+    for folder in missing:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another run, or the user's files): it stays
+            break
 
 
 def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:

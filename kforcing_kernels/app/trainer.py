@@ -51,7 +51,8 @@ from .hf_files import hf_tokenizer_of
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
 from .stage import Stage, _optimizer, _require_resume_settings, _require_same_provenance, lock_out, set_up  # noqa: F401 (_optimizer)
-from .train_config import TrainConfig, check_device, teacher_sha256, validate_config
+from .train_config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
+                           validate_config)
 
 # ---------------------------------------------------------------------- schedule, model, optimizer
 
@@ -90,14 +91,20 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, env.distributed_ranks()[0])
+    cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(cfg.device, cfg.context_parallel,
                           cfg.parallel, group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
     out = Path(cfg.out)
     try:
+        before = folder_before_start(out) if dims.main else None
         lock = lock_out(out, dims)
         try:
             return _train(cfg, dims, out)
+        except BaseException:
+            if lock is not None:  # a start that trained nothing leaves nothing behind (not "a partial run")
+                discard_failed_start(out, before, cfg.overwrite)
+            raise
         finally:
             if lock is not None:
                 lock.release()
