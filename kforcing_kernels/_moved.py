@@ -40,7 +40,8 @@ MOVED_MODULES = {
     "cli_common": "kforcing_kernels.app.cli",
 }
 # Names the old kforcing_kernels.train offered that now live in the loop's module.
-MOVED_NAMES = {"kforcing_kernels.app.train": "kforcing_kernels.app.trainer"}
+MOVED_NAMES = {"kforcing_kernels.app.train": ("kforcing_kernels.app.trainer", "kforcing_kernels.app.stage",
+                                              "kforcing_kernels.app.checkpoint", "kforcing_kernels.app.train_config")}
 # Names of 0.2 modules that moved to another module or were renamed in 0.3: (module, old name) -> "module:new name".
 # Found through the module (old or new name) with the same DeprecationWarning; removed with the module aliases in 0.4.
 RENAMED = {
@@ -56,6 +57,11 @@ RENAMED = {
 }
 # 0.2 names with no equivalent to alias: the error says what replaced them (CHANGELOG, breaking changes of 0.3).
 REMOVED = {
+    ("kforcing_kernels.app.train", "DistInfo"): (
+        "was removed in kforcing_kernels 0.4: where a rank sits is kforcing_kernels.app.parallel.ParallelDims"),
+    ("kforcing_kernels.app.train", "setup_distributed"): (
+        "was removed in kforcing_kernels 0.4: kforcing_kernels.app.parallel.setup_parallel(device, context_parallel, "
+        "parallel) sets up the process group and the dp x cp device mesh"),
     ("kforcing_kernels.app.paged_cache", "paged_trunk"): (
         "was removed in kforcing_kernels 0.3: the model reads the paged cache in place, "
         "model.trunk(x, positions, None, past=cache.views(rows))"),
@@ -120,8 +126,7 @@ def moved_name(module_name: str, name: str):
         return getattr(importlib.import_module(home), new_name)
     if (module_name, name) in REMOVED:
         raise AttributeError(f"{module_name}.{name} {REMOVED[(module_name, name)]}")
-    target = MOVED_NAMES.get(module_name)
-    if target is not None:
+    for target in MOVED_NAMES.get(module_name, ()):
         module = importlib.import_module(target)
         if hasattr(module, name):
             value = getattr(module, name)

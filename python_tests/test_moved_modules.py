@@ -32,6 +32,8 @@ def test_names_of_the_former_single_module_trainer():
     assert (TrainConfig, load_model, train) == (RealConfig, real_load_model, real_train)
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         importlib.import_module("kforcing_kernels.app.train").not_a_name
+    with pytest.raises(AttributeError, match="setup_distributed was removed .*setup_parallel"):
+        importlib.import_module("kforcing_kernels.app.train").setup_distributed
 
 
 def test_python_dash_m_of_an_old_name_runs_the_new_module():
@@ -73,7 +75,8 @@ API_0_2 = {
         "DEFAULT_DEVICE DEFAULT_NEW_TOKENS DEFAULT_SEED DEFAULT_TEMPERATURE HelpFormatter RETIRED_FLAGS SHARED_OPTIONS add_batch_size add_batch_sizes add_command add_device add_new_tokens add_preset add_seed add_temperature add_threads all_parsers apply_threads checked fraction int_list make_parser non_negative_float non_negative_int positive_float positive_float_list positive_int resolve_device"
     ).split(),
 }
-REMOVED_0_2 = {("paged_cache", "paged_trunk")}  # no equivalent: listed in the CHANGELOG's breaking changes
+# No equivalent: listed in the CHANGELOG's breaking changes (the error names what replaced them).
+REMOVED_0_2 = {("paged_cache", "paged_trunk"), ("train", "DistInfo"), ("train", "setup_distributed")}
 
 
 @pytest.mark.parametrize("old", sorted(API_0_2))
