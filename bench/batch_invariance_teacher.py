@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kforcing_kernels.app.objectives import forward_distillation_targets, self_forcing_targets
+from kforcing_kernels.app.training.objectives import forward_distillation_targets, self_forcing_targets
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
 

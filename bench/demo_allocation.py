@@ -53,9 +53,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def train_and_score(spec: dict, out: Path, device: str) -> dict:
     """One variant: the demo pipeline with ``spec``'s steps in ``out``, then the demo's evaluation."""
     from kforcing_kernels.app.demo import DEMO
-    from kforcing_kernels.app.evaluate import evaluate_pipeline
-    from kforcing_kernels.app.report import format_report
-    from kforcing_kernels.app.pipeline import run_pipeline
+    from kforcing_kernels.app.evaluation.evaluate import evaluate_pipeline
+    from kforcing_kernels.app.evaluation.report import format_report
+    from kforcing_kernels.app.training.pipeline import run_pipeline
 
     base = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=spec["seed"])
     pipe = dataclasses.replace(DEMO["pipeline"], out=str(out), steps_stage0=spec["steps_stage0"], steps_stage1=spec["steps_stage1"],
@@ -77,11 +77,11 @@ def train_and_score(spec: dict, out: Path, device: str) -> dict:
 
 def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
     """The one Stage-0 teacher of every variant with this seed (trained on first use)."""
-    from kforcing_kernels.app.checkpoint import read_json
+    from kforcing_kernels.app.training.checkpoint import read_json
     from kforcing_kernels.app.demo import DEMO
-    from kforcing_kernels.app.train_config import ConfigError
-    from kforcing_kernels.app.trainer import train
-    from kforcing_kernels.app.train_config import changed_settings
+    from kforcing_kernels.app.training.config import ConfigError
+    from kforcing_kernels.app.training.loop import train
+    from kforcing_kernels.app.training.config import changed_settings
 
     folder = out / f"shared_seed{seed}" / "stage0"
     cfg = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=seed, stage="stage0", out=str(folder),

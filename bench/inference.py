@@ -6,7 +6,7 @@
     python -m bench infer --device cuda --preset paper --dtype bfloat16 --k 2,4 --batch-sizes 4,16,128 \
         --prompt-len 64 --new-tokens 960 --warmup 1 --reps 5    # K-Forcing's Table 1 protocol (64 -> 1024 tokens)
 
-Both use ``kforcing_kernels.app.inference`` (``generate_ar`` one token per forward,
+Both use ``kforcing_kernels.app.generation.inference`` (``generate_ar`` one token per forward,
 ``generate_kforcing`` k per forward, paper Algorithm 1) on the same random-weight
 model and prompts, each with ``cache="contiguous"`` (one buffer per layer; every
 decode step concatenates the cache with the new keys) and ``cache="paged"`` (pages
@@ -68,7 +68,7 @@ def kv_traffic(cfg, batch: int, prompt_len: int, new_tokens: int, k, cache: str,
 
 
 def run(args) -> dict:
-    from kforcing_kernels.app.inference import generate_ar, generate_kforcing
+    from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
     from kforcing_kernels.model import PRESETS, KForcingLM
     from kforcing_kernels.ops.paged_attention.op import default_paged_backend
 

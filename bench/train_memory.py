@@ -4,7 +4,7 @@
     python -m bench memory --preset micro --seq-len 16  # seconds: a check of the script itself
 
 For each world size W (a ``torchrun --nproc_per_node W`` launch, gloo on CPU) and each of AC off / on, rank r
-runs one Stage-2 step exactly as the trainer does with ``--parallel fsdp`` (``kforcing_kernels.app.parallel``:
+runs one Stage-2 step exactly as the trainer does with ``--parallel fsdp`` (``kforcing_kernels.app.training.parallel``:
 every block and the root ``fully_shard``-ed, the teacher replicated, ``compute_loss`` + backward + AdamW) on a
 micro-batch of ``--batch-per-rank`` sequences, and counts bytes, not allocator statistics (so CPU numbers are
 the numbers a GPU would hold, fp32):
@@ -112,13 +112,13 @@ def measure(preset: str, seq_len: int, k: int, batch: int, checkpointed: bool, d
     """One Stage-2 FSDP2 step on this rank (a process group must exist); the bytes it holds and moves."""
     import torch.distributed as dist
 
-    from kforcing_kernels.app.objectives import Objective, compute_loss, make_batch
-    from kforcing_kernels.app.parallel import parallelize, setup_parallel
+    from kforcing_kernels.app.training.objectives import Objective, compute_loss, make_batch
+    from kforcing_kernels.app.training.parallel import parallelize, setup_parallel
     from kforcing_kernels.model import PRESETS, KForcingLM
 
     cfg = PRESETS[preset](seq_len=seq_len)
     torch.manual_seed(0)
-    teacher = KForcingLM(cfg).to(device).eval().requires_grad_(False)  # replicated (see app/parallel.py)
+    teacher = KForcingLM(cfg).to(device).eval().requires_grad_(False)  # replicated (see app/training/parallel.py)
     student = KForcingLM(cfg).to(device).train()
     n_params = student.num_parameters()
     dims = setup_parallel(device.type, parallel="fsdp")  # the mesh over the existing process group

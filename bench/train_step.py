@@ -3,7 +3,7 @@
     python -m bench train --quick
     python -m bench train                         # k = 1, 2, 4, 8 at N=512, B=2, the "tiny" model
 
-Stage PFLM(k) -> PFLM(2k) (paper Algorithm 3), exactly ``kforcing_kernels.app.objectives.compute_loss``
+Stage PFLM(k) -> PFLM(2k) (paper Algorithm 3), exactly ``kforcing_kernels.app.training.objectives.compute_loss``
 plus the optimizer step: the teacher's SingleForward on k noises and DoubleForward on
 k more (no grad), the student's SingleForward on all 2k noises, forward + backward,
 then AdamW. The two variants differ only in the model's ``attention_backend``:
@@ -50,7 +50,7 @@ def build_models(args, backend: str | None, state: dict | None):
 
 
 def make_step(teacher, student, optimizer, batch, k: int):
-    from kforcing_kernels.app.objectives import Objective, compute_loss
+    from kforcing_kernels.app.training.objectives import Objective, compute_loss
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -63,14 +63,14 @@ def make_step(teacher, student, optimizer, batch, k: int):
 
 def first_loss(teacher, student, batch, k: int) -> float:
     """The step's loss before any update (a check that both variants compute the same step)."""
-    from kforcing_kernels.app.objectives import Objective, compute_loss
+    from kforcing_kernels.app.training.objectives import Objective, compute_loss
 
     with torch.no_grad():
         return float(compute_loss(Objective.SELF_FORCING, student, batch, teacher)[0])
 
 
 def run(args) -> dict:
-    from kforcing_kernels.app.objectives import Batch
+    from kforcing_kernels.app.training.objectives import Batch
 
     threads = pin_threads(args.threads)
     device = torch.device(args.device)

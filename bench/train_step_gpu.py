@@ -62,7 +62,7 @@ def rows(args, time_ms) -> list[dict]:
     (``dense``, the public code's attention), ours (``--train-ours``) and the same step with attention
     replaced by a zero-cost op (``zero``: the limit; ``ours_vs_zero`` = ours / zero time, 1.0 is ideal)."""
     from .train_step import build_models, make_step
-    from kforcing_kernels.app.objectives import Batch
+    from kforcing_kernels.app.training.objectives import Batch
 
     device = torch.device(args.device)
     # bf16; a dry run (bench/triton_gpu.py --dry-run) sets fp16: the Triton interpreter's bf16 dot is wrong

@@ -13,7 +13,11 @@ Cost (measured with ``python -X importtime -c "import kforcing_kernels"`` on a l
 importing this module takes about 1 ms of the package's import (seconds, torch included). :func:`install`
 appends one finder to ``sys.meta_path``; sitting last, it is asked only about modules the standard finders
 did not find (a prefix test and a dict lookup). The renamed names cost nothing until
-looked up: the modules' ``__getattr__`` runs only for names they lack. The aliases and this module go in 0.4.
+looked up: the modules' ``__getattr__`` runs only for names they lack. The 0.3 aliases go in 0.4.
+
+Later in 0.3 the app's modules were grouped by job (``app/training``, ``app/generation``, ``app/evaluation``,
+``app/hf_recipe``): ``kforcing_kernels.app.trainer`` is ``kforcing_kernels.app.training.loop`` and so on
+(the ``"app.*"`` entries of :data:`MOVED_MODULES`), aliased the same way.
 """
 
 from __future__ import annotations
@@ -27,42 +31,61 @@ import warnings
 # old module (under kforcing_kernels.) -> new module
 MOVED_MODULES = {
     "train": "kforcing_kernels.app.train",
-    "train_config": "kforcing_kernels.app.train_config",
-    "pipeline": "kforcing_kernels.app.pipeline",
-    "objectives": "kforcing_kernels.app.objectives",
+    "train_config": "kforcing_kernels.app.training.config",
+    "pipeline": "kforcing_kernels.app.training.pipeline",
+    "objectives": "kforcing_kernels.app.training.objectives",
     "data": "kforcing_kernels.app.data",
-    "checkpoint": "kforcing_kernels.app.checkpoint",
-    "evaluate": "kforcing_kernels.app.evaluate",
+    "checkpoint": "kforcing_kernels.app.training.checkpoint",
+    "evaluate": "kforcing_kernels.app.evaluation.evaluate",
     "demo": "kforcing_kernels.app.demo",
-    "inference": "kforcing_kernels.app.inference",
-    "serving": "kforcing_kernels.app.serving",
-    "paged_cache": "kforcing_kernels.app.paged_cache",
+    "inference": "kforcing_kernels.app.generation.inference",
+    "serving": "kforcing_kernels.app.generation.serving",
+    "paged_cache": "kforcing_kernels.app.generation.paged_cache",
     "cli_common": "kforcing_kernels.app.cli",
+    # the app's modules grouped by job (training/, generation/, evaluation/, hf_recipe/), later in 0.3
+    "app.trainer": "kforcing_kernels.app.training.loop",
+    "app.train_config": "kforcing_kernels.app.training.config",
+    "app.objectives": "kforcing_kernels.app.training.objectives",
+    "app.parallel": "kforcing_kernels.app.training.parallel",
+    "app.context_parallel": "kforcing_kernels.app.training.context_parallel",
+    "app.checkpoint": "kforcing_kernels.app.training.checkpoint",
+    "app.sharded_checkpoint": "kforcing_kernels.app.training.sharded_checkpoint",
+    "app.pipeline": "kforcing_kernels.app.training.pipeline",
+    "app.inference": "kforcing_kernels.app.generation.inference",
+    "app.paged_cache": "kforcing_kernels.app.generation.paged_cache",
+    "app.serving": "kforcing_kernels.app.generation.serving",
+    "app.generation_checks": "kforcing_kernels.app.generation.checks",
+    "app.evaluate": "kforcing_kernels.app.evaluation.evaluate",
+    "app.report": "kforcing_kernels.app.evaluation.report",
+    "app.noise_diagnosis": "kforcing_kernels.app.evaluation.noise_diagnosis",
+    "app.hf_student": "kforcing_kernels.app.hf_recipe.student",
+    "app.hf_files": "kforcing_kernels.app.hf_recipe.files",
+    "app.hf_trainer": "kforcing_kernels.app.hf_recipe.trainer",
 }
 # Names the old kforcing_kernels.train offered that now live in the loop's module.
-MOVED_NAMES = {"kforcing_kernels.app.train": ("kforcing_kernels.app.trainer", "kforcing_kernels.app.stage",
-                                              "kforcing_kernels.app.checkpoint", "kforcing_kernels.app.train_config")}
+MOVED_NAMES = {"kforcing_kernels.app.train": ("kforcing_kernels.app.training.loop", "kforcing_kernels.app.training.stage",
+                                              "kforcing_kernels.app.training.checkpoint", "kforcing_kernels.app.training.config")}
 # Names of 0.2 modules that moved to another module or were renamed in 0.3: (module, old name) -> "module:new name".
 # Found through the module (old or new name) with the same DeprecationWarning; removed with the module aliases in 0.4.
 RENAMED = {
     ("kforcing_kernels.app.data", "sample_windows"): "kforcing_kernels.app.data:sample_crops",
     ("kforcing_kernels.app.data", "document_offsets"): "kforcing_kernels.layouts.positions:document_offsets",
-    ("kforcing_kernels.app.objectives", "window_tokens"): "kforcing_kernels.app.objectives:crop_tokens",
-    ("kforcing_kernels.app.checkpoint", "atomic_write"): "kforcing_kernels.app.files:atomic_write",
-    ("kforcing_kernels.app.checkpoint", "append_jsonl"): "kforcing_kernels.app.files:append_jsonl",
-    ("kforcing_kernels.app.evaluate", "format_table1"): "kforcing_kernels.app.report:format_table1",
-    ("kforcing_kernels.app.evaluate", "format_tau_table"): "kforcing_kernels.app.report:format_tau_table",
-    ("kforcing_kernels.app.evaluate", "format_nll_table"): "kforcing_kernels.app.report:format_nll_table",
-    ("kforcing_kernels.app.evaluate", "plot_summary"): "kforcing_kernels.app.report:plot_summary",
+    ("kforcing_kernels.app.training.objectives", "window_tokens"): "kforcing_kernels.app.training.objectives:crop_tokens",
+    ("kforcing_kernels.app.training.checkpoint", "atomic_write"): "kforcing_kernels.app.files:atomic_write",
+    ("kforcing_kernels.app.training.checkpoint", "append_jsonl"): "kforcing_kernels.app.files:append_jsonl",
+    ("kforcing_kernels.app.evaluation.evaluate", "format_table1"): "kforcing_kernels.app.evaluation.report:format_table1",
+    ("kforcing_kernels.app.evaluation.evaluate", "format_tau_table"): "kforcing_kernels.app.evaluation.report:format_tau_table",
+    ("kforcing_kernels.app.evaluation.evaluate", "format_nll_table"): "kforcing_kernels.app.evaluation.report:format_nll_table",
+    ("kforcing_kernels.app.evaluation.evaluate", "plot_summary"): "kforcing_kernels.app.evaluation.report:plot_summary",
 }
 # 0.2 names with no equivalent to alias: the error says what replaced them (CHANGELOG, breaking changes of 0.3).
 REMOVED = {
     ("kforcing_kernels.app.train", "DistInfo"): (
-        "was removed in kforcing_kernels 0.4: where a rank sits is kforcing_kernels.app.parallel.ParallelDims"),
+        "was removed in kforcing_kernels 0.3: where a rank sits is kforcing_kernels.app.training.parallel.ParallelDims"),
     ("kforcing_kernels.app.train", "setup_distributed"): (
-        "was removed in kforcing_kernels 0.4: kforcing_kernels.app.parallel.setup_parallel(device, context_parallel, "
+        "was removed in kforcing_kernels 0.3: kforcing_kernels.app.training.parallel.setup_parallel(device, context_parallel, "
         "parallel) sets up the process group and the dp x cp device mesh"),
-    ("kforcing_kernels.app.paged_cache", "paged_trunk"): (
+    ("kforcing_kernels.app.generation.paged_cache", "paged_trunk"): (
         "was removed in kforcing_kernels 0.3: the model reads the paged cache in place, "
         "model.trunk(x, positions, None, past=cache.views(rows))"),
 }

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.training.config import TrainConfig
 
 
 def stage2_config(root: Path, device: str, **kw) -> TrainConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
 
 

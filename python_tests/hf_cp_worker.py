@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import hf_helpers as H
-from kforcing_kernels.app.context_parallel import context_parallel_loss
-from kforcing_kernels.app.hf_student import HFStudent
-from kforcing_kernels.app.objectives import Batch, Objective, compute_loss
+from kforcing_kernels.app.training.context_parallel import context_parallel_loss
+from kforcing_kernels.app.hf_recipe.student import HFStudent
+from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss
 from kforcing_kernels.parallel import ContextParallel
 
 CONFIGS = {

@@ -8,7 +8,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from bench.train_memory import format_report, measure
-from kforcing_kernels.app.parallel import setup_parallel
+from kforcing_kernels.app.training.parallel import setup_parallel
 from kforcing_kernels.model import ModelConfig
 
 

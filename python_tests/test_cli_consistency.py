@@ -35,8 +35,8 @@ def _bench_attention_parser():
 
 BUILDERS = {
     "train": lambda: importlib.import_module("kforcing_kernels.app.train").build_parser(),
-    "generate": lambda: importlib.import_module("kforcing_kernels.app.inference").build_parser(),
-    "evaluate": lambda: importlib.import_module("kforcing_kernels.app.evaluate").build_parser(),
+    "generate": lambda: importlib.import_module("kforcing_kernels.app.generation.inference").build_parser(),
+    "evaluate": lambda: importlib.import_module("kforcing_kernels.app.evaluation.evaluate").build_parser(),
     "demo": lambda: importlib.import_module("kforcing_kernels.app.demo").build_parser(),
     "bench": _bench_parser,
     "bench/attention.py": _bench_attention_parser,

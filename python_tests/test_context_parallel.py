@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from kforcing_kernels.app.context_parallel import context_parallel_loss
-from kforcing_kernels.app.parallel import ParallelDims, setup_parallel
-from kforcing_kernels.app.objectives import Objective, compute_loss, make_batch
-from kforcing_kernels.app.train_config import ConfigError, TrainConfig, validate_config
+from kforcing_kernels.app.training.context_parallel import context_parallel_loss
+from kforcing_kernels.app.training.parallel import ParallelDims, setup_parallel
+from kforcing_kernels.app.training.objectives import Objective, compute_loss, make_batch
+from kforcing_kernels.app.training.config import ConfigError, TrainConfig, validate_config
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.window_attention import window_attention
@@ -142,7 +142,7 @@ def test_traffic_accounting_matches_the_dense_mask():
 
 
 def test_validate_config_refuses_a_cp_size_that_does_not_divide_the_world():
-    from kforcing_kernels.app.train_config import TrainConfig, validate_config
+    from kforcing_kernels.app.training.config import TrainConfig, validate_config
 
     with pytest.raises(ConfigError, match="^context_parallel: "):
         validate_config(TrainConfig(context_parallel=2), world=1)

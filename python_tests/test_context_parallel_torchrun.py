@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import read_metrics
-from kforcing_kernels.app.train_config import TrainConfig
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.checkpoint import read_metrics
+from kforcing_kernels.app.training.config import TrainConfig
+from kforcing_kernels.app.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hf_helpers as H
-from kforcing_kernels.app.hf_student import HFStudent
+from kforcing_kernels.app.hf_recipe.student import HFStudent
 from kforcing_kernels.integrations import hf as kf_hf
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.parallel import ContextParallel

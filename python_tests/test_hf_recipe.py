@@ -20,14 +20,15 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from kforcing_kernels.app import inference, train as train_cli  # noqa: E402
-from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
+from kforcing_kernels.app import train as train_cli
+from kforcing_kernels.app.generation import inference# noqa: E402
+from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
-from kforcing_kernels.app.hf_files import load_hf_stage  # noqa: E402
-from kforcing_kernels.app.hf_student import HFStudent  # noqa: E402
-from kforcing_kernels.app.inference import generate_ar, generate_kforcing  # noqa: E402
-from kforcing_kernels.app.train_config import ConfigError, TrainConfig  # noqa: E402
-from kforcing_kernels.app.trainer import train  # noqa: E402
+from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
+from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing  # noqa: E402
+from kforcing_kernels.app.training.config import ConfigError, TrainConfig  # noqa: E402
+from kforcing_kernels.app.training.loop import train  # noqa: E402
 from kforcing_kernels.integrations.hf_noise import NoiseEmbedding  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402
 
@@ -311,7 +312,7 @@ def test_packed_documents_equal_documents_alone():
 
 def test_stage1_targets_at_low_tau_are_the_teachers_greedy_tokens():
     """The Stage-1 target of an HF teacher at tau -> 0 is its greedy next token (transformers' own generate, SDPA)."""
-    from kforcing_kernels.app.objectives import forward_distillation_targets
+    from kforcing_kernels.app.training.objectives import forward_distillation_targets
 
     teacher = tiny_student("qwen2", seed=5).float()
     oracle = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", 48), attn_implementation="sdpa").eval()
@@ -328,7 +329,7 @@ def test_stage1_targets_at_low_tau_are_the_teachers_greedy_tokens():
 def test_the_hf_corpus_cache_keeps_each_tokenizers_ids(tmp_path, monkeypatch):
     """Two tokenizers over the same --data: the second gets its own ids, not the first one's cached streams
     (oracle: the second tokenizer's corpus built in an empty cache)."""
-    from kforcing_kernels.app.hf_files import load_hf_corpus
+    from kforcing_kernels.app.hf_recipe.files import load_hf_corpus
 
     write_json_package(tmp_path / "corpus")
     data = str(tmp_path / "corpus")

@@ -73,7 +73,7 @@ def test_softcapping_is_refused_only_where_it_exists():
     # The message names the config field and how to turn it off; the recipe's wrapper refuses before any step.
     with torch.no_grad(), pytest.raises(ValueError, match=r"config.attn_logit_softcapping.*attn_logit_softcapping=None"):
         model(input_ids=torch.randint(0, H.VOCAB, (1, 5)))
-    from kforcing_kernels.app.hf_student import HFStudent
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
 
     with pytest.raises(ValueError, match=r"attn_logit_softcapping: not supported.*attn_logit_softcapping=None"):
         HFStudent(model)
@@ -208,7 +208,7 @@ def test_single_forward_equals_per_window_recomputation_with_the_models_sliding_
 
 
 def test_double_forward_and_training_gradients_under_a_sliding_window_equal_recomputation():
-    from kforcing_kernels.app.hf_student import HFStudent
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
 
     n, k = 24, 2
     ours, sdpa = H.twin_models(SLIDING["mistral_w8"](), "kforcing", "sdpa")
@@ -239,8 +239,8 @@ def test_double_forward_and_training_gradients_under_a_sliding_window_equal_reco
 
 @pytest.mark.parametrize("family", SLIDING)
 def test_k_forcing_generation_past_the_window_equals_recomputation(family):
-    from kforcing_kernels.app.hf_student import HFStudent
-    from kforcing_kernels.app.inference import generate_kforcing
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+    from kforcing_kernels.app.generation.inference import generate_kforcing
 
     k, new_tokens = 4, 20  # prompts of 6 and 9 tokens: generation runs to 26-29 tokens, far past W = 8
     ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
@@ -286,8 +286,8 @@ def test_compiled_single_forward_under_a_sliding_window_equals_eager(family):
 @pytest.mark.parametrize("family", SLIDING)
 def test_package_ar_generation_past_the_window_equals_transformers_generate(family):
     """The package's AR decoding (the evaluation's baseline) over the full cache: HF generate's tokens, past W."""
-    from kforcing_kernels.app.hf_student import HFStudent
-    from kforcing_kernels.app.inference import generate_ar
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+    from kforcing_kernels.app.generation.inference import generate_ar
 
     ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
     prompts = torch.randint(3, H.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -22,9 +22,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli  # noqa: E402
+from kforcing_kernels.app import train as train_cli# noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
-from kforcing_kernels.app.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
+from kforcing_kernels.app.evaluation.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402
 
 VOCAB = 300
@@ -96,7 +96,7 @@ def test_an_unchanged_model_folder_reuses_the_finished_stages(root, fresh_run, c
 
 
 def test_a_stage_saved_before_config_and_tokenizer_were_recorded_is_reused_with_a_warning(root, fresh_run, capsys):
-    from kforcing_kernels.app.hf_files import hf_weights_sha256
+    from kforcing_kernels.app.hf_recipe.files import hf_weights_sha256
 
     teacher, out = fresh_run
     path = out / "stage1" / "model.json"
@@ -160,13 +160,13 @@ def test_the_run_finds_its_teacher_from_any_directory(root, trained, tmp_path, m
 
 
 def test_quick_evaluation_times_enough_tokens_and_runs():
-    from kforcing_kernels.app.evaluate import QUICK_EVAL
+    from kforcing_kernels.app.evaluation.evaluate import QUICK_EVAL
 
     assert QUICK_EVAL.new_tokens >= 32 and QUICK_EVAL.reps >= 5
 
 
 def test_hf_generate_of_the_timing_samples_every_token(root):
-    from kforcing_kernels.app.evaluate import _hf_generate
+    from kforcing_kernels.app.evaluation.evaluate import _hf_generate
 
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "qwen2", attn_implementation="sdpa").eval()
     prompts = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
@@ -261,11 +261,11 @@ def test_the_exporters_usage_names_a_command_that_exists(capsys):
     import tomllib
     from pathlib import Path
 
-    from kforcing_kernels.app import sharded_checkpoint
+    from kforcing_kernels.app.training import sharded_checkpoint
 
     with pytest.raises(SystemExit):
         sharded_checkpoint.main(["--help"])
     usage = capsys.readouterr().out.splitlines()[0]
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
     command = usage.split("usage: ", 1)[1].split(" [")[0]
-    assert command in scripts or command == "python -m kforcing_kernels.app.sharded_checkpoint", usage
+    assert command in scripts or command == "python -m kforcing_kernels.app.training.sharded_checkpoint", usage

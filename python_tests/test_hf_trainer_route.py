@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
-from kforcing_kernels.app.hf_student import HFStudent  # noqa: E402
-from kforcing_kernels.app.hf_trainer import KForcingTrainer, kforcing_loss, kforcing_targets, load_pflm, save_pflm  # noqa: E402
-from kforcing_kernels.app.inference import generate_kforcing  # noqa: E402
+from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
+from kforcing_kernels.app.hf_recipe.trainer import KForcingTrainer, kforcing_loss, kforcing_targets, load_pflm, save_pflm  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_kforcing  # noqa: E402
 from kforcing_kernels.ops.sampling import inverse_cdf_sample  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402
 

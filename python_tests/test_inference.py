@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kforcing_kernels.app.inference import generate_ar, generate_kforcing, pad_prompts
+from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing, pad_prompts
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
 
@@ -184,7 +184,7 @@ def test_max_new_tokens_and_cache_are_checked(model, prompts):
 def stage(tmp_path_factory):
     """A K-Forcing stage folder (k=2) with a byte-level tokenizer, as train.save_model writes it."""
     from kforcing_kernels.app.data import _train_tokenizer
-    from kforcing_kernels.app.checkpoint import save_model
+    from kforcing_kernels.app.training.checkpoint import save_model
 
     folder = tmp_path_factory.mktemp("stage")
     tok = _train_tokenizer(["def f(x): return x"], 257)
@@ -197,8 +197,8 @@ def stage(tmp_path_factory):
 def test_cli_writes_out_and_loaded_model_knows_its_k(stage, tmp_path, capsys):
     import json
 
-    from kforcing_kernels.app.inference import main
-    from kforcing_kernels.app.checkpoint import load_model
+    from kforcing_kernels.app.generation.inference import main
+    from kforcing_kernels.app.training.checkpoint import load_model
 
     assert load_model(str(stage))[0].k_train == 2
     out = tmp_path / "gen.jsonl"
@@ -210,7 +210,7 @@ def test_cli_writes_out_and_loaded_model_knows_its_k(stage, tmp_path, capsys):
 
 @pytest.mark.parametrize("where", ["under_a_file", "missing_dir", "a_directory"])
 def test_cli_unwritable_out_is_a_clear_error(stage, tmp_path, capsys, where):
-    from kforcing_kernels.app.inference import main
+    from kforcing_kernels.app.generation.inference import main
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -224,7 +224,7 @@ def test_cli_read_only_out_dir(stage, tmp_path, capsys):
     """A read-only folder (skipped when running as root, who can write anyway)."""
     import os
 
-    from kforcing_kernels.app.inference import main
+    from kforcing_kernels.app.generation.inference import main
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -241,7 +241,7 @@ def test_cli_read_only_out_dir(stage, tmp_path, capsys):
 
 @pytest.mark.parametrize("tau", ["nan", "inf", "-1"])
 def test_cli_bad_temperature(stage, capsys, tau):
-    from kforcing_kernels.app.inference import main
+    from kforcing_kernels.app.generation.inference import main
 
     with pytest.raises(SystemExit):
         main([str(stage), "--prompt", "def", "--temperature", tau])

@@ -25,9 +25,9 @@ def test_names_of_the_former_single_module_trainer():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from kforcing_kernels.train import TrainConfig, load_model, train
-    from kforcing_kernels.app.checkpoint import load_model as real_load_model
-    from kforcing_kernels.app.train_config import TrainConfig as RealConfig
-    from kforcing_kernels.app.trainer import train as real_train
+    from kforcing_kernels.app.training.checkpoint import load_model as real_load_model
+    from kforcing_kernels.app.training.config import TrainConfig as RealConfig
+    from kforcing_kernels.app.training.loop import train as real_train
 
     assert (TrainConfig, load_model, train) == (RealConfig, real_load_model, real_train)
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
@@ -99,16 +99,18 @@ def test_every_0_2_name_is_found_through_its_old_module(old):
 
 
 def test_renamed_names_warn_and_removed_ones_say_what_replaced_them():
-    from kforcing_kernels.app import data, objectives, report
+    from kforcing_kernels.app import data
+    from kforcing_kernels.app.training import objectives
+    from kforcing_kernels.app.evaluation import report
 
     with pytest.warns(DeprecationWarning, match="kforcing_kernels.data.sample_windows is kforcing_kernels.app.data.sample_crops"):
         assert data.sample_windows is data.sample_crops
     with pytest.warns(DeprecationWarning, match="removed in 0.4"):
         assert objectives.window_tokens is objectives.crop_tokens
     with pytest.warns(DeprecationWarning):
-        from kforcing_kernels.app.evaluate import format_table1
+        from kforcing_kernels.app.evaluation.evaluate import format_table1
     assert format_table1 is report.format_table1
     with pytest.raises(AttributeError, match=r"paged_trunk was removed in kforcing_kernels 0.3: .*cache.views\(rows\)"):
-        importlib.import_module("kforcing_kernels.app.paged_cache").paged_trunk
+        importlib.import_module("kforcing_kernels.app.generation.paged_cache").paged_trunk
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         importlib.import_module("kforcing_kernels.app.data").not_a_name

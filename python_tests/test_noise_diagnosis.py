@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kforcing_kernels.app.evaluate import distinct_n
-from kforcing_kernels.app.noise_diagnosis import accuracy_by_width, collision_complement, noise_sensitivity
-from kforcing_kernels.app.objectives import forward_distillation_targets
+from kforcing_kernels.app.evaluation.evaluate import distinct_n
+from kforcing_kernels.app.evaluation.noise_diagnosis import accuracy_by_width, collision_complement, noise_sensitivity
+from kforcing_kernels.app.training.objectives import forward_distillation_targets
 
 
 def test_distinct_n_counts_unique_ngrams_within_rows():
@@ -94,7 +94,7 @@ def test_both_cdf_orders_sample_the_tempered_teacher_and_differ_per_noise():
 
 
 def test_the_report_says_which_way_a_deviation_from_the_teacher_is_bad():
-    from kforcing_kernels.app.report import format_report
+    from kforcing_kernels.app.evaluation.report import format_report
 
     q = {"nll": 3.0, "ppl": 20.0, "distinct2": 0.9, "distinct4": 0.97, "tokens": 100}
     summary = {"batch_sizes": [4], "prompt_len": 16, "new_tokens": 48, "temperature": 0.8, "threads": 2, "reps": 1,

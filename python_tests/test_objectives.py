@@ -11,7 +11,7 @@ import torch
 
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.objectives import Batch, Objective, compute_loss, make_batch, step_generator
+from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss, make_batch, step_generator
 
 V = 37
 
@@ -83,7 +83,7 @@ def test_noise_inversion_targets_are_the_real_next_tokens_with_noise_in_their_bi
     loss, per_pos = compute_loss(Objective.NOISE_INVERSION, student, batch, teacher, k=k)
 
     # Recover the z the loss used: the same public supervision function with the batch's seed.
-    from kforcing_kernels.app.objectives import noise_inversion_supervision
+    from kforcing_kernels.app.training.objectives import noise_inversion_supervision
 
     with torch.no_grad():
         context, z, targets = noise_inversion_supervision(teacher, tokens, k, tau, torch.Generator().manual_seed(1234))

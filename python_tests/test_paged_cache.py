@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kforcing_kernels.app.paged_cache import PagedKVCache, PagePoolFull
+from kforcing_kernels.app.generation.paged_cache import PagedKVCache, PagePoolFull
 
 
 def kv(b, n, hkv=2, d=4, layers=2, seed=0):

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from kforcing_kernels.app.data import load_corpus, sample_crops
-from kforcing_kernels.app.evaluate import DEMO_EVAL, distinct_n, evaluate_pipeline, judge_score
-from kforcing_kernels.app.report import format_nll_table, format_report, format_table1, plot_summary
-from kforcing_kernels.app.inference import generate_kforcing
+from kforcing_kernels.app.evaluation.evaluate import DEMO_EVAL, distinct_n, evaluate_pipeline, judge_score
+from kforcing_kernels.app.evaluation.report import format_nll_table, format_report, format_table1, plot_summary
+from kforcing_kernels.app.generation.inference import generate_kforcing
 from kforcing_kernels.model import KForcingLM
-from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
-from kforcing_kernels.app.checkpoint import latest_checkpoint, load_model, read_json, read_metrics
-from kforcing_kernels.app.train_config import ConfigError, TrainConfig
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint, load_model, read_json, read_metrics
+from kforcing_kernels.app.training.config import ConfigError, TrainConfig
+from kforcing_kernels.app.training.loop import train
 from train_helpers import write_json_package
 
 
@@ -194,7 +194,7 @@ def test_judge_score_cuts_at_the_first_eos(run):
 
 
 def test_inference_cli(run, capsys):
-    from kforcing_kernels.app.inference import main
+    from kforcing_kernels.app.generation.inference import main
 
     folder, _, _ = run
     main([str(folder / "stage2_k4"), "--prompt", "def f(x):", "--prompt", "import", "--k", "2", "--new-tokens", "5"])
@@ -291,7 +291,8 @@ def test_report_says_what_is_measured(run):
 
 
 def test_demo_and_evaluate_share_the_settings():
-    from kforcing_kernels.app import demo, evaluate
+    from kforcing_kernels.app import demo
+    from kforcing_kernels.app.evaluation import evaluate
 
     assert demo.DEMO["eval"] is DEMO_EVAL and demo.LONG["eval"] is DEMO_EVAL
     args = evaluate.build_parser().parse_args(["some/run"])

@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli  # noqa: E402
-from kforcing_kernels.app.checkpoint import read_json, read_metrics  # noqa: E402
+from kforcing_kernels.app import train as train_cli# noqa: E402
+from kforcing_kernels.app.training.checkpoint import read_json, read_metrics  # noqa: E402
 from kforcing_kernels.app.files import RunLock  # noqa: E402
 from pipeline_worker import CASES, pipeline_argv  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from kforcing_kernels.app import files
-from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_model, read_json, save_model, save_tensors
+from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_model, read_json, save_model, save_tensors
 from kforcing_kernels.app.files import LOCK_NAME, RunLock, append_jsonl, atomic_write, atomic_write_file, check_writable, write_json, write_text
 from kforcing_kernels.app.data import load_corpus
-from kforcing_kernels.app.evaluate import load_judge
-from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
-from kforcing_kernels.app.train_config import ConfigError
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.evaluation.evaluate import load_judge
+from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.app.training.config import ConfigError
+from kforcing_kernels.app.training.loop import train
 from train_helpers import VOCAB, micro_config, write_json_package
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_evaluate_refuses_a_judge_with_another_tokenizer(teachers, tmp_path, cap
 
 
 def test_evaluate_cli_refuses_a_judge_with_another_tokenizer(teachers, tmp_path, capsys):
-    from kforcing_kernels.app.evaluate import main
+    from kforcing_kernels.app.evaluation.evaluate import main
 
     run = tmp_path / "run"
     shutil.copytree(teachers / "json", run / "stage0")
@@ -210,7 +210,7 @@ def test_resume_refuses_a_teacher_retrained_since(teachers, corpus_dir, tmp_path
 
 
 def test_evaluate_refuses_a_student_of_another_teacher(pipeline_run, tmp_path):
-    from kforcing_kernels.app.evaluate import evaluate_pipeline
+    from kforcing_kernels.app.evaluation.evaluate import evaluate_pipeline
 
     pipe, _ = pipeline_run
     run = shutil.copytree(pipe.out, tmp_path / "run")
@@ -261,7 +261,7 @@ def test_the_lock_is_held_by_another_process_and_released_when_it_ends(tmp_path,
 
 
 def test_the_lock_is_released_when_the_run_fails(tmp_path, corpus_dir, monkeypatch):
-    import kforcing_kernels.app.trainer as trainer
+    import kforcing_kernels.app.training.loop as trainer
 
     out = tmp_path / "run"
 
@@ -421,7 +421,7 @@ def stage(tmp_path_factory):
 
 
 def test_generate_out_is_not_redirected_by_a_symlink_at_the_old_predictable_name(stage, tmp_path, monkeypatch, capsys):
-    import kforcing_kernels.app.inference as inference
+    import kforcing_kernels.app.generation.inference as inference
 
     victim = tmp_path / "victim"
     victim.write_text("mine")
@@ -455,7 +455,9 @@ def no_cuda(monkeypatch):
 
 
 def commands(stage, tmp_path, corpus_dir):
-    from kforcing_kernels.app import demo, evaluate, inference
+    from kforcing_kernels.app import demo
+    from kforcing_kernels.app.evaluation import evaluate
+    from kforcing_kernels.app.generation import inference
     from kforcing_kernels.app import train as train_cli
 
     common = ["--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro", "--seq-len", "16", "--batch-size", "4"]
@@ -491,7 +493,7 @@ def test_device_cuda_without_cuda_is_a_usage_error(command, device, stage, tmp_p
 
 
 def test_device_cuda_index_beyond_the_devices_is_a_usage_error(stage, tmp_path, corpus_dir, capsys, monkeypatch):
-    from kforcing_kernels.app import inference
+    from kforcing_kernels.app.generation import inference
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -500,7 +502,7 @@ def test_device_cuda_index_beyond_the_devices_is_a_usage_error(stage, tmp_path, 
 
 
 def test_evaluate_json_that_cannot_be_written_fails_before_the_evaluation(teachers, tmp_path, capsys):
-    from kforcing_kernels.app.evaluate import main
+    from kforcing_kernels.app.evaluation.evaluate import main
 
     run = tmp_path / "run"
     shutil.copytree(teachers / "json", run / "stage0")

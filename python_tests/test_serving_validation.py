@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from kforcing_kernels.app.inference import generate_ar, generate_kforcing
-from kforcing_kernels.app.paged_cache import PagedKVCache
-from kforcing_kernels.app.serving import PagedGenerator, Request
+from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
+from kforcing_kernels.app.generation.paged_cache import PagedKVCache
+from kforcing_kernels.app.generation.serving import PagedGenerator, Request
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.paged_attention import paged_attention
 

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from kforcing_kernels.app import inference
+from kforcing_kernels.app.generation import inference
 from sharp_model import VOCAB, attention_entropy, sharp_model
 
 TOL = 2e-4  # fp32 cache-vs-recompute agreement on logits of order 10

@@ -18,9 +18,9 @@ import torch
 
 from kforcing_kernels.app.data import load_corpus, sample_crops
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.app.hf_files import load_any_model
-from kforcing_kernels.app.train_config import TrainConfig
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.training.config import TrainConfig
+from kforcing_kernels.app.training.loop import train
 from train_helpers import write_json_package
 
 TAUS = (0.5, 0.8, 1.0)
@@ -49,7 +49,7 @@ def _hf_model_config(root):
 def trained(request, tmp_path_factory):
     """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU.
 
-    ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through app/hf_student.py.
+    ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through app/hf_recipe/student.py.
     """
     root = tmp_path_factory.mktemp("tau")
     corpus_dir = write_json_package(root / "corpus")

@@ -10,13 +10,13 @@ from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.app.checkpoint import (
+from kforcing_kernels.app.training.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics, save_checkpoint,
 )
-from kforcing_kernels.app.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
+from kforcing_kernels.app.training.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
 from kforcing_kernels.app.train import main
-from kforcing_kernels.app.train_config import TrainConfig
-from kforcing_kernels.app.trainer import _optimizer, learning_rate, train
+from kforcing_kernels.app.training.config import TrainConfig
+from kforcing_kernels.app.training.loop import _optimizer, learning_rate, train
 from train_helpers import VOCAB, micro_config, write_json_package
 
 
@@ -141,7 +141,7 @@ def test_noise_inversion_baseline_recovers_the_real_tokens():
 
 def test_stage1_records_the_cdf_order_of_its_targets(chain):
     # noise_diagnosis and any later evaluation rebuild the targets in the order the student learned.
-    from kforcing_kernels.app.objectives import STAGE1_CDF_ORDER
+    from kforcing_kernels.app.training.objectives import STAGE1_CDF_ORDER
 
     _, info, _ = load_model(str(chain / "stage1"))
     assert info["cdf_order"] == STAGE1_CDF_ORDER == "vocab"

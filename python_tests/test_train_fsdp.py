@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import CheckpointError, clean_run_folder, latest_checkpoint, load_model, read_metrics
-from kforcing_kernels.app import sharded_checkpoint
-from kforcing_kernels.app.sharded_checkpoint import MANIFEST, export_model, main as export_main
+from kforcing_kernels.app.training.checkpoint import CheckpointError, clean_run_folder, latest_checkpoint, load_model, read_metrics
+from kforcing_kernels.app.training import sharded_checkpoint
+from kforcing_kernels.app.training.sharded_checkpoint import MANIFEST, export_model, main as export_main
 from kforcing_kernels.app.train import build_parser, config_from_args
-from kforcing_kernels.app.train_config import ConfigError
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.config import ConfigError
+from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
 from train_helpers import write_json_package
 
@@ -193,7 +193,7 @@ def test_cli_flags_reach_the_config():
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
     """The wrapper is active: every block's forward runs again in backward, and fewer bytes are saved for it."""
-    from kforcing_kernels.app.parallel import checkpoint_blocks
+    from kforcing_kernels.app.training.parallel import checkpoint_blocks
     from kforcing_kernels.model import KForcingLM, ModelConfig
 
     def step(ac: bool):
@@ -219,8 +219,8 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
 
 
 def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model(tmp_path, monkeypatch):
-    from kforcing_kernels.app.parallel import parallelize, setup_parallel
-    from kforcing_kernels.app.sharded_checkpoint import load_sharded_checkpoint
+    from kforcing_kernels.app.training.parallel import parallelize, setup_parallel
+    from kforcing_kernels.app.training.sharded_checkpoint import load_sharded_checkpoint
     from kforcing_kernels.model import KForcingLM, ModelConfig
     from train_helpers import micro_config
 

@@ -1,4 +1,4 @@
-"""One device mesh for every parallelism (app/parallel.py): FSDP2 with context parallelism, a sharded teacher,
+"""One device mesh for every parallelism (app/training/parallel.py): FSDP2 with context parallelism, a sharded teacher,
 and Hugging Face students under FSDP2 with activation checkpointing, each against a single process.
 
 One torchrun launch (4 ranks, gloo on CPU; nccl when CUDA has >= 4 GPUs) runs mesh_worker.py; the references
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.checkpoint import latest_checkpoint, read_metrics
-from kforcing_kernels.app.hf_files import load_any_model
-from kforcing_kernels.app.trainer import train
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
+from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
 from train_helpers import write_json_package
 
@@ -116,7 +116,7 @@ def test_hf_sharded_checkpoint_resumes_bitwise(runs):
 def test_parallelize_compiles_each_decoder_layer_after_checkpointing(monkeypatch):
     """--compile: torch.compile per decoder layer, around the checkpointed forward; the same loss and gradients.
     (Inductor on CPU takes minutes to build; dynamo's "eager" backend traces the same graph-broken layers.)"""
-    from kforcing_kernels.app.parallel import ParallelDims, decoder_layers, parallelize
+    from kforcing_kernels.app.training.parallel import ParallelDims, decoder_layers, parallelize
     from kforcing_kernels.model import KForcingLM, ModelConfig
 
     compiled = []
@@ -148,8 +148,8 @@ def test_parallelize_compiles_each_decoder_layer_after_checkpointing(monkeypatch
 
 
 def test_hf_decoder_layers_are_the_models_own_layer_class():
-    from kforcing_kernels.app.hf_student import HFStudent
-    from kforcing_kernels.app.parallel import decoder_layers
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+    from kforcing_kernels.app.training.parallel import decoder_layers
 
     for config in (transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                             num_attention_heads=4, num_key_value_heads=2),

@@ -23,10 +23,10 @@ from kforcing_kernels.app.files import LOCK_NAME
 from kforcing_kernels.app.files import atomic_write
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
+from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
 from kforcing_kernels.app.train import main
-from kforcing_kernels.app.train_config import TrainConfig
-from kforcing_kernels.app.trainer import _optimizer, train
+from kforcing_kernels.app.training.config import TrainConfig
+from kforcing_kernels.app.training.loop import _optimizer, train
 from train_helpers import VOCAB, micro_config, write_json_package
 
 
@@ -166,7 +166,7 @@ def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_f
 def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, corpus_dir, short_val_file, finished, monkeypatch):
     """Issue 38: an error after the run folder was made (locked) but before a step was trained leaves nothing, not a
     folder holding only the lock (or the config) that a rerun calls "a partial run" and refuses without --overwrite."""
-    from kforcing_kernels.app import trainer
+    from kforcing_kernels.app.training import loop as trainer
 
     deep = tmp_path / "a" / "b" / "run"  # folders the start created on the way are removed too
     with pytest.raises(ValueError, match="data: the validation split"):  # check_splits, inside train()
@@ -192,7 +192,7 @@ def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, co
 
 def test_a_failed_start_leaves_a_folder_with_an_earlier_run_or_a_trained_step_untouched(tmp_path, corpus_dir, finished,
                                                                                       monkeypatch):
-    from kforcing_kernels.app import trainer
+    from kforcing_kernels.app.training import loop as trainer
 
     partial = tmp_path / "partial"  # an earlier run with a checkpoint: a refused --resume removes nothing of it
     train(micro(partial, corpus_dir, stop_at=2))
@@ -223,7 +223,7 @@ def test_a_failed_start_leaves_a_folder_with_an_earlier_run_or_a_trained_step_un
 
 
 def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finished, monkeypatch):
-    import kforcing_kernels.app.trainer as trainer
+    import kforcing_kernels.app.training.loop as trainer
 
     def broken(*args, **kwargs):
         raise RuntimeError("evaluation failed")
@@ -460,7 +460,7 @@ def test_rerunning_the_cli_into_a_finished_run_is_refused(tmp_path, corpus_dir, 
 
 
 def test_pipeline_resume_starts_stages_not_yet_begun_and_refuses_half_begun_ones(tmp_path, corpus_dir):
-    from kforcing_kernels.app.pipeline import PipelineConfig, run_pipeline
+    from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
 
     base = micro(tmp_path / "unused", corpus_dir, resume=True)
     pipe = PipelineConfig(out=str(tmp_path / "pipe"), k_final=1, steps_stage0=2, steps_stage1=2)
@@ -516,7 +516,7 @@ def test_resume_starts_from_the_newest_checkpoint_and_trains_only_the_rest(tmp_p
     bitwise resume test cannot see it: assert which checkpoint it loads and how many steps it trains."""
     import dataclasses
 
-    from kforcing_kernels.app import trainer
+    from kforcing_kernels.app.training import loop as trainer
 
     cfg = micro(tmp_path / "run", corpus_dir, steps=6, ckpt_every=2, keep_checkpoints=2, stop_at=5)
     train(cfg)
@@ -573,7 +573,7 @@ def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, se
                                             ("weight_decay", "-3"), ("min_lr_ratio", "5"), ("tau_min", "-1")])
 def test_the_cli_refuses_the_same_real_settings_with_the_same_words(tmp_path, corpus_dir, capsys, setting, value):
     """One check (train_config.FLOAT_SETTINGS) for both entry points: the CLI's refusal says what the API's says."""
-    from kforcing_kernels.app.train_config import float_setting_error
+    from kforcing_kernels.app.training.config import float_setting_error
 
     flag = "--" + setting.replace("_", "-")
     with pytest.raises(SystemExit) as exit_info:
@@ -590,7 +590,7 @@ def test_the_cli_refuses_the_same_real_settings_with_the_same_words(tmp_path, co
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, corpus_dir, monkeypatch, capsys):
     """Step 3's loss is NaN: the run stops with an error naming the step before the optimizer uses it; the step-2
     checkpoint (equal to an uninterrupted run's) stays the newest, and no model or later metrics are written."""
-    from kforcing_kernels.app import trainer
+    from kforcing_kernels.app.training import loop as trainer
 
     good = tmp_path / "good"
     train(micro(good, corpus_dir, ckpt_every=2, keep_checkpoints=5))

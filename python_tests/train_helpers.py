@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kforcing_kernels.app.train_config import TrainConfig
+from kforcing_kernels.app.training.config import TrainConfig
 
 VOCAB = 300
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import env
-from .checkpoint import tokenizer_sha256, literal_specials, load_tokenizer
+from .training.checkpoint import tokenizer_sha256, literal_specials, load_tokenizer
 from .files import atomic_write_file, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"

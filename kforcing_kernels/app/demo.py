@@ -1,12 +1,12 @@
 """``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end (CUDA when torch sees a GPU, else CPU).
 
 Stage 0 (AR teacher) -> Stage 1 (PFLM k=1) -> Stage 2 (k=2) -> Stage 2 (k=4) on the
-Python standard library's source, then the evaluation of ``kforcing_kernels.app.evaluate``
-with its :data:`~kforcing_kernels.app.evaluate.DEMO_EVAL` settings: a Table-1-style table
+Python standard library's source, then the evaluation of ``kforcing_kernels.app.evaluation.evaluate``
+with its :data:`~kforcing_kernels.app.evaluation.evaluate.DEMO_EVAL` settings: a Table-1-style table
 (tokens/s per batch size, speed-up over AR, quality scored by one fixed judge, with
 distinct-4), the same quality over tau in {0.5, 0.8, 1.0}, and the per-position NLL
 table. Writes ``summary.json``, ``tables.md`` and ``plot.png`` to the output folder it
-prints (default ``runs/demo-<time>``); ``python -m kforcing_kernels.app.evaluate DIR``
+prints (default ``runs/demo-<time>``); ``python -m kforcing_kernels.app.evaluation.evaluate DIR``
 reproduces the tables from that folder.
 
     python -m kforcing_kernels.app.demo [--out DIR] [--quick | --long] [--judge STAGE0_DIR]
@@ -32,14 +32,14 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from .checkpoint import CheckpointError  # noqa: E402
+from .training.checkpoint import CheckpointError  # noqa: E402
 
 from .files import write_json, write_text
 from .data import DataError  # noqa: E402
-from .evaluate import DEMO_EVAL, evaluate_pipeline  # noqa: E402
-from .report import format_report, plot_summary  # noqa: E402
-from .pipeline import PipelineConfig, run_pipeline  # noqa: E402
-from .train_config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
+from .evaluation.evaluate import DEMO_EVAL, evaluate_pipeline  # noqa: E402
+from .evaluation.report import format_report, plot_summary  # noqa: E402
+from .training.pipeline import PipelineConfig, run_pipeline  # noqa: E402
+from .training.config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()

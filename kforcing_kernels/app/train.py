@@ -11,7 +11,7 @@
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train ... --parallel fsdp   # FSDP2: sharded over the ranks
     torchrun --nproc_per_node 4 -m kforcing_kernels.app.train ... --parallel fsdp --context-parallel 2   # 2 x 2 mesh
 
-The loop is :mod:`kforcing_kernels.app.trainer`, the chain of stages :mod:`kforcing_kernels.app.pipeline`.
+The loop is :mod:`kforcing_kernels.app.training.loop`, the chain of stages :mod:`kforcing_kernels.app.training.pipeline`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .. import env
-from .checkpoint import CheckpointError
+from .training.checkpoint import CheckpointError
 from .cli import (
     add_batch_size,
     add_command,
@@ -39,11 +39,11 @@ from .cli import (
     positive_int,
 )
 from .data import DataError
-from .parallel import PARALLEL_MODES, TEACHER_MODES
-from .hf_files import check_hf_source, read_model_config
-from .pipeline import PipelineConfig, per_round_type, run_pipeline
-from .train_config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
-from .trainer import NonFiniteLoss, train
+from .training.parallel import PARALLEL_MODES, TEACHER_MODES
+from .hf_recipe.files import check_hf_source, read_model_config
+from .training.pipeline import PipelineConfig, per_round_type, run_pipeline
+from .training.config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
+from .training.loop import NonFiniteLoss, train
 
 # ---------------------------------------------------------------------- CLI
 
@@ -169,9 +169,9 @@ def _evaluate(out: str, which: str, device: str) -> dict:
     """The evaluation of a finished pipeline (generation included), its tables printed and saved beside the stages."""
     from pathlib import Path
 
-    from .evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
+    from .evaluation.evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
     from .files import write_json, write_text
-    from .report import format_report, timing_report
+    from .evaluation.report import format_report, timing_report
 
     settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
     summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)

@@ -11,7 +11,7 @@ variable, decoded by the shared head). Every attention call goes through
 * DoubleForward (eq. 19): ``kforcing_double(N, k)``; queries ``[Future-1 | Future-2]``,
   keys ``[ctx (N, K/V reused from round one) | Future-1 | Future-2]``;
 * KV-cached inference: one window per request after the cached context
-  (see ``kforcing_kernels.app.inference``).
+  (see ``kforcing_kernels.app.generation.inference``).
 
 Positions (RoPE): context token t sits at t; slot i of the window after context
 token t sits at t + 1 + i, i.e. where the token it predicts will sit once it is

@@ -1,20 +1,20 @@
 """The K-Forcing training loop: one stage (Stage 0 AR teacher, Stage 1 forward distillation, Stage 2
 self-forcing) from a :class:`TrainConfig`; :func:`train` returns the run's summary.
 
-:func:`train` is three steps: the world (:func:`~kforcing_kernels.app.parallel.setup_parallel`: one dp x cp
-device mesh), the stage's set-up (:func:`~kforcing_kernels.app.stage.set_up`: data, models parallelized,
+:func:`train` is three steps: the world (:func:`~kforcing_kernels.app.training.parallel.setup_parallel`: one dp x cp
+device mesh), the stage's set-up (:func:`~kforcing_kernels.app.training.stage.set_up`: data, models parallelized,
 optimizer, checkpointer, resume), then the steps and the finish here. The command line is
-:mod:`kforcing_kernels.app.train`; the objectives are in :mod:`kforcing_kernels.app.objectives`, the
-checkpoint formats behind :class:`~kforcing_kernels.app.checkpointer.Checkpointer`, the settings in
-:mod:`kforcing_kernels.app.train_config`.
+:mod:`kforcing_kernels.app.train`; the objectives are in :mod:`kforcing_kernels.app.training.objectives`, the
+checkpoint formats behind :class:`~kforcing_kernels.app.training.checkpointer.Checkpointer`, the settings in
+:mod:`kforcing_kernels.app.training.config`.
 
 Reproducibility: the batch, noise and temperatures of step s are drawn from a
 generator seeded by (seed, s), the global batch is cut into equal per-rank shards,
 and checkpoints hold the model and optimizer state exactly, so ``--resume`` repeats
 the uninterrupted run bit for bit and a data-parallel run averages the same
 gradients as a single process. With ``--parallel fsdp`` the student is sharded by FSDP2
-(:mod:`kforcing_kernels.app.parallel`) and checkpoints are sharded
-(:mod:`kforcing_kernels.app.sharded_checkpoint`); writing a checkpoint, evaluating and gathering the
+(:mod:`kforcing_kernels.app.training.parallel`) and checkpoints are sharded
+(:mod:`kforcing_kernels.app.training.sharded_checkpoint`); writing a checkpoint, evaluating and gathering the
 final model are then collectives that every rank joins (evaluation too with ``--teacher-parallel fsdp``).
 
 An output folder holds one run: a second run into it is refused unless it continues
@@ -42,16 +42,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import env
+from ... import env
 from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
 from .context_parallel import context_parallel_loss
-from .data import Corpus, data_sha256
-from .files import append_jsonl
-from .hf_files import hf_tokenizer_of
+from ..data import Corpus, data_sha256
+from ..files import append_jsonl
+from ..hf_recipe.files import hf_tokenizer_of
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
 from .stage import Stage, _optimizer, _require_resume_settings, _require_same_provenance, lock_out, set_up  # noqa: F401 (_optimizer)
-from .train_config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
+from .config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
                            validate_config)
 
 # ---------------------------------------------------------------------- schedule, model, optimizer
@@ -84,7 +84,7 @@ def _non_finite_message(loss: float, step: int, out: Path) -> str:
 def train(cfg: TrainConfig) -> dict:
     """Run one stage; returns a summary (final loss, validation loss, timings).
 
-    The run folder is locked (:class:`~kforcing_kernels.app.checkpoint.RunLock`, held by rank 0) from the
+    The run folder is locked (:class:`~kforcing_kernels.app.training.checkpoint.RunLock`, held by rank 0) from the
     first look at it to the return: a second run into the same ``out`` fails at once.
     """
     check_device(cfg.device)  # before anything is set up on it
@@ -138,7 +138,7 @@ def _step_loss(stage: Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if cp is None:
         loss, per_pos = compute_loss(stage.objective, stage.model, part, stage.teacher, k=stage.k)
         return loss, loss, per_pos
-    # This rank's share of its CP group's sequences (app/context_parallel.py).
+    # This rank's share of its CP group's sequences (app/training/context_parallel.py).
     return context_parallel_loss(stage.objective, stage.model, part, stage.teacher, cp, k=stage.k)
 
 

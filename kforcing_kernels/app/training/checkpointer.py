@@ -1,12 +1,12 @@
 """One checkpointer per run, its format chosen once from the run's parallelism.
 
-A sharded student (``--parallel fsdp``) is saved as DCP folders (:mod:`~kforcing_kernels.app.sharded_checkpoint`:
+A sharded student (``--parallel fsdp``) is saved as DCP folders (:mod:`~kforcing_kernels.app.training.sharded_checkpoint`:
 every rank writes its shards; resumable on another world size); a whole one (``ddp``, one process) as
-``step_*.safetensors`` + JSON (:mod:`~kforcing_kernels.app.checkpoint`, written by rank 0). Either way a
+``step_*.safetensors`` + JSON (:mod:`~kforcing_kernels.app.training.checkpoint`, written by rank 0). Either way a
 checkpoint is atomic, carries a manifest of its files, and resuming on the same world size repeats the
 uninterrupted run bit for bit. The finished stage is exported whole, on rank 0: ``model.safetensors`` +
 ``model.json`` for the native model, a ``save_pretrained`` folder plus the noise embedding for a Hugging
-Face one (:func:`~kforcing_kernels.app.hf_files.save_hf_stage`), loadable by ``load_any_model`` either way.
+Face one (:func:`~kforcing_kernels.app.hf_recipe.files.save_hf_stage`), loadable by ``load_any_model`` either way.
 
 The trainer never asks which format is in use: it calls :meth:`Checkpointer.save`, :meth:`~Checkpointer.load`
 and :meth:`~Checkpointer.export` on every rank, and ranks that have no part in a whole-model write return at once.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_meta, save_checkpoint, save_model
-from .files import CheckpointError
-from .hf_files import save_hf_stage
+from ..files import CheckpointError
+from ..hf_recipe.files import save_hf_stage
 from .parallel import ParallelDims, full_copy
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 
@@ -55,7 +55,7 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scaler) -> int:
         """Restore model, optimizer and scaler state on every rank; returns the step it was saved after."""
         if is_sharded(path) != self.sharded:  # the settings check names --parallel first; this is the same refusal
-            from .train_config import ConfigError
+            from .config import ConfigError
 
             raise ConfigError(f"parallel: {path} is {'a sharded' if is_sharded(path) else 'a whole-model'} checkpoint; "
                               f"resume it with --parallel {'fsdp' if is_sharded(path) else 'ddp'}")

@@ -20,7 +20,7 @@ K-Forcing's targets are deterministic given the noise, and ``--resume`` must rep
 Generation (paper Algorithm 1) runs over the model's KV cache (a full ``DynamicCache`` on every layer, also on
 sliding-window layers, which see only their window through the layout): the prefill is
 ``[prompt | k noise]``, each step ``[k new tokens | k noise]``; the noise tokens' K/V are cropped off the
-cache after every call, so only context enters it (as in ``app/inference.py``). Prompts of several lengths
+cache after every call, so only context enters it (as in ``app/generation/inference.py``). Prompts of several lengths
 are run as groups of equal length (each request's tokens do not depend on the batch).
 """
 
@@ -33,13 +33,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..integrations import hf as kf_hf  # registers attn_implementation="kforcing"
-from ..integrations.hf_noise import NoiseEmbedding
-from ..layouts import WindowLayout
-from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
-from ..ops.sampling import inverse_cdf_sample
-from ..parallel import ContextParallel
-from ..types import Temperature
+from ...integrations import hf as kf_hf  # registers attn_implementation="kforcing"
+from ...integrations.hf_noise import NoiseEmbedding
+from ...layouts import WindowLayout
+from ...layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
+from ...ops.sampling import inverse_cdf_sample
+from ...parallel import ContextParallel
+from ...types import Temperature
 
 
 def _cache_keyword(model: nn.Module) -> str:

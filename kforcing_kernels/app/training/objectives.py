@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..layouts.positions import document_offsets
-from .data import sample_crops
-from ..ops.sampling import inverse_cdf_sample, noise_inversion
+from ...layouts.positions import document_offsets
+from ..data import sample_crops
+from ...ops.sampling import inverse_cdf_sample, noise_inversion
 
 
 class Objective(str, enum.Enum):

@@ -1,6 +1,6 @@
 """Evaluation of a trained pipeline: per-position NLL, agreement, throughput and teacher-scored quality.
 
-    python -m kforcing_kernels.app.evaluate runs/x            # the folder `train pipeline` wrote
+    python -m kforcing_kernels.app.evaluation.evaluate runs/x            # the folder `train pipeline` wrote
 
 * Per-position validation NLL (paper Table 2): for each student PFLM(k), the NLL of
   its j-th token against its own teacher's target (the Stage-1/Stage-2 targets, on
@@ -37,14 +37,14 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .data import sample_crops, tokenizer_sha256
-from .inference import generate_ar, generate_kforcing
-from .checkpoint import CheckpointError, read_json
-from .hf_files import corpus_for, is_hf_source, load_any_model
-from .files import check_writable, write_json
+from ..data import sample_crops, tokenizer_sha256
+from ..generation.inference import generate_ar, generate_kforcing
+from ..training.checkpoint import CheckpointError, read_json
+from ..hf_recipe.files import corpus_for, is_hf_source, load_any_model
+from ..files import check_writable, write_json
 from .report import HF_GENERATE, format_report, timing_report
-from ..model import KForcingLM
-from .objectives import forward_distillation_targets, self_forcing_targets
+from ...model import KForcingLM
+from ..training.objectives import forward_distillation_targets, self_forcing_targets
 
 
 
@@ -384,7 +384,7 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: flo
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from app/cli.py."""
-    from .cli import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
+    from ..cli import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
                              positive_float_list, positive_int)
 
     d = DEMO_EVAL
@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .cli import apply_threads
+    from ..cli import apply_threads
 
     parser = build_parser()
     args = parser.parse_args(argv)

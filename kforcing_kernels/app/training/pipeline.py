@@ -25,14 +25,14 @@ import torch.distributed as dist
 
 from .checkpoint import read_json
 
-from .files import RunLock
+from ..files import RunLock
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
-from .hf_files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
-from .data import data_sha256
-from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
+from ..hf_recipe.files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
+from ..data import data_sha256
+from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
                            check_out_folder, effective_config, existing_run, teacher_sha256)
-from .trainer import train
+from .loop import train
 
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
@@ -214,7 +214,7 @@ def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash
 
 def join_process_group(device: str) -> None:
     """Under torchrun (``WORLD_SIZE`` > 1) create the default process group unless one exists, as train() would
-    (app/parallel.py: gloo on CPU, nccl on CUDA with this rank's ``LOCAL_RANK`` GPU), so the pipeline can share
+    (app/training/parallel.py: gloo on CPU, nccl on CUDA with this rank's ``LOCAL_RANK`` GPU), so the pipeline can share
     decisions before its first stage; every stage's mesh is then built over this group. Nothing outside torchrun."""
     init_process_group(rank_device(device))
 

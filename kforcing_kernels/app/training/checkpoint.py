@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save as safetensors_bytes
 CHECKPOINT_FORMAT = 1
 
 
-from .files import _TMP_SUFFIX, CheckpointError, write_bytes, write_json, write_text
+from ..files import _TMP_SUFFIX, CheckpointError, write_bytes, write_json, write_text
 
 
 # ---------------------------------------------------------------------- reading, checked
@@ -107,7 +107,7 @@ def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
 
 def _tied_keys(model) -> list[str]:
     """state_dict keys that are another key's tensor (tied embeddings): saved once, restored by the tie."""
-    if hasattr(model, "tied_keys"):  # a Hugging Face model (app/hf_student.py)
+    if hasattr(model, "tied_keys"):  # a Hugging Face model (app/hf_recipe/student.py)
         return model.tied_keys()
     return ["head.weight"] if model.config.tie_embeddings else []  # the same tensor as wte.weight
 
@@ -131,7 +131,7 @@ def _load_model_tensors(model, tensors: dict[str, torch.Tensor], where: Path) ->
 
 
 def _model_from_config(json_path: Path, config: dict):
-    from ..model import KForcingLM, ModelConfig
+    from ...model import KForcingLM, ModelConfig
 
     try:
         return KForcingLM(ModelConfig.from_dict(config))

@@ -29,11 +29,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..model import KForcingLM
-from ..ops.sampling import inverse_cdf_sample
-from .generation_checks import check_ar, check_k, check_noise, check_temperature
+from ...model import KForcingLM
+from ...ops.sampling import inverse_cdf_sample
+from .checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
-from ..layouts import WindowLayout
+from ...layouts import WindowLayout
 
 
 def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) -> WindowLayout:

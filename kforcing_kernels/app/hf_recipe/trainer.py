@@ -3,8 +3,8 @@
 What the CLI route (``kforcing-train pipeline --model``) does for a user who trains with their own ``Trainer``::
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
-    from kforcing_kernels.app.hf_student import HFStudent
-    from kforcing_kernels.app.hf_trainer import KForcingTrainer, load_pflm
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+    from kforcing_kernels.app.hf_recipe.trainer import KForcingTrainer, load_pflm
 
     load = lambda: AutoModelForCausalLM.from_pretrained(path, attn_implementation="kforcing", dtype=torch.float32)
     teacher = HFStudent(load(), k_train=0)            # Stage 1: the AR model, frozen
@@ -34,9 +34,9 @@ from typing import Optional
 import torch
 import transformers
 
-from .hf_files import load_hf_stage, save_hf_stage
-from .hf_student import HFStudent
-from .objectives import Batch, Objective, compute_loss, student_inputs
+from .files import load_hf_stage, save_hf_stage
+from .student import HFStudent
+from ..training.objectives import Batch, Objective, compute_loss, student_inputs
 
 STAGES = ("stage1", "stage2")
 

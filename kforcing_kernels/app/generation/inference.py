@@ -14,9 +14,9 @@ one ``WindowLayout`` with per-request prefix ranges:
 Only context K/V enter the cache; the noise tokens' K/V are dropped after each step.
 
 Two caches give the same tokens for the same noise (``cache=``): ``"paged"``
-(:class:`~kforcing_kernels.app.paged_cache.PagedKVCache`: pages from a pool, decode
+(:class:`~kforcing_kernels.app.generation.paged_cache.PagedKVCache`: pages from a pool, decode
 attention reads them in place, no copy of the cache per step; the step API for
-continuous batching is :class:`~kforcing_kernels.app.serving.PagedGenerator`) and
+continuous batching is :class:`~kforcing_kernels.app.generation.serving.PagedGenerator`) and
 ``"contiguous"`` (one ``[B, H, capacity, D]`` buffer per layer; each decode step
 concatenates the cache with the new keys, an O(L) copy).
 """
@@ -33,11 +33,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..layouts import WindowLayout
-from ..model import KForcingLM
-from ..ops.sampling import inverse_cdf_sample
-from ..types import Temperature
-from .generation_checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
+from ...layouts import WindowLayout
+from ...model import KForcingLM
+from ...ops.sampling import inverse_cdf_sample
+from ...types import Temperature
+from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
 from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
@@ -227,8 +227,8 @@ def generate_kforcing(
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_student.py): its own KV cache
-        from .hf_student import generate_grouped
+    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_recipe/student.py): its own KV cache
+        from ..hf_recipe.student import generate_grouped
 
         taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
         out, logits = generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths,
@@ -302,8 +302,8 @@ def generate_ar(
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
     greedy = is_greedy(temperature)
-    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_student.py): its own KV cache
-        from .hf_student import generate_grouped
+    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_recipe/student.py): its own KV cache
+        from ..hf_recipe.student import generate_grouped
 
         taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
         out, logits = generate_grouped(lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy), tokens, lengths,
@@ -341,7 +341,7 @@ def generate_ar(
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kforcing-generate`` command line (shared options from :mod:`kforcing_kernels.app.cli`)."""
-    from .cli import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
+    from ..cli import add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.app.train (holds model.safetensors)")
@@ -357,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .cli import apply_threads
-    from .hf_files import load_any_model
+    from ..cli import apply_threads
+    from ..hf_recipe.files import load_any_model
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -396,8 +396,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
     """Fail before any work when ``path`` cannot be written (a folder, a missing or unwritable folder)."""
-    from .checkpoint import CheckpointError
-    from .files import check_writable
+    from ..training.checkpoint import CheckpointError
+    from ..files import check_writable
 
     try:
         check_writable(path, "--out")
@@ -407,8 +407,8 @@ def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
 
 def _write_out(parser: argparse.ArgumentParser, path: str, records: list) -> None:
     """JSON Lines through the package's atomic writer (never a half-written file, no symlink followed, mode from the umask)."""
-    from .checkpoint import CheckpointError
-    from .files import write_text
+    from ..training.checkpoint import CheckpointError
+    from ..files import write_text
 
     try:
         write_text(path, "".join(json.dumps(r) + "\n" for r in records))

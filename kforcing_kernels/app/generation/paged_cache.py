@@ -21,9 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..model import KForcingLM
-from ..model.gpt import PagedPast
-from ..ops.paged_attention import PAGED_BACKENDS, paged_backends_available
+from ...model import KForcingLM
+from ...model.gpt import PagedPast
+from ...ops.paged_attention import PAGED_BACKENDS, paged_backends_available
 
 
 class PagePoolFull(RuntimeError):

@@ -1,12 +1,12 @@
 """The evaluation's report: the paper's Table 1 / Table 2 style tables and the speed/quality plot,
-from the summary :func:`~kforcing_kernels.app.evaluate.evaluate_pipeline` returns."""
+from the summary :func:`~kforcing_kernels.app.evaluation.evaluate.evaluate_pipeline` returns."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from .files import atomic_write_file
+from ..files import atomic_write_file
 
 HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
 

@@ -1,8 +1,8 @@
 """The set-up of one training stage: the models (the student built or inherited, the teacher loaded, both placed
-on the ranks by :mod:`~kforcing_kernels.app.parallel`), the optimizer, the checkpointer, the run folder's lock, and
+on the ranks by :mod:`~kforcing_kernels.app.training.parallel`), the optimizer, the checkpointer, the run folder's lock, and
 the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before anything is built.
 
-:func:`set_up` returns a :class:`Stage`; :mod:`~kforcing_kernels.app.trainer` runs its steps.
+:func:`set_up` returns a :class:`Stage`; :mod:`~kforcing_kernels.app.training.loop` runs its steps.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..model import PRESETS, KForcingLM
+from ...model import PRESETS, KForcingLM
 from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
-from .data import Corpus, data_sha256, tokenizer_sha256
-from .files import RunLock, check_writable, write_json, write_text
-from .hf_files import build_from_config, corpus_for, load_any_model
+from ..data import Corpus, data_sha256, tokenizer_sha256
+from ..files import RunLock, check_writable, write_json, write_text
+from ..hf_recipe.files import build_from_config, corpus_for, load_any_model
 from .objectives import STAGE1_CDF_ORDER, Objective
 from .parallel import ParallelDims, parallelize, place_teacher
-from .train_config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_splits, prepare_out,
+from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_splits, prepare_out,
                            teacher_sha256)
 
 
@@ -79,7 +79,7 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     student.requires_grad_(True)
     info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
             **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
-    if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/noise_diagnosis.py reads it)
+    if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/evaluation/noise_diagnosis.py reads it)
         info["cdf_order"] = STAGE1_CDF_ORDER
     return student, teacher, k, info
 

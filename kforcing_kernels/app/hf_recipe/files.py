@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, _sha256, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
-from .data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_corpus, load_documents,
+from ..training.checkpoint import CheckpointError, _sha256, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
+from ..data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_corpus, load_documents,
                    split_documents, token_streams)
-from .files import atomic_write_file, write_json
+from ..files import atomic_write_file, write_json
 
 if TYPE_CHECKING:
-    from .hf_student import HFStudent
+    from .student import HFStudent
 
 HF_FORMAT = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -153,7 +153,7 @@ def _transformers():
     """transformers, imported only when an HF model is used (it is an optional dependency), with "kforcing" registered."""
     import transformers
 
-    from ..integrations import hf as _registers_kforcing  # noqa: F401
+    from ...integrations import hf as _registers_kforcing  # noqa: F401
 
     return transformers
 
@@ -165,7 +165,7 @@ def build_from_config(path, seed: int) -> "HFStudent":
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
-    from .hf_student import HFStudent
+    from .student import HFStudent
 
     return HFStudent(model.float())
 
@@ -173,8 +173,8 @@ def build_from_config(path, seed: int) -> "HFStudent":
 def build_like(student: "HFStudent") -> "HFStudent":
     """A fresh (randomly initialised, fp32, CPU) HFStudent of ``student``'s HF config and noise embedding settings:
     the frame a full state dict (an FSDP2 run's final weights) is loaded into."""
-    from ..integrations.hf_noise import NoiseEmbedding
-    from .hf_student import HFStudent
+    from ...integrations.hf_noise import NoiseEmbedding
+    from .student import HFStudent
 
     model = _transformers().AutoModelForCausalLM.from_config(student.config, attn_implementation="kforcing", dtype=torch.float32)
     return HFStudent(model.float(), NoiseEmbedding(**student.noise_encoder.settings()), k_train=student.k_train)
@@ -194,7 +194,7 @@ def _from_pretrained(folder, device):
 
 def load_hf_source(folder, device="cpu"):
     """A plain HF folder as an AR teacher: ``(HFStudent in eval mode, info, tokenizer)`` (info: ``k=0`` and the weights' identity)."""
-    from .hf_student import HFStudent
+    from .student import HFStudent
 
     check_hf_source(folder)
     model, tokenizer = _from_pretrained(folder, device)
@@ -207,8 +207,8 @@ def load_hf_source(folder, device="cpu"):
 
 def load_hf_stage(folder, device="cpu"):
     """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked first."""
-    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT, NoiseEmbedding
-    from .hf_student import HFStudent
+    from ...integrations.hf_noise import NOISE_EMBEDDING_FORMAT, NoiseEmbedding
+    from .student import HFStudent
 
     folder = Path(folder)
     json_path = folder / "model.json"
@@ -270,7 +270,7 @@ def save_hf_stage(folder, student: "HFStudent", info: dict, tokenizer) -> None:
         raise CheckpointError(f"{folder}: cannot write the Hugging Face model ({exc.strerror or exc})") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT
+    from ...integrations.hf_noise import NOISE_EMBEDDING_FORMAT
 
     noise = {"format": NOISE_EMBEDDING_FORMAT, "settings": student.noise_encoder.settings(),
              "tensors": save_tensors(folder / NOISE_FILE, student.noise_encoder.state_dict())}

@@ -9,7 +9,7 @@ SHA-256 of every file of the folder.
 Atomic: the ranks write into ``checkpoints/.step_XXXXXXXX.dcp.<random hex>.tmp/``; DCP fsyncs its files,
 rank 0 writes the manifest last (:func:`~kforcing_kernels.app.files.write_json`), fsyncs the folder and
 renames it to its final name. A checkpoint exists once that name does, so a killed or failed write leaves
-only a hidden temporary that :func:`~kforcing_kernels.app.checkpoint.clean_run_folder` removes. Files and
+only a hidden temporary that :func:`~kforcing_kernels.app.training.checkpoint.clean_run_folder` removes. Files and
 folders are created with the process umask. Loading checks every file against the manifest before DCP
 reads it, and refuses another model config; the run's settings are checked by the trainer like those of a
 whole-model checkpoint (``parallel`` is one of them). Another world size is allowed: DCP reshards model
@@ -17,9 +17,9 @@ and optimizer state; rank r restores saved rank r's RNG state when there was one
 torn and corrupted files, not against a hostile author: DCP's ``.metadata`` is a pickle, so load only
 checkpoints you trust (the exported ``model.safetensors`` is the file to share).
 
-``python -m kforcing_kernels.app.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
+``python -m kforcing_kernels.app.training.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
 writes a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
-:func:`~kforcing_kernels.app.checkpoint.load_model` loads, in one process, without a process group.
+:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads, in one process, without a process group.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import _sha256, checkpoint_dir, config_dict, read_json, save_model
-from .files import _TMP_SUFFIX, CheckpointError, _fsync_dir, write_json
+from ..files import _TMP_SUFFIX, CheckpointError, _fsync_dir, write_json
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -215,7 +215,7 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
 def check_export_out(checkpoint: Path, out: Path) -> None:
     """``out`` must be a folder (or not exist yet) other than the checkpoint's own run folder, whose model.safetensors
     and model.json are the run's final model (an export there would replace them); ConfigError naming --out."""
-    from .train_config import ConfigError, check_out_folder
+    from .config import ConfigError, check_out_folder
 
     check_out_folder(out, "--out")
     run = Path(checkpoint).parent.parent
@@ -228,10 +228,10 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     """A plain ``model.safetensors`` + ``model.json`` in ``out`` from a sharded checkpoint folder (one process).
 
     ``tokenizer``: the run's tokenizer.json (default: the one in the run folder above ``checkpoints/``), copied
-    beside the model so :func:`~kforcing_kernels.app.checkpoint.load_model` checks and returns it."""
+    beside the model so :func:`~kforcing_kernels.app.training.checkpoint.load_model` checks and returns it."""
     import torch.distributed.checkpoint as dcp
 
-    from ..model import KForcingLM, ModelConfig
+    from ...model import KForcingLM, ModelConfig
 
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_out(checkpoint, out)
@@ -248,22 +248,22 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
                             "exported_from": str(checkpoint), "step": manifest["step"]})
     tokenizer = Path(tokenizer) if tokenizer else checkpoint.parent.parent / "tokenizer.json"
     if tokenizer.is_file():
-        from .files import write_bytes
+        from ..files import write_bytes
 
         write_bytes(out / "tokenizer.json", tokenizer.read_bytes())
     return out / "model.json"
 
 
 def main(argv=None) -> None:
-    from .cli import make_parser
+    from ..cli import make_parser
 
     # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
-    parser = make_parser("python -m kforcing_kernels.app.sharded_checkpoint",
+    parser = make_parser("python -m kforcing_kernels.app.training.sharded_checkpoint",
                          "Export a sharded (--parallel fsdp) checkpoint as a plain model.safetensors.")
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
     parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and tokenizer.json")
     args = parser.parse_args(argv)
-    from .train_config import ConfigError
+    from .config import ConfigError
 
     source = Path(args.checkpoint)
     try:  # before looking for the checkpoint: a wrong --out is the first thing to say

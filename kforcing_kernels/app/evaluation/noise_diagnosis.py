@@ -1,6 +1,6 @@
 """Does a Stage-1 PFLM(1) student sample like its AR teacher, or emit the teacher's mode?
 
-    python -m kforcing_kernels.app.noise_diagnosis RUN [--temperature 0.8] [--student RUN/stage1] [--generate]
+    python -m kforcing_kernels.app.evaluation.noise_diagnosis RUN [--temperature 0.8] [--student RUN/stage1] [--generate]
 
 A push-forward student maps uniform noise u to the token the teacher's inverse CDF gives at u,
 so with fresh noise its tokens should vary exactly as often as two independent teacher samples
@@ -37,9 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .data import sample_crops
-from .hf_files import corpus_for, load_any_model
-from .objectives import CDF_ORDERS, forward_distillation_targets
+from ..data import sample_crops
+from ..hf_recipe.files import corpus_for, load_any_model
+from ..training.objectives import CDF_ORDERS, forward_distillation_targets
 
 # Upper edges of the interval-width buckets of accuracy_by_width (the last bucket is [0.5, 1]).
 WIDTH_EDGES = (0.01, 0.05, 0.2, 0.5, 1.0)
@@ -174,7 +174,7 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
                              for d in (0.001, 0.01, 0.05, 0.1, 0.3)}
 
     # Cached generation must decode what SingleForward trained: the first generated token at the same u and tau.
-    from .inference import generate_kforcing
+    from ..generation.inference import generate_kforcing
 
     prompts = sample_crops(val, 8, 16, gen)
     noise = torch.rand(8, 1, 1, generator=gen)
@@ -198,8 +198,8 @@ def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, b
     broad) and argmax turns that uncertainty into the mode. Same prompts and noise for all three.
     """
     from .evaluate import judge_score
-    from .inference import generate_ar
-    from ..ops.sampling import inverse_cdf_sample
+    from ..generation.inference import generate_ar
+    from ...ops.sampling import inverse_cdf_sample
 
     gen = torch.Generator().manual_seed(seed)
     prompts = sample_crops(val, batch, prompt_len, gen)
@@ -248,9 +248,9 @@ def format_diagnosis(d: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from .cli import add_temperature, make_parser
+    from ..cli import add_temperature, make_parser
 
-    parser = make_parser("python -m kforcing_kernels.app.noise_diagnosis", "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.")
+    parser = make_parser("python -m kforcing_kernels.app.evaluation.noise_diagnosis", "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.")
     parser.add_argument("run", help="a pipeline folder holding stage0 (the AR teacher) and stage1")
     parser.add_argument("--student", help="the PFLM(1) folder (None: RUN/stage1)")
     add_temperature(parser)

@@ -3,7 +3,7 @@ named ``DeviceMesh`` for every parallelism, one :func:`parallelize` step for bot
 
 **The world.** ``torchrun --nproc_per_node W`` gives W ranks, laid out as a ``dp x cp`` mesh (named dims
 ``"dp"``, ``"cp"``; ``tp`` has room to come as a third dim). The ``cp`` ranks of a row share each sequence
-(context parallelism, :mod:`kforcing_kernels.app.context_parallel`: its group is ``mesh["cp"]``); the ``dp``
+(context parallelism, :mod:`kforcing_kernels.app.training.context_parallel`: its group is ``mesh["cp"]``); the ``dp``
 rows get different sequences. Ranks of one CP group are consecutive: rank ``r`` is ``(r // cp, r % cp)``.
 The same code runs on gloo (CPU) and nccl (CUDA).
 
@@ -22,7 +22,7 @@ The same code runs on gloo (CPU) and nccl (CUDA).
    ``--parallel ddp``: ``DistributedDataParallel`` over the world (more than one rank).
 
 Either way a step averages gradients over all W ranks; context parallelism scales each rank's share of its
-group's loss by ``cp`` (see :mod:`kforcing_kernels.app.context_parallel`), so the step's gradient is the
+group's loss by ``cp`` (see :mod:`kforcing_kernels.app.training.context_parallel`), so the step's gradient is the
 mean over dp groups of each group's whole-sequence gradient, as in a single process. A single process
 (no torchrun) with ``--parallel fsdp`` gets a one-rank process group: the same code and checkpoint format at
 every world size.
@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import env
-from ..parallel import ContextParallel
+from ... import env
+from ...parallel import ContextParallel
 
 PARALLEL_MODES = ("ddp", "fsdp")
 TEACHER_MODES = ("replicate", "fsdp")
@@ -318,11 +318,11 @@ def full_copy(student, main: bool):
     if not main:
         return None
     if getattr(student, "is_hf", False):
-        from .hf_files import build_like
+        from ..hf_recipe.files import build_like
 
         copy = build_like(student)
     else:
-        from ..model import KForcingLM
+        from ...model import KForcingLM
 
         copy = KForcingLM(student.config)
     copy.load_state_dict(state)

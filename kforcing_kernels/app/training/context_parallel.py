@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..parallel import ContextParallel
+from ...parallel import ContextParallel
 from .objectives import Batch, Objective, _require, document_mask, student_inputs
 
 
@@ -30,7 +30,7 @@ def context_parallel_loss(objective: Objective | str, model, batch: Batch, teach
                           k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(backward loss, group loss, per-position group loss [k])`` of this rank's rows.
 
-    The group loss (detached) equals :func:`~kforcing_kernels.app.objectives.compute_loss` on the whole
+    The group loss (detached) equals :func:`~kforcing_kernels.app.training.objectives.compute_loss` on the whole
     sequences; the backward loss is this rank's share of it times ``cp.world`` (see the module docstring).
     ``model`` is the student (or its DDP wrapper): it is called with ``context_parallel=cp``.
     """

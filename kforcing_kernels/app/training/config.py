@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
-from .cli import checked, resolve_device
-from .data import DEFAULT_SOURCE
-from .files import LOCK_NAME
-from ..model import PRESETS, ModelConfig
+from ..cli import checked, resolve_device
+from ..data import DEFAULT_SOURCE
+from ..files import LOCK_NAME
+from ...model import PRESETS, ModelConfig
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
 
@@ -44,7 +44,7 @@ class TrainConfig:
     vocab_size: int = 1024
     preset: Optional[str] = "tiny"  # stage0 only: the model size (later stages inherit the teacher's); recorded None for an HF model
     model_overrides: dict = field(default_factory=dict)
-    # A Hugging Face causal LM instead of the native model (app/hf_files.py): `model` is a local HF folder,
+    # A Hugging Face causal LM instead of the native model (app/hf_recipe/files.py): `model` is a local HF folder,
     # the AR teacher of stage1 (its tokenizer encodes --data); `model_config` a transformers config file,
     # a random initialisation that stage0 trains as an AR model on --data (the native tokenizer).
     model: Optional[str] = None
@@ -70,7 +70,7 @@ class TrainConfig:
     # positions restart per document, and predictions past a document's end leave the loss.
     packed_docs: bool = False
     seed: int = 0
-    # Ranks that share each sequence (context parallelism, app/context_parallel.py); a divisor of the world size.
+    # Ranks that share each sequence (context parallelism, app/training/context_parallel.py); a divisor of the world size.
     context_parallel: int = 1
     precision: str = "auto"
     device: str = "auto"
@@ -84,7 +84,7 @@ class TrainConfig:
     stop_at: Optional[int] = None  # leave (with a checkpoint) once this step is done; --resume continues
     progress: Optional[bool] = None  # None: a live bar when stderr is a terminal
     dump_grads: Optional[str] = None  # debugging: write the first step's averaged gradients here
-    # How the student is spread over ranks (kforcing_kernels/app/parallel.py): "ddp" (a full copy per rank,
+    # How the student is spread over ranks (kforcing_kernels/app/training/parallel.py): "ddp" (a full copy per rank,
     # whole-model checkpoints) or "fsdp" (FSDP2 fully_shard, sharded DCP checkpoints).
     parallel: str = "ddp"
     activation_checkpointing: bool = False  # recompute each block in backward (same loss and gradients, less memory)
@@ -144,7 +144,7 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     ``preset`` is None where no preset sizes the model: a Hugging Face stage (--model-config, --model, or a teacher
     that is a Hugging Face model); ``k`` of stage2 is the window it trains, twice its teacher's (model.json).
     """
-    from .hf_files import is_hf
+    from ..hf_recipe.files import is_hf
 
     changes = {}
     if cfg.model or cfg.model_config or (cfg.stage != "stage0" and is_hf(cfg.teacher)):
@@ -186,7 +186,7 @@ def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
     if not teacher:
         return None
     from .checkpoint import read_model_info
-    from .hf_files import hf_source_sha256, is_hf_source
+    from ..hf_recipe.files import hf_source_sha256, is_hf_source
 
     return hf_source_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
 

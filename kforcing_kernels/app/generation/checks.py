@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from ..model import KForcingLM
-from ..types import Temperature
+from ...model import KForcingLM
+from ...types import Temperature
 
 
 def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: bool) -> None:
