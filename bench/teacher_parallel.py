@@ -39,7 +39,7 @@ MODES = ("replicate", "fsdp")
 
 
 def add_arguments(p) -> None:
-    add_model_arguments(p, "small", hf_llama="25m")
+    add_model_arguments(p, "tiny", hf_llama="25m")
     p.add_argument("--native", action="store_true", help="the native model of --preset instead of the default HF Llama")
     p.add_argument("--seq-len", type=positive_int, default=128, help="context length N")
     p.add_argument("--k", type=positive_int, default=2, help="student window (twice the teacher's; even)")
