@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("train_step", "one self-forcing training step, dense-mask attention vs ours"),
     "infer": ("inference", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
     "memory": ("train_memory", "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
+    "teacher": ("teacher_parallel", "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
     "allocation": ("demo_allocation", "the demo's training budget split between stages, variants trained side by side"),
     "validate": ("schema", "check attention JSON reports against their schema"),
     "report": ("report", "reprint an attention JSON report and redraw its plots"),

@@ -162,12 +162,12 @@ def build_from_config(path, seed: int) -> "HFStudent":
     """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by ``seed``."""
     tf = _transformers()
     config = read_model_config(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
     from .student import HFStudent
 
-    return HFStudent(model.float())
+    with torch.random.fork_rng(devices=[]):  # the noise embedding too: a stage's files are a function of its seed
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
+        return HFStudent(model.float())
 
 
 def build_like(student: "HFStudent") -> "HFStudent":

@@ -180,11 +180,13 @@ def broadcast_value(value, src: int = 0):
 
 def decoder_layers(model) -> list[nn.Module]:
     """The repeated layers of a model, in order: ``model.blocks`` of the native model; the Hugging Face model's
-    layers (the modules of a class it names in ``_no_split_modules``, its unit for sharding and offloading)."""
+    layers (the modules of a class it names in ``_no_split_modules``, its unit for sharding and offloading),
+    before or after :func:`parallelize`."""
     if not getattr(model, "is_hf", False):
         return list(model.blocks)
     names = set(getattr(model.hf, "_no_split_modules", None) or ())
-    layers = [m for m in model.hf.modules() if type(m).__name__ in names]
+    # By the class's own name or a base's: fully_shard turns a layer's class into a subclass ``FSDP<name>``.
+    layers = [m for m in model.hf.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
     layers = [m for m in layers if id(m) not in inner]
     if not layers:
@@ -223,7 +225,10 @@ def mixed_precision(device: torch.device, amp: Optional[torch.dtype]):
     return MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods: tuple[str, ...] = ()) -> None:
+def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods: tuple[str, ...] = (),
+                 reshard_root: bool = False) -> None:
+    """FSDP2 per decoder layer, then the root. ``reshard_root``: free the root's gathered parameters after each forward
+    too (FSDP2 keeps a root's until the backward, which a frozen model never runs: they would stay gathered)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     # The layers return K/V views and the root returns logits views; nothing modifies them in place, which is
@@ -232,7 +237,7 @@ def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods:
     mesh, policy = dims.shard_mesh(), mixed_precision(dims.device, amp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **({"reshard_after_forward": True} if reshard_root else {}))
     for name in methods:  # methods called instead of forward must gather the root's parameters too
         register_fsdp_forward_method(model, name)
 
@@ -267,7 +272,7 @@ def place_teacher(teacher, dims: ParallelDims, mode: str, amp: Optional[torch.dt
     if mode == "fsdp":
         if dims.mesh is None:
             raise ValueError("teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one process)")
-        _fully_shard(teacher, dims, amp, methods=("single_forward", "double_forward"))
+        _fully_shard(teacher, dims, amp, methods=("single_forward", "double_forward"), reshard_root=True)
 
 
 # ---------------------------------------------------------------------- during a step
