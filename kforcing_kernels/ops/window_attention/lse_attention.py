@@ -6,9 +6,13 @@ by log-sum-exp. Backward of a piece is called with the *merged* output and LSE:
 softmax probabilities then come out already normalised over all pieces, and
 ``delta = rowsum(dO * O)`` is the merged one, so per-piece gradients add up.
 
-On CPU we use PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
-and its backward), which returns the LSE and supports GQA. Elsewhere a portable
-matmul path (fp32 math, query-chunked) is used.
+On CPU the forward is PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``),
+which returns the LSE and supports GQA. Its backward is not used: on CPUs with AMX (Sapphire Rapids,
+torch 2.13) its dq and dK come out with other bits for another thread count (1 vs 2 threads: dK differs
+from 270 rows on, dq from 1024), which breaks the backends' promise of bits independent of the thread
+count (python_tests/test_determinism.py). The backward is the portable matmul path (fp32 math,
+query-chunked), as elsewhere: thread-invariant, and ~5x slower than the flash backward on CPU (the
+default CPU backend is the C++ extension, not this one).
 """
 
 from __future__ import annotations
@@ -80,13 +84,9 @@ def attend_backward(
     """Gradients of one piece given the merged ``out``/``lse``: ``(dq, dk, dv)`` like q, k, v.
 
     ``acc_grads``: the portable path returns them in the accumulation dtype instead, for a
-    caller that sums pieces (each rounding to bf16 would add up over the pieces)."""
-    if _use_flash_cpu(q) and not force_math:
-        mask = None if allowed is None else _additive_mask(allowed, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.to(acc_dtype(q.dtype)).contiguous(),
-            0.0, causal, attn_mask=mask, scale=scale,
-        )
+    caller that sums pieces (each rounding to bf16 would add up over the pieces). ``force_math`` is
+    accepted as :func:`attend` takes it: the backward always runs the portable path."""
+    # Not torch's flash CPU backward: its bits depend on the thread count on some CPUs (module docstring).
     return _attend_math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
                                  acc_grads=acc_grads)
 
