@@ -167,6 +167,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
             model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
+            decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
         )
         if base.resume and not existing_run(folder):
             cfg = dataclasses.replace(cfg, resume=False)  # this stage has not started: nothing to resume
