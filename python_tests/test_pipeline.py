@@ -309,11 +309,13 @@ def test_demo_and_evaluate_share_the_settings():
             assert getattr(cfg, key) == getattr(demo.DEMO["train"], key), (argv, key)
         lr = demo.DEMO["pipeline"].lr_stage0 if argv[0] == "stage0" else demo.DEMO["pipeline"].lr_distill
         assert argv[0] == "pipeline" or cfg.lr == lr, (argv, cfg.lr, lr)
-    # Both presets give the last (k=4) round the most distillation steps; the long preset trains no stage less
-    # than the demo and the k=4 round much more.
+    # Both presets give the last (k=4) round the largest share of the distillation time (a k=4 step at batch 8
+    # costs ~3x a Stage-1 step, ~1.7x a k=2 step; the default splits the rest towards Stage 1, issue 39); the
+    # long preset trains no stage less than the demo and the k=4 round much more.
     for preset in (demo.DEMO, demo.LONG):
         pipe = preset["pipeline"]
-        assert pipe.round_steps()[-1] == max(pipe.steps_stage1, *pipe.round_steps())
+        k4 = 3 * pipe.round_steps()[-1]
+        assert k4 > pipe.steps_stage1 and k4 > 1.7 * max(pipe.round_steps()[:-1])
     short, long = demo.DEMO["pipeline"], demo.LONG["pipeline"]
     assert long.steps_stage0 >= short.steps_stage0 and long.steps_stage1 >= short.steps_stage1
     assert long.round_steps()[-1] >= 5 * short.round_steps()[-1]

@@ -149,6 +149,20 @@ def test_stage1_records_the_cdf_order_of_its_targets(chain):
     assert "cdf_order" not in ar_info
 
 
+def test_stage1_records_its_decoding_rule_and_stage2_inherits_it(tmp_path, corpus_dir, chain):
+    # The rule (model/decoding.py) is a Stage-1 choice saved in the model config; the stage2 student decodes,
+    # and builds its teacher's targets, by the rule its teacher was saved with. Argmax (the paper's) by default.
+    from kforcing_kernels.app.training.config import ConfigError
+
+    train(micro(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), steps=2, decode="residual"))
+    train(micro(tmp_path / "s2", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2))
+    for folder in ("s1", "s2"):
+        assert load_model(str(tmp_path / folder))[0].config.decode == "residual"
+    assert load_model(str(chain / "stage1"))[0].config.decode == "argmax"
+    with pytest.raises(ConfigError, match="decode: the decoding rule is chosen in stage1"):
+        train(micro(tmp_path / "bad", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2, decode="residual"))
+
+
 def test_noise_inversion_stage_trains_any_k(tmp_path, corpus_dir, chain):
     train(micro(tmp_path / "ni", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), steps=2,
                 supervision="noise_inversion", k=3))

@@ -43,14 +43,16 @@ from .training.config import ConfigError, TrainConfig, check_out_folder  # noqa:
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()
-# The default demo: about 7 minutes on two idle CPU cores (bench/results/demo/). Distillation
-# runs at batch 8 (a k=4 self-forcing step at batch 16 costs ~1.1 s there, 6.7x an AR step)
-# and the last round gets the most steps: PFLM(2k) starts as a copy of PFLM(k) whose slots
-# k+1..2k are untrained, and on issue 18's measurements the k=4 round's steps were what
-# moved k=4's judge perplexity (allocations compared on one GPU: bench/results/demo/allocation_h100.md).
+# The default demo: about 7-8 minutes on two idle CPU cores (bench/results/demo/). Distillation
+# runs at batch 8 (a k=4 self-forcing step at batch 16 costs ~1.1 s there, 6.7x an AR step).
+# Stage 1 and the k=4 round share the distillation time (issue 39): an argmax PFLM(1) collapses to
+# the teacher's mode until it resolves its noise, and the later rounds copy that collapse, so Stage-1
+# steps buy the diversity of every row, while the k=4 round's steps (its slots 3-4 start untrained)
+# buy its perplexity (issue 18). Stage 1 / k=4 steps 200 / 240 gave k=4 1.03x the teacher's judge
+# perplexity at distinct-4 0.69; 400 / 200: 1.29x, 0.78; 600 / 160: 1.54x, 0.83 (BENCHMARKS.md, issue 39 part 2).
 DEMO = dict(
     train=_TRAIN,
-    pipeline=PipelineConfig(steps_stage0=600, steps_stage1=200, steps_stage2=(150, 240), lr_stage0=2e-3, lr_distill=2e-3,
+    pipeline=PipelineConfig(steps_stage0=600, steps_stage1=400, steps_stage2=(150, 200), lr_stage0=2e-3, lr_distill=2e-3,
                             batch_size_distill=8),
     eval=DEMO_EVAL,
 )

@@ -105,6 +105,12 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
             p.add_argument(f"--{dim.replace('_', '-')}", type=_positive_int, help=f"override the preset's {dim}")
 
 
+def _add_decode(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    p.add_argument("--decode", choices=("argmax", "residual"), default=d.decode,
+                   help="how the Stage-1 PFLM decodes its slots (the stage2 students inherit it): argmax (the paper's) or residual "
+                        "(the inverse CDF of its softmax at the noise's unresolved digits; BENCHMARKS.md, issue 39)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     parser = make_parser("kforcing-train", __doc__.split("\n\n")[0])
@@ -123,12 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--supervision", choices=("forward", "noise-inversion"), default="forward",
                            help="forward: Algorithm 2 (k=1); noise-inversion: the PTP baseline on real text (any --k)")
             p.add_argument("--k", type=_positive_int, default=1, help="student window (noise-inversion only)")
+            _add_decode(p, d)
         p.add_argument("--stop-at", type=_positive_int, help="stop (with a checkpoint) after this step; --resume continues")
         p.add_argument("--dump-grads", help="debugging: write the first step's averaged gradients (safetensors) here")
     pipeline_help = "all stages: 0 -> 1 -> 2 (k=2) -> ... -> 2 (k=--k-final)"
     pp = add_command(sub, "pipeline", help=pipeline_help, description=pipeline_help)
     _add_common(pp, d, "pipeline")
     pd = PipelineConfig()
+    _add_decode(pp, d)
     pp.add_argument("--k-final", type=_positive_int, default=pd.k_final, help="window of the last self-forcing round (a power of 2)")
     pp.add_argument("--steps-stage0", type=_positive_int, default=pd.steps_stage0, help="steps of the AR teacher")
     pp.add_argument("--steps-stage1", type=_positive_int, default=pd.steps_stage1, help="steps of the k=1 forward distillation")

@@ -29,12 +29,17 @@ class ModelConfig:
     # None: window_attention picks the fastest backend for the device. "reference"
     # (dense mask) is the oracle the tests compare against.
     attention_backend: Optional[str] = None
+    # How a PFLM decodes its slots (kforcing_kernels/model/decoding.py): "argmax" (the paper's greedy
+    # decoding) or "residual" (the inverse CDF of the slot's softmax at the noise's unresolved digits).
+    decode: str = "argmax"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features", "tau_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.decode not in ("argmax", "residual"):
+            raise ValueError(f"decode: expected 'argmax' or 'residual', got {self.decode!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd: expected a multiple of n_head={self.n_head}, got {self.n_embd}")
         if (self.n_embd // self.n_head) % 2:

@@ -47,8 +47,6 @@ from ...model import KForcingLM
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 
 
-
-
 @dataclass(frozen=True)
 class EvalSettings:
     """What the evaluation measures and how; :data:`DEMO_EVAL` is the demo's (and ``evaluate RUN``'s default)."""
@@ -296,6 +294,7 @@ def evaluate_pipeline(
     summary["per_position_nll"] = nll_rows
     final_k = max(models)
     pflm = models[final_k]
+    summary["decode"] = getattr(pflm.config, "decode", "argmax")  # the rule of model/decoding.py its PFLMs decode by
     ks = [k for k in ks if k <= final_k]
 
     # Table 1: throughput per batch size, quality from the largest batch (most samples).

@@ -22,7 +22,7 @@ do. This tool prints, on held-out windows of the run's text (teacher = ``RUN/sta
 * the student as a language model: its softmax averaged over u, scored on real next tokens at
   tau = 1, against the teacher's next-token NLL (has the noise slot relearned next-token prediction?).
 * ``--generate``: :func:`decode_bracket`, the judge perplexity of the student's k=1 samples decoded
-  by argmax and by its own posterior, against the teacher's samples.
+  by argmax and by the residual rule (its own posterior at the noise's low digits), against the teacher's samples.
 
 The metric definitions (:func:`noise_sensitivity`, :func:`collision_complement`,
 :func:`accuracy_by_width`) are what ``python_tests/test_noise_diagnosis.py`` holds on hand-made cases.
@@ -40,6 +40,7 @@ import torch
 from ..data import sample_crops
 from ..hf_recipe.files import corpus_for, load_any_model
 from ..training.objectives import CDF_ORDERS, forward_distillation_targets
+from ...model.decoding import decode_slots
 
 # Upper edges of the interval-width buckets of accuracy_by_width (the last bucket is [0.5, 1]).
 WIDTH_EDGES = (0.01, 0.05, 0.2, 0.5, 1.0)
@@ -191,29 +192,28 @@ def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, b
                    new_tokens: int = 48, seed: int = 1) -> dict:
     """Judge (= teacher) perplexity and distinct-4 of the student's own k=1 samples, decoded two ways, against the teacher's.
 
-    "argmax" is the PFLM decoding (the paper's). "posterior" picks the token at the inverse CDF of the
-    student's own softmax at the noise's low digits ``frac(4096 u)`` (about independent of what the student
-    resolves of u): for a calibrated student both are samples of the teacher; an argmax far below the
-    teacher's perplexity with a posterior far above it says the student is uncertain (its posterior is
-    broad) and argmax turns that uncertainty into the mode. Same prompts and noise for all three.
+    "argmax" is the paper's PFLM decoding. "residual" picks the token at the inverse CDF of the
+    student's own softmax at the noise's low digits (:func:`~kforcing_kernels.model.decoding.decode_slots`;
+    about independent of what the student resolves of u): for a calibrated student both are samples of the
+    teacher; an argmax far below the teacher's perplexity with a residual decoding near or above it says the
+    student is uncertain (its posterior is broad) and argmax turns that uncertainty into the mode. Same
+    prompts and noise for all three.
     """
     from .evaluate import judge_score
     from ..generation.inference import generate_ar
-    from ...ops.sampling import inverse_cdf_sample
 
     gen = torch.Generator().manual_seed(seed)
     prompts = sample_crops(val, batch, prompt_len, gen)
     noise = torch.rand(batch, new_tokens, generator=gen)
     taus = torch.full((batch,), tau)
     out = {"AR teacher": judge_score(teacher, prompts, generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise), eos_id)}
-    for rule in ("argmax", "posterior"):
+    for rule in ("argmax", "residual"):
         seq = prompts
         for s in range(new_tokens):
             z = torch.zeros(batch, seq.shape[1], 1)
             z[:, -1, 0] = noise[:, s]
             logits = student(seq, z, taus)[:, -1, 0].float()
-            low = torch.frac(noise[:, s].double() * 4096).float()
-            tok = logits.argmax(-1) if rule == "argmax" else inverse_cdf_sample(logits, low, 1.0)
+            tok = decode_slots(logits, noise[:, s], rule)
             seq = torch.cat([seq, tok[:, None]], 1)
         out[f"student, {rule}"] = judge_score(teacher, prompts, seq[:, prompt_len:], eos_id)
     return out
@@ -259,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--generate", action="store_true", help="also judge 128 k=1 samples decoded by argmax and by the "
-                        "student's posterior (decode_bracket; minutes on a CPU)")
+                        "residual rule (decode_bracket; minutes on a CPU)")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args(argv)
     run = Path(args.run)

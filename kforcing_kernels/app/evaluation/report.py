@@ -70,7 +70,10 @@ def format_report(summary: dict) -> str:
                 "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
                 "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
                 "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
-                "real data, not a target (the judge is the teacher, so its own samples score lower).")
+                "real data, not a target (the judge is the teacher, so its own samples score lower). "
+                f"The PFLMs decode by {summary.get('decode', 'argmax')} (model/decoding.py); an argmax PFLM collapses "
+                "until it resolves its noise to the width of the teacher's CDF intervals, which takes far more Stage-1 "
+                "steps than the default demo's (BENCHMARKS.md, \"Stage 1: the fixes tried, and the budget the targets need\").")
     caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; the "
                    "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau); a "
                    "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its noise.")

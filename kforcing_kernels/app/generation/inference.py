@@ -35,6 +35,7 @@ import torch
 
 from ...layouts import WindowLayout
 from ...model import KForcingLM
+from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from ...types import Temperature
 from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
@@ -204,7 +205,8 @@ def generate_kforcing(
             sequence / 1-D tensor of ids (one prompt).
         k: tokens per step, ``1 <= k <= k_train``.
         max_new_tokens: T; ``ceil(T / k)`` forward passes are made.
-        temperature: tau > 0 fed to the noise encoder, scalar or ``[B]`` (decoding is argmax, as in the paper).
+        temperature: tau > 0 fed to the noise encoder, scalar or ``[B]`` (decoding: the model's
+            ``config.decode``, argmax as in the paper or ``residual``, kforcing_kernels/model/decoding.py).
         noise: optional ``[B, ceil(T / k), k]`` uniforms; drawn from ``generator`` otherwise.
         cache: ``"paged"`` (pages of ``page_size`` tokens, read in place) or ``"contiguous"``; same tokens.
         k_train: the window the model was trained with; default ``model.k_train``
@@ -241,6 +243,7 @@ def generate_kforcing(
         return (out, logits) if return_logits else out
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    rule = decode_rule(model)
     kv = KVCache(model, b, p_max + steps * k, _model_dtype(model), device)
     out = torch.empty(b, steps * k, dtype=torch.int64, device=device)
     all_logits = []
@@ -250,7 +253,7 @@ def generate_kforcing(
     kv.append(kvs, p_max)  # the whole padded prompt; lengths are then set to the true ones
     kv.lengths = lengths.clone()
     logits = model.head(h[:, p_max:])
-    out[:, :k] = logits.argmax(-1)
+    out[:, :k] = decode_slots(logits, noise[:, 0], rule)
     all_logits.append(logits)
 
     for s in range(1, steps):
@@ -261,7 +264,7 @@ def generate_kforcing(
         h, kvs = model.trunk(x, positions, _window_layout(kv.max_length, kv.lengths, 2 * k, "windows"), past=kv.past())
         kv.append(kvs, k)  # context K/V only; the noise K/V are dropped
         logits = model.head(h[:, k:])
-        out[:, s * k:(s + 1) * k] = logits.argmax(-1)
+        out[:, s * k:(s + 1) * k] = decode_slots(logits, noise[:, s], rule)
         all_logits.append(logits)
     out = out[:, :max_new_tokens]
     return (out, torch.cat(all_logits, 1)[:, :max_new_tokens]) if return_logits else out

@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ...model import KForcingLM
+from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from .checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
@@ -257,7 +258,7 @@ class PagedGenerator:
         h, kvs = prefill_kforcing(model, tokens, lengths, noise, tau)
         self.cache.append(rows, kvs, lengths.tolist())
         logits = model.head(h[:, p_max:])  # [B, k, V]
-        return logits.argmax(-1), logits
+        return decode_slots(logits, noise, decode_rule(model)), logits
 
     def _decode(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         model, dev, b = self.model, self.device, len(reqs)
@@ -277,7 +278,7 @@ class PagedGenerator:
         h, kvs = model.trunk(x, (lens[:, None] + torch.arange(2 * k)).to(dev), None, past=self.cache.views(rows, paged_backend(model)))
         self.cache.append(rows, kvs, [k] * b)  # context K/V only; the noise K/V are dropped
         logits = model.head(h[:, k:])
-        return logits.argmax(-1), logits
+        return decode_slots(logits, noise, decode_rule(model)), logits
 
     def _pick(self, reqs: list[Request], logits: torch.Tensor, step: Optional[int]) -> torch.Tensor:
         """AR sampling: argmax where tau == 0, else inverse-CDF at each request's noise for this step."""

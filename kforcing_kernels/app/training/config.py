@@ -16,6 +16,7 @@ from ..cli import checked, resolve_device
 from ..data import DEFAULT_SOURCE
 from ..files import LOCK_NAME
 from ...model import PRESETS, ModelConfig
+from ...model.decoding import DECODE_RULES
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
 
@@ -66,6 +67,9 @@ class TrainConfig:
     # paper's ablation: real next-k tokens, z inverted from the AR teacher's CDF bins, any k).
     supervision: str = "forward"
     k: int = 1  # recorded: stage2's own window (twice its teacher's, effective_config)
+    # stage1 only: how the PFLM decodes its slots, recorded in its model config and inherited by the stage2
+    # students (kforcing_kernels/model/decoding.py): "argmax" (the paper's) or "residual" (issue 39).
+    decode: str = "argmax"
     # Packed documents: attention never crosses a document (the corpus's EOS ends each), RoPE
     # positions restart per document, and predictions past a document's end leave the loss.
     packed_docs: bool = False
@@ -95,10 +99,10 @@ class TrainConfig:
     # Fields that change what a step computes; a resumed run must agree on them.
     RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "k", "packed_docs", "seed", "precision", "parallel", "model",
+                   "tau_min", "tau_max", "supervision", "decode", "k", "packed_docs", "seed", "precision", "parallel", "model",
                    "model_config")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "k": 1, "parallel": "ddp", "model": None,
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "decode": "argmax", "k": 1, "parallel": "ddp", "model": None,
                        "model_config": None}
 
     def to_dict(self) -> dict:
@@ -282,6 +286,10 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    if cfg.decode not in DECODE_RULES:
+        raise ConfigError(f"decode: expected one of {DECODE_RULES}, got {cfg.decode!r}")
+    if cfg.decode != "argmax" and cfg.stage != "stage1":
+        raise ConfigError(f"decode: the decoding rule is chosen in stage1 (stage2 students inherit their teacher's), got stage {cfg.stage!r}")
     if cfg.supervision not in SUPERVISIONS:
         raise ConfigError(f"supervision: expected one of {SUPERVISIONS}, got {cfg.supervision!r}")
     if cfg.supervision == "noise_inversion" and cfg.stage != "stage1":

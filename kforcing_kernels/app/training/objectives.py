@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ...layouts.positions import document_offsets
 from ..data import sample_crops
+from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample, noise_inversion
 
 
@@ -98,14 +99,16 @@ def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: t
 
     context ``[B, N]``, z ``[B, N, 2k]``, tau ``[B]`` -> ``[B, N, 2k]``: round one decodes
     ``z[..., :k]`` with SingleForward; round two decodes ``z[..., k:]`` with DoubleForward,
-    conditioned on round one's tokens and reusing its context K/V. ``cu_seqlens``: the packed
-    documents of ``context`` (both rounds get them), or None.
+    conditioned on round one's tokens and reusing its context K/V. Both rounds decode by the
+    teacher's own rule, as it generates (``config.decode``: argmax as in Algorithm 3, or residual).
+    ``cu_seqlens``: the packed documents of ``context`` (both rounds get them), or None.
     """
     k = z.shape[-1] // 2
+    rule = decode_rule(teacher)  # the paper's argmax, or the residual rule the teacher decodes with (model/decoding.py)
     logits1, context_kv = teacher.single_forward(context, z[..., :k], tau, cu_seqlens=cu_seqlens)
-    first = logits1.argmax(-1)  # [B, N, k]
-    second = teacher.double_forward(context_kv, first, z[..., k:], tau, cu_seqlens=cu_seqlens).argmax(-1)  # [B, N, k]
-    return torch.cat([first, second], -1)
+    first = decode_slots(logits1, z[..., :k], rule)  # [B, N, k]
+    second = decode_slots(teacher.double_forward(context_kv, first, z[..., k:], tau, cu_seqlens=cu_seqlens), z[..., k:], rule)
+    return torch.cat([first, second], -1)  # [B, N, 2k]
 
 
 def noise_inversion_supervision(

@@ -187,8 +187,11 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
     if rank == 0:
         try:
             manifest = verify_sharded(folder)
-            if manifest["model_config"] != config_dict(model):
-                changed = sorted(k for k, v in config_dict(model).items() if manifest["model_config"].get(k) != v)
+            saved, current = manifest["model_config"], config_dict(model)
+            if "decode" in current and "decode" not in saved:  # saved before ModelConfig had a decoding rule: argmax
+                saved = {**saved, "decode": "argmax"}
+            if saved != current:
+                changed = sorted(k for k, v in current.items() if saved.get(k) != v)
                 raise CheckpointError(f"{folder}: saved for another model (config differs in {', '.join(changed)}); "
                                       "resume with the run's own model (--preset, --n-layer, ...) or start again")
         except CheckpointError as exc:

@@ -8,6 +8,7 @@ the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,10 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
             raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}")
         student = copy.deepcopy(teacher).cpu()
         student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
+        if cfg.decode != "argmax":  # how the PFLM decodes, saved in its model config (model/decoding.py)
+            if getattr(student, "is_hf", False):
+                raise ConfigError(f"decode: {cfg.decode} decoding is for native models; a Hugging Face student decodes by argmax")
+            student.config = dataclasses.replace(student.config, decode=cfg.decode)
         k = cfg.k
     else:
         if tinfo["k"] == 0:
