@@ -16,7 +16,8 @@ from kforcing_kernels.app.training.checkpoint import (
 from kforcing_kernels.app.training.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
 from kforcing_kernels.app.train import main
 from kforcing_kernels.app.training.config import TrainConfig
-from kforcing_kernels.app.training.loop import _optimizer, learning_rate, train
+from kforcing_kernels.app.training.loop import learning_rate, train
+from kforcing_kernels.app.training.stage import _optimizer
 from train_helpers import VOCAB, micro_config, write_json_package
 
 

@@ -26,7 +26,8 @@ from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
 from kforcing_kernels.app.train import main
 from kforcing_kernels.app.training.config import TrainConfig
-from kforcing_kernels.app.training.loop import _optimizer, train
+from kforcing_kernels.app.training.loop import train
+from kforcing_kernels.app.training.stage import _optimizer
 from train_helpers import VOCAB, micro_config, write_json_package
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_meta, save_checkpoint, save_model
+from .checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint, save_model
 from ..files import CheckpointError
 from ..hf_recipe.files import save_hf_stage
 from .parallel import ParallelDims, full_copy
@@ -34,15 +34,11 @@ class Checkpointer:
 
     def __init__(self, out: Path, dims: ParallelDims, keep: int):
         self.out, self.dims, self.keep = Path(out), dims, keep
-        self.sharded = dims.shard
 
     @property
-    def collective(self) -> bool:
-        """Whether saving and loading need every rank (sharded), or rank 0 alone writes (whole model)."""
-        return self.sharded
-
-    def latest(self) -> Optional[Path]:
-        return latest_checkpoint(self.out)
+    def sharded(self) -> bool:
+        """DCP folders written by every rank (a sharded student), else whole-model files written by rank 0."""
+        return self.dims.shard
 
     def save(self, step: int, model, optimizer, scaler, train_config: dict, info: dict) -> Optional[Path]:
         """Every rank calls it; returns the checkpoint's path on the ranks that wrote it."""

@@ -50,7 +50,7 @@ from ..files import append_jsonl
 from ..hf_recipe.files import hf_tokenizer_of
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
-from .stage import Stage, _optimizer, _require_resume_settings, _require_same_provenance, lock_out, set_up  # noqa: F401 (_optimizer)
+from .stage import Stage, _require_resume_settings, _require_same_provenance, lock_out, set_up
 from .config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
                            validate_config)
 
