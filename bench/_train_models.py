@@ -147,3 +147,20 @@ def rss_bytes() -> tuple[int, int]:
         return rss, max(peak, rss)  # the kernel updates ru_maxrss in steps: it can trail the current size a little
     except (OSError, ValueError, IndexError):
         return 0, peak
+
+
+def execute_launcher(args, worker, run, report, payload) -> int:
+    """The command of a torchrun bench: as a worker (``--worker-out``) run ``worker(args)``; else check ``--k``, launch
+    ``run(args)``, print ``report(result)`` and write ``payload(result)`` as JSON to ``--out``."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker_out:
+        worker(args)
+        return 0
+    if args.k % 2:
+        raise SystemExit(f"--k: expected an even student window (twice the teacher's), got {args.k}")
+    result = run(args)
+    print(report(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(payload(result), indent=1))
+    return 0

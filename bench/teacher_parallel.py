@@ -31,7 +31,7 @@ import torch
 
 from kforcing_kernels.app.cli import add_threads, make_parser, positive_int
 
-from ._train_models import Collectives, add_model_arguments, build_pair, model_argv, model_name, tensor_bytes
+from ._train_models import Collectives, add_model_arguments, build_pair, execute_launcher, model_argv, model_name, tensor_bytes
 
 SCHEMA_ID = "kforcing-bench/teacher-parallel/v1"
 MIB = 2**20
@@ -158,18 +158,7 @@ def format_report(report: dict) -> str:
 def execute(args) -> int:
     if args.native:
         args.hf_llama = None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.worker_out:
-        _worker(args)
-        return 0
-    if args.k % 2:
-        raise SystemExit(f"--k: expected an even student window (twice the teacher's), got {args.k}")
-    report = run(args)
-    print(format_report(report))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    return execute_launcher(args, _worker, run, format_report, lambda report: report)
 
 
 def main(argv=None, prog="python -m bench.teacher_parallel") -> int:

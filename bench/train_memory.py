@@ -42,7 +42,8 @@ import torch
 from kforcing_kernels.app.cli import add_threads, int_list, make_parser, positive_int
 from kforcing_kernels.app.training.parallel import decoder_layers
 
-from ._train_models import Collectives, add_model_arguments, build_pair, model_argv, model_name, rss_bytes, tensor_bytes
+from ._train_models import (Collectives, add_model_arguments, build_pair, execute_launcher, model_argv, model_name, rss_bytes,
+                            tensor_bytes)
 
 SCHEMA_ID = "kforcing-bench/train-memory/v2"
 MIB = 2**20
@@ -202,19 +203,8 @@ def format_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def execute(args) -> list:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.worker_out:
-        _worker(args)
-        return 0
-    if args.k % 2:
-        raise SystemExit(f"--k: expected an even student window (twice the teacher's), got {args.k}")
-    rows = run(args)
-    print(format_report(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"schema": SCHEMA_ID, "rows": rows}, indent=1))
-    return 0
+def execute(args) -> int:
+    return execute_launcher(args, _worker, run, format_report, lambda rows: {"schema": SCHEMA_ID, "rows": rows})
 
 
 def main(argv=None, prog="python -m bench.train_memory") -> int:
