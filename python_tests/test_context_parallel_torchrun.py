@@ -6,9 +6,6 @@ python_tests/cp_worker.py; a single-process trainer step for the ``--context-par
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from safetensors.torch import load_file
 
 from kforcing_kernels.app.training.checkpoint import read_metrics
 from kforcing_kernels.app.training.config import TrainConfig
+from train_helpers import torchrun
 from kforcing_kernels.app.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +23,7 @@ GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(
 
 
 def _torchrun(args, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return torchrun(2, *args, timeout=timeout).stdout
 
 
 @GLOO

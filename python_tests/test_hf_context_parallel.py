@@ -8,9 +8,6 @@ ranks give every rank the single-process logits at its rows and, summed over the
 The trainer's ``--context-parallel 2`` on an HF student (DDP and FSDP2) is held by test_train_mesh.py.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hf_helpers as H
+from train_helpers import torchrun
 from kforcing_kernels.app.hf_recipe.student import HFStudent
 from kforcing_kernels.integrations import hf as kf_hf
 from kforcing_kernels.layouts import WindowLayout
@@ -92,20 +90,12 @@ def test_rank_rows_refusals_name_their_argument():
         attn(None, q, k, k, None, kforcing_layout=shard, sliding_window=1)  # shorter than the layout's windows (2)
 
 
-def _torchrun(nproc, *args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 
 
 @GLOO
 def test_hf_context_parallel_matches_one_process_gloo():
-    out = _torchrun(3, ROOT / "python_tests" / "hf_cp_worker.py", "gloo")
+    out = torchrun(3, ROOT / "python_tests" / "hf_cp_worker.py", "gloo").stdout
     for name in CONFIGS:
         for case in ("ar", "ar_packed", "single", "single_packed"):
             assert out.count(f" world2 {name} {case}: ok") == 2, (name, case, out[-3000:])

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from kforcing_kernels.app import train as train_cli
-from kforcing_kernels.app.generation import inference# noqa: E402
+from kforcing_kernels.app import train as train_cli  # noqa: E402
+from kforcing_kernels.app.generation import inference  # noqa: E402
 from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
 from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli# noqa: E402
+from kforcing_kernels.app import train as train_cli  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
 from kforcing_kernels.app.evaluation.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
 from train_helpers import write_json_package  # noqa: E402

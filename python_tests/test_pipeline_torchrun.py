@@ -15,8 +15,6 @@ the resumed run == the uninterrupted ``ddp`` run, bitwise (losses, summaries, we
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,25 +25,17 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli# noqa: E402
+from kforcing_kernels.app import train as train_cli  # noqa: E402
 from kforcing_kernels.app.training.checkpoint import read_json, read_metrics  # noqa: E402
 from kforcing_kernels.app.files import RunLock  # noqa: E402
 from pipeline_worker import CASES, pipeline_argv  # noqa: E402
-from train_helpers import write_json_package  # noqa: E402
+from train_helpers import REPO, torchrun, write_json_package  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-REPO = Path(__file__).resolve().parents[1]
 STAGES = ("stage0", "stage1", "stage2_k2")
 LOSS_TOL = dict(rel=1e-3)
-
-
-def _torchrun(root: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "python_tests"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *argv],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +51,11 @@ def runs(tmp_path_factory):
         for model in ("native", "hf"):  # the single-process references
             train_cli.main(pipeline_argv(root, f"one_{model}", model, "ddp"))
         with RunLock(root / "locked"):  # another run holds this folder while the launch runs
-            first = _torchrun(root, str(REPO / "python_tests" / "pipeline_worker.py"), str(root))
+            first = torchrun(2, REPO / "python_tests" / "pipeline_worker.py", root, timeout=240, check=False)
         assert (root / "killed" / "stage1" / "checkpoints").is_dir(), first.stdout[-3000:] + first.stderr[-5000:]
         assert first.returncode != 0  # rank 0 was killed
         killed = {stage: sorted(p.name for p in (root / "killed" / stage).glob("*")) for stage in STAGES}
-        resumed = _torchrun(root, "-m", "kforcing_kernels.app.train", *pipeline_argv(root, "killed", "native", "ddp", "--resume"))
+        resumed = torchrun(2, "-m", "kforcing_kernels.app.train", *pipeline_argv(root, "killed", "native", "ddp", "--resume"), timeout=240, check=False)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     return root, killed, resumed
 

@@ -18,8 +18,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,9 +32,8 @@ from kforcing_kernels.app.train import build_parser, config_from_args
 from kforcing_kernels.app.training.config import ConfigError
 from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
-from train_helpers import write_json_package
+from train_helpers import REPO, torchrun, write_json_package
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
 needs_dist = pytest.mark.skipif(not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
@@ -71,12 +68,7 @@ def _make_runs(root: Path) -> None:
     train(dataclasses.replace(base, out=str(root / "one_ac"), activation_checkpointing=True, dump_grads=str(root / "one_ac.safetensors")))
     if BACKEND_OK:
         train(dataclasses.replace(base, out=str(root / "w1"), parallel="fsdp", stop_at=2))  # one rank, for 1 -> 2
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                str(REPO / "python_tests" / "fsdp_worker.py"), str(root), DEVICE]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+        torchrun(2, REPO / "python_tests" / "fsdp_worker.py", root, DEVICE, timeout=240)
         train(dataclasses.replace(base, out=str(root / "f2_stop_for_1"), parallel="fsdp", resume=True))  # 2 -> 1
 
 

@@ -9,9 +9,6 @@ resuming a sharded checkpoint are bitwise.
 """
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +20,10 @@ from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_met
 from kforcing_kernels.app.hf_recipe.files import load_any_model
 from kforcing_kernels.app.training.loop import train
 from fsdp_settings import stage2_config
-from train_helpers import write_json_package
+from train_helpers import REPO, torchrun, write_json_package
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 4 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
 needs_dist = pytest.mark.skipif(not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
@@ -66,12 +62,7 @@ def _make_runs(root: Path) -> None:
         train(dataclasses.replace(hf, out=str(root / "hf_w1"), parallel="fsdp"))
         train(dataclasses.replace(hf, out=str(root / "hf_w1_parts"), parallel="fsdp", stop_at=2))
         train(dataclasses.replace(hf, out=str(root / "hf_w1_parts"), parallel="fsdp", resume=True))
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                str(REPO / "python_tests" / "mesh_worker.py"), str(root), DEVICE]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=420)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+        torchrun(4, REPO / "python_tests" / "mesh_worker.py", root, DEVICE, timeout=420)
 
 
 def _same_first_step(runs: Path, run: str, reference: str) -> None:

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from kforcing_kernels.app.training.config import TrainConfig
 
 VOCAB = 300
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc ARGS`` from the repository root, one thread per rank, this
+    checkout and python_tests/ importable; with ``check``, a failed launch fails the test with its output's tail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "python_tests"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str, args)]
+    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    return result
 
 
 def write_json_package(folder: Path, one_document_per_line: bool = False) -> Path:
