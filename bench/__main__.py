@@ -15,6 +15,7 @@ COMMANDS = {
     "infer": ("inference", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
     "memory": ("train_memory", "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
     "teacher": ("teacher_parallel", "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
+    "stage1": ("stage1_curve", "the Stage-1 student over steps and model width: noise use and its samples against the teacher's"),
     "allocation": ("demo_allocation", "the demo's training budget split between stages, variants trained side by side"),
     "validate": ("schema", "check attention JSON reports against their schema"),
     "report": ("report", "reprint an attention JSON report and redraw its plots"),
