@@ -112,3 +112,37 @@ def test_the_report_says_which_way_a_deviation_from_the_teacher_is_bad():
     text = format_report(summary)
     assert "| Stage-1 PFLM(1), k=1 | 1 | - | - | 3.000 | 12.00 | 0.60x | 0.650 |" in text
     assert "| Stage-1 PFLM(1), k=1 | 12.00 (0.60x), 0.650 |" in text
+
+
+def test_the_report_checks_the_sampling_targets_on_its_own_numbers():
+    from kforcing_kernels.app.evaluation.report import format_report, target_checks
+
+    def q(ppl, d4):
+        return {"nll": 3.0, "ppl": ppl, "distinct2": 0.5, "distinct4": d4, "tokens": 100}
+
+    summary = {"batch_sizes": [4], "prompt_len": 16, "new_tokens": 48, "temperature": 0.8, "threads": 2, "reps": 1,
+               "final_k": 4, "throughput": {"AR": {"4": 100.0}, "K-Forcing k=4": {"4": 300.0}},
+               "speedup": {"AR": {"4": 1.0}, "K-Forcing k=4": {"4": 3.0}},
+               "quality": {"AR": q(20.0, 0.90), "K-Forcing k=4": q(30.0, 0.76), "Stage-1 PFLM(1), k=1": q(16.0, 0.81),
+                           "data (held-out text)": q(40.0, 0.84)},
+               "tau_sweep": {"0.5": {"AR": q(10.0, 0.8)}, "0.8": {"AR": q(20.0, 0.9)}, "1.0": {"AR": q(40.0, 0.95)}},
+               "tau_sweep_stage1": {"name": "Stage-1 PFLM(1), k=1",
+                                    "scores": {"0.5": q(8.0, 0.7), "0.8": q(16.0, 0.81), "1.0": q(50.0, 0.9)}},
+               "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}]}
+    # 16/20 = 0.80x (the band's edge), 0.81/0.90 = 0.90x (the share's edge), tau ratios 0.8 / 0.8 / 1.25: all inside;
+    # k=4 at 30/20 = 1.5x (the limit), 0.76/0.84 = 0.905x of the held-out text's.
+    checks = target_checks(summary)
+    assert [c["met"] for c in checks] == [True] * 5, checks
+    assert checks[2]["value"] == "0.80x / 0.80x / 1.25x"
+    # One step outside each edge fails exactly that target.
+    summary["quality"]["Stage-1 PFLM(1), k=1"] = q(15.9, 0.80)
+    summary["tau_sweep_stage1"]["scores"]["1.0"] = q(50.1, 0.9)
+    summary["quality"]["K-Forcing k=4"] = q(30.1, 0.75)
+    assert [c["met"] for c in target_checks(summary)] == [False] * 5
+    text = format_report(summary)
+    assert "| Stage-1 student: judge PPL 0.8-1.25x AR at tau 0.8 | 0.80x | NO |" in text
+    assert "| K-Forcing k=4: judge PPL <= 1.5x AR | 1.51x | NO |" in text
+    # A run without the Stage-1 row or a final k > 1 (an AR-only or k=1 evaluation) has no targets to show.
+    del summary["quality"]["Stage-1 PFLM(1), k=1"]
+    summary["final_k"] = 1
+    assert target_checks(summary) == [] and "sampling target" not in format_report(summary)

@@ -42,7 +42,7 @@ from ..generation.inference import generate_ar, generate_kforcing
 from ..training.checkpoint import CheckpointError, read_json
 from ..hf_recipe.files import corpus_for, is_hf_source, load_any_model
 from ..files import check_writable, write_json
-from .report import HF_GENERATE, format_report, timing_report
+from .report import HF_GENERATE, format_report, target_checks, timing_report
 from ...model import KForcingLM
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 
@@ -361,6 +361,7 @@ def evaluate_pipeline(
     if stage1_sweep:
         summary["tau_sweep_stage1"] = {"name": stage1_name, "scores": stage1_sweep}
     summary["final_k"] = final_k
+    summary["targets"] = target_checks(summary)  # the sampling targets, met or not (report.py)
     return summary
 
 
