@@ -52,3 +52,18 @@ def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     assert first_two == pytest.approx(first_one, rel=1e-5)  # same weights, same batch: only summation order differs
     # Later steps: Adam's first updates ~ lr * sign(g) amplify rounding differences in tiny gradient entries.
     assert losses("two") == pytest.approx(losses("one"), rel=1e-3)
+
+
+def test_an_explicit_gpu_under_a_multi_process_torchrun_node_is_refused(monkeypatch):
+    from kforcing_kernels.app.training.parallel import resolve_device
+
+    # Outside torchrun, or one process per node, cuda:N is the user's choice (no CUDA needed to resolve it).
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    # Two processes on this node: both would take cuda:1.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"device: 'cuda:1' puts all 2 torchrun processes of this node on one GPU; pass 'cuda'"):
+        resolve_device("cuda:1")
+    assert resolve_device("cpu") == torch.device("cpu")

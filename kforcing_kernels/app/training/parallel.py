@@ -131,6 +131,10 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", env.distributed_ranks()[2])
         torch.cuda.set_device(dev)
+    elif dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        # Every rank of this node would take the same GPU: NCCL refuses that, or the ranks share one GPU's memory.
+        raise ValueError(f"device: {device!r} puts all {os.environ['LOCAL_WORLD_SIZE']} torchrun processes of this node on "
+                         "one GPU; pass 'cuda' (each rank takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES")
     return dev
 
 
