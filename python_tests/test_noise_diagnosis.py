@@ -146,3 +146,14 @@ def test_the_report_checks_the_sampling_targets_on_its_own_numbers():
     del summary["quality"]["Stage-1 PFLM(1), k=1"]
     summary["final_k"] = 1
     assert target_checks(summary) == [] and "sampling target" not in format_report(summary)
+
+
+def test_a_distinct4_target_without_4grams_is_undecided_not_an_error():
+    from kforcing_kernels.app.evaluation.report import format_targets, target_checks
+
+    q = {"nll": 3.0, "ppl": 20.0, "distinct2": 0.5, "distinct4": 0.0, "tokens": 4}  # 2 new tokens: no 4-gram
+    summary = {"temperature": 0.8, "final_k": 2, "quality": {"AR": q, "K-Forcing k=2": q, "Stage-1 PFLM(1), k=1": q,
+                                                                "data (held-out text)": q}}
+    checks = target_checks(summary)
+    assert [c["met"] for c in checks] == [True, None, True, None]
+    assert "| Stage-1 student: distinct-4 >= 0.9x AR's | 0.000 (reference 0.000) | - |" in format_targets(summary)

@@ -65,7 +65,8 @@ FINAL_DISTINCT4_SHARE = 0.9
 
 
 def target_checks(summary: dict) -> list[dict]:
-    """Each sampling target as ``{"target", "value", "met"}``, from the summary's own numbers; [] when the rows are missing.
+    """Each sampling target as ``{"target", "value", "met"}`` (``met`` None: not decidable), from the summary's own
+    numbers; [] when the rows are missing.
 
     The Stage-1 rows need the Stage-1 student's samples (``quality`` row starting "Stage-1"); the tau row needs the
     tau sweep; the final rows need the ``K-Forcing k=<final_k>`` row and the held-out text.
@@ -78,9 +79,8 @@ def target_checks(summary: dict) -> list[dict]:
         r = quality[stage1]["ppl"] / ar["ppl"]
         checks.append({"target": f"Stage-1 student: judge PPL {lo}-{hi}x AR at tau {summary['temperature']}",
                        "value": f"{r:.2f}x", "met": lo <= r <= hi})
-        share = quality[stage1]["distinct4"] / ar["distinct4"]
-        checks.append({"target": f"Stage-1 student: distinct-4 >= {STAGE1_DISTINCT4_SHARE}x AR's",
-                       "value": f"{quality[stage1]['distinct4']:.3f} ({share:.2f}x)", "met": share >= STAGE1_DISTINCT4_SHARE})
+        checks.append(_share_check(f"Stage-1 student: distinct-4 >= {STAGE1_DISTINCT4_SHARE}x AR's",
+                                   quality[stage1]["distinct4"], ar["distinct4"], STAGE1_DISTINCT4_SHARE))
         sweep = (summary.get("tau_sweep_stage1") or {}).get("scores")
         if sweep:
             ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in sweep}
@@ -93,10 +93,16 @@ def target_checks(summary: dict) -> list[dict]:
         checks.append({"target": f"{final}: judge PPL <= {FINAL_PPL_MAX}x AR", "value": f"{r:.2f}x", "met": r <= FINAL_PPL_MAX})
         data = quality.get("data (held-out text)")
         if data:
-            share = quality[final]["distinct4"] / data["distinct4"]
-            checks.append({"target": f"{final}: distinct-4 >= {FINAL_DISTINCT4_SHARE}x the held-out text's",
-                           "value": f"{quality[final]['distinct4']:.3f} ({share:.2f}x)", "met": share >= FINAL_DISTINCT4_SHARE})
+            checks.append(_share_check(f"{final}: distinct-4 >= {FINAL_DISTINCT4_SHARE}x the held-out text's",
+                                       quality[final]["distinct4"], data["distinct4"], FINAL_DISTINCT4_SHARE))
     return checks
+
+
+def _share_check(target: str, value: float, reference: float, share: float) -> dict:
+    """``value >= share * reference``; not decidable (``met`` None) when the reference is 0 (samples too short for a 4-gram)."""
+    if reference <= 0:
+        return {"target": target, "value": f"{value:.3f} (reference {reference:.3f})", "met": None}
+    return {"target": target, "value": f"{value:.3f} ({value / reference:.2f}x)", "met": value >= share * reference}
 
 
 def format_targets(summary: dict) -> str:
@@ -105,7 +111,7 @@ def format_targets(summary: dict) -> str:
     if not checks:
         return ""
     lines = ["| sampling target | this run | met |", "|---|---|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'yes' if c['met'] else 'NO'} |" for c in checks]
+    lines += [f"| {c['target']} | {c['value']} | {'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |" for c in checks]
     return "\n".join(lines)
 
 
