@@ -42,7 +42,7 @@ from ..generation.inference import generate_ar, generate_kforcing
 from ..training.checkpoint import CheckpointError, read_json
 from ..hf_recipe.files import corpus_for, is_hf_source, load_any_model
 from ..files import check_writable, write_json
-from .report import HF_GENERATE, format_report, target_checks, timing_report
+from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
 from ...model import KForcingLM
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 
@@ -64,8 +64,6 @@ class EvalSettings:
 
 
 DEMO_EVAL = EvalSettings()
-# The quality row of the Stage-1 PFLM(1) student itself (the k rows decode the final PFLM).
-STAGE1_ROW = "Stage-1 PFLM(1), k=1"
 # `kforcing-train pipeline --evaluate quick`: every table once, in seconds (its quality numbers are a smoke check of a run).
 # Its timings are a measurement all the same: 32 new tokens and 9 timed runs per method (one run of 8 tokens gave k = 4
 # "speedups" from 0.77x to 59x across models of one size); summary["timing"] reports the spread of the runs.

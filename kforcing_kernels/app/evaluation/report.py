@@ -9,6 +9,8 @@ from typing import Optional
 from ..files import atomic_write_file
 
 HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
+# The quality row of the Stage-1 PFLM(1) student itself (the k rows decode the final PFLM).
+STAGE1_ROW = "Stage-1 PFLM(1), k=1"
 
 
 def _ratio(q: dict, ar: dict) -> str:
@@ -68,19 +70,19 @@ def target_checks(summary: dict) -> list[dict]:
     """Each sampling target as ``{"target", "value", "met"}`` (``met`` None: not decidable), from the summary's own
     numbers; [] when the rows are missing.
 
-    The Stage-1 rows need the Stage-1 student's samples (``quality`` row starting "Stage-1"); the tau row needs the
+    The Stage-1 rows need the Stage-1 student's samples (``quality`` row :data:`STAGE1_ROW`); the tau row needs the
     tau sweep; the final rows need the ``K-Forcing k=<final_k>`` row and the held-out text.
     """
     quality, checks = summary["quality"], []
     ar = quality["AR"]
     lo, hi = STAGE1_PPL_BAND
-    stage1 = next((name for name in quality if name.startswith("Stage-1")), None)
-    if stage1:
-        r = quality[stage1]["ppl"] / ar["ppl"]
+    if STAGE1_ROW in quality:
+        stage1 = quality[STAGE1_ROW]
+        r = stage1["ppl"] / ar["ppl"]
         checks.append({"target": f"Stage-1 student: judge PPL {lo}-{hi}x AR at tau {summary['temperature']}",
                        "value": f"{r:.2f}x", "met": lo <= r <= hi})
         checks.append(_share_check(f"Stage-1 student: distinct-4 >= {STAGE1_DISTINCT4_SHARE}x AR's",
-                                   quality[stage1]["distinct4"], ar["distinct4"], STAGE1_DISTINCT4_SHARE))
+                                   stage1["distinct4"], ar["distinct4"], STAGE1_DISTINCT4_SHARE))
         sweep = (summary.get("tau_sweep_stage1") or {}).get("scores")
         if sweep:
             ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in sweep}
