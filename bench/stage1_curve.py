@@ -66,7 +66,8 @@ def _train(argv: list[str], threads) -> None:
 
 
 def _finished(folder: Path) -> bool:
-    return (folder / "model.safetensors").exists() or (folder / "model.json").exists() and (folder / "metrics.jsonl").exists()
+    """A stage's weights are written when it finishes (checkpoints live in a subfolder)."""
+    return (folder / "model.safetensors").exists()
 
 
 def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int, new_tokens: int) -> dict:
