@@ -137,6 +137,20 @@ def install() -> None:
         sys.meta_path.append(_MovedModuleFinder())
 
 
+def module_getattr(module_name: str):
+    """The module ``__getattr__`` of a module whose 0.2 names moved or were renamed: ``__getattr__ = module_getattr(__name__)``.
+
+    It answers :func:`moved_name` for every name the module lacks, and AttributeError for dunders (the import
+    system probes ``__path__`` and others while aliasing the module)."""
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return moved_name(module_name, name)
+
+    return __getattr__
+
+
 def moved_name(module_name: str, name: str):
     """``module.<name>`` for a name that moved out of ``module_name`` or was renamed (:data:`MOVED_NAMES`,
     :data:`RENAMED`), with a DeprecationWarning; else AttributeError (naming the replacement, :data:`REMOVED`)."""

@@ -239,10 +239,7 @@ if __name__ == "__main__":
     main()
 
 
-def __getattr__(name: str):
-    # Names the former single-module trainer (kforcing_kernels.train, 0.2) offered; see kforcing_kernels/_moved.py.
-    if name.startswith("__"):  # the import system probes dunders (__path__, ...) while aliasing this module
-        raise AttributeError(name)
-    from kforcing_kernels._moved import moved_name
+from kforcing_kernels._moved import module_getattr  # noqa: E402
 
-    return moved_name(__name__, name)
+# Names the former single-module trainer (kforcing_kernels.train, 0.2) offered; see kforcing_kernels/_moved.py.
+__getattr__ = module_getattr(__name__)

@@ -204,10 +204,7 @@ def paged_backend(model: KForcingLM) -> Optional[str]:
     return name if name in PAGED_BACKENDS and paged_backends_available()[name] is None else None
 
 
-def __getattr__(name: str):
-    # 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-    if name.startswith("__"):  # the import system probes dunders (__path__, ...) while aliasing this module
-        raise AttributeError(name)
-    from kforcing_kernels._moved import moved_name
+from kforcing_kernels._moved import module_getattr  # noqa: E402
 
-    return moved_name(__name__, name)
+# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
+__getattr__ = module_getattr(__name__)
