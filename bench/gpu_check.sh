@@ -2,7 +2,7 @@
 # bench/gpu_check.sh: the project's one-call GPU check (fits one 10-minute command).
 #
 #   bash bench/gpu_check.sh            # from the project root; logs and JSON under $OUT (else ./gpu-out)
-#   bash bench/gpu_check.sh --dry-run  # on any machine: every step's Python on CPU (python_tests/test_gpu_check.py)
+#   bash bench/gpu_check.sh --dry-run  # on any machine: every step's Python on CPU (python_tests/bench/test_gpu_check.py)
 #
 # Nothing is installed (GPU machines here have no network): missing packages are reported and
 # the steps that need them skipped. Each step has its own cap, and a global deadline
@@ -19,7 +19,7 @@
 # vs dynamo's eager on CPU, and the device differ).
 #
 # Steps, in the order of their value (the real run stops wherever its budget ends; kept in step with
-# python_tests/test_triton_gpu.py, test_gpu_check.py and bench/triton_gpu.py):
+# python_tests/ops/window_attention/triton/test_triton_gpu.py, test_gpu_check.py and bench/triton_gpu.py):
 #   0 versions: packages, the triton tile sets and autotune switch, composite_cuda's kernels, FlexAttention's
 #     FLASH route (flash_attn.cute), the dispatch table in use
 #   1 warm: every kernel that steps 5-7 time, compiled and autotuned once (bench/triton_gpu.py --warm: the
@@ -29,7 +29,7 @@
 #   2 smoke: window_attention(backend="triton") fwd+bwd in bf16 vs the float64 reference (ours <= 2x torch's own
 #     bf16 error + 8e-3), D 128/64, slot and tile modes, both D=128 tile sets, 3 more runs that must match bit
 #     for bit (no atomics: a difference is a race); backend="flex" on one case; the composite CUDA path
-#   3 pytest: python_tests/test_triton_gpu.py (the CUDA tests)
+#   3 pytest: python_tests/ops/window_attention/triton/test_triton_gpu.py (the CUDA tests)
 #   4 int64 offsets: B*H*L*D > 2^31 elements per tensor, first/last batch element vs the reference
 #   5 A/B (decides the defaults): per shape the fused default, compiled FlexAttention and backend="flex" first,
 #     then every variant of bench/gpu_variants.txt (prefetch off, tile candidates, split, legacy),
@@ -112,7 +112,7 @@ required = {
     "torch": "everything",
     "triton": "the triton backend",
     "numpy": "torch and Triton",
-    "pytest": "step 2 (python_tests/test_triton_gpu.py)",
+    "pytest": "step 2 (python_tests/ops/window_attention/triton/test_triton_gpu.py)",
 }
 optional = {
     "flash_attn": "the bench's fa2_causal column (empty without it; sdpa_causal is always measured)",
@@ -121,7 +121,7 @@ optional = {
     "tokenizers": "kforcing_kernels.app.data; not used by this script",
     "hypothesis": "property tests elsewhere in python_tests; not run here",
     "pytest_benchmark": "bench/pytest_attention.py; not run here",
-    "transformers": "python_tests/test_hf.py; not run here",
+    "transformers": "python_tests/integrations/test_hf.py; not run here",
 }
 missing = []
 for name, why in {**required, **optional}.items():
@@ -503,7 +503,7 @@ main() {
             --methods triton flex flex_backend --variants bench/gpu_variants.txt --json "$OUT_DIR/warm.json"
         run_step 2_smoke 50 180 "$PY" "$WORK/smoke.py"
         if [ "$have_pytest" -eq 1 ]; then
-            run_step 3_pytest_gpu 80 130 "$PY" -m pytest python_tests/test_triton_gpu.py -q -p no:cacheprovider \
+            run_step 3_pytest_gpu 80 130 "$PY" -m pytest python_tests/ops/window_attention/triton/test_triton_gpu.py -q -p no:cacheprovider \
                 -rfEs --durations=10 --maxfail=4 --junitxml="$OUT_DIR/pytest_gpu.xml"
         else
             skip_step 3_pytest_gpu "pytest is not installed, and this script installs nothing"

@@ -14,8 +14,9 @@ import os
 import re
 
 import pytest
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 PACKAGE = "kforcing_kernels"
 MAX_LINES = 450
 

@@ -30,8 +30,9 @@ import textwrap
 import zipfile
 
 import pytest
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 VERSION = re.search(r'__version__ = "([^"]+)"', open(os.path.join(ROOT, "kforcing_kernels", "__init__.py")).read())[1]
 
 CHECK_INSTALLED = textwrap.dedent(

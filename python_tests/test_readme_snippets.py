@@ -19,8 +19,9 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 DOCS = ("README.md", "BENCHMARKS.md")
 MARKER = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->$")
 

@@ -7,13 +7,15 @@ import os
 import subprocess
 import sys
 
+from helpers import REPO, TESTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = str(REPO)
 
 
 def _pytest(args, code="", **env):
     script = f"import sys, pytest\n{code}\nsys.exit(pytest.main({args!r}))"
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), **env)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(TESTS)]), **env)
     full_env.pop("KFORCING_DISABLE_EXT", None)
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -21,7 +23,7 @@ def _pytest(args, code="", **env):
 
 def test_missing_extension_fails_the_session_when_required():
     broken = "sys.modules['kforcing_kernels._C'] = None"  # as if the build had failed
-    args = ["-q", "-p", "no:cacheprovider", "--co", os.path.join(HERE, "test_cpp_attention.py")]
+    args = ["-q", "-p", "no:cacheprovider", "--co", str(TESTS / "ops" / "window_attention" / "test_cpp_attention.py")]
     required = _pytest(args, broken, KFORCING_REQUIRE_EXT="1")
     assert required.returncode != 0
     assert "KFORCING_REQUIRE_EXT=1 but the C++ extension is not usable" in required.stdout + required.stderr

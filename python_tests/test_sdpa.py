@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_qkv, run_with_grads
+from helpers.attention import make_qkv, run_with_grads
 from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_by_name
 
 import kforcing_kernels.sdpa

@@ -11,7 +11,7 @@ One name, type, default and help text each, so a user who learnt one command can
     --preset       model size (micro, tiny, paper)
 
 Every parser built with :func:`make_parser` shows each option's default in ``--help``
-(``python_tests/test_cli_consistency.py`` checks all of the above across the CLIs).
+(``python_tests/app/test_cli_consistency.py`` checks all of the above across the CLIs).
 """
 
 from __future__ import annotations

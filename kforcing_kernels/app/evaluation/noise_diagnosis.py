@@ -25,7 +25,7 @@ do. This tool prints, on held-out windows of the run's text (teacher = ``RUN/sta
   by argmax and by the residual rule (its own posterior at the noise's low digits), against the teacher's samples.
 
 The metric definitions (:func:`noise_sensitivity`, :func:`collision_complement`,
-:func:`accuracy_by_width`) are what ``python_tests/test_noise_diagnosis.py`` holds on hand-made cases.
+:func:`accuracy_by_width`) are what ``python_tests/app/evaluation/test_noise_diagnosis.py`` holds on hand-made cases.
 """
 
 from __future__ import annotations

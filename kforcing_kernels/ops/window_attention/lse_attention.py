@@ -10,7 +10,7 @@ On CPU the forward is PyTorch's fused flash kernel (``_scaled_dot_product_flash_
 which returns the LSE and supports GQA. Its backward is not used: on CPUs with AMX (Sapphire Rapids,
 torch 2.13) its dq and dK come out with other bits for another thread count (1 vs 2 threads: dK differs
 from 270 rows on, dq from 1024), which breaks the backends' promise of bits independent of the thread
-count (python_tests/test_determinism.py). The backward is the portable matmul path (fp32 math,
+count (python_tests/ops/window_attention/test_determinism.py). The backward is the portable matmul path (fp32 math,
 query-chunked), as elsewhere: thread-invariant, and ~5x slower than the flash backward on CPU (the
 default CPU backend is the C++ extension, not this one).
 """

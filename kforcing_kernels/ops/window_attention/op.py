@@ -10,7 +10,7 @@ Python dispatch and the layout's round trip through its range tensors cost about
 a millisecond per forward + backward on the host, as much as the kernels
 themselves at N=1024 on an H100 (bench/triton_profile.py).
 
-torch.compile policy (tested in python_tests/test_compile.py): ``window_attention``
+torch.compile policy (tested in python_tests/ops/window_attention/test_compile.py): ``window_attention``
 traces with ``fullgraph=True`` for every backend. A layout enters the graph as its
 range tensors (graph inputs of shape ``[M]``/``[B, M]``, ``[C]``/``[B, C]``) and its geometry ints,
 which the op schema takes as ``SymInt[]``, so no size is baked into the graph.

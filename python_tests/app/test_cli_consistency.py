@@ -1,0 +1,202 @@
+"""Every CLI speaks the same language: the shared options of kforcing_kernels/app/cli.py have one name,
+type and default everywhere, every option has help text, every ``--help`` renders with its defaults, the
+console entry points resolve, and the docs do not use retired spellings. All in-process (no subprocess)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+ROOT = str(REPO)
+
+pytest.importorskip("tqdm")
+
+from kforcing_kernels.app import cli as cli_common
+from kforcing_kernels.app.cli import RETIRED_FLAGS, SHARED_OPTIONS, all_parsers
+
+
+def _bench_parser():
+    from bench.__main__ import build_parser
+
+    return build_parser()
+
+
+def _bench_attention_parser():
+    from bench import attention
+
+    return attention.build_parser()
+
+
+BUILDERS = {
+    "train": lambda: importlib.import_module("kforcing_kernels.app.train").build_parser(),
+    "generate": lambda: importlib.import_module("kforcing_kernels.app.generation.inference").build_parser(),
+    "evaluate": lambda: importlib.import_module("kforcing_kernels.app.evaluation.evaluate").build_parser(),
+    "demo": lambda: importlib.import_module("kforcing_kernels.app.demo").build_parser(),
+    "bench": _bench_parser,
+    "bench/attention.py": _bench_attention_parser,
+}
+# Where each shared option must be present (command path as all_parsers names it, after the builder's key).
+REQUIRED = {
+    "--device": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate", "demo",
+                 "bench attention", "bench train", "bench infer", "bench/attention.py"],
+    "--temperature": ["generate", "evaluate", "demo"],
+    "--seed": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate"],
+    "--threads": ["train stage0", "generate", "evaluate", "demo", "bench attention", "bench train", "bench infer"],
+    "--new-tokens": ["generate", "evaluate", "bench infer"],
+    "--batch-size": ["train stage0", "train pipeline", "bench attention", "bench train"],
+    "--batch-sizes": ["evaluate", "bench infer"],
+}
+
+
+@pytest.fixture(scope="module")
+def parsers():
+    found = {}
+    for key, build in BUILDERS.items():
+        parser = build()
+        for name, p in all_parsers(parser, key):
+            found[name] = p
+    return found
+
+
+def _options(p):
+    return [a for a in p._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def test_every_command_is_found(parsers):
+    for names in REQUIRED.values():
+        for name in names:
+            assert name in parsers, f"{name}: not among {sorted(parsers)}"
+
+
+@pytest.mark.parametrize("flag", sorted(SHARED_OPTIONS))
+def test_shared_option_same_name_type_default(parsers, flag):
+    dest, typ, default = SHARED_OPTIONS[flag]
+    seen = []
+    for name, p in parsers.items():
+        for action in _options(p):
+            if flag in action.option_strings:
+                seen.append(name)
+                assert action.dest == dest, f"{name} {flag}: dest {action.dest!r}, expected {dest!r}"
+                assert action.type is typ, f"{name} {flag}: type {action.type!r}, expected cli_common's {typ.__name__!r}"
+                if default is not None or flag in ("--threads",):
+                    assert action.default == default, f"{name} {flag}: default {action.default!r}, expected {default!r}"
+            # The same dest under another flag would be the same thing with two names.
+            elif action.dest == dest and not action.option_strings[0].startswith("--no-"):
+                pytest.fail(f"{name}: {action.option_strings} sets {dest!r}, which is {flag} everywhere else")
+    missing = [name for name in REQUIRED.get(flag, []) if name not in seen]
+    assert not missing, f"{flag} missing from {missing}"
+
+
+def test_no_retired_spellings(parsers):
+    for name, p in parsers.items():
+        for action in _options(p):
+            bad = set(action.option_strings) & set(RETIRED_FLAGS)
+            assert not bad, f"{name}: retired flag(s) {sorted(bad)}; use the cli_common names"
+
+
+def test_every_option_has_help_and_shows_its_default(parsers):
+    for name, p in parsers.items():
+        assert issubclass(p.formatter_class, argparse.ArgumentDefaultsHelpFormatter), f"{name}: defaults not shown"
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and action.help.strip(), f"{name} {action.option_strings or action.dest}: no help text"
+        text = p.format_help()
+        assert "(default:" in text or not _options(p), f"{name}: --help shows no default"
+
+
+def test_help_runs_for_every_command(parsers, capsys):
+    for name, p in parsers.items():
+        with pytest.raises(SystemExit) as exit_:
+            p.parse_args(["--help"])
+        assert exit_.value.code == 0, name
+        out = capsys.readouterr().out
+        assert out.startswith("usage:"), f"{name}: {out[:80]!r}"
+
+
+def test_preset_help_names_the_stage_it_applies_to(parsers):
+    """--preset only where the model size is chosen (stage0, pipeline), never "for stage0" on another stage."""
+    for name, p in parsers.items():
+        for action in _options(p):
+            if "--preset" in action.option_strings:
+                assert "stage0" not in action.help or name.endswith("stage0"), f"{name}: {action.help!r}"
+    for stage in ("train stage1", "train stage2"):
+        assert not any("--preset" in a.option_strings for a in _options(parsers[stage])), stage
+
+
+def test_device_auto_resolves_and_bad_device_is_a_named_error(capsys):
+    import torch
+
+    from kforcing_kernels.app.train import build_parser
+
+    args = build_parser().parse_args(["stage0", "--out", "x"])
+    assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert build_parser().parse_args(["stage0", "--out", "x", "--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["stage0", "--out", "x", "--device", "gpu0"])
+    assert "--device" in capsys.readouterr().err
+
+
+def test_batch_sizes_are_comma_separated_positive_ints(capsys):
+    p = cli_common.make_parser("t")
+    cli_common.add_batch_sizes(p, [4, 16])
+    assert p.parse_args([]).batch_sizes == [4, 16]  # the default goes through the same type
+    assert p.parse_args(["--batch-sizes", "2,3,128"]).batch_sizes == [2, 3, 128]
+    for bad in ("4,,16", "0,4", "4 16", "a"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--batch-sizes", bad])
+        assert "--batch-sizes" in capsys.readouterr().err
+
+
+def test_console_entry_points_resolve():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert {"kforcing-train", "kforcing-generate", "kforcing-evaluate", "kforcing-demo", "kforcing-bench"} <= set(scripts)
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name
+
+
+def test_bench_entry_point_works_from_any_folder(tmp_path):
+    """The installed console script imports bench/ as the package kforcing_bench: no checkout on sys.path needed."""
+    script = os.path.join(os.path.dirname(sys.executable), "kforcing-bench")
+    if not os.path.exists(script):
+        pytest.skip("kforcing-bench is not installed next to this interpreter (pip install -e . --no-build-isolation)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([script, "infer", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: kforcing-bench infer") and "--batch-sizes" in proc.stdout
+
+
+def test_bench_sweep_shows_progress_without_verbose(tmp_path, capsys):
+    """The attention sweep draws a tqdm bar (count, rate) on stderr with no --verbose."""
+    import torch
+
+    from bench.__main__ import main
+
+    threads = torch.get_num_threads()
+    try:
+        main(["attention", "--layouts", "single", "--n", "16", "--k", "1,2", "--dims", "8", "--heads", "1",
+              "--warmup", "0", "--reps", "1", "--max-seconds", "0.01", "--no-flex", "--backends", "composite",
+              "--threads", "1", "--no-plots", "--device", "cpu", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert re.search(r"attention: 100%.*2/2", err), err[-500:]
+    assert "config/s" in err or "s/config" in err
+
+
+def test_docs_use_current_flag_names():
+    for doc in ("README.md", "BENCHMARKS.md", "Makefile"):
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for flag in RETIRED_FLAGS:
+            assert not re.search(re.escape(flag) + r"(?![\w-])", text), f"{doc}: retired flag {flag}"

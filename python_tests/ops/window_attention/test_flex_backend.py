@@ -1,0 +1,184 @@
+"""The ``flex`` backend (FlexAttention over the analytic BlockMask) and the measured CUDA dispatch table.
+
+On CPU the flex backend runs eager ``flex_attention`` forward only; its forward is checked against the
+float64 reference on every layout of the zoo, and its refusal of a backward is checked by name. The
+dispatch table's format, provenance and the choice ``backend=None`` makes from it are checked with the
+device capability replaced (no GPU needed).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers.attention import make_qkv
+from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.layouts import zoo
+from kforcing_kernels.ops.window_attention import backend_limits, dispatch, flex, op
+from kforcing_kernels.ops.window_attention.backends import REGISTRY
+
+ZOO = zoo.small()
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+
+
+def test_backends_available_lists_flex_and_its_limit():
+    assert backends_available()["flex"] is None  # torch has FlexAttention: usable (forward anywhere)
+    assert "no backward on CPU" in backend_limits()["flex"]
+    assert "cpp" not in backend_limits()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_flex_cpu_forward_equals_reference_on_the_zoo(name):
+    layout = ZOO[name]
+    q, k, v = make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=16, dtype=torch.float64,
+                       requires_grad=False)
+    out, lse = window_attention(q, k, v, layout, backend="flex", scale=0.3, return_lse=True)
+    want, want_lse = window_attention(q, k, v, layout, backend="reference", scale=0.3, return_lse=True)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)  # -inf where a row sees nothing, in both
+
+
+def test_flex_cpu_forward_in_fp32_with_grad_inputs_and_the_backward_refused_by_name():
+    layout = ZOO["double_k2"]
+    q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2, head_dim=16, requires_grad=True)
+    out = window_attention(q, k, v, layout, backend="flex")
+    torch.testing.assert_close(out, window_attention(q, k, v, layout, backend="reference"), atol=2e-6, rtol=2e-6)
+    with pytest.raises(RuntimeError, match="backend 'flex': FlexAttention has no backward on cpu"):
+        out.sum().backward()
+
+
+def test_flex_block_mask_is_built_once_per_layout_content():
+    layout = WindowLayout.kforcing_single(40, 3)
+    first = flex.block_mask(layout, "cpu")
+    assert flex.block_mask(WindowLayout.kforcing_single(40, 3), "cpu") is first
+    assert flex.block_mask(WindowLayout.kforcing_single(40, 4), "cpu") is not first
+    assert torch.equal(first.to_dense(), layout.to_block_mask(flex.BLOCK_SIZE).to_dense())
+
+
+def test_flex_kernel_backend_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("KFORCING_FLEX_BACKEND", "NOT_A_BACKEND")
+    with pytest.raises(ValueError, match="KFORCING_FLEX_BACKEND"):
+        flex.kernel_options()
+    monkeypatch.setenv("KFORCING_FLEX_BACKEND", "TRITON")
+    from torch.nn.attention import flex_attention as flex_module
+
+    if hasattr(flex_module, "_Backend"):
+        assert flex.kernel_options() == {"BACKEND": "TRITON"}
+
+
+# ---------------------------------------------------------------------- the dispatch table
+
+PROVENANCE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-11-27T10:00:00Z",
+              "command": "bash bench/gpu_check.sh"}
+
+
+def _row(backend="flex", capability="9.0", dim=128, bucket=1024, family="single", dtype="bfloat16"):
+    return {"capability": capability, "dtype": dtype, "head_dim": dim, "length_bucket": bucket, "family": family,
+            "backend": backend, "fwd_bwd_ms": {"triton": 1.3, "flex_backend": 1.1}, "provenance": dict(PROVENANCE)}
+
+
+def test_committed_table_is_valid_and_every_row_has_its_provenance():
+    table = dispatch.load(dispatch.TABLE_PATH)
+    for row in table["rows"]:
+        assert all(row["provenance"][key] for key in dispatch.PROVENANCE_KEYS), row
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda t: t.pop("format"), "format"),
+    (lambda t: t["rows"][0].pop("provenance"), "missing"),
+    (lambda t: t["rows"][0]["provenance"].pop("command"), "provenance"),
+    (lambda t: t["rows"][0].update(family="diagonal"), "family"),
+    (lambda t: t["rows"][0].update(length_bucket=1500), "length_bucket"),
+    (lambda t: t["rows"][0].update(backend="cpp"), "backend"),
+    (lambda t: t["rows"].append(_row()), "second row"),
+])
+def test_table_validation_names_the_bad_field(change, field):
+    table = {"format": dispatch.FORMAT, "rows": [_row()]}
+    dispatch.validate(table)
+    change(table)
+    with pytest.raises(ValueError, match=field):
+        dispatch.validate(table)
+
+
+def test_buckets_and_families():
+    assert [dispatch.length_bucket(n) for n in (1, 1024, 1025, 4096, 5000)] == [1024, 1024, 2048, 4096, 8192]
+    assert dispatch.in_bucket(600, 1024) and not dispatch.in_bucket(1025, 1024) and dispatch.in_bucket(1025, 2048)
+    assert dispatch.layout_family(WindowLayout.kforcing_single(64, 4)) == "single"
+    assert dispatch.layout_family(WindowLayout.kforcing_double(64, 4)) == "streams"
+    assert dispatch.layout_family(WindowLayout.sbd(64, 4)) == "full"
+
+
+@pytest.fixture
+def table_on_a_fake_h200(tmp_path, monkeypatch):
+    """A table with one flex row and one triton row, read through KFORCING_DISPATCH_TABLE, on a GPU reporting sm_90."""
+    path = tmp_path / "table.json"
+    dispatch.write({"format": dispatch.FORMAT, "rows": [_row(), _row(backend="triton", dim=64)]}, path)
+    monkeypatch.setenv("KFORCING_DISPATCH_TABLE", str(path))
+    monkeypatch.delenv("KFORCING_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "device_capability", lambda index: (9, 0))
+    dispatch.clear_cache()
+    yield path
+    dispatch.clear_cache()
+
+
+def _default(layout, dim=128, dtype=torch.bfloat16):
+    return op._default_backend_for(torch.device("cuda", 0), dtype, dim, layout)
+
+
+def test_backend_none_on_cuda_picks_the_tables_winner_and_falls_back(table_on_a_fake_h200, monkeypatch):
+    registry_default = REGISTRY.default(torch.device("cuda"), torch.bfloat16, 128)  # triton where it is usable
+    single_1024 = WindowLayout.kforcing_single(1024, 4)
+    assert _default(single_1024) == "flex"  # the measured winner
+    assert _default(WindowLayout.kforcing_single(300, 2)) == "flex"  # same bucket (N <= 1024), same family
+    assert _default(WindowLayout.kforcing_single(2048, 4)) == registry_default  # another length bucket: no row
+    assert _default(WindowLayout.kforcing_double(1024, 4)) == registry_default  # another family
+    triton_usable = REGISTRY.load("triton")[1] is None  # a triton row counts only where triton runs
+    assert _default(single_1024, dim=64) == ("triton" if triton_usable else
+                                             REGISTRY.default(torch.device("cuda"), torch.bfloat16, 64))
+    assert _default(single_1024, dtype=torch.float16) == REGISTRY.default(torch.device("cuda"), torch.float16, 128)
+    monkeypatch.setattr(dispatch, "device_capability", lambda index: (8, 0))
+    dispatch.clear_cache()
+    assert _default(single_1024) == registry_default  # another GPU: the table has nothing for it
+    monkeypatch.setenv("KFORCING_BACKEND", "composite")
+    assert _default(single_1024) == "composite"  # the environment still overrides
+
+
+def test_a_row_whose_backend_is_absent_here_is_ignored(tmp_path, monkeypatch, table_on_a_fake_h200):
+    dispatch.write({"format": dispatch.FORMAT, "rows": [_row()]}, table_on_a_fake_h200)
+    dispatch.clear_cache()
+    monkeypatch.setattr(flex, "available", lambda: "no flex_attention in this torch")
+    assert _default(WindowLayout.kforcing_single(1024, 4)) == REGISTRY.default(torch.device("cuda"), torch.bfloat16, 128)
+
+
+def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path):
+    from bench import dispatch_table
+
+    def result(ms):
+        return {"fwd_ms": ms / 3, "fwd_bwd_ms": ms, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0}
+
+    def bench_row(n, k, dim, triton_ms, flex_ms, layout="single"):
+        return {"layout": layout, "n": n, "k": k, "dim": dim, "errors": {},
+                "results": {"triton": result(triton_ms), "flex_backend": result(flex_ms), "flex": result(0.1)}}
+
+    report = {"machine": {"cuda": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
+                          "timestamp": "2026-11-27T10:00:00Z"},
+              "capability": "9.0", "command": "python -m bench.triton_gpu --n 1024 8192", "config": {"dry_run": False},
+              "rows": [bench_row(1024, 2, 128, 2.0, 1.0), bench_row(1024, 4, 128, 2.0, 1.5),  # flex wins both
+                       bench_row(8192, 2, 128, 1.0, 2.0), bench_row(8192, 4, 128, 3.0, 2.0),  # split: triton
+                       bench_row(1024, 4, 64, 1.0, 2.0, layout="double")]}
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(report))
+    out = tmp_path / "table.json"
+    assert dispatch_table.main([str(src), "--out", str(out), "--command", "bash bench/gpu_check.sh"]) == 0
+    table = dispatch.load(out)
+    got = {dispatch.row_key(r): r["backend"] for r in table["rows"]}
+    assert got == {("9.0", "bfloat16", 128, 1024, "single"): "flex", ("9.0", "bfloat16", 128, 8192, "single"): "triton",
+                   ("9.0", "bfloat16", 64, 1024, "streams"): "triton"}
+    provenance = table["rows"][0]["provenance"]
+    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu_check.sh (python -m")
+    rows = tuple((*dispatch.row_key(r), r["backend"]) for r in table["rows"])
+    assert dispatch.choose(rows, "9.0", "bfloat16", 128, 700, "single") == "flex"
+    assert dispatch.choose(rows, "9.0", "bfloat16", 128, 5000, "single") == "triton"
+    assert dispatch.choose(rows, "9.0", "bfloat16", 128, 2000, "single") is None

@@ -1,0 +1,1 @@
+"""Scripts that the torchrun tests launch, one process per rank (python_tests/helpers/train_helpers.torchrun)."""
