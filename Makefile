@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest python_tests -q -rs -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) -m bench.attention
+	$(PY) -m bench attention
 
 bench-quick: $(STAMP)
 	$(PY) -m bench attention --quick

@@ -74,10 +74,9 @@ def extensions():
     return [ext], {"build_ext": LoudBuildExtension}
 
 
-# The library and its app, plus the benchmarks: bench/ of the checkout is installed as the package
-# kforcing_bench (the kforcing-bench console script), while `python -m bench` runs it in place.
-PACKAGES = find_packages(include=["kforcing_kernels", "kforcing_kernels.*"]) + ["kforcing_bench"]
-PACKAGE_DIR = {"kforcing_bench": "bench"}
+# The library and its app. The benchmarks (bench/) are a tool of the checkout, run as `python -m bench`,
+# and are not installed.
+PACKAGES = find_packages(include=["kforcing_kernels", "kforcing_kernels.*"])
 
 ext_modules, cmdclass = extensions()
-setup(packages=PACKAGES, package_dir=PACKAGE_DIR, ext_modules=ext_modules, cmdclass=cmdclass)
+setup(packages=PACKAGES, ext_modules=ext_modules, cmdclass=cmdclass)

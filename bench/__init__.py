@@ -1,8 +1,6 @@
-"""Benchmarks for kforcing_kernels: ``python -m bench <command>`` from the checkout (``kforcing-bench`` once
-installed: the package installs this folder as ``kforcing_bench``, so modules here import each other relatively).
+"""Benchmarks for kforcing_kernels, a tool of the checkout (not installed with the package):
+``python -m bench <command>`` from the repository root; ``python -m bench --help`` lists the commands.
 
-Commands: ``attention`` (the microbenchmark sweep, ``--quick`` for a short one),
-``train`` (one self-forcing training step), ``infer`` (generation throughput),
-``report`` / ``validate`` (reprint / check a sweep's JSON). ``python -m bench.attention``
-times one shape. See README.md, section Benchmarks.
+Grouped by subject: ``attention/`` (CPU attention, layouts, context parallelism), ``training/``,
+``inference/``, ``gpu/`` (Triton on CUDA, profiles, the GPU check, host cost). See BENCHMARKS.md.
 """

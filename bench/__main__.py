@@ -1,6 +1,8 @@
-"""The benchmarks: ``python -m bench <command> [options]`` from the checkout, or ``kforcing-bench`` once installed.
+"""The benchmarks, run from a checkout: ``python -m bench <command> [options]``.
 
-Run ``<command> --help`` for a command's options; with no command, ``attention`` runs.
+Run ``python -m bench <command> --help`` for a command's options; with no command, ``attention`` runs.
+The folders group them by subject: ``attention/`` (CPU attention and layouts), ``training/``,
+``inference/``, ``gpu/`` (Triton on CUDA, its profiles, checks and host cost).
 """
 
 from __future__ import annotations
@@ -8,41 +10,66 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> (module in bench/, one-line help)
+# command -> (module under bench/, one-line help). Modules with ``add_arguments`` and ``execute`` get an
+# argparse subcommand; the others own their parser and are handed the rest of the command line (``main(argv)``).
 COMMANDS = {
-    "attention": ("sweep", "the attention microbenchmark sweep (--quick for a short one)"),
-    "train": ("train_step", "one self-forcing training step, dense-mask attention vs ours"),
-    "infer": ("inference", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
-    "memory": ("train_memory", "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
-    "teacher": ("teacher_parallel", "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
-    "stage1": ("stage1_curve", "the Stage-1 student over steps and model width: noise use and its samples against the teacher's"),
-    "allocation": ("demo_allocation", "the demo's training budget split between stages, variants trained side by side"),
-    "validate": ("schema", "check attention JSON reports against their schema"),
-    "report": ("report", "reprint an attention JSON report and redraw its plots"),
-    "host-cost": ("triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
-    "batch-invariance": ("batch_invariance", "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
+    "attention": ("attention.sweep", "the attention microbenchmark sweep (--quick for a short one)"),
+    "peers": ("attention.peers", "one shape against its peers: dense SDPA, FlexAttention, our backends, the ideal"),
+    "cpu-kernels": ("attention.cpu_kernels", "the C++ extension's CPU kernels (attention, sampler) against their baselines"),
+    "cpp-ab": ("attention.cpp_ab", "the cpp backend A/B between git commits, at the headline shape"),
+    "layout-build": ("attention.layout_build", "mask construction per training step for block-drafter layouts"),
+    "sliding-window": ("attention.sliding_window", "SingleForward under a sliding window: attended pairs and window_attention time"),
+    "eagle3": ("attention.eagle3", "EAGLE-3 training-time test: attention vs causal over L, and mask construction"),
+    "context-parallel": ("attention.context_parallel", "context parallelism by accounting: per-rank memory, longest sequence, bytes communicated"),
+    "cp-throughput": ("attention.cp_throughput", "the trainer's --context-parallel end to end: tokens/s with W ranks vs one process"),
+    "validate": ("attention.schema", "check attention JSON reports against their schema"),
+    "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
+    "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
+    "memory": ("training.train_memory", "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
+    "teacher": ("training.teacher_parallel", "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
+    "stage1": ("training.stage1_curve", "the Stage-1 student over steps and model width: noise use and its samples against the teacher's"),
+    "allocation": ("training.demo_allocation", "the demo's training budget split between stages, variants trained side by side"),
+    "infer": ("inference.serving", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
+    "gpu": ("gpu.triton_gpu", "Triton vs FlexAttention and SDPA on CUDA (TFLOP/s per useful FLOP), the README's GPU table"),
+    "profile": ("gpu.triton_profile", "per-kernel GPU time vs host enqueue time of the Triton path"),
+    "dispatch-table": ("gpu.dispatch_table", "write the CUDA dispatch table from an A/B report of `gpu`"),
+    "bwd-registers": ("gpu.bwd_registers", "which program kind sets the fused backward's register count (AOT, no GPU)"),
+    "host-cost": ("gpu.triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
+    "batch-invariance": ("gpu.batch_invariance", "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
 }
+PROG = "python -m bench"
 
 
-def build_parser(prog: str = "kforcing-bench"):
-    """The top-level parser with one argparse subcommand per entry of :data:`COMMANDS`."""
+def _module(name: str):
+    return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
+
+
+def build_parser(prog: str = PROG):
+    """The top-level parser: one argparse subcommand per command whose module has ``add_arguments``."""
     from kforcing_kernels.app.cli import add_command, make_parser
 
     parser = make_parser(prog, __doc__)
     sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",
                                 help="the benchmark to run (`<command> --help` for its options)")
-    for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(f".{module_name}", __package__)
-        p = add_command(sub, name, help=help_text, description=module.__doc__)
-        module.add_arguments(p)
-        p.set_defaults(bench_module=module, bench_parser=p)
+    for name, (_, help_text) in COMMANDS.items():
+        module = _module(name)
+        if hasattr(module, "add_arguments"):
+            p = add_command(sub, name, help=help_text, description=module.__doc__)
+            module.add_arguments(p)
+            p.set_defaults(bench_module=module, bench_parser=p)
+        else:  # parses its own options: main() hands it the command line before this parser is built
+            add_command(sub, name, help=help_text, description=module.__doc__)
     return parser
 
 
-def main(argv=None, prog: str = "kforcing-bench") -> int:
+def main(argv=None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "attention")  # the default command, as before subcommands
+    if argv[0] in COMMANDS and not hasattr(_module(argv[0]), "add_arguments"):
+        sys.argv[0] = f"{prog} {argv[0]}"  # argparse's default prog in the command's own parser
+        result = _module(argv[0]).main(argv[1:])
+        return result if isinstance(result, int) else 0
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     module, p = args.bench_module, args.bench_parser
@@ -52,10 +79,5 @@ def main(argv=None, prog: str = "kforcing-bench") -> int:
     return result if isinstance(result, int) else 0
 
 
-def console_main() -> None:
-    """The ``kforcing-bench`` console script (the package installs this folder as ``kforcing_bench``)."""
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m bench"))
+    sys.exit(main())

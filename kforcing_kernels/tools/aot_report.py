@@ -221,7 +221,7 @@ _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 def compile_one(job: Job, fn=None) -> Row:
     """Compile one job and read its resource usage. ``fn``: another ``@triton.jit`` kernel with ``job.kernel``'s
-    arguments and constexprs, compiled in its place (bench/bwd_registers.py: one program kind of ``bwd``)."""
+    arguments and constexprs, compiled in its place (bench/gpu/bwd_registers.py: one program kind of ``bwd``)."""
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
     import triton
     from triton.backends.compiler import GPUTarget

@@ -30,7 +30,7 @@ def _bench_parser():
 
 
 def _bench_attention_parser():
-    from bench import attention
+    from bench.attention import peers as attention
 
     return attention.build_parser()
 
@@ -41,12 +41,12 @@ BUILDERS = {
     "evaluate": lambda: importlib.import_module("kforcing_kernels.app.evaluation.evaluate").build_parser(),
     "demo": lambda: importlib.import_module("kforcing_kernels.app.demo").build_parser(),
     "bench": _bench_parser,
-    "bench/attention.py": _bench_attention_parser,
+    "bench/attention/peers.py": _bench_attention_parser,
 }
 # Where each shared option must be present (command path as all_parsers names it, after the builder's key).
 REQUIRED = {
     "--device": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate", "demo",
-                 "bench attention", "bench train", "bench infer", "bench/attention.py"],
+                 "bench attention", "bench train", "bench infer", "bench/attention/peers.py"],
     "--temperature": ["generate", "evaluate", "demo"],
     "--seed": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate"],
     "--threads": ["train stage0", "generate", "evaluate", "demo", "bench attention", "bench train", "bench infer"],
@@ -160,21 +160,35 @@ def test_console_entry_points_resolve():
     tomllib = pytest.importorskip("tomllib")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert {"kforcing-train", "kforcing-generate", "kforcing-evaluate", "kforcing-demo", "kforcing-bench"} <= set(scripts)
+    assert {"kforcing-train", "kforcing-generate", "kforcing-evaluate", "kforcing-demo"} <= set(scripts)
+    assert "kforcing-bench" not in scripts  # the benchmarks run from a checkout: python -m bench
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
 
 
-def test_bench_entry_point_works_from_any_folder(tmp_path):
-    """The installed console script imports bench/ as the package kforcing_bench: no checkout on sys.path needed."""
-    script = os.path.join(os.path.dirname(sys.executable), "kforcing-bench")
-    if not os.path.exists(script):
-        pytest.skip("kforcing-bench is not installed next to this interpreter (pip install -e . --no-build-isolation)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([script, "infer", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: kforcing-bench infer") and "--batch-sizes" in proc.stdout
+def test_bench_is_one_cli_with_every_module_reachable():
+    """Every bench module with a command line is a command of ``python -m bench`` (one entry style): no module
+    of bench/ runs on its own (no ``__main__`` block), and each command's module imports and answers --help."""
+    from bench.__main__ import COMMANDS
+
+    bench = os.path.join(ROOT, "bench")
+    for folder, _, files in os.walk(bench):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(bench, "__main__.py"):
+                assert '__name__ == "__main__"' not in open(path).read(), path
+    modules = {module for module, _ in COMMANDS.values()}
+    for module in modules:
+        importlib.import_module(f"bench.{module}")
+    for name in ("peers", "gpu", "infer"):
+        proc = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), proc.stdout[:300] + proc.stderr[-2000:]
+
+
+def test_the_wheel_does_not_ship_the_benchmarks():
+    text = open(os.path.join(ROOT, "setup.py")).read()
+    assert "kforcing_bench" not in text and '"bench"' not in text
 
 
 def test_bench_sweep_shows_progress_without_verbose(tmp_path, capsys):

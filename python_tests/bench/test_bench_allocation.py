@@ -1,10 +1,10 @@
-"""``kforcing-bench allocation``: its variant syntax and report (the runs themselves are the demo pipeline's, tested in test_pipeline)."""
+"""``python -m bench allocation``: its variant syntax and report (the runs themselves are the demo pipeline's, tested in test_pipeline)."""
 
 import argparse
 
 import pytest
 
-from bench.demo_allocation import format_report, parse_variant
+from bench.training.demo_allocation import format_report, parse_variant
 
 
 def test_parse_variant():
@@ -28,17 +28,17 @@ def test_parse_variant_refuses_what_it_cannot_run(text):
 
 def test_duplicate_names_are_refused(capsys):
     from bench.__main__ import build_parser
-    from bench.demo_allocation import finish_args
+    from bench.training.demo_allocation import finish_args
 
     argv = ["allocation", "--variant", "a=1,2,3,4", "--variant", "a=1,2,3,5"]
     args = build_parser().parse_args(argv)
     with pytest.raises(SystemExit):
-        finish_args(args.bench_parser, args, argv[1:], "kforcing-bench allocation")
+        finish_args(args.bench_parser, args, argv[1:], "python -m bench allocation")
     assert "expected distinct names" in capsys.readouterr().err
 
 
 def test_stage0_steps_zero_needs_a_shared_teacher(tmp_path):
-    from bench.demo_allocation import run
+    from bench.training.demo_allocation import run
 
     args = argparse.Namespace(out=str(tmp_path), variant=[parse_variant("a=0,2,3,4")], shared_stage0=None, device="cpu",
                               command="")

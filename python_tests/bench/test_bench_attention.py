@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 
-from bench.report import fit_exponents
-from bench.schema import check_report, validate_schema
-from bench.sweep import METHODS, configurations, method_availability, parse_args
+from bench.attention.report import fit_exponents
+from bench.attention.schema import check_report, validate_schema
+from bench.attention.sweep import METHODS, configurations, method_availability, parse_args
 from helpers import REPO
 
 

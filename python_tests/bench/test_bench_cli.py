@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import REPO
 
 ROOT = str(REPO)
@@ -14,20 +15,8 @@ def _bench(*args, entry=("-m", "bench")):
     return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def _console_script():
-    path = os.path.join(os.path.dirname(sys.executable), "kforcing-bench")
-    if not os.path.exists(path):
-        pytest.skip("kforcing-bench is not installed next to this interpreter (pip install -e . --no-build-isolation)")
-    return (path,)
-
-
-@pytest.mark.parametrize("entry", ["module", "console"])
-def test_validate_help(entry, tmp_path):
-    # The console script runs from any folder: the package installs bench/ as kforcing_bench, no sys.path edits.
-    argv = ("-m", "bench") if entry == "module" else _console_script()
-    cmd = [sys.executable, *argv] if entry == "module" else list(argv)
-    proc = subprocess.run([*cmd, "validate", "--help"], cwd=ROOT if entry == "module" else tmp_path,
-                          capture_output=True, text=True, timeout=300)
+def test_validate_help():
+    proc = _bench("validate", "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout and "REPORT.json" in proc.stdout
 

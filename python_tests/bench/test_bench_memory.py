@@ -1,4 +1,4 @@
-"""bench/train_memory.py counts what a rank holds: checked against the model's own sizes in one process."""
+"""bench/training/train_memory.py counts what a rank holds: checked against the model's own sizes in one process."""
 
 import json
 import types
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench._train_models import HF_LLAMA
-from bench.train_memory import format_report, measure
+from bench.training._train_models import HF_LLAMA
+from bench.training.train_memory import format_report, measure
 from kforcing_kernels.app.training.parallel import setup_parallel
 from kforcing_kernels.model import ModelConfig
 
@@ -91,7 +91,7 @@ def test_two_ranks_shard_the_student_and_the_teacher():
     teacher are halves of the unsharded bytes, and the sharded teacher gathers all of its parameters in each of its
     two passes, its root included (place_teacher must free the root after a pass: a frozen teacher has no backward)."""
     pytest.importorskip("transformers")
-    from bench.train_memory import run
+    from bench.training.train_memory import run
 
     args = types.SimpleNamespace(preset="micro", hf_llama="tiny", model_config=None, worlds=[2], seq_len=8, k=2,
                                  batch_per_rank=1, teacher_parallel=["replicate", "fsdp"], ac=["off"], threads=1)

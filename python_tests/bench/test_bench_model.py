@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout")
 
-from bench import inference, train_step
+from bench.inference import serving as inference
+from bench.training import train_step
 from helpers import REPO
 
 TINY = ["--preset", "micro", "--threads", "1", "--warmup", "0", "--reps", "1"]
@@ -77,13 +78,13 @@ def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
 
 
 def test_gpu_check_serving_steps_follow_the_papers_protocol(tmp_path):
-    """bench/gpu_check.sh's opt-in serving steps pass `bench infer` arguments it accepts, and they are
+    """bench/gpu/gpu_check.sh's opt-in serving steps pass `bench infer` arguments it accepts, and they are
     K-Forcing's Table 1 protocol: paper backbone, bf16, 64-token prompts to 1,024 tokens, k = 2 / 4,
     batch 4 / 16 / 128, 5 timed runs after a warm-up."""
     import os
     import re
 
-    text = open(os.path.join(str(REPO), "bench", "gpu_check.sh")).read()
+    text = open(os.path.join(str(REPO), "bench", "gpu", "gpu_check.sh")).read()
     loop = re.search(r'for b in ([\d ]+); do\s+run_step "10_serving_b\$b" \d+ \d+ "\$PY" -m bench infer ((?:\\\n|[^\n])*)', text)
     assert loop is not None
     assert [int(b) for b in loop.group(1).split()] == [4, 16, 128]

@@ -1,11 +1,11 @@
-"""bench/stage1_curve.py: trains the stages through the CLI, measures each student, and reuses what it finished."""
+"""bench/training/stage1_curve.py: trains the stages through the CLI, measures each student, and reuses what it finished."""
 
 import json
 import types
 
 import pytest
 
-from bench.stage1_curve import execute, format_table, measure_student
+from bench.training.stage1_curve import execute, format_table, measure_student
 
 
 @pytest.mark.slow

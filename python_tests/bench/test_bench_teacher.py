@@ -1,4 +1,4 @@
-"""bench/teacher_parallel.py: both teacher placements run the same step (same loss), counted in one process."""
+"""bench/training/teacher_parallel.py: both teacher placements run the same step (same loss), counted in one process."""
 
 import types
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.teacher_parallel import format_report, measure
+from bench.training.teacher_parallel import format_report, measure
 from kforcing_kernels.app.training.parallel import setup_parallel
 
 

@@ -1,4 +1,4 @@
-"""``bash bench/gpu_check.sh --dry-run``: every step of the GPU check runs its Python on CPU and exits 0.
+"""``bash bench/gpu/gpu_check.sh --dry-run``: every step of the GPU check runs its Python on CPU and exits 0.
 
 The GPU check is run on a GPU machine lent for minutes; a step that dies at import there wastes them
 (issue 34). The dry run executes every step's command as the real run does, rewritten only where a CPU
@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     for var in ("GPU_CHECK_ONLY", "KFORCING_BACKEND", "TRITON_INTERPRET"):
         env.pop(var, None)
-    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1500)
     log = result.stdout + result.stderr
     summary = log.split("==================== summary")[-1]
@@ -43,11 +43,11 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
 
 
 def test_variant_lines_are_checked_and_unknown_switches_skipped(tmp_path):
-    """bench/gpu_variants.txt: one variant per line; a switch or tile set this checkout lacks is a skip with a
+    """bench/gpu/gpu_variants.txt: one variant per line; a switch or tile set this checkout lacks is a skip with a
     reason (candidates may come from another branch), a malformed line an error naming the line."""
     import pytest
 
-    from bench import gpu_variants
+    from bench.gpu import gpu_variants
 
     path = tmp_path / "variants.txt"
     path.write_text("# comment\nsplit KFORCING_TRITON_KERNELS=split  # trailing\nghost KFORCING_NOT_A_SWITCH=1\n"
@@ -63,14 +63,14 @@ def test_variant_lines_are_checked_and_unknown_switches_skipped(tmp_path):
         path.write_text(bad)
         with pytest.raises(ValueError, match="variants.txt"):
             gpu_variants.read_variants(str(path))
-    shipped = gpu_variants.read_variants(os.path.join(ROOT, "bench", "gpu_variants.txt"))
+    shipped = gpu_variants.read_variants(os.path.join(ROOT, "bench", "gpu", "gpu_variants.txt"))
     assert {"split", "legacy"} <= {name for name, _ in shipped}
 
 
 def test_a_forced_tile_set_equal_to_the_dispatchers_choice_is_not_timed_twice():
     import torch
 
-    from bench import gpu_variants
+    from bench.gpu import gpu_variants
 
     cpu = torch.device("cpu")  # the interpreter's choice: base at every head dim
     assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "base"}, 64, 1000, cpu)

@@ -129,7 +129,7 @@ def test_backends_run_the_sliding_layout_like_a_dense_softmax(backend):
 
 
 def test_bench_sliding_window_counts_the_pairs_of_the_masks():
-    from bench.sliding_window import main
+    from bench.attention.sliding_window import main
 
     got = main(["--n", "16", "--k", "2", "--window", "8", "--reps", "1", "--backend", "reference", "--threads", "1"])
     full = WindowLayout.kforcing_single(16, 2)

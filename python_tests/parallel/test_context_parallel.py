@@ -151,7 +151,7 @@ def test_validate_config_refuses_a_cp_size_that_does_not_divide_the_world():
 
 
 def test_bench_measures_the_same_saved_activations_on_both_paths():
-    from bench.context_parallel import saved_bytes
+    from bench.attention.context_parallel import saved_bytes
 
     model = KForcingLM(ModelConfig.micro())
     plain, cp = saved_bytes(model, 6, 3, False), saved_bytes(model, 6, 3, True)
@@ -200,9 +200,9 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
 
 
 def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_path):
-    """bench.cp_throughput: the median tokens/s after the first logged step (its compiles), from metrics.jsonl;
+    """bench.attention.cp_throughput: the median tokens/s after the first logged step (its compiles), from metrics.jsonl;
     a world size that does not divide the cores is refused by name."""
-    from bench import cp_throughput
+    from bench.attention import cp_throughput
 
     lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}, {"step": 2, "val_loss": 2.9},
              *({"step": s, "loss": 2.0, "tokens_per_s": r} for s, r in ((2, 300.0), (3, 100.0), (4, 200.0)))]

@@ -71,7 +71,7 @@ def backward(dout, q, k, v, out, lse, layout: Union[WindowLayout, QueryRowsLayou
 def preferred() -> bool:
     """Whether ``cpp`` should be the default CPU backend here.
 
-    Its AVX2 and AVX-512 builds beat ``composite`` by 1.6-3x (bench/cpu_kernels.py);
+    Its AVX2 and AVX-512 builds beat ``composite`` by 1.6-3x (bench/attention/cpu_kernels.py);
     the portable 128-bit build is slower than ``composite`` on x86, so there the
     default stays ``composite`` (``backend="cpp"`` still works).
     """

@@ -1,12 +1,12 @@
 """The measured CUDA dispatch table: which backend ``backend=None`` runs, by GPU measurement.
 
 ``dispatch_table.json`` (next to this file; ``KFORCING_DISPATCH_TABLE`` names another) holds rows
-written by the GPU check (``bench/dispatch_table.py`` from ``bench/triton_gpu.py``'s JSON), each::
+written by the GPU check (``bench/gpu/dispatch_table.py`` from ``bench/gpu/triton_gpu.py``'s JSON), each::
 
     {"capability": "9.0", "dtype": "bfloat16", "head_dim": 128, "length_bucket": 1024, "family": "single",
      "backend": "flex", "fwd_bwd_ms": {"triton": 1.31, "flex_backend": 1.12},
      "provenance": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
-                    "date": "2026-11-27T10:00:00Z", "command": "bash bench/gpu_check.sh"}}
+                    "date": "2026-11-27T10:00:00Z", "command": "bash bench/gpu/gpu_check.sh"}}
 
 A row applies to CUDA inputs on a GPU of that compute capability, of that dtype and head dim,
 whose layout is of that family (:func:`layout_family`) with a context length in that bucket

@@ -6,7 +6,7 @@ no mask_mod sweep) and cached per layout and device (``layouts/derived.py``). Th
 recomputes that forward under autograd and differentiates it: FlexAttention's backward is
 reachable only through autograd, so a forward + backward through this backend costs one extra
 forward compared with calling compiled ``flex_attention`` directly (the GPU check measures both:
-``bench/triton_gpu.py`` methods ``flex`` and ``flex_backend``).
+``bench/gpu/triton_gpu.py`` methods ``flex`` and ``flex_backend``).
 
 On CPU tensors the forward is eager ``flex_attention`` (the same mask_mod math, dense scores:
 compiling it for CPU takes about a minute per shape) and the backward is refused, as
@@ -33,7 +33,7 @@ from .lse_attention import acc_dtype
 
 BLOCK_SIZE = 128  # FlexAttention's own default tile; the BlockMask's granularity on CUDA
 # None: CPU tensors run eager flex_attention. A torch.compile backend name ("eager"): they run the compiled
-# path as CUDA tensors do, compiled with that backend (bench/gpu_check.sh --dry-run walks the CUDA code on CPU).
+# path as CUDA tensors do, compiled with that backend (bench/gpu/gpu_check.sh --dry-run walks the CUDA code on CPU).
 CPU_COMPILE_BACKEND: Optional[str] = None
 _compiled: dict = {}
 

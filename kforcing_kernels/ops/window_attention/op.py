@@ -8,7 +8,7 @@ tensor subclass, dispatch mode or functorch transform) take a
 ``torch.autograd.Function`` over the same two bodies instead: the custom op's
 Python dispatch and the layout's round trip through its range tensors cost about
 a millisecond per forward + backward on the host, as much as the kernels
-themselves at N=1024 on an H100 (bench/triton_profile.py).
+themselves at N=1024 on an H100 (bench/gpu/triton_profile.py).
 
 torch.compile policy (tested in python_tests/ops/window_attention/test_compile.py): ``window_attention``
 traces with ``fullgraph=True`` for every backend. A layout enters the graph as its

@@ -1,4 +1,4 @@
-"""bench/batch_invariance.py: a sequence alone (batch 1, the oracle for the bits) vs the same sequence inside
+"""bench/gpu/batch_invariance.py: a sequence alone (batch 1, the oracle for the bits) vs the same sequence inside
 batches of other sequences, for window_attention (forward and backward) and a teacher's targets. CPU parts
 here at small sizes; the triton backend and its configs on CUDA only (issue #24, step 3)."""
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from bench import batch_invariance as bi
-from bench import batch_invariance_teacher as bt
+from bench.gpu import batch_invariance as bi
+from bench.gpu import batch_invariance_teacher as bt
 from kforcing_kernels import backends_available
 from helpers import REPO
 
@@ -157,7 +157,7 @@ def test_command_line_writes_the_json_and_is_a_bench_command(tmp_path, capsys):
 
 
 def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
-    text = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
+    text = open(os.path.join(ROOT, "bench", "gpu", "gpu_check.sh")).read()
     commands = re.findall(r'run_step (9_batch_invariance) (\d+) (\d+) "\$PY" -m bench\.batch_invariance ((?:\\\n|[^\n])*)', text)
     assert len(commands) == 1, commands
     argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in commands[0][3].replace("\\\n", " ").split()]
@@ -177,7 +177,7 @@ def test_config_sweep_runs_end_to_end_through_the_triton_interpreter(tmp_path):
     out = tmp_path / "interp.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("KFORCING_BACKEND", None)
-    cmd = [sys.executable, "-m", "bench.batch_invariance", "--device", "cpu", "--backend", "triton", "--checks", "configs",
+    cmd = [sys.executable, "-m", "bench", "batch-invariance", "--device", "cpu", "--backend", "triton", "--checks", "configs",
            "--layouts", "single", "--n", "4", "--k", "2", "--dims", "32", "--heads", "1", "--batch-sizes", "2",
            "--json", str(out), "--quiet"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -187,7 +187,7 @@ def test_cpp_isa_selection():
 
 
 def test_default_backend_prefers_cpp_only_with_a_vector_build():
-    """The portable build is slower than composite (bench/cpu_kernels.py), so it is not the default."""
+    """The portable build is slower than composite (bench/attention/cpu_kernels.py), so it is not the default."""
     from kforcing_kernels import default_backend
 
     ext = _extension.load()

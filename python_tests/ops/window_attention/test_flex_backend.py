@@ -71,7 +71,7 @@ def test_flex_kernel_backend_switch_is_checked(monkeypatch):
 # ---------------------------------------------------------------------- the dispatch table
 
 PROVENANCE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-11-27T10:00:00Z",
-              "command": "bash bench/gpu_check.sh"}
+              "command": "bash bench/gpu/gpu_check.sh"}
 
 
 def _row(backend="flex", capability="9.0", dim=128, bucket=1024, family="single", dtype="bfloat16"):
@@ -153,7 +153,7 @@ def test_a_row_whose_backend_is_absent_here_is_ignored(tmp_path, monkeypatch, ta
 
 
 def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path):
-    from bench import dispatch_table
+    from bench.gpu import dispatch_table
 
     def result(ms):
         return {"fwd_ms": ms / 3, "fwd_bwd_ms": ms, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0}
@@ -164,20 +164,20 @@ def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path)
 
     report = {"machine": {"cuda": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
                           "timestamp": "2026-11-27T10:00:00Z"},
-              "capability": "9.0", "command": "python -m bench.triton_gpu --n 1024 8192", "config": {"dry_run": False},
+              "capability": "9.0", "command": "python -m bench gpu --n 1024 8192", "config": {"dry_run": False},
               "rows": [bench_row(1024, 2, 128, 2.0, 1.0), bench_row(1024, 4, 128, 2.0, 1.5),  # flex wins both
                        bench_row(8192, 2, 128, 1.0, 2.0), bench_row(8192, 4, 128, 3.0, 2.0),  # split: triton
                        bench_row(1024, 4, 64, 1.0, 2.0, layout="double")]}
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(report))
     out = tmp_path / "table.json"
-    assert dispatch_table.main([str(src), "--out", str(out), "--command", "bash bench/gpu_check.sh"]) == 0
+    assert dispatch_table.main([str(src), "--out", str(out), "--command", "bash bench/gpu/gpu_check.sh"]) == 0
     table = dispatch.load(out)
     got = {dispatch.row_key(r): r["backend"] for r in table["rows"]}
     assert got == {("9.0", "bfloat16", 128, 1024, "single"): "flex", ("9.0", "bfloat16", 128, 8192, "single"): "triton",
                    ("9.0", "bfloat16", 64, 1024, "streams"): "triton"}
     provenance = table["rows"][0]["provenance"]
-    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu_check.sh (python -m")
+    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu/gpu_check.sh (python -m")
     rows = tuple((*dispatch.row_key(r), r["backend"]) for r in table["rows"])
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 700, "single") == "flex"
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 5000, "single") == "triton"

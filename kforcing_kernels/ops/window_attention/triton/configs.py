@@ -21,7 +21,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # "base" runs everywhere; "wide" is the H100-class D=128 set: FlexAttention's H100 forward tiles (128 query
 # rows x 64 keys) for the forward and dQ; each dK/dV program owns 128 keys and steps through the query
 # tiles 16 rows at a time (q and dO are re-read once per key tile: 4x less traffic than the earlier 32-key
-# programs; on an H100, single N=8192 k=4 fwd+bwd 141 -> 202 TFLOP/s, bench/triton_gpu.py --wide-dkdv).
+# programs; on an H100, single N=8192 k=4 fwd+bwd 141 -> 202 TFLOP/s, bench/gpu/triton_gpu.py --wide-dkdv).
 # It is used on sm_90+ once a head has >= WIDE_MIN_ROWS query rows (below that, 128-row tiles leave SMs
 # idle at B*H = 16: Lq = 1024 gives 128 programs for 132 SMs). Its windows of 5..16 slots take tile
 # products instead of slot steps: at w = 8 and 16 (single / double k=8, N=8192) in-tile beat slot steps

@@ -5,7 +5,7 @@ device) goes through ``triton.autotune`` and ``JITFunction.run``, which pick the
 specialise the arguments, compile if needed and return the ``CompiledKernel`` they launched. Later
 launches with the same key call that kernel's launcher directly with the same arguments (in the
 kernel's parameter order), the same grid and the current stream (host time per launch:
-bench/triton_host_cost.py, BENCHMARKS.md "Triton host cost").
+bench/gpu/triton_host_cost.py, BENCHMARKS.md "Triton host cost").
 
 The key holds everything Triton's choice depends on: the autotuner keys on ``HEAD_DIM`` (in the
 constexprs) and every tensor's dtype; the JIT's cache on each argument's specialisation, which

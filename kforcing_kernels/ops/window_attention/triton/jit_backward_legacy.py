@@ -1,7 +1,7 @@
 """The first generation of the dQ and dK/dV kernels (``@triton.jit`` source only), kept selectable.
 
 ``KFORCING_TRITON_KERNELS=legacy`` launches these instead of ``jit_backward.py``'s
-pipelined kernels, so one GPU run can measure old against new (``bench/triton_gpu.py``).
+pipelined kernels, so one GPU run can measure old against new (``bench/gpu/triton_gpu.py``).
 
 * ``_dq_legacy_kernel``: the forward's walk, one key loop per interval with the mask as a
   runtime branch inside it.

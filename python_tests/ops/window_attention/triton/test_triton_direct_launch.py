@@ -2,7 +2,7 @@
 
 A real launch needs a GPU, so this checks what decides it: the switch, the key against Triton's own
 specialisation (an independent oracle: ``native_specialize_impl`` through the JIT's binder), the
-argument packing against the JIT's bound arguments, and, with bench/triton_stub_driver.py installed
+argument packing against the JIT's bound arguments, and, with bench/gpu/triton_stub_driver.py installed
 as Triton's driver (kernels really compile for sm_90a; only the C launcher is stubbed), that a
 direct launch hands the launcher exactly what the autotuner path hands it. On CUDA, direct and
 autotuner launches give bitwise equal results.
@@ -203,7 +203,7 @@ def test_direct_launch_calls_the_launcher_like_jit_run(monkeypatch):
 @pytest.mark.skipif(aot_report.tools_missing() is not None, reason=f"{aot_report.tools_missing()}")
 @pytest.mark.parametrize("autotune", ["1", "0"])
 def test_direct_launch_hands_the_launcher_what_the_autotuner_path_does(monkeypatch, autotune):
-    from bench.triton_stub_driver import stub_driver
+    from bench.gpu.triton_stub_driver import stub_driver
 
     monkeypatch.setitem(launch.KERNELS, "scale", _scale_kernel)
     monkeypatch.setitem(launch.KERNEL_CONFIGS, "scale", {("base", 64): [(4, 1), (2, 1)]})

@@ -58,7 +58,7 @@ def test_cuda_tensors_dispatch_to_triton():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmark")
 def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
 
     assert triton_gpu.main([]) == 0
     out = capsys.readouterr().out
@@ -69,7 +69,7 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
 
 def test_gpu_table_renders_from_the_committed_h100_json(capsys):
     """The README's GPU table is `--render` of bench/results/gpu-h100/attention_table.json."""
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
 
     path = os.path.join(ROOT, "bench", "results", "gpu-h100", "attention_table.json")
     assert triton_gpu.main(["--render", path]) == 0
@@ -80,7 +80,7 @@ def test_gpu_table_renders_from_the_committed_h100_json(capsys):
 
 
 def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
     from kforcing_kernels.ops.window_attention.triton import configs as tk
 
     shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])
@@ -96,7 +96,7 @@ def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
 
 def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
     """bench_one's methods, FLOP accounting and failure capture, with the timer replaced (do_bench needs CUDA)."""
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
 
     calls = []
 
@@ -185,12 +185,12 @@ def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
 
 
 def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
-    """bench/gpu_check.sh's text: valid bash, its Python compiles, its bench command lines parse (its dry run,
+    """bench/gpu/gpu_check.sh's text: valid bash, its Python compiles, its bench command lines parse (its dry run,
     python_tests/bench/test_gpu_check.py, runs them all on CPU)."""
     import re
     import subprocess
 
-    script = os.path.join(ROOT, "bench", "gpu_check.sh")
+    script = os.path.join(ROOT, "bench", "gpu", "gpu_check.sh")
     assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
     text = open(script).read()
     blocks = re.findall(r'cat > "\$WORK/(\w+\.py)" <<\'PYEOF\'\n(.*?)\nPYEOF\n', text, re.S)
@@ -199,7 +199,7 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
         compile(body, name, "exec")
     commands = re.findall(r'"\$PY" -m bench\.triton_gpu ((?:\\\n|[^\n])*)', text)
     assert len(commands) == 8, commands
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
 
     train_shapes, tables = [], 0
     for cmd in commands:
@@ -218,10 +218,10 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
 
 
 def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(monkeypatch):
-    """The training-step rows (bench/triton_gpu.py --train-step) on the micro model with the timer
+    """The training-step rows (bench/gpu/triton_gpu.py --train-step) on the micro model with the timer
     replaced: three variants of one step, the ratios from their times, and a zero-cost variant that
     really runs no attention (while the others do)."""
-    from bench import triton_gpu
+    from bench.gpu import triton_gpu
     from kforcing_kernels.model import gpt
 
     calls = {"attention": 0}

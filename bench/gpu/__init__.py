@@ -1,0 +1,1 @@
+"""GPU benchmarks and checks: Triton vs FlexAttention and SDPA, kernel profiles, the dispatch table, batch invariance, host cost."""

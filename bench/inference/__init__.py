@@ -1,0 +1,1 @@
+"""Inference benchmarks: AR vs k-token decoding, contiguous vs paged cache."""
