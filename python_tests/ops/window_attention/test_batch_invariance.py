@@ -158,7 +158,7 @@ def test_command_line_writes_the_json_and_is_a_bench_command(tmp_path, capsys):
 
 def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
     text = open(os.path.join(ROOT, "bench", "gpu", "gpu_check.sh")).read()
-    commands = re.findall(r'run_step (9_batch_invariance) (\d+) (\d+) "\$PY" -m bench\.batch_invariance ((?:\\\n|[^\n])*)', text)
+    commands = re.findall(r'run_step (9_batch_invariance) (\d+) (\d+) "\$PY" -m bench batch-invariance ((?:\\\n|[^\n])*)', text)
     assert len(commands) == 1, commands
     argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in commands[0][3].replace("\\\n", " ").split()]
     parser = bi.make_parser("x")

@@ -197,7 +197,7 @@ def test_gpu_check_script_parses_and_its_python_compiles(tmp_path):
     assert {name for name, _ in blocks} == {"info.py", "smoke.py", "int64.py", "sampler.py"}
     for name, body in blocks:
         compile(body, name, "exec")
-    commands = re.findall(r'"\$PY" -m bench\.triton_gpu ((?:\\\n|[^\n])*)', text)
+    commands = re.findall(r'"\$PY" -m bench gpu ((?:\\\n|[^\n])*)', text)
     assert len(commands) == 8, commands
     from bench.gpu import triton_gpu
 
