@@ -166,3 +166,59 @@ def test_no_file_over_the_line_limit(folder):
         if n > MAX_LINES:
             long[os.path.relpath(path, ROOT)] = n
     assert long == {}
+
+
+# ---------------------------------------------------------------------- the seam between model kinds (app/student.py)
+
+APP = f"{PACKAGE}.app"
+
+
+def _imports_between(source: str, target: str) -> dict[str, list[str]]:
+    """{module under ``source``: the modules under ``target`` it imports} (module level and inside functions)."""
+    def under(name, top):
+        return name == top or name.startswith(top + ".")
+    return {name: sorted(t for t in targets if under(t, target)) for name, targets in GRAPH.items()
+            if under(name, source) and any(under(t, target) for t in targets)}
+
+
+def test_training_never_imports_the_hugging_face_recipe():
+    # The trainer reaches every kind of model through the registry of app/student.py, never a kind's own modules.
+    assert _imports_between(f"{APP}.training", f"{APP}.hf_recipe") == {}
+
+
+def test_the_hugging_face_recipe_imports_only_the_objectives_from_training():
+    # One direction only: the HF Trainer route (hf_recipe/trainer.py) computes the CLI's loss with the objectives; the
+    # recipe's files, model and kind need nothing of the trainer (file I/O is app/files.py's).
+    found = _imports_between(f"{APP}.hf_recipe", f"{APP}.training")
+    assert {t for targets in found.values() for t in targets} <= {f"{APP}.training.objectives"}, found
+
+
+def test_generation_and_evaluation_reach_models_through_the_registry():
+    for area in ("generation", "evaluation"):
+        assert _imports_between(f"{APP}.{area}", f"{APP}.hf_recipe") == {}, area
+        assert _imports_between(f"{APP}.{area}", f"{APP}.native") == {}, area
+
+
+def test_the_registry_imports_no_kind():
+    # Kinds are named by "module:attribute" and loaded on first use (as ops/registry.py loads backends).
+    assert {t for t in GRAPH[f"{APP}.student"] if t.startswith(APP + ".")} == set()
+
+
+def test_nothing_outside_the_hugging_face_recipe_asks_whether_a_model_is_one():
+    pattern = re.compile(r"\bis_hf\w*\b")
+    offenders = []
+    for path in _python_files(PACKAGE):
+        if os.sep + os.path.join("app", "hf_recipe") + os.sep in path:
+            continue
+        with open(path) as f:
+            offenders += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1) if pattern.search(line)]
+    assert offenders == []
+
+
+def test_the_seam_finder_sees_a_planted_import():
+    graph_before = GRAPH[f"{APP}.training.stage"]
+    GRAPH[f"{APP}.training.stage"] = graph_before | {f"{APP}.hf_recipe.files"}
+    try:
+        assert _imports_between(f"{APP}.training", f"{APP}.hf_recipe") == {f"{APP}.training.stage": [f"{APP}.hf_recipe.files"]}
+    finally:
+        GRAPH[f"{APP}.training.stage"] = graph_before

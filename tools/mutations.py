@@ -123,7 +123,7 @@ MUTATIONS = [
     dict(id="noise-inversion-may-return-one", file="kforcing_kernels/ops/sampling/reference.py",
          old="    return torch.minimum(z, below_one)", new="    return z",
          tests=["python_tests/ops/sampling/test_sampling_contract.py", "-k", "never_returns_one and reference"]),
-    dict(id="tokenizer-parses-eos-in-text", file="kforcing_kernels/app/training/checkpoint.py",
+    dict(id="tokenizer-parses-eos-in-text", file="kforcing_kernels/app/files.py",
          old="    tok.encode_special_tokens = True", new="    tok.encode_special_tokens = False",
          tests=["python_tests/app/training/test_train_packed.py", "-k", "literal_eos"]),
     dict(id="one-row-cu-seqlens-broadcasts", file="kforcing_kernels/layouts/documents.py",

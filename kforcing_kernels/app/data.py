@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 from .. import env
-from .training.checkpoint import tokenizer_sha256, literal_specials, load_tokenizer
-from .files import atomic_write_file, write_json, write_text
+from .files import atomic_write_file, literal_specials, load_tokenizer, tokenizer_sha256, write_json, write_text
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"

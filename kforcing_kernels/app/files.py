@@ -1,5 +1,7 @@
-"""The files of a run, written safely: one atomic writer for every file the package writes, and the
-lock that keeps one run per output folder.
+"""The files of a run: one atomic writer for every file the package writes, the checked readers (JSON, safetensors
+files against their recorded size and SHA-256), the one file hash (:func:`sha256_file`), tokenizer I/O and its
+identity (:func:`tokenizer_sha256`), and the lock that keeps one run per output folder. Every model kind
+(``app/student.py``) reads and writes its files through here.
 
 Every write goes to a randomly named temporary created with ``O_EXCL | O_NOFOLLOW`` in the target's
 folder, written through its descriptor, fsynced and renamed into place, so a torn write is never
@@ -9,14 +11,18 @@ mistaken for the file and no symlink planted in the folder can redirect it; the 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import secrets
 import stat
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Optional
 
+import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 _TMP_SUFFIX = ".tmp"
 
@@ -163,6 +169,101 @@ def append_jsonl(path: str | Path, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot append ({exc.strerror or exc})") from exc
+
+
+# ---------------------------------------------------------------------- reading back, checked: JSON, hashes, tensors
+
+
+def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
+    """A JSON object from ``path``; ``required`` maps keys to the type(s) their values must have.
+
+    Missing file, bad JSON, a non-object or a wrong key all raise :class:`CheckpointError` naming ``path``.
+    """
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: malformed: expected a JSON object, got {type(obj).__name__}")
+    for key, kind in (required or {}).items():
+        if key not in obj:
+            raise CheckpointError(f"{path}: malformed: no {key!r} entry")
+        # bool is an int in Python; a flag where a count belongs is malformed.
+        if not isinstance(obj[key], kind) or (kind is int and isinstance(obj[key], bool)):
+            raise CheckpointError(f"{path}: malformed: {key!r} has type {type(obj[key]).__name__}")
+    return obj
+
+
+_RECORD = {"file": str, "bytes": int, "sha256": str}
+
+
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 (hex) of a file's bytes, read in 4 MiB chunks: the checksum every record of the package keeps."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write ``tensors`` as safetensors; returns the record (file name, size, SHA-256) a JSON keeps."""
+    path = Path(path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    write_bytes(path, safetensors_bytes(tensors))
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
+    """Load the tensors a JSON record points at, after checking size and SHA-256."""
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in _RECORD.items()):
+        raise CheckpointError(f"{json_path}: malformed: 'tensors' must hold file, bytes and sha256, got {record!r}")
+    path = json_path.parent / record["file"]
+    if path.parent != json_path.parent:
+        raise CheckpointError(f"{json_path}: malformed: tensor file {record['file']!r} is not in the same folder")
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing (referenced by {json_path.name})")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} (from {json_path.name})")
+    if sha256_file(path) != record["sha256"]:
+        raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {json_path.name}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+
+
+# ---------------------------------------------------------------------- tokenizers
+
+
+def literal_specials(tok):
+    """``tok`` set to encode text containing a special token's characters (``<|eos|>``) as ordinary tokens.
+
+    The separator between documents is inserted by id (``load_corpus``), never parsed from text: a
+    document (or prompt) that mentions the marker must not gain a false document boundary. The setting
+    is not saved in ``tokenizer.json``, so every load goes through :func:`load_tokenizer`.
+    """
+    tok.encode_special_tokens = True
+    return tok
+
+
+def load_tokenizer(path):
+    """A tokenizer saved by this package (``tokenizer.json``), with :func:`literal_specials` applied."""
+    from tokenizers import Tokenizer
+
+    return literal_specials(Tokenizer.from_file(str(path)))
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """The identity of a tokenizer, recorded beside every model: SHA-256 of a ``tokenizers.Tokenizer``'s serialized JSON (keys sorted, no white space): equal ids for equal text."""
+    canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------- one run per folder at a time

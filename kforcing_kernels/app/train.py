@@ -40,7 +40,7 @@ from .cli import (
 )
 from .data import DataError
 from .training.parallel import PARALLEL_MODES, TEACHER_MODES
-from .hf_recipe.files import check_hf_source, read_model_config
+from .student import check_model_options
 from .training.pipeline import PipelineConfig, per_round_type, run_pipeline
 from .training.config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
 from .training.loop import NonFiniteLoss, train
@@ -212,10 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if args.evaluate and env.distributed_ranks()[1] == 0:  # under torchrun rank 0 evaluates; the others are done
                 result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
-            if cfg.model:  # a bad model source is a usage error before the stage folder is made
-                check_hf_source(cfg.model)
-            if cfg.model_config:
-                read_model_config(cfg.model_config)
+            check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error before the stage folder
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))

@@ -218,6 +218,8 @@ class KForcingLM(nn.Module):
     is SingleForward (logits ``[B, N, k, V]`` for the k noise slots after each context token).
     """
 
+    kind = "native"  # the name the application's model registry knows it by (kforcing_kernels/app/student.py)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -250,6 +252,14 @@ class KForcingLM(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, 0.0, 0.02, generator=generator)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder blocks, in order: the unit of activation checkpointing, compile and FSDP2 sharding."""
+        return list(self.blocks)
+
+    def tied_keys(self) -> list[str]:
+        """state_dict keys whose tensor is another key's (the tied head): saved once, restored by the tie."""
+        return ["head.weight"] if self.config.tie_embeddings else []
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -39,9 +39,8 @@ import torch.nn.functional as F
 
 from ..data import sample_crops, tokenizer_sha256
 from ..generation.inference import generate_ar, generate_kforcing
-from ..training.checkpoint import CheckpointError, read_json
-from ..hf_recipe.files import corpus_for, is_hf_source, load_any_model
-from ..files import check_writable, write_json
+from ..files import CheckpointError, check_writable, read_json, write_json
+from ..student import corpus_for, find_kind, kind_of, load_student
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
 from ...model import KForcingLM
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
@@ -201,7 +200,7 @@ def ar_teacher_folder(run: Path) -> Path:
     teacher = read_json(run / "stage1" / "model.json").get("teacher")
     if teacher is None:
         return run / "stage0"
-    if not is_hf_source(teacher) and not (Path(teacher) / "model.json").exists():  # say what is missing in an HF folder's terms
+    if find_kind(teacher) is None:  # say what is missing in an HF folder's terms too
         raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in {run / 'stage1' / 'model.json'}) is "
                          "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run was trained "
                          "before teachers were recorded as absolute paths (then evaluate it from the directory it was trained in)")
@@ -216,9 +215,9 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
     if isinstance(judge, torch.nn.Module):
         return judge.eval(), "a model given by the caller"
     folder = Path(judge) if judge is not None else ar_teacher_folder(run)
-    if not (folder / "model.json").exists() and not is_hf_source(folder):
+    if find_kind(folder) is None:
         raise ValueError(f"judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got {str(folder)!r}")
-    model, info, judge_tokenizer = load_any_model(folder, device)
+    model, info, judge_tokenizer = load_student(folder, device)
     if _same_tokenizer(judge_tokenizer, tokenizer) is False:
         raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to it; "
                          "pass a judge trained on the run's --data and --vocab-size")
@@ -253,7 +252,7 @@ def evaluate_pipeline(
     run = Path(run)
     batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
     ar_folder = ar_teacher_folder(run)
-    teacher, tinfo, tokenizer = load_any_model(ar_folder, device)
+    teacher, tinfo, tokenizer = load_student(ar_folder, device)
     judge_model, judge_text = load_judge(run, judge, device, tokenizer)
     if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
         tinfo = {**tinfo, **{key: read_json(run / "stage1" / "model.json")[key] for key in ("data", "train_config")}}
@@ -276,7 +275,7 @@ def evaluate_pipeline(
                  "agreement": None}]
     models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
-        student, info, student_tokenizer = load_any_model(folder, device)
+        student, info, student_tokenizer = load_student(folder, device)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if _same_tokenizer(student_tokenizer, tokenizer) is False:
             raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one pipeline")
@@ -310,7 +309,7 @@ def evaluate_pipeline(
 
     throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
     outputs: dict[str, torch.Tensor] = {}
-    hf_model = _hf_generate_model(ar_folder, teacher, device)
+    hf_model = kind_of(teacher).reference_generator(ar_folder, device)  # HF's own generate, for an HF teacher
     timing: dict[str, dict[str, dict]] = {}
     for b in batch_sizes:
         log(f"[eval] throughput at batch {b}")
@@ -363,16 +362,6 @@ def evaluate_pipeline(
     return summary
 
 
-def _hf_generate_model(folder: Path, teacher, device: str):
-    """The AR teacher as an HF user runs it (``from_pretrained(attn_implementation="sdpa")``), or None for a native teacher."""
-    if not getattr(teacher, "is_hf", False):
-        return None
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa",
-                                                             dtype=torch.float32).to(device).eval()
-
-
 @torch.no_grad()
 def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: float, eos_id: int) -> torch.Tensor:
     """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early stop)."""
@@ -413,7 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
     if not (Path(args.run) / "stage0" / "model.json").exists() and not (Path(args.run) / "stage1" / "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
-    if args.judge is not None and not (Path(args.judge) / "model.json").exists() and not is_hf_source(args.judge):
+    if args.judge is not None and find_kind(args.judge) is None:
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
     if args.json:
         try:

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..data import sample_crops
-from ..hf_recipe.files import corpus_for, load_any_model
+from ..student import corpus_for, load_student
 from ..training.objectives import CDF_ORDERS, forward_distillation_targets
 from ...model.decoding import decode_slots
 
@@ -263,8 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args(argv)
     run = Path(args.run)
-    teacher, tinfo, _ = load_any_model(run / "stage0")
-    student, sinfo, _ = load_any_model(Path(args.student) if args.student else run / "stage1")
+    teacher, tinfo, _ = load_student(run / "stage0")
+    student, sinfo, _ = load_student(Path(args.student) if args.student else run / "stage1")
     if sinfo.get("k") != 1:
         parser.error(f"argument --student: expected a PFLM(1) (stage1) folder, got k={sinfo.get('k')}")
     order = args.order or sinfo.get("cdf_order", "vocab")  # stages saved before the order was recorded used vocab order

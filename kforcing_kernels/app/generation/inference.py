@@ -38,6 +38,7 @@ from ...model import KForcingLM
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from ...types import Temperature
+from ..student import kind_of
 from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
 from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
 
@@ -220,7 +221,7 @@ def generate_kforcing(
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
     _check_generation(model, tokens, max_new_tokens, cache)
-    b, p_max = tokens.shape
+    b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
@@ -229,18 +230,20 @@ def generate_kforcing(
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_recipe/student.py): its own KV cache
-        from ..hf_recipe.student import generate_grouped
+    out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k, max_new_tokens=max_new_tokens,
+                                                  cache=cache, page_size=page_size, k_train=k_train, return_logits=return_logits)
+    return (out, logits) if return_logits else out
 
-        taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
-        out, logits = generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths,
-                                       max_new_tokens, noise, taus)
-        return (out, logits) if return_logits else out
+
+def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature: Temperature,
+                    *, k: int, max_new_tokens: int, cache: str, page_size: int, k_train: Optional[int], return_logits: bool):
+    """:func:`generate_kforcing`'s loop over the package's own KV caches (the native kind's, app/native.py), arguments
+    checked: ``(tokens [B, T], logits [B, T, V] or None without return_logits)``."""
+    (b, p_max), device, steps = tokens.shape, tokens.device, noise.shape[1]
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
-        out, logits = _run_paged(model, requests, k, page_size, return_logits, k_train)
-        return (out, logits) if return_logits else out
+        return _run_paged(model, requests, k, page_size, return_logits, k_train)
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     rule = decode_rule(model)
@@ -266,8 +269,7 @@ def generate_kforcing(
         logits = model.head(h[:, k:])
         out[:, s * k:(s + 1) * k] = decode_slots(logits, noise[:, s], rule)
         all_logits.append(logits)
-    out = out[:, :max_new_tokens]
-    return (out, torch.cat(all_logits, 1)[:, :max_new_tokens]) if return_logits else out
+    return out[:, :max_new_tokens], torch.cat(all_logits, 1)[:, :max_new_tokens] if return_logits else None
 
 
 @torch.no_grad()
@@ -296,7 +298,7 @@ def generate_ar(
     device = model.wte.weight.device
     tokens, lengths = pad_prompts(prompts, device=device)
     _check_generation(model, tokens, max_new_tokens, cache)
-    b, p_max = tokens.shape
+    b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=True)
     if noise is None:
         noise = torch.rand((b, max_new_tokens), generator=check_generator(generator), device=generator.device if generator else "cpu")
@@ -304,20 +306,19 @@ def generate_ar(
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    greedy = is_greedy(temperature)
-    if getattr(model, "is_hf", False):  # a Hugging Face model (app/hf_recipe/student.py): its own KV cache
-        from ..hf_recipe.student import generate_grouped
+    out, logits = kind_of(model).generate_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens,
+                                            cache=cache, page_size=page_size, return_logits=return_logits)
+    return (out, logits) if return_logits else out
 
-        taus = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(b)
-        out, logits = generate_grouped(lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy), tokens, lengths,
-                                       max_new_tokens, noise, taus)
-        return (out, logits) if return_logits else out
+
+def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature: Temperature,
+              *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool):
+    """:func:`generate_ar`'s loop over the package's own KV caches (the native kind's), arguments checked."""
+    (b, p_max), device, greedy = tokens.shape, tokens.device, is_greedy(temperature)
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
-        out, logits = _run_paged(model, requests, None, page_size, return_logits)
-        return (out, logits) if return_logits else out
-
+        return _run_paged(model, requests, None, page_size, return_logits)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)
@@ -336,7 +337,7 @@ def generate_ar(
         kv.append(kvs, 1)
         all_logits.append(model.head(h[:, 0]))
         out[:, s] = pick(all_logits[-1], s)
-    return (out, torch.stack(all_logits, 1)) if return_logits else out
+    return out, torch.stack(all_logits, 1) if return_logits else None
 
 
 # ---------------------------------------------------------------------- CLI
@@ -361,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from ..cli import apply_threads
-    from ..hf_recipe.files import load_any_model
+    from ..student import load_student
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -371,7 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     if args.out:
         _check_out(parser, args.out)  # before any work: a bad --out fails fast
-    model, info, tokenizer = load_any_model(args.model, device=args.device)
+    model, info, tokenizer = load_student(args.model, device=args.device)
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
@@ -399,8 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
     """Fail before any work when ``path`` cannot be written (a folder, a missing or unwritable folder)."""
-    from ..training.checkpoint import CheckpointError
-    from ..files import check_writable
+    from ..files import CheckpointError, check_writable
 
     try:
         check_writable(path, "--out")
@@ -410,8 +410,7 @@ def _check_out(parser: argparse.ArgumentParser, path: str) -> None:
 
 def _write_out(parser: argparse.ArgumentParser, path: str, records: list) -> None:
     """JSON Lines through the package's atomic writer (never a half-written file, no symlink followed, mode from the umask)."""
-    from ..training.checkpoint import CheckpointError
-    from ..files import write_text
+    from ..files import CheckpointError, write_text
 
     try:
         write_text(path, "".join(json.dumps(r) + "\n" for r in records))

@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from ..training.checkpoint import CheckpointError, _sha256, load_model, load_tensors, literal_specials, read_json, save_tensors, tokenizer_sha256
-from ..data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_corpus, load_documents,
-                   split_documents, token_streams)
-from ..files import atomic_write_file, write_json
+from ..data import EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_documents, split_documents, token_streams
+from ..files import (CheckpointError, atomic_write_file, literal_specials, load_tensors, read_json, save_tensors, sha256_file,
+                     tokenizer_sha256, write_json)
 
 if TYPE_CHECKING:
     from .student import HFStudent
@@ -76,10 +75,6 @@ def is_hf_source(folder) -> bool:
     return folder is not None and (Path(folder) / "config.json").exists() and not (Path(folder) / "model.json").exists()
 
 
-def is_hf(folder) -> bool:
-    return folder is not None and (is_hf_source(folder) or is_hf_stage(folder))
-
-
 def hf_weights_sha256(folder) -> str:
     """The identity of an HF folder's weights: SHA-256 over its weight files' names and SHA-256s."""
     files = sorted(p for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES and p.name != NOISE_FILE)
@@ -87,7 +82,7 @@ def hf_weights_sha256(folder) -> str:
         raise CheckpointError(f"{folder}: no weight files (*.safetensors, *.bin) in this Hugging Face model folder")
     h = hashlib.sha256()
     for p in files:
-        h.update(p.name.encode() + b"\0" + _sha256(p).encode())
+        h.update(p.name.encode() + b"\0" + sha256_file(p).encode())
     return h.hexdigest()
 
 
@@ -98,7 +93,7 @@ def hf_source_sha256(folder) -> str:
     h = hashlib.sha256(b"weights\0" + hf_weights_sha256(folder).encode())
     for name in (CONFIG_FILE, *sorted(TOKENIZER_FILES)):
         if (folder / name).is_file():
-            h.update(b"\0" + name.encode() + b"\0" + _sha256(folder / name).encode())
+            h.update(b"\0" + name.encode() + b"\0" + sha256_file(folder / name).encode())
     return h.hexdigest()
 
 
@@ -223,7 +218,7 @@ def load_hf_stage(folder, device="cpu"):
         path = folder / name
         if not path.exists():
             raise CheckpointError(f"{path}: missing (listed in {json_path.name})")
-        if path.stat().st_size != record.get("bytes") or _sha256(path) != record.get("sha256"):
+        if path.stat().st_size != record.get("bytes") or sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: truncated or corrupt (size or SHA-256 differs from {json_path.name})")
     model, tokenizer = _from_pretrained(folder, device)
     embedding = NoiseEmbedding(**noise["settings"])
@@ -237,12 +232,11 @@ def load_hf_stage(folder, device="cpu"):
 
 
 def load_any_model(folder, device="cpu"):
-    """``(model, info, tokenizer)`` of a native stage, an HF stage or a plain HF folder."""
-    if is_hf_stage(folder):
-        return load_hf_stage(folder, device)
-    if is_hf_source(folder):
-        return load_hf_source(folder, device)
-    return load_model(folder, device)
+    """``(model, info, tokenizer)`` of a native stage, an HF stage or a plain HF folder: the registry's
+    :func:`~kforcing_kernels.app.student.load_student`, under the name the recipe has always offered."""
+    from ..student import load_student
+
+    return load_student(folder, device)
 
 
 def hf_tokenizer_of(corpus: Corpus):
@@ -265,7 +259,7 @@ def save_hf_stage(folder, student: "HFStudent", info: dict, tokenizer) -> None:
         for path in sorted(p for p in staging.iterdir() if p.is_file()):
             with open(path, "rb") as src:
                 atomic_write_file(folder / path.name, lambda f: shutil.copyfileobj(src, f, 1 << 22))
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(folder / path.name)}
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(folder / path.name)}
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot write the Hugging Face model ({exc.strerror or exc})") from exc
     finally:
@@ -312,14 +306,20 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
 
 
 def corpus_for(teacher: Optional[str], data: Optional[str], vocab_size: int, verbose: bool = False) -> Corpus:
-    """The text of a stage whose teacher is ``teacher``: an HF teacher's tokenizer, else the native BPE of ``data``."""
-    if is_hf(teacher):
-        if is_hf_source(teacher):
-            check_hf_source(teacher)
-        tf = _transformers()
-        try:
-            tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{teacher}: cannot load the Hugging Face tokenizer ({exc})") from None
-        return load_hf_corpus(data, tokenizer, verbose=verbose)
-    return load_corpus(data, vocab_size=vocab_size, verbose=verbose)
+    """The text of a stage whose teacher is ``teacher``: an HF teacher's tokenizer, else the native BPE of ``data``
+    (the registry's :func:`~kforcing_kernels.app.student.corpus_for`, under the recipe's name)."""
+    from ..student import corpus_for as registry_corpus_for
+
+    return registry_corpus_for(teacher, data, vocab_size, verbose=verbose)
+
+
+def hf_corpus(teacher, data: Optional[str], verbose: bool = False) -> Corpus:
+    """``data`` encoded with the tokenizer of the HF folder ``teacher`` (a plain source, checked first, or a stage)."""
+    if is_hf_source(teacher):
+        check_hf_source(teacher)
+    tf = _transformers()
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{teacher}: cannot load the Hugging Face tokenizer ({exc})") from None
+    return load_hf_corpus(data, tokenizer, verbose=verbose)

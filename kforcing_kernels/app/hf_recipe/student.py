@@ -64,7 +64,7 @@ def crop_cache(cache, length: int):
 class HFStudent(nn.Module):
     """``hf`` (an HF causal LM with ``attn_implementation="kforcing"``) + ``noise_encoder`` as one trainable model."""
 
-    is_hf = True
+    kind = "hf"  # its ModelKind in app/student.py's registry: app/hf_recipe/kind.py
 
     def __init__(self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None):
         super().__init__()
@@ -95,6 +95,19 @@ class HFStudent(nn.Module):
         super().train(mode)
         self.hf.eval()  # no dropout: see the module docstring
         return self
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The HF model's decoder layers, in order: the modules of a class it names in ``_no_split_modules`` (its unit
+        for sharding and offloading), outermost only, before or after ``fully_shard`` (which subclasses them)."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        # By the class's own name or a base's: fully_shard turns a layer's class into a subclass ``FSDP<name>``.
+        layers = [m for m in self.hf.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+        inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+        layers = [m for m in layers if id(m) not in inner]
+        if not layers:
+            raise ValueError(f"model: cannot find the decoder layers of {type(self.hf).__name__} (no module of a class in its "
+                             f"_no_split_modules {sorted(names)})")
+        return layers
 
     def tied_keys(self) -> list[str]:
         """state_dict keys whose tensor is an earlier key's (tied embeddings): saved once, restored by the tie."""

@@ -4,9 +4,10 @@ A sharded student (``--parallel fsdp``) is saved as DCP folders (:mod:`~kforcing
 every rank writes its shards; resumable on another world size); a whole one (``ddp``, one process) as
 ``step_*.safetensors`` + JSON (:mod:`~kforcing_kernels.app.training.checkpoint`, written by rank 0). Either way a
 checkpoint is atomic, carries a manifest of its files, and resuming on the same world size repeats the
-uninterrupted run bit for bit. The finished stage is exported whole, on rank 0: ``model.safetensors`` +
-``model.json`` for the native model, a ``save_pretrained`` folder plus the noise embedding for a Hugging
-Face one (:func:`~kforcing_kernels.app.hf_recipe.files.save_hf_stage`), loadable by ``load_any_model`` either way.
+uninterrupted run bit for bit. The finished stage is exported whole, on rank 0, by the student's kind
+(:meth:`~kforcing_kernels.app.student.ModelKind.save`: ``model.safetensors`` + ``model.json`` for the native model, a
+``save_pretrained`` folder plus the noise embedding for a Hugging Face one), loadable by
+:func:`~kforcing_kernels.app.student.load_student` either way.
 
 The trainer never asks which format is in use: it calls :meth:`Checkpointer.save`, :meth:`~Checkpointer.load`
 and :meth:`~Checkpointer.export` on every rank, and ranks that have no part in a whole-model write return at once.
@@ -17,9 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint, save_model
-from ..files import CheckpointError
-from ..hf_recipe.files import save_hf_stage
+from ..student import kind_of
+from .checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
 from .parallel import ParallelDims, full_copy
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 
@@ -57,14 +57,9 @@ class Checkpointer:
                               f"resume it with --parallel {'fsdp' if is_sharded(path) else 'ddp'}")
         return (load_sharded_checkpoint if self.sharded else load_checkpoint)(path, model, optimizer, scaler)["step"]
 
-    def export(self, student, record: dict, hf_tokenizer=None) -> None:
-        """The finished stage as a model folder (``out``), written by rank 0; a collective when sharded."""
+    def export(self, student, record: dict, corpus=None) -> None:
+        """The finished stage as a model folder (``out``), written by rank 0 through the student's kind (``corpus``: the
+        text it was trained on, whose tokenizer a kind may save beside it); a collective when sharded."""
         final = full_copy(student, self.dims.main)  # under FSDP every rank takes part; rank 0 gets the weights
-        if not self.dims.main:
-            return
-        if getattr(final, "is_hf", False):
-            if hf_tokenizer is None:
-                raise CheckpointError(f"{self.out}: a Hugging Face stage is saved with its tokenizer")
-            save_hf_stage(self.out, final, record, hf_tokenizer)
-        else:
-            save_model(self.out, final, record)
+        if self.dims.main:
+            kind_of(final).save(self.out, final, record, corpus)

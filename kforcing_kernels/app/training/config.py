@@ -15,6 +15,7 @@ from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, rea
 from ..cli import checked, resolve_device
 from ..data import DEFAULT_SOURCE
 from ..files import LOCK_NAME
+from ..student import kind_of_folder, stage_kind
 from ...model import PRESETS, ModelConfig
 from ...model.decoding import DECODE_RULES
 from .objectives import crop_tokens
@@ -148,10 +149,8 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     ``preset`` is None where no preset sizes the model: a Hugging Face stage (--model-config, --model, or a teacher
     that is a Hugging Face model); ``k`` of stage2 is the window it trains, twice its teacher's (model.json).
     """
-    from ..hf_recipe.files import is_hf
-
     changes = {}
-    if cfg.model or cfg.model_config or (cfg.stage != "stage0" and is_hf(cfg.teacher)):
+    if not stage_kind(cfg).sized_by_preset:
         changes["preset"] = None
     if cfg.stage == "stage2":
         teacher_k = read_json(Path(cfg.teacher) / "model.json", {"k": int})["k"]
@@ -185,14 +184,12 @@ def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], l
 
 
 def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
-    """The SHA-256 of a teacher stage's model file (recorded in its model.json), or None without a teacher; of a plain
-    Hugging Face folder, its weights', config.json's and tokenizer files' (``hf_files.hf_source_sha256``)."""
+    """The identity of a teacher folder, or None without a teacher: as its kind defines it
+    (:meth:`~kforcing_kernels.app.student.ModelKind.identity`: the SHA-256 of a stage's model file, recorded in its
+    model.json; of a plain Hugging Face folder, its weights', config.json's and tokenizer files')."""
     if not teacher:
         return None
-    from .checkpoint import read_model_info
-    from ..hf_recipe.files import hf_source_sha256, is_hf_source
-
-    return hf_source_sha256(teacher) if is_hf_source(teacher) else read_model_info(teacher)["tensors"]["sha256"]
+    return kind_of_folder(teacher).identity(teacher)
 
 
 def check_out_folder(out, option: str = "--out") -> None:

@@ -47,7 +47,6 @@ from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors
 from .context_parallel import context_parallel_loss
 from ..data import Corpus, data_sha256
 from ..files import append_jsonl
-from ..hf_recipe.files import hf_tokenizer_of
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
 from .stage import Stage, _require_resume_settings, _require_same_provenance, lock_out, set_up
@@ -232,8 +231,7 @@ def _finish(stage: Stage, last_loss: float, t_start: float) -> dict:
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
         record = {**stage.model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary}
-    hf_tokenizer = hf_tokenizer_of(stage.corpus) if getattr(stage.student, "is_hf", False) and dims.main else None
-    stage.checkpointer.export(stage.student, record, hf_tokenizer)  # a collective under FSDP2: rank 0 writes
+    stage.checkpointer.export(stage.student, record, stage.corpus)  # a collective under FSDP2: rank 0 writes
     dims.barrier()
     return summary
 

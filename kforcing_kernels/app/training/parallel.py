@@ -52,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ... import env
 from ...parallel import ContextParallel
+from ..student import kind_of
 
 PARALLEL_MODES = ("ddp", "fsdp")
 TEACHER_MODES = ("replicate", "fsdp")
@@ -183,20 +184,9 @@ def broadcast_value(value, src: int = 0):
 
 
 def decoder_layers(model) -> list[nn.Module]:
-    """The repeated layers of a model, in order: ``model.blocks`` of the native model; the Hugging Face model's
-    layers (the modules of a class it names in ``_no_split_modules``, its unit for sharding and offloading),
-    before or after :func:`parallelize`."""
-    if not getattr(model, "is_hf", False):
-        return list(model.blocks)
-    names = set(getattr(model.hf, "_no_split_modules", None) or ())
-    # By the class's own name or a base's: fully_shard turns a layer's class into a subclass ``FSDP<name>``.
-    layers = [m for m in model.hf.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
-    layers = [m for m in layers if id(m) not in inner]
-    if not layers:
-        raise ValueError(f"model: cannot find the decoder layers of {type(model.hf).__name__} (no module of a class in its "
-                         f"_no_split_modules {sorted(names)})")
-    return layers
+    """The repeated layers of a student, in order, before or after :func:`parallelize`: its own
+    :meth:`~kforcing_kernels.app.student.Student.decoder_layers` (the native model's blocks; an HF model's layers)."""
+    return model.decoder_layers()
 
 
 def checkpoint_layers(layers) -> None:
@@ -326,14 +316,7 @@ def full_copy(student, main: bool):
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main:
         return None
-    if getattr(student, "is_hf", False):
-        from ..hf_recipe.files import build_like
-
-        copy = build_like(student)
-    else:
-        from ...model import KForcingLM
-
-        copy = KForcingLM(student.config)
+    copy = kind_of(student).build_like(student)
     copy.load_state_dict(state)
     copy.k_train = getattr(student, "k_train", None)
     return copy

@@ -28,8 +28,8 @@ from .checkpoint import read_json
 from ..files import RunLock
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
-from ..hf_recipe.files import check_hf_source, hf_weights_sha256, is_hf_source, read_model_config
 from ..data import data_sha256
+from ..student import check_model_options, find_kind
 from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
                            check_out_folder, effective_config, existing_run, teacher_sha256)
 from .loop import train
@@ -123,18 +123,19 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
                           f"{wanted!r}; {_RETRAIN}")
     # Its identity, not its path: a teacher retrained in place is another teacher.
     changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)})
-    if is_hf_source(cfg.teacher) and finished.get("teacher_sha256") == hf_weights_sha256(cfg.teacher):
-        # Saved before a --model folder's identity covered its config.json and tokenizer files: the weights are the same;
-        # accepted with a warning, as any run saved before a record existed.
+    kind = find_kind(cfg.teacher)
+    note = kind.earlier_identity_note(cfg.teacher, finished.get("teacher_sha256")) if kind is not None else None
+    if note is not None:
+        # Saved when the teacher's identity covered less (its kind says what): accepted with a warning, as any run
+        # saved before a record existed.
         changed = [(key, what) for key, what in changed if key != "teacher_sha256"]
-        print(f"[pipeline] warning: {folder} was saved before the --model folder's config.json and tokenizer files were "
-              f"recorded; its weights are the same, reusing it without checking that config.json and the tokenizer did not "
-              f"change", file=sys.stderr)
+        print(f"[pipeline] warning: {folder} was saved before {note}", file=sys.stderr)
+    source_option = kind.source_option(cfg.teacher) if kind is not None else None
     for key, what in changed:
-        if key == "teacher_sha256" and is_hf_source(cfg.teacher):
-            raise ConfigError(f"model: {folder} holds a finished {folder.name}, but the --model folder {cfg.teacher} changed since "
-                              f"it was trained (its weights, config.json or tokenizer files: {what.split('(', 1)[1].rstrip(')')}); "
-                              f"{_RETRAIN}")
+        if key == "teacher_sha256" and source_option is not None:  # a source folder (--model), not a stage of this run
+            raise ConfigError(f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the {source_option} "
+                              f"folder {cfg.teacher} changed since it was trained ({kind.source_files}: "
+                              f"{what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}")
         raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was trained "
                           f"({PROVENANCE[key]}); {_RETRAIN}")
     if unknown:
@@ -172,10 +173,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
 def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
     check_out_folder(pipe.out)
     # A bad model source is a usage error before any stage folder is made, not a traceback inside a stage.
-    if base.model:
-        check_hf_source(base.model)
-    if base.model_config:
-        read_model_config(base.model_config)
+    check_model_options(base.model, base.model_config)
     return RunLock(pipe.out).acquire()
 
 

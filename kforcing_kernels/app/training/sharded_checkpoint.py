@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import _sha256, checkpoint_dir, config_dict, read_json, save_model
-from ..files import _TMP_SUFFIX, CheckpointError, _fsync_dir, write_json
+from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
+from ..files import _TMP_SUFFIX, CheckpointError, _fsync_dir, sha256_file, write_json
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -72,7 +72,7 @@ def _all_gather_objects(value) -> list:
 
 
 def _file_records(folder: Path) -> dict:
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(folder.iterdir())
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(folder.iterdir())
             if p.is_file() and p.name != MANIFEST}
 
 
@@ -170,7 +170,7 @@ def verify_sharded(folder: Path) -> dict:
             raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
         if path.stat().st_size != record.get("bytes"):
             raise CheckpointError(f"{path}: truncated or corrupt: {path.stat().st_size} bytes, expected {record.get('bytes')}")
-        if _sha256(path) != record.get("sha256"):
+        if sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {MANIFEST}")
     return manifest
 

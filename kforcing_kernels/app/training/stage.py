@@ -8,7 +8,6 @@ the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...model import PRESETS, KForcingLM
-from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
-from .checkpointer import Checkpointer, read_meta
 from ..data import Corpus, data_sha256, tokenizer_sha256
 from ..files import RunLock, check_writable, write_json, write_text
-from ..hf_recipe.files import build_from_config, corpus_for, load_any_model
+from ..student import corpus_for, kind_of, load_student, stage_kind
+from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
+from .checkpointer import Checkpointer, read_meta
 from .objectives import STAGE1_CDF_ORDER, Objective
 from .parallel import ParallelDims, parallelize, place_teacher
 from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_splits, prepare_out,
@@ -53,17 +51,11 @@ def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus
 def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     """(student, teacher or None, student k, provenance info)."""
     init = torch.Generator().manual_seed(cfg.seed)
-    if cfg.stage == "stage0" and cfg.model_config:  # a Hugging Face model from a config, trained as an AR model
-        student = build_from_config(cfg.model_config, cfg.seed)
-        student.noise_encoder.requires_grad_(False)
-        return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    if cfg.stage == "stage0":
-        model_cfg = PRESETS[cfg.preset](**{"seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size, **cfg.model_overrides})
-        student = KForcingLM(model_cfg)
-        student.reset_parameters(init)
+    if cfg.stage == "stage0":  # the kind's own model (a preset, or --model-config), trained as an AR model
+        student = stage_kind(cfg).build(cfg, init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    teacher, tinfo, teacher_tokenizer = load_any_model(cfg.teacher, dims.device)
+    teacher, tinfo, teacher_tokenizer = load_student(cfg.teacher, dims.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
@@ -72,9 +64,10 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
         student = copy.deepcopy(teacher).cpu()
         student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
         if cfg.decode != "argmax":  # how the PFLM decodes, saved in its model config (model/decoding.py)
-            if getattr(student, "is_hf", False):
-                raise ConfigError(f"decode: {cfg.decode} decoding is for native models; a Hugging Face student decodes by argmax")
-            student.config = dataclasses.replace(student.config, decode=cfg.decode)
+            try:
+                kind_of(student).with_decode(student, cfg.decode)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         k = cfg.k
     else:
         if tinfo["k"] == 0:
@@ -90,7 +83,7 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
 
 
 
-def _optimizer(model: KForcingLM, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.dim() >= 2]
     no_decay = [p for n, p in params if p.dim() < 2]
@@ -226,8 +219,8 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
 
 
 def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
-    hf, vocab = getattr(student, "is_hf", False), student.config.vocab_size
-    if hf and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids on --data must have embeddings
+    vocab = student.config.vocab_size
+    if kind_of(student).tokenizer_from_model and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids need embeddings
         top = max(int(corpus.train.max()), int(corpus.val.max()))
         if top >= vocab:
             raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")

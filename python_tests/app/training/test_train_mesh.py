@@ -81,7 +81,7 @@ def _same_first_step(runs: Path, run: str, reference: str) -> None:
 def test_four_ranks_match_one_process(runs, run, reference):
     _same_first_step(runs, run, reference)
     model, info, _ = load_any_model(runs / run)  # the final model of a sharded run: a whole, loadable stage folder
-    assert info["k"] == 2 and getattr(model, "is_hf", False) == reference.startswith("hf")
+    assert info["k"] == 2 and model.kind == ("hf" if reference.startswith("hf") else "native")
 
 
 def test_hf_activation_checkpointing_is_bitwise(runs):

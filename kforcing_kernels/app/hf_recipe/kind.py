@@ -1,0 +1,97 @@
+"""Hugging Face causal LMs (``HFStudent``) as a kind of :mod:`kforcing_kernels.app.student`'s registry.
+
+Its folders are a plain HF model folder (``--model``, a pretrained AR teacher) and the stage folders of
+:mod:`.files` (``save_pretrained`` + the noise embedding); ``--model-config`` builds one at stage0; a stage distilled
+from one encodes ``--data`` with the teacher's own tokenizer; it generates over the HF model's own KV cache.
+transformers is imported only when a model is built, loaded or run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..files import read_json
+from ..student import ModelKind
+from . import files
+
+
+class HFKind(ModelKind):
+    name = "hf"
+    summary = "a Hugging Face student (HFStudent), which decodes by argmax"
+    sized_by_preset = False
+    reads_config_files = True
+    tokenizer_from_model = True
+    decode_rules = ("argmax",)
+    source_files = "its weights, config.json or tokenizer files"
+
+    def holds(self, folder) -> bool:
+        return files.is_hf_source(folder) or files.is_hf_stage(folder)
+
+    def load(self, folder, device="cpu"):
+        if files.is_hf_stage(folder):
+            return files.load_hf_stage(folder, device)
+        return files.load_hf_source(folder, device)
+
+    def identity(self, folder) -> str:
+        if files.is_hf_source(folder):
+            return files.hf_source_sha256(folder)
+        return read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})["tensors"]["sha256"]
+
+    def earlier_identity_note(self, folder, recorded: str) -> Optional[str]:
+        if files.is_hf_source(folder) and recorded == files.hf_weights_sha256(folder):
+            # Saved before a --model folder's identity covered its config.json and tokenizer files.
+            return ("the --model folder's config.json and tokenizer files were recorded; its weights are the same, reusing "
+                    "it without checking that config.json and the tokenizer did not change")
+        return None
+
+    def source_option(self, folder) -> Optional[str]:
+        return "--model" if files.is_hf_source(folder) else None
+
+    def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:
+        if model:
+            files.check_hf_source(model)
+        if model_config:
+            files.read_model_config(model_config)
+
+    def build(self, cfg, generator: torch.Generator):
+        return files.build_from_config(cfg.model_config, cfg.seed)
+
+    def build_like(self, model):
+        return files.build_like(model)
+
+    def save(self, folder, model, info: dict, corpus=None) -> None:
+        if corpus is None:
+            raise files.CheckpointError(f"{folder}: a Hugging Face stage is saved with its tokenizer (pass the corpus)")
+        files.save_hf_stage(folder, model, info, files.hf_tokenizer_of(corpus))
+
+    def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
+        return files.hf_corpus(teacher, data, verbose=verbose)
+
+    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size, k_train,
+                          return_logits):
+        from .student import generate_grouped
+
+        steps = noise.shape[1]
+        taus = torch.as_tensor(temperature, dtype=torch.float32, device=tokens.device).expand(tokens.shape[0])
+        return generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths, max_new_tokens,
+                                noise, taus)
+
+    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size, return_logits):
+        from ..generation.checks import is_greedy
+        from .student import generate_grouped
+
+        greedy = is_greedy(temperature)
+        taus = torch.as_tensor(temperature, dtype=torch.float32, device=tokens.device).expand(tokens.shape[0])
+        return generate_grouped(lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy), tokens, lengths,
+                                max_new_tokens, noise, taus)
+
+    def reference_generator(self, folder, device):
+        """The AR teacher as an HF user runs it: ``from_pretrained(attn_implementation="sdpa")``."""
+        return files._transformers().AutoModelForCausalLM.from_pretrained(
+            str(folder), attn_implementation="sdpa", dtype=torch.float32).to(device).eval()
+
+
+KIND = HFKind()

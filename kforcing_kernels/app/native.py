@@ -1,0 +1,81 @@
+"""The package's own model (``KForcingLM``) as a kind of :mod:`kforcing_kernels.app.student`'s registry.
+
+Its stage folder is ``model.safetensors`` + ``model.json`` (+ the run's ``tokenizer.json``), written and read by
+:mod:`kforcing_kernels.app.training.checkpoint`; its text is the package's own BPE of ``--data``; it generates over
+the package's KV caches (paged or contiguous, :mod:`kforcing_kernels.app.generation.inference`). The modules it
+delegates to are imported when used, so that registering the kind costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..model.decoding import DECODE_RULES
+from .student import ModelKind
+
+
+class NativeKind(ModelKind):
+    name = "native"
+    summary = "the package's own model (KForcingLM)"
+    decode_rules = DECODE_RULES
+    source_files = "its model file"
+
+    def holds(self, folder) -> bool:
+        return (Path(folder) / "model.json").is_file()
+
+    def load(self, folder, device="cpu"):
+        from .training.checkpoint import load_model
+
+        return load_model(folder, device)
+
+    def identity(self, folder) -> str:
+        from .training.checkpoint import read_model_info
+
+        return read_model_info(folder)["tensors"]["sha256"]
+
+    def build(self, cfg, generator: torch.Generator):
+        from ..model import PRESETS, KForcingLM
+
+        model_cfg = PRESETS[cfg.preset](**{"seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size, **cfg.model_overrides})
+        model = KForcingLM(model_cfg)
+        model.reset_parameters(generator)
+        return model
+
+    def build_like(self, model):
+        from ..model import KForcingLM
+
+        return KForcingLM(model.config)
+
+    def save(self, folder, model, info: dict, corpus=None) -> None:
+        from .training.checkpoint import save_model
+
+        save_model(folder, model, info)  # the run's tokenizer.json is in the folder already (written at the start)
+
+    def with_decode(self, model, rule: str) -> None:
+        super().with_decode(model, rule)
+        model.config = dataclasses.replace(model.config, decode=rule)
+
+    def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
+        from .data import load_corpus
+
+        return load_corpus(data, vocab_size=vocab_size, verbose=verbose)
+
+    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size, k_train,
+                          return_logits):
+        from .generation.inference import cached_kforcing
+
+        return cached_kforcing(model, tokens, lengths, noise, temperature, k=k, max_new_tokens=max_new_tokens, cache=cache,
+                               page_size=page_size, k_train=k_train, return_logits=return_logits)
+
+    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size, return_logits):
+        from .generation.inference import cached_ar
+
+        return cached_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens, cache=cache,
+                         page_size=page_size, return_logits=return_logits)
+
+
+KIND = NativeKind()

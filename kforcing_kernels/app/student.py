@@ -1,0 +1,238 @@
+"""The one seam between model kinds: what the trainer, generation and evaluation may ask of a model, and the registry
+of kinds (torchtitan's ``TrainSpec`` shape).
+
+Two things, both declared here and implemented once per kind:
+
+* :class:`Student`, the model itself: the forwards of K-Forcing (AR, SingleForward, DoubleForward and a rank's
+  share under context parallelism), its decoder layers (the unit of activation checkpointing, compile and FSDP2),
+  its noise encoder, ``k_train`` and ``kind``, the registry name of its kind. ``KForcingLM`` (``model/gpt.py``) and
+  ``HFStudent`` (``app/hf_recipe/student.py``) implement it.
+* :class:`ModelKind`, what differs per kind outside the model's forward: recognising, loading, building and saving
+  its folders, the identity of a teacher folder, its text, generation over its cache, and the few capabilities a
+  stage checks. ``app/native.py`` (the package's own model) and ``app/hf_recipe/kind.py`` (Hugging Face models)
+  implement it.
+
+The registry maps a kind's name to the module that implements it, loaded on first use (as ``ops/registry.py`` does
+for backends): this module imports no kind, and no caller asks which kind it holds; it asks the registry for the
+model's (:func:`kind_of`) or the folder's (:func:`kind_of_folder`) and calls the kind.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..parallel import ContextParallel
+    from .data import Corpus
+
+DEFAULT_KIND = "native"  # the kind of a folder no kind recognises (its loader names what is missing) and of a fresh stage0
+
+
+@runtime_checkable
+class Student(Protocol):
+    """A model the trainer, generation and evaluation drive (shapes as ``KForcingLM``'s; B batch, N context tokens, k
+    window slots, V vocabulary, R a rank's rows)."""
+
+    kind: str  # the registry name of its ModelKind
+    config: Any  # vocab_size at least; the kind's own config object
+    k_train: Optional[int]  # the window it was trained with (0: AR), None when unknown
+    noise_encoder: nn.Module
+
+    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau=1.0, cu_seqlens=None,
+                context_parallel: Optional["ContextParallel"] = None) -> Any:
+        """AR logits ``[B, N, V]`` (noise None), SingleForward logits ``[B, N, k, V]``, or with ``context_parallel``
+        this rank's share ``(logits [B, R, V], rows [R])``."""
+
+    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None) -> tuple[torch.Tensor, Any]:
+        """SingleForward (eq. 18): ``(logits [B, N, k, V], the context's cache that double_forward reuses)``."""
+
+    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None) -> torch.Tensor:
+        """DoubleForward (eq. 19) on the cache of :meth:`single_forward`: logits ``[B, N, k, V]``."""
+
+    def context_parallel_forward(self, cp: "ContextParallel", tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
+                                 tau=1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the AR forward or the SingleForward: ``(logits [B, R, V], rows int64 [R])``."""
+
+    def embed_noise(self, noise: torch.Tensor, tau) -> torch.Tensor:
+        """noise ``[B, *S]`` in [0, 1), tau scalar or ``[B]`` -> embeddings ``[B, *S, C]``."""
+
+    def reset_noise_encoder(self, generator: Optional[torch.Generator] = None) -> None:
+        """A fresh noise encoder (Stage 1 starts from the AR teacher with one)."""
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The repeated layers, in order: what activation checkpointing, compile and FSDP2 wrap one by one."""
+
+    def tied_keys(self) -> list[str]:
+        """state_dict keys whose tensor is an earlier key's (tied embeddings): saved once, restored by the tie."""
+
+
+class ModelKind(ABC):
+    """What differs per kind of model outside its forward. One instance per kind, registered by name."""
+
+    name: str = ""
+    summary: str = ""
+    sized_by_preset: bool = True  # --preset / --n-layer size its models (False: the model's own config does)
+    reads_config_files: bool = False  # stage0 builds it from a config file (--model-config)
+    tokenizer_from_model: bool = False  # a stage distilled from it encodes --data with the teacher's own tokenizer
+    decode_rules: tuple[str, ...] = ("argmax",)  # the PFLM decoding rules it can be trained with (model/decoding.py)
+    source_files: str = "its model file"  # what its identity (:meth:`identity`) covers, in an error's words
+
+    # -------------------------------------------------------------- folders
+
+    @abstractmethod
+    def holds(self, folder) -> bool:
+        """Whether ``folder`` is a model of this kind (a stage folder it wrote, or a source folder it reads)."""
+
+    @abstractmethod
+    def load(self, folder, device="cpu") -> tuple[Student, dict, Any]:
+        """``(model in eval mode, its model.json info, its tokenizer or None)``, every file checked first."""
+
+    @abstractmethod
+    def identity(self, folder) -> str:
+        """The SHA-256 a stage distilled from ``folder`` records as ``teacher_sha256``."""
+
+    def earlier_identity_note(self, folder, recorded: str) -> Optional[str]:
+        """When ``recorded`` is the identity an earlier version recorded for ``folder`` (which covered less), the
+        warning that accepts it; else None."""
+        return None
+
+    def source_option(self, folder) -> Optional[str]:
+        """The command-line option ``folder`` came in by when it is a source, not a stage (``--model``), else None."""
+        return None
+
+    def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:
+        """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before any stage starts)."""
+
+    # -------------------------------------------------------------- building and saving
+
+    @abstractmethod
+    def build(self, cfg, generator: torch.Generator) -> Student:
+        """A fresh Stage-0 model for the ``TrainConfig`` ``cfg``, initialised from ``generator`` / ``cfg.seed``."""
+
+    @abstractmethod
+    def build_like(self, model: Student) -> Student:
+        """A fresh fp32 CPU model of ``model``'s config: the frame a full state dict is loaded into."""
+
+    @abstractmethod
+    def save(self, folder, model: Student, info: dict, corpus: Optional["Corpus"]) -> None:
+        """A finished stage as a model folder :meth:`load` reads back (``corpus``: the text it was trained on)."""
+
+    def with_decode(self, model: Student, rule: str) -> None:
+        """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
+        if rule not in self.decode_rules:
+            raise ValueError(f"decode: {rule} decoding is not available for {self.summary}; use one of {self.decode_rules}")
+
+    # -------------------------------------------------------------- text and generation
+
+    @abstractmethod
+    def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False) -> "Corpus":
+        """The text of a stage whose teacher is the folder ``teacher`` of this kind (None: a stage0 without one)."""
+
+    @abstractmethod
+    def generate_kforcing(self, model: Student, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
+                          temperature, *, k: int, max_new_tokens: int, cache: str, page_size: int,
+                          k_train: Optional[int], return_logits: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Algorithm 1 over the kind's KV cache, arguments checked by ``generation/inference.py``: right-padded
+        ``tokens [B, P]``, ``lengths [B]``, ``noise [B, ceil(T / k), k]`` -> ``(tokens [B, T], logits [B, T, V])``
+        (logits may be None without ``return_logits``)."""
+
+    @abstractmethod
+    def generate_ar(self, model: Student, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature,
+                    *, max_new_tokens: int, cache: str, page_size: int,
+                    return_logits: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """AR decoding over the kind's KV cache: ``noise [B, T]`` -> ``(tokens [B, T], logits [B, T, V])``."""
+
+    def reference_generator(self, folder, device) -> Optional[nn.Module]:
+        """The model of ``folder`` as its own library generates with it (timed beside the package), or None."""
+        return None
+
+
+# ---------------------------------------------------------------------- the registry
+
+# name -> "module:attribute" of its ModelKind, loaded on first use; asked in this order which kind holds a folder.
+_SPECS: dict[str, str] = {
+    "hf": "kforcing_kernels.app.hf_recipe.kind:KIND",
+    "native": "kforcing_kernels.app.native:KIND",
+}
+_LOADED: dict[str, ModelKind] = {}
+
+
+def register_kind(name: str, where: str | ModelKind) -> None:
+    """Add (or replace) a kind: ``where`` is a :class:`ModelKind` or ``"module:attribute"`` naming one."""
+    if not isinstance(where, (str, ModelKind)):
+        raise ValueError(f"where: expected a ModelKind or 'module:attribute', got {type(where).__name__}")
+    _SPECS[name] = where if isinstance(where, str) else f"<registered {type(where).__name__}>"
+    _LOADED.pop(name, None)
+    if isinstance(where, ModelKind):
+        _LOADED[name] = where
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(_SPECS)
+
+
+def kind_named(name: str) -> ModelKind:
+    """The registered kind called ``name`` (ValueError naming the known ones otherwise)."""
+    if name not in _SPECS:
+        raise ValueError(f"kind: expected one of {kind_names()}, got {name!r}")
+    if name not in _LOADED:
+        module, _, attribute = _SPECS[name].partition(":")
+        _LOADED[name] = getattr(importlib.import_module(module), attribute)
+    return _LOADED[name]
+
+
+def kind_of(model: nn.Module) -> ModelKind:
+    """The kind of a model (its ``kind`` attribute, a :class:`Student`'s; DDP's wrapped module is looked through)."""
+    inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return kind_named(getattr(inner, "kind", DEFAULT_KIND))
+
+
+def find_kind(folder) -> Optional[ModelKind]:
+    """The kind that recognises ``folder``, or None (no folder, or no model in it)."""
+    if folder is None or not Path(folder).is_dir():
+        return None
+    for name in _SPECS:
+        kind = kind_named(name)
+        if kind.holds(folder):
+            return kind
+    return None
+
+
+def kind_of_folder(folder) -> ModelKind:
+    """:func:`find_kind`, or the default kind (whose loader then says what the folder lacks)."""
+    return find_kind(folder) or kind_named(DEFAULT_KIND)
+
+
+def load_student(folder, device="cpu") -> tuple[Student, dict, Any]:
+    """``(model in eval mode, info, tokenizer)`` of any kind's model folder."""
+    return kind_of_folder(folder).load(folder, device)
+
+
+def stage_kind(cfg) -> ModelKind:
+    """The kind a stage of ``cfg`` (a ``TrainConfig``) trains: the kind of ``--model`` (the source every stage of its run
+    descends from), the kind that reads ``--model-config``, the teacher's for a distilled stage, else the default. A
+    teacher folder not trained yet (a later stage of a pipeline, asked early) counts as the default kind."""
+    if cfg.model:
+        return kind_of_folder(cfg.model)
+    if cfg.model_config:
+        return next(k for k in map(kind_named, _SPECS) if k.reads_config_files)
+    if cfg.stage != "stage0" and cfg.teacher:
+        return kind_of_folder(cfg.teacher)
+    return kind_named(DEFAULT_KIND)
+
+
+def corpus_for(teacher, data: Optional[str], vocab_size: int, verbose: bool = False) -> "Corpus":
+    """The text of a stage whose teacher is ``teacher`` (None at stage0): as the teacher's kind encodes it."""
+    return kind_of_folder(teacher).corpus(teacher, data, vocab_size, verbose=verbose)
+
+
+def check_model_options(model: Optional[str], model_config: Optional[str]) -> None:
+    """Every kind checks the ``--model`` / ``--model-config`` it reads: a usage error before any stage folder is made."""
+    for name in _SPECS:
+        kind_named(name).check_options(model, model_config)
