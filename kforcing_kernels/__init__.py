@@ -12,7 +12,7 @@ from .ops.sampling import inverse_cdf_sample, noise_inversion
 from .layouts import WindowLayout
 from . import _moved
 
-_moved.install()  # the application modules of 0.2 (kforcing_kernels.train, ...) under their old names, for one release
+_moved.install()  # an import of a 0.2 application module (kforcing_kernels.train, ...) fails naming its 0.3 place
 
 __version__ = "0.3.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 

@@ -219,6 +219,7 @@ def test_the_seam_finder_sees_a_planted_import():
     graph_before = GRAPH[f"{APP}.training.stage"]
     GRAPH[f"{APP}.training.stage"] = graph_before | {f"{APP}.hf_recipe.files"}
     try:
-        assert _imports_between(f"{APP}.training", f"{APP}.hf_recipe") == {f"{APP}.training.stage": [f"{APP}.hf_recipe.files"]}
+        found = _imports_between(f"{APP}.training", f"{APP}.hf_recipe")
+        assert found == {f"{APP}.training.stage": [f"{APP}.hf_recipe.files"]}
     finally:
         GRAPH[f"{APP}.training.stage"] = graph_before

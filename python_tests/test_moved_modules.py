@@ -1,9 +1,12 @@
-"""The application modules of 0.2 keep working under their old names for one release (kforcing_kernels/_moved.py)."""
+"""The application modules of 0.2 moved in 0.3: importing an old name fails with an error naming the new place
+(kforcing_kernels/_moved.py), the CHANGELOG's table lists the same moves, and names that never shipped are not
+aliased."""
 
 import importlib
+import os
+import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -11,40 +14,9 @@ pytest.importorskip("tqdm")
 
 from kforcing_kernels import _moved  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-@pytest.mark.parametrize("old, new", sorted(_moved.MOVED_MODULES.items()))
-def test_old_name_is_the_new_module_with_a_warning(old, new):
-    sys.modules.pop(f"kforcing_kernels.{old}", None)
-    with pytest.warns(DeprecationWarning, match=f"kforcing_kernels.{old} moved to {new}"):
-        module = importlib.import_module(f"kforcing_kernels.{old}")
-    assert module is importlib.import_module(new)
-    assert module.__spec__.name == new  # the alias does not rewrite the real module's spec
-
-
-def test_names_of_the_former_single_module_trainer():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from kforcing_kernels.train import TrainConfig, load_model, train
-    from kforcing_kernels.app.training.checkpoint import load_model as real_load_model
-    from kforcing_kernels.app.training.config import TrainConfig as RealConfig
-    from kforcing_kernels.app.training.loop import train as real_train
-
-    assert (TrainConfig, load_model, train) == (RealConfig, real_load_model, real_train)
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        importlib.import_module("kforcing_kernels.app.train").not_a_name
-    with pytest.raises(AttributeError, match="setup_distributed was removed .*setup_parallel"):
-        importlib.import_module("kforcing_kernels.app.train").setup_distributed
-
-
-def test_python_dash_m_of_an_old_name_runs_the_new_module():
-    proc = subprocess.run([sys.executable, "-m", "kforcing_kernels.train", "--help"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: kforcing-train")
-    assert "kforcing_kernels.train moved to kforcing_kernels.app.train" in proc.stderr
-
-
-# The public names each application module defined in 0.2 (recorded from the 0.2.0 sources, commit 326f36c^):
-# every one is still found through the old module name (issue 40, item 4), renamed ones with a warning.
+# The public names each application module defined in 0.2 (recorded from the 0.2.0 sources, commit 326f36c^).
 API_0_2 = {
     "train": (
         "DistInfo build_parser config_from_args evaluate_loss learning_rate main setup_distributed train"
@@ -75,42 +47,74 @@ API_0_2 = {
         "DEFAULT_DEVICE DEFAULT_NEW_TOKENS DEFAULT_SEED DEFAULT_TEMPERATURE HelpFormatter RETIRED_FLAGS SHARED_OPTIONS add_batch_size add_batch_sizes add_command add_device add_new_tokens add_preset add_seed add_temperature add_threads all_parsers apply_threads checked fraction int_list make_parser non_negative_float non_negative_int positive_float positive_float_list positive_int resolve_device"
     ).split(),
 }
-# No equivalent: listed in the CHANGELOG's breaking changes (the error names what replaced them).
-REMOVED_0_2 = {("paged_cache", "paged_trunk"), ("train", "DistInfo"), ("train", "setup_distributed")}
+
+# Module names that existed only inside 0.3's development (the app grouped by job): never released, never aliased.
+UNRELEASED = ("app.trainer", "app.train_config", "app.objectives", "app.parallel", "app.checkpoint", "app.pipeline",
+              "app.inference", "app.paged_cache", "app.serving", "app.evaluate", "app.report", "app.hf_student",
+              "app.hf_files", "app.hf_trainer")
+
+
+def _resolve(dotted: str):
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_the_table_covers_every_0_2_module():
+    assert set(_moved.MOVED_0_2) == set(API_0_2)
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED_0_2))
+def test_an_old_module_fails_naming_its_new_place(old):
+    new, names = _moved.MOVED_0_2[old]
+    sys.modules.pop(f"kforcing_kernels.{old}", None)
+    moved = re.escape(f"kforcing_kernels.{old} moved to {new} in kforcing_kernels 0.3")
+    with pytest.raises(ModuleNotFoundError, match=moved) as err:
+        importlib.import_module(f"kforcing_kernels.{old}")
+    assert err.value.name == f"kforcing_kernels.{old}"
+    for name, where in names.items():  # every name that is not in the new module is spelled out
+        assert f"{name} is {where}" in str(err.value) or f"{name} was {where}" in str(err.value)
 
 
 @pytest.mark.parametrize("old", sorted(API_0_2))
-def test_every_0_2_name_is_found_through_its_old_module(old):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module = importlib.import_module(f"kforcing_kernels.{old}")
+def test_every_0_2_name_is_where_the_error_says(old):
+    new, names = _moved.MOVED_0_2[old]
+    module = importlib.import_module(new)
     for name in API_0_2[old]:
-        if (old, name) in REMOVED_0_2:
-            continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            value = getattr(module, name)
-        key = (module.__name__, name)
-        if key in _moved.RENAMED:
-            home, new = _moved.RENAMED[key].split(":")
-            assert value is getattr(importlib.import_module(home), new)
-            assert any(issubclass(w.category, DeprecationWarning) and f"kforcing_kernels.{old}.{name} is {home}.{new}"
-                       in str(w.message) for w in caught), (old, name)
+        where = names.get(name)
+        if where is None:
+            assert hasattr(module, name), f"{old}.{name}: not in {new} and not in the table"
+        elif not where.startswith("removed"):
+            assert _resolve(where) is not None, (old, name, where)
+            assert not hasattr(module, name) or where.startswith(new + "."), f"{new}.{name} exists: not in the table"
 
 
-def test_renamed_names_warn_and_removed_ones_say_what_replaced_them():
-    from kforcing_kernels.app import data
-    from kforcing_kernels.app.training import objectives
-    from kforcing_kernels.app.evaluation import report
+def test_the_changelog_table_lists_the_same_moves():
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+        text = f.read()
+    table = text.split("### Moved in 0.3", 1)[1].split("\n### ", 1)[0]
+    for old, (new, names) in _moved.MOVED_0_2.items():
+        assert f"| `kforcing_kernels.{old}` | `{new}` |" in table, old
+        for name in names:
+            assert f"`{name}`" in table, (old, name)
 
-    with pytest.warns(DeprecationWarning, match="kforcing_kernels.data.sample_windows is kforcing_kernels.app.data.sample_crops"):
-        assert data.sample_windows is data.sample_crops
-    with pytest.warns(DeprecationWarning, match="removed in 0.4"):
-        assert objectives.window_tokens is objectives.crop_tokens
-    with pytest.warns(DeprecationWarning):
-        from kforcing_kernels.app.evaluation.evaluate import format_table1
-    assert format_table1 is report.format_table1
-    with pytest.raises(AttributeError, match=r"paged_trunk was removed in kforcing_kernels 0.3: .*cache.views\(rows\)"):
-        importlib.import_module("kforcing_kernels.app.generation.paged_cache").paged_trunk
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        importlib.import_module("kforcing_kernels.app.data").not_a_name
+
+@pytest.mark.parametrize("old", UNRELEASED)
+def test_names_that_never_shipped_are_not_aliased(old):
+    with pytest.raises(ModuleNotFoundError) as err:
+        importlib.import_module(f"kforcing_kernels.{old}")
+    assert "moved to" not in str(err.value)
+
+
+def test_renamed_names_are_not_aliased_on_the_new_modules():
+    # data.sample_windows was a 0.2 name of kforcing_kernels.data; kforcing_kernels.app.data never had it.
+    for module, name in (("kforcing_kernels.app.data", "sample_windows"),
+                         ("kforcing_kernels.app.training.objectives", "window_tokens"),
+                         ("kforcing_kernels.app.evaluation.evaluate", "format_table1")):
+        assert not hasattr(importlib.import_module(module), name), (module, name)
+
+
+def test_python_dash_m_of_an_old_name_says_where_it_went():
+    proc = subprocess.run([sys.executable, "-m", "kforcing_kernels.train", "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "kforcing_kernels.train moved to kforcing_kernels.app.train" in proc.stderr

@@ -7,9 +7,10 @@ batches of other random sequences, four targets are compared:
 
   single_logits        SingleForward logits ``[N, k, V]`` (paper eq. 18)
   single_inverse_cdf   tokens drawn from them by inverse CDF at fixed noise (``ops.sampling.inverse_cdf_sample``)
-  self_forcing         the stage-2 targets (``app.objectives.self_forcing_targets``: SingleForward, then
+  self_forcing         the stage-2 targets (``app.training.objectives.self_forcing_targets``: SingleForward, then
                        DoubleForward on its tokens)
-  ar_inverse_cdf       the stage-1 targets: AR logits -> inverse CDF (``app.objectives.forward_distillation_targets``)
+  ar_inverse_cdf       the stage-1 targets: AR logits -> inverse CDF
+                       (``app.training.objectives.forward_distillation_targets``)
 
 in three modes:
 

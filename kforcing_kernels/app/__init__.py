@@ -6,7 +6,9 @@ generation, serving, the Hugging Face recipe and the demo. The library (``layout
     demo.py              ``kforcing-demo``: the whole pipeline on the default corpus, then the tables
     cli.py               the shared command-line options and defaults of every console command
     data.py              corpus, tokenizer, stream crops (the embedded default: this Python's stdlib)
-    files.py             the atomic writer every file goes through, and the run folder's lock
+    files.py             every file's I/O: the atomic writer, checked readers, hashes, tokenizers; the run folder's lock
+    student.py           the one seam between model kinds: the Student protocol, ModelKind, the registry of kinds
+    native.py            the package's own model (KForcingLM) as a kind
 
     training/            one stage, and the pipeline of stages
         config.py            a run's settings, their checks, the run folder
@@ -29,7 +31,8 @@ generation, serving, the Hugging Face recipe and the demo. The library (``layout
         report.py            the evaluation's tables and plot
         noise_diagnosis.py   how a Stage-1 student uses its noise
     hf_recipe/           K-Forcing a Hugging Face causal LM
-        student.py           HFStudent: an HF model + noise embedding as the trainer's model
+        student.py           HFStudent: an HF model + noise embedding as the trainer's model (a Student)
+        kind.py              Hugging Face models as a kind of the registry (app/student.py)
         files.py             HF sources and stage folders (save_pretrained + the noise embedding), their corpus
         trainer.py           the transformers.Trainer route: loss/targets helpers, KForcingTrainer, save/load
 """

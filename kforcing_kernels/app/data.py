@@ -310,9 +310,3 @@ def sample_crops(tokens: torch.Tensor, batch: int, length: int, generator: torch
         raise ValueError(f"tokens: the stream has {tokens.numel()} tokens, fewer than one crop of {length} + 1")
     starts = torch.randint(0, tokens.numel() - length, (batch,), generator=generator)
     return tokens[starts[:, None] + torch.arange(length)]
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-__getattr__ = module_getattr(__name__)

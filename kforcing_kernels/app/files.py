@@ -185,7 +185,8 @@ def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint") from None
+        raise CheckpointError(f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint") \
+            from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(obj, dict):
@@ -230,7 +231,8 @@ def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: missing (referenced by {json_path.name})")
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise CheckpointError(f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} (from {json_path.name})")
+        raise CheckpointError(f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} "
+                              f"(from {json_path.name})")
     if sha256_file(path) != record["sha256"]:
         raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {json_path.name}")
     try:
@@ -261,7 +263,8 @@ def load_tokenizer(path):
 
 
 def tokenizer_sha256(tokenizer) -> str:
-    """The identity of a tokenizer, recorded beside every model: SHA-256 of a ``tokenizers.Tokenizer``'s serialized JSON (keys sorted, no white space): equal ids for equal text."""
+    """The identity of a tokenizer, recorded beside every model: SHA-256 of a ``tokenizers.Tokenizer``'s serialized
+    JSON (keys sorted, no white space): equal ids for equal text."""
     canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from ..parallel import ContextParallel
     from .data import Corpus
 
-DEFAULT_KIND = "native"  # the kind of a folder no kind recognises (its loader names what is missing) and of a fresh stage0
+# The kind of a folder no kind recognises (its loader then names what is missing) and of a fresh stage0.
+DEFAULT_KIND = "native"
 
 
 @runtime_checkable
@@ -49,14 +50,17 @@ class Student(Protocol):
         """AR logits ``[B, N, V]`` (noise None), SingleForward logits ``[B, N, k, V]``, or with ``context_parallel``
         this rank's share ``(logits [B, R, V], rows [R])``."""
 
-    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None) -> tuple[torch.Tensor, Any]:
+    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau=1.0,
+                       cu_seqlens=None) -> tuple[torch.Tensor, Any]:
         """SingleForward (eq. 18): ``(logits [B, N, k, V], the context's cache that double_forward reuses)``."""
 
-    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None) -> torch.Tensor:
+    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau=1.0,
+                       cu_seqlens=None) -> torch.Tensor:
         """DoubleForward (eq. 19) on the cache of :meth:`single_forward`: logits ``[B, N, k, V]``."""
 
-    def context_parallel_forward(self, cp: "ContextParallel", tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
-                                 tau=1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_parallel_forward(self, cp: "ContextParallel", tokens: torch.Tensor,
+                                 noise: Optional[torch.Tensor] = None, tau=1.0,
+                                 cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the AR forward or the SingleForward: ``(logits [B, R, V], rows int64 [R])``."""
 
     def embed_noise(self, noise: torch.Tensor, tau) -> torch.Tensor:
@@ -107,7 +111,7 @@ class ModelKind(ABC):
         return None
 
     def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:
-        """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before any stage starts)."""
+        """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before a stage starts)."""
 
     # -------------------------------------------------------------- building and saving
 
@@ -126,7 +130,8 @@ class ModelKind(ABC):
     def with_decode(self, model: Student, rule: str) -> None:
         """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
         if rule not in self.decode_rules:
-            raise ValueError(f"decode: {rule} decoding is not available for {self.summary}; use one of {self.decode_rules}")
+            raise ValueError(f"decode: {rule} decoding is not available for {self.summary}; use one of "
+                             f"{self.decode_rules}")
 
     # -------------------------------------------------------------- text and generation
 
@@ -215,8 +220,8 @@ def load_student(folder, device="cpu") -> tuple[Student, dict, Any]:
 
 
 def stage_kind(cfg) -> ModelKind:
-    """The kind a stage of ``cfg`` (a ``TrainConfig``) trains: the kind of ``--model`` (the source every stage of its run
-    descends from), the kind that reads ``--model-config``, the teacher's for a distilled stage, else the default. A
+    """The kind a stage of ``cfg`` (a ``TrainConfig``) trains: the kind of ``--model`` (the source every stage of its
+    run descends from), the kind that reads ``--model-config``, the teacher's for a distilled stage, else the default. A
     teacher folder not trained yet (a later stage of a pipeline, asked early) counts as the default kind."""
     if cfg.model:
         return kind_of_folder(cfg.model)
@@ -233,6 +238,6 @@ def corpus_for(teacher, data: Optional[str], vocab_size: int, verbose: bool = Fa
 
 
 def check_model_options(model: Optional[str], model_config: Optional[str]) -> None:
-    """Every kind checks the ``--model`` / ``--model-config`` it reads: a usage error before any stage folder is made."""
+    """Every kind checks the ``--model`` / ``--model-config`` it reads: a usage error before a stage folder is made."""
     for name in _SPECS:
         kind_named(name).check_options(model, model_config)

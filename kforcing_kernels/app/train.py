@@ -212,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if args.evaluate and env.distributed_ranks()[1] == 0:  # under torchrun rank 0 evaluates; the others are done
                 result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
         else:
-            check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error before the stage folder
+            check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error, before any folder
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))
@@ -234,9 +234,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# Names the former single-module trainer (kforcing_kernels.train, 0.2) offered; see kforcing_kernels/_moved.py.
-__getattr__ = module_getattr(__name__)

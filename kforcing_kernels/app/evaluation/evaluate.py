@@ -426,9 +426,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-__getattr__ = module_getattr(__name__)

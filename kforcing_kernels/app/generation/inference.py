@@ -230,13 +230,15 @@ def generate_kforcing(
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k, max_new_tokens=max_new_tokens,
-                                                  cache=cache, page_size=page_size, k_train=k_train, return_logits=return_logits)
+    out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k,
+                                                  max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
+                                                  k_train=k_train, return_logits=return_logits)
     return (out, logits) if return_logits else out
 
 
-def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature: Temperature,
-                    *, k: int, max_new_tokens: int, cache: str, page_size: int, k_train: Optional[int], return_logits: bool):
+def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
+                    temperature: Temperature, *, k: int, max_new_tokens: int, cache: str, page_size: int,
+                    k_train: Optional[int], return_logits: bool):
     """:func:`generate_kforcing`'s loop over the package's own KV caches (the native kind's, app/native.py), arguments
     checked: ``(tokens [B, T], logits [B, T, V] or None without return_logits)``."""
     (b, p_max), device, steps = tokens.shape, tokens.device, noise.shape[1]
@@ -311,8 +313,8 @@ def generate_ar(
     return (out, logits) if return_logits else out
 
 
-def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature: Temperature,
-              *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool):
+def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
+              temperature: Temperature, *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool):
     """:func:`generate_ar`'s loop over the package's own KV caches (the native kind's), arguments checked."""
     (b, p_max), device, greedy = tokens.shape, tokens.device, is_greedy(temperature)
     if cache == "paged":

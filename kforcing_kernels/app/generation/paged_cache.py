@@ -202,9 +202,3 @@ def paged_backend(model: KForcingLM) -> Optional[str]:
     """The paged backend matching the model's attention backend when there is one (else the default)."""
     name = model.config.attention_backend
     return name if name in PAGED_BACKENDS and paged_backends_available()[name] is None else None
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-__getattr__ = module_getattr(__name__)

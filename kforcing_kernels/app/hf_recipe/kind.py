@@ -38,13 +38,14 @@ class HFKind(ModelKind):
     def identity(self, folder) -> str:
         if files.is_hf_source(folder):
             return files.hf_source_sha256(folder)
-        return read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})["tensors"]["sha256"]
+        info = read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})
+        return info["tensors"]["sha256"]
 
     def earlier_identity_note(self, folder, recorded: str) -> Optional[str]:
         if files.is_hf_source(folder) and recorded == files.hf_weights_sha256(folder):
             # Saved before a --model folder's identity covered its config.json and tokenizer files.
-            return ("the --model folder's config.json and tokenizer files were recorded; its weights are the same, reusing "
-                    "it without checking that config.json and the tokenizer did not change")
+            return ("the --model folder's config.json and tokenizer files were recorded; its weights are the same, "
+                    "reusing it without checking that config.json and the tokenizer did not change")
         return None
 
     def source_option(self, folder) -> Optional[str]:
@@ -70,16 +71,17 @@ class HFKind(ModelKind):
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
         return files.hf_corpus(teacher, data, verbose=verbose)
 
-    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size, k_train,
-                          return_logits):
+    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size,
+                          k_train, return_logits):
         from .student import generate_grouped
 
         steps = noise.shape[1]
         taus = torch.as_tensor(temperature, dtype=torch.float32, device=tokens.device).expand(tokens.shape[0])
-        return generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths, max_new_tokens,
-                                noise, taus)
+        return generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths,
+                                max_new_tokens, noise, taus)
 
-    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size, return_logits):
+    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size,
+                    return_logits):
         from ..generation.checks import is_greedy
         from .student import generate_grouped
 

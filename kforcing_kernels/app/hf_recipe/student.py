@@ -105,8 +105,8 @@ class HFStudent(nn.Module):
         inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
         layers = [m for m in layers if id(m) not in inner]
         if not layers:
-            raise ValueError(f"model: cannot find the decoder layers of {type(self.hf).__name__} (no module of a class in its "
-                             f"_no_split_modules {sorted(names)})")
+            raise ValueError(f"model: cannot find the decoder layers of {type(self.hf).__name__} (no module of a "
+                             f"class in its _no_split_modules {sorted(names)})")
         return layers
 
     def tied_keys(self) -> list[str]:

@@ -269,9 +269,3 @@ def recover_metrics(path: str | Path, step: int, log=print) -> None:
 
 def stderr_log(prefix: str):
     return lambda message: print(f"{prefix} {message}", file=sys.stderr, flush=True)
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-__getattr__ = module_getattr(__name__)

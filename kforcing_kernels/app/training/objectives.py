@@ -292,9 +292,3 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
     keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:])
     return _masked_mean(per_token, keep)
-
-
-from kforcing_kernels._moved import module_getattr  # noqa: E402
-
-# 0.2 names of this module that were renamed or moved (kforcing_kernels/_moved.py, RENAMED; removed in 0.4).
-__getattr__ = module_getattr(__name__)

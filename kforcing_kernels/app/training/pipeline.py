@@ -133,9 +133,9 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
     source_option = kind.source_option(cfg.teacher) if kind is not None else None
     for key, what in changed:
         if key == "teacher_sha256" and source_option is not None:  # a source folder (--model), not a stage of this run
-            raise ConfigError(f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the {source_option} "
-                              f"folder {cfg.teacher} changed since it was trained ({kind.source_files}: "
-                              f"{what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}")
+            raise ConfigError(f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the "
+                              f"{source_option} folder {cfg.teacher} changed since it was trained "
+                              f"({kind.source_files}: {what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}")
         raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was trained "
                           f"({PROVENANCE[key]}); {_RETRAIN}")
     if unknown:

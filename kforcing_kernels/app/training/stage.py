@@ -220,7 +220,8 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
 
 def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
     vocab = student.config.vocab_size
-    if kind_of(student).tokenizer_from_model and cfg.stage != "stage0":  # the teacher's own tokenizer: its ids need embeddings
+    # A teacher's own tokenizer (its kind's text): its ids on --data need embeddings, whatever their number.
+    if kind_of(student).tokenizer_from_model and cfg.stage != "stage0":
         top = max(int(corpus.train.max()), int(corpus.val.max()))
         if top >= vocab:
             raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")
