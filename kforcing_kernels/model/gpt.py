@@ -219,6 +219,7 @@ class KForcingLM(nn.Module):
     """
 
     kind = "native"  # the name the application's model registry knows it by (kforcing_kernels/app/student.py)
+    k_train: Optional[int] = None  # the window it was trained with (0: AR), set when a stage is loaded; None: unknown
 
     def __init__(self, config: ModelConfig):
         super().__init__()
