@@ -53,7 +53,8 @@ class NativeKind(ModelKind):
     def save(self, folder, model, info: dict, corpus=None) -> None:
         from .training.checkpoint import save_model
 
-        save_model(folder, model, info)  # the run's tokenizer.json is in the folder already (written at the start)
+        # The run's tokenizer.json is in the folder already (written when the stage started).
+        save_model(folder, model, {**info, "model_kind": self.name})
 
     def with_decode(self, model, rule: str) -> None:
         super().with_decode(model, rule)

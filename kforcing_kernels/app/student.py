@@ -20,6 +20,7 @@ model's (:func:`kind_of`) or the folder's (:func:`kind_of_folder`) and calls the
 from __future__ import annotations
 
 import importlib
+import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
@@ -125,7 +126,8 @@ class ModelKind(ABC):
 
     @abstractmethod
     def save(self, folder, model: Student, info: dict, corpus: Optional["Corpus"]) -> None:
-        """A finished stage as a model folder :meth:`load` reads back (``corpus``: the text it was trained on)."""
+        """A finished stage as a model folder :meth:`load` reads back (``corpus``: the text it was trained on); its
+        ``model.json`` records ``model_kind`` (this kind's name), so the registry finds the kind without asking."""
 
     def with_decode(self, model: Student, rule: str) -> None:
         """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
@@ -198,10 +200,24 @@ def kind_of(model: nn.Module) -> ModelKind:
     return kind_named(getattr(inner, "kind", DEFAULT_KIND))
 
 
+def recorded_kind(folder) -> Optional[str]:
+    """The registered kind a stage folder's ``model.json`` names (``model_kind``, written by every kind's
+    :meth:`ModelKind.save`), or None (no such record: a source folder, or a stage saved before it was recorded)."""
+    try:
+        name = json.loads((Path(folder) / "model.json").read_text()).get("model_kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if name in _SPECS else None
+
+
 def find_kind(folder) -> Optional[ModelKind]:
-    """The kind that recognises ``folder``, or None (no folder, or no model in it)."""
+    """The kind that recognises ``folder``, or None (no folder, or no model in it): the kind its ``model.json``
+    names, else the first whose :meth:`ModelKind.holds` says so."""
     if folder is None or not Path(folder).is_dir():
         return None
+    recorded = recorded_kind(folder)
+    if recorded is not None:
+        return kind_named(recorded)
     for name in _SPECS:
         kind = kind_named(name)
         if kind.holds(folder):
@@ -239,5 +255,7 @@ def corpus_for(teacher, data: Optional[str], vocab_size: int, verbose: bool = Fa
 
 def check_model_options(model: Optional[str], model_config: Optional[str]) -> None:
     """Every kind checks the ``--model`` / ``--model-config`` it reads: a usage error before a stage folder is made."""
+    if model is None and model_config is None:  # nothing to check: no kind is loaded for it
+        return
     for name in _SPECS:
         kind_named(name).check_options(model, model_config)

@@ -62,6 +62,11 @@ def test_folders_are_told_apart_by_the_registry(tmp_path):
     assert registry.find_kind(stage).name == "hf"
     assert registry.find_kind(tmp_path / "missing") is None and registry.find_kind(tmp_path) is None
     assert registry.kind_of_folder(tmp_path).name == registry.DEFAULT_KIND  # whose loader names what is missing
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "model.json").write_text(json.dumps({"model_kind": "hf"}))  # a kind's save records its name
+    assert registry.recorded_kind(recorded) == "hf" and registry.find_kind(recorded).name == "hf"
+    assert registry.recorded_kind(native) is None  # saved by checkpoint.save_model directly, not through the kind
     model, info, _ = registry.load_student(native)
     assert isinstance(model, KForcingLM) and info["k"] == 0 and model.k_train == 0
     assert registry.kind_of_folder(native).identity(native) == info["tensors"]["sha256"]

@@ -66,7 +66,7 @@ class HFKind(ModelKind):
     def save(self, folder, model, info: dict, corpus=None) -> None:
         if corpus is None:
             raise files.CheckpointError(f"{folder}: a Hugging Face stage is saved with its tokenizer (pass the corpus)")
-        files.save_hf_stage(folder, model, info, files.hf_tokenizer_of(corpus))
+        files.save_hf_stage(folder, model, {**info, "model_kind": self.name}, files.hf_tokenizer_of(corpus))
 
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
         return files.hf_corpus(teacher, data, verbose=verbose)
