@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
 # The checked readers, tensor files and tokenizer I/O live in app/files.py (one place for every file's bytes);
-# the names stay importable from here, where 0.2 defined them.
-from ..files import (_TMP_SUFFIX, CheckpointError, literal_specials, load_tensors, load_tokenizer,  # noqa: F401
-                     read_json, save_tensors, tokenizer_sha256, write_json, write_text)
+# read_json, load_tensors and save_tensors stay importable from here, where 0.2 defined them.
+from ..files import (_TMP_SUFFIX, CheckpointError, load_tensors, load_tokenizer, read_json, save_tensors,
+                     tokenizer_sha256, write_json, write_text)
 
 CHECKPOINT_FORMAT = 1
 
