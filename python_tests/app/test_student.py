@@ -125,3 +125,20 @@ def test_a_registered_kind_serves_every_caller(tmp_path, monkeypatch):
         registry.kind_named("nothing")
     with pytest.raises(ValueError, match="where: expected a ModelKind"):
         registry.register_kind("bad", 3)
+
+
+def test_both_models_take_the_protocols_arguments():
+    # The methods the trainer calls by keyword: each implementation starts with the protocol's parameters, in order
+    # (an extra trailing one, such as HFStudent.single_forward's keep_cache, must have a default).
+    import inspect
+
+    pytest.importorskip("transformers")
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+
+    for name in ("forward", "single_forward", "double_forward", "context_parallel_forward", "embed_noise",
+                 "reset_noise_encoder", "decoder_layers", "tied_keys"):
+        want = list(inspect.signature(getattr(Student, name)).parameters)
+        for cls in (KForcingLM, HFStudent):
+            params = inspect.signature(getattr(cls, name)).parameters
+            assert list(params)[:len(want)] == want, (cls.__name__, name)
+            assert all(p.default is not p.empty for p in list(params.values())[len(want):]), (cls.__name__, name)
