@@ -1,4 +1,6 @@
-"""Hugging Face models in a run: where they come from, the stage folder they are saved as, their text.
+"""Hugging Face models in a run: where they come from, the stage folder they are saved as, their text. The trainer,
+generation and evaluation reach these through the HF kind of the model registry (:mod:`.kind`,
+:mod:`kforcing_kernels.app.student`), never directly.
 
 Sources of the model (``kforcing-train --model PATH`` / ``--model-config PATH.json``):
 
