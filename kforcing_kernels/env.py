@@ -114,13 +114,13 @@ triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
 triton_prefetch = _Variable("KFORCING_TRITON_PREFETCH").get
 
 
+# TRITON_INTERPRET's raw value (an empty string stays ""): part of window_attention's eager cache key.
+triton_interpret_value = _Variable("TRITON_INTERPRET", empty_is_unset=False).get
+
+
 def triton_interpret() -> bool:
     """Whether TRITON_INTERPRET=1 is set (it takes effect only if set before triton's first import)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_interpret_value() -> Optional[str]:
-    return os.environ.get("TRITON_INTERPRET")
+    return triton_interpret_value() == "1"
 
 
 def cache_dir() -> Path:

@@ -42,6 +42,8 @@ why and measures nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import sys
 import time
@@ -135,32 +137,34 @@ def _use_wide_dkdv(spec: str | None) -> None:
     if (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)]) != want:
         tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)] = want[0], list(want[1])
         tk._tuned.clear()  # autotuners are keyed by the tile set's name, not its tiles
+        tk.clear_host_states()  # so are the launchers' cached host states (their tiles)
+
+
+@contextlib.contextmanager
+def _setting(tiles: str = "auto", kernels: str = "fused", extra: dict | None = None, wide_dkdv=False):
+    """A method's switches (``_triton_env``) and wide dK/dV tiles (``_use_wide_dkdv``: a spec, None for the
+    shipped ones, False to leave them), set once around all of its calls: never inside a timed call."""
+    if wide_dkdv is not False:
+        _use_wide_dkdv(wide_dkdv)
+    with _triton_env(tiles, kernels, extra):
+        yield
 
 
 def _methods(layout, q, kk, v, args, extras):
-    """{name: (forward fn, inputs, useful pairs)}; forward fns return the output to differentiate."""
+    """{name: (forward fn, inputs, useful pairs, setting)}; forward fns return the output to differentiate;
+    ``setting()`` is the context (environment switches, tile tables) every call of the method runs in."""
     pairs = int(layout.num_pairs())
     out = {}
     for spec in args.wide_dkdv if "triton" in args.methods else ():
-
-        def tri_dkdv(spec=spec):
-            _use_wide_dkdv(spec)
-            with _triton_env("wide"):
-                return window_attention(q, kk, v, layout, backend="triton")
-
-        out[f"triton[dkdv {spec}]"] = (tri_dkdv, (q, kk, v), pairs)
+        out[f"triton[dkdv {spec}]"] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
+                                       functools.partial(_setting, "wide", wide_dkdv=spec))
     runs = [(t, b) for t in args.triton_tiles for b in args.triton_kernels] if "triton" in args.methods else []
     for tiles, variant in runs:
         tags = [x for x in (tiles, variant) if x not in ("auto", "fused")]
         name = f"triton[{' '.join(tags)}]" if tags else "triton"
 
-        def tri(tiles=tiles, variant=variant):
-            if args.wide_dkdv:
-                _use_wide_dkdv(None)
-            with _triton_env(tiles, variant):
-                return window_attention(q, kk, v, layout, backend="triton")
-
-        out[name] = (tri, (q, kk, v), pairs)
+        out[name] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
+                     functools.partial(_setting, tiles, variant, wide_dkdv=None if args.wide_dkdv else False))
     for vname, assignments in getattr(args, "variant_list", ()):
         backend = variant_backend(assignments)
         if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
@@ -168,11 +172,8 @@ def _methods(layout, q, kk, v, args, extras):
         if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
             continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
-        def run_variant(assignments=assignments, backend=backend):
-            with _triton_env(extra=assignments):
-                return window_attention(q, kk, v, layout, backend=backend)
-
-        out[f"{backend}[{vname}]"] = (run_variant, (q, kk, v), pairs)
+        out[f"{backend}[{vname}]"] = (lambda backend=backend: window_attention(q, kk, v, layout, backend=backend),
+                                      (q, kk, v), pairs, functools.partial(_setting, extra=assignments))
     if "flex" in args.methods:
         from kforcing_kernels.ops.window_attention import flex as flex_backend
 
@@ -216,10 +217,14 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
     kk, v = (torch.randn(b, h, layout.n_keys, d, device=dev, dtype=dt).requires_grad_(True) for _ in range(2))
     methods, lc = _methods(layout, q, kk, v, args, extras)
     rows, errors = {}, {}
-    for name, (fwd, inputs, pairs) in methods.items():
+    stack = contextlib.ExitStack()
+    for name, (fwd, inputs, pairs, *setting) in methods.items():
         flops = 4.0 * pairs * d * b * h
         started = time.perf_counter()
         try:
+            stack.close()  # the previous method's switches undone
+            if setting:
+                stack.enter_context(setting[0]())
             if dev.type == "cpu" and name in NO_CPU_BACKWARD:  # forward only: FlexAttention has no CPU backward
                 with torch.no_grad():
                     fwd_ms = timer(fwd)
@@ -243,6 +248,7 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
         if getattr(args, "warm", False):  # first calls: compile + autotune; no timings worth keeping
             rows[name] = {"first_calls_s": time.perf_counter() - started}
             print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s", flush=True)
+    stack.close()
     ratios = {}
     if "triton" in rows:
         for other in rows:

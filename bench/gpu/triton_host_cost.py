@@ -3,6 +3,7 @@
     python -m bench host-cost                                  # paper shape B=4 H=12 N=1024 k=4 D=64
     python -m bench host-cost --reps 3000 --json out.json
     python -m bench host-cost --direct 0 --autotune 1          # one mode only
+    python -m bench host-cost --direct 1 --autotune 1 --op 1   # + the whole op against a trivial autograd.Function
 
 Triton's active driver is replaced by ``bench/gpu/triton_stub_driver.py``'s: kernels really compile
 (sm_90a by default, on the first call; Triton caches them on disk), and Triton's autotuner, the JIT's
@@ -20,11 +21,17 @@ and the time spent inside ``launch._launch`` during those steps (median per step
 launches: the per-launch cost, without plan lookups and allocations; per kernel too). Timed inside
 real steps, not one call replayed in a hot loop, which reads about half as much because everything
 stays in the CPU's caches.
+
+With ``--op 1`` (the default) each mode also times the whole eager op, ``window_attention(backend="triton")``
++ ``autograd.grad``, against a trivial ``autograd.Function`` with the same inputs, outputs and saved tensors
+(no work): the op's Python on top of autograd's own floor, as a ratio (both interleaved, so a busy
+machine slows both alike; ratios within one run are what compare across machines).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -116,6 +123,85 @@ def measure(launch, layout, batch: int, heads: int, dim: int, dtype: torch.dtype
             "per_kernel_cpu_us": {name: statistics.median(ts) / 1e3 for name, ts in per_kernel.items()}}
 
 
+class TrivialAttention(torch.autograd.Function):
+    """The floor of any autograd.Function for this op: the same inputs, outputs and saved tensors as
+    window_attention's eager Function, no work (empty outputs and gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@contextlib.contextmanager
+def triton_op_on_cpu():
+    """window_attention(backend="triton") on CPU tensors under the stub driver: the backend reports itself
+    available (it needs a GPU or the interpreter otherwise); the op's and the launchers' caches, which then
+    hold stubbed launches, are emptied on the way out."""
+    from kforcing_kernels.ops.window_attention import op
+    from kforcing_kernels.ops.window_attention import triton as backend
+    from kforcing_kernels.ops.window_attention.triton import launch
+
+    available = backend.available
+    backend.available = lambda: None
+    try:
+        yield
+    finally:
+        backend.available = available
+        op.clear_eager_cache()
+        launch.clear_host_states()
+
+
+def measure_op(layout, batch: int, heads: int, dim: int, dtype: torch.dtype, rounds: int) -> dict:
+    """``window_attention(backend="triton")`` + ``autograd.grad`` per call against :class:`TrivialAttention`
+    on the same tensors: CPU time (this thread) per call, the two interleaved in rounds of 10 calls each so a
+    busy machine slows both alike; medians over the rounds and the median of the per-round ratios."""
+    from kforcing_kernels import window_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, layout.n_queries, dim, generator=gen).to(dtype).requires_grad_(True)
+    k, v = (torch.randn(batch, heads, layout.n_keys, dim, generator=gen).to(dtype).requires_grad_(True)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    inputs = (q, k, v)
+
+    def ours():
+        torch.autograd.grad(window_attention(q, k, v, layout, backend="triton"), inputs, dout)
+
+    def trivial():
+        torch.autograd.grad(TrivialAttention.apply(q, k, v)[0], inputs, dout)
+
+    for _ in range(100):  # compile / load, autotune, every cache filled
+        ours()
+        trivial()
+    gc.collect()
+    times: dict[str, list[float]] = {"op": [], "trivial": []}
+    for _ in range(max(1, rounds)):
+        for name, fn in (("op", ours), ("trivial", trivial)):
+            c0 = time.thread_time_ns()
+            for _ in range(10):
+                fn()
+            times[name].append((time.thread_time_ns() - c0) / 10 / 1e3)
+    ratios = [a / b for a, b in zip(times["op"], times["trivial"])]
+    return {"op_cpu_us": statistics.median(times["op"]), "trivial_cpu_us": statistics.median(times["trivial"]),
+            "op_vs_trivial": statistics.median(ratios), "op_cpu_us_min": min(times["op"]),
+            "trivial_cpu_us_min": min(times["trivial"]), "rounds": len(ratios)}
+
+
+def format_op(result: dict) -> str:
+    return (f"  window_attention(backend='triton') + autograd.grad: {result['op_cpu_us']:.0f} us CPU (best round "
+            f"{result['op_cpu_us_min']:.0f}) vs a trivial autograd.Function {result['trivial_cpu_us']:.0f} us "
+            f"(best {result['trivial_cpu_us_min']:.0f}): {result['op_vs_trivial']:.2f}x (median of "
+            f"{result['rounds']} interleaved rounds)")
+
+
 def run(args) -> dict:
     import triton
 
@@ -141,10 +227,16 @@ def run(args) -> dict:
                     else:
                         os.environ[DIRECT_ENV] = direct
                     result = measure(launch, layout, args.batch_size, args.heads, args.dim, dtype, args.reps, driver)
+                    if args.op:
+                        with triton_op_on_cpu():
+                            result["op"] = measure_op(layout, args.batch_size, args.heads, args.dim, dtype,
+                                                      args.reps // 10)
                     modes.append({"autotune": autotune == "1",
                                   "direct_launch": None if direct is None else direct == "1", **result})
                     if not args.quiet:
                         print(format_mode(modes[-1]), flush=True)
+                        if args.op:
+                            print(format_op(result["op"]), flush=True)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -179,6 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autotune", choices=("1", "0", "both"), default="both", help="KFORCING_TRITON_AUTOTUNE")
     p.add_argument("--direct", choices=("1", "0", "both"), default="both",
                    help=f"{DIRECT_ENV} (ignored when launch.py has no such switch)")
+    p.add_argument("--op", type=int, choices=(0, 1), default=1,
+                   help="also time window_attention(backend='triton') + autograd.grad against a trivial "
+                        "autograd.Function on the same tensors (1: yes)")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no per-mode lines")
 

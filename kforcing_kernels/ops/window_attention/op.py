@@ -26,7 +26,8 @@ or sizes that were equal by coincidence at the first trace (duck sizing).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+import threading
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -73,6 +74,10 @@ def window_attention(
     Returns:
         ``out [B, H, Lq, D]`` in q's dtype (and ``lse`` if asked).
     """
+    entry = _eager_entry(q, k, v, layout, scale, backend)
+    if entry is not None:  # a plain eager call like one validated before (see _eager_entry)
+        out, lse = _EagerWindowAttention.apply(q, k, v, layout, entry.scale, entry.backend, entry)
+        return (out, lse.detach()) if return_lse else out
     _validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:  # nothing to attend (q.shape[2]: a subset of no rows)
@@ -124,6 +129,75 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
     if torch._C._is_torch_function_mode_enabled() or _current_dispatch_mode() is not None:
         return False
     return torch._C._functorch.peek_interpreter_stack() is None
+
+
+# ---------------------------------------------------------------------- the eager fast path
+
+
+class _EagerEntry(NamedTuple):
+    """What a validated plain eager call resolved: its scale, backend and that backend's eager forward/backward."""
+
+    scale: float
+    backend: str
+    forward: Callable
+    backward: Callable
+
+
+EAGER_CACHE_MAX = 64
+_eager_cache: dict[tuple, _EagerEntry] = {}
+_eager_lock = threading.Lock()
+
+
+def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
+    """The cached resolution of a plain eager call, or None when the call takes the general path.
+
+    A training step calls the op with the same layout and tensor shapes every time; validating them, the
+    default backend's choice, the registry's ``import_module`` and the backend's own checks cost about as
+    much host time as the whole autograd round trip (BENCHMARKS.md "window_attention's host path"). So
+    the first such call validates as usual and its outcome is kept under a key holding everything those
+    checks read: the layout (by identity: layouts never change), the scale and backend arguments, each
+    tensor's shape, dtype, device and strides, and the environment switches the choice and the backends
+    read. Whatever is not in the key is checked on every call: the argument types (a hit needs plain
+    tensors, a WindowLayout, a float or None scale, a str or None backend), torch.compile, modes and
+    functorch transforms (those calls take the custom op). An input that differs in anything a check
+    reads misses, and is validated (and refused by name) like a first call.
+    """
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    if type(layout) is not WindowLayout or (scale is not None and type(scale) is not float):
+        return None
+    if backend is not None and type(backend) is not str:
+        return None
+    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None):
+        return None
+    key = (layout, scale, backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+           v.device, q.stride(), k.stride(), v.stride(), env.backend_override(), env.dispatch_table_path(),
+           env.triton_interpret_value(), env.extension_disabled())
+    entry = _eager_cache.get(key)
+    if entry is not None:
+        return entry
+    if q.device.type == "meta" or k.device.type == "meta" or v.device.type == "meta":
+        return None
+    _validate(q, k, v, layout, scale, backend)  # raises naming the argument, as on the general path
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
+        return None  # the general path's empty result
+    name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
+    module = get_backend(name)
+    eager_ops = getattr(module, "eager_ops", None)
+    forward, backward = eager_ops(q, k, v, layout) if eager_ops is not None else (module.forward, module.backward)
+    entry = _EagerEntry(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), name, forward, backward)
+    with _eager_lock:
+        while len(_eager_cache) >= EAGER_CACHE_MAX:  # bounded: the oldest entry goes first
+            del _eager_cache[next(iter(_eager_cache))]
+        _eager_cache[key] = entry
+    return entry
+
+
+def clear_eager_cache() -> None:
+    """Forget every cached eager resolution (tests; a backend module reloaded)."""
+    with _eager_lock:
+        _eager_cache.clear()
 
 
 def _current_dispatch_mode():
@@ -247,12 +321,12 @@ def _window_attention_op(
     return _forward(q, k, v, layout_from_args(ranges, geometry, intra_causal, queries_all), scale, backend)
 
 
-def _forward(q, k, v, layout: WindowLayout, scale: float, backend: str):
+def _forward(q, k, v, layout: WindowLayout, scale: float, backend: str, entry: Optional[_EagerEntry] = None):
     # Every backend gets (and returns) contiguous tensors: the fake below promises contiguous outputs.
     # Non-finite K/V values are the backend's business (backends.Backend): no scan here.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse = get_backend(backend).forward(q, k, v, layout, scale)
-    return out, lse
+    forward = get_backend(backend).forward if entry is None else entry.forward
+    return forward(q, k, v, layout, scale)
 
 
 @_window_attention_op.register_fake
@@ -271,9 +345,11 @@ def _window_attention_backward_op(
                           scale, backend)
 
 
-def _backward_body(dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str):
-    tensors = (t.contiguous() for t in (dout, q, k, v, out, lse))
-    return get_backend(backend).backward(*tensors, layout, scale)
+def _backward_body(dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str,
+                   entry: Optional[_EagerEntry] = None):
+    backward = get_backend(backend).backward if entry is None else entry.backward
+    return backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                    lse.contiguous(), layout, scale)
 
 
 @_window_attention_backward_op.register_fake
@@ -320,17 +396,18 @@ class _EagerWindowAttention(torch.autograd.Function):
     """The custom op's forward and backward bodies for plain eager calls (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: WindowLayout, scale: float, backend: str):
-        out, lse = _forward(q, k, v, layout, scale, backend)
+    def forward(ctx, q, k, v, layout: WindowLayout, scale: float, backend: str, entry: Optional[_EagerEntry] = None):
+        # entry: the validated call's cached resolution (_eager_entry), None on the general path.
+        out, lse = _forward(q, k, v, layout, scale, backend, entry)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (layout, scale, backend)
+        ctx.meta = (layout, scale, backend, entry)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, scale, backend = ctx.meta
+        layout, scale, backend, entry = ctx.meta
         if torch.is_grad_enabled() and isinstance(layout, QueryRowsLayout):
             raise RuntimeError(f"double backward is not supported by window_attention (backend {backend!r}) on a "
                                "QueryRowsLayout: its backward is itself not differentiable")
@@ -338,6 +415,6 @@ class _EagerWindowAttention(torch.autograd.Function):
             ranges, geometry, intra_causal, queries_all = _layout_args(layout)
             grads = torch.ops.kforcing_kernels.window_attention_backward(
                 dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend)
-        else:
-            grads = _backward_body(dout, q, k, v, out, lse, layout, scale, backend)
-        return (*grads, None, None, None)
+        else:  # autograd gives dout the shape, dtype and device of out: the forward's checks still hold
+            grads = _backward_body(dout, q, k, v, out, lse, layout, scale, backend, entry)
+        return (*grads, None, None, None, None)

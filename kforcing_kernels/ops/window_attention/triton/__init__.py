@@ -97,3 +97,13 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     """Gradients (dq, dk, dv) like (q, k, v), from the forward's ``out`` and ``lse``."""
     _check(q)
     return kernels().attention_backward(dout, q, k, v, out, lse, layout, scale)
+
+
+def eager_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout):
+    """``(forward, backward)`` for eager calls like these that ``window_attention`` has validated and keeps in its
+    cache (op._eager_entry, keyed by everything the checks here and in launch.py read: dtype, shapes, devices,
+    strides, the layout, TRITON_INTERPRET): the checks run here once, the launchers then skip them."""
+    _check(q)
+    module = kernels()
+    module.check_inputs(q, k, v, layout)
+    return module.forward_checked, module.backward_checked

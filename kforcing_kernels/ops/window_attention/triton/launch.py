@@ -32,6 +32,7 @@ import torch
 import triton
 from triton.runtime import driver as _triton_driver
 
+from .... import env
 from ....layouts import WindowLayout
 from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
                       TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, kernel_variant, check_head_dim, length_bucket,
@@ -158,9 +159,68 @@ def _tune_key(tile_set: str, q: torch.Tensor, plan: TilePlan) -> tuple:
     return (tile_set, q.shape[-1], length_bucket(q.shape[2]), mode)
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def _device_guard(t: torch.Tensor):
-    """Launch on ``t``'s device: Triton launches on the current device and its current stream."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch on ``t``'s device: Triton launches on the current device and its current stream (no guard
+    needed, and none entered, when that already is ``t``'s)."""
+    index = t.get_device()  # -1 on the CPU
+    if index < 0 or index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(index)
+
+
+# The host state of a launch (tiles, tile plan, autotune key, device copies): per layout, head dim, query rows,
+# device, stream and the tile/kernel switches. Building it reads the layout's derived store (hashing the tiles,
+# formatting the device, querying the stream) on every call; a training step repeats one key.
+HOST_STATE_MAX = 64
+
+
+class _HostState:
+    __slots__ = ("tiles", "tile_set", "plan", "key", "pt", "counters", "layout", "device", "stream", "_steps")
+
+    def __init__(self, layout, q, tiles, counters):
+        self.tiles, self.tile_set = _resolve_tiles(tiles, q)
+        self.plan = tile_plan(layout, self.tiles)
+        self.key = _tune_key(self.tile_set, q, self.plan)
+        self.layout, self.device, self.stream = layout, q.device, _stream_id(q.device)
+        self.pt = device_plan(self.plan, layout, self.device)
+        self.counters = _counters(self.device, counters)
+        self._steps = None
+
+    def steps(self) -> dict:
+        """The dK/dV step list's device copies (steps.device_steps), made on first use."""
+        if self._steps is None:
+            self._steps = device_steps(step_plan(self.layout, self.plan), self.layout, self.tiles, self.device,
+                                       self.stream)
+        return self._steps
+
+
+_host_states: dict[tuple, _HostState] = {}
+_host_lock = threading.Lock()
+
+
+def _host_state(layout, q: torch.Tensor, tiles: Optional[Tiles], counters: Optional[torch.Tensor]) -> _HostState:
+    """The launch's host state, cached when the tiles and counters are the defaults (bounded, oldest out)."""
+    if tiles is not None or counters is not None:
+        return _HostState(layout, q, tiles, counters)
+    device = q.device
+    key = (layout, q.shape[-1], q.shape[2], device, _stream_id(device), env.triton_tiles(), env.triton_kernels())
+    state = _host_states.get(key)
+    if state is None:
+        state = _HostState(layout, q, None, None)
+        with _host_lock:
+            while len(_host_states) >= HOST_STATE_MAX:
+                del _host_states[next(iter(_host_states))]
+            _host_states[key] = state
+    return state
+
+
+def clear_host_states() -> None:
+    """Forget the cached host states (tests; tile tables changed in place)."""
+    with _host_lock:
+        _host_states.clear()
 
 
 def attention_forward(
@@ -181,14 +241,23 @@ def attention_forward(
         return _forward(q, k, v, layout, scale, tiles, counters)
 
 
+def check_inputs(q, k, v, layout: WindowLayout) -> None:
+    """``attention_forward``'s checks of inputs that the op hands over contiguous (its eager cache runs them once
+    per input signature; forward_checked / backward_checked then skip them)."""
+    _check_shapes(q.contiguous(), k.contiguous(), layout, v)
+
+
+def forward_checked(q, k, v, layout: WindowLayout, scale: float):
+    """``attention_forward`` without its checks, for inputs ``window_attention`` has validated (triton.eager_ops)."""
+    with _device_guard(q):
+        return _forward(q, k, v, layout, scale, None, None)
+
+
 def _forward(q, k, v, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
-    tiles, tile_set = _resolve_tiles(tiles, q)
-    plan = tile_plan(layout, tiles)
+    hs = _host_state(layout, q, tiles, counters)
+    tiles, plan, key, pt, counters = hs.tiles, hs.plan, hs.key, hs.pt, hs.counters
     g = plan.geometry
-    key = _tune_key(tile_set, q, plan)
-    pt = device_plan(plan, layout, q.device)
-    counters = _counters(q.device, counters)
     instrument = counters.numel() > 1
     kv_group = n_heads // k.shape[1]
     q_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -241,15 +310,18 @@ def attention_backward(
         return _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters)
 
 
+def backward_checked(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
+    """``attention_backward`` without its checks, for the backward of a validated call (triton.eager_ops)."""
+    with _device_guard(q):
+        return _backward(dout, q, k, v, out, lse, layout, scale, None, None)
+
+
 def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
     n_kv = k.shape[1]
-    tiles, tile_set = _resolve_tiles(tiles, q)
-    plan = tile_plan(layout, tiles)
+    hs = _host_state(layout, q, tiles, counters)
+    tiles, plan, key, pt, counters = hs.tiles, hs.plan, hs.key, hs.pt, hs.counters
     g = plan.geometry
-    key = _tune_key(tile_set, q, plan)
-    pt = device_plan(plan, layout, q.device)
-    counters = _counters(q.device, counters)
     instrument = counters.numel() > 1
     lse = lse.to(torch.float32).contiguous()
     kv_group = n_heads // n_kv
@@ -280,7 +352,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
             BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
         )
     if variant == "fused":
-        st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
+        st = hs.steps()
         n_dkdv = bsz * n_kv * plan.num_key_tiles
         n_dq = bsz * n_heads * plan.num_query_tiles
         n_slot = bsz * n_kv * plan.intra_blocks
@@ -301,7 +373,7 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
         _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
                          instrument)
         return dq, dk, dv
-    st = device_steps(step_plan(layout, plan), layout, tiles, q.device, _stream_id(q.device))
+    st = hs.steps()
     _launch(
         "dq", (bsz * n_heads, plan.num_query_tiles), key,
         q, k, v, dout, lse, delta, dq, dq_part,

@@ -44,7 +44,9 @@ Plans (``tile_plan``, per tile shapes) and their int32 device copies
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from typing import Optional, Union
 
 import torch
@@ -376,19 +378,60 @@ def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAU
 
 
 def _stream_id(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    """The current stream's handle on ``device`` (``torch.cuda.current_stream(device).cuda_stream``, without
+    making a Stream object); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# Device copies by (layout content, artifact, device): the latest made on any stream, what a CUDA-graph capture
+# uses (no host-to-device copy can run while a stream captures), and the ones a capture used, kept for the
+# process (a graph holds their addresses and does not keep the tensors alive).
+DEVICE_COPIES_MAX = 64
+_latest_copies: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
+_captured_copies: dict[tuple, dict] = {}
+_copies_lock = threading.Lock()
+
+
+def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
+    """``build()`` (a dict of device tensors made on the current stream) cached per layout content, ``name``, device
+    and current stream (``layout._derived``). Per stream: each copy is made and used on one stream, so the caching
+    allocator never hands its memory to another stream while a kernel there may still read it.
+
+    While the current stream captures a CUDA graph, nothing is uploaded: the latest copy made on any stream of
+    ``device`` is used (a warm-up call before the capture makes it) and kept alive for the process, since the
+    graph reads it at every replay; with no such copy this raises naming the fix. Call under ``device``'s guard."""
+    index = (layout.cache_key, name, str(device))
+    if _capturing(device):
+        with _copies_lock:
+            value = _captured_copies.get(index) or _latest_copies.get(index)
+            if value is None:
+                raise RuntimeError(
+                    f"window_attention (triton): {name[0]} of this layout has no copy on {device} yet, and the "
+                    "current stream is capturing a CUDA graph, where no host-to-device copy can run; call the op "
+                    "once with this layout, shapes and device before the capture (a warm-up)")
+            _captured_copies[index] = value
+        return value
+    value = layout._derived((*name, str(device), _stream_id(device)), build)
+    with _copies_lock:
+        _latest_copies[index] = value
+        _latest_copies.move_to_end(index)
+        while len(_latest_copies) > DEVICE_COPIES_MAX:
+            _latest_copies.popitem(last=False)
+    return value
 
 
 def device_plan(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
     """The plan, the layout's row intervals and slot-to-key table as int32 tensors on ``device``, with the
-    batch strides the kernels take (built once per layout content, device and current stream).
-
-    Keyed by the current stream: each copy is made and used on one stream, so the caching allocator
-    never hands its memory to another stream while a kernel there may still read it. Call under the
-    device guard of ``device``.
+    batch strides the kernels take (built once per layout content, device and current stream; under a
+    CUDA-graph capture, the copy a warm-up made: ``device_copy``). Call under the device guard of ``device``.
     """
-    key = ("triton.device_plan", plan.tiles, str(device), _stream_id(device))
-    return layout._derived(key, lambda: _upload(plan, layout, device))
+    return device_copy(layout, ("triton.device_plan", plan.tiles), device, lambda: _upload(plan, layout, device))
 
 
 def _row_slot0(layout: WindowLayout) -> torch.Tensor:
@@ -430,4 +473,4 @@ def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
 
 
 __all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan", "device_plan",
-           "device_int32"]
+           "device_copy", "device_int32"]

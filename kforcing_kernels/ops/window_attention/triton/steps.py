@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from ....layouts import WindowLayout
-from .plan import TilePlan, _tile_intervals, _transpose, device_int32
+from .plan import TilePlan, _tile_intervals, _transpose, device_copy, device_int32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,8 +84,9 @@ def step_plan(layout: WindowLayout, plan: TilePlan) -> StepPlan:
     return layout._derived(("triton.step_plan", plan.tiles), lambda: _build(layout, plan))
 
 
-def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.device, stream: int) -> dict:
-    """``steps`` as int32 tensors on ``device`` (cached like ``plan.device_plan``, per device and stream)."""
+def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.device, stream: int = 0) -> dict:
+    """``steps`` as int32 tensors on ``device`` (cached like ``plan.device_plan``, per device and current stream,
+    or a warm-up's copy under a CUDA-graph capture: ``plan.device_copy``). ``stream``: unused, kept for callers."""
 
     def upload() -> dict:
         def dev(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.dev
         return dict(step_ptr=dev(steps.ptr), step_entries=dev(steps.entries), step_order=dev(steps.order),
                     stepptr_bstride=steps.ptr[0].numel() if steps.ptr.shape[0] > 1 else 0)
 
-    return layout._derived(("triton.device_steps", tiles, str(device), stream), upload)
+    return device_copy(layout, ("triton.device_steps", tiles), device, upload)
 
 
 __all__ = ["StepPlan", "step_plan", "device_steps"]

@@ -218,11 +218,15 @@ def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, whi
 def test_public_op_with_autograd(kernels, layout):
     q, k, v = make_qkv(layout, heads=2, kv_heads=1, head_dim=32)
     dout = torch.randn(q.shape, dtype=torch.float64).float()
-    out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, layout, 32 ** -0.5)
-    for got, want in zip((out, lse, dq, dk, dv), (ref_out, ref_lse, *ref_grads)):
-        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    first = None
+    for _ in range(2):  # the second call takes the op's cached eager path (op._eager_entry): the same bits
+        out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
+        got = (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+        for a, want in zip(got, (ref_out, ref_lse, *ref_grads)):
+            torch.testing.assert_close(a.double(), want, atol=1e-4, rtol=1e-4)
+        assert first is None or all(torch.equal(a, b) for a, b in zip(got, first))
+        first = got
 
 
 def test_cpu_tensors_never_dispatch_to_triton_by_default(kernels):
