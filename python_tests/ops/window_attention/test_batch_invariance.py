@@ -5,7 +5,6 @@ here at small sizes; the triton backend and its configs on CUDA only (issue #24,
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -157,15 +156,15 @@ def test_command_line_writes_the_json_and_is_a_bench_command(tmp_path, capsys):
 
 
 def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
-    text = open(os.path.join(ROOT, "bench", "gpu", "gpu_check.sh")).read()
-    commands = re.findall(r'run_step (9_batch_invariance) (\d+) (\d+) "\$PY" -m bench batch-invariance ((?:\\\n|[^\n])*)', text)
-    assert len(commands) == 1, commands
-    argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").rstrip('"') for a in commands[0][3].replace("\\\n", " ").split()]
+    from bench.gpu import check
+
+    (step,) = [s for s in check.STEPS if s.command == "batch-invariance"]
+    assert step.call == 1
     parser = bi.make_parser("x")
     bi.add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(check.expand(step.argv, str(tmp_path))[3:])
     assert args.json == str(tmp_path / "batch_invariance.json")
-    assert "9_batch_invariance" in text.split("for s in")[1].split(";")[0]  # skipped by name without CUDA
+    assert args.n == 1024 and sorted(args.dims) == [64, 128]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="starts its own interpreter process")
