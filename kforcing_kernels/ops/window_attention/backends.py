@@ -38,9 +38,9 @@ class Backend(Protocol):
     def backward(self, dout, q, k, v, out, lse, layout, scale: float):
         """Gradients (dq, dk, dv), contiguous and shaped like (q, k, v)."""
 
-    # Optional: eager_ops(q, k, v, layout) -> (forward, backward), the functions plain eager calls with inputs like
-    # these run once ``window_attention`` has validated them (it caches the pair per input signature, op.py
-    # _eager_entry): the backend's own input checks run in eager_ops, once, not per call (triton/__init__.py).
+    # Optional: eager_ops(q, k, v, layout) -> (module, forward name, backward name), the functions plain eager calls
+    # with inputs like these run once ``window_attention`` has validated them (it caches them per input signature,
+    # op.py _eager_entry): the backend's own input checks run in eager_ops, once, not per call (triton/__init__.py).
 
 
 _HERE = "kforcing_kernels.ops.window_attention"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -135,12 +136,23 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
 
 
 class _EagerEntry(NamedTuple):
-    """What a validated plain eager call resolved: its scale, backend and that backend's eager forward/backward."""
+    """What a validated plain eager call resolved: its scale, backend, and the module and function names of that
+    backend's eager forward/backward (looked up per call, so a function replaced later, e.g. by a test, is the
+    one that runs)."""
 
     scale: float
     backend: str
-    forward: Callable
-    backward: Callable
+    ops: ModuleType
+    forward_name: str
+    backward_name: str
+
+    @property
+    def forward(self) -> Callable:
+        return getattr(self.ops, self.forward_name)
+
+    @property
+    def backward(self) -> Callable:
+        return getattr(self.ops, self.backward_name)
 
 
 EAGER_CACHE_MAX = 64
@@ -185,8 +197,8 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
     name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     module = get_backend(name)
     eager_ops = getattr(module, "eager_ops", None)
-    forward, backward = eager_ops(q, k, v, layout) if eager_ops is not None else (module.forward, module.backward)
-    entry = _EagerEntry(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), name, forward, backward)
+    ops = eager_ops(q, k, v, layout) if eager_ops is not None else (module, "forward", "backward")
+    entry = _EagerEntry(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), name, *ops)
     with _eager_lock:
         while len(_eager_cache) >= EAGER_CACHE_MAX:  # bounded: the oldest entry goes first
             del _eager_cache[next(iter(_eager_cache))]

@@ -132,3 +132,15 @@ def test_the_cache_is_bounded(monkeypatch):
         window_attention(*_qkv(layout), layout, backend="composite")
         assert len(op._eager_cache) <= 4
     assert len(op._eager_cache) == 4
+
+
+def test_a_backend_function_replaced_after_a_cached_call_is_the_one_that_runs(monkeypatch):
+    from kforcing_kernels.ops.window_attention import composite
+
+    layout = WindowLayout.kforcing_single(20, 4)
+    q, k, v = _qkv(layout)
+    window_attention(q, k, v, layout, backend="composite")  # cached
+    calls, real = [], composite.forward
+    monkeypatch.setattr(composite, "forward", lambda *a: calls.append(1) or real(*a))
+    window_attention(q, k, v, layout, backend="composite")
+    assert calls == [1] and len(op._eager_cache) == 1

@@ -100,10 +100,11 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
 
 
 def eager_ops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout):
-    """``(forward, backward)`` for eager calls like these that ``window_attention`` has validated and keeps in its
-    cache (op._eager_entry, keyed by everything the checks here and in launch.py read: dtype, shapes, devices,
-    strides, the layout, TRITON_INTERPRET): the checks run here once, the launchers then skip them."""
+    """``(module, forward name, backward name)`` for eager calls like these that ``window_attention`` has validated
+    and keeps in its cache (op._eager_entry, keyed by everything the checks here and in launch.py read: dtype,
+    shapes, devices, strides, the layout, TRITON_INTERPRET): the checks run here once, the launchers then skip
+    them (launch.forward_checked / backward_checked)."""
     _check(q)
     module = kernels()
     module.check_inputs(q, k, v, layout)
-    return module.forward_checked, module.backward_checked
+    return module, "forward_checked", "backward_checked"
