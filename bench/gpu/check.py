@@ -10,7 +10,7 @@
 
 A loan gives 15 minutes of device time, the machine's start (1-2 min) included, and returns at most 8 files
 from $OUT. So the plan is two calls whose step budgets sum to <= 480 s and <= 240 s
-(python_tests/test_gpu_check.py holds them to it), set from the H200 run's measured step times
+(python_tests/bench/test_gpu_check.py holds them to it), set from the H200 run's measured step times
 (shared/gpu-runs/2026-11-28-h200/gc/gpu_check.log: versions 12 s, warm 84, smoke 45, pytest > 80 cold / 35 warm,
 int64 12, A/B 42, dispatch 9, training steps 34 and 38, batch invariance 28). Each step runs as its own process with
 its budget as a cap (plus whatever earlier steps of the call left unused), under the call's deadline (the sum); a
