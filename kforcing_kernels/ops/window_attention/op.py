@@ -174,14 +174,16 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
     functorch transforms (those calls take the custom op). An input that differs in anything a check
     reads misses, and is validated (and refused by name) like a first call.
     """
+    if torch.compiler.is_compiling():  # traced: the custom op (first, so that dynamo traces nothing else here)
+        return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     if type(layout) is not WindowLayout or (scale is not None and type(scale) is not float):
         return None
     if backend is not None and type(backend) is not str:
         return None
-    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
         return None
     key = (layout, scale, backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
            v.device, q.stride(), k.stride(), v.stride(), env.backend_override(), env.dispatch_table_path(),
