@@ -173,6 +173,42 @@ def test_side_stream_gets_its_own_plan_tensors():
 
 
 @needs_gpu
+def test_a_cuda_graph_replays_the_eager_step_and_a_cold_layout_is_refused_by_name():
+    """window_attention + autograd.grad captured in a CUDA graph after a warm-up on a side stream (the plan's device
+    copies are the warm-up's: no upload during capture, triton/plan.py device_copy) replays the eager bits; a layout
+    no call has warmed up is refused naming the warm-up, instead of a host-to-device copy inside the capture."""
+    layout = WindowLayout.kforcing_single(256, 4)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, layout.n_queries, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+    def step(lay=layout):
+        out = window_attention(q, k, v, lay, backend="triton")
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile, autotune, the plan's copies
+            eager = [t.clone() for t in step()]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(static, eager):
+        assert torch.equal(got, want)
+    cold = WindowLayout(layout.n_ctx, layout.num_windows, 4, layout.prefix_hi // 2, layout.prefix_hi)  # another content
+    with pytest.raises(RuntimeError) as info:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step(cold)
+    messages = str(info.value) + str(info.value.__context__)
+    assert "capturing a CUDA graph" in messages and "warm-up" in messages
+
+
+@needs_gpu
 @pytest.mark.parametrize("name", ["single", "double", "sbd", "ptp"])
 def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
     from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
