@@ -36,7 +36,7 @@ COMMANDS = {
     "bwd-registers": ("gpu.bwd_registers", "which program kind sets the fused backward's register count (AOT, no GPU)"),
     "host-cost": ("gpu.triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
     "batch-invariance": ("gpu.batch_invariance", "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
-    "gpu-check": ("gpu.check", "the GPU check in two planned calls (<= 8 and <= 4 min), steps as data; --dry-run on CPU"),
+    "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 8, <= 4 min); --dry-run on CPU"),
 }
 PROG = "python -m bench"
 

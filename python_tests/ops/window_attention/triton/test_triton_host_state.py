@@ -1,6 +1,6 @@
 """The triton backend's cached host path on CPU: the launchers' host state (tiles, plan, device copies) cached
 per layout/shape/device/stream/switches, device copies a CUDA-graph capture finds without uploading, and the
-op's eager fast path handing Triton's launcher exactly what the checked launchers do (bench/triton_stub_driver.py
+op's eager fast path handing Triton's launcher exactly what the checked launchers do (bench/gpu/triton_stub_driver.py
 as Triton's driver: kernels compile for sm_90a, launches are recorded, not run)."""
 
 import gc
@@ -101,8 +101,8 @@ def _launch_record(record):
 @pytest.mark.skipif(launch.interpreting(), reason="kernels were built for the interpreter")
 @pytest.mark.skipif(aot_report.tools_missing() is not None, reason=f"{aot_report.tools_missing()}")
 def test_the_eager_fast_path_launches_what_the_checked_launchers_do(monkeypatch):
-    from bench.triton_host_cost import triton_op_on_cpu
-    from bench.triton_stub_driver import stub_driver
+    from bench.gpu.triton_host_cost import triton_op_on_cpu
+    from bench.gpu.triton_stub_driver import stub_driver
 
     monkeypatch.setenv("KFORCING_TRITON_AUTOTUNE", "0")
     layout = WindowLayout.kforcing_single(128, 4)
