@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ..settings import POSITIVE, check_reals
+
 
 @dataclass
 class ModelConfig:
@@ -33,7 +35,12 @@ class ModelConfig:
     # decoding) or "residual" (the inverse CDF of the slot's softmax at the noise's unresolved digits).
     decode: str = "argmax"
 
+    # The real-valued fields and their ranges (kforcing_kernels/settings.py): a NaN, infinite, zero or negative
+    # rope_base or norm_eps makes every logit NaN, so each is refused by name here.
+    REAL_SETTINGS = {"rope_base": POSITIVE, "norm_eps": POSITIVE}
+
     def __post_init__(self) -> None:
+        check_reals(self, self.REAL_SETTINGS)
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features", "tau_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

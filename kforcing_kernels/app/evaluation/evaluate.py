@@ -43,6 +43,7 @@ from ..files import CheckpointError, check_writable, read_json, write_json
 from ..student import corpus_for, find_kind, kind_of, load_student
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
 from ...model import KForcingLM
+from ...settings import POSITIVE, check_reals
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 
 
@@ -60,6 +61,12 @@ class EvalSettings:
     nll_batches: int = 8
     nll_batch_size: int = 16
     seed: int = 0  # prompts, noise and validation batches
+
+    # The real-valued settings (kforcing_kernels/settings.py): K-Forcing conditions its noise on tau > 0.
+    REAL_SETTINGS = {"temperature": POSITIVE, "taus": POSITIVE}
+
+    def __post_init__(self) -> None:
+        check_reals(self, self.REAL_SETTINGS)
 
 
 DEMO_EVAL = EvalSettings()
@@ -249,6 +256,8 @@ def evaluate_pipeline(
     ``judge``: the AR model that scores every generated text (a stage folder or a model);
     None uses the run's Stage-0 teacher. Defaults are :data:`DEMO_EVAL`'s.
     """
+    # The real-valued settings are refused by name before any model is loaded (EvalSettings' check; no taus: no sweep).
+    EvalSettings(temperature=temperature, taus=tuple(taus))
     run = Path(run)
     batch_sizes = sorted(batch_sizes)  # quality is scored on the outputs of the last (largest) batch
     ar_folder = ar_teacher_folder(run)

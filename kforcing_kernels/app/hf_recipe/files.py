@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 import shutil
 from pathlib import Path
@@ -135,13 +136,41 @@ def read_model_config(path):
     if not isinstance(values.get("model_type"), str):
         raise CheckpointError(f"model_config: {str(path)!r} has no \"model_type\" (e.g. \"llama\"), so transformers cannot "
                               "tell which model it configures (--model-config)")
+    bad = _bad_real(values)
+    if bad:
+        raise CheckpointError(f"model_config: {str(path)!r}: {bad} (--model-config)")
+    # transformers checks a config in several places (its own validators, the model's constructor, the first forward,
+    # where a head dim RoPE cannot rotate or a head count GQA cannot group fails), and raises whatever type each uses:
+    # every failure to configure, build or run the model is the file's fault here, so each is one usage error.
     try:
         config = tf.AutoConfig.for_model(**values)
-        with torch.device("meta"):  # the sizes transformers rejects only when it builds the model, without allocating it
-            tf.AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+        with torch.device("meta"):  # built and run on meta tensors: no memory, whatever the sizes
+            model = tf.AutoModelForCausalLM.from_config(config)
+            model(torch.zeros(1, 2, dtype=torch.long))
+    except Exception as exc:  # noqa: BLE001 (see above)
         raise CheckpointError(f"model_config: transformers rejects {str(path)!r} ({type(exc).__name__}: {exc}) (--model-config)") from None
     return config
+
+
+def _bad_real(values: dict, prefix: str = "") -> Optional[str]:
+    """What is wrong with a real-valued entry of a transformers config (nested ones too), or None: every float must be
+    finite (kforcing_kernels/settings.py's rule), and a RoPE base or a normalisation epsilon positive, as a NaN or
+    non-positive one makes every logit NaN, which training would only report as a non-finite loss."""
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found = _bad_real(value, f"{name}.")
+            if found:
+                return found
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{name}: expected a finite number, got {value!r}"
+        elif _must_be_positive(key) and isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            return f"{name}: expected a positive number, got {value!r}"
+    return None
+
+
+def _must_be_positive(key: str) -> bool:
+    return key in ("rope_theta", "rope_base") or key.endswith(("eps", "epsilon"))
 
 
 # ---------------------------------------------------------------------- building and loading

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
-from numbers import Real
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
-from ..cli import checked, resolve_device
+from ..cli import resolve_device
 from ..data import DEFAULT_SOURCE
 from ..files import LOCK_NAME
 from ..student import kind_of_folder, stage_kind
 from ...model import PRESETS, ModelConfig
 from ...model.decoding import DECODE_RULES
+from ...settings import POSITIVE, UNIT, UNIT_OPEN_HIGH, argparse_type, check_reals, real_error
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
 
@@ -211,33 +210,31 @@ _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every")
 MODEL_OVERRIDES = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
-# Real-valued settings: what each accepts (besides being a finite real number) and how the refusal says it. The
-# one table for both entry points: validate_config checks TrainConfig with it, and the CLI's argument types are
-# made from it (setting_type). grad_clip 0 is refused as the CLI always refused it: clipping is not optional here
-# (a huge value turns it off in effect).
+# Real-valued settings: what each accepts (besides being a finite real number), in kforcing_kernels/settings.py's
+# one check. The one table for both entry points: validate_config checks TrainConfig with it, and the CLI's argument
+# types are made from it (setting_type). grad_clip 0 is refused as the CLI always refused it: clipping is not optional
+# here (a huge value turns it off in effect).
 FLOAT_SETTINGS = {
-    "lr": (lambda v: v > 0, "a positive number"),
-    "min_lr_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "weight_decay": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "grad_clip": (lambda v: v > 0, "a positive number"),
-    "tau_min": (lambda v: v > 0, "a positive number"),
-    "tau_max": (lambda v: v > 0, "a positive number"),
-    "beta1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "lr": POSITIVE,
+    "min_lr_ratio": UNIT,
+    "weight_decay": UNIT,
+    "grad_clip": POSITIVE,
+    "tau_min": POSITIVE,
+    "tau_max": POSITIVE,
+    "beta1": UNIT_OPEN_HIGH,
+    "beta2": UNIT_OPEN_HIGH,
 }
+TrainConfig.REAL_SETTINGS = FLOAT_SETTINGS
 
 
 def float_setting_error(name: str, value) -> Optional[str]:
     """Why ``value`` is not a valid ``name`` (one of FLOAT_SETTINGS), or None when it is."""
-    accept, expected = FLOAT_SETTINGS[name]
-    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value) or not accept(value):
-        return f"expected {expected}, got {value!r}"
-    return None
+    return real_error(value, FLOAT_SETTINGS[name])
 
 
 def setting_type(name: str):
     """The CLI's argparse ``type`` for the real-valued setting ``name``: the same check as validate_config."""
-    return checked(float, lambda v: float_setting_error(name, v) is None, FLOAT_SETTINGS[name][1])
+    return argparse_type(FLOAT_SETTINGS[name])
 
 
 def check_device(name) -> None:
@@ -264,10 +261,7 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
             raise ConfigError(f"{name}: expected an int >= 0, got {getattr(cfg, name)!r}")
     if not _is_int(cfg.seed):
         raise ConfigError(f"seed: expected an int, got {cfg.seed!r}")
-    for name in FLOAT_SETTINGS:
-        error = float_setting_error(name, getattr(cfg, name))
-        if error:
-            raise ConfigError(f"{name}: {error}")
+    check_reals(cfg, FLOAT_SETTINGS, ConfigError)
     unknown = sorted(set(cfg.model_overrides) - set(MODEL_OVERRIDES))
     if unknown:
         raise ConfigError(f"model_overrides: {', '.join(unknown)} is not a model setting (ModelConfig's fields: "
@@ -283,6 +277,11 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
     if cfg.preset not in PRESETS:
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    if cfg.stage == "stage0" and not cfg.model_config:  # the native model's sizes and reals, before any step
+        try:
+            PRESETS[cfg.preset](**{"seq_len": cfg.seq_len, "vocab_size": cfg.vocab_size, **cfg.model_overrides})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model_overrides: {exc}") from None
     if cfg.decode not in DECODE_RULES:
         raise ConfigError(f"decode: expected one of {DECODE_RULES}, got {cfg.decode!r}")
     if cfg.decode != "argmax" and cfg.stage != "stage1":

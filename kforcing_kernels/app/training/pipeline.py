@@ -33,6 +33,7 @@ from ..student import check_model_options, find_kind
 from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
                            check_out_folder, effective_config, existing_run, teacher_sha256)
 from .loop import train
+from ...settings import POSITIVE, check_reals
 
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
@@ -57,6 +58,10 @@ class PipelineConfig:
     lr_distill: float = 2e-3
     lr_stage2: Optional[PerRound] = None
     batch_size_distill: Optional[int] = None  # default: the stage-0 batch size
+
+    # The real-valued settings (kforcing_kernels/settings.py), checked by run_pipeline before anything is trained.
+    REAL_SETTINGS = {"lr_stage0": POSITIVE, "lr_distill": POSITIVE, "lr_stage2": POSITIVE}
+    OPTIONAL_REALS = ("lr_stage2",)  # None: lr_distill
 
     def num_rounds(self) -> int:
         """Self-forcing rounds: k = 2, 4, ..., k_final."""
@@ -157,6 +162,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     Under torchrun (``WORLD_SIZE`` > 1) the process group is created here, if none exists yet, and every stage's
     :func:`train` uses it; rank 0 locks ``pipe.out`` and takes every decision above, and every rank raises its error.
     """
+    check_reals(pipe, PipelineConfig.REAL_SETTINGS, ConfigError)
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
     check_device(base.device)  # before a process group is made on it

@@ -183,6 +183,11 @@ def test_a_moved_teacher_is_named_without_model_json(fresh_run):
     assert str(teacher) in str(caught.value) and "holding model.json" not in str(caught.value)
 
 
+def _qwen2_json(**changes):
+    """tiny_qwen2's config as JSON with ``changes`` written over it (sizes transformers' own constructor may refuse)."""
+    return json.dumps({**tiny_qwen2().to_dict(), **changes})
+
+
 def _write(path, text):
     path.write_text(text)
     return path
@@ -194,6 +199,17 @@ def _write(path, text):
     (lambda d: _write(d / "c.json", "[1, 2]"), "model_config: .* holds a JSON list, expected an object"),
     (lambda d: _write(d / "c.json", tiny_qwen2(hidden_size=-8).to_json_string()), "model_config: transformers rejects"),
     (lambda d: _write(d / "c.json", tiny_qwen2(num_attention_heads=0).to_json_string()), "model_config: transformers rejects"),
+    # The class of issue 46: whatever transformers raises (its strict-dataclass validators, a model that builds but cannot
+    # run its first forward: an odd head dim RoPE cannot rotate, kv heads that do not divide the heads) is a usage error.
+    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=30)), "model_config: transformers rejects"),
+    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=32.5)), "model_config: transformers rejects"),
+    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=12, num_attention_heads=4, num_key_value_heads=4)),
+     "model_config: transformers rejects"),
+    (lambda d: _write(d / "c.json", _qwen2_json(num_key_value_heads=3)), "model_config: transformers rejects"),
+    # Reals that make every logit NaN: refused by name before any step, not a "non-finite loss" at step 1.
+    (lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=float("nan"))), "model_config: .*rms_norm_eps: expected a finite"),
+    (lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=0.0)), "model_config: .*rms_norm_eps: expected a positive"),
+    (lambda d: _write(d / "c.json", _qwen2_json(rope_theta=-10.0)), "model_config: .*rope_theta: expected a positive"),
 ])
 def test_bad_model_configs_are_usage_errors(root, tmp_path, capsys, monkeypatch, make, message):
     import re
