@@ -191,4 +191,11 @@ MUTATIONS = [
     dict(id="restrict-rows-accepts-n_queries", file="kforcing_kernels/layouts/query_rows.py",
          old="int(r.max()) >= n):", new="int(r.max()) > n):",
          tests=["python_tests/layouts/test_layouts_query_rows.py", "-k", "n_queries_is_refused"]),
+    # --- issue 46: planted bugs that passed the whole suite
+    dict(id="dispatch-bucket-boundary-one-step-off", file=f"{WA}/dispatch.py",
+         old="    return low < n_ctx <= bucket", new="    return low <= n_ctx <= bucket",
+         tests=["python_tests/ops/window_attention/test_flex_backend.py", "-k", "boundary"]),
+    dict(id="dispatch-row-cache-forgets-dtype", file=f"{WA}/dispatch.py",
+         old='    key = ("rows", path, device_index, dtype)', new='    key = ("rows", path, device_index)',
+         tests=["python_tests/ops/window_attention/test_flex_backend.py", "-k", "several_dtypes"]),
 ]

@@ -18,7 +18,9 @@ overrides both. The table ships with no rows until a GPU run measures them.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -65,8 +67,14 @@ def capability_name(capability: tuple[int, int]) -> str:
     return f"{capability[0]}.{capability[1]}"
 
 
+DTYPES = ("float16", "bfloat16", "float32")  # dtype_name of the dtypes the CUDA backends take
+_CAPABILITY = re.compile(r"[0-9]+\.[0-9]+")
+
+
 def validate(table: dict, where: str = "dispatch table") -> dict:
-    """``table`` if it is a well-formed dispatch table, else ValueError naming the field."""
+    """``table`` if it is a well-formed dispatch table, else ValueError naming ``where`` (the file), the row and the
+    field. A row that could never match an input (a capability or dtype spelt otherwise than the op looks them up)
+    is refused here: ignored, it would drop the measured choice without a word."""
     if not isinstance(table, dict) or table.get("format") != FORMAT:
         raise ValueError(f"{where}: expected a JSON object with \"format\": {FORMAT}")
     rows = table.get("rows")
@@ -74,28 +82,52 @@ def validate(table: dict, where: str = "dispatch table") -> dict:
         raise ValueError(f"{where}: rows: expected a list")
     seen = set()
     for i, row in enumerate(rows):
-        missing = [key for key in ROW_KEYS if key not in row]
-        if missing:
-            raise ValueError(f"{where}: rows[{i}]: missing {missing}")
-        if row["family"] not in FAMILIES:
-            raise ValueError(f"{where}: rows[{i}].family: expected one of {FAMILIES}, got {row['family']!r}")
-        bucket = row["length_bucket"]
-        if not isinstance(bucket, int) or bucket != length_bucket(bucket):
-            raise ValueError(f"{where}: rows[{i}].length_bucket: expected a power of two >= {SMALLEST_BUCKET}, got {bucket!r}")
-        if not isinstance(row["head_dim"], int) or row["head_dim"] < 1:
-            raise ValueError(f"{where}: rows[{i}].head_dim: expected a positive int, got {row['head_dim']!r}")
-        if not isinstance(row["fwd_bwd_ms"], dict) or row["backend"] not in _measured_backends(row):
-            raise ValueError(f"{where}: rows[{i}].backend: {row['backend']!r} is not among its measurements "
-                             f"{sorted(row['fwd_bwd_ms']) if isinstance(row['fwd_bwd_ms'], dict) else row['fwd_bwd_ms']}")
-        provenance = row["provenance"]
-        absent = [key for key in PROVENANCE_KEYS if not isinstance(provenance, dict) or not provenance.get(key)]
-        if absent:
-            raise ValueError(f"{where}: rows[{i}].provenance: missing {absent}")
+        _validate_row(row, f"{where}: rows[{i}]")
         key = row_key(row)
         if key in seen:
             raise ValueError(f"{where}: rows[{i}]: a second row for {key}")
         seen.add(key)
     return table
+
+
+def _validate_row(row, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with {list(ROW_KEYS)}, got a JSON {_json_type(row)}")
+    missing = [key for key in ROW_KEYS if key not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {missing}")
+    capability = row["capability"]
+    if not isinstance(capability, str) or not _CAPABILITY.fullmatch(capability):
+        raise ValueError(f"{where}.capability: expected \"major.minor\" as a string (e.g. \"9.0\", as "
+                         f"torch.cuda.get_device_capability gives it, joined by a dot), got {capability!r}")
+    if row["dtype"] not in DTYPES:
+        raise ValueError(f"{where}.dtype: expected one of {DTYPES} (torch's dtype names), got {row['dtype']!r}")
+    if row["family"] not in FAMILIES:
+        raise ValueError(f"{where}.family: expected one of {FAMILIES}, got {row['family']!r}")
+    bucket = row["length_bucket"]
+    if not _is_int(bucket) or bucket != length_bucket(bucket):
+        raise ValueError(f"{where}.length_bucket: expected a power of two >= {SMALLEST_BUCKET}, got {bucket!r}")
+    if not _is_int(row["head_dim"]) or row["head_dim"] < 1:
+        raise ValueError(f"{where}.head_dim: expected a positive int, got {row['head_dim']!r}")
+    times = row["fwd_bwd_ms"]
+    if not isinstance(times, dict) or not all(isinstance(ms, (int, float)) and not isinstance(ms, bool)
+                                              and math.isfinite(ms) and ms > 0 for ms in times.values()):
+        raise ValueError(f"{where}.fwd_bwd_ms: expected an object of positive milliseconds by method, got {times!r}")
+    if row["backend"] not in _measured_backends(row):
+        raise ValueError(f"{where}.backend: {row['backend']!r} is not among its measurements {sorted(times)} "
+                         f"(a backend of {sorted(BENCH_METHOD)} measured as {BENCH_METHOD})")
+    provenance = row["provenance"]
+    absent = [key for key in PROVENANCE_KEYS if not isinstance(provenance, dict) or not provenance.get(key)]
+    if absent:
+        raise ValueError(f"{where}.provenance: missing {absent}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
 
 
 # The bench names the flex backend's measurement "flex_backend" ("flex" is FlexAttention called directly).
@@ -117,8 +149,19 @@ def empty_table() -> dict:
 def load(path=None) -> dict:
     """The table at ``path`` (default: ``KFORCING_DISPATCH_TABLE`` or the package's), validated."""
     path = Path(path or env.dispatch_table_path() or TABLE_PATH)
-    with open(path) as f:
-        return validate(json.load(f), str(path))
+    where = f"{path} (KFORCING_DISPATCH_TABLE)" if str(path) == env.dispatch_table_path() else str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:  # a FileNotFoundError still (bench/dispatch_table.py starts a new table on it)
+        raise FileNotFoundError(f"dispatch table {where}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"dispatch table {where}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        table = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"dispatch table {where}: not valid JSON ({exc}); write it again from the GPU check's "
+                         "measurements (bench/dispatch_table.py), or name another table") from None
+    return validate(table, f"dispatch table {where}")
 
 
 def write(table: dict, path=None) -> Path:

@@ -93,6 +93,16 @@ def test_committed_table_is_valid_and_every_row_has_its_provenance():
     (lambda t: t["rows"][0].update(length_bucket=1500), "length_bucket"),
     (lambda t: t["rows"][0].update(backend="cpp"), "backend"),
     (lambda t: t["rows"].append(_row()), "second row"),
+    # Rows that could never match an input (issue 46): refused, not silently ignored.
+    (lambda t: t["rows"][0].update(capability=9.0), r"rows\[0\]\.capability: expected \"major.minor\""),
+    (lambda t: t["rows"][0].update(capability=[9, 0]), r"rows\[0\]\.capability"),
+    (lambda t: t["rows"][0].update(capability="sm90"), r"rows\[0\]\.capability"),
+    (lambda t: t["rows"][0].update(dtype="bf16"), r"rows\[0\]\.dtype: expected one of"),
+    (lambda t: t["rows"][0].update(dtype="torch.bfloat16"), r"rows\[0\]\.dtype"),
+    (lambda t: t["rows"][0].update(head_dim=True), r"rows\[0\]\.head_dim"),
+    (lambda t: t["rows"][0].update(fwd_bwd_ms={"triton": 1.0, "flex_backend": float("nan")}), r"rows\[0\]\.fwd_bwd_ms"),
+    (lambda t: t["rows"].append(["9.0", "bfloat16"]), r"rows\[1\]: expected an object .*got a JSON array"),
+    (lambda t: t["rows"].append("flex"), r"rows\[1\]: expected an object .*got a JSON string"),
 ])
 def test_table_validation_names_the_bad_field(change, field):
     table = {"format": dispatch.FORMAT, "rows": [_row()]}
@@ -100,6 +110,78 @@ def test_table_validation_names_the_bad_field(change, field):
     change(table)
     with pytest.raises(ValueError, match=field):
         dispatch.validate(table)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"format": 1, "rows": [', "not valid JSON"),
+    ("", "not valid JSON"),
+    ('{"format": 1, "rows": [[1, 2]]}', r"rows\[0\]: expected an object"),
+    ('{"format": 1, "rows": [' + json.dumps(_row(dtype="bf16")) + "]}", r"rows\[0\]\.dtype"),
+])
+def test_a_bad_table_named_by_the_environment_is_refused_naming_the_file(tmp_path, monkeypatch, text, message):
+    """What a user meets: backend=None on a GPU reads KFORCING_DISPATCH_TABLE; a broken table is one clear error that
+    names the file and the variable, never a bare JSONDecodeError or TypeError."""
+    path = tmp_path / "table.json"
+    path.write_text(text)
+    monkeypatch.setenv("KFORCING_DISPATCH_TABLE", str(path))
+    monkeypatch.delenv("KFORCING_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "device_capability", lambda index: (9, 0))
+    dispatch.clear_cache()
+    try:
+        with pytest.raises(ValueError, match=message) as caught:
+            _default(WindowLayout.kforcing_single(1024, 4))
+        assert str(path) in str(caught.value) and "KFORCING_DISPATCH_TABLE" in str(caught.value)
+        monkeypatch.setenv("KFORCING_DISPATCH_TABLE", str(tmp_path / "absent.json"))
+        dispatch.clear_cache()
+        with pytest.raises(FileNotFoundError, match="absent.json .KFORCING_DISPATCH_TABLE.: no such file"):
+            _default(WindowLayout.kforcing_single(1024, 4))
+    finally:
+        dispatch.clear_cache()
+
+
+def _bucket_oracle(n: int) -> int:
+    """The bucket of context length n, computed independently: the next power of two, at least 1024."""
+    return max(dispatch.SMALLEST_BUCKET, 1 << (n - 1).bit_length())
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_each_length_finds_its_own_buckets_row_at_every_boundary(order):
+    """Adjacent buckets in one table, each with its own backend: every n at and around each boundary gets the row
+    of its bucket, whichever order the rows are in (a boundary one step off reads n = 1024 as the 2048 bucket)."""
+    buckets = [1024 << i for i in range(5)]
+    rows = tuple(("9.0", "bfloat16", 128, b, "single", f"b{b}") for b in buckets)
+    rows = rows if order == "ascending" else rows[::-1]
+    for n in sorted({1, 2, 600} | {b + d for b in buckets for d in (-1, 0, 1)}):
+        want = f"b{_bucket_oracle(n)}" if _bucket_oracle(n) <= buckets[-1] else None
+        assert dispatch.length_bucket(n) == _bucket_oracle(n), n
+        assert dispatch.choose(rows, "9.0", "bfloat16", 128, n, "single") == want, n
+        assert [b for b in buckets if dispatch.in_bucket(n, b)] == ([_bucket_oracle(n)] if want else []), n
+
+
+def test_a_lone_row_of_the_next_bucket_does_not_take_the_boundary_length(table_on_a_fake_h200):
+    """Through the op: a table with only a 2048-bucket row leaves n_ctx = 1024 to the registry's default."""
+    dispatch.write({"format": dispatch.FORMAT, "rows": [_row(bucket=2048)]}, table_on_a_fake_h200)
+    dispatch.clear_cache()
+    registry_default = REGISTRY.default(torch.device("cuda"), torch.bfloat16, 128)
+    assert registry_default != "flex"
+    assert _default(WindowLayout.kforcing_single(1024, 4)) == registry_default
+    assert _default(WindowLayout.kforcing_single(1025, 4)) == "flex"
+    assert _default(WindowLayout.kforcing_single(2048, 4)) == "flex"
+    assert _default(WindowLayout.kforcing_single(2049, 4)) == registry_default
+
+
+def test_lookups_of_several_dtypes_in_one_process_each_get_their_own_rows(table_on_a_fake_h200):
+    """The rows are cached per dtype: a float16 lookup after a bfloat16 one (and back) gets the float16 rows, as a
+    fresh process would (the oracle: the table filtered by hand)."""
+    rows = [_row(dtype=dtype, dim=dim, backend=backend) for dtype, dim, backend in
+            [("bfloat16", 128, "flex"), ("float16", 64, "flex"), ("float16", 128, "triton"), ("float32", 32, "flex")]]
+    dispatch.write({"format": dispatch.FORMAT, "rows": rows}, table_on_a_fake_h200)
+    dispatch.clear_cache()
+    usable = lambda: {"flex", "triton"}  # noqa: E731
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float16, torch.bfloat16):
+        want = {(r["dtype"], r["head_dim"], r["backend"]) for r in rows if r["dtype"] == dispatch.dtype_name(dtype)}
+        got = {(dt, dim, backend) for _, dt, dim, _, _, backend in dispatch.measured_rows(0, dtype, usable)}
+        assert got == want, dtype
 
 
 def test_buckets_and_families():
