@@ -198,4 +198,10 @@ MUTATIONS = [
     dict(id="dispatch-row-cache-forgets-dtype", file=f"{WA}/dispatch.py",
          old='    key = ("rows", path, device_index, dtype)', new='    key = ("rows", path, device_index)',
          tests=["python_tests/ops/window_attention/test_flex_backend.py", "-k", "several_dtypes"]),
+    dict(id="bench-stage1-row-reused-across-taus", file="bench/stage1_curve.py",
+         old='    measure = {"taus": [float(t) for t in args.taus], "batches"', new='    measure = {"batches"',
+         tests=["python_tests/bench/test_bench_stage1.py", "-k", "reused_row_matches"]),
+    dict(id="bench-stage1-checkpoint-only-stage-counts-as-finished", file="bench/stage1_curve.py",
+         old="            if not _finished(stage1, {", new='            if not (stage1 / "checkpoints").is_dir() and not _finished(stage1, {',
+         tests=["python_tests/bench/test_bench_stage1.py", "-k", "interrupted_or_outdated"]),
 ]

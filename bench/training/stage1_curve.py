@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from kforcing_kernels.app.cli import add_threads, positive_int
 
@@ -65,9 +66,23 @@ def _train(argv: list[str], threads) -> None:
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def _finished(folder: Path) -> bool:
-    """A stage's weights are written when it finishes (checkpoints live in a subfolder)."""
-    return (folder / "model.safetensors").exists()
+def _model_json(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "model.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _finished(folder: Path, wanted: dict, teacher: Optional[Path] = None) -> bool:
+    """Whether ``folder`` holds a finished stage trained with ``wanted`` (train_config entries), from ``teacher``'s
+    current weights when given. A stage is finished when its model.json is written (the last file a stage writes,
+    after its weights); a folder with only checkpoints is an interrupted run, and one trained with other settings or
+    from a teacher trained again since is another measurement: each is trained again."""
+    info = _model_json(folder)
+    saved = info.get("train_config", {})
+    if not info or not (folder / "model.safetensors").exists() or any(saved.get(k) != v for k, v in wanted.items()):
+        return False
+    return teacher is None or info.get("teacher_sha256") == _model_json(teacher).get("tensors", {}).get("sha256")
 
 
 def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int, new_tokens: int) -> dict:
@@ -97,6 +112,12 @@ def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int,
     return row
 
 
+def _row_key(row: dict) -> dict:
+    """What a row was measured with: its point and settings (a row written before settings were recorded has none,
+    so it matches nothing and is measured again)."""
+    return {key: row.get(key) for key in ("width", "steps", "stage0_steps", "settings")}
+
+
 def _last_val_loss(folder: Path):
     path = folder / "metrics.jsonl"
     if not path.exists():
@@ -120,7 +141,10 @@ def format_table(rows: list[dict]) -> str:
                  f"{r['nats_of_u_used']:.2f} of {r['teacher_entropy']:.2f}",
                  f"{r['noise_sensitivity']:.3f} ({r['teacher_noise_sensitivity']:.3f})", narrow]
         for t in taus:
-            s = r["samples"][t]
+            s = r["samples"].get(t)
+            if s is None:  # a row measured at other temperatures
+                cells += ["-", "-", "-"]
+                continue
             ar = s["AR teacher"]
             cells.append(" | ".join(f"{s[k]['ppl'] / ar['ppl']:.2f}x, {s[k]['distinct4']:.3f}"
                                     for k in ("student, argmax", "student, residual"))
@@ -142,25 +166,35 @@ def execute(args) -> int:
     stage0_steps = args.stage0_steps or pipe.steps_stage0
     report_path = out / "stage1_curve.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {"schema": SCHEMA_ID, "rows": []}
-    done = {(r["width"], r["steps"], r["stage0_steps"]) for r in report["rows"]}
+    # Everything that changes a row's numbers, recorded in the row: a row is reused only when all of it matches (a
+    # rerun with other --taus, --batches or --new-tokens measures again and replaces the row).
+    measure = {"taus": [float(t) for t in args.taus], "batches": args.batches, "new_tokens": args.new_tokens,
+               "lr_stage0": pipe.lr_stage0, "lr_distill": pipe.lr_distill, "batch_size_distill": pipe.batch_size_distill}
+    wanted_rows = []
     for width in args.widths:
         stage0 = out / f"w{width}" / f"stage0_{stage0_steps}"
-        if not _finished(stage0):
+        if not _finished(stage0, {"steps": stage0_steps, "lr": pipe.lr_stage0, "model_overrides": {"n_embd": width}}):
             _train(["stage0", "--out", str(stage0), "--steps", str(stage0_steps), "--lr", str(pipe.lr_stage0),
                     "--n-embd", str(width), "--overwrite"], args.threads)
         for steps in args.steps:
-            if (width, steps, stage0_steps) in done:
+            key = dict(width=width, steps=steps, stage0_steps=stage0_steps, settings=measure)
+            wanted_rows.append(key)
+            if any(_row_key(r) == key for r in report["rows"]):
                 continue
             stage1 = stage0.parent / f"s1_{steps}_from{stage0_steps}"
-            if not _finished(stage1):
+            if not _finished(stage1, {"steps": steps, "lr": pipe.lr_distill, "batch_size": pipe.batch_size_distill},
+                             teacher=stage0):
                 _train(["stage1", "--teacher", str(stage0), "--out", str(stage1), "--steps", str(steps),
                         "--lr", str(pipe.lr_distill), "--batch-size", str(pipe.batch_size_distill), "--overwrite"],
                        args.threads)
-            row = dict(width=width, steps=steps, stage0_steps=stage0_steps,
-                       **measure_student(stage0, stage1, args.taus, args.batches, args.new_tokens))
+            row = dict(key, **measure_student(stage0, stage1, args.taus, args.batches, args.new_tokens))
+            same_point = (width, steps, stage0_steps)  # a row of the same point measured otherwise is replaced
+            report["rows"] = [r for r in report["rows"] if (r["width"], r["steps"], r["stage0_steps"]) != same_point]
             report["rows"].append(row)
             report["rows"].sort(key=lambda r: (r["width"], r["stage0_steps"], r["steps"]))
             report_path.write_text(json.dumps(report, indent=1))
             print(f"width {width}, {steps} Stage-1 steps done", file=sys.stderr, flush=True)
+    # The table shows what this command asked for (the report may hold other points, measured their own way).
+    report["rows"] = [r for r in report["rows"] if _row_key(r) in wanted_rows]
     print(format_table(report["rows"]))
     return 0
