@@ -29,6 +29,7 @@ What the CLI route (``kforcing-train pipeline --model``) does for a user who tra
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -115,6 +116,14 @@ class KForcingTrainer(transformers.Trainer):
     1.0). Saves stage folders (:func:`save_pflm`, ``processing_class`` as the tokenizer)."""
 
     def __init__(self, *args, teacher: HFStudent, stage: str, separator: Optional[int] = None, **kwargs):
+        # Every save (each checkpoint-N, save_model) writes a stage folder, which holds its tokenizer: without one the
+        # run would train and then fail at its first checkpoint, leaving nothing to resume. Refused before Trainer
+        # makes anything (its output folder included).
+        bound = inspect.signature(transformers.Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
+        if bound.get("processing_class") is None and getattr(bound.get("model"), "hf_tokenizer", None) is None:
+            raise ValueError("processing_class: expected the model's tokenizer (KForcingTrainer(..., processing_class="
+                             "AutoTokenizer.from_pretrained(path))): every checkpoint and save_model writes a stage "
+                             "folder, which holds its tokenizer; got None, and the model carries none (hf_tokenizer)")
         super().__init__(*args, **kwargs)
         _objective(stage, self.model, teacher)
         if stage == "stage2" and not (isinstance(teacher.k_train, int) and teacher.k_train >= 1):

@@ -134,6 +134,15 @@ def test_the_route_refuses_what_it_cannot_train(source, tmp_path):
                 tokenizer)
     with pytest.raises(ValueError, match="tokenizer: a stage folder holds its tokenizer"):
         save_pflm(HFStudent(load(source / "qwen2"), k_train=1), tmp_path / "x")
+    # Issue 46: a trainer without a tokenizer would train and then fail at its first checkpoint (nothing to resume):
+    # refused when it is made, before any step or any folder.
+    with pytest.raises(ValueError, match="processing_class: expected the model's tokenizer"):
+        trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0),
+                tmp_path / "no_tokenizer", None, save_strategy="steps", save_steps=1)
+    assert not (tmp_path / "no_tokenizer").exists()
+    with_tokenizer = HFStudent(load(source / "qwen2"))
+    with_tokenizer.hf_tokenizer = tokenizer  # a model that carries its tokenizer (load_pflm's) needs none passed
+    trainer(with_tokenizer, HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0), tmp_path / "carried", None)
 
 
 def test_resume_from_checkpoint_continues_the_run_bit_for_bit(source, tmp_path):
