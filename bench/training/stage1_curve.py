@@ -87,13 +87,14 @@ def _finished(folder: Path, wanted: dict, teacher: Optional[Path] = None) -> boo
 
 def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int, new_tokens: int) -> dict:
     """The diagnosis at tau 0.8 and the judged k=1 samples at every tau of one Stage-1 student."""
+    from kforcing_kernels.app.evaluation.evaluate import recorded_data
     from kforcing_kernels.app.evaluation.noise_diagnosis import decode_bracket, diagnose
     from kforcing_kernels.app.hf_recipe.files import corpus_for, load_any_model
 
     teacher, tinfo, _ = load_any_model(stage0)
     student, sinfo, _ = load_any_model(stage1)
     teacher.eval(), student.eval()
-    corpus = corpus_for(str(stage0), tinfo["data"], teacher.config.vocab_size)
+    corpus = corpus_for(str(stage0), recorded_data(stage0, tinfo), teacher.config.vocab_size)
     d = diagnose(teacher, student, corpus.val, tau=0.8, order=sinfo.get("cdf_order", "vocab"), batches=batches,
                  seq_len=tinfo["train_config"]["seq_len"])
     narrow = [r["accuracy"] for r in d["accuracy_by_width"][:2]]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..data import sample_crops, tokenizer_sha256
+from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
 from ..generation.inference import generate_ar, generate_kforcing
 from ..files import CheckpointError, check_writable, read_json, write_json
 from ..student import corpus_for, find_kind, kind_of, load_student
@@ -200,6 +201,31 @@ def _same_tokenizer(a, b) -> Optional[bool]:
     return tokenizer_sha256(a) == tokenizer_sha256(b)
 
 
+def recorded_data(folder: Path, info: dict) -> Optional[str]:
+    """The --data a stage in ``folder`` was trained on (``info``: its model.json), as a path that works from here.
+
+    Runs record it resolved; a run saved before that recorded it as typed, relative to the directory it was started
+    in. That directory is the stage folder less its recorded ``out`` (typed relative the same way), tried first;
+    then this working directory. When neither holds it, a ValueError says where it was looked for and what to do.
+    """
+    data = info.get("data")
+    if data in (None, DEFAULT_SOURCE) or Path(data).is_absolute():
+        return data
+    tried = []
+    out = info.get("train_config", {}).get("out")
+    if out and not Path(out).is_absolute():
+        here, parts = folder.resolve().parts, Path(os.path.normpath(out)).parts
+        if ".." not in parts and here[-len(parts):] == parts:
+            tried.append(Path(*here[:-len(parts)]) / data)  # the directory the stage was trained in
+    tried.append(Path.cwd() / data)
+    for path in tried:
+        if path.exists():
+            return str(path)
+    raise ValueError(f"run: {folder} was trained on the text at {data!r} (a path its model.json records relative to "
+                     f"the directory the run was started in), which is not at {' nor at '.join(repr(str(p)) for p in tried)}; "
+                     "run kforcing-evaluate from the directory the run was trained in, or put the text back there")
+
+
 def ar_teacher_folder(run: Path) -> Path:
     """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
     if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
@@ -263,9 +289,16 @@ def evaluate_pipeline(
     ar_folder = ar_teacher_folder(run)
     teacher, tinfo, tokenizer = load_student(ar_folder, device)
     judge_model, judge_text = load_judge(run, judge, device, tokenizer)
+    text_folder = ar_folder
     if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
-        tinfo = {**tinfo, **{key: read_json(run / "stage1" / "model.json")[key] for key in ("data", "train_config")}}
-    corpus = corpus_for(str(ar_folder), tinfo["data"], teacher.config.vocab_size)
+        text_folder = run / "stage1"
+        tinfo = {**tinfo, **{key: read_json(text_folder / "model.json")[key] for key in ("data", "train_config")}}
+    data = recorded_data(text_folder, tinfo)
+    try:
+        corpus = corpus_for(str(ar_folder), data, teacher.config.vocab_size)
+    except DataError as exc:  # the message of --data, an option evaluate does not have: say what this run needs
+        raise ValueError(f"run: the text {text_folder} was trained on ({data!r}, recorded in its model.json) cannot be "
+                         f"read ({str(exc).removeprefix('source (--data): ')}); put it back there to evaluate this run") from None
     if _same_tokenizer(corpus.tokenizer, tokenizer) is False:
         raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
                          "gives another tokenizer); restore it to evaluate this run")

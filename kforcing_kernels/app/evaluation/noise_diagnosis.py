@@ -268,7 +268,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if sinfo.get("k") != 1:
         parser.error(f"argument --student: expected a PFLM(1) (stage1) folder, got k={sinfo.get('k')}")
     order = args.order or sinfo.get("cdf_order", "vocab")  # stages saved before the order was recorded used vocab order
-    corpus = corpus_for(str(run / "stage0"), tinfo["data"], teacher.config.vocab_size)
+    from .evaluate import recorded_data
+
+    try:  # --data as the run recorded it (resolved; an older run's relative to where it was trained)
+        corpus = corpus_for(str(run / "stage0"), recorded_data(run / "stage0", tinfo), teacher.config.vocab_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     d = diagnose(teacher.eval(), student.eval(), corpus.val, tau=args.temperature, order=order, batches=args.batches,
                  seq_len=tinfo["train_config"]["seq_len"], seed=args.seed)
     if args.generate:

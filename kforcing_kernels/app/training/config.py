@@ -146,9 +146,14 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     model.json) and compares them (--resume, a pipeline's reuse of a finished stage); after :func:`validate_config`.
 
     ``preset`` is None where no preset sizes the model: a Hugging Face stage (--model-config, --model, or a teacher
-    that is a Hugging Face model); ``k`` of stage2 is the window it trains, twice its teacher's (model.json).
+    that is a Hugging Face model); ``k`` of stage2 is the window it trains, twice its teacher's (model.json);
+    ``data``, ``teacher``, ``model`` and ``model_config`` are absolute paths (the built-in corpus name stays a name).
     """
-    changes = {}
+    # Paths are recorded resolved, so a run folder works from any directory (kforcing-evaluate RUN, a later stage's
+    # --teacher): --data as typed was relative to the directory the run was started in. The built-in corpus stays a
+    # name.
+    changes = {key: str(Path(value).resolve()) for key in ("data", "teacher", "model", "model_config")
+               if (value := getattr(cfg, key)) is not None and not (key == "data" and value == DEFAULT_SOURCE)}
     if not stage_kind(cfg).sized_by_preset:
         changes["preset"] = None
     if cfg.stage == "stage2":

@@ -333,3 +333,37 @@ def test_demo_turns_a_refused_folder_into_a_usage_error(monkeypatch, capsys, tmp
         demo.main(["--long", "--out", str(tmp_path / "d")])
     assert exc.value.code == 2
     assert "kforcing-demo: error: steps: " in capsys.readouterr().err
+
+
+def test_the_run_records_resolved_paths_and_evaluates_from_any_directory(run, tmp_path, monkeypatch, capsys):
+    """Issue 46: `kforcing-evaluate RUN` from another directory. New runs record --data resolved; a run saved before
+    that (--data relative to where it was trained) is still found, from the directory it was trained in, and when its
+    text is gone the error says what the user can do, naming no option evaluate lacks."""
+    from kforcing_kernels.app.evaluation.evaluate import main as evaluate_main
+
+    folder, _, _ = run
+    for name in ("stage0", "stage1", "stage2_k2"):
+        info = read_json(folder / name / "model.json")
+        assert Path(info["data"]).is_absolute() and Path(info["train_config"]["data"]).is_absolute(), name
+    # An old run: trained in `old` as `--out sub/run --data corpus`, so its records are relative to `old`.
+    old = tmp_path / "old"
+    shutil.copytree(folder, old / "sub" / "run")
+    shutil.copytree(folder.parent / "corpus", old / "corpus")
+    for stage in (old / "sub" / "run").iterdir():
+        if (stage / "model.json").exists():
+            info = read_json(stage / "model.json")
+            info["data"] = info["train_config"]["data"] = "corpus"
+            info["train_config"]["out"] = f"sub/run/{stage.name}"
+            (stage / "model.json").write_text(json.dumps(info))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    summary = evaluate_pipeline(Path("..") / "old" / "sub" / "run", **EVAL)
+    assert summary["per_position_nll"][0]["nll"][0] > 0
+    shutil.rmtree(old / "corpus")
+    with pytest.raises(SystemExit):
+        evaluate_main([str(old / "sub" / "run"), "--batch-sizes", "2", "--new-tokens", "2", "--reps", "1", "--taus", "none",
+                       "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert "run kforcing-evaluate from the directory the run was trained in" in err and str(old / "corpus") in err, err
+    assert "--data" not in err and "Traceback" not in err, err
