@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ..layouts import WindowLayout
 from ..ops.window_attention.backends import get_backend
-from ..ops.window_attention.op import query_rows_backend
+from ..ops.validation import check_scale
+from ..ops.window_attention.op import check_layout_batch, check_qkv, query_rows_backend
 from .balance import RowSplit, balanced_split
 
 
@@ -102,16 +103,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"rank: expected a rank in [0, {world}), got {rank}")
     if world > 1 and not dist.is_initialized():
         raise ValueError(f"group: a {world}-rank split needs an initialised torch.distributed process group")
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"q, k, v: expected [B, H, L, D] tensors with k.shape == v.shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    # The op's own checks (window_attention refuses the same inputs with the same words), then the shard's lengths.
+    check_qkv(q, k, v)
+    check_layout_batch(split.layout, q.shape[0])
     if q.shape[2] != split.query_rows[rank].numel():
         raise ValueError(f"q: expected {split.query_rows[rank].numel()} rows (split.query_rows[{rank}]), got {q.shape[2]}")
     if k.shape[2] != split.key_rows[rank].numel():
         raise ValueError(f"k: expected {split.key_rows[rank].numel()} keys (split.key_rows[{rank}]), got {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q: expected a head count that is a multiple of k's {k.shape[1]} (GQA), got {q.shape[1]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)
     return _GatheredAttention.apply(q, k, v, split, rank, group, scale)
 
 

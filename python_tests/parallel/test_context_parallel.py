@@ -213,3 +213,43 @@ def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_pat
         cp_throughput.steady_tokens_per_s(tmp_path)
     with pytest.raises(SystemExit):
         cp_throughput.main(["--threads", "2", "--worlds", "4"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "composite", "cpp"])
+def test_cp_attention_refuses_what_window_attention_refuses_by_name(backend, monkeypatch):
+    """Issue 46: the context-parallel entry points (RankRows.attend, context_parallel_attention) run the op's own
+    validation, on every backend: a per-batch layout with another batch, mismatched dtypes, a bad scale, ... are the
+    op's words, not a shape error inside a kernel."""
+    from kforcing_kernels import backends_available
+
+    if backends_available()[backend]:  # the reason it is unavailable here
+        pytest.skip(backends_available()[backend])
+    monkeypatch.setenv("KFORCING_BACKEND", backend)
+    layout = WindowLayout.kforcing_single(12, 2, cu_seqlens=torch.tensor([[0, 5, 12], [0, 7, 12]]))  # batch 2
+    assert layout.batch_size == 2
+    rows = ContextParallel(0, 1).shard(layout)
+    n_q, n_k = rows.query_rows.numel(), rows.key_rows.numel()
+
+    def qkv(b=2, h=2, hkv=2, d=4, dtype=torch.float32, lk=n_k):
+        return torch.randn(b, h, n_q, d, dtype=dtype), torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+
+    cases = [
+        (qkv(b=3), r"^layout: expected per-batch ranges for batch 3, got 2"),
+        (qkv(b=1), r"^layout: expected per-batch ranges for batch 1, got 2"),
+        (qkv(dtype=torch.float64), r"^k, v: expected dtype torch.float64"),
+        (qkv(h=3), r"^q: expected a head count that is a multiple of k's 2"),
+        ((lambda q, k, v: (q, k, v[..., :3]))(*qkv()), r"^v: expected the shape of k"),
+        ((lambda q, k, v: (q[0], k, v))(*qkv()), r"^q: expected rank 4"),
+    ]
+    for (q, k, v), message in cases:
+        for attend in (rows.attend, lambda q, k, v: context_parallel_attention(q, k, v, rows.split, 0)):
+            with pytest.raises(ValueError, match=message):
+                attend(q, k, v)
+            if message.startswith("^layout"):  # the same words as the op on the whole sequence
+                with pytest.raises(ValueError, match=message):
+                    window_attention(torch.randn(q.shape[0], 2, layout.n_queries, 4),
+                                     *[torch.randn(q.shape[0], 2, layout.n_keys, 4)] * 2, layout)
+    with pytest.raises(ValueError, match="^scale: "):
+        rows.attend(*qkv(), scale=float("nan"))
+    out = rows.attend(*qkv())  # the right batch runs
+    assert out.shape == (2, 2, n_q, 4)
