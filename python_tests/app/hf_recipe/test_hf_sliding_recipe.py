@@ -59,3 +59,23 @@ def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, m
             logits = sdpa(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).logits[:, -4:]
             seq = torch.cat([seq, logits.argmax(-1)], 1)
     assert tokens.tolist() == seq[:, 5:].tolist()
+
+
+def test_a_window_too_short_for_a_later_stage_is_refused_before_the_first_trains(tmp_path, monkeypatch, capsys):
+    """Issue 46: a sliding window of 2 holds stage1's k = 1 and stage2_k2's windows but not stage2_k4's: the pipeline
+    refuses it (naming --k-final and the stage) before stage0 trains, instead of when stage2_k4 starts."""
+    write_json_package(tmp_path / "corpus")
+    monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        sliding_window=2)
+    (tmp_path / "mistral.json").write_text(config.to_json_string())
+    argv = ["pipeline", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "corpus"), "--model-config",
+            str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "1", "--seq-len", "16",
+            "--batch-size", "2", "--steps-stage1", "1", "--steps-stage2", "1", "--threads", "1", "--no-progress",
+            "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        train_cli.main(argv + ["--k-final", "4"])
+    err = capsys.readouterr().err
+    assert "k_final: the model's sliding window (2 positions) cannot hold the windows of stage2_k4" in err, err
+    assert "Traceback" not in err and not (tmp_path / "run" / "stage0").exists()
