@@ -207,4 +207,7 @@ MUTATIONS = [
     dict(id="cp-attention-skips-the-layout-batch-check", file="kforcing_kernels/parallel/context_parallel.py",
          old="    check_layout_batch(split.layout, q.shape[0])\n", new="",
          tests=["python_tests/parallel/test_context_parallel.py", "-k", "cp_attention_refuses_what"]),
+    dict(id="pipeline-evaluates-after-releasing-its-lock", file="kforcing_kernels/app/training/pipeline.py",
+         old="            return then(summaries)", new="            lock.release()\n            return then(summaries)",
+         tests=["python_tests/app/training/test_pipeline.py", "-k", "under_its_lock"]),
 ]

@@ -208,9 +208,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")
     try:
         if args.command == "pipeline":
-            result = run_pipeline(pipeline_config_from_args(args), cfg)
-            if args.evaluate and env.distributed_ranks()[1] == 0:  # under torchrun rank 0 evaluates; the others are done
-                result = {"training": result, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
+            # Under torchrun rank 0 (which holds the run's lock) evaluates, before it lets the lock go: a second
+            # pipeline into the folder cannot rewrite a stage while it is read. The other ranks are done.
+            evaluate = (lambda training: {"training": training, "evaluation": _evaluate(args.out, args.evaluate, args.device)})
+            result = run_pipeline(pipeline_config_from_args(args), cfg, then=evaluate if args.evaluate else None)
         else:
             check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error, before any folder
             result = train(cfg)

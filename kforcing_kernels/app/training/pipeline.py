@@ -148,7 +148,7 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
               f"checking that {' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change", file=sys.stderr)
 
 
-def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
+def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Callable[[dict], object]] = None):
     """Train every stage in turn.
 
     A finished stage (model.json present) is skipped, unless ``base.overwrite`` (then every stage is
@@ -157,7 +157,9 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
     A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file; of a ``--model``
     folder, of its weights, config.json and tokenizer files) changed
-    since it was trained is refused the same way. ``pipe.out`` is locked while the stages run.
+    since it was trained is refused the same way. ``pipe.out`` is locked while the stages run, and while ``then``
+    (called with the stages' summaries, on the rank that holds the lock; its result is returned there) reads them:
+    ``kforcing-train pipeline --evaluate`` evaluates the run so.
 
     Under torchrun (``WORLD_SIZE`` > 1) the process group is created here, if none exists yet, and every stage's
     :func:`train` uses it; rank 0 locks ``pipe.out`` and takes every decision above, and every rank raises its error.
@@ -170,7 +172,10 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig) -> dict:
     # One pipeline per folder at a time (each stage's train() locks its own folder too): rank 0 holds the lock.
     lock = decided_by_rank0(lambda: _check_and_lock(pipe, base), share=False)
     try:
-        return _run_stages(pipe, base, steps, lrs)
+        summaries = _run_stages(pipe, base, steps, lrs)
+        if then is not None and lock is not None:  # still locked: no other pipeline rewrites a stage while it is read
+            return then(summaries)
+        return summaries
     finally:
         if lock is not None:
             lock.release()

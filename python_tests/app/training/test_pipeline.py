@@ -367,3 +367,31 @@ def test_the_run_records_resolved_paths_and_evaluates_from_any_directory(run, tm
     err = capsys.readouterr().err
     assert "run kforcing-evaluate from the directory the run was trained in" in err and str(old / "corpus") in err, err
     assert "--data" not in err and "Traceback" not in err, err
+
+
+def test_pipeline_evaluate_reads_the_run_under_its_lock(run, monkeypatch, capsys):
+    """Issue 46: `pipeline --evaluate` evaluates while it still holds the run's lock, so a second `pipeline --overwrite`
+    into the folder is refused instead of rewriting a stage while it is read."""
+    from kforcing_kernels.app import train as train_cli
+    from kforcing_kernels.app.files import RunLock
+    from kforcing_kernels.app.training.checkpoint import CheckpointError
+
+    folder, summaries, _ = run
+    seen = []
+
+    def evaluate(out, which, device):
+        with pytest.raises(CheckpointError, match="is in use by another run"):
+            RunLock(out).acquire()
+        seen.append((out, which))
+        return {"evaluated": True}
+
+    monkeypatch.setattr(train_cli, "_evaluate", evaluate)
+    pipe, base = pipeline_configs(folder.parent)
+    train_cli.main(["pipeline", "--out", str(folder), "--data", base.data, "--vocab-size", "300", "--preset", "micro",
+                    "--seq-len", "16", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1", "--eval-batches", "1",
+                    "--k-final", "4", "--steps-stage0", "8", "--steps-stage1", "4", "--steps-stage2", "4,6",
+                    "--lr-distill", "1e-3", "--lr-stage2", "2e-3,5e-4", "--no-progress", "--device", "cpu",
+                    "--evaluate", "quick"])
+    assert seen == [(str(folder), "quick")]
+    assert json.loads(capsys.readouterr().out)["training"] == json.loads(json.dumps(summaries))
+    RunLock(folder).acquire().release()  # released once the evaluation is done
