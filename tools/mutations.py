@@ -210,4 +210,17 @@ MUTATIONS = [
     dict(id="pipeline-evaluates-after-releasing-its-lock", file="kforcing_kernels/app/training/pipeline.py",
          old="            return then(summaries)", new="            lock.release()\n            return then(summaries)",
          tests=["python_tests/app/training/test_pipeline.py", "-k", "under_its_lock"]),
+    dict(id="hf-position-check-memoised-without-the-tensor-version", file="kforcing_kernels/integrations/hf.py",
+         old=("                docs = documents_from_positions(kwargs[\"position_ids\"][:, :n_ctx], batch, n_ctx)\n"
+              "                check_layout_documents(kforcing_layout, docs, \"position_ids\")\n"),
+         new=("                memo = globals().setdefault(\"_CHECKED_POSITIONS\", set())\n"
+              "                key = (kwargs[\"position_ids\"].data_ptr(), kforcing_layout.cache_key)\n"
+              "                if key not in memo:\n"
+              "                    docs = documents_from_positions(kwargs[\"position_ids\"][:, :n_ctx], batch, n_ctx)\n"
+              "                    check_layout_documents(kforcing_layout, docs, \"position_ids\")\n"
+              "                    memo.add(key)\n"),
+         tests=["python_tests/integrations/test_hf_packed.py", "-k", "in_place"]),
+    dict(id="paged-cancel-marks-a-finished-request-cancelled", file="kforcing_kernels/app/generation/serving.py",
+         old="        elif request.done:\n            return\n", new="",
+         tests=["python_tests/app/generation/test_paged_generation.py", "-k", "cancel_after_the_end"]),
 ]

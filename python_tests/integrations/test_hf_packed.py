@@ -113,3 +113,21 @@ def test_layout_with_flash_kwargs_composes_or_is_refused():
             layout = WindowLayout.kforcing_single(4, 2)
             ours(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"], cu_seq_lens_k=batch["cu_seq_lens_k"],
                  kforcing_layout=layout, use_cache=False)
+
+
+def test_position_ids_edited_in_place_are_checked_again():
+    """Issue 46 (a planted bug the suite let through): the position-id check must read the ids of each call. Ids edited
+    in place after an accepted call (the same tensor object, storage and layout) describe other documents: refused."""
+    ours = H.twin_models(H.llama(), "kforcing", "eager")[0]
+    n, k = 7, 2
+    emb = kf_hf.NoiseEmbedding(H.HIDDEN)
+    ids, noise, tau = torch.randint(0, H.VOCAB, (1, n)), torch.rand(1, n, k), torch.ones(1)
+    batch = kf_hf.single_forward_inputs(ours, ids, noise, emb, tau)
+    batch["position_ids"] = single_positions(n, k, cu_seqlens=torch.tensor([0, 4, 7]))[None].clone()
+    batch["kforcing_layout"] = WindowLayout.kforcing_single(n, k, cu_seqlens=[0, 4, 7])
+    with torch.no_grad():
+        ours(**batch)  # the ids match the layout's documents: accepted
+        ours(**batch)  # and again
+        batch["position_ids"].copy_(single_positions(n, k, cu_seqlens=torch.tensor([0, 3, 7]))[None])
+        with pytest.raises(ValueError, match="position_ids pack several documents"):
+            ours(**batch)

@@ -174,6 +174,22 @@ def test_cancel_returns_the_pages_and_a_refused_request_is_admitted(model, promp
     assert gen.cache.free_pages == 9
 
 
+@pytest.mark.parametrize("k", [None, 2])
+def test_cancel_after_the_end_leaves_a_finished_request_as_it_is(model, prompts, k):
+    """Issue 46 (a planted bug the suite let through): cancel() on a request that finished (or hit its eos) is a no-op:
+    it is not marked cancelled (its tokens are the whole answer), and the pool is untouched."""
+    gen = PagedGenerator(model, k, page_size=2, num_pages=9)
+    shape = (3,) if k is None else (2, k)
+    r = Request(prompts[0], 3, noise=torch.rand(shape, dtype=torch.float64))
+    while not r.done:
+        gen.step([r])
+    tokens, free = r.tokens[:], gen.cache.free_pages
+    assert (r.done, r.cancelled, r.row) == (True, False, None)
+    gen.cancel(r)
+    assert (r.done, r.cancelled, r.row, r.tokens, gen.cache.free_pages) == (True, False, None, tokens, free)
+    assert gen.step([r]) == [] and not r.cancelled  # listed again after its end: skipped, still not cancelled
+
+
 def test_a_request_marked_done_by_the_caller_gives_its_pages_back(model, prompts):
     gen = PagedGenerator(model, 2, page_size=2, num_pages=9)
     r = Request(prompts[1], 10, noise=torch.rand(5, 2, dtype=torch.float64))
