@@ -223,4 +223,10 @@ MUTATIONS = [
     dict(id="paged-cancel-marks-a-finished-request-cancelled", file="kforcing_kernels/app/generation/serving.py",
          old="        elif request.done:\n            return\n", new="",
          tests=["python_tests/app/generation/test_paged_generation.py", "-k", "cancel_after_the_end"]),
+    dict(id="fsdp-1x2-mesh-shards-over-dp", file="kforcing_kernels/app/training/parallel.py",
+         old='        if self.dp == 1:\n            return self.mesh["cp"]', new='        if self.dp == 1:\n            return self.mesh["dp"]',
+         tests=["python_tests/app/training/test_train_fsdp.py", "-k", "two_ranks_match and dp1xcp2"]),
+    dict(id="batch-size-checked-against-the-world", file="kforcing_kernels/app/training/config.py",
+         old="    if cfg.batch_size % (dp * cfg.grad_accum):", new="    if cfg.batch_size % (world * cfg.grad_accum):",
+         tests=["python_tests/parallel/test_context_parallel.py", "-k", "counts_data_parallel"]),
 ]

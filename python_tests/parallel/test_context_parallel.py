@@ -253,3 +253,33 @@ def test_cp_attention_refuses_what_window_attention_refuses_by_name(backend, mon
         rows.attend(*qkv(), scale=float("nan"))
     out = rows.attend(*qkv())  # the right batch runs
     assert out.shape == (2, 2, n_q, 4)
+
+
+def test_the_batch_size_check_counts_data_parallel_ranks_not_the_world():
+    """Issue 46 (a planted bug the suite let through): the global batch must divide over data-parallel ranks x
+    accumulation, dp = world / context_parallel (the ranks of a CP group share their sequences). Valid dp x cp runs
+    are accepted and the others refused, against that rule computed here, degenerate meshes (1 x P, P x 1) included."""
+    from kforcing_kernels.app.training.config import TrainConfig, validate_config
+
+    for world, cp in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (6, 3)]:
+        for accum in (1, 2, 3):
+            for batch in range(1, 13):
+                cfg = TrainConfig(context_parallel=cp, batch_size=batch, grad_accum=accum, device="cpu")
+                if batch % ((world // cp) * accum) == 0:
+                    validate_config(cfg, world=world)
+                else:
+                    with pytest.raises(ConfigError, match="^batch_size: expected a multiple of data-parallel ranks"):
+                        validate_config(cfg, world=world)
+
+
+def test_a_pipeline_refuses_a_distillation_batch_its_later_stages_would_refuse_before_stage0(tmp_path, monkeypatch):
+    """Issue 46: every stage of a pipeline is checked before the first trains; the distillation batch used to be
+    refused only when stage1 started, after stage0 trained."""
+    from kforcing_kernels.app.training.config import TrainConfig
+    from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = TrainConfig(device="cpu", batch_size=4, context_parallel=2)  # dp = 2
+    with pytest.raises(ConfigError, match=r"^batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = 2 x 1"):
+        run_pipeline(PipelineConfig(out=str(tmp_path / "run"), batch_size_distill=3), base)
+    assert not (tmp_path / "run").exists()

@@ -165,6 +165,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Call
     :func:`train` uses it; rank 0 locks ``pipe.out`` and takes every decision above, and every rank raises its error.
     """
     check_reals(pipe, PipelineConfig.REAL_SETTINGS, ConfigError)
+    _check_distill_batch(pipe, base)
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
     check_device(base.device)  # before a process group is made on it
@@ -189,6 +190,25 @@ def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
     if config is not None:
         _check_sliding_window(pipe, base, config)
     return RunLock(pipe.out).acquire()
+
+
+def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
+    """The distillation stages' batch, as each stage's own check would refuse it (validate_config), before stage0
+    trains: it divides over data-parallel ranks x grad_accum like the stage-0 batch."""
+    from ... import env
+
+    batch = pipe.batch_size_distill
+    if batch is None:
+        return  # the stage-0 batch, which stage0 checks first
+    world, cp = env.distributed_ranks()[0], base.context_parallel
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ConfigError(f"batch_size_distill: expected a positive int or None (the stage-0 batch), got {batch!r}")
+    if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(base.grad_accum, int) and base.grad_accum >= 1:
+        dp = world // cp
+        if batch % (dp * base.grad_accum):
+            raise ConfigError(f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
+                              f"{base.grad_accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and "
+                              "every stage2 train with it; nothing was trained)")
 
 
 def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, config) -> None:

@@ -82,16 +82,19 @@ def test_activation_checkpointing_is_bitwise_in_one_process(runs):
 
 
 @needs_dist
-def test_fsdp_two_ranks_match_one_process(runs):
-    one, two = load_file(str(runs / "one.safetensors")), load_file(str(runs / "f2.safetensors"))
+@pytest.mark.parametrize("run", ["f2", "f2_cp"], ids=["dp2xcp1", "dp1xcp2"])
+def test_fsdp_two_ranks_match_one_process(runs, run):
+    """Both degenerate meshes of two ranks: FSDP2 over dp (2 x 1), and over cp when dp is 1 (1 x 2; every mesh test
+    elsewhere is 2 x 2, where the flattened dims hide a shard over the wrong one)."""
+    one, two = load_file(str(runs / "one.safetensors")), load_file(str(runs / f"{run}.safetensors"))
     assert one.keys() == two.keys() and len(one) > 5
     assert any(float(g.abs().max()) > 0 for g in one.values())
     for name in one:
         torch.testing.assert_close(two[name], one[name], **GRAD_TOL, msg=name)
-    assert len(losses(runs / "f2")) == 3
-    assert losses(runs / "f2")[0] == pytest.approx(losses(runs / "one")[0], rel=1e-5)
-    assert losses(runs / "f2") == pytest.approx(losses(runs / "one"), rel=1e-3)
-    model, info, tokenizer = load_model(runs / "f2")  # the final model of an FSDP run: a plain model file
+    assert len(losses(runs / run)) == 3
+    assert losses(runs / run)[0] == pytest.approx(losses(runs / "one")[0], rel=1e-5)
+    assert losses(runs / run) == pytest.approx(losses(runs / "one"), rel=1e-3)
+    model, info, tokenizer = load_model(runs / run)  # the final model of an FSDP run: a plain model file
     assert info["k"] == 2 and tokenizer is not None
     for name, tensor in weights(runs / "one").items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
