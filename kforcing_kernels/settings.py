@@ -47,7 +47,8 @@ class Real:
         if self.low == 0 and self.high is None:
             return "a positive number" if self.low_open else "a finite number >= 0"
         if self.low is not None and self.high is not None:
-            return f"a number in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}{')' if self.high_open else ']'}"
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"a number in {left}{_num(self.low)}, {_num(self.high)}{right}"
         if self.low is not None:
             return f"a finite number {'>' if self.low_open else '>='} {_num(self.low)}"
         if self.high is not None:
@@ -77,7 +78,8 @@ def check_real(name: str, value, spec: Real, error: type = ValueError) -> None:
         raise error(f"{name}: {message}")
 
 
-def check_reals(obj, specs: Mapping[str, Real], error: type = ValueError, names: Optional[Iterable[str]] = None) -> None:
+def check_reals(obj, specs: Mapping[str, Real], error: type = ValueError,
+                names: Optional[Iterable[str]] = None) -> None:
     """:func:`check_real` for every setting of ``specs`` (or only ``names``) on ``obj``; a sequence value (a
     per-round or per-temperature list) has each of its items checked. None is accepted only for the fields listed in
     ``obj.OPTIONAL_REALS`` (an unset optional setting)."""

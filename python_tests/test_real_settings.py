@@ -11,7 +11,6 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 from kforcing_kernels.app.evaluation.evaluate import EvalSettings, evaluate_pipeline
 from kforcing_kernels.app.training.config import ConfigError, TrainConfig, validate_config

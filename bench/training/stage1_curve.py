@@ -170,7 +170,8 @@ def execute(args) -> int:
     # Everything that changes a row's numbers, recorded in the row: a row is reused only when all of it matches (a
     # rerun with other --taus, --batches or --new-tokens measures again and replaces the row).
     measure = {"taus": [float(t) for t in args.taus], "batches": args.batches, "new_tokens": args.new_tokens,
-               "lr_stage0": pipe.lr_stage0, "lr_distill": pipe.lr_distill, "batch_size_distill": pipe.batch_size_distill}
+               "lr_stage0": pipe.lr_stage0, "lr_distill": pipe.lr_distill,
+               "batch_size_distill": pipe.batch_size_distill}
     wanted_rows = []
     for width in args.widths:
         stage0 = out / f"w{width}" / f"stage0_{stage0_steps}"

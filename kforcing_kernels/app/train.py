@@ -210,7 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.command == "pipeline":
             # Under torchrun rank 0 (which holds the run's lock) evaluates, before it lets the lock go: a second
             # pipeline into the folder cannot rewrite a stage while it is read. The other ranks are done.
-            evaluate = (lambda training: {"training": training, "evaluation": _evaluate(args.out, args.evaluate, args.device)})
+            def evaluate(training):
+                return {"training": training, "evaluation": _evaluate(args.out, args.evaluate, args.device)}
+
             result = run_pipeline(pipeline_config_from_args(args), cfg, then=evaluate if args.evaluate else None)
         else:
             check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error, before any folder

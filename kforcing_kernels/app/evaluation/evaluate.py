@@ -221,9 +221,10 @@ def recorded_data(folder: Path, info: dict) -> Optional[str]:
     for path in tried:
         if path.exists():
             return str(path)
+    where = " nor at ".join(repr(str(p)) for p in tried)
     raise ValueError(f"run: {folder} was trained on the text at {data!r} (a path its model.json records relative to "
-                     f"the directory the run was started in), which is not at {' nor at '.join(repr(str(p)) for p in tried)}; "
-                     "run kforcing-evaluate from the directory the run was trained in, or put the text back there")
+                     f"the directory the run was started in), which is not at {where}; run kforcing-evaluate from the "
+                     "directory the run was trained in, or put the text back there")
 
 
 def ar_teacher_folder(run: Path) -> Path:
@@ -297,8 +298,9 @@ def evaluate_pipeline(
     try:
         corpus = corpus_for(str(ar_folder), data, teacher.config.vocab_size)
     except DataError as exc:  # the message of --data, an option evaluate does not have: say what this run needs
+        why = str(exc).removeprefix("source (--data): ")
         raise ValueError(f"run: the text {text_folder} was trained on ({data!r}, recorded in its model.json) cannot be "
-                         f"read ({str(exc).removeprefix('source (--data): ')}); put it back there to evaluate this run") from None
+                         f"read ({why}); put it back there to evaluate this run") from None
     if _same_tokenizer(corpus.tokenizer, tokenizer) is False:
         raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
                          "gives another tokenizer); restore it to evaluate this run")

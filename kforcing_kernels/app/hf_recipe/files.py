@@ -164,7 +164,8 @@ def _bad_real(values: dict, prefix: str = "") -> Optional[str]:
                 return found
         elif isinstance(value, float) and not math.isfinite(value):
             return f"{name}: expected a finite number, got {value!r}"
-        elif _must_be_positive(key) and isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+        elif _must_be_positive(key) and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not value > 0:
             return f"{name}: expected a positive number, got {value!r}"
     return None
 

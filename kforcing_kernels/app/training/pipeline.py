@@ -203,12 +203,13 @@ def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
     world, cp = env.distributed_ranks()[0], base.context_parallel
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ConfigError(f"batch_size_distill: expected a positive int or None (the stage-0 batch), got {batch!r}")
-    if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(base.grad_accum, int) and base.grad_accum >= 1:
+    accum = base.grad_accum
+    if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(accum, int) and accum >= 1:
         dp = world // cp
-        if batch % (dp * base.grad_accum):
+        if batch % (dp * accum):
             raise ConfigError(f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
-                              f"{base.grad_accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and "
-                              "every stage2 train with it; nothing was trained)")
+                              f"{accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and every "
+                              "stage2 train with it; nothing was trained)")
 
 
 def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, config) -> None:
@@ -231,8 +232,8 @@ def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, config) -> No
             try:
                 layout.with_sliding_window(window)
             except ValueError as exc:
-                raise ConfigError(f"k_final: the model's sliding window ({window} positions) cannot hold the windows of "
-                                  f"{stage} (k={k}): {exc}; use --k-final <= {window} or a model with a longer "
+                raise ConfigError(f"k_final: the model's sliding window ({window} positions) cannot hold the windows "
+                                  f"of {stage} (k={k}): {exc}; use --k-final <= {window} or a model with a longer "
                                   "sliding_window (nothing was trained)") from None
 
 
