@@ -43,7 +43,7 @@ class _FakeRuns:
     def __init__(self, monkeypatch):
         import itertools
 
-        from bench import stage1_curve
+        from bench.training import stage1_curve
 
         self.trained, self.measured, counter = [], [], itertools.count()
 

@@ -152,7 +152,7 @@ def load(path=None) -> dict:
     where = f"{path} (KFORCING_DISPATCH_TABLE)" if str(path) == env.dispatch_table_path() else str(path)
     try:
         text = path.read_text()
-    except FileNotFoundError:  # a FileNotFoundError still (bench/dispatch_table.py starts a new table on it)
+    except FileNotFoundError:  # a FileNotFoundError still (bench/gpu/dispatch_table.py starts a new table on it)
         raise FileNotFoundError(f"dispatch table {where}: no such file") from None
     except OSError as exc:
         raise ValueError(f"dispatch table {where}: cannot read it ({exc.strerror or exc})") from None
@@ -160,7 +160,7 @@ def load(path=None) -> dict:
         table = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"dispatch table {where}: not valid JSON ({exc}); write it again from the GPU check's "
-                         "measurements (bench/dispatch_table.py), or name another table") from None
+                         "measurements (bench/gpu/dispatch_table.py), or name another table") from None
     return validate(table, f"dispatch table {where}")
 
 
