@@ -164,7 +164,8 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Call
     Under torchrun (``WORLD_SIZE`` > 1) the process group is created here, if none exists yet, and every stage's
     :func:`train` uses it; rank 0 locks ``pipe.out`` and takes every decision above, and every rank raises its error.
     """
-    check_reals(pipe, PipelineConfig.REAL_SETTINGS, ConfigError)
+    # lr_stage2 (one value or one per round) is checked by round_lrs below, in per-round words.
+    check_reals(pipe, PipelineConfig.REAL_SETTINGS, ConfigError, names=("lr_stage0", "lr_distill"))
     _check_distill_batch(pipe, base)
     steps = [pipe.steps_stage0, pipe.steps_stage1, *pipe.round_steps()]  # checks k_final and the per-round lists
     lrs = [pipe.lr_stage0, pipe.lr_distill, *pipe.round_lrs()]
