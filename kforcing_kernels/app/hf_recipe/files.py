@@ -171,7 +171,8 @@ def _bad_real(values: dict, prefix: str = "") -> Optional[str]:
 
 
 def _must_be_positive(key: str) -> bool:
-    return key in ("rope_theta", "rope_base") or key.endswith(("eps", "epsilon"))
+    # rms_norm_eps, layer_norm_eps, layer_norm_epsilon, ... (not e.g. a step count: "warmup_steps" ends in "eps")
+    return key in ("rope_theta", "rope_base", "eps", "epsilon") or key.endswith(("_eps", "_epsilon"))
 
 
 # ---------------------------------------------------------------------- building and loading
