@@ -216,6 +216,9 @@ class KForcingLM(nn.Module):
 
     ``model(tokens)`` is the AR forward (logits ``[B, N, V]``); ``model(tokens, noise, tau)``
     is SingleForward (logits ``[B, N, k, V]`` for the k noise slots after each context token).
+    ``return_hidden=True`` returns the final hidden states ``[..., C]`` in place of the logits:
+    ``logits == output_head()(hidden)``, so a loss can apply the head chunk by chunk
+    (``app/training/linear_ce.py``) instead of holding every row's ``[rows, V]`` at once.
     """
 
     kind = "native"  # the name the application's model registry knows it by (kforcing_kernels/app/student.py)
@@ -265,6 +268,10 @@ class KForcingLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def output_head(self) -> nn.Linear:
+        """The layer that maps the final hidden states (``return_hidden=True``) to logits (tied to ``wte`` or not)."""
+        return self.head
+
     # -------------------------------------------------------------- the shared trunk
 
     def trunk(
@@ -301,18 +308,19 @@ class KForcingLM(nn.Module):
     # -------------------------------------------------------------- the three training-time forwards
 
     def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None):
+                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None, return_hidden: bool = False):
         """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
 
-        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`)."""
+        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
+        ``return_hidden``: the final hidden states (``[..., C]``, the head's input) in place of the logits."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens)
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden)
         if noise is None:
-            return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
-        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens)[0]
+            return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
+        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, return_hidden=return_hidden)[0]
 
-    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-        """tokens [B, N] -> next-token logits [B, N, V] (plain causal attention).
+    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
+        """tokens [B, N] -> next-token logits [B, N, V] (plain causal attention); hidden [B, N, C] if ``return_hidden``.
 
         ``cu_seqlens`` (FlashAttention's offsets, ``[D+1]`` or ``[B, D+1]``): the row packs
         documents; attention never crosses a boundary and positions restart at 0 in each.
@@ -322,10 +330,10 @@ class KForcingLM(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, tokens.shape[0])
         layout = WindowLayout.causal(n, cu_seqlens=cu)  # equal layouts share their derived data (layouts/derived.py)
         h, _ = self.trunk(self.wte(tokens), context_positions(n, cu, tokens.device), layout)
-        return self.head(h)
+        return h if return_hidden else self.head(h)
 
     def single_forward(
-        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None
+        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
     ) -> tuple[torch.Tensor, list[KV]]:
         """SingleForward (paper eq. 18): k tokens after every context position in one call.
 
@@ -334,6 +342,7 @@ class KForcingLM(nn.Module):
             noise: ``[B, N, k]`` uniform in [0, 1); ``noise[:, t, i]`` drives the (i+1)-th token after ``tokens[:, t]``.
             tau: temperature, scalar or ``[B]``.
             cu_seqlens: packed documents (as in :meth:`ar_forward`): windows see only their document.
+            return_hidden: the windows' final hidden states ``[B, N, k, C]`` in place of their logits.
 
         Returns:
             (logits ``[B, N, k, V]``, per-layer context K/V ``[B, H, N, D]``, the cache DoubleForward reuses).
@@ -347,11 +356,12 @@ class KForcingLM(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, tokens.shape[0])
         layout = WindowLayout.kforcing_single(n, k, cu_seqlens=cu)
         h, kvs = self.trunk(x, single_positions(n, k, tokens.device, cu), layout)
-        logits = self.head(h[:, n:]).view(b, n, k, -1)
-        return logits, [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
+        out = h[:, n:] if return_hidden else self.head(h[:, n:])
+        return out.view(b, n, k, -1), [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
 
     def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
-                                 tau: Temperature = 1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of :meth:`ar_forward` (``noise`` None) or :meth:`single_forward`, under context parallelism.
 
         Every rank of ``cp``'s group passes the same full inputs (token ids and noise: a few bytes per
@@ -360,7 +370,7 @@ class KForcingLM(nn.Module):
         every attention layer gathers the other ranks' K/V. Returns ``(logits [B, R, V], rows int64 [R])``:
         AR rows are context positions t (``logits[:, i] == ar_forward(...)[:, rows[i]]``); SingleForward rows
         are window tokens ``t * k + j`` (``logits[:, i] == single_forward(...)[0].flatten(1, 2)[:, rows[i]]``);
-        this rank's context rows only feed the others' attention.
+        this rank's context rows only feed the others' attention. ``return_hidden``: hidden ``[B, R, C]`` for logits.
         """
         _check_tokens(tokens, self.config)
         b, n = tokens.shape
@@ -369,7 +379,7 @@ class KForcingLM(nn.Module):
             shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
             rows = shard.query_rows.to(tokens.device)
             h, _ = self.trunk(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard)
-            return self.head(h), shard.query_rows
+            return (h if return_hidden else self.head(h)), shard.query_rows
         if noise.dim() != 3 or noise.shape[:2] != (b, n):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
         k = noise.shape[2]
@@ -378,11 +388,12 @@ class KForcingLM(nn.Module):
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
         x = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
         h, _ = self.trunk(x, single_positions(n, k, tokens.device, cu)[..., rows], shard)
-        return self.head(h[:, context_rows.numel():]), window_rows.cpu()
+        h = h[:, context_rows.numel():]
+        return (h if return_hidden else self.head(h)), window_rows.cpu()
 
     def double_forward(
         self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
-        cu_seqlens=None,
+        cu_seqlens=None, return_hidden: bool = False,
     ) -> torch.Tensor:
         """DoubleForward (paper eq. 19): the second round, conditioned on the first round's tokens.
 
@@ -392,6 +403,7 @@ class KForcingLM(nn.Module):
             noise: ``[B, N, k]`` fresh noise for round two (Future-2).
             tau: temperature, scalar or ``[B]``.
             cu_seqlens: the packed documents the context K/V were computed with.
+            return_hidden: the final hidden states ``[B, N, k, C]`` in place of the logits.
 
         Returns:
             logits ``[B, N, k, V]``: ``[:, t, j]`` predicts token t + k + 1 + j given context ``<= t`` and ``first[:, t]``.
@@ -406,7 +418,8 @@ class KForcingLM(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, b)
         layout = WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
         h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
-        return self.head(h[:, n * k:]).view(b, n, k, -1)
+        out = h[:, n * k:] if return_hidden else self.head(h[:, n * k:])
+        return out.reshape(b, n, k, -1)
 
 
 def _check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:

@@ -11,7 +11,10 @@ same semantics:
   the N context tokens) that ``double_forward`` (eq. 19) reuses and crops back after itself;
 * ``model(tokens, noise, tau, cu_seqlens=, context_parallel=cp)``: this rank's rows under context parallelism,
   ``(logits [B, R, V], rows)`` (:meth:`HFStudent.context_parallel_forward`, as ``KForcingLM``'s);
-* ``config.vocab_size``, ``wte`` (the input embeddings), ``noise_encoder``, ``reset_noise_encoder``, ``k_train``.
+* ``config.vocab_size``, ``wte`` (the input embeddings), ``noise_encoder``, ``reset_noise_encoder``, ``k_train``;
+* ``return_hidden=True`` on every forward and :meth:`HFStudent.output_head`: the final hidden states (the base
+  model's ``last_hidden_state``) in place of the logits, for a loss that applies the head chunk by chunk
+  (``app/training/linear_ce.py``); offered when the model's logits are exactly ``lm_head(hidden)``.
 
 Every call passes its ``WindowLayout`` (``kforcing_layout``) and ``position_ids``: the layout is the mask,
 packed documents included. The HF model is kept in eval mode (no dropout) even while the wrapper trains:
@@ -118,6 +121,22 @@ class HFStudent(nn.Module):
             seen.add(tensor.data_ptr())
         return tied
 
+    def output_head(self) -> Optional[nn.Module]:
+        """The ``lm_head`` that maps ``return_hidden=True``'s hidden states to logits, or None when the model's logits
+        are not exactly ``lm_head(hidden)`` (a final soft-capping or logit scale, no linear head, no base model):
+        then the loss takes the logits."""
+        head = self.hf.get_output_embeddings()
+        config = self.hf.config
+        plain = (isinstance(head, nn.Linear) and getattr(config, "final_logit_softcapping", None) is None
+                 and getattr(config, "logit_scale", None) in (None, 1, 1.0)
+                 and getattr(config, "logits_scaling", None) in (None, 1, 1.0)
+                 and self._base() is not None)
+        return head if plain else None
+
+    def _base(self) -> Optional[nn.Module]:
+        base = getattr(self.hf, "base_model", None)
+        return None if base is None or base is self.hf else base
+
     def reset_noise_encoder(self, generator: Optional[torch.Generator] = None) -> None:
         """A fresh noise embedding (Stage 1 starts from the AR teacher with one), initialised as the native one."""
         for p in self.noise_encoder.parameters():
@@ -129,7 +148,7 @@ class HFStudent(nn.Module):
     # -------------------------------------------------------------- the three training-time forwards
 
     def _run(self, embeds: torch.Tensor, positions: torch.Tensor, layout: WindowLayout, keep: int = 0, cache=None,
-             use_cache: bool = False):
+             use_cache: bool = False, hidden: bool = False):
         b, length = embeds.shape[:2]
         kwargs = {"inputs_embeds": embeds, "position_ids": positions.expand(b, length), "kforcing_layout": layout,
                   "use_cache": use_cache or cache is not None}
@@ -138,6 +157,12 @@ class HFStudent(nn.Module):
             # the window and cannot be cropped back past it, while the layouts index the whole context; the
             # attention call applies each layer's window to the layout instead (integrations/hf_masks.sliding_layout).
             kwargs[self._cache_kw] = DynamicCache() if cache is None else cache
+        if hidden:  # the base model: its last hidden states, no head (output_head says when that equals the logits)
+            if self.output_head() is None:
+                raise ValueError("return_hidden: this model's logits are not lm_head(hidden states); take its logits")
+            out = self._base()(**kwargs)
+            states = out["last_hidden_state"]
+            return (states[:, -keep:] if keep else states), (_cache_of(out) if kwargs["use_cache"] else None)
         if keep and self._keep_kw:
             kwargs["logits_to_keep"] = keep
         out = self.hf(**kwargs)
@@ -152,25 +177,27 @@ class HFStudent(nn.Module):
         return self.noise_encoder(noise, tau).to(self.wte.weight.dtype)
 
     def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None):
+                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None, return_hidden: bool = False):
         """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
 
-        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`)."""
+        With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
+        ``return_hidden``: the final hidden states ``[..., C]`` in place of the logits (see :meth:`output_head`)."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens)
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden)
         if noise is None:
-            return self.ar_forward(tokens, cu_seqlens=cu_seqlens)
-        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False)[0]
+            return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
+        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False, return_hidden=return_hidden)[0]
 
-    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
         """tokens ``[B, N]`` -> next-token logits ``[B, N, V]``; ``cu_seqlens`` packs documents (as KForcingLM)."""
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
         cu = as_cu_seqlens(cu_seqlens, n, b)
-        return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), WindowLayout.causal(n, cu_seqlens=cu))[0]
+        return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), WindowLayout.causal(n, cu_seqlens=cu),
+                         hidden=return_hidden)[0]
 
     def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
-                       keep_cache: bool = True):
+                       keep_cache: bool = True, return_hidden: bool = False):
         """SingleForward: ``(logits [B, N, k, V], the context cache (N tokens) or None)``; arguments as KForcingLM's."""
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
@@ -180,11 +207,12 @@ class HFStudent(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, b)
         embeds = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
         logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k, cu_seqlens=cu),
-                                  keep=n * k, use_cache=keep_cache)
+                                  keep=n * k, use_cache=keep_cache, hidden=return_hidden)
         return logits.reshape(b, n, k, -1), (None if cache is None else crop_cache(cache, n))
 
     def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
-                                 tau: Temperature = 1.0, cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of :meth:`ar_forward` (``noise`` None) or of the SingleForward, as ``KForcingLM``'s.
 
         Every rank of ``cp``'s group passes the same full inputs; the HF model runs on this rank's rows of the
@@ -201,7 +229,8 @@ class HFStudent(nn.Module):
         if noise is None:
             shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
             rows = shard.query_rows.to(tokens.device)
-            logits, _ = self._run(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard)
+            logits, _ = self._run(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard,
+                                  hidden=return_hidden)
             return logits, shard.query_rows
         if noise.dim() != 3 or noise.shape[:2] != (b, n):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
@@ -211,12 +240,14 @@ class HFStudent(nn.Module):
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
         embeds = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
         windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
-        logits, _ = self._run(embeds, single_positions(n, k, tokens.device, cu)[..., rows], shard, keep=max(windows, 1))
+        logits, _ = self._run(embeds, single_positions(n, k, tokens.device, cu)[..., rows], shard, keep=max(windows, 1),
+                              hidden=return_hidden)
         return logits[:, logits.shape[1] - windows:], window_rows.cpu()
 
     def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
-                       cu_seqlens=None) -> torch.Tensor:
-        """DoubleForward on the context cache of :meth:`single_forward` (cropped back to N afterwards): ``[B, N, k, V]``."""
+                       cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
+        """DoubleForward on the context cache of :meth:`single_forward` (cropped back to N afterwards): ``[B, N, k, V]``
+        (hidden states ``[B, N, k, C]`` with ``return_hidden``)."""
         self._check_tokens("first", first)
         b, n, k = first.shape
         if noise.shape != first.shape:
@@ -226,7 +257,7 @@ class HFStudent(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, b)
         embeds = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
         logits, _ = self._run(embeds, double_positions(n, k, first.device, cu), WindowLayout.kforcing_double(n, k, cu_seqlens=cu),
-                              keep=n * k, cache=context_kv)
+                              keep=n * k, cache=context_kv, hidden=return_hidden)
         crop_cache(context_kv, n)
         return logits.reshape(b, n, k, -1)
 

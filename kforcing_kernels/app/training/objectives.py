@@ -31,11 +31,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ...layouts.positions import document_offsets
 from ..data import sample_crops
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample, noise_inversion
+from .linear_ce import linear_cross_entropy
 
 
 class Objective(str, enum.Enum):
@@ -261,8 +263,39 @@ def student_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
     return context, noise, targets, cu
 
 
-def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, *, k: Optional[int] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def output_head(model) -> Optional[nn.Module]:
+    """The output head of ``model`` (through DDP and ``torch.compile`` wrappers) when its forward can return the final
+    hidden states (``return_hidden=True``; ``KForcingLM``, ``HFStudent``), else None (the loss then takes logits)."""
+    inner = model
+    while True:
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            inner = inner.module
+        elif isinstance(getattr(inner, "_orig_mod", None), nn.Module):
+            inner = inner._orig_mod
+        else:
+            break
+    method = getattr(inner, "output_head", None)
+    return None if method is None else method()
+
+
+def _chunked_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, keep: Optional[torch.Tensor],
+                  chunk_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-prediction CE ``targets.shape`` fp32 detached) of ``hidden [*S, C]`` through ``head``, chunked.
+
+    The loss is the mean over the predictions (``keep`` None), or over those ``keep`` holds (bool ``targets.shape``),
+    exactly as :func:`_masked_mean` weights them: each kept row by ``1 / count``."""
+    rows = targets.numel()
+    if keep is None:
+        weights = torch.full((rows,), 1.0 / max(rows, 1), dtype=torch.float32, device=targets.device)
+    else:
+        weights = keep.flatten().to(torch.float32) / keep.sum().clamp(min=1).to(torch.float32)
+    loss, per_row = linear_cross_entropy(hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None), targets.flatten(),
+                                         weights, chunk_rows)
+    return loss, per_row.view(targets.shape)
+
+
+def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, *, k: Optional[int] = None,
+                 chunked: bool = True, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-position mean loss ``[k]``, detached) of ``model`` on one (micro-)batch.
 
     ``objective`` selects what is computed (see :class:`Objective`); ``teacher`` is the
@@ -271,13 +304,25 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     The loss is the mean cross-entropy of the student's logits against the targets over all
     ``B * N * k`` predictions (AR: ``B * N``); with packed documents (``batch.separator``) over
     those whose target lies inside their document (see the module docstring).
+
+    ``chunked`` (default): when the model offers :func:`output_head`, the forward returns its hidden states and
+    the head and cross-entropy run over chunks of ``chunk_rows`` rows (None: ~64 MiB of fp32 logits each,
+    ``app/training/linear_ce.py``), never holding every row's ``[rows, V]`` logits; the loss and gradients equal
+    the unchunked path's (``chunked=False``, or a model without ``output_head``) within fp32 rounding.
     """
     objective = Objective(objective)
     _require(objective, batch, teacher, k)
     packed = batch.separator is not None
+    head = output_head(model) if chunked else None
     if objective is Objective.AR:
         inputs = batch.tokens[:, :-1]
-        logits = model(inputs, **({"cu_seqlens": batch.cu_seqlens(inputs)} if packed else {}))  # [B, N, V]
+        kwargs = {"cu_seqlens": batch.cu_seqlens(inputs)} if packed else {}
+        if head is not None:
+            keep = document_mask(inputs, batch.separator, inputs.shape[1], 1)[..., 0] if packed else None
+            hidden = model(inputs, return_hidden=True, **kwargs)  # [B, N, C]
+            loss, _ = _chunked_loss(hidden, head, batch.tokens[:, 1:], keep, chunk_rows)
+            return loss, loss.detach()[None]
+        logits = model(inputs, **kwargs)  # [B, N, V]
         if not packed:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
             return loss, loss.detach()[None]
@@ -285,6 +330,14 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
         loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1))
         return loss, loss.detach()[None]
     context, noise, targets, cu = student_inputs(objective, batch, teacher, k)
+    if head is not None:
+        # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
+        keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:]) if packed else None
+        hidden = model(context, noise, batch.tau, return_hidden=True, **({"cu_seqlens": cu} if packed else {}))  # [B, N, k, C]
+        loss, per_token = _chunked_loss(hidden, head, targets, keep, chunk_rows)
+        if keep is None:
+            return loss, per_token.mean((0, 1))
+        return loss, _masked_mean(per_token, keep)[1]
     logits = model(context, noise, batch.tau, **({"cu_seqlens": cu} if packed else {}))  # [B, N, k, V]
     per_token = F.cross_entropy(logits.flatten(0, 2).float(), targets.flatten(), reduction="none").view(targets.shape)
     if not packed:
