@@ -42,12 +42,14 @@ class AllocationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place op returns an input's storage: not an allocation (it may predate the tracker).
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or (self.device is not None and t.device.type != self.device):
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes == 0 or key in self._live:
+            if nbytes == 0 or key in self._live or key in inputs:
                 continue
             self.current += nbytes
             self.peak = max(self.peak, self.current)

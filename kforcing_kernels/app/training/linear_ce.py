@@ -100,18 +100,24 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = (per_row * row_weights.to(torch.float32)).sum()
         if want_grad:
             ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, top)
+        ctx.spent = False
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(per_row)
         return loss, per_row
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_per_row):
+        if ctx.spent:
+            raise RuntimeError("LinearCrossEntropy: backward through the same loss twice (retain_graph) is not supported: "
+                               "its saved gradients are scaled in place")
+        ctx.spent = True
         grad_hidden, grad_weight, grad_bias, top = ctx.saved_tensors
         factor = (grad_loss * top).to(torch.float32)
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        out_h = None if grad_hidden is None else (grad_hidden * factor.to(grad_hidden.dtype)).to(h_dtype)
-        out_w = None if grad_weight is None else (grad_weight * factor).to(w_dtype)
-        out_b = None if grad_bias is None else (grad_bias * factor).to(b_dtype)
+        # In place: the saved gradients become the returned ones (no second weight-sized buffer at the peak).
+        out_h = None if grad_hidden is None else grad_hidden.mul_(factor.to(grad_hidden.dtype)).to(h_dtype)
+        out_w = None if grad_weight is None else grad_weight.mul_(factor).to(w_dtype)
+        out_b = None if grad_bias is None else grad_bias.mul_(factor).to(b_dtype)
         return out_h, out_w, out_b, None, None, None, None
 
 

@@ -126,7 +126,8 @@ def _uniform(tokens: torch.Tensor, device: torch.device, generator: Optional[tor
 
 
 def noise_inversion(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None,
+    u: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """z uniform inside each token's CDF bin ``[F(t-1), F(t))`` (the PTP baseline), float32 ``[...]``.
 
@@ -135,6 +136,8 @@ def noise_inversion(
         tokens: ``[...]`` integer ids in ``[0, V)``.
         temperature: scalar or ``[...]``, > 0.
         generator: the source of the uniform position inside the bin.
+        u: the positions inside the bins themselves, float32 ``[...]`` in [0, 1) (``generator`` unused): a caller
+            that inverts rows chunk by chunk draws them once for all rows, so the chunks change no draw.
 
     Sampling that z with :func:`inverse_cdf_sample` gives ``tokens`` back (up to
     bins too narrow to hold a float32, which carry almost no probability mass).
@@ -143,7 +146,11 @@ def noise_inversion(
     and gets the largest float32 below 1, which samples an earlier token.
     """
     tau = _check(logits, tokens, "tokens", temperature)
-    u = _uniform(tokens, logits.device, generator)
+    if u is None:
+        u = _uniform(tokens, logits.device, generator)
+    elif not isinstance(u, torch.Tensor) or u.shape != tokens.shape or u.dtype != torch.float32 or u.device != logits.device:
+        raise ValueError(f"u: expected float32 {tuple(tokens.shape)} on {logits.device}, got "
+                         f"{getattr(u, 'dtype', type(u))} {tuple(getattr(u, 'shape', ()))}")
     return REGISTRY.get(sampler_backend(logits.device)).noise_inversion(logits, tokens, tau, u)
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels.app.training.linear_ce import IGNORE_INDEX, chunk_rows_for, linear_cross_entropy
-from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss, make_batch, output_head
+from kforcing_kernels.app.training.objectives import (Batch, Objective, chunk_bounds, compute_loss, make_batch, output_head,
+                                                     student_inputs, teacher_head)
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.tools.memory import AllocationTracker, SavedTensors
 
@@ -163,6 +164,38 @@ def test_hf_student_chunked_equals_unchunked():
     assert output_head(student) is None
 
 
+# ---------------------------------------------------------------------- the teacher's targets, chunk by chunk
+
+
+@pytest.mark.parametrize("objective", [Objective.FORWARD, Objective.NOISE_INVERSION, Objective.SELF_FORCING])
+@pytest.mark.parametrize("decode", ["argmax", "residual"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_teacher_targets_chunked_are_bit_identical(objective, decode, packed):
+    """Same noise, same tokens (and for noise inversion the same z, bit for bit) for every chunk size."""
+    cfg = dataclasses.replace(_micro(vocab=96), decode=decode)
+    torch.manual_seed(0)
+    teacher = KForcingLM(cfg).eval()
+    with torch.no_grad():  # sharper distributions than at init, so that the inverse CDF has work to do
+        teacher.head.weight.mul_(20.0)
+    k = {Objective.FORWARD: 1, Objective.NOISE_INVERSION: 3, Objective.SELF_FORCING: 4}[objective]
+    batch = _batch(objective, cfg.vocab_size, packed, k=k, n=20, b=3)
+    reference = student_inputs(objective, batch, teacher, k, chunked=False)
+    assert teacher_head(teacher) is teacher.head
+    for chunk_rows in (1, 17, 64, None):  # 1: raised to MIN_TEACHER_CHUNK; 17: a tail of 9 or 13 rows joins the chunk before
+        got = student_inputs(objective, batch, teacher, k, chunk_rows=chunk_rows)
+        for a, b in zip(got, reference):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), chunk_rows
+    assert reference[2].unique().numel() > 10  # the targets are not all one token
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(100, 30) == [(0, 30), (30, 60), (60, 100)]
+    assert chunk_bounds(10, 4) == [(0, 10)]
+    assert chunk_bounds(40, 20) == [(0, 20), (20, 40)]
+    assert chunk_bounds(0, 20) == []
+
+
 # ---------------------------------------------------------------------- memory: no [rows, V] fp32 held
 
 
@@ -172,7 +205,7 @@ def _one_layer_step(chunked: bool):
     cfg = dataclasses.replace(_micro(vocab=4096), n_layer=1, n_embd=16, n_head=2)
     torch.manual_seed(0)
     student, teacher = KForcingLM(cfg), KForcingLM(cfg).eval()
-    n, k, b = 16, 8, 1
+    n, k, b = 32, 8, 1
     gen = torch.Generator().manual_seed(0)
     batch = Batch(torch.randint(0, cfg.vocab_size, (b, n), generator=gen), torch.rand(b, n, k, generator=gen),
                   torch.full((b,), 0.8))
@@ -189,4 +222,5 @@ def test_stage2_step_holds_no_rows_by_vocab_tensor():
     peak, saved, largest = _one_layer_step(chunked=True)
     old_peak, old_saved, old_largest = _one_layer_step(chunked=False)
     assert old_peak > 2.0 and old_largest >= 1.0  # the measure sees the unchunked path's [rows, V] tensors
+    assert peak <= 0.5, peak  # the student's loss and the teacher's targets, both chunked
     assert largest < 0.25 and saved < 0.5, (largest, saved)
