@@ -26,6 +26,7 @@ COMMANDS = {
     "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
     "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
     "memory": ("training.train_memory", "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
+    "memory-model": ("training.memory_model", "a memory model of one Stage-2 step per part (paper backbone), calibrated on CPU"),
     "teacher": ("training.teacher_parallel", "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
     "stage1": ("training.stage1_curve", "the Stage-1 student over steps and model width: noise use and its samples against the teacher's"),
     "allocation": ("training.demo_allocation", "the demo's training budget split between stages, variants trained side by side"),

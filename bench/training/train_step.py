@@ -2,6 +2,8 @@
 
     python -m bench train --quick
     python -m bench train                         # k = 1, 2, 4, 8 at N=512, B=2, the "tiny" model
+    python -m bench train --preset paper --override n_layer=1 --seq-len 256 --k 4 --batch-size 1 --reps 1 --ac
+                                                  # one paper-vocabulary step with activation checkpointing
 
 Stage PFLM(k) -> PFLM(2k) (paper Algorithm 3), exactly ``kforcing_kernels.app.training.objectives.compute_loss``
 plus the optimizer step: the teacher's SingleForward on k noises and DoubleForward on
@@ -11,6 +13,14 @@ then AdamW. The two variants differ only in the model's ``attention_backend``:
 and ours (``default_backend`` for the device unless ``--ours`` names one). Both run
 round-robin in one process from the same weights and batch; the speed-up is the
 ratio of their medians. Weights are random: a step costs the same trained or not.
+
+``--ac``: activation checkpointing on the student's blocks (the trainer's ``--activation-checkpointing``).
+``--unchunked-loss``: the loss and teacher targets as before issue 45 (every row's ``[rows, V]`` logits at once),
+for an A/B in one process. Memory, per variant, from one extra step after the timing: on CUDA the peak
+``max_memory_allocated`` above what was allocated before the step; everywhere the bytes autograd saves
+(``saved_mib``, parameters excluded) and the peak of the live storages the step makes (``tracked_peak_mib``,
+``kforcing_kernels/tools/memory.py``: deterministic; it holds autograd's in-place gradient sums off, so a tied
+embedding's gradient is counted twice); and the process's peak RSS so far (CPU; shared by the variants).
 """
 
 from __future__ import annotations
@@ -34,7 +44,8 @@ QUICK = {"k": [1, 2], "seq_len": 128, "batch": 1, "reps": 3, "warmup": 1, "max_s
 
 
 def build_models(args, backend: str | None, state: dict | None):
-    """(teacher, student, optimizer) with ``attention_backend=backend``; weights from ``state`` when given."""
+    """(teacher, student, optimizer) with ``attention_backend=backend``; weights from ``state`` when given;
+    the student's blocks checkpointed with ``args.ac``."""
     from kforcing_kernels.model import PRESETS, KForcingLM
 
     cfg = PRESETS[args.preset](seq_len=args.seq_len, **args.overrides)
@@ -45,28 +56,59 @@ def build_models(args, backend: str | None, state: dict | None):
         teacher.load_state_dict(state["teacher"])
         student.load_state_dict(state["student"])
     teacher.eval()
+    if getattr(args, "ac", False):
+        from kforcing_kernels.app.training.parallel import checkpoint_blocks
+
+        checkpoint_blocks(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
     return teacher, student, optimizer
 
 
-def make_step(teacher, student, optimizer, batch, k: int):
+def make_step(teacher, student, optimizer, batch, k: int, chunked: bool = True):
     from kforcing_kernels.app.training.objectives import Objective, compute_loss
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = compute_loss(Objective.SELF_FORCING, student, batch, teacher)
+        loss, _ = compute_loss(Objective.SELF_FORCING, student, batch, teacher, chunked=chunked)
         loss.backward()
         optimizer.step()
 
     return step
 
 
-def first_loss(teacher, student, batch, k: int) -> float:
+def first_loss(teacher, student, batch, k: int, chunked: bool = True) -> float:
     """The step's loss before any update (a check that both variants compute the same step)."""
     from kforcing_kernels.app.training.objectives import Objective, compute_loss
 
     with torch.no_grad():
-        return float(compute_loss(Objective.SELF_FORCING, student, batch, teacher)[0])
+        return float(compute_loss(Objective.SELF_FORCING, student, batch, teacher, chunked=chunked)[0])
+
+
+def step_memory(teacher, student, batch, device: torch.device, chunked: bool = True) -> dict:
+    """Memory of one more step (loss + backward; gradients cleared first), in MiB: see the module docstring."""
+    from kforcing_kernels.app.training.objectives import Objective, compute_loss
+    from kforcing_kernels.tools.memory import AllocationTracker, SavedTensors, peak_rss_bytes
+
+    mib = 2**20
+    out = {}
+    if device.type == "cuda":
+        student.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        compute_loss(Objective.SELF_FORCING, student, batch, teacher, chunked=chunked)[0].backward()
+        torch.cuda.synchronize(device)
+        out["cuda_peak_mib"] = (torch.cuda.max_memory_allocated(device) - before) / mib
+    student.zero_grad(set_to_none=True)
+    saved = SavedTensors(exclude=student.parameters())
+    with AllocationTracker(device.type) as tracker, saved.context():
+        compute_loss(Objective.SELF_FORCING, student, batch, teacher, chunked=chunked)[0].backward()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in student.parameters() if p.grad is not None)
+    out.update(saved_mib=saved.total / mib, tracked_peak_mib=tracker.peak / mib, grads_mib=grads / mib)
+    if device.type == "cpu":
+        out["process_peak_rss_mib"] = peak_rss_bytes() / mib
+    student.zero_grad(set_to_none=True)
+    return out
 
 
 def run(args) -> dict:
@@ -84,6 +126,7 @@ def run(args) -> dict:
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
         "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len, "batch": args.batch_size,
         "k": args.k, "variants": variants, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
+        "activation_checkpointing": args.ac, "chunked_loss": not args.unchunked_loss,
         "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
@@ -99,18 +142,23 @@ def run(args) -> dict:
             noise=torch.rand(b, n, 2 * k, generator=gen),
             tau=0.5 + 0.5 * torch.rand(b, generator=gen),
         ).to(device)
-        steps, losses = {}, {}
+        steps, losses, models = {}, {}, {}
+        chunked = not args.unchunked_loss
         for label, backend in variants.items():
             teacher, student, optimizer = build_models(args, backend, state)
-            losses[label] = first_loss(teacher, student, batch, k)  # same weights and batch: must agree across variants
-            steps[label] = make_step(teacher, student, optimizer, batch, k)
+            # same weights and batch: must agree across variants
+            losses[label] = first_loss(teacher, student, batch, k, chunked)
+            steps[label] = make_step(teacher, student, optimizer, batch, k, chunked)
+            models[label] = (teacher, student)
         timings = measure_many(steps, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
         for label, timing in timings.items():
             row = {**stamp, "teacher_k": k, "student_k": 2 * k, "n": n, "batch": b, "variant": label, "backend": variants[label],
                    "loss": losses[label]}
             row.update(timing_fields(timing, "context_tokens_per_s", b * n))
+            if row["status"] == "ok" and not args.no_memory:
+                row.update(step_memory(*models[label], batch, device, chunked))
             rows.append(row)
-        del steps
+        del steps, models
         if args.verbose:
             bar.write(f"  k={k} {time.perf_counter() - start:6.1f} s", file=sys.stderr)
         bar.update()
@@ -138,7 +186,9 @@ def format_report(report: dict) -> str:
         f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
         f"N={meta['seq_len']}, B={meta['batch']}; {meta['device']}, threads={meta['threads']} (pinned), "
         f"warm-up {meta['warmup']}, up to {meta['reps']} reps",
-        f"  dense = attention_backend 'reference' (dense mask + SDPA); ours = {meta['variants']['ours']!r}",
+        f"  dense = attention_backend 'reference' (dense mask + SDPA); ours = {meta['variants']['ours']!r}; "
+        f"activation checkpointing {'on' if meta.get('activation_checkpointing') else 'off'}; "
+        f"loss {'chunked' if meta.get('chunked_loss', True) else 'unchunked (before issue 45)'}",
         f"  torch {meta['torch']}, commit {commit_label(meta)}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
@@ -155,6 +205,17 @@ def format_report(report: dict) -> str:
         lines.append(f"{f'{k}->{2 * k}':<10}{cell(d):>12}{cell(o):>12}{speed:>10}{speed_min:>13}{tps:>16}{loss:>20}")
     for label, slope in report["exponent_vs_k"].items():
         lines.append(f"step time ~ k^p, {label}: p = {slope:.2f}")
+    memory = [r for r in report["rows"] if "saved_mib" in r]
+    if memory:
+        lines += ["", "memory of one step (loss + backward), MiB: saved = autograd's saved tensors; tracked peak = live "
+                  "storages the step makes (gradients included); CUDA: max_memory_allocated above the start",
+                  f"{'stage':<10}{'variant':<8}{'saved':>10}{'tracked peak':>14}{'grads':>10}{'CUDA peak':>12}{'peak RSS':>10}"]
+        for r in memory:
+            cuda = f"{r['cuda_peak_mib']:.0f}" if "cuda_peak_mib" in r else "-"
+            rss = f"{r['process_peak_rss_mib']:.0f}" if "process_peak_rss_mib" in r else "-"
+            stage = f"{r['teacher_k']}->{r['student_k']}"
+            lines.append(f"{stage:<10}{r['variant']:<8}{r['saved_mib']:>10.0f}{r['tracked_peak_mib']:>14.0f}"
+                         f"{r['grads_mib']:>10.0f}{cuda:>12}{rss:>10}")
     for r in report["rows"]:
         if r["status"] != "ok":
             lines.append(f"k={r['teacher_k']} {r['variant']}: {r['status']}: {r['reason']}")
@@ -168,6 +229,10 @@ def add_arguments(p) -> None:
     add_batch_size(p, None, help="sequences per step (None: the profile's)")
     add_model_args(p)
     p.add_argument("--ours", default=None, help="our backend (None: default_backend for the device)")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on the student's blocks (as the trainer's)")
+    p.add_argument("--unchunked-loss", action="store_true",
+                   help="the loss and teacher targets with every row's [rows, V] logits at once (before issue 45): an A/B")
+    p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures memory")
     add_run_args(p, "bench-train-")
 
 
