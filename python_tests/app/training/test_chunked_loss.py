@@ -224,3 +224,40 @@ def test_stage2_step_holds_no_rows_by_vocab_tensor():
     assert old_peak > 2.0 and old_largest >= 1.0  # the measure sees the unchunked path's [rows, V] tensors
     assert peak <= 0.5, peak  # the student's loss and the teacher's targets, both chunked
     assert largest < 0.25 and saved < 0.5, (largest, saved)
+
+
+def test_tied_gradient_accumulates_in_place():
+    """Untracked, autograd sums a tied weight's two gradients into the loss's own buffer (no second [V, C]);
+    under a dispatch mode (the allocation tracker) it does not: why BENCHMARKS.md discounts that sum."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kforcing_kernels.app.training import linear_ce
+
+    class NoOp(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(mode):
+        returned = {}
+        original = linear_ce.LinearCrossEntropy.backward
+
+        def backward(ctx, *grads):
+            out = original(ctx, *grads)
+            returned["weight"] = out[1].data_ptr()
+            return out
+
+        weight = torch.randn(500, 16, requires_grad=True)
+        tokens = torch.randint(0, 500, (64,))
+        loss, _ = linear_cross_entropy(F.embedding(tokens, weight) * 2.0, weight, None, tokens, torch.full((64,), 1 / 64), 16)
+        linear_ce.LinearCrossEntropy.backward = staticmethod(backward)
+        try:
+            with mode:
+                loss.backward()
+        finally:
+            linear_ce.LinearCrossEntropy.backward = original
+        return weight.grad.data_ptr() == returned["weight"]
+
+    from contextlib import nullcontext
+
+    assert run(nullcontext())
+    assert not run(NoOp())
