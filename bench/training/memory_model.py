@@ -12,7 +12,8 @@ What the step holds at its peak, in bytes, for the native model as ``bench train
 * ``activations``: what autograd saves in the student's forward except inside attention, per row (the
   student's SingleForward runs ``B * N * (1 + 2k)`` rows) and layer, *measured* on a 1- and a 2-layer model of the
   backbone's width on CPU at two row counts (``torch.autograd.graph.saved_tensors_hooks``, under bf16 autocast
-  for bf16: the calibration; the slopes over rows and layers), scaled by rows and layers. With activation checkpointing (``--ac``): each layer's input
+  for bf16: the calibration; the slopes over rows and layers), scaled by rows and layers. With activation
+  checkpointing (``--ac``): each layer's input
   (fp32 residual stream) plus one layer's full set during its recompute;
 * ``attention``: what ``window_attention`` saves (q, k, v, out, lse per row and layer: the calibration's
   saved bytes minus those of the same model with a zero-cost attention);
@@ -78,7 +79,7 @@ def _saved_bytes(cfg, n: int, k: int, b: int, zero_attention: bool, dtype: torch
 
 def calibrate(n_embd: int, n_head: int, dtype: torch.dtype = torch.bfloat16, n: int = 16, k: int = 8,
               mlp_ratio: int = 4) -> Calibration:
-    """Per-row saved bytes of the backbone's layers, measured on CPU at width ``n_embd`` (vocabulary irrelevant: small)."""
+    """Per-row saved bytes of the backbone's layers, measured on CPU at width ``n_embd`` (a small vocabulary)."""
     from kforcing_kernels.model import ModelConfig
 
     def cfg(layers):
@@ -167,7 +168,7 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab", type=positive_int, default=50258)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="bfloat16: bf16 autocast (the GPU step); float32: the CPU step")
-    p.add_argument("--gpu-gb", type=float, default=80.0, help="the device memory the table checks the peak against (GB)")
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="the device memory to check the peak against (GB)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
 
 
@@ -176,7 +177,8 @@ def execute(args) -> int:
     cal = calibrate(args.n_embd, args.n_head, dtype)
     print(f"calibration ({args.dtype}, width {args.n_embd}, {args.n_head} heads, measured on CPU): saved bytes per row "
           f"per layer {cal.layer_row:.0f} + attention {cal.attention_row:.0f}; outside the layers {cal.base_row:.0f}")
-    print(f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch}, k {args.k}->{2 * args.k}; GiB\n")
+    print(f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch}, "
+          f"k {args.k}->{2 * args.k}; GiB\n")
     print("| N | AC | " + " | ".join(PARTS) + f" | peak | fits {args.gpu_gb:g} GB | unchunked loss would add |")
     print("|---|---|" + "---|" * (len(PARTS) + 3))
     rows = []

@@ -207,9 +207,10 @@ def format_report(report: dict) -> str:
         lines.append(f"step time ~ k^p, {label}: p = {slope:.2f}")
     memory = [r for r in report["rows"] if "saved_mib" in r]
     if memory:
-        lines += ["", "memory of one step (loss + backward), MiB: saved = autograd's saved tensors; tracked peak = live "
-                  "storages the step makes (gradients included); CUDA: max_memory_allocated above the start",
-                  f"{'stage':<10}{'variant':<8}{'saved':>10}{'tracked peak':>14}{'grads':>10}{'CUDA peak':>12}{'peak RSS':>10}"]
+        lines += ["", "memory of one step (loss + backward), MiB: saved = autograd's saved tensors; tracked peak = "
+                  "live storages the step makes (gradients included); CUDA: max_memory_allocated above the start",
+                  f"{'stage':<10}{'variant':<8}{'saved':>10}{'tracked peak':>14}{'grads':>10}{'CUDA peak':>12}"
+                  f"{'peak RSS':>10}"]
         for r in memory:
             cuda = f"{r['cuda_peak_mib']:.0f}" if "cuda_peak_mib" in r else "-"
             rss = f"{r['process_peak_rss_mib']:.0f}" if "process_peak_rss_mib" in r else "-"
@@ -229,9 +230,9 @@ def add_arguments(p) -> None:
     add_batch_size(p, None, help="sequences per step (None: the profile's)")
     add_model_args(p)
     p.add_argument("--ours", default=None, help="our backend (None: default_backend for the device)")
-    p.add_argument("--ac", action="store_true", help="activation checkpointing on the student's blocks (as the trainer's)")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on the student's blocks (the trainer's)")
     p.add_argument("--unchunked-loss", action="store_true",
-                   help="the loss and teacher targets with every row's [rows, V] logits at once (before issue 45): an A/B")
+                   help="the loss and teacher targets with every row's [rows, V] logits at once (before issue 45)")
     p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures memory")
     add_run_args(p, "bench-train-")
 

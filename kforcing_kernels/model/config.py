@@ -59,8 +59,9 @@ class ModelConfig:
     @classmethod
     def paper_backbone(cls, vocab_size: int = 50258, seq_len: int = 1024, **overrides) -> "ModelConfig":
         """12 layers, width 768, 12 heads (~100M parameters with a GPT-2 vocabulary), as in the paper."""
-        base = dict(vocab_size=vocab_size, n_layer=12, n_head=12, n_embd=768, seq_len=seq_len, noise_features=128, tau_features=16)
-        return cls(**{**base, **overrides})  # overrides may change any of the backbone's sizes (bench --override n_layer=1)
+        base = dict(vocab_size=vocab_size, n_layer=12, n_head=12, n_embd=768, seq_len=seq_len, noise_features=128,
+                    tau_features=16)
+        return cls(**{**base, **overrides})  # overrides may change the backbone's sizes (bench --override n_layer=1)
 
     @classmethod
     def micro(cls, **overrides) -> "ModelConfig":

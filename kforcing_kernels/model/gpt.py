@@ -314,7 +314,8 @@ class KForcingLM(nn.Module):
         With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
         ``return_hidden``: the final hidden states (``[..., C]``, the head's input) in place of the logits."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden)
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens,
+                                                 return_hidden=return_hidden)
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
         return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, return_hidden=return_hidden)[0]
@@ -333,7 +334,8 @@ class KForcingLM(nn.Module):
         return h if return_hidden else self.head(h)
 
     def single_forward(
-        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
+        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
+        return_hidden: bool = False,
     ) -> tuple[torch.Tensor, list[KV]]:
         """SingleForward (paper eq. 18): k tokens after every context position in one call.
 

@@ -183,18 +183,20 @@ class HFStudent(nn.Module):
         With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
         ``return_hidden``: the final hidden states ``[..., C]`` in place of the logits (see :meth:`output_head`)."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden)
+            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens,
+                                                 return_hidden=return_hidden)
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
-        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False, return_hidden=return_hidden)[0]
+        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False,
+                                   return_hidden=return_hidden)[0]
 
     def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
         """tokens ``[B, N]`` -> next-token logits ``[B, N, V]``; ``cu_seqlens`` packs documents (as KForcingLM)."""
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
         cu = as_cu_seqlens(cu_seqlens, n, b)
-        return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), WindowLayout.causal(n, cu_seqlens=cu),
-                         hidden=return_hidden)[0]
+        layout = WindowLayout.causal(n, cu_seqlens=cu)
+        return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), layout, hidden=return_hidden)[0]
 
     def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
                        keep_cache: bool = True, return_hidden: bool = False):

@@ -127,8 +127,8 @@ def chunk_bounds(rows: int, step: int, smallest: int = MIN_TEACHER_CHUNK) -> lis
     return bounds
 
 
-def decode_chunks(head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch.Tensor, chunk_rows: Optional[int] = None
-                  ) -> torch.Tensor:
+def decode_chunks(head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch.Tensor,
+                  chunk_rows: Optional[int] = None) -> torch.Tensor:
     """Tokens int64 ``hidden.shape[:-1]`` of ``decode(head(rows) [c, V], *per_row[rows] [c])`` over chunks of rows.
 
     hidden ``[*S, C]``; every ``per_row`` tensor has shape ``S``. ``decode`` must be row-wise (argmax, the inverse-CDF
@@ -167,8 +167,8 @@ def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: t
         logits1, context_kv = teacher.single_forward(context, z[..., :k], tau, cu_seqlens=cu_seqlens)
         first = decode_slots(logits1, z[..., :k], rule)  # [B, N, k]
         del logits1
-        second = decode_slots(teacher.double_forward(context_kv, first, z[..., k:], tau, cu_seqlens=cu_seqlens), z[..., k:], rule)
-        return torch.cat([first, second], -1)  # [B, N, 2k]
+        logits2 = teacher.double_forward(context_kv, first, z[..., k:], tau, cu_seqlens=cu_seqlens)
+        return torch.cat([first, decode_slots(logits2, z[..., k:], rule)], -1)  # [B, N, 2k]
 
     def decode(logits, noise):
         return decode_slots(logits, noise, rule)
@@ -205,7 +205,8 @@ def noise_inversion_supervision(
         z = noise_inversion(logits[:, reads], targets, taus, generator)
         return tokens[:, :n], z, targets
     hidden = teacher(tokens[:, :-1], return_hidden=True, **packed)  # [B, N + k - 1, C]
-    u = torch.rand(targets.shape, generator=generator, device=generator.device).to(tokens.device)  # as noise_inversion draws
+    # the in-bin uniforms, drawn as noise_inversion draws them
+    u = torch.rand(targets.shape, generator=generator, device=generator.device).to(tokens.device)
     z = torch.empty(targets.shape, dtype=torch.float32, device=tokens.device)
     rows, step = targets.numel(), chunk_rows or chunk_rows_for(head.weight.shape[0])
     flat_hidden = hidden[:, reads].reshape(rows, hidden.shape[-1])
@@ -386,8 +387,8 @@ def _chunked_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, 
         weights = torch.full((rows,), 1.0 / max(rows, 1), dtype=torch.float32, device=targets.device)
     else:
         weights = keep.flatten().to(torch.float32) / keep.sum().clamp(min=1).to(torch.float32)
-    loss, per_row = linear_cross_entropy(hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None), targets.flatten(),
-                                         weights, chunk_rows)
+    loss, per_row = linear_cross_entropy(hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None),
+                                         targets.flatten(), weights, chunk_rows)
     return loss, per_row.view(targets.shape)
 
 
@@ -430,7 +431,8 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     if head is not None:
         # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
         keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:]) if packed else None
-        hidden = model(context, noise, batch.tau, return_hidden=True, **({"cu_seqlens": cu} if packed else {}))  # [B, N, k, C]
+        kwargs = {"cu_seqlens": cu} if packed else {}
+        hidden = model(context, noise, batch.tau, return_hidden=True, **kwargs)  # [B, N, k, C]
         loss, per_token = _chunked_loss(hidden, head, targets, keep, chunk_rows)
         if keep is None:
             return loss, per_token.mean((0, 1))

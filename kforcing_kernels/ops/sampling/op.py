@@ -126,8 +126,8 @@ def _uniform(tokens: torch.Tensor, device: torch.device, generator: Optional[tor
 
 
 def noise_inversion(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None,
-    u: Optional[torch.Tensor] = None,
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0,
+    generator: Optional[torch.Generator] = None, u: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """z uniform inside each token's CDF bin ``[F(t-1), F(t))`` (the PTP baseline), float32 ``[...]``.
 
@@ -148,7 +148,8 @@ def noise_inversion(
     tau = _check(logits, tokens, "tokens", temperature)
     if u is None:
         u = _uniform(tokens, logits.device, generator)
-    elif not isinstance(u, torch.Tensor) or u.shape != tokens.shape or u.dtype != torch.float32 or u.device != logits.device:
+    elif (not isinstance(u, torch.Tensor) or u.shape != tokens.shape or u.dtype != torch.float32
+          or u.device != logits.device):
         raise ValueError(f"u: expected float32 {tuple(tokens.shape)} on {logits.device}, got "
                          f"{getattr(u, 'dtype', type(u))} {tuple(getattr(u, 'shape', ()))}")
     return REGISTRY.get(sampler_backend(logits.device)).noise_inversion(logits, tokens, tau, u)

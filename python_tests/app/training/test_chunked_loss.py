@@ -13,8 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels.app.training.linear_ce import IGNORE_INDEX, chunk_rows_for, linear_cross_entropy
-from kforcing_kernels.app.training.objectives import (Batch, Objective, chunk_bounds, compute_loss, make_batch, output_head,
-                                                     student_inputs, teacher_head)
+from kforcing_kernels.app.training.objectives import (
+    Batch,
+    Objective,
+    chunk_bounds,
+    compute_loss,
+    make_batch,
+    output_head,
+    student_inputs,
+    teacher_head,
+)
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.tools.memory import AllocationTracker, SavedTensors
 
@@ -94,7 +102,8 @@ def _micro(tie: bool = True, vocab: int = 64) -> ModelConfig:
 def _batch(objective, vocab, packed, k=4, n=12, b=2, seed=3):
     stream = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(seed))
     stream[::7] = 5  # separators often enough that windows cross documents
-    return make_batch(objective, stream, b, n, k, (0.5, 1.5), torch.Generator().manual_seed(seed + 1), 5 if packed else None)
+    generator = torch.Generator().manual_seed(seed + 1)
+    return make_batch(objective, stream, b, n, k, (0.5, 1.5), generator, 5 if packed else None)
 
 
 def _loss_and_grads(model, objective, batch, teacher, k, **kw):
@@ -132,8 +141,10 @@ def test_compute_loss_uses_hidden_states_and_no_logits():
     cfg = _micro()
     student, teacher = KForcingLM(cfg), KForcingLM(cfg).eval()
     calls = []
-    student.register_forward_hook(lambda m, args, kwargs, out: calls.append((kwargs.get("return_hidden"), out.shape[-1])),
-                                  with_kwargs=True)
+    def hook(module, args, kwargs, out):
+        calls.append((kwargs.get("return_hidden"), out.shape[-1]))
+
+    student.register_forward_hook(hook, with_kwargs=True)
     batch = _batch(Objective.SELF_FORCING, cfg.vocab_size, False)
     compute_loss(Objective.SELF_FORCING, student, batch, teacher)
     compute_loss(Objective.SELF_FORCING, student, batch, teacher, chunked=False)
@@ -156,8 +167,9 @@ def test_hf_student_chunked_equals_unchunked():
     assert output_head(student) is student.hf.lm_head
     for objective, k, packed in ((Objective.SELF_FORCING, 4, True), (Objective.AR, 1, False)):
         batch = _batch(objective, 90, packed, k=k)
-        reference = _loss_and_grads(student, objective, batch, None if objective is Objective.AR else teacher, k, chunked=False)
-        got = _loss_and_grads(student, objective, batch, None if objective is Objective.AR else teacher, k, chunk_rows=7)
+        distil = None if objective is Objective.AR else teacher
+        reference = _loss_and_grads(student, objective, batch, distil, k, chunked=False)
+        got = _loss_and_grads(student, objective, batch, distil, k, chunk_rows=7)
         _assert_same(got, reference)
     # A final soft-capping makes the logits more than lm_head(hidden): the loss keeps the logits path.
     student.hf.config.final_logit_softcapping = 30.0
@@ -181,7 +193,8 @@ def test_teacher_targets_chunked_are_bit_identical(objective, decode, packed):
     batch = _batch(objective, cfg.vocab_size, packed, k=k, n=20, b=3)
     reference = student_inputs(objective, batch, teacher, k, chunked=False)
     assert teacher_head(teacher) is teacher.head
-    for chunk_rows in (1, 17, 64, None):  # 1: raised to MIN_TEACHER_CHUNK; 17: a tail of 9 or 13 rows joins the chunk before
+    # 1: raised to MIN_TEACHER_CHUNK; 17: a tail of 9 or 13 rows joins the chunk before it
+    for chunk_rows in (1, 17, 64, None):
         got = student_inputs(objective, batch, teacher, k, chunk_rows=chunk_rows)
         for a, b in zip(got, reference):
             if isinstance(a, torch.Tensor):
@@ -248,7 +261,8 @@ def test_tied_gradient_accumulates_in_place():
 
         weight = torch.randn(500, 16, requires_grad=True)
         tokens = torch.randint(0, 500, (64,))
-        loss, _ = linear_cross_entropy(F.embedding(tokens, weight) * 2.0, weight, None, tokens, torch.full((64,), 1 / 64), 16)
+        hidden = F.embedding(tokens, weight) * 2.0
+        loss, _ = linear_cross_entropy(hidden, weight, None, tokens, torch.full((64,), 1 / 64), 16)
         linear_ce.LinearCrossEntropy.backward = staticmethod(backward)
         try:
             with mode:

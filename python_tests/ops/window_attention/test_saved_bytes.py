@@ -5,14 +5,12 @@ buffer alive until the backward. Measured with autograd's saved-tensor hooks aga
 attention costs nothing (returns q: the bytes every other layer saves).
 """
 
-import dataclasses
 
 import pytest
 import torch
 
 from kforcing_kernels import WindowLayout, window_attention
-from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.model import gpt
+from kforcing_kernels.model import KForcingLM, ModelConfig, gpt
 from kforcing_kernels.tools.memory import SavedTensors
 
 
@@ -35,7 +33,7 @@ def test_attention_saves_no_pinned_buffer(backend):
 
     if backends_available().get(backend) is not None:
         pytest.skip(f"{backend}: {backends_available()[backend]}")
-    cfg = dataclasses.replace(ModelConfig.micro(vocab_size=64, n_embd=32, n_head=2), n_layer=1, attention_backend=backend)
+    cfg = ModelConfig.micro(vocab_size=64, n_embd=32, n_head=2, n_layer=1, attention_backend=backend)
     model = KForcingLM(cfg)
     b, n, k = 2, 16, 4
     tokens, noise = torch.randint(0, 64, (b, n)), torch.rand(b, n, k)
