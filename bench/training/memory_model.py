@@ -1,7 +1,7 @@
 """A memory model of one self-forcing (Stage-2) training step on one device, per part, calibrated on CPU.
 
     python -m bench memory-model                                  # the paper backbone, N 1024/4096/8192, B=4, k 4 -> 8
-    python -m bench memory-model --seq-len 4096 --batch 4 --gpu-gb 80
+    python -m bench memory-model --seq-len 4096 --batch-size 4 --gpu-gb 80
 
 What the step holds at its peak, in bytes, for the native model as ``bench train`` and the trainer run it
 (AdamW, fp32 weights; ``--dtype bfloat16``: bf16 autocast as on a GPU; the chunked loss and teacher of
@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from kforcing_kernels.app.cli import int_list, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_size, int_list, make_parser, positive_int
 
 GIB = 2**30
 PARTS = ("weights+optimizer", "activations", "attention", "loss", "teacher", "backward")
@@ -160,12 +160,12 @@ def predicted_saved_bytes(*, n_layer: int, n_embd: int, vocab: int, n: int, batc
 
 def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int_list, default="1024,4096,8192", help="context lengths N (comma-separated)")
-    p.add_argument("--batch", type=positive_int, default=4, help="sequences per step B")
+    add_batch_size(p, 4, help="sequences per step B")
     p.add_argument("--k", type=positive_int, default=4, help="teacher window k (the student gets 2k)")
-    p.add_argument("--n-layer", type=positive_int, default=12)
-    p.add_argument("--n-embd", type=positive_int, default=768)
-    p.add_argument("--n-head", type=positive_int, default=12)
-    p.add_argument("--vocab", type=positive_int, default=50258)
+    p.add_argument("--n-layer", type=positive_int, default=12, help="decoder layers")
+    p.add_argument("--n-embd", type=positive_int, default=768, help="model width")
+    p.add_argument("--n-head", type=positive_int, default=12, help="attention heads")
+    p.add_argument("--vocab", type=positive_int, default=50258, help="vocabulary size")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="bfloat16: bf16 autocast (the GPU step); float32: the CPU step")
     p.add_argument("--gpu-gb", type=float, default=80.0, help="the device memory to check the peak against (GB)")
@@ -177,7 +177,7 @@ def execute(args) -> int:
     cal = calibrate(args.n_embd, args.n_head, dtype)
     print(f"calibration ({args.dtype}, width {args.n_embd}, {args.n_head} heads, measured on CPU): saved bytes per row "
           f"per layer {cal.layer_row:.0f} + attention {cal.attention_row:.0f}; outside the layers {cal.base_row:.0f}")
-    print(f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch}, "
+    print(f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch_size}, "
           f"k {args.k}->{2 * args.k}; GiB\n")
     print("| N | AC | " + " | ".join(PARTS) + f" | peak | fits {args.gpu_gb:g} GB | unchunked loss would add |")
     print("|---|---|" + "---|" * (len(PARTS) + 3))
@@ -185,7 +185,7 @@ def execute(args) -> int:
     for n in args.seq_len:
         for ac in (False, True):
             parts = predict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab=args.vocab, n=n,
-                            batch=args.batch, teacher_k=args.k, ac=ac, calibration=cal, dtype=dtype)
+                            batch=args.batch_size, teacher_k=args.k, ac=ac, calibration=cal, dtype=dtype)
             fits = parts["peak"] <= args.gpu_gb * 1e9
             rows.append({"n": n, "ac": ac, "fits": fits, **parts})
             print(f"| {n} | {'on' if ac else 'off'} | " + " | ".join(f"{parts[p] / GIB:.1f}" for p in PARTS)
@@ -196,11 +196,7 @@ def execute(args) -> int:
     return 0
 
 
-def main(argv=None, prog="python -m bench.memory_model") -> int:
+def main(argv=None, prog="python -m bench memory-model") -> int:
     p = make_parser(prog, __doc__)
     add_arguments(p)
     return execute(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()
