@@ -37,6 +37,7 @@ COMMANDS = {
     "bwd-registers": ("gpu.bwd_registers", "which program kind sets the fused backward's register count (AOT, no GPU)"),
     "host-cost": ("gpu.triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
     "batch-invariance": ("gpu.batch_invariance", "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
+    "gpu-script": ("gpu.check_scripts", "one script of the GPU check: versions, smoke, int64, sampler"),
     "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 8, <= 4 min); --dry-run on CPU"),
 }
 PROG = "python -m bench"

@@ -100,20 +100,20 @@ _DRY_TABLE = ("--layout", "single", "--n", "1024", "--k", "2", "--batch-size", "
 
 STEPS: tuple[Step, ...] = (
     # ---------------------------------------------------------------- call 1 (<= 480 s), by value
-    Step("versions", 1, 15, _m("bench.gpu.check_scripts", "versions"), _m("bench.gpu.check_scripts", "versions"),
+    Step("versions", 1, 15, _m("bench", "gpu-script", "versions"), _m("bench", "gpu-script", "versions"),
          "packages, the GPU, tile sets, composite_cuda's kernels, the dispatch table in use (measured: 12 s)"),
     Step("warm", 1, 90, _m("bench", "gpu", "--warm", *_SHAPES, *_AB_METHODS, "--json", "{work}/warm.json"),
          _m("bench", "gpu", "--warm", *_DRY_SHAPES, *_AB_METHODS, "--json", "{work}/warm.json", "--dry-run"),
          "compiles and autotunes every kernel the A/B times, so later caps do not pay for it (measured: 84 s)"),
-    Step("smoke", 1, 50, _m("bench.gpu.check_scripts", "smoke"), _m("bench.gpu.check_scripts", "smoke", "--dry-run"),
+    Step("smoke", 1, 50, _m("bench", "gpu-script", "smoke"), _m("bench", "gpu-script", "smoke", "--dry-run"),
          "bf16 vs float64 within 2x torch's error, bitwise repeatable, both D=128 tile sets, flex, composite (45 s)"),
     Step("pytest_gpu", 1, 90,
          _m("pytest", "{test:test_triton_gpu.py}", "-q", "-p", "no:cacheprovider", "-rfEs", "--durations=10",
             "--maxfail=4", "--junitxml={work}/pytest_gpu.xml"),
          _m("pytest", "{test:test_triton_gpu.py}", "-q", "-p", "no:cacheprovider", "--collect-only"),
          "the CUDA tests; cold it compiles its own shapes (timed out at 80 s; 35 s warm)"),
-    Step("int64_offsets", 1, 15, _m("bench.gpu.check_scripts", "int64"),
-         _m("bench.gpu.check_scripts", "int64", "--dry-run"), "> 2^31 elements per tensor (measured: 12 s)"),
+    Step("int64_offsets", 1, 15, _m("bench", "gpu-script", "int64"),
+         _m("bench", "gpu-script", "int64", "--dry-run"), "> 2^31 elements per tensor (measured: 12 s)"),
     Step("batch_invariance", 1, 35,
          _m("bench", "batch-invariance", "--n", "1024", "--k", "4", "--dims", "64", "128", "--batch-sizes", "2,4,8,16",
             "--json", "{work}/batch_invariance.json"),
@@ -164,8 +164,8 @@ STEPS: tuple[Step, ...] = (
          _m("bench", "gpu", *_DRY_TABLE, "--dim", "64", "--json", "{work}/table_d128.json"),
          "the README table at D=128"),
     # ---------------------------------------------------------------- extras (--only NAME), not in either call
-    Step("sampler", 0, 20, _m("bench.gpu.check_scripts", "sampler"),
-         _m("bench.gpu.check_scripts", "sampler", "--dry-run"),
+    Step("sampler", 0, 20, _m("bench", "gpu-script", "sampler"),
+         _m("bench", "gpu-script", "sampler", "--dry-run"),
          "the Triton sampler vs float64 (equal on the H200, 13 s)"),
     Step("profile_variants", 0, 120,
          _m("bench", "profile", "--layout", "single", "--n", "1024", "8192", "--k", "4", "--dim", "64", "128",
@@ -470,6 +470,3 @@ def main(argv=None) -> int:
     add_arguments(p)
     return execute(p.parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The GPU check's own steps (bench/gpu/check.py): versions, the smoke test, int64 offsets, the sampler.
 
-    python -m bench.gpu.check_scripts versions|smoke|int64|sampler [--dry-run]
+    python -m bench gpu-script versions|smoke|int64|sampler [--dry-run]
 
 Each exits 0 when its check passes. ``--dry-run`` runs the same code on CPU (tiny shapes, fp32; the triton
 backend in Triton's interpreter when TRITON_INTERPRET=1 was set before the first import of triton, as the
@@ -273,7 +273,7 @@ SCRIPTS = {"versions": versions, "smoke": smoke, "int64": int64_offsets, "sample
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu.check_scripts", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench gpu-script", description=__doc__.splitlines()[0])
     p.add_argument("script", choices=sorted(SCRIPTS), help="which check")
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shapes (the Triton interpreter)")
     return p
@@ -283,6 +283,3 @@ def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     return SCRIPTS[args.script](args.dry_run)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
