@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kforcing_kernels.app.cli import make_parser, positive_int
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.ops.window_attention.query_rows import GROUP_ROWS
+from kforcing_kernels.ops.window_attention.composite.query_rows import GROUP_ROWS
 from kforcing_kernels.parallel import ContextParallel, balanced_split
 from kforcing_kernels.parallel.cost import attention_transient_bytes, layer_traffic
 

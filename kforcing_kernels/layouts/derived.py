@@ -3,7 +3,7 @@
 A ``WindowLayout`` never changes, so everything derived from it (its row intervals and
 slot-to-key table, the composite backend's window pieces, the Triton tile plans and
 their device copies) is built at most once and kept in a plain dict that the layout
-owns, through one method: ``layout._derived(name, build)``. ``name`` is any hashable
+owns, through one method: ``layout.derived(name, build)``. ``name`` is any hashable
 key (by convention ``"owner.what"`` plus whatever the artifact depends on, e.g. the
 tile shapes, the device, the CUDA stream); ``build()`` makes the artifact on a miss.
 Nothing is keyed by ``id()``: the store lives and dies with its layouts.

@@ -164,7 +164,7 @@ def subset_query_tiles(layout: "WindowLayout", rows: torch.Tensor,
     parent_rows = rows[in_order]
     n_ctx_rows = layout.n_ctx if layout.query_offset == 0 else 0
     # Per selected row and interval, its [lo, hi) (empty: lo = +big, hi = -1), for union spans by min/max.
-    iv = layout._row_intervals[:, parent_rows]  # [B', r, J, 2]
+    iv = layout.row_intervals(copy=False)[:, parent_rows]  # [B', r, J, 2]
     if uses_direct_windows(layout):
         iv = iv[:, :, :1]  # only the context part is walked in key chunks
     seen = iv[..., 1] > iv[..., 0]
@@ -220,13 +220,13 @@ def subset_query_runs(layout, tile_rows: int) -> tuple[torch.Tensor, torch.Tenso
     rows of one kind (context or window) are cut at ``tile_rows`` and merged as
     :func:`merge_subset_pieces` says (an EAGLE-3 step's rows form one run; a zig-zag rank's distant
     blocks stay apart)."""
-    rows = layout._rows
+    rows = layout.rows
     n_ctx_rows = layout.n_ctx if layout.query_offset == 0 else 0
     is_ctx = rows < n_ctx_rows
     brk = torch.ones(rows.numel(), dtype=torch.bool)
     brk[1:] = (rows[1:] != rows[:-1] + 1) | (is_ctx[1:] != is_ctx[:-1])
     run_start = torch.nonzero(brk).flatten().tolist() + [rows.numel()]
-    iv = layout._row_intervals
+    iv = layout.row_intervals(copy=False)
     seen = iv[..., 1] > iv[..., 0]
     lo = torch.where(seen, iv[..., 0], torch.iinfo(torch.int64).max).amin(0)  # [R, J] over the batch
     hi = torch.where(seen, iv[..., 1], -1).amax(0)

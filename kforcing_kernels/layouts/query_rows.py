@@ -37,7 +37,7 @@ class QueryRowsLayout:
 
     def __init__(self, parent: "WindowLayout", rows: IntsLike):
         # WindowLayout imports this module (restrict_rows), so it is recognised by what it has, not imported here.
-        if isinstance(parent, QueryRowsLayout) or not hasattr(parent, "_row_intervals"):
+        if isinstance(parent, QueryRowsLayout) or not hasattr(parent, "batch_element"):
             raise ValueError(f"parent: expected a WindowLayout, got {type(parent).__name__}")
         r = as_int_tensor("rows", rows, dims=(1,))
         n = parent.n_queries
@@ -72,15 +72,13 @@ class QueryRowsLayout:
 
     batch_size = range_batch
 
-    @property
-    def _row_intervals(self) -> torch.Tensor:
-        if self._iv is None:  # derived from the parent's intervals, never re-derived from its ranges
-            self._iv = self.parent._row_intervals[:, self._rows].contiguous()
-        return self._iv
+    def row_intervals(self, copy: bool = True) -> torch.Tensor:
+        """int64 [B', R, 1 + S, 2]: the parent's intervals of the selected rows.
 
-    def row_intervals(self) -> torch.Tensor:
-        """int64 [B', R, 1 + S, 2]: the parent's intervals of the selected rows."""
-        return self._row_intervals.clone()
+        ``copy=False`` returns the subset's own tensor (no copy; read it, never write it)."""
+        if self._iv is None:  # derived from the parent's intervals, never re-derived from its ranges
+            self._iv = self.parent.row_intervals(copy=False)[:, self._rows].contiguous()
+        return self._iv.clone() if copy else self._iv
 
     # The kernels take a layout's geometry (key storage, streams, window size: it sizes the keys and picks
     # the small-window path) with per-row intervals and query tiles; a subset keeps its parent's geometry
@@ -90,31 +88,32 @@ class QueryRowsLayout:
             return getattr(self.parent, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def _derived(self, name, build):
-        """An artifact of this subset, kept in the parent's store (keyed by the rows), built once."""
+    def derived(self, name, build):
+        """An artifact of this subset, kept in the parent's store (keyed by the rows), built once
+        (``WindowLayout.derived``: the same contract; callers must not modify it)."""
         if self._rows_key is None:
             self._rows_key = (self._rows.numel(), self._rows.numpy().tobytes())
-        return self.parent._derived(("query_rows", self._rows_key, name), build)
+        return self.parent.derived(("query_rows", self._rows_key, name), build)
 
     @property
     def row_intervals_int32(self) -> torch.Tensor:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
-        return self._derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:, self._rows].contiguous())
+        return self.derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:, self._rows].contiguous())
 
     @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 ``(row_order [R], tile_begin [T + 1])``: the parent's C++ query tiles restricted to these rows
         (indices into the subset), re-packed up to ``CPU_TILE_ROWS`` rows (``intervals.subset_query_tiles``)."""
-        return self._derived("layout.cpu_query_tiles", lambda: _iv.subset_query_tiles(self.parent, self._rows))
+        return self.derived("layout.cpu_query_tiles", lambda: _iv.subset_query_tiles(self.parent, self._rows))
 
     def dense_mask(self) -> torch.Tensor:
         """bool [R, Lk] (or [B, R, Lk] for per-batch ranges): the parent's mask rows."""
-        mask = _iv.dense_mask_from(self._row_intervals, self.n_keys)
+        mask = _iv.dense_mask_from(self.row_intervals(copy=False), self.n_keys)
         return mask if self.range_batch is not None else mask[0]
 
     def num_pairs(self) -> Union[int, torch.Tensor]:
         """Attended (query, key) pairs of the selected rows: an int, or int64 [B] for per-batch ranges."""
-        total = _iv.count_pairs(self._row_intervals)
+        total = _iv.count_pairs(self.row_intervals(copy=False))
         return int(total[0]) if self.range_batch is None else total
 
     def restrict_rows(self, rows: IntsLike) -> "QueryRowsLayout":

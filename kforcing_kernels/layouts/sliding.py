@@ -43,7 +43,7 @@ def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
     window = check_window(layout, window)
     if window_hides_nothing(layout, window):
         return layout
-    return layout._derived(("sliding.window", window), lambda: _intersect(layout, window))
+    return layout.derived(("sliding.window", window), lambda: _intersect(layout, window))
 
 
 def check_window(layout: "WindowLayout", window) -> int:

@@ -275,7 +275,7 @@ class WindowLayout:
 
         An int, or an int64 tensor [B] when ranges are per batch element.
         """
-        total = _iv.count_pairs(self._row_intervals)
+        total = _iv.count_pairs(self.row_intervals(copy=False))
         return int(total[0]) if self._range_batch is None else total
 
     def __repr__(self) -> str:
@@ -306,11 +306,13 @@ class WindowLayout:
                                  self._prefix_slide_lo, self._prefix_slide_hi))
         return self._key
 
-    def _derived(self, name: Hashable, build: Callable[[], _T]) -> _T:
+    def derived(self, name: Hashable, build: Callable[[], _T]) -> _T:
         """The artifact ``name`` derived from this layout, ``build()`` on the first request.
 
         The one cache of per-layout data (row intervals, composite pieces, tile plans, device copies): a
-        store shared by every layout with this content, bounded; see ``layouts/derived.py``."""
+        store shared by every layout with this content, bounded; see ``layouts/derived.py``. ``name`` is any
+        hashable key, by convention ``("owner.what", *what it depends on)`` (tile shapes, device, stream);
+        ``build()`` takes no argument. The artifact is shared: callers must not modify it."""
         return _derived_store.derived(self, name, build)
 
     def batch_element(self, b: int) -> "WindowLayout":
@@ -346,28 +348,27 @@ class WindowLayout:
     @property
     def window_token_keys(self) -> torch.Tensor:
         """int64 [M, w]: key index of slot i of window m (-1 past the end of a short last window)."""
-        return self._derived("layout.window_token_keys", lambda: _iv.window_slot_keys(self))
+        return self.derived("layout.window_token_keys", lambda: _iv.window_slot_keys(self))
 
-    @property
-    def _row_intervals(self) -> torch.Tensor:
-        return self._derived("layout.row_intervals", lambda: _iv.build_row_intervals(self))
-
-    def row_intervals(self) -> torch.Tensor:
+    def row_intervals(self, copy: bool = True) -> torch.Tensor:
         """int64 [B', Lq, 1 + S, 2]: the half-open key intervals each query row sees.
 
         Interval 0 is the context part, intervals 1..S the row's own window, one per
         stream (empty ones are ``[0, 0)``). B' is B for per-batch ranges, else 1.
         The union of a row's intervals is exactly that row of ``dense_mask()``; every
         backend and tile plan reads this tensor (``layouts/intervals.py``).
+        ``copy=False`` returns the layout's own derived tensor (no copy; read it, never write it).
         """
-        return self._row_intervals.clone()
+        iv = self.derived("layout.row_intervals", lambda: _iv.build_row_intervals(self))
+        return iv.clone() if copy else iv
 
     @property
     def row_intervals_int32(self) -> torch.Tensor:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
         if self.n_keys >= 2**31:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
-        return self._derived("layout.row_intervals_int32", lambda: self._row_intervals.to(torch.int32).contiguous())
+        return self.derived("layout.row_intervals_int32",
+                            lambda: self.row_intervals(copy=False).to(torch.int32).contiguous())
 
     @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,22 +376,22 @@ class WindowLayout:
         together (``layouts/intervals.py``, ``cpu_query_tiles``)."""
         if self.n_keys >= 2**31:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
-        return self._derived("layout.cpu_query_tiles", lambda: _iv.cpu_query_tiles(self))
+        return self.derived("layout.cpu_query_tiles", lambda: _iv.cpu_query_tiles(self))
 
     def dense_mask(self) -> torch.Tensor:
         """bool [Lq, Lk] (or [B, Lq, Lk] for per-batch ranges): True where query row sees key column."""
-        mask = _iv.dense_mask_from(self._row_intervals, self.n_keys)
+        mask = _iv.dense_mask_from(self.row_intervals(copy=False), self.n_keys)
         return mask if self._range_batch is not None else mask[0]
 
     # ------------------------------------------------------------------ FlexAttention interop (layouts/flex.py)
 
     def mask_mod(self, device: Union[str, torch.device] = "cpu"):
         """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` equal to ``dense_mask()``."""
-        return _flex.mask_mod(self._row_intervals, self._range_batch is not None, device)
+        return _flex.mask_mod(self.row_intervals(copy=False), self._range_batch is not None, device)
 
     def block_counts(self, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """bool ``(any, full)`` [B', nQ, nK]: tiles with some / all pairs visible (see ``flex.block_counts``)."""
-        return _flex.block_counts(self._row_intervals, self.n_keys, block_q, block_k)
+        return _flex.block_counts(self.row_intervals(copy=False), self.n_keys, block_q, block_k)
 
     def to_block_mask(self, block_size: int = 128, device: Union[str, torch.device] = "cpu"):
         """A FlexAttention ``BlockMask`` for this layout, built analytically (no mask_mod sweep)."""

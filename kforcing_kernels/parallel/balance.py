@@ -87,7 +87,7 @@ def balanced_split(layout: WindowLayout, world: int, *, tolerance: float = 0.05)
     world = positive_int("world", world)
     if not 0 <= tolerance:
         raise ValueError(f"tolerance: expected >= 0, got {tolerance}")
-    cost = pairs_per_row(layout._row_intervals).sum(0)  # [Lq], over per-batch ranges
+    cost = pairs_per_row(layout.row_intervals(copy=False)).sum(0)  # [Lq], over per-batch ranges
     n = int(cost.numel())
     best = None
     blocks = 2 * world

@@ -28,7 +28,7 @@ class LayerTraffic:
 
 def needed_keys(split: RowSplit, rank: int) -> torch.Tensor:
     """bool [n_keys]: the keys some row of ``rank`` sees (any batch element), from the row intervals."""
-    iv = split.layout._row_intervals[:, split.query_rows[rank]]  # [B', R, J, 2]
+    iv = split.layout.row_intervals(copy=False)[:, split.query_rows[rank]]  # [B', R, J, 2]
     lo, hi = iv[..., 0].flatten(), iv[..., 1].flatten()
     keep = hi > lo
     delta = torch.zeros(split.layout.n_keys + 1, dtype=torch.int64)

@@ -8,18 +8,18 @@ from kforcing_kernels.ops.window_attention import composite, op
 
 def test_equal_layouts_share_one_store():
     a, b = WindowLayout.kforcing_single(37, 3), WindowLayout.kforcing_single(37, 3)
-    built = a._derived("test.artifact", lambda: object())
-    assert b._derived("test.artifact", lambda: 1 / 0) is built  # b adopted a's store: nothing rebuilt
+    built = a.derived("test.artifact", lambda: object())
+    assert b.derived("test.artifact", lambda: 1 / 0) is built  # b adopted a's store: nothing rebuilt
     assert b.row_intervals_int32 is a.row_intervals_int32
     other = WindowLayout.kforcing_single(37, 2)
-    assert other._derived("test.artifact", lambda: "other") == "other"
+    assert other.derived("test.artifact", lambda: "other") == "other"
 
 
 def test_a_layout_round_trips_through_the_custom_op_args_to_itself():
     layout = WindowLayout.ptp(40, torch.tensor([[3, 9], [12, 40]]), 5, doc_ends=torch.tensor([[6, 20], [14, 40]]))
-    plan = layout._derived("test.plan", lambda: object())
+    plan = layout.derived("test.plan", lambda: object())
     rebuilt = op.layout_from_args(*op._layout_args(layout))
-    assert rebuilt is layout and rebuilt._derived("test.plan", lambda: 1 / 0) is plan
+    assert rebuilt is layout and rebuilt.derived("test.plan", lambda: 1 / 0) is plan
     # Built from the args alone (no registered twin), it registers itself under the same content key.
     fresh = WindowLayout.bd3lm(24, 4)
     args = op._layout_args(fresh)
@@ -30,7 +30,7 @@ def test_a_layout_round_trips_through_the_custom_op_args_to_itself():
 def test_a_store_is_bounded_and_rebuilds_after_emptying():
     layout = WindowLayout.causal(11)
     for i in range(derived.STORE_MAX + 3):
-        assert layout._derived(("test.many", i), lambda i=i: i) == i
+        assert layout.derived(("test.many", i), lambda i=i: i) == i
     assert len(layout._store) <= derived.STORE_MAX
     assert torch.equal(layout.row_intervals(), WindowLayout.causal(11).row_intervals())
 
@@ -40,3 +40,14 @@ def test_per_batch_element_layouts_are_derived_once():
     first = [composite._element_layout(layout, b) for b in range(2)]
     assert [composite._element_layout(layout, b) for b in range(2)] == first
     assert first[0].batch_size is None and torch.equal(first[1].prefix_hi, torch.tensor([5, 16]))
+
+
+def test_row_intervals_copy_false_is_the_derived_tensor():
+    layout = WindowLayout.kforcing_single(37, 3)
+    shared = layout.row_intervals(copy=False)
+    assert shared is layout.row_intervals(copy=False)  # derived once, read by the backends and parallel/
+    copied = layout.row_intervals()
+    assert torch.equal(copied, shared) and copied.data_ptr() != shared.data_ptr()
+    sub = layout.restrict_rows([1, 5, 30])
+    assert sub.row_intervals(copy=False) is sub.row_intervals(copy=False)
+    assert torch.equal(sub.row_intervals(), shared[:, sub.rows])

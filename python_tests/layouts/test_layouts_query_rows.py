@@ -75,7 +75,7 @@ def test_rows_are_owned_by_the_sub_layout():
 @pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "double_packed", "single_packed_per_batch",
                                   "anchor_blocks_sliding_slot", "blank_full_windows", "more_rows_than_a_chunk"])
 def test_window_attention_on_sub_layout_matches_parent_rows(name):
-    # more_rows_than_a_chunk: half of 280 rows is more than ops/window_attention/query_rows.py's GROUP_ROWS
+    # more_rows_than_a_chunk: half of 280 rows is more than ops/window_attention/composite/query_rows.py's GROUP_ROWS
     layout = WindowLayout.kforcing_single(70, 3) if name == "more_rows_than_a_chunk" else ZOO[name]
     torch.manual_seed(0)
     b = layout.range_batch or 2

@@ -28,7 +28,6 @@ import torch
 
 from ... import env
 from ...layouts import WindowLayout
-from ...layouts.derived import derived
 from .lse_attention import acc_dtype
 
 BLOCK_SIZE = 128  # FlexAttention's own default tile; the BlockMask's granularity on CUDA
@@ -73,8 +72,8 @@ def kernel_options() -> Optional[dict]:
 def block_mask(layout: WindowLayout, device: torch.device):
     """The layout's analytic BlockMask on ``device`` (``BLOCK_SIZE`` tiles), built once per layout content and device."""
     device = torch.device(device)
-    return derived(layout, ("flex_block_mask", BLOCK_SIZE, str(device)),
-                   lambda: layout.to_block_mask(BLOCK_SIZE, device=device))
+    return layout.derived(("flex_block_mask", BLOCK_SIZE, str(device)),
+                          lambda: layout.to_block_mask(BLOCK_SIZE, device=device))
 
 
 def _compiled_flex(compile_backend: str):

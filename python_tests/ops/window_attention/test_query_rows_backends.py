@@ -157,7 +157,8 @@ def test_a_subset_of_no_rows_gives_empty_outputs():
 
 
 def _area(layout, order, begin) -> int:
-    return int(iv.tile_area(layout._row_intervals, order, begin, direct_windows=iv.uses_direct_windows(layout)).sum())
+    rows_iv = layout.row_intervals(copy=False)
+    return int(iv.tile_area(rows_iv, order, begin, direct_windows=iv.uses_direct_windows(layout)).sum())
 
 
 def _parent_area_on(layout, rows) -> int:
@@ -165,7 +166,7 @@ def _parent_area_on(layout, rows) -> int:
     order, begin = (t.to(torch.int64) for t in layout.cpu_query_tiles)
     tile_of_row = torch.empty(layout.n_queries, dtype=torch.int64)
     tile_of_row[order] = torch.repeat_interleave(torch.arange(begin.numel() - 1), begin[1:] - begin[:-1])
-    rv = layout._row_intervals
+    rv = layout.row_intervals(copy=False)
     direct = iv.uses_direct_windows(layout)
     walked = rv[:, :, :1] if direct else rv
     spans = iv.reduce_over_tiles(walked, tile_of_row, begin.numel() - 1)

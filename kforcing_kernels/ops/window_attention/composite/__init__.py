@@ -25,7 +25,7 @@ sees no key gets out 0 and LSE -inf, and no gradient.
     __init__.py  the backend: available/supports/forward/backward, per-element CPU runs, the merge
     pieces.py    storage order, prefix chunks (staircase or masked), intra-window products
     cuda.py      fused CUDA kernels for each call (flash-attn, SDPA flash / efficient), with fallback
-    ../query_rows.py     a row subset (QueryRowsLayout): per-interval calls over groups of its rows
+    query_rows.py  a row subset (QueryRowsLayout): per-interval calls over groups of its rows
     ../lse_attention.py  the portable attention-with-LSE path (shared with reference, paged, masked_keys)
 """
 
@@ -38,6 +38,7 @@ import torch
 from ....layouts import QueryRowsLayout, WindowLayout
 from .. import masked_keys
 from ..lse_attention import acc_dtype
+from . import query_rows
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
 from .pieces import (_context_chunks, _from_windows, _intra_backward, _intra_forward, _prefix_backward,
                      _prefix_forward, _to_windows)
@@ -53,12 +54,6 @@ def available() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- entry points
-
-
-def _query_rows():
-    from .. import query_rows  # imports this package's cuda.py: loaded on first use, not at package import
-
-    return query_rows
 
 
 def _per_element(fn, tensors, layout: WindowLayout, *args):
@@ -81,7 +76,7 @@ def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
     """Batch element ``b``'s layout; per-batch layouts derive all of theirs once (each keeps its own pieces)."""
     if layout.batch_size is None:
         return layout
-    return layout._derived("composite.batch_elements",
+    return layout.derived("composite.batch_elements",
                            lambda: tuple(layout.batch_element(i) for i in range(layout.batch_size)))[b]
 
 
@@ -92,7 +87,7 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
     sees), so it never reaches a row that does not see it; on CUDA the fused kernels are
     FlashAttention-like (keep K/V finite)."""
     if isinstance(layout, QueryRowsLayout):  # a row subset: planned from its rows' intervals
-        return _query_rows().forward(q, k, v, layout, scale)
+        return query_rows.forward(q, k, v, layout, scale)
     if masked_keys.needed(k, v):
         return masked_keys.forward(q, k, v, layout, scale)
     return _per_element(_forward, (q, k, v), layout, scale)
@@ -101,7 +96,7 @@ def forward(q, k, v, layout: WindowLayout, scale: float):
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     """Gradients (dq, dk, dv) given the forward's final ``out`` and ``lse`` (non-finite K/V: see ``forward``)."""
     if isinstance(layout, QueryRowsLayout):
-        return _query_rows().backward(dout, q, k, v, out, lse, layout, scale)
+        return query_rows.backward(dout, q, k, v, out, lse, layout, scale)
     if masked_keys.needed(k, v):
         return masked_keys.backward(dout, q, k, v, layout, scale)
     return _per_element(_backward, (dout, q, k, v, out, lse), layout, scale)

@@ -4,7 +4,7 @@ Each piece is one or a few standard attention calls (``cuda.py``'s ``attend`` / 
 fused kernels on CUDA, ``lse_attention`` elsewhere) returning its rows' ``(out, lse)``; the entry
 points (``__init__.py``) merge them by log-sum-exp. What a row sees comes from
 ``layout.row_intervals()`` only; the window-major regrouping of those intervals and the intra-window
-visibility are derived once per layout (``layout._derived``).
+visibility are derived once per layout (``layout.derived``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def is_staircase(layout: WindowLayout) -> bool:
 
 def _window_row_intervals(layout: WindowLayout) -> torch.Tensor:
     """int64 [B', M, w, 1 + S, 2]: the window rows' intervals, position-major (padding rows empty)."""
-    return layout._derived("composite.window_row_intervals", lambda: _build_window_row_intervals(layout))
+    return layout.derived("composite.window_row_intervals", lambda: _build_window_row_intervals(layout))
 
 
 def _build_window_row_intervals(layout: WindowLayout) -> torch.Tensor:
@@ -175,7 +175,7 @@ def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
 def _intra_visible(layout: WindowLayout, device) -> torch.Tensor:
     """bool [B', 1, M, w, w]: slot i of window m sees slot j of the same window (padding slots hidden)."""
     device = str(device)
-    return layout._derived(("composite.intra_visible", device), lambda: _build_intra_visible(layout, device))
+    return layout.derived(("composite.intra_visible", device), lambda: _build_intra_visible(layout, device))
 
 
 def _build_intra_visible(layout: WindowLayout, device: str) -> torch.Tensor:

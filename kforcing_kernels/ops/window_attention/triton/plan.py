@@ -39,7 +39,7 @@ from its own rows' intervals (``_build``), in tile mode, with query tiles of run
 
 Plans (``tile_plan``, per tile shapes) and their int32 device copies
 (``device_plan``, per device and CUDA stream) are artifacts of the layout
-(``layout._derived``): built once for every layout with the same content.
+(``layout.derived``): built once for every layout with the same content.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def _build(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePl
 
 
 def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAULT_TILES) -> TilePlan:
-    """The tile plan of ``layout`` (or of a row subset) at ``tiles``, built once per layout content (``layout._derived``)."""
+    """The tile plan of ``layout`` (or of a row subset) at ``tiles``, built once per layout content (``layout.derived``)."""
     sizes = (tiles.block_m, tiles.block_n, tiles.block_n_dkdv, tiles.dkdv_step_rows)
     if min(sizes) < 16 or any(x & (x - 1) for x in sizes + (tiles.block_t,)):
         raise ValueError(f"tiles: expected powers of two, block sizes >= 16 (tl.dot), got {tiles}")
@@ -371,7 +371,7 @@ def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAU
         raise ValueError(f"tiles: expected block_m_dkdv <= block_m, got {tiles}")
     if tiles.block_t < SLOT_WINDOW_MAX:
         raise ValueError(f"tiles: expected block_t >= {SLOT_WINDOW_MAX} (a whole window per slot block), got {tiles}")
-    return layout._derived(("triton.tile_plan", tiles), lambda: _build(layout, tiles))
+    return layout.derived(("triton.tile_plan", tiles), lambda: _build(layout, tiles))
 
 
 # ---------------------------------------------------------------------- device copies
@@ -400,7 +400,7 @@ _copies_lock = threading.Lock()
 
 def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
     """``build()`` (a dict of device tensors made on the current stream) cached per layout content, ``name``, device
-    and current stream (``layout._derived``). Per stream: each copy is made and used on one stream, so the caching
+    and current stream (``layout.derived``). Per stream: each copy is made and used on one stream, so the caching
     allocator never hands its memory to another stream while a kernel there may still read it.
 
     While the current stream captures a CUDA graph, nothing is uploaded: the latest copy made on any stream of
@@ -417,7 +417,7 @@ def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
                     "once with this layout, shapes and device before the capture (a warm-up)")
             _captured_copies[index] = value
         return value
-    value = layout._derived((*name, str(device), _stream_id(device)), build)
+    value = layout.derived((*name, str(device), _stream_id(device)), build)
     with _copies_lock:
         _latest_copies[index] = value
         _latest_copies.move_to_end(index)

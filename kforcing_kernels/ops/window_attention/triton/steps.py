@@ -13,7 +13,7 @@ staircase is not paid at the tile's coarser grain.
                              entries[ptr[b, t, 1] : ptr[b, t, 2]]   masked steps
     entry:                   (row start, rows <= step, interval)
 
-Built once per layout content and tile shape (``layout._derived``), like the plan.
+Built once per layout content and tile shape (``layout.derived``), like the plan.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _build(layout: WindowLayout, plan: TilePlan) -> StepPlan:
 
 def step_plan(layout: WindowLayout, plan: TilePlan) -> StepPlan:
     """The dK/dV step list of ``plan`` (a plan of ``layout``), built once per layout content and tiles."""
-    return layout._derived(("triton.step_plan", plan.tiles), lambda: _build(layout, plan))
+    return layout.derived(("triton.step_plan", plan.tiles), lambda: _build(layout, plan))
 
 
 def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.device, stream: int = 0) -> dict:

@@ -10,7 +10,7 @@ gives each piece the merged ``out``/``lse`` (``lse_attention``'s contract). Work
 spans, which for the staircase layouts is within a group's spread of the rows' attended pairs, not
 ``R x Lk``.
 
-Calls go to the composite backend's fused kernels (``composite/cuda.py`` on CUDA, torch's flash CPU
+Calls go to the composite backend's fused kernels (``cuda.py`` on CUDA, torch's flash CPU
 kernel on CPU). A NaN/inf in K or V takes ``masked_keys`` on CPU (as the composite backend on a full
 layout): a masked key never reaches a row. Same values as the full layout's rows up to rounding; no
 bitwise promise across subsets (the ``cpp`` backend makes that one).
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ...layouts.intervals import subset_query_tiles
-from ...layouts.query_rows import QueryRowsLayout
-from . import masked_keys
-from .composite.cuda import attend, attend_backward
-from .lse_attention import acc_dtype
+from ....layouts.intervals import subset_query_tiles
+from ....layouts.query_rows import QueryRowsLayout
+from .. import masked_keys
+from ..lse_attention import acc_dtype
+from .cuda import attend, attend_backward
 
 # Rows per attention call: groups of the subset's query tiles up to this size (fewer, larger calls
 # than the C++ kernels' 64-row tiles; a group's masked area beyond its rows' pairs grows with it).
@@ -34,9 +34,9 @@ GROUP_ROWS = 128
 def _build_pieces(layout: QueryRowsLayout) -> list:
     """``[(rows int64 [r] (subset indices), key lo, key hi, allowed bool [B', 1, r, hi - lo])]``: one per
     group and interval whose rows see some key through that interval."""
-    order, begin = subset_query_tiles(layout.parent, layout._rows, GROUP_ROWS)
+    order, begin = subset_query_tiles(layout.parent, layout.rows, GROUP_ROWS)
     order, begin = order.to(torch.int64), begin.tolist()
-    iv = layout._row_intervals  # [B', R, J, 2]
+    iv = layout.row_intervals(copy=False)  # [B', R, J, 2]
     pieces = []
     for t in range(len(begin) - 1):
         group = order[begin[t]:begin[t + 1]]
@@ -56,10 +56,10 @@ def _build_pieces(layout: QueryRowsLayout) -> list:
 
 
 def _pieces(layout: QueryRowsLayout, device: torch.device) -> list:
-    cpu = layout._derived(("composite.query_rows_pieces", GROUP_ROWS), lambda: _build_pieces(layout))
+    cpu = layout.derived(("composite.query_rows_pieces", GROUP_ROWS), lambda: _build_pieces(layout))
     if device.type == "cpu":
         return cpu
-    return layout._derived(("composite.query_rows_pieces", GROUP_ROWS, str(device)), lambda: [
+    return layout.derived(("composite.query_rows_pieces", GROUP_ROWS, str(device)), lambda: [
         (rows.to(device), lo, hi, allowed.to(device)) for rows, lo, hi, allowed in cpu])
 
 
