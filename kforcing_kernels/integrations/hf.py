@@ -239,7 +239,7 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
     which the op turns back into that layout outside the graph. The ``position_ids`` it relies on are checked
     by eager calls only.
     """
-    ranges, geometry, intra_causal, queries_all = window_op._layout_args(layout)
+    ranges, geometry, intra_causal, queries_all = window_op.layout_args(layout)
     context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, queries_all, ranges[1], layout.context_lo,
                                                       layout.context_hi, window)
     ranges = list(ranges)
@@ -248,7 +248,7 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
     if layout.num_windows:
         ranges[5] = slide_lo
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-    name = backend or window_op._default_backend_for(query.device, query.dtype, query.shape[-1], layout)
+    name = backend or window_op.default_backend_for(query.device, query.dtype, query.shape[-1], layout)
     out, _ = torch.ops.kforcing_kernels.window_attention(query, key, value, ranges, geometry, intra_causal, queries_all,
                                                          scale, name)
     return out

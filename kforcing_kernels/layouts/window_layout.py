@@ -208,6 +208,13 @@ class WindowLayout:
         """int64 [M] or [B, M]: slot o's context ends at ``min(prefix_hi, prefix_slide_hi + o)``; None: no slide."""
         return None if self._prefix_slide_hi is None else self._prefix_slide_hi.clone()
 
+    def range_tensors(self) -> tuple[Optional[torch.Tensor], ...]:
+        """The layout's own int64 CPU range tensors, not copies (read them, never write them), in the order
+        ``(prefix_lo, prefix_hi, context_lo, context_hi, live_slots, prefix_slide_lo, prefix_slide_hi)``;
+        None where a range is the default. What the custom op carries and the content key hashes."""
+        return (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live,
+                self._prefix_slide_lo, self._prefix_slide_hi)
+
     @property
     def has_sliding_context(self) -> bool:
         """Whether some window's context bounds move with the slot (then its slots may see different context)."""
@@ -302,8 +309,7 @@ class WindowLayout:
         if self._key is None:
             self._key = _derived_store.content_key(
                 self.n_ctx, self.num_windows, self.window_size, self.last_window_size, self.intra, self.queries,
-                self.n_streams, (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live,
-                                 self._prefix_slide_lo, self._prefix_slide_hi))
+                self.n_streams, self.range_tensors())
         return self._key
 
     def derived(self, name: Hashable, build: Callable[[], _T]) -> _T:

@@ -18,11 +18,11 @@ def test_equal_layouts_share_one_store():
 def test_a_layout_round_trips_through_the_custom_op_args_to_itself():
     layout = WindowLayout.ptp(40, torch.tensor([[3, 9], [12, 40]]), 5, doc_ends=torch.tensor([[6, 20], [14, 40]]))
     plan = layout.derived("test.plan", lambda: object())
-    rebuilt = op.layout_from_args(*op._layout_args(layout))
+    rebuilt = op.layout_from_args(*op.layout_args(layout))
     assert rebuilt is layout and rebuilt.derived("test.plan", lambda: 1 / 0) is plan
     # Built from the args alone (no registered twin), it registers itself under the same content key.
     fresh = WindowLayout.bd3lm(24, 4)
-    args = op._layout_args(fresh)
+    args = op.layout_args(fresh)
     first = op.layout_from_args(*args)
     assert op.layout_from_args(*args) is first and first.cache_key == fresh.cache_key
 

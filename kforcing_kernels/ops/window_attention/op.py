@@ -88,11 +88,11 @@ def window_attention(
     if isinstance(layout, QueryRowsLayout):  # eager only: a subset does not travel through the custom op
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, query_rows_backend(q, backend))
         return (out, lse.detach()) if return_lse else out
-    name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
+    name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     if _plain_eager(q, k, v):
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
     else:
-        out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), scale, name)
+        out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -220,7 +220,10 @@ def _current_dispatch_mode():
     return _get_current_dispatch_mode()
 
 
-def _default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layout: WindowLayout) -> str:
+def default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layout: WindowLayout) -> str:
+    """The backend ``window_attention`` runs with ``backend=None`` for these arguments (``KFORCING_BACKEND`` aside):
+    on CUDA the measured dispatch table's row for the GPU, dtype, head dim, length and layout family, else the
+    registry's default for the device, dtype and head dim."""
     # The registry's choices and the measured rows for the device and dtype are constants; the head dim
     # and the layout's length and family pick among them. Under torch.compile(dynamic=True) head_dim and
     # n_ctx may be SymInts: comparing them guards on them (a change of choice recompiles), where passing
@@ -313,12 +316,14 @@ def check_layout_batch(layout, batch: int) -> None:
 
 
 _NONE = torch.zeros(0, dtype=torch.int64)
-_RANGE_FIELDS = ("_prefix_lo", "_prefix_hi", "_context_lo", "_context_hi", "_live", "_prefix_slide_lo", "_prefix_slide_hi")
 
 
-def _layout_args(layout: WindowLayout):
-    """The layout as custom-op arguments: its range tensors (empty for "default"), geometry ints and flags."""
-    ranges = [getattr(layout, name) if getattr(layout, name) is not None else _NONE for name in _RANGE_FIELDS]
+def layout_args(layout: WindowLayout):
+    """The layout as the custom op's arguments ``(ranges, geometry, intra_causal, queries_all)``: its seven
+    range tensors (``WindowLayout.range_tensors``, empty int64 [0] for a default one), the geometry ints
+    ``[n_ctx, num_windows, window_size, last_window_size, n_streams]`` and two flags; ``layout_from_args``
+    turns them back into the layout."""
+    ranges = [_NONE if t is None else t for t in layout.range_tensors()]
     geometry = [layout.n_ctx, layout.num_windows, layout.window_size, layout.last_window_size, layout.n_streams]
     return ranges, geometry, layout.intra == "causal", layout.queries == "all"
 
@@ -329,9 +334,9 @@ def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayou
     n_ctx, m, w, last, streams = (int(g) for g in geometry)
     intra, queries = "causal" if intra_causal else "full", "all" if queries_all else "windows"
     tensors = []
-    for name, t in zip(_RANGE_FIELDS, ranges):
+    for i, t in enumerate(ranges):
         t = t.to(device="cpu", dtype=torch.int64)
-        optional = name not in ("_prefix_lo", "_prefix_hi")
+        optional = i >= 2  # every range but prefix_lo, prefix_hi may be the default
         tensors.append(None if optional and t.dim() == 1 and t.numel() == 0 else t)
     prefix_lo, prefix_hi, context_lo, context_hi, live, slide_lo, slide_hi = tensors
     return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
@@ -449,7 +454,7 @@ class _EagerWindowAttention(torch.autograd.Function):
             raise RuntimeError(f"double backward is not supported by window_attention (backend {backend!r}) on a "
                                "QueryRowsLayout: its backward is itself not differentiable")
         if torch.is_grad_enabled():  # create_graph=True: the backward op, whose own backward says it is unsupported
-            ranges, geometry, intra_causal, queries_all = _layout_args(layout)
+            ranges, geometry, intra_causal, queries_all = layout_args(layout)
             grads = torch.ops.kforcing_kernels.window_attention_backward(
                 dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend)
         else:  # autograd gives dout the shape, dtype and device of out: the forward's checks still hold

@@ -206,7 +206,7 @@ def table_on_a_fake_h200(tmp_path, monkeypatch):
 
 
 def _default(layout, dim=128, dtype=torch.bfloat16):
-    return op._default_backend_for(torch.device("cuda", 0), dtype, dim, layout)
+    return op.default_backend_for(torch.device("cuda", 0), dtype, dim, layout)
 
 
 def test_backend_none_on_cuda_picks_the_tables_winner_and_falls_back(table_on_a_fake_h200, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.ops.window_attention import backend_limits
-from kforcing_kernels.ops.window_attention.op import _layout_args
+from kforcing_kernels.ops.window_attention.op import layout_args
 
 # Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
 CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None and name not in backend_limits()]
@@ -52,7 +52,7 @@ def _inputs(layout, kind, heads=4, kv_heads=2, d=8, dtype=torch.float32):
 def test_forward_op_passes_opcheck(backend, kind, layout_name):
     layout = LAYOUTS[layout_name]
     q, k, v = (t.requires_grad_() for t in _inputs(layout, kind))
-    args = (q, k, v, *_layout_args(layout), 0.35, backend)
+    args = (q, k, v, *layout_args(layout), 0.35, backend)
     torch.library.opcheck(torch.ops.kforcing_kernels.window_attention.default, args, test_utils=_utils(kind, layout_name))
     out, lse = torch.ops.kforcing_kernels.window_attention(*args)
     assert out.is_contiguous() and lse.is_contiguous()
@@ -64,7 +64,7 @@ def test_forward_op_passes_opcheck(backend, kind, layout_name):
 def test_backward_op_passes_opcheck(backend, kind, layout_name):
     layout = LAYOUTS[layout_name]
     q, k, v = _inputs(layout, kind)
-    lay = _layout_args(layout)
+    lay = layout_args(layout)
     out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *lay, 0.35, backend)
     dout = _strided(kind if kind != "expanded" else "transposed", q.shape[0], q.shape[1], q.shape[2], q.shape[3])
     args = (dout, q, k, v, out, lse, *lay, 0.35, backend)
@@ -79,7 +79,7 @@ def test_opcheck_other_dtypes(dtype):
     q, k, v = (t.requires_grad_() for t in _inputs(layout, "transposed", dtype=dtype))
     for backend in CPU_BACKENDS:
         torch.library.opcheck(
-            torch.ops.kforcing_kernels.window_attention.default, (q, k, v, *_layout_args(layout), 0.35, backend),
+            torch.ops.kforcing_kernels.window_attention.default, (q, k, v, *layout_args(layout), 0.35, backend),
             test_utils=_utils("transposed", "double"),
         )
 
@@ -120,7 +120,7 @@ def test_eager_fast_path_equals_the_custom_op_bit_for_bit(backend, layout_name, 
     out, lse = window_attention(q, k, v, layout, backend=backend, return_lse=True)
     assert calls, "a plain eager call should take the autograd.Function"
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_out, ref_lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *_layout_args(layout), 1 / 8**0.5, backend)
+    ref_out, ref_lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), 1 / 8**0.5, backend)
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
     for a, b in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
         assert torch.equal(a, b)
