@@ -200,7 +200,7 @@ def test_generation_and_evaluation_reach_models_through_the_registry():
 
 
 def test_the_registry_imports_no_kind():
-    # Kinds are named by "module:attribute" and loaded on first use (as ops/registry.py loads backends).
+    # Kinds are named by "module:attribute" and loaded on first use (as ops/common/registry.py loads backends).
     assert {t for t in GRAPH[f"{APP}.student"] if t.startswith(APP + ".")} == set()
 
 

@@ -129,7 +129,7 @@ MUTATIONS = [
     dict(id="one-row-cu-seqlens-broadcasts", file="kforcing_kernels/layouts/documents.py",
          old="    if per_batch:\n        return torch.stack(rows)", new="    if per_batch and len(rows) > 1:\n        return torch.stack(rows)",
          tests=["python_tests/layouts/test_layouts_packed.py", "-k", "one_row"]),
-    dict(id="check-scale-math-isfinite", file="kforcing_kernels/ops/validation.py",
+    dict(id="check-scale-math-isfinite", file="kforcing_kernels/ops/common/validation.py",
          old="    if not (value > 0 and value < math.inf):", new="    if not (math.isfinite(value) and value > 0):",
          tests=["python_tests/ops/window_attention/test_compile.py", "-k", "default_backend_fullgraph_dynamic"]),
     # --- issue #28: context parallelism

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..window_attention.lse_attention import acc_dtype
+from ..common.dtypes import acc_dtype
 
 # Context keys per request scored at once: bounds the fp32 score / K/V chunk buffers.
 CHUNK_TOKENS = 512

@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..registry import BackendSpec, OpRegistry
-from ..validation import check_scale
+from ..common.registry import BackendSpec, OpRegistry
+from ..common.validation import check_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

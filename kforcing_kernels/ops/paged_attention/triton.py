@@ -12,20 +12,19 @@ from typing import Optional
 
 import torch
 
-from ..window_attention import triton as _window_triton
-from ..window_attention.triton import _interpret_requested
+from ..common import triton_env
 
 _KERNELS = "kforcing_kernels.ops.paged_attention.triton_kernels"
 
 
 def available() -> Optional[str]:
-    """Same conditions as the window-attention triton backend (one copy of the rules)."""
-    return _window_triton.available()
+    """Same conditions as the window-attention triton backend (one copy of the rules: ``ops/common/triton_env.py``)."""
+    return triton_env.available()
 
 
 def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float):
     on_cpu = q.device.type == "cpu"
-    if on_cpu != _interpret_requested():
+    if on_cpu != triton_env.interpret_requested():
         raise ValueError(f"q: backend 'triton' takes CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), got device {q.device}")
     allowed = (torch.float32, torch.float16) if on_cpu else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from ...types import Temperature
-from ..registry import BackendSpec, OpRegistry
+from ..common.registry import BackendSpec, OpRegistry
 from . import reference
 
 _HERE = "kforcing_kernels.ops.sampling"

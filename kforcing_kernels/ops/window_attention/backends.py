@@ -1,4 +1,4 @@
-"""The backends of ``window_attention``, declared on the shared registry (``ops/registry.py``).
+"""The backends of ``window_attention``, declared on the shared registry (``ops/common/registry.py``).
 
 Every backend is a module implementing :class:`Backend`; the op treats them all alike
 (``reference`` included). A backend that is not built or cannot import is reported
@@ -20,7 +20,7 @@ from typing import Optional, Protocol
 import torch
 
 from ... import env
-from ..registry import BackendSpec, OpRegistry
+from ..common.registry import BackendSpec, OpRegistry
 
 
 class Backend(Protocol):

@@ -28,7 +28,7 @@ import torch
 
 from ... import env
 from ...layouts import WindowLayout
-from .lse_attention import acc_dtype
+from ..common.dtypes import acc_dtype
 
 BLOCK_SIZE = 128  # FlexAttention's own default tile; the BlockMask's granularity on CUDA
 # None: CPU tensors run eager flex_attention. A torch.compile backend name ("eager"): they run the compiled

@@ -21,13 +21,10 @@ from typing import Optional
 
 import torch
 
+from ..common.dtypes import acc_dtype
+
 # Rows processed at once by the portable path; bounds the fp32 score buffer.
 _MATH_ROW_CHUNK = 1024
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation / LSE dtype for inputs of ``dtype``: fp64 stays fp64, all else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _use_flash_cpu(q: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...layouts import WindowLayout
-from .lse_attention import acc_dtype
+from ..common.dtypes import acc_dtype
 
 _ROW_CHUNK = 64
 

@@ -32,14 +32,14 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ..validation import check_scale
-from ..registry import pick
 from ... import env
-from . import dispatch
-from .backends import REGISTRY, get_backend
-from .lse_attention import acc_dtype
 from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
+from ..common.dtypes import acc_dtype
+from ..common.registry import pick
+from ..common.validation import check_scale
+from . import dispatch
+from .backends import REGISTRY, get_backend
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

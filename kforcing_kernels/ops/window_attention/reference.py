@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ...layouts import WindowLayout
+from ..common.dtypes import acc_dtype
 from . import masked_keys
-from .lse_attention import acc_dtype, attend, attend_backward
+from .lse_attention import attend, attend_backward
 
 
 def available() -> Optional[str]:

@@ -138,7 +138,7 @@ def test_default_backend_fullgraph_dynamic_one_graph_for_two_sizes():
 
 @pytest.mark.parametrize("bad", [-1.0, 0.0, float("inf"), float("nan")])
 def test_scale_check_refuses_without_math_isfinite(bad):
-    from kforcing_kernels.ops.validation import check_scale
+    from kforcing_kernels.ops.common.validation import check_scale
 
     with pytest.raises(ValueError, match="scale: expected a positive finite number"):
         check_scale(bad)

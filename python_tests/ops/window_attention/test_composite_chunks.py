@@ -49,7 +49,7 @@ def test_context_chunks_with_overlapping_key_spans(monkeypatch, name):
     monkeypatch.setattr(composite, "CHUNK_ROWS", 4)
     layout = zoo.small()[name]
     assert not layout.has_default_context
-    assert overlapping_chunks(list(composite._context_chunks(layout)))
+    assert overlapping_chunks(list(composite.context_chunks(layout)))
     check_against_reference(layout)
 
 

@@ -36,12 +36,12 @@ from typing import Optional
 import torch
 
 from ....layouts import QueryRowsLayout, WindowLayout
+from ...common.dtypes import acc_dtype
 from .. import masked_keys
-from ..lse_attention import acc_dtype
 from . import query_rows
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
-from .pieces import (_context_chunks, _from_windows, _intra_backward, _intra_forward, _prefix_backward,
-                     _prefix_forward, _to_windows)
+from .pieces import (context_chunks, from_windows, intra_backward, intra_forward, prefix_backward, prefix_forward,
+                     to_windows)
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -113,21 +113,21 @@ def _forward(q, k, v, layout: WindowLayout, scale: float):
         else:
             out[:, :, :c] = 0
             lse[:, :, :c] = float("-inf")
-            for r0, r1, klo, khi, allowed in _context_chunks(layout):
+            for r0, r1, klo, khi, allowed in context_chunks(layout):
                 allowed = None if allowed is None else allowed.to(q.device)
                 out[:, :, r0:r1], lse[:, :, r0:r1] = attend(
                     q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
     if nw:
-        qw = _to_windows(q[:, :, -nw:], layout)
-        o_i, l_i = _intra_forward(qw, _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout), layout, scale)
-        o_p, l_p = _prefix_forward(qw, k, v, layout, scale)
+        qw = to_windows(q[:, :, -nw:], layout)
+        o_i, l_i = intra_forward(qw, to_windows(k[:, :, c:], layout), to_windows(v[:, :, c:], layout), layout, scale)
+        o_p, l_p = prefix_forward(qw, k, v, layout, scale)
         l = torch.logaddexp(l_p, l_i)
         # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
         # and a blank row (both -inf) keeps o_i = 0.
         weight = torch.where(l > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
         o = torch.lerp(o_i.to(ct), o_p.to(ct), weight[..., None])
-        out[:, :, -nw:] = _from_windows(o.to(q.dtype), layout)
-        lse[:, :, -nw:] = _from_windows(l, layout)
+        out[:, :, -nw:] = from_windows(o.to(q.dtype), layout)
+        lse[:, :, -nw:] = from_windows(l, layout)
     return out, lse
 
 
@@ -148,7 +148,7 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
             dv_ctx += dv_c
         else:
             dq[:, :, :c] = 0
-            for r0, r1, klo, khi, allowed in _context_chunks(layout):
+            for r0, r1, klo, khi, allowed in context_chunks(layout):
                 allowed = None if allowed is None else allowed.to(q.device)
                 dq[:, :, r0:r1], dk_c, dv_c = attend_backward(
                     dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], out[:, :, r0:r1],
@@ -157,15 +157,15 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
                 dv_ctx[:, :, klo:khi] += dv_c
     dk_win = dv_win = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
     if nw:
-        win = lambda x: _to_windows(x[:, :, -nw:], layout)  # noqa: E731
+        win = lambda x: to_windows(x[:, :, -nw:], layout)  # noqa: E731
         qw, dow, ow, lw = win(q), win(dout), win(out), win(lse)
-        kw, vw = _to_windows(k[:, :, c:], layout), _to_windows(v[:, :, c:], layout)
-        dq_i, dk_i, dv_i = _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale)
-        dq_p, dk_p, dv_p = _prefix_backward(dow, qw, ow, lw, k, v, layout, scale)
-        dq[:, :, -nw:] = _from_windows((dq_i.to(ct) + dq_p.to(ct)).to(q.dtype), layout)
+        kw, vw = to_windows(k[:, :, c:], layout), to_windows(v[:, :, c:], layout)
+        dq_i, dk_i, dv_i = intra_backward(dow, qw, kw, vw, ow, lw, layout, scale)
+        dq_p, dk_p, dv_p = prefix_backward(dow, qw, ow, lw, k, v, layout, scale)
+        dq[:, :, -nw:] = from_windows((dq_i.to(ct) + dq_p.to(ct)).to(q.dtype), layout)
         dk_ctx += dk_p
         dv_ctx += dv_p
-        dk_win, dv_win = _from_windows(dk_i, layout), _from_windows(dv_i, layout)
+        dk_win, dv_win = from_windows(dk_i, layout), from_windows(dv_i, layout)
     dk = torch.cat([dk_ctx.to(k.dtype), dk_win.to(k.dtype)], 2)
     dv = torch.cat([dv_ctx.to(v.dtype), dv_win.to(v.dtype)], 2)
     return dq, dk, dv

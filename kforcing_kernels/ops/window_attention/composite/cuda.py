@@ -31,8 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ...common.dtypes import acc_dtype
 from .. import lse_attention
-from ..lse_attention import acc_dtype
 
 KERNELS = ("flash_attn", "sdpa_flash", "sdpa_efficient")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

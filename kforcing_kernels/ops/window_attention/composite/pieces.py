@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ....layouts import WindowLayout
-from ..lse_attention import acc_dtype
+from ...common.dtypes import acc_dtype
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
 
 # Query rows per masked call in the general prefix path: bounds the staircase
@@ -27,7 +27,7 @@ FOLD_WINDOW_MIN = 32
 # ---------------------------------------------------------------------- storage order
 
 
-def _to_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+def to_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """[B, H, Nw, *] window rows in storage order -> [B, H, M, w, *] position-major (short last window zero-padded)."""
     b, h, n = x.shape[:3]
     tail = x.shape[3:]
@@ -40,8 +40,8 @@ def _to_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     return x.reshape(b, h, m, w, *tail)
 
 
-def _from_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-    """Inverse of :func:`_to_windows`."""
+def from_windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """Inverse of :func:`to_windows`."""
     b, h, m, w = x.shape[:4]
     tail = x.shape[4:]
     st, s = layout.n_streams, layout.slots_per_stream
@@ -116,7 +116,7 @@ def _prefix_chunks(layout: WindowLayout):
         yield r0 // w, r1 // w, klo, khi, allowed
 
 
-def _context_chunks(layout: WindowLayout):
+def context_chunks(layout: WindowLayout):
     """Context rows of a layout whose context is not plain causal (documents, blocks)."""
     iv = layout.row_intervals()[:, : layout.n_ctx, 0]  # [B', C, 2]
     return _interval_chunks(iv[..., 0], iv[..., 1], CHUNK_ROWS)
@@ -128,7 +128,7 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     return x[:, :, m0:m1].reshape(b, h, (m1 - m0) * w, *x.shape[4:])
 
 
-def _prefix_forward(qw, k, v, layout, scale):
+def prefix_forward(qw, k, v, layout, scale):
     """Window -> context attention: (out [B, H, M, w, D], lse [B, H, M, w])."""
     b, h, m, w, d = qw.shape
     if is_staircase(layout):
@@ -144,7 +144,7 @@ def _prefix_forward(qw, k, v, layout, scale):
     return out, lse
 
 
-def _prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
+def prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
     """Gradients of the prefix piece: (dq [B, H, M, w, D], dk_ctx, dv_ctx [B, Hkv, C, D])."""
     b, h, m, w, d = qw.shape
     dk = torch.zeros(k.shape[0], k.shape[1], layout.n_ctx, d, dtype=acc_dtype(k.dtype), device=k.device)
@@ -255,7 +255,9 @@ def _scores(qw, kw, scale, layout):
     return s.masked_fill_(~_intra_visible(layout, qw.device), float("-inf"))
 
 
-def _intra_forward(qw, kw, vw, layout, scale):
+def intra_forward(qw, kw, vw, layout, scale):
+    """Window -> own-window attention (the intra-window tiles): qw/kw/vw [B, H(kv), M, w, D] position-major ->
+    (out [B, H, M, w, D] q.dtype, lse [B, H, M, w]); a blank slot sees nothing (out 0, lse -inf)."""
     b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)
@@ -270,7 +272,8 @@ def _intra_forward(qw, kw, vw, layout, scale):
     return o.to(qw.dtype), (row_max + denom.log()).squeeze(-1)
 
 
-def _intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
+def intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
+    """Gradients of the intra-window piece given the merged ``ow``/``lw``: (dq, dk, dv) like (qw, kw, vw)."""
     b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)

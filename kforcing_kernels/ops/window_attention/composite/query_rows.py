@@ -22,8 +22,8 @@ import torch
 
 from ....layouts.intervals import subset_query_tiles
 from ....layouts.query_rows import QueryRowsLayout
+from ...common.dtypes import acc_dtype
 from .. import masked_keys
-from ..lse_attention import acc_dtype
 from .cuda import attend, attend_backward
 
 # Rows per attention call: groups of the subset's query tiles up to this size (fewer, larger calls

@@ -26,40 +26,20 @@ import torch
 
 from .... import env
 from ....layouts import WindowLayout
+from ...common import triton_env
 
 _KERNELS = "kforcing_kernels.ops.window_attention.triton.launch"
 
 
-def _interpret_requested() -> bool:
-    return env.triton_interpret()
-
-
-def _interpreter_active() -> bool:
-    """Whether triton.language itself was built for the interpreter (decided when triton is first imported)."""
-    import triton
-    import triton.language as tl
-
-    return not isinstance(tl.zeros, triton.runtime.JITFunction)
-
-
 def available() -> Optional[str]:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"triton is not importable: {exc}"
-    if _interpret_requested():
-        if not _interpreter_active():
-            return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import of triton"
-        return None
-    if torch.cuda.is_available():
-        return None
-    return "no CUDA device, and TRITON_INTERPRET=1 is not set"
+    """None when the kernels can run here, else the reason (``ops/common/triton_env.py``, shared with paged)."""
+    return triton_env.available()
 
 
 def kernels() -> ModuleType:
     """The launcher module, launch.py (kernels compiled, or interpreted under TRITON_INTERPRET=1)."""
     module = importlib.import_module(_KERNELS)
-    if module.interpreting() != _interpret_requested():
+    if module.interpreting() != triton_env.interpret_requested():
         raise RuntimeError(
             f"{_KERNELS} was built with TRITON_INTERPRET={'1' if module.interpreting() else 'unset'} but it is now "
             f"{env.triton_interpret_value()!r}; set the variable before triton is first imported"
@@ -68,7 +48,7 @@ def kernels() -> ModuleType:
 
 
 def _allowed_dtypes() -> tuple[tuple[torch.dtype, ...], str]:
-    if _interpret_requested():
+    if triton_env.interpret_requested():
         return (torch.float32, torch.float16), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
     return (torch.float16, torch.bfloat16), "on CUDA (use backend='composite' for other dtypes)"
 
