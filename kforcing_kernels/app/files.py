@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-_TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = ".tmp"  # an unfinished write ends in it (what a resume sweeps up after a crash)
 
 
 class CheckpointError(ValueError):
@@ -34,7 +34,8 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------------- the atomic writer
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename into it) to disk; a platform that cannot open folders skips it."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # some platforms cannot open folders; the rename is still atomic
@@ -52,7 +53,7 @@ def _create_temporary(path: Path) -> tuple[Path, int]:
     that name is never opened; another name is drawn), mode ``0o666`` less the umask. Returns (name, open fd)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}"
         try:
             # os.open with 0o666 lets the umask decide the mode (tempfile.mkstemp would force 0o600).
             return tmp, os.open(tmp, flags, 0o666)
@@ -105,7 +106,7 @@ def atomic_write_file(path: str | Path, write: Callable[[BinaryIO], object]) -> 
             os.fsync(f.fileno())
             _require_same_file(tmp, os.fstat(f.fileno()))
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports its own errors
         hint = "; free some space, then --resume" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else ""
         raise CheckpointError(f"{path}: cannot write ({getattr(exc, 'strerror', None) or exc}){hint}") from exc
@@ -140,7 +141,7 @@ def atomic_write(path: str | Path, write: Callable[[str], object]) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except (OSError, SafetensorError) as exc:  # safetensors reports its own write errors
         hint = "; free some space, then --resume" if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else ""
         raise CheckpointError(f"{path}: cannot write ({getattr(exc, 'strerror', None) or exc}){hint}") from exc

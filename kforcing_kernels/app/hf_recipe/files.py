@@ -125,7 +125,7 @@ def check_hf_source(folder, option: str = "--model") -> None:
 def read_model_config(path):
     """A ``--model-config`` file as a transformers config: a JSON object with a known ``model_type``, else a ``CheckpointError``
     naming the option."""
-    tf = _transformers()
+    tf = import_transformers()
     try:
         values = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -178,7 +178,7 @@ def _must_be_positive(key: str) -> bool:
 # ---------------------------------------------------------------------- building and loading
 
 
-def _transformers():
+def import_transformers():
     """transformers, imported only when an HF model is used (it is an optional dependency), with "kforcing" registered."""
     import transformers
 
@@ -189,7 +189,7 @@ def _transformers():
 
 def build_from_config(path, seed: int) -> "HFStudent":
     """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by ``seed``."""
-    tf = _transformers()
+    tf = import_transformers()
     config = read_model_config(path)
     from .student import HFStudent
 
@@ -205,12 +205,12 @@ def build_like(student: "HFStudent") -> "HFStudent":
     from ...integrations.hf_noise import NoiseEmbedding
     from .student import HFStudent
 
-    model = _transformers().AutoModelForCausalLM.from_config(student.config, attn_implementation="kforcing", dtype=torch.float32)
+    model = import_transformers().AutoModelForCausalLM.from_config(student.config, attn_implementation="kforcing", dtype=torch.float32)
     return HFStudent(model.float(), NoiseEmbedding(**student.noise_encoder.settings()), k_train=student.k_train)
 
 
 def _from_pretrained(folder, device):
-    tf = _transformers()
+    tf = import_transformers()
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="kforcing", dtype=torch.float32)
         tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
@@ -351,7 +351,7 @@ def hf_corpus(teacher, data: Optional[str], verbose: bool = False) -> Corpus:
     """``data`` encoded with the tokenizer of the HF folder ``teacher`` (a plain source, checked first, or a stage)."""
     if is_hf_source(teacher):
         check_hf_source(teacher)
-    tf = _transformers()
+    tf = import_transformers()
     try:
         tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
     except (OSError, ValueError) as exc:

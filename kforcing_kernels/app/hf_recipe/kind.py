@@ -92,7 +92,7 @@ class HFKind(ModelKind):
 
     def reference_generator(self, folder, device):
         """The AR teacher as an HF user runs it: ``from_pretrained(attn_implementation="sdpa")``."""
-        return files._transformers().AutoModelForCausalLM.from_pretrained(
+        return files.import_transformers().AutoModelForCausalLM.from_pretrained(
             str(folder), attn_implementation="sdpa", dtype=torch.float32).to(device).eval()
 
 

@@ -28,7 +28,7 @@ import torch
 
 # The checked readers, tensor files and tokenizer I/O live in app/files.py (one place for every file's bytes);
 # read_json, load_tensors and save_tensors stay importable from here, where 0.2 defined them.
-from ..files import (_TMP_SUFFIX, CheckpointError, load_tensors, load_tokenizer, read_json, save_tensors,
+from ..files import (TMP_SUFFIX, CheckpointError, load_tensors, load_tokenizer, read_json, save_tensors,
                      tokenizer_sha256, write_json, write_text)
 
 CHECKPOINT_FORMAT = 1
@@ -211,7 +211,7 @@ def clean_run_folder(out: str | Path, log=None) -> list[Path]:
     for folder in (Path(out), checkpoint_dir(out)):
         if not folder.is_dir():
             continue
-        for tmp in folder.glob(f".*{_TMP_SUFFIX}"):
+        for tmp in folder.glob(f".*{TMP_SUFFIX}"):
             if tmp.is_dir() and not tmp.is_symlink():  # a sharded checkpoint that was never renamed into place
                 shutil.rmtree(tmp, ignore_errors=True)
             else:

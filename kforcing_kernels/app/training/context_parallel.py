@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ...parallel import ContextParallel
-from .objectives import Batch, Objective, _require, document_mask, student_inputs
+from .objectives import Batch, Objective, document_mask, require_inputs, student_inputs
 
 
 def context_parallel_loss(objective: Objective | str, model, batch: Batch, teacher, cp: ContextParallel, *,
@@ -35,7 +35,7 @@ def context_parallel_loss(objective: Objective | str, model, batch: Batch, teach
     ``model`` is the student (or its DDP wrapper): it is called with ``context_parallel=cp``.
     """
     objective = Objective(objective)
-    _require(objective, batch, teacher, k)
+    require_inputs(objective, batch, teacher, k)
     sep = batch.separator
     if objective is Objective.AR:
         inputs = batch.tokens[:, :-1]

@@ -49,7 +49,7 @@ from ..data import Corpus, data_sha256
 from ..files import append_jsonl
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
-from .stage import Stage, _require_resume_settings, _require_same_provenance, lock_out, set_up
+from .stage import Stage, lock_out, require_resume_settings, require_same_provenance, set_up
 from .config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
                            validate_config)
 
@@ -115,8 +115,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
     log = stderr_log(f"[{cfg.stage}]") if dims.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
-        _require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
-        _require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+        require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
+        require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
                                  f"the finished run in {out}", log)
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})

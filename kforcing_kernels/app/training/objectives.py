@@ -310,7 +310,8 @@ def _masked_mean(per_token: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Ten
     return loss, (kept.detach().sum((0, 1)) / counts.clamp(min=1))
 
 
-def _require(objective: Objective, batch: Batch, teacher, k: Optional[int]) -> None:
+def require_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]) -> None:
+    """ValueError naming the argument unless ``batch``, ``teacher`` and ``k`` are what ``objective`` needs."""
     if objective.distills and teacher is None:
         raise ValueError(f"teacher: objective {objective.value} distils a teacher, got None")
     if not objective.distills and teacher is not None:
@@ -409,7 +410,7 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
     the unchunked path's (``chunked=False``, or a model without ``output_head``) within fp32 rounding.
     """
     objective = Objective(objective)
-    _require(objective, batch, teacher, k)
+    require_inputs(objective, batch, teacher, k)
     packed = batch.separator is not None
     head = output_head(model) if chunked else None
     if objective is Objective.AR:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
-from ..files import _TMP_SUFFIX, CheckpointError, _fsync_dir, sha256_file, write_json
+from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -99,7 +99,7 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_conf
     if rank == 0:
         try:
             ckpt.mkdir(parents=True, exist_ok=True)
-            tmp = ckpt / f".{final.name}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+            tmp = ckpt / f".{final.name}.{secrets.token_hex(8)}{TMP_SUFFIX}"
             tmp.mkdir()  # mode 0o777 less the umask
         except OSError as exc:
             error = f"{ckpt}: cannot write a checkpoint ({exc.strerror or exc})"
@@ -133,11 +133,11 @@ def _publish(tmp: Path, final: Path, keep: int, manifest: dict) -> None:
     for path in tmp.iterdir():
         _fsync_file(path)
     write_json(tmp / MANIFEST, {**manifest, "files": _file_records(tmp)})
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # the same step written again (a resumed run): the new one replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)  # the checkpoint now exists
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     for old in sorted(final.parent.glob(f"step_*{SHARDED_SUFFIX}"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -92,7 +92,7 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torc
 
 
 
-def _require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
+def require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
         flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
@@ -105,7 +105,7 @@ def _text_provenance(corpus: Corpus) -> dict:
 
 
 
-def _require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
+def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
     """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
     changed, unknown = changed_provenance(saved, now)
     for key, what in changed:
@@ -121,8 +121,8 @@ def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
     meta = read_meta(ckpt)
-    _require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
-    _require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+    require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
+    require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
                              f"the run in {out}", log)
     return ckpt, meta
 
@@ -192,7 +192,7 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
 
     objective = Objective.of(cfg.stage, cfg.supervision)
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
-        _require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
+        require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
     student, teacher, k, model_info = _build(cfg, dims, corpus, log)
     _check_vocab(cfg, student, corpus)
     check_splits(cfg, corpus, objective, k)
