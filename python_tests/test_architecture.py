@@ -223,3 +223,82 @@ def test_the_seam_finder_sees_a_planted_import():
         assert found == {f"{APP}.training.stage": [f"{APP}.hf_recipe.files"]}
     finally:
         GRAPH[f"{APP}.training.stage"] = graph_before
+
+
+# ---------------------------------------------------------------------- private names stay in their module
+
+# A Triton kernel's (or device helper's) Python name is its name in profiler traces, the AOT report and the GPU
+# check's records, and the ``_``-prefix is the convention of the kernel libraries (fla, flash-attn): a
+# ``@triton.jit`` function (or one made by a decorator of that kind, ``jit_common.jit_kernel``) may keep it
+# while the kernel modules of its backend import it.
+_KERNEL_DECORATORS = re.compile(r"\b(triton\.jit|triton\.autotune|jit_kernel)\b")
+
+
+def _private_definitions_exempt(path: str) -> set[str]:
+    """The names of ``path``'s Triton kernels (functions decorated by a Triton jit or a wrapper of it)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+            and any(_KERNEL_DECORATORS.search(ast.unparse(d)) for d in node.decorator_list)}
+
+
+def _private_imports(name: str, path: str) -> list[str]:
+    """``"name:line: module.attribute"`` for each private name (``_x``, not ``__x__``) that ``name`` imports from
+    another module of the package, or reads as an attribute of a package module it imported (``mod._x``).
+    Private *modules* (``_extension``, ``_C``, ``_moved``) are the package's own business: importing them is fine."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    here = name if _is_package(name) else name.rpartition(".")[0]
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not attr.startswith("__")
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = here.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    found, module_names = [], {}  # module_names: local name -> the package module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = resolve(node)
+            for alias in node.names:
+                target = f"{module}.{alias.name}"
+                if target in MODULES:  # `from pkg import sub`: a module, bound under its local name
+                    module_names[alias.asname or alias.name] = target
+                elif module in MODULES and module != name and private(alias.name):
+                    if alias.name not in _private_definitions_exempt(MODULES[module]):
+                        found.append(f"{name}:{node.lineno}: {module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in MODULES:
+                    module_names[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in module_names
+                and private(node.attr) and MODULES.get(f"{module_names[node.value.id]}.{node.attr}") is None):
+            module = module_names[node.value.id]
+            if module != name and node.attr not in _private_definitions_exempt(MODULES[module]):
+                found.append(f"{name}:{node.lineno}: {module}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    # What another module needs is public and documented; what only one module needs stays private in it.
+    offenders = [hit for name, path in sorted(MODULES.items()) for hit in _private_imports(name, path)]
+    assert offenders == []
+
+
+def test_the_private_name_finder_sees_both_forms(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from .plan import _hidden, tile_plan\nfrom . import plan\nfrom .jit_common import _row_interval\n"
+                       "plan._other()\n")
+    name = f"{PACKAGE}.ops.window_attention.triton.planted"
+    MODULES[name] = str(planted)
+    try:
+        hits = _private_imports(name, str(planted))
+    finally:
+        del MODULES[name]
+    plan = f"{PACKAGE}.ops.window_attention.triton.plan"
+    assert hits == [f"{name}:1: {plan}._hidden", f"{name}:4: {plan}._other"]  # a Triton jit helper is exempt

@@ -66,7 +66,7 @@ def run(args) -> dict:
 
     from kforcing_kernels.layouts.intervals import build_row_intervals
     from kforcing_kernels.ops.window_attention.triton.plan import DEFAULT_TILES, tile_plan
-    from kforcing_kernels.ops.window_attention.triton.plan import _build as build_plan
+    from kforcing_kernels.ops.window_attention.triton.plan import build_tile_plan as build_plan
 
     args.threads = pin_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

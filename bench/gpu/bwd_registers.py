@@ -21,14 +21,14 @@ import sys
 import triton.language as tl
 
 from kforcing_kernels.ops.window_attention.triton.jit_backward import _dkdv_program, _dq_program, _slot_dkdv_program
-from kforcing_kernels.ops.window_attention.triton.jit_common import _kernel
+from kforcing_kernels.ops.window_attention.triton.jit_common import jit_kernel
 from kforcing_kernels.tools import aot_report
 
 # Each kernel below takes exactly _bwd_kernel's arguments (the AOT signature is built from their names)
 # and runs one of its program kinds for every program id.
 
 
-@_kernel
+@jit_kernel
 def _bwd_dkdv_only(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
@@ -46,7 +46,7 @@ def _bwd_dkdv_only(
                   sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, PREFETCH, INSTRUMENT)
 
 
-@_kernel
+@jit_kernel
 def _bwd_dq_only(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
@@ -65,7 +65,7 @@ def _bwd_dq_only(
                 BLOCK_M, BLOCK_N, HEAD_DIM, True, INSTRUMENT)
 
 
-@_kernel
+@jit_kernel
 def _bwd_window_keys_only(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,

@@ -24,11 +24,11 @@ from ..ops.window_attention.triton import plan as tp
 
 def plans(layout: WindowLayout, tiles: tp.Tiles) -> tuple[tp.TilePlan, tp.TilePlan]:
     """(slot-mode plan, tile-mode plan) of ``layout``: the second with SLOT_WINDOW_MAX forced to 0."""
-    slot = tp._build(layout, tiles)
+    slot = tp.build_tile_plan(layout, tiles)
     saved = tp.SLOT_WINDOW_MAX
     tp.SLOT_WINDOW_MAX = 0
     try:
-        tile = tp._build(layout, tiles)
+        tile = tp.build_tile_plan(layout, tiles)
     finally:
         tp.SLOT_WINDOW_MAX = saved
     return slot, tile

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_common import _kernel, _lse2_for_grad, _row_interval, _sees, _slot_block
+from .jit_common import _lse2_for_grad, _row_interval, _sees, _slot_block, jit_kernel
 
 # Columns per piece of the window dQ's row dot products in dQ programs of at least WINDOW_DQ_PIECES_FROM
 # elements (the wide set's 128 rows x D=128): whole rows of q, k, dO and v beside such a dQ accumulator
@@ -32,7 +32,7 @@ WINDOW_DQ_COLUMNS = tl.constexpr(32)
 WINDOW_DQ_PIECES_FROM = tl.constexpr(128 * 128)
 
 
-@_kernel
+@jit_kernel
 def _delta_kernel(Out, DOut, Delta, n_rows, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """delta[r] = sum_d dO[r, d] * O[r, d] over the flattened contiguous [B*H*Lq] rows."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,7 +128,7 @@ def _slot_dkdv_program(
     tl.store(DV + kv_own, dv.to(DV.dtype.element_ty), mask=ok[:, None])
 
 
-@_kernel
+@jit_kernel
 def _slot_bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
     RowIv, WindowKeys, Counters,
@@ -373,7 +373,7 @@ def _dkdv_program(
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@_kernel
+@jit_kernel
 def _dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DQPart,
     QueryTiles, Bounds, Order, RowIv, Counters,
@@ -390,7 +390,7 @@ def _dq_kernel(
                 INSTRUMENT)
 
 
-@_kernel
+@jit_kernel
 def _dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV,
     KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
@@ -407,7 +407,7 @@ def _dkdv_kernel(
                   sm_scale, BLOCK_M_STEP, BLOCK_N, HEAD_DIM, PREFETCH, INSTRUMENT)
 
 
-@_kernel
+@jit_kernel
 def _bwd_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,

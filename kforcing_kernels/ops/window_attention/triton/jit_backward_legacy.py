@@ -16,10 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_common import _kernel, _lse2_for_grad, _row_interval
+from .jit_common import _lse2_for_grad, _row_interval, jit_kernel
 
 
-@_kernel
+@jit_kernel
 def _dq_legacy_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, DQPart,
     QueryTiles, Bounds, Order, RowIv, Counters,
@@ -108,7 +108,7 @@ def _dkdv_legacy_step(Q, DOut, Lse, Delta, RowIv, k, v, dk, dv, cols, q_tile0, l
     return dk, dv
 
 
-@_kernel
+@jit_kernel
 def _dkdv_legacy_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV,
     QueryTiles, KeyTiles, KeyPtr, KeyEntries, KeyOrder, RowIv, Counters,

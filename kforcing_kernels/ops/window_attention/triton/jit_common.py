@@ -26,7 +26,7 @@ FLOAT_ARGS = ("qk_scale", "sm_scale")
 ALIGNED_STRIDES = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")
 
 
-def _kernel(fn):
+def jit_kernel(fn):
     """``triton.jit`` specialising only pointers and the aligned strides: layout sizes (which
     may be 1 or multiples of 16) would otherwise fork new variants at run time that the AOT
     report never compiled."""

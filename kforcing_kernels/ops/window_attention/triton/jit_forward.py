@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_common import _finish, _kernel, _row_interval, _sees, _slot_block
+from .jit_common import _finish, _row_interval, _sees, _slot_block, jit_kernel
 
 
 
@@ -54,7 +54,7 @@ def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows,
     return acc * inv_l[:, None], lse2
 
 
-@_kernel
+@jit_kernel
 def _slot_fwd_kernel(
     Q, K, V, OPart, LsePart,  # q [B, H, Lq, D], k/v [B, Hkv, Lk, D]; partial out [B, H, Nw, D] fp32, lse [B, H, Nw] (log2)
     RowIv, WindowKeys, Counters,
@@ -78,7 +78,7 @@ def _slot_fwd_kernel(
     tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, lse2, mask=ok)
 
 
-@_kernel
+@jit_kernel
 def _fwd_kernel(
     Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
     OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles unless SLOT_INLINE)

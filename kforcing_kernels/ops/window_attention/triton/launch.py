@@ -42,7 +42,7 @@ from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
 from .direct import DirectCache, direct_launch_enabled
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, PLAN_POINTERS, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
-from .plan import TilePlan, Tiles, _stream_id, device_plan, tile_plan
+from .plan import TilePlan, Tiles, device_plan, stream_id, tile_plan
 from .steps import device_steps, step_plan
 
 # The kernels by the names the configs, the autotune cache and the AOT report use.
@@ -184,7 +184,7 @@ class _HostState:
         self.tiles, self.tile_set = _resolve_tiles(tiles, q)
         self.plan = tile_plan(layout, self.tiles)
         self.key = _tune_key(self.tile_set, q, self.plan)
-        self.layout, self.device, self.stream = layout, q.device, _stream_id(q.device)
+        self.layout, self.device, self.stream = layout, q.device, stream_id(q.device)
         self.pt = device_plan(self.plan, layout, self.device)
         self.counters = _counters(self.device, counters)
         self._steps = None
@@ -206,7 +206,7 @@ def _host_state(layout, q: torch.Tensor, tiles: Optional[Tiles], counters: Optio
     if tiles is not None or counters is not None:
         return _HostState(layout, q, tiles, counters)
     device = q.device
-    key = (layout, q.shape[-1], q.shape[2], device, _stream_id(device), env.triton_tiles(), env.triton_kernels())
+    key = (layout, q.shape[-1], q.shape[2], device, stream_id(device), env.triton_tiles(), env.triton_kernels())
     state = _host_states.get(key)
     if state is None:
         state = _HostState(layout, q, None, None)

@@ -35,7 +35,7 @@ BLOCK_N chunks of the context, and of each window stream in tile mode), the
 list of (query tile, interval, full) that touch it, in CSR form.
 
 A row subset (``QueryRowsLayout``: a context-parallel rank, an EAGLE-3 step) is planned the same way
-from its own rows' intervals (``_build``), in tile mode, with query tiles of runs of its rows.
+from its own rows' intervals (``build_tile_plan``), in tile mode, with query tiles of runs of its rows.
 
 Plans (``tile_plan``, per tile shapes) and their int32 device copies
 (``device_plan``, per device and CUDA stream) are artifacts of the layout
@@ -256,7 +256,7 @@ def _query_tiles(g: Geometry, bm: int) -> dict:
 # ---------------------------------------------------------------------- key intervals per query tile
 
 
-def _tile_intervals(layout: WindowLayout, g: Geometry, qt: dict) -> torch.Tensor:
+def tile_intervals(layout: WindowLayout, g: Geometry, qt: dict) -> torch.Tensor:
     """int64 [B', T, J, 4] ``(klo, khi, flo, fhi)``: union and intersection of each tile's row intervals.
 
     A reduction of ``layout.row_intervals()`` (the one derivation of what a row sees)
@@ -300,7 +300,7 @@ def _key_tiles(g: Geometry, bn: int) -> torch.Tensor:
     return torch.stack([starts, torch.clamp(ends - starts, max=bn)], -1)
 
 
-def _transpose(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def transpose_intervals(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """CSR (key_ptr [B', KT+1], entries [E, 3]) of the key tiles each (query tile, interval) touches."""
     nb, t, nj, _ = intervals.shape
     kt = key_tiles.shape[0]
@@ -331,7 +331,9 @@ def _transpose(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tuple[torch.
 # ---------------------------------------------------------------------- build
 
 
-def _build(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePlan:
+def build_tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePlan:
+    """The tile plan of ``layout`` at ``tiles``, built now: no cache, no check of ``tiles`` (:func:`tile_plan` is
+    the checked, cached one; a tool that changes the module's settings, e.g. ``SLOT_WINDOW_MAX``, builds here)."""
     if isinstance(layout, QueryRowsLayout):
         # A row subset: tile mode always (every interval as tile products: the slot steps locate a row's window
         # slots by index arithmetic over the parent's rows), query tiles from the subset's rows
@@ -343,14 +345,14 @@ def _build(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePl
         g = Geometry.of(layout, tiles)
         qt = _query_tiles(g, tiles.block_m)
         seeded, per_block = (qt["m_a"] >= 0) & g.use_slots, tiles.block_t // g.window_size
-    intervals = _tile_intervals(layout, g, qt)  # [B', T, J, 4] (klo, khi, flo, fhi)
+    intervals = tile_intervals(layout, g, qt)  # [B', T, J, 4] (klo, khi, flo, fhi)
     bounds = _to_tile_bounds(intervals, tiles.block_n)
     query_tiles = torch.stack([qt["q_start"], qt["q_len"], seeded.to(torch.int64)], -1)
     # Longest first (ties keep storage order).
     order = torch.sort(bounds[..., 1].sum((0, 2)), descending=True, stable=True).indices
 
     key_tiles = _key_tiles(g, tiles.block_n_dkdv)
-    key_ptr, entries = _transpose(intervals, key_tiles)
+    key_ptr, entries = transpose_intervals(intervals, key_tiles)
     key_order = torch.sort((key_ptr[:, 1:] - key_ptr[:, :-1]).sum(0), descending=True, stable=True).indices
     intra_blocks = -(-g.num_windows // per_block) if g.use_slots else 0
 
@@ -371,13 +373,13 @@ def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAU
         raise ValueError(f"tiles: expected block_m_dkdv <= block_m, got {tiles}")
     if tiles.block_t < SLOT_WINDOW_MAX:
         raise ValueError(f"tiles: expected block_t >= {SLOT_WINDOW_MAX} (a whole window per slot block), got {tiles}")
-    return layout.derived(("triton.tile_plan", tiles), lambda: _build(layout, tiles))
+    return layout.derived(("triton.tile_plan", tiles), lambda: build_tile_plan(layout, tiles))
 
 
 # ---------------------------------------------------------------------- device copies
 
 
-def _stream_id(device: torch.device) -> int:
+def stream_id(device: torch.device) -> int:
     """The current stream's handle on ``device`` (``torch.cuda.current_stream(device).cuda_stream``, without
     making a Stream object); 0 off CUDA."""
     if device.type != "cuda":
@@ -417,7 +419,7 @@ def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
                     "once with this layout, shapes and device before the capture (a warm-up)")
             _captured_copies[index] = value
         return value
-    value = layout.derived((*name, str(device), _stream_id(device)), build)
+    value = layout.derived((*name, str(device), stream_id(device)), build)
     with _copies_lock:
         _latest_copies[index] = value
         _latest_copies.move_to_end(index)

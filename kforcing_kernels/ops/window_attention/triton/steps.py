@@ -5,7 +5,7 @@ tile, one over steps whose rows all see every key of the tile (no mask arithmeti
 one over the rest. A *step* is ``Tiles.dkdv_step_rows`` consecutive rows of one query
 tile of the plan (query tiles never mix context and window rows, so neither do steps).
 Which key tiles a step touches, and whether it is full there, is the same reduction of
-``layout.row_intervals()`` the plan makes per query tile (``plan._tile_intervals``),
+``layout.row_intervals()`` the plan makes per query tile (``plan.tile_intervals``),
 made per step: a step visits only the key tiles its own rows see, so a query tile's
 staircase is not paid at the tile's coarser grain.
 
@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from ....layouts import WindowLayout
-from .plan import TilePlan, _tile_intervals, _transpose, device_copy, device_int32
+from .plan import TilePlan, device_copy, device_int32, tile_intervals, transpose_intervals
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,8 +61,8 @@ def _steps(plan: TilePlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _build(layout: WindowLayout, plan: TilePlan) -> StepPlan:
     start, rows = _steps(plan)
-    intervals = _tile_intervals(layout, plan.geometry, dict(q_start=start, q_len=rows))  # [B', S, J, 4]
-    key_ptr, entries = _transpose(intervals, plan.key_tiles.long())  # grouped by (batch, key tile)
+    intervals = tile_intervals(layout, plan.geometry, dict(q_start=start, q_len=rows))  # [B', S, J, 4]
+    key_ptr, entries = transpose_intervals(intervals, plan.key_tiles.long())  # grouped by (batch, key tile)
     nb, kt = key_ptr.shape[0], plan.num_key_tiles
     counts = (key_ptr[:, 1:] - key_ptr[:, :-1]).reshape(-1)
     group = torch.repeat_interleave(torch.arange(nb * kt), counts)

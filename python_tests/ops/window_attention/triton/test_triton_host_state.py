@@ -69,12 +69,12 @@ def test_a_capture_uses_the_warm_up_copies_and_never_uploads(monkeypatch):
     uploads = []
     real_upload = plan_mod._upload
     monkeypatch.setattr(plan_mod, "_upload", lambda *a: uploads.append(a) or real_upload(*a))
-    monkeypatch.setattr(plan_mod, "_stream_id", lambda device: 11)  # the warm-up's stream
+    monkeypatch.setattr(plan_mod, "stream_id", lambda device: 11)  # the warm-up's stream
     warm = plan_mod.device_plan(plan, layout, cpu)
     warm_steps = steps_mod.device_steps(steps, layout, tiles, cpu)
     assert len(uploads) == 1
     # A capture on another stream: the warm-up's copies, no upload, and they stay alive for the process.
-    monkeypatch.setattr(plan_mod, "_stream_id", lambda device: 22)
+    monkeypatch.setattr(plan_mod, "stream_id", lambda device: 22)
     monkeypatch.setattr(plan_mod, "_capturing", lambda device: True)
     assert plan_mod.device_plan(plan, layout, cpu) is warm
     assert steps_mod.device_steps(steps, layout, tiles, cpu) is warm_steps
