@@ -3,13 +3,14 @@
     op.py             the public function, validation, torch.library custom ops
     backends.py       the backend protocol and registry (explicit names, no fakes)
     reference.py      dense mask + SDPA, the oracle
-    composite/        a few standard attention calls merged by log-sum-exp (pieces, fused CUDA calls)
-    lse_attention.py  attention with its log-sum-exp and the matching backward (composite, reference, paged)
+    composite/        a few standard attention calls merged by log-sum-exp (pieces, fused CUDA calls, and
+                      query_rows.py: the same on a QueryRowsLayout, per-interval calls over groups of its rows)
+    lse_attention.py  attention with its log-sum-exp and the matching backward (composite, reference, masked_keys)
     cpp.py            the C++ CPU kernels (csrc/)
     flex.py           torch's FlexAttention over the layout's analytic BlockMask (CPU: forward only)
     dispatch.py       the measured CUDA dispatch table (dispatch_table.json): backend=None's choice by GPU measurement
-    query_rows.py     the composite backend on a QueryRowsLayout (some rows of a layout): per-interval calls
     triton/           the Triton GPU kernels: tile plan, configs, launchers, @triton.jit source
+What the ops share (registry, argument checks, acc_dtype, the Triton availability rules) is ``ops/common/``.
 """
 
 from .backends import BACKENDS, backend_limits, backends_available, default_backend, get_backend

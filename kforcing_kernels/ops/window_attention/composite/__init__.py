@@ -26,7 +26,7 @@ sees no key gets out 0 and LSE -inf, and no gradient.
     pieces.py    storage order, prefix chunks (staircase or masked), intra-window products
     cuda.py      fused CUDA kernels for each call (flash-attn, SDPA flash / efficient), with fallback
     query_rows.py  a row subset (QueryRowsLayout): per-interval calls over groups of its rows
-    ../lse_attention.py  the portable attention-with-LSE path (shared with reference, paged, masked_keys)
+    ../lse_attention.py  the portable attention-with-LSE path (shared with reference, masked_keys)
 """
 
 from __future__ import annotations
