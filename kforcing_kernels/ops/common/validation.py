@@ -9,6 +9,21 @@ from typing import Optional
 import torch
 
 
+# The dtypes the attention ops (window_attention, paged_attention) take.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t, *, rank: int, dtypes: tuple, shape: str = "") -> None:
+    """ValueError naming ``name`` unless ``t`` is a tensor of rank ``rank`` with a dtype in ``dtypes`` (``shape``:
+    the expected shape's letters for the message, e.g. ``" [B, H, L, D]"``)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank}{shape}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {dtypes}, got {t.dtype}")
+
+
 def check_scale(scale) -> Optional[float]:
     """``scale`` as a float (None passes): a positive finite real number, numpy scalars included; else ValueError."""
     if scale is None:

@@ -20,9 +20,9 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..common.registry import BackendSpec, OpRegistry
-from ..common.validation import check_scale
+from ..common.validation import ATTENTION_DTYPES, check_scale, check_tensor
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DTYPES = ATTENTION_DTYPES
 
 _HERE = "kforcing_kernels.ops.paged_attention"
 REGISTRY = OpRegistry(
@@ -97,12 +97,7 @@ def paged_attention(
 def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend, check_table=True) -> torch.Tensor:
     """Checks every argument; returns context_lens as int64 [B] on CPU."""
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected rank 4, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}: expected dtype in {SUPPORTED_DTYPES}, got {t.dtype}")
+        check_tensor(name, t, rank=4, dtypes=SUPPORTED_DTYPES)
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: expected dtype {q.dtype} (q's), got {t.dtype}")
         if t.device != q.device:

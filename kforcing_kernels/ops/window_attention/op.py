@@ -37,11 +37,11 @@ from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
-from ..common.validation import check_scale
+from ..common.validation import ATTENTION_DTYPES, check_scale, check_tensor
 from . import dispatch
 from .backends import REGISTRY, get_backend
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DTYPES = ATTENTION_DTYPES
 
 
 def window_attention(
@@ -280,12 +280,7 @@ def check_qkv(q, k, v) -> None:
     a supported dtype and one device, k and v alike, one batch and head dim, ``H % Hkv == 0`` (GQA). ValueError
     naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected rank 4 [B, H, L, D], got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}: expected dtype in {SUPPORTED_DTYPES}, got {t.dtype}")
+        check_tensor(name, t, rank=4, dtypes=SUPPORTED_DTYPES, shape=" [B, H, L, D]")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k, v: expected dtype {q.dtype} (q's), got k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:
