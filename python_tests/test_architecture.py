@@ -4,7 +4,9 @@
   a cycle hidden in a function is still a cycle);
 * the library (everything but ``kforcing_kernels.app``) imports nothing from the app;
 * no ``sys.path`` edits in the package, the benchmarks, the tools or the tests;
-* no source file over 450 lines in the package or the benchmarks.
+* no source file over 450 lines in the package or the benchmarks;
+* no module imports a private name (``_x``) of another module of the package, nor reads one as
+  ``module._x``: what another module needs is public and documented (Triton kernels keep their names).
 """
 
 from __future__ import annotations
