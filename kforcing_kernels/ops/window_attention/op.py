@@ -196,7 +196,7 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
     _validate(q, k, v, layout, scale, backend)  # raises naming the argument, as on the general path
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return None  # the general path's empty result
-    name = backend or _default_backend_for(q.device, q.dtype, q.shape[-1], layout)
+    name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     module = get_backend(name)
     eager_ops = getattr(module, "eager_ops", None)
     ops = eager_ops(q, k, v, layout) if eager_ops is not None else (module, "forward", "backward")

@@ -101,7 +101,7 @@ def test_the_environment_switches_are_part_of_the_key(monkeypatch):
     q, k, v = _qkv(layout)
     monkeypatch.delenv("KFORCING_BACKEND", raising=False)
     window_attention(q, k, v, layout)
-    assert {e.backend for e in op._eager_cache.values()} == {op._default_backend_for(q.device, q.dtype, 16, layout)}
+    assert {e.backend for e in op._eager_cache.values()} == {op.default_backend_for(q.device, q.dtype, 16, layout)}
     monkeypatch.setenv("KFORCING_BACKEND", "reference")
     window_attention(q, k, v, layout)
     assert "reference" in {e.backend for e in op._eager_cache.values()}
