@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..layouts import WindowLayout
-from ..ops.window_attention.backends import get_backend
 from ..ops.common.validation import check_scale
+from ..ops.window_attention.backends import get_backend
 from ..ops.window_attention.op import check_layout_batch, check_qkv, query_rows_backend
 from .balance import RowSplit, balanced_split
 

@@ -251,10 +251,10 @@ def _transformers_config(base: TrainConfig):
 def _folder_config(folder):
     """A model folder's transformers config, or None when transformers cannot read it (loading the model says why,
     naming --model, when its stage starts)."""
-    from ..hf_recipe.files import _transformers
+    from ..hf_recipe.files import import_transformers
 
     try:
-        return _transformers().AutoConfig.from_pretrained(str(folder))
+        return import_transformers().AutoConfig.from_pretrained(str(folder))
     except Exception:  # noqa: BLE001 (any failure is reported by the stage that loads the model)
         return None
 
