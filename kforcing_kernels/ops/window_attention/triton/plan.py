@@ -332,8 +332,7 @@ def transpose_intervals(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tup
 
 
 def build_tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) -> TilePlan:
-    """The tile plan of ``layout`` at ``tiles``, built now: no cache, no check of ``tiles`` (:func:`tile_plan` is
-    the checked, cached one; a tool that changes the module's settings, e.g. ``SLOT_WINDOW_MAX``, builds here)."""
+    """The plan of ``layout`` at ``tiles`` built now, unchecked and uncached (:func:`tile_plan` checks and caches)."""
     if isinstance(layout, QueryRowsLayout):
         # A row subset: tile mode always (every interval as tile products: the slot steps locate a row's window
         # slots by index arithmetic over the parent's rows), query tiles from the subset's rows
