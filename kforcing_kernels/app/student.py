@@ -159,6 +159,11 @@ class ModelKind(ABC):
         """The model of ``folder`` as its own library generates with it (timed beside the package), or None."""
         return None
 
+    def sliding_window(self, cfg) -> Optional[int]:
+        """The sliding window (positions) of the model that ``cfg`` (a ``TrainConfig``) trains, None when no layer
+        slides; read before any stage trains, after ``check_model_options``."""
+        return None
+
 
 # ---------------------------------------------------------------------- the registry
 

@@ -95,5 +95,31 @@ class HFKind(ModelKind):
         return files.import_transformers().AutoModelForCausalLM.from_pretrained(
             str(folder), attn_implementation="sdpa", dtype=torch.float32).to(device).eval()
 
+    def sliding_window(self, cfg) -> Optional[int]:
+        """The window of ``--model-config`` or of the ``--model`` folder's config (None when transformers cannot read
+        the folder: loading the model says why, naming --model, when its stage starts)."""
+        if cfg.model_config:
+            config = files.read_model_config(cfg.model_config)
+        elif cfg.model:
+            try:
+                config = files.import_transformers().AutoConfig.from_pretrained(str(cfg.model))
+            except Exception:  # noqa: BLE001 (any failure is reported by the stage that loads the model)
+                return None
+        else:
+            return None
+        return config_sliding_window(config)
+
+
+def config_sliding_window(config) -> Optional[int]:
+    """The sliding window of a transformers config's attention, or None when no layer slides (Qwen2 keeps a
+    ``sliding_window`` value with ``use_sliding_window=False``; Gemma-style ``layer_types`` list the sliding layers)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
 
 KIND = HFKind()

@@ -29,7 +29,7 @@ from ..files import RunLock
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
 from ..data import data_sha256
-from ..student import check_model_options, find_kind
+from ..student import check_model_options, find_kind, stage_kind
 from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
                            check_out_folder, effective_config, existing_run, teacher_sha256)
 from .loop import train
@@ -187,9 +187,9 @@ def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
     check_out_folder(pipe.out)
     # A bad model source is a usage error before any stage folder is made, not a traceback inside a stage.
     check_model_options(base.model, base.model_config)
-    config = _transformers_config(base)
-    if config is not None:
-        _check_sliding_window(pipe, base, config)
+    window = stage_kind(base).sliding_window(base)
+    if window is not None:
+        _check_sliding_window(pipe, base, window)
     return RunLock(pipe.out).acquire()
 
 
@@ -213,16 +213,13 @@ def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
                               "stage2 train with it; nothing was trained)")
 
 
-def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, config) -> None:
+def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) -> None:
     """Every stage's layouts under the model's sliding window, before the first stage trains: a window shorter than a
     later stage's K-Forcing window would otherwise be refused only when that stage starts, after the earlier ones
     trained. The layouts' own check (WindowLayout.with_sliding_window) decides, for each stage's windows: the student's
     SingleForward at its k, and its teacher's DoubleForward at k / 2."""
     from ...layouts import WindowLayout
 
-    window = model_sliding_window(config)
-    if window is None:
-        return
     for r in range(pipe.num_rounds() + 1):
         k = 2 ** r
         stage = "stage1" if k == 1 else f"stage2_k{k}"
@@ -236,39 +233,6 @@ def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, config) -> No
                 raise ConfigError(f"k_final: the model's sliding window ({window} positions) cannot hold the windows "
                                   f"of {stage} (k={k}): {exc}; use --k-final <= {window} or a model with a longer "
                                   "sliding_window (nothing was trained)") from None
-
-
-def _transformers_config(base: TrainConfig):
-    """The transformers config of the pipeline's Hugging Face model (--model-config, or the --model folder's), None for
-    the native model; after check_model_options, so the files are readable."""
-    if base.model_config:
-        from ..hf_recipe.files import read_model_config
-
-        return read_model_config(base.model_config)
-    return _folder_config(base.model) if base.model else None
-
-
-def _folder_config(folder):
-    """A model folder's transformers config, or None when transformers cannot read it (loading the model says why,
-    naming --model, when its stage starts)."""
-    from ..hf_recipe.files import import_transformers
-
-    try:
-        return import_transformers().AutoConfig.from_pretrained(str(folder))
-    except Exception:  # noqa: BLE001 (any failure is reported by the stage that loads the model)
-        return None
-
-
-def model_sliding_window(config):
-    """The sliding window of a transformers config's attention, or None when no layer slides (Qwen2 keeps a
-    ``sliding_window`` value with ``use_sliding_window=False``; Gemma-style ``layer_types`` list the sliding layers)."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
 
 
 def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list) -> dict:
