@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from ..ops.sampling import inverse_cdf_sample
+from ..ops.sampling.op import inverse_cdf_sample_unchecked
 
 DECODE_RULES = ("argmax", "residual")
 # r(z) keeps the digits of z below 1/1024. float32 uniforms (multiples of 2^-24) leave 14 bits for r.
@@ -35,14 +38,23 @@ def residual_noise(z: torch.Tensor) -> torch.Tensor:
     return r.clamp(max=1.0 - 2.0 ** -24).to(z.dtype if z.dtype.is_floating_point else torch.float32)
 
 
-def decode_slots(logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax") -> torch.Tensor:
-    """Tokens int64 ``[...]`` of slot logits ``[..., V]`` driven by their noise ``[...]`` under ``rule`` (:data:`DECODE_RULES`)."""
+def decode_slots(logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax", *,
+                 sampler: Optional[str] = None) -> torch.Tensor:
+    """Tokens int64 ``[...]`` of slot logits ``[..., V]`` driven by their noise ``[...]`` under ``rule``
+    (:data:`DECODE_RULES`).
+
+    ``sampler``: a resolved sampler backend name for a static decode step (noise already checked, on the
+    logits' device): the residual rule then samples without argument checks or host syncs; the same bits.
+    """
     if rule == "argmax":
         return logits.argmax(-1)
     if rule != "residual":
         raise ValueError(f"rule: expected one of {DECODE_RULES}, got {rule!r}")
     if noise.shape != logits.shape[:-1]:
         raise ValueError(f"noise: expected shape {tuple(logits.shape[:-1])} (the logits' [..., V] less V), got {tuple(noise.shape)}")
+    if sampler is not None:
+        one = torch.ones((), dtype=torch.float64, device=logits.device)
+        return inverse_cdf_sample_unchecked(logits.float(), residual_noise(noise), one, sampler)
     return inverse_cdf_sample(logits.float(), residual_noise(noise.to(logits.device)), 1.0)
 
 

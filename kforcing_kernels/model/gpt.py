@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.paged_attention import paged_attention
+from ..ops.paged_attention.op import paged_attention_unchecked
 from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
@@ -55,9 +56,18 @@ class PagedPast:
     context_lens: torch.Tensor  # int64 [B]
     backend: Optional[str] = None
     check_table: bool = True  # scan the table (a host sync): a cache that built it may skip it after one layer
+    # False: a static decode step (app/generation/static_step.py) built and checked the table and lengths once;
+    # the call then has no value check and no host sync (paged_attention_unchecked; backend must be resolved).
+    checked: bool = True
+    # A block's DirectBlock: KForcingLM.trunk runs the blocks' math without nn.Module calls (direct_block), the
+    # same bits with half the host work of a decode step; only for models without module hooks (no FSDP).
+    direct: Optional["DirectBlock"] = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The window's queries/keys/values ``[B, H, W, D]`` -> attention output ``[B, H, W, D]``."""
+        if not self.checked:
+            return paged_attention_unchecked(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
+                                             1.0 / math.sqrt(q.shape[-1]), self.backend)
         return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
                                backend=self.backend, check_table=self.check_table)
 
@@ -153,6 +163,51 @@ class Block(nn.Module):
         a, kv = self.attn(self.norm1(x), cos, sin, layout, past)
         x = x + a
         return x + self.mlp(self.norm2(x)), kv
+
+    def direct_weights(self) -> "DirectBlock":
+        """This block's parameters for the direct decode path (:func:`direct_block`), read once (views: in-place
+        updates of the weights show through; a replaced parameter does not)."""
+        a, m = self.attn, self.mlp
+        return DirectBlock(self.norm1.weight, self.norm1.eps, a.qkv.weight.t(), a.proj.weight.t(), self.norm2.weight,
+                           self.norm2.eps, m.fc.weight.t(), m.proj.weight.t(), a.n_head, a.head_dim)
+
+
+class DirectBlock(NamedTuple):
+    """A block's parameters as the direct decode path reads them (linear weights transposed: ``x @ W.t()``)."""
+
+    norm1: torch.Tensor
+    eps1: float
+    qkv_t: torch.Tensor
+    proj_t: torch.Tensor
+    norm2: torch.Tensor
+    eps2: float
+    fc_t: torch.Tensor
+    mlp_proj_t: torch.Tensor
+    n_head: int
+    head_dim: int
+
+
+def direct_block(x: torch.Tensor, b: int, n: int, cos2: torch.Tensor, sin2: torch.Tensor, past: PagedPast):
+    """:meth:`Block.forward` over a paged past, the math called directly: rows ``x [B * n, C]`` -> (rows, (K, V)).
+
+    The same operations on the same values as the module path, so the same bits (a test checks it): the linears
+    are the ``mm`` that ``F.linear`` runs on the flattened rows, RoPE rotates q and k together as
+    ``x * cos2 + rotate_half(x) * sin2`` (``cos2 = [cos, cos]``, ``rotate_half(x) = [-x2, x1]``: the same products,
+    added in the other order or subtracted as a negation, exactly). No ``nn.Module`` call, so no hook fires:
+    what a static decode step runs (app/generation/static_step.py) when the model has none.
+    """
+    w = past.direct
+    c = x.shape[-1]
+    qkv = torch.mm(F.rms_norm(x, (c,), w.norm1, w.eps1), w.qkv_t)
+    qkv = qkv.view(b, n, 3, w.n_head, w.head_dim).permute(2, 0, 3, 1, 4)
+    qk = qkv[:2]
+    x1, x2 = qk.chunk(2, dim=-1)
+    qk = qk * cos2 + torch.cat([-x2, x1], dim=-1) * sin2
+    k, v = qk[1], qkv[2]
+    y = past.attend(qk[0], k, v)  # [B, H, n, D]
+    x = x + torch.mm(y.transpose(1, 2).reshape(b * n, c), w.proj_t)
+    x = x + torch.mm(F.gelu(torch.mm(F.rms_norm(x, (c,), w.norm2, w.eps2), w.fc_t)), w.mlp_proj_t)
+    return x, (k, v)
 
 
 class NoiseEncoder(nn.Module):
@@ -289,6 +344,14 @@ class KForcingLM(nn.Module):
         """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_base)
         kvs = []
+        if past is not None and isinstance(past[0], PagedPast) and past[0].direct is not None:  # a static decode step
+            b, n, c = x.shape
+            cos2, sin2 = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+            x = x.reshape(b * n, c)
+            for layer_past in past:
+                x, kv = direct_block(x, b, n, cos2, sin2, layer_past)
+                kvs.append(kv)
+            return self.norm_f(x.view(b, n, c)), kvs
         for i, block in enumerate(self.blocks):
             x, kv = block(x, cos, sin, layout, None if past is None else past[i])
             kvs.append(kv)

@@ -53,11 +53,11 @@ def test_inference_bench_rows(tmp_path, capsys):
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["method"] == "ar")
     assert all((r["paged_speedup"] is None) == (r["cache"] == "contiguous") for r in rows)
-    # The paged cache never copies the cache: fewer K/V bytes per step than the contiguous cat, for every method.
+    # Both caches are read in place by the static decode step (issue 50): the same K/V bytes per step.
     for r in rows:
         if r["cache"] == "paged":
             twin = next(o for o in rows if (o["batch"], o["method"], o["k"], o["cache"]) == (r["batch"], r["method"], r["k"], "contiguous"))
-            assert r["kv_bytes_per_step"] < twin["kv_bytes_per_step"]
+            assert r["kv_bytes_per_step"] == twin["kv_bytes_per_step"]
     assert (tmp_path / "inference.json").exists() and (tmp_path / "inference.csv").exists()
     assert "K-Forcing k=2" in capsys.readouterr().out
 

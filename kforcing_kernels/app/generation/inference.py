@@ -40,31 +40,37 @@ from ...ops.sampling import inverse_cdf_sample
 from ...types import Temperature
 from ..student import kind_of
 from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
-from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
+from .serving import PagedGenerator, Request, prefill_kforcing
+from .static_step import StaticDecodeStep, check_compile_step
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
 CACHES = ("paged", "contiguous")
 
 
 class KVCache:
-    """Per-layer context K/V ``[B, H, capacity, D]`` and each request's length ``[B]``."""
+    """Per-layer context K/V of a fixed capacity, ``[B, capacity, H, D]``, and each request's length ``[B]`` (CPU).
+
+    The decode step reads it in place as a pool of B pages of ``capacity`` tokens (one per request, block
+    table ``[[0], [1], ...]``: :meth:`block_table`), through the same static step as the paged cache
+    (:class:`~kforcing_kernels.app.generation.static_step.StaticDecodeStep`), which writes each pass's K/V itself.
+    """
 
     def __init__(self, model: KForcingLM, batch: int, capacity: int, dtype: torch.dtype, device: torch.device):
         cfg = model.config
-        shape = (batch, cfg.n_head, capacity, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.lengths = torch.zeros(batch, dtype=torch.int64)  # on CPU: it shapes the layouts
+        # One tensor [layer, K/V, request, position, head, dim]: a decode step writes all layers in one index_copy_.
+        self.kv = torch.zeros((cfg.n_layer, 2, batch, capacity, cfg.n_head, cfg.head_dim), dtype=dtype, device=device)
+        self.k = [self.kv[layer, 0] for layer in range(cfg.n_layer)]  # per layer [B, capacity, H, D]
+        self.v = [self.kv[layer, 1] for layer in range(cfg.n_layer)]
+        self.lengths = torch.zeros(batch, dtype=torch.int64)  # on CPU: the host's copy, set at prefill
         self.capacity = capacity
 
     @property
     def max_length(self) -> int:
         return int(self.lengths.max())
 
-    def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) ``[B, H, L_max, D]``; positions ``>= len_b`` of request b are masked by the layout."""
-        n = self.max_length
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self.k, self.v)]
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[B, 1]``: request b's one page is page b of each layer's ``[B, capacity, H, D]`` pool."""
+        return torch.arange(len(self.lengths), dtype=torch.int32)[:, None]
 
     def append(self, kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
         """Write the first ``count`` tokens' K/V of each layer (``[B, H, >= count, D]``) at each request's length."""
@@ -73,15 +79,15 @@ class KVCache:
         if bool((self.lengths == self.lengths[0]).all()):
             start = int(self.lengths[0])
             for layer, (k, v) in enumerate(kvs):
-                self.k[layer][:, :, start:start + count] = k[:, :, :count]
-                self.v[layer][:, :, start:start + count] = v[:, :, :count]
+                self.k[layer][:, start:start + count] = k[:, :, :count].transpose(1, 2)
+                self.v[layer][:, start:start + count] = v[:, :, :count].transpose(1, 2)
         else:
             device = self.k[0].device
             rows = torch.arange(len(self.lengths), device=device)[:, None]  # [B, 1]
             cols = (self.lengths[:, None] + torch.arange(count)).to(device)  # [B, count]
             for layer, (k, v) in enumerate(kvs):
-                self.k[layer][rows, :, cols] = k[:, :, :count].transpose(1, 2)  # [B, count, H, D]
-                self.v[layer][rows, :, cols] = v[:, :, :count].transpose(1, 2)
+                self.k[layer][rows, cols] = k[:, :, :count].transpose(1, 2)  # [B, count, H, D]
+                self.v[layer][rows, cols] = v[:, :, :count].transpose(1, 2)
         self.lengths += count
 
 
@@ -146,6 +152,17 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
     return tokens.to(device), lengths
 
 
+def _compile_kwargs(model, compile_step) -> dict:
+    """``compile_step`` for the model kind's generation: only the package's own caches have a static step."""
+    if compile_step is False:
+        return {}
+    check_compile_step(compile_step, model.wte.weight.device if hasattr(model, "wte") else torch.device("cpu"))
+    if not getattr(kind_of(model), "static_step", False):
+        raise ValueError(f"compile_step: the {type(model).__name__} model decodes with its own KV cache; "
+                         f"compile_step applies to the package's caches (a native model), got {compile_step!r}")
+    return {"compile_step": compile_step}
+
+
 def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: int, cache: str) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
@@ -160,12 +177,13 @@ def _model_dtype(model: KForcingLM) -> torch.dtype:
 
 
 def _run_paged(model, requests: list[Request], k: Optional[int], page_size: int, return_logits: bool,
-               k_train: Optional[int] = None):
+               k_train: Optional[int] = None, compile_step: Union[bool, str] = False):
     """All requests join at once; returns (tokens [B, T], logits [B, T, V] or None)."""
     page_size = _check_page_size(page_size)
     num_pages = sum(math.ceil((r.prompt.numel() if isinstance(r.prompt, torch.Tensor) else len(r.prompt)) / page_size)
                     + math.ceil(r.max_new_tokens / page_size) + 1 for r in requests)
-    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits, k_train=k_train)
+    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits, k_train=k_train,
+                         compile_step=compile_step)
     while not all(r.done for r in requests):
         gen.step(requests)
     out = torch.tensor([r.tokens for r in requests], dtype=torch.int64, device=model.wte.weight.device)
@@ -197,6 +215,7 @@ def generate_kforcing(
     page_size: int = 16,
     k_train: Optional[int] = None,
     return_logits: bool = False,
+    compile_step: Union[bool, str] = False,
 ):
     """K-Forcing generation with a KV cache (paper Algorithm 1): k tokens per forward pass.
 
@@ -213,6 +232,9 @@ def generate_kforcing(
         k_train: the window the model was trained with; default ``model.k_train``
             (set by ``train.load_model``), unchecked when neither is known.
         return_logits: also return the logits ``[B, T, V]`` that decided each token.
+        compile_step: how the decode step runs (``static_step.py``; the package's own caches): False (eager,
+            the default), True (``torch.compile(fullgraph=True)``, mode ``"reduce-overhead"`` on CUDA) or
+            ``"cudagraph"`` (captured once, replayed; CUDA only). Same tokens; compiled logits within rounding.
 
     Returns:
         int64 ``[B, T]``: the generated tokens (prompts not included); with ``return_logits``, ``(tokens, logits)``.
@@ -232,20 +254,21 @@ def generate_kforcing(
     noise = noise.to(device)
     out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k,
                                                   max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
-                                                  k_train=k_train, return_logits=return_logits)
+                                                  k_train=k_train, return_logits=return_logits,
+                                                  **_compile_kwargs(model, compile_step))
     return (out, logits) if return_logits else out
 
 
 def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
                     temperature: Temperature, *, k: int, max_new_tokens: int, cache: str, page_size: int,
-                    k_train: Optional[int], return_logits: bool):
+                    k_train: Optional[int], return_logits: bool, compile_step: Union[bool, str] = False):
     """:func:`generate_kforcing`'s loop over the package's own KV caches (the native kind's, app/native.py), arguments
     checked: ``(tokens [B, T], logits [B, T, V] or None without return_logits)``."""
     (b, p_max), device, steps = tokens.shape, tokens.device, noise.shape[1]
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
-        return _run_paged(model, requests, k, page_size, return_logits, k_train)
+        return _run_paged(model, requests, k, page_size, return_logits, k_train, compile_step)
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     rule = decode_rule(model)
@@ -261,16 +284,15 @@ def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tens
     out[:, :k] = decode_slots(logits, noise[:, 0], rule)
     all_logits.append(logits)
 
+    # Decode: [k tokens just produced | k fresh noise] at positions len_b .. len_b + 2k - 1, one static step
+    # (no layout, no host work): request b's window sees its [0, len_b) of the cache, read in place.
+    step = StaticDecodeStep(model, k, kv.k, kv.v, kv.capacity, compile_step=compile_step, kv=kv.kv)
+    state = step.state(kv.lengths, kv.block_table(), temperature)
     for s in range(1, steps):
-        # Decode: [k tokens just produced | k fresh noise] at positions len_b .. len_b + 2k - 1.
-        new = out[:, (s - 1) * k: s * k]
-        x = torch.cat([model.wte(new), model.embed_noise(noise[:, s], tau)], 1)  # [B, 2k, C]
-        positions = (kv.lengths[:, None] + torch.arange(2 * k)).to(device)
-        h, kvs = model.trunk(x, positions, _window_layout(kv.max_length, kv.lengths, 2 * k, "windows"), past=kv.past())
-        kv.append(kvs, k)  # context K/V only; the noise K/V are dropped
-        logits = model.head(h[:, k:])
-        out[:, s * k:(s + 1) * k] = decode_slots(logits, noise[:, s], rule)
-        all_logits.append(logits)
+        new, logits = step(state, out[:, (s - 1) * k: s * k], noise[:, s])
+        out[:, s * k:(s + 1) * k] = new
+        if return_logits:
+            all_logits.append(logits.clone() if compile_step else logits)
     return out[:, :max_new_tokens], torch.cat(all_logits, 1)[:, :max_new_tokens] if return_logits else None
 
 
@@ -286,12 +308,13 @@ def generate_ar(
     cache: str = "paged",
     page_size: int = 16,
     return_logits: bool = False,
+    compile_step: Union[bool, str] = False,
 ):
     """AR generation with a KV cache (the baseline): one token per forward pass.
 
     Sampling is inverse-CDF of ``softmax(logits / temperature)`` at uniform noise (``[B, T]``,
     drawn from ``generator`` when not given); ``temperature=0`` is greedy. ``prompts``,
-    ``cache``, ``page_size`` and ``return_logits`` as in :func:`generate_kforcing`.
+    ``cache``, ``page_size``, ``return_logits`` and ``compile_step`` as in :func:`generate_kforcing`.
 
     Returns:
         int64 ``[B, T]`` (and the logits ``[B, T, V]`` with ``return_logits``).
@@ -309,18 +332,20 @@ def generate_ar(
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
     out, logits = kind_of(model).generate_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens,
-                                            cache=cache, page_size=page_size, return_logits=return_logits)
+                                            cache=cache, page_size=page_size, return_logits=return_logits,
+                                            **_compile_kwargs(model, compile_step))
     return (out, logits) if return_logits else out
 
 
 def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
-              temperature: Temperature, *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool):
+              temperature: Temperature, *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool,
+              compile_step: Union[bool, str] = False):
     """:func:`generate_ar`'s loop over the package's own KV caches (the native kind's), arguments checked."""
     (b, p_max), device, greedy = tokens.shape, tokens.device, is_greedy(temperature)
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
         requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
-        return _run_paged(model, requests, None, page_size, return_logits)
+        return _run_paged(model, requests, None, page_size, return_logits, compile_step=compile_step)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)
@@ -333,12 +358,13 @@ def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, no
     last = h[torch.arange(b, device=device), (lengths - 1).to(device)]  # [B, C]: each prompt's last token
     all_logits = [model.head(last)]
     out[:, 0] = pick(all_logits[0], 0)
+    step = StaticDecodeStep(model, None, kv.k, kv.v, kv.capacity, compile_step=compile_step, kv=kv.kv)
+    state = step.state(kv.lengths, kv.block_table(), 0.0 if greedy else temperature)
     for s in range(1, max_new_tokens):
-        positions = kv.lengths[:, None].to(device)  # [B, 1]
-        h, kvs = model.trunk(model.wte(out[:, s - 1: s]), positions, _window_layout(kv.max_length, kv.lengths, 1, "windows"), past=kv.past())
-        kv.append(kvs, 1)
-        all_logits.append(model.head(h[:, 0]))
-        out[:, s] = pick(all_logits[-1], s)
+        new, logits = step(state, out[:, s - 1: s], noise[:, s])
+        out[:, s] = new[:, 0]
+        if return_logits:
+            all_logits.append(logits[:, 0].clone() if compile_step else logits[:, 0])
     return out, torch.stack(all_logits, 1) if return_logits else None
 
 

@@ -64,16 +64,19 @@ class PagedKVCache:
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
             raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
         self.page_size, self.num_pages = page_size, num_pages
-        shape = (num_pages, page_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        # One tensor [layer, K/V, page, slot, head, dim]: a decode step writes every layer's K/V in one index_copy_.
+        self.kv = torch.zeros((n_layer, 2, num_pages, page_size, n_kv_heads, head_dim), dtype=dtype, device=device)
+        self.k = [self.kv[layer, 0] for layer in range(n_layer)]  # per layer [num_pages, page_size, Hkv, D]
+        self.v = [self.kv[layer, 1] for layer in range(n_layer)]
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pages are reused most-recently-freed first
         self._pages: dict[int, list[int]] = {}  # live rows -> their pages, in order
         # The same on tensors (CPU), so a step's block table, lengths and slot mapping are a few tensor ops:
         # table[row, j] = the row's j-th page (-1 past its pages), lens[row] = its length.
         self._table = torch.full((8, num_pages), -1, dtype=torch.int32)
         self._lens = torch.zeros(8, dtype=torch.int64)
+        self._npages = torch.zeros(8, dtype=torch.int64)  # pages each row holds
         self._free_rows: list[int] = []
+        self.version = 0  # bumped whenever a table entry changes: a device copy of rows of the table is then stale
 
     @classmethod
     def for_model(cls, model: KForcingLM, *, page_size: int = 16, num_pages: Optional[int] = None,
@@ -99,9 +102,11 @@ class PagedKVCache:
             while row >= self._table.shape[0]:  # grow the row tensors geometrically
                 self._table = torch.cat([self._table, torch.full_like(self._table, -1)])
                 self._lens = torch.cat([self._lens, torch.zeros_like(self._lens)])
+                self._npages = torch.cat([self._npages, torch.zeros_like(self._npages)])
         self._pages[row] = []
         self._table[row] = -1
         self._lens[row] = 0
+        self._npages[row] = 0
         return row
 
     def free(self, row: int) -> None:
@@ -110,7 +115,9 @@ class PagedKVCache:
         self._free.extend(reversed(self._pages.pop(row)))
         self._table[row] = -1
         self._lens[row] = 0
+        self._npages[row] = 0
         self._free_rows.append(row)
+        self.version += 1
 
     def length(self, row: int) -> int:
         self._check_rows([row])
@@ -158,6 +165,29 @@ class PagedKVCache:
                 new = [self._free.pop() for _ in range(n)]
                 self._pages[r].extend(new)
                 self._table[r, have:have + n] = torch.tensor(new, dtype=torch.int32)
+                self._npages[r] = have + n
+                self.version += 1
+
+    # -------------------------------------------------------------- a static decode step's bookkeeping
+
+    def pages_to_grow(self, index: torch.Tensor, count: int) -> int:
+        """Pages the rows ``index`` (int64 CPU ``[B]``, live rows, unchecked) need for ``count`` more tokens each."""
+        need = (self._lens[index] + count + self.page_size - 1) // self.page_size - self._npages[index]
+        return int(need.clamp_min(0).sum())
+
+    def grow(self, index: torch.Tensor, count: int) -> None:
+        """Account ``count`` more tokens in each of the rows ``index`` (int64 CPU ``[B]``) whose K/V a static decode
+        step writes itself (:class:`~kforcing_kernels.app.generation.static_step.StaticDecodeStep`): reserve the
+        pages they cross into (all or nothing, :class:`PagePoolFull`) and advance the lengths. Host work only;
+        the table changes (and :attr:`version` with it) only when a row crosses into a new page."""
+        if bool(((self._lens[index] + count) > self._npages[index] * self.page_size).any()):
+            rows = index.tolist()
+            self.reserve(rows, [count] * len(rows))
+        self._lens[index] += count
+
+    def table_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """int32 ``[B, num_pages]`` (CPU): the rows' full table rows (-1 past their pages)."""
+        return self._table[index]
 
     def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]) -> None:
         """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``

@@ -34,6 +34,7 @@ from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from .checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
+from .static_step import StaticDecodeStep, check_compile_step
 from ...layouts import WindowLayout
 
 
@@ -71,6 +72,10 @@ class Request:
         noise: K-Forcing ``[ceil(T / k), k]`` uniforms, AR ``[T]``; drawn from ``generator`` when None.
         temperature: tau (K-Forcing: > 0, fed to the noise encoder; AR: 0 is greedy).
         eos_id: finish as soon as this id is produced (it is kept as the last token).
+
+    ``tokens`` (the generated ids so far) is read lazily: decode steps leave their tokens on the device
+    (no sync per step, unless a request of the step has an ``eos_id``), and the first read after a step
+    copies them (one sync).
     """
 
     prompt: Union[Sequence[int], torch.Tensor]
@@ -79,12 +84,56 @@ class Request:
     temperature: float = 1.0
     eos_id: Optional[int] = None
     generator: Optional[torch.Generator] = None
-    tokens: list = field(default_factory=list)  # generated ids so far
     logits: list = field(default_factory=list)  # per step [n, V] when the generator keeps logits
     done: bool = False
     cancelled: bool = False  # dropped by PagedGenerator.cancel before it finished (done is True as well)
     row: Optional[int] = None  # cache row while running
     steps: int = 0
+    _tokens: list = field(default_factory=list, init=False, repr=False)
+    _pending: Optional[list] = field(default=None, init=False, repr=False)  # [batch, index, first pass] on the device
+
+    @property
+    def tokens(self) -> list:
+        """The generated ids so far (a list of ints)."""
+        if self._pending is not None:
+            _flush(self)
+        return self._tokens
+
+
+class _Batch:
+    """The running requests of consecutive decode steps with the same rows: one static decode state.
+
+    Made when the set of running rows changes (admission, finish, cancel, pause); holds the step's device
+    state, the noise of the passes it can run before a request finishes, the previous pass's tokens and
+    every pass's tokens on the device (copied to the requests' ``tokens`` when read or at the end).
+    """
+
+    def __init__(self, reqs: list[Request], index: torch.Tensor, state, prev: torch.Tensor, noise: torch.Tensor,
+                 left: list[int], version: int):
+        self.reqs, self.index, self.state, self.prev, self.noise = reqs, index, state, prev, noise
+        self.rows = tuple(r.row for r in reqs)
+        self.left = left  # passes each request runs in this batch before it is finished by its count
+        self.version = version  # the cache's table version the device table holds
+        self.t = 0  # passes run
+        self.chunks: list[torch.Tensor] = []  # per pass int64 [B, count] (device)
+        self.host: list[list[int]] = [[] for _ in reqs]
+        self.synced = 0
+
+    def sync(self) -> None:
+        if self.synced < len(self.chunks):
+            for row, ids in zip(self.host, torch.cat(self.chunks[self.synced:], 1).tolist()):
+                row.extend(ids)
+            self.synced = len(self.chunks)
+
+
+def _flush(r: Request) -> None:
+    """Copy the request's tokens still on the device into ``r._tokens`` (cut at ``max_new_tokens``)."""
+    batch, i, start = r._pending
+    batch.sync()
+    count = batch.chunks[0].shape[1] if batch.chunks else 0
+    ids = batch.host[i][start * count: batch.t * count]
+    r._tokens.extend(ids[: r.max_new_tokens - len(r._tokens)])
+    r._pending = [batch, i, batch.t] if r.row is not None else None
 
 
 class PagedGenerator:
@@ -100,7 +149,7 @@ class PagedGenerator:
 
     def __init__(self, model: KForcingLM, k: Optional[int] = None, *, cache: Optional[PagedKVCache] = None,
                  page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False,
-                 k_train: Optional[int] = None):
+                 k_train: Optional[int] = None, compile_step: Union[bool, str] = False):
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
@@ -114,7 +163,10 @@ class PagedGenerator:
             cache = PagedKVCache.for_model(model, page_size=page_size, num_pages=num_pages)
         self.cache = cache
         self.device = model.wte.weight.device
+        self.compile_step = check_compile_step(compile_step, self.device)
         self._running: dict[int, Request] = {}  # cache row -> the request holding it (started, not finished)
+        self._step_fn: Optional[StaticDecodeStep] = None  # made at the first decode step
+        self._batch: Optional[_Batch] = None
 
     @property
     def running(self) -> list[Request]:
@@ -139,6 +191,10 @@ class PagedGenerator:
         request.done = request.cancelled = True
 
     def _release(self, request: Request) -> None:
+        if request._pending is not None:
+            _flush(request)  # its tokens so far stay
+            request._pending = None
+        self._batch = None  # its row may be handed out again: the next decode pass forms a new batch
         del self._running[request.row]
         self.cache.free(request.row)
         request.row = None
@@ -174,7 +230,7 @@ class PagedGenerator:
         if new:
             self._finish_step(new, *self._prefill(new))
         if running:
-            self._finish_step(running, *self._decode(running))
+            self._decode(running)
         return [r for r in live if r.done]
 
     def _admission(self, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +262,8 @@ class PagedGenerator:
         page, cache = self.cache.page_size, self.cache
         grow = 1 if self.k is None else self.k  # context tokens a decode step appends
         need = sum(math.ceil(prompt.numel() / page) for prompt, _ in new)
-        need += sum(max(0, math.ceil((cache.length(r.row) + grow) / page) - len(cache.pages_of(r.row))) for r in running)
+        if running:
+            need += cache.pages_to_grow(torch.tensor([r.row for r in running], dtype=torch.int64), grow)
         if need > cache.free_pages:
             raise PagePoolFull(
                 f"page pool full: this step needs {need} more pages of {page} tokens, {cache.free_pages} of "
@@ -217,16 +274,18 @@ class PagedGenerator:
     def _finish_step(self, reqs: list[Request], new_tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """new_tokens [B, n] -> each request's tokens; finished requests free their pages."""
         for r, ids, lg in zip(reqs, new_tokens.tolist(), logits):
-            room = r.max_new_tokens - len(r.tokens)
+            if r._pending is not None:
+                _flush(r)
+            room = r.max_new_tokens - len(r._tokens)
             ids, lg = ids[:room], lg[:room]
             if r.eos_id is not None and r.eos_id in ids:
                 cut = ids.index(r.eos_id) + 1
                 ids, lg, r.done = ids[:cut], lg[:cut], True
-            r.tokens.extend(ids)
+            r._tokens.extend(ids)
             if self.keep_logits:
                 r.logits.append(lg)
             r.steps += 1
-            if len(r.tokens) >= r.max_new_tokens:
+            if len(r._tokens) >= r.max_new_tokens:
                 r.done = True
             if r.done:
                 self._release(r)
@@ -260,25 +319,77 @@ class PagedGenerator:
         logits = model.head(h[:, p_max:])  # [B, k, V]
         return decode_slots(logits, noise, decode_rule(model)), logits
 
-    def _decode(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        model, dev, b = self.model, self.device, len(reqs)
-        rows = [r.row for r in reqs]
-        lens = self.cache.lengths(rows)
-        if self.k is None:
-            last = torch.tensor([[r.tokens[-1]] for r in reqs], dtype=torch.int64, device=dev)
-            h, kvs = model.trunk(model.wte(last), lens[:, None].to(dev), None, past=self.cache.views(rows, paged_backend(model)))
-            self.cache.append(rows, kvs, [1] * b)
-            logits = model.head(h[:, 0])
-            return self._pick(reqs, logits, None)[:, None], logits[:, None]
-        k = self.k
-        prev = torch.tensor([r.tokens[-k:] for r in reqs], dtype=torch.int64, device=dev)  # the k tokens just produced
-        noise = torch.stack([r.noise[r.steps] for r in reqs]).to(dev)
-        tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
-        x = torch.cat([model.wte(prev), model.embed_noise(noise, tau)], 1)  # [B, 2k, C]
-        h, kvs = model.trunk(x, (lens[:, None] + torch.arange(2 * k)).to(dev), None, past=self.cache.views(rows, paged_backend(model)))
-        self.cache.append(rows, kvs, [k] * b)  # context K/V only; the noise K/V are dropped
-        logits = model.head(h[:, k:])
-        return decode_slots(logits, noise, decode_rule(model)), logits
+    def _decode(self, reqs: list[Request]) -> None:
+        """One static decode pass over the running requests (StaticDecodeStep): device work only, unless the
+        set of rows changed (a new batch: its state, noise and previous tokens go to the device once), a row
+        crossed into a new page (its table rows are copied again) or a request has an ``eos_id`` (one sync)."""
+        count = 1 if self.k is None else self.k
+        batch = self._batch
+        if batch is None or batch.rows != tuple(r.row for r in reqs):
+            batch = self._new_batch(reqs)
+        self.cache.grow(batch.index, count)  # host bookkeeping: pages and lengths
+        if batch.version != self.cache.version:
+            batch.state.table.copy_(self.cache.table_rows(batch.index).to(self.device, non_blocking=True))
+            batch.version = self.cache.version
+        z = batch.noise[:, batch.t]
+        tokens, logits = self._step_fn(batch.state, batch.prev, z)
+        if self.compile_step:  # the graph's own output buffers: the next pass overwrites them
+            tokens, logits = tokens.clone(), (logits.clone() if self.keep_logits else logits)
+        batch.prev = tokens
+        batch.chunks.append(tokens)
+        batch.t += 1
+        t = batch.t
+        if not (self.keep_logits or batch.eos):  # the usual case: O(1) host work per request and pass
+            for r in reqs:
+                r.steps += 1
+            if t == batch.first_finish:
+                for i, r in enumerate(reqs):
+                    if batch.left[i] == t:
+                        r.done = True
+                        self._release(r)
+            return
+        for i, r in enumerate(reqs):
+            r.steps += 1
+            take = min(count, r.max_new_tokens - batch.start[i] - (t - 1) * count)  # the pass's tokens it keeps
+            if self.keep_logits:
+                r.logits.append(logits[i, :take])
+            if r.eos_id is not None:  # this pass's tokens are read now (one sync)
+                new = r.tokens[-take:]
+                if r.eos_id in new:
+                    cut = new.index(r.eos_id) + 1
+                    del r._tokens[len(r._tokens) - take + cut:]
+                    if self.keep_logits:
+                        r.logits[-1] = r.logits[-1][:cut]
+                    r.done = True
+            if batch.left[i] == t:
+                r.done = True
+            if r.done:
+                self._release(r)
+
+    def _new_batch(self, reqs: list[Request]) -> _Batch:
+        """The device state of a new set of running rows (admission-time work: copies to the device, one sync).
+
+        Requests of an earlier batch keep their tokens there until read (``Request.tokens`` copies them)."""
+        count = 1 if self.k is None else self.k
+        if self._step_fn is None:
+            self._step_fn = StaticDecodeStep(self.model, self.k, self.cache.k, self.cache.v, self.cache.page_size,
+                                             compile_step=self.compile_step, kv=self.cache.kv)
+        index = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        start = [len(r.tokens) for r in reqs]
+        left = [math.ceil((r.max_new_tokens - n) / count) for r, n in zip(reqs, start)]
+        passes = min(left)
+        first = [r.steps for r in reqs]  # the noise of pass s of request r: r.noise[r.steps + s]
+        noise = torch.stack([r.noise[f: f + passes] for r, f in zip(reqs, first)]).to(self.device)
+        prev = torch.tensor([r.tokens[-count:] for r in reqs], dtype=torch.int64, device=self.device)
+        temperature = [0.0 if self.k is None and float(r.temperature) == 0 else float(r.temperature) for r in reqs]
+        state = self._step_fn.state(self.cache._lens[index], self.cache.table_rows(index), temperature)
+        batch = _Batch(reqs, index, state, prev, noise, left, self.cache.version)
+        batch.start, batch.first_finish = start, passes
+        batch.eos = any(r.eos_id is not None for r in reqs)
+        for i, r in enumerate(reqs):
+            r._pending = [batch, i, 0]
+        self._batch = batch
+        return batch
 
     def _pick(self, reqs: list[Request], logits: torch.Tensor, step: Optional[int]) -> torch.Tensor:
         """AR sampling: argmax where tau == 0, else inverse-CDF at each request's noise for this step."""

@@ -25,8 +25,13 @@ def available() -> Optional[str]:
     return None
 
 
-def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float) -> torch.Tensor:
-    """See :func:`kforcing_kernels.ops.paged_attention.paged_attention`; context_lens int64 on CPU."""
+def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float,
+            static: bool = False) -> torch.Tensor:
+    """See :func:`kforcing_kernels.ops.paged_attention.paged_attention`; context_lens int64 on CPU.
+
+    ``static``: context_lens may sit on q's device and every column of ``block_table`` is read (masked past each
+    length), so the work has a fixed shape and no host sync (``paged_attention_unchecked``); the same bits.
+    """
     b, h, w, d = q.shape
     hkv = k_new.shape[1]
     g = h // hkv
@@ -43,8 +48,11 @@ def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale:
     acc = p @ v_new.to(ct)  # [B, Hkv, gW, D]
 
     page = k_pages.shape[1]
-    l_max = int(context_lens.max()) if b else 0
-    n_pages = math.ceil(l_max / page)
+    if static:
+        n_pages = block_table.shape[1]
+    else:
+        l_max = int(context_lens.max()) if b else 0
+        n_pages = math.ceil(l_max / page)
     per = max(1, CHUNK_TOKENS // page)
     lens = context_lens.to(q.device)
     # Columns past a request's last page may hold anything (vLLM pads them): read page 0 there, then mask.

@@ -13,6 +13,7 @@ row i of request b sees the cached context ``[0, len_b)`` and window slots ``0..
 
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Integral
 from typing import Optional, Sequence, Union
@@ -89,6 +90,66 @@ def paged_attention(
         return torch.empty_like(q)
     module = REGISTRY.get(backend or default_paged_backend(q.device))
     return module.forward(q, k_new, v_new, k_pages, v_pages, block_table, lens, scale)
+
+
+# ---------------------------------------------------------------------- the decode step's call (no checks)
+
+
+def paged_attention_unchecked(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float,
+                              backend: str) -> torch.Tensor:
+    """:func:`paged_attention` for a static decode step: no value check, no host sync, no copy of the lengths.
+
+    The caller guarantees what :func:`paged_attention` would check: shapes and dtypes as documented there,
+    ``block_table`` (int32) and ``context_lens`` (int64 ``[B]``) on q's device, every read table entry inside
+    the pool (a :class:`~kforcing_kernels.app.generation.paged_cache.PagedKVCache` builds its tables so, and
+    the cpp kernel still checks the entries it reads), ``backend`` a resolved name (:func:`default_paged_backend`).
+    The composite backend then reads every column of the table (masked past each length) instead of
+    ``ceil(max(len) / page_size)`` of them, which would need the lengths on the host: the same bits, as the
+    masked chunks add exact zeros. Eager calls run the backend directly; under ``torch.compile`` the call is
+    the custom op ``kforcing_kernels::paged_attention`` (opaque to the graph, fullgraph-safe).
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.kforcing_kernels.paged_attention(q, k_new, v_new, k_pages, v_pages, block_table, context_lens,
+                                                          float(scale), backend)
+    return _unchecked_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend)
+
+
+def _unchecked_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend):
+    fn = _UNCHECKED.get(backend)
+    if fn is None:
+        fn = _UNCHECKED[backend] = _resolve_unchecked(backend)
+    return fn(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale)
+
+
+_UNCHECKED: dict = {}  # backend name -> its forward, resolved once (a registry lookup is an import per call)
+
+
+def _resolve_unchecked(backend: str):
+    module = REGISTRY.get(backend)
+    if backend == "composite":
+        return functools.partial(module.forward, static=True)
+    if backend == "cpp":  # the kernel itself: pools, table and lengths come contiguous from the static step
+        kernel = module._extension.load().paged_attention_forward
+
+        def cpp(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale):
+            return kernel(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages.contiguous(),
+                          v_pages.contiguous(), block_table.contiguous(), context_lens.contiguous(), scale)
+
+        return cpp
+    return module.forward
+
+
+@torch.library.custom_op("kforcing_kernels::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
+                        v_pages: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        backend: str) -> torch.Tensor:
+    return _unchecked_forward(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages, v_pages, block_table,
+                              context_lens, scale, backend).contiguous()
+
+
+@_paged_attention_op.register_fake
+def _(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend):
+    return q.new_empty(q.shape)
 
 
 # ---------------------------------------------------------------------- validation

@@ -112,6 +112,39 @@ def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, temperature: Tempe
     return REGISTRY.get(sampler_backend(logits.device)).inverse_cdf_sample(logits, z, tau)
 
 
+def inverse_cdf_sample_unchecked(logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor,
+                                 backend: str) -> torch.Tensor:
+    """:func:`inverse_cdf_sample` for a static decode step: no argument check and no host sync.
+
+    The caller guarantees z in [0, 1) of shape ``logits.shape[:-1]``, ``tau`` a tensor (scalar or that shape)
+    on the logits' device with finite values > 0, and rows with a distribution; ``backend`` a resolved name
+    (:func:`sampler_backend`). The triton backend skips its row check (a host sync); the cpp kernels still
+    check their rows. Same bits as :func:`inverse_cdf_sample` (the same kernels). Under ``torch.compile`` the
+    call is the custom op ``kforcing_kernels::inverse_cdf_sample`` (opaque to the graph, fullgraph-safe).
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.kforcing_kernels.inverse_cdf_sample(logits, z, tau, backend)
+    return _sample_unchecked(logits, z, tau, backend)
+
+
+def _sample_unchecked(logits, z, tau, backend):
+    if backend == "triton":
+        import importlib
+
+        return importlib.import_module(f"{_HERE}.triton_kernels").inverse_cdf_sample(logits, z, tau)
+    return REGISTRY.get(backend).inverse_cdf_sample(logits, z, tau)  # reference: its row check syncs (CPU oracle)
+
+
+@torch.library.custom_op("kforcing_kernels::inverse_cdf_sample", mutates_args=())
+def _inverse_cdf_sample_op(logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor, backend: str) -> torch.Tensor:
+    return _sample_unchecked(logits.contiguous(), z.contiguous(), tau.contiguous(), backend).contiguous()
+
+
+@_inverse_cdf_sample_op.register_fake
+def _(logits, z, tau, backend):
+    return z.new_empty(z.shape, dtype=torch.int64)
+
+
 def noise_inversion_reference(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
@@ -156,5 +189,6 @@ def noise_inversion(
 
 
 __all__ = [
-    "inverse_cdf_sample", "inverse_cdf_sample_reference", "noise_inversion", "noise_inversion_reference", "sampler_backend",
+    "inverse_cdf_sample", "inverse_cdf_sample_reference", "inverse_cdf_sample_unchecked",
+    "noise_inversion", "noise_inversion_reference", "sampler_backend",
 ]
