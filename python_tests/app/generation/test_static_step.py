@@ -149,3 +149,16 @@ def test_compile_step_is_checked_by_name(model, prompts):
         run(model, prompts, None, "paged", compile_step="cudagraph")
     with pytest.raises(ValueError, match="compile_step"):
         PagedGenerator(model, 2, num_pages=4, compile_step=1)
+
+
+def test_compile_step_is_refused_for_a_kind_with_its_own_cache(model, prompts, monkeypatch):
+    """Only the package's caches have a static step: a model kind that decodes with its own cache (the HF one)
+    refuses compile_step by name instead of ignoring it."""
+    from kforcing_kernels.app.generation import inference
+
+    class OwnCache:
+        pass
+
+    monkeypatch.setattr(inference, "kind_of", lambda m: OwnCache())
+    with pytest.raises(ValueError, match="compile_step: the KForcingLM model decodes with its own KV cache"):
+        run(model, prompts, 2, "paged", compile_step=True)
