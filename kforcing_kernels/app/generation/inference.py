@@ -252,10 +252,10 @@ def generate_kforcing(
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
+    extra = _compile_kwargs(model, compile_step)
     out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k,
                                                   max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
-                                                  k_train=k_train, return_logits=return_logits,
-                                                  **_compile_kwargs(model, compile_step))
+                                                  k_train=k_train, return_logits=return_logits, **extra)
     return (out, logits) if return_logits else out
 
 
@@ -331,9 +331,9 @@ def generate_ar(
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
+    extra = _compile_kwargs(model, compile_step)
     out, logits = kind_of(model).generate_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens,
-                                            cache=cache, page_size=page_size, return_logits=return_logits,
-                                            **_compile_kwargs(model, compile_step))
+                                            cache=cache, page_size=page_size, return_logits=return_logits, **extra)
     return (out, logits) if return_logits else out
 
 
