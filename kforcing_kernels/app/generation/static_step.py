@@ -20,12 +20,15 @@ temperatures, the per-layer :class:`~kforcing_kernels.model.PagedPast` views), s
 * tokens: K-Forcing's slot rule (:func:`~kforcing_kernels.model.decoding.decode_slots`), AR's inverse-CDF
   sample (argmax where tau is 0), through the unchecked sampler.
 
+Eager, the blocks run without ``nn.Module`` calls (:func:`~kforcing_kernels.model.gpt.direct_block`, the same
+bits; not when a module hook is registered) and, when the pools are views of one ``[layers, 2, ...]`` tensor
+(both caches allocate so), every layer's K/V is written with one ``index_copy_``.
+
 The same step runs eager, under ``torch.compile(fullgraph=True)`` (``compile_step=True``; mode
 ``"reduce-overhead"`` on CUDA, the default mode elsewhere) or captured in a ``torch.cuda.CUDAGraph``
 and replayed (``compile_step="cudagraph"``, CUDA only). The host pays the Python of one step (eager),
-or one graph call. Eager is the default: compiling costs seconds to minutes per batch shape, which a
-short generation does not win back (on CPU compiled steps are slower still: the cpp kernels are opaque
-custom ops either way).
+or one graph call. Eager is the default everywhere: compiling costs seconds to minutes per batch shape,
+which a short generation does not win back; on CUDA the serving benchmark decides (BENCHMARKS.md, issue 50).
 """
 
 from __future__ import annotations
