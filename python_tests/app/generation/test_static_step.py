@@ -162,3 +162,22 @@ def test_compile_step_is_refused_for_a_kind_with_its_own_cache(model, prompts, m
     monkeypatch.setattr(inference, "kind_of", lambda m: OwnCache())
     with pytest.raises(ValueError, match="compile_step: the KForcingLM model decodes with its own KV cache"):
         run(model, prompts, 2, "paged", compile_step=True)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "composite"])
+def test_the_steps_custom_ops_pass_opcheck(backend):
+    """The two ops a compiled step calls opaquely: their fake (meta) results and schemas match the real ones."""
+    from kforcing_kernels.ops import sampling  # noqa: F401 - registers kforcing_kernels::inverse_cdf_sample
+    from kforcing_kernels.ops.paged_attention import op as paged_op
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 8, generator=gen) for _ in range(3))
+    k_pages, v_pages = torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)
+    table, lens = torch.tensor([[4, 1], [2, 0]]), torch.tensor([5, 3])
+    args = (q, k, v, k_pages, v_pages, table, lens, 0.35, backend)
+    torch.library.opcheck(torch.ops.kforcing_kernels.paged_attention.default, args)
+    ref = paged_op.paged_attention(q, k, v, k_pages, v_pages, table, lens, scale=0.35, backend="reference")
+    torch.testing.assert_close(torch.ops.kforcing_kernels.paged_attention(*args), ref, atol=1e-5, rtol=1e-5)
+    logits, z = torch.randn(3, 10, generator=gen), torch.rand(3, generator=gen)
+    torch.library.opcheck(torch.ops.kforcing_kernels.inverse_cdf_sample.default,
+                          (logits, z, torch.full((3,), 0.8, dtype=torch.float64), "cpp"))
