@@ -3,7 +3,7 @@
     python -m bench infer --quick                 # CPU, seconds: micro model, batch 2/4, 8 new tokens
     python -m bench infer                         # k = 1, 2, 4 at batch 4, 16; prompt 64; 64 new tokens (short on CPU)
     python -m bench infer --full                  # the grid: batch 4, 16, 128; prompt 64 and 512; 256 new tokens
-    python -m bench infer --paper --device cuda --compile cudagraph --hf eager   # K-Forcing's Table 1 protocol:
+    python -m bench infer --paper --device cuda --compile cudagraph --hf eager --hf-reps 1   # Table 1 protocol:
         # paper backbone (12 x 768, vocab 50258, random weights), bf16, 64-token prompts to 1,024 tokens (960 new),
         # AR and k = 2, 4 on both caches at batch 4, 16, 128, 1 warm-up + 3 timed runs; + the HF baseline row
     python -m bench infer --host-cost             # host time per forward pass (CPU, eager, 12 layers of width 16)
@@ -48,7 +48,7 @@ import time
 import torch
 
 from kforcing_kernels import default_backend
-from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser
+from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser, positive_int
 
 from .._cli import (
     add_model_args,
@@ -199,8 +199,9 @@ def run(args) -> dict:
                    "compile": args.compile, "forward_passes": t if k is None else -(-t // k), "new_tokens": t,
                    **(kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt) if method != "hf_generate"
                       else {"kv_bytes_per_step": None, "cache_bytes": None})}
+            reps = args.hf_reps if method == "hf_generate" and args.hf_reps else args.reps
             try:
-                timing = _timed(fn, args.warmup, args.reps, args.max_seconds, device)
+                timing = _timed(fn, args.warmup, reps, args.max_seconds, device)
             except Exception as exc:  # noqa: BLE001 - an error row, the run goes on
                 row.update(status="error", reason=failure_reason(exc), median_ms=None, min_ms=None, reps=0,
                            tokens_per_s=None, peak_bytes=None, compile_s=None, speedup_vs_ar=None, paged_speedup=None)
@@ -370,6 +371,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hf", choices=("eager", "compile"), default=None,
                    help="add the Hugging Face generate baseline (static cache) as a row: eager, or compiled by "
                         "generate itself (CUDA; minutes of compiling per batch size)")
+    p.add_argument("--hf-reps", type=positive_int, default=None,
+                   help="timed runs of the HF row (None: --reps); its eager generate is far slower per token")
     p.add_argument("--host-cost", action="store_true",
                    help=f"host ms, Python calls and aten ops per forward pass instead (CPU, eager, compute ~0): "
                         f"{HOST_COST}")

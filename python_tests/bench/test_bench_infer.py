@@ -33,7 +33,7 @@ def test_quick_run_writes_each_row_as_it_finishes(tmp_path, monkeypatch, capsys)
         real(report, path, **kw)
 
     monkeypatch.setattr(inference, "write_json", spy)
-    report = inference.main(SMALL + ["--hf", "eager", "--out", str(tmp_path)])
+    report = inference.main(SMALL + ["--hf", "eager", "--hf-reps", "1", "--out", str(tmp_path)])
     rows = report["rows"]
     methods = [(r["method"], r["k"], r["cache"]) for r in rows]
     assert methods == [("ar", None, "contiguous"), ("kforcing", 2, "contiguous"), ("kforcing", 4, "contiguous"),
