@@ -148,15 +148,14 @@ STEPS: tuple[Step, ...] = (
          "N=4096, B=4, k 4 -> 8 with activation checkpointing (without it: out of memory, 38 s)", pending=("--ac",)),
     # ---------------------------------------------------------------- call 2 (<= 240 s)
     Step("serving", 2, 150,
-         _m("bench", "infer", "--device", "cuda", "--preset", "paper", "--dtype", "bfloat16", "--k", "2,4",
-            "--batch-sizes", "4", "--prompt-len", "64", "--new-tokens", "960", "--warmup", "1", "--reps", "5",
-            "--max-seconds", "60", "--no-progress", "--out", "{work}/serving"),
-         _m("bench", "infer", "--device", "cpu", "--preset", "micro", "--dtype", "float32", "--k", "2",
-            "--batch-sizes", "2", "--prompt-len", "4", "--new-tokens", "4", "--warmup", "0", "--reps", "1",
-            "--no-progress", "--out", "{work}/serving"),
-         "PLACEHOLDER (the serving branch replaces these args with a protocol that fits 150 s and its "
-         "compiled/captured flag): K-Forcing's Table 1 protocol; batch 4 alone did not finish in 170 s on the H200",
-         placeholder=True),
+         _m("bench", "infer", "--paper", "--device", "cuda", "--compile", "cudagraph", "--hf", "eager", "--hf-reps",
+            "1", "--no-progress", "--out", "{work}/serving"),
+         _m("bench", "infer", "--quick", "--device", "cpu", "--batch-sizes", "2", "--new-tokens", "4", "--warmup",
+            "0", "--reps", "1", "--hf", "eager", "--no-progress", "--out", "{work}/serving"),
+         "K-Forcing's Table 1 protocol (issue 50): paper backbone, bf16, 64-token prompts to 1,024 tokens, AR and "
+         "k = 2 / 4 on both caches at batch 4 / 16 / 128, the decode step captured in a CUDA graph, 1 warm-up + 3 "
+         "timed runs, each row written as it finishes; + HF generate (static cache, eager) timed once; estimated "
+         "~2 min (the eager step took > 170 s for batch 4 alone)"),
     Step("table_d64", 2, 45, _m("bench", "gpu", *_TABLE, "--dim", "64", "--json", "{work}/table_d64.json"),
          _m("bench", "gpu", *_DRY_TABLE, "--dim", "64", "--json", "{work}/table_d64.json"),
          "the README table (render: python -m bench gpu --render table_d*.json)"),
@@ -164,6 +163,12 @@ STEPS: tuple[Step, ...] = (
          _m("bench", "gpu", *_DRY_TABLE, "--dim", "64", "--json", "{work}/table_d128.json"),
          "the README table at D=128"),
     # ---------------------------------------------------------------- extras (--only NAME), not in either call
+    Step("serving_capture", 0, 150,
+         _m("pytest", "{test:test_static_step_cuda.py}", "-q", "-p", "no:cacheprovider", "-rfEs",
+            "--junitxml={work}/serving_capture.xml"),
+         _m("pytest", "{test:test_static_step_cuda.py}", "-q", "-p", "no:cacheprovider", "--collect-only"),
+         "issue 50: a CUDA-graph replay gives the eager step's bits, the compiled step (reduce-overhead) the eager "
+         "tokens, AR and k = 4, both caches (inductor compiles: minutes)"),
     Step("sampler", 0, 20, _m("bench", "gpu-script", "sampler"),
          _m("bench", "gpu-script", "sampler", "--dry-run"),
          "the Triton sampler vs float64 (equal on the H200, 13 s)"),
