@@ -77,23 +77,25 @@ def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
         assert 2 * r["cache_bytes"] == fp32["cache_bytes"], r
 
 
-def test_gpu_check_serving_steps_follow_the_papers_protocol(tmp_path):
-    """bench/gpu/gpu_check.sh's opt-in serving steps pass `bench infer` arguments it accepts, and they are
-    K-Forcing's Table 1 protocol: paper backbone, bf16, 64-token prompts to 1,024 tokens, k = 2 / 4,
-    batch 4 / 16 / 128, 5 timed runs after a warm-up."""
-    import os
-    import re
+def test_gpu_check_serving_step_follows_the_papers_protocol(tmp_path):
+    """`bench gpu-check`'s serving step (bench/gpu/check.py) passes `bench infer` arguments it accepts, and they are
+    K-Forcing's Table 1 protocol (issue 50): paper backbone, bf16, 64-token prompts to 1,024 tokens, AR and
+    k = 2 / 4 on both caches, batch 4 / 16 / 128, 3 timed runs after a warm-up, the step captured in a CUDA graph,
+    and the HF baseline row."""
+    from unittest import mock
 
-    text = open(os.path.join(str(REPO), "bench", "gpu", "gpu_check.sh")).read()
-    loop = re.search(r'for b in ([\d ]+); do\s+run_step "10_serving_b\$b" \d+ \d+ "\$PY" -m bench infer ((?:\\\n|[^\n])*)', text)
-    assert loop is not None
-    assert [int(b) for b in loop.group(1).split()] == [4, 16, 128]
-    argv = [a.replace('"$OUT_DIR/', str(tmp_path) + "/").replace('"$b"', "4").rstrip('"')
-            for a in loop.group(2).replace("\\\n", " ").split()]
-    assert argv[argv.index("--device") + 1] == "cuda"
-    argv[argv.index("--device") + 1] = "cpu"  # parsing checks the device exists
-    args = inference.parse_args(argv)
-    assert (args.preset, args.dtype, args.k, args.batch_sizes) == ("paper", "bfloat16", [2, 4], [4])
+    import torch
+
+    from bench.gpu import check
+
+    serving = next(s for s in check.STEPS if s.name == "serving")
+    argv = check.expand(serving.argv, str(tmp_path))
+    assert argv[:4] == ["-m", "bench", "infer", "--paper"]
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 1):  # parsing checks the device exists
+        args = inference.parse_args(argv[3:])
+    assert (args.preset, args.dtype, args.k, args.batch_sizes) == ("paper", "bfloat16", [2, 4], [4, 16, 128])
     assert [p + args.new_tokens for p in args.prompt_len] == [1024] and args.prompt_len == [64]
-    assert (args.warmup, args.reps) == (1, 5) and set(args.cache) == {"paged", "contiguous"}
+    assert (args.warmup, args.reps) == (1, 3) and set(args.cache) == {"paged", "contiguous"}
+    assert (args.compile, args.hf, args.device) == ("cudagraph", "eager", "cuda")
     assert args.out.startswith(str(tmp_path))
