@@ -10,7 +10,6 @@ pytest.importorskip("kforcing_kernels.model", reason="the reference model (kforc
 
 from bench.inference import serving as inference
 from bench.training import train_step
-from helpers import REPO
 
 TINY = ["--preset", "micro", "--threads", "1", "--warmup", "0", "--reps", "1"]
 
