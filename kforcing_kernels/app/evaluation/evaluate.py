@@ -257,9 +257,18 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
                          "pass a judge trained on the run's --data and --vocab-size")
     if info.get("k", 0) != 0:
         raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
-    steps = info.get("train_config", {}).get("steps")
-    what = "the run's Stage-0 AR teacher" if judge is None else "a separately trained AR model"
-    return model, f"{what} ({folder}, {steps} steps)"
+    return model, judge_description(folder, info, given=judge is not None)
+
+
+def judge_description(folder: Path, info: dict, given: bool) -> str:
+    """How the report names the judge: which model (the run's own AR teacher or one given), its folder, and how it was
+    trained (its steps; a pretrained Hugging Face model was not trained by this package and says so)."""
+    if is_hf_source(folder):
+        what = "a pretrained Hugging Face model" if given else "the run's AR teacher, a pretrained Hugging Face model"
+        return f"{what} ({folder})"
+    steps = (info.get("train_config") or {}).get("steps")
+    what = "a separately trained AR model" if given else "the run's Stage-0 AR teacher"
+    return f"{what} ({folder}, {steps} steps)" if steps is not None else f"{what} ({folder})"
 
 
 def evaluate_pipeline(
