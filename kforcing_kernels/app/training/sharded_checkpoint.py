@@ -18,8 +18,12 @@ torn and corrupted files, not against a hostile author: DCP's ``.metadata`` is a
 checkpoints you trust (the exported ``model.safetensors`` is the file to share).
 
 ``python -m kforcing_kernels.app.training.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
-writes a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
-:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads, in one process, without a process group.
+writes, in one process and without a process group, the model whole (DCP gathers every rank's shards): for the
+native model a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
+:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads; for a Hugging Face student the stage folder a
+finished stage is (:func:`~kforcing_kernels.app.hf_recipe.files.save_hf_stage`: ``save_pretrained`` of the backbone and
+of the run's tokenizer, ``noise_embedding.safetensors``, ``model.json``), which ``from_pretrained`` and
+:func:`~kforcing_kernels.app.hf_recipe.files.load_hf_stage` load.
 """
 
 from __future__ import annotations
@@ -228,10 +232,15 @@ def check_export_out(checkpoint: Path, out: Path) -> None:
 
 
 def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
-    """A plain ``model.safetensors`` + ``model.json`` in ``out`` from a sharded checkpoint folder (one process).
+    """The model of a sharded checkpoint folder, whole, in ``out`` (one process); returns ``out / "model.json"``.
 
-    ``tokenizer``: the run's tokenizer.json (default: the one in the run folder above ``checkpoints/``), copied
-    beside the model so :func:`~kforcing_kernels.app.training.checkpoint.load_model` checks and returns it."""
+    Native model: ``model.safetensors`` + ``model.json``; ``tokenizer``: the run's tokenizer.json (default: the one in
+    the run folder above ``checkpoints/``), copied beside the model so
+    :func:`~kforcing_kernels.app.training.checkpoint.load_model` checks and returns it.
+
+    Hugging Face student: the stage folder (module docstring); ``tokenizer``: a Hugging Face tokenizer folder or a
+    ``tokenizer.json`` (default: the run's teacher folder when it is a Hugging Face one, else the run's tokenizer.json
+    with the package's EOS, what the finished stage would have saved), refused unless it is the run's tokenizer."""
     import torch.distributed.checkpoint as dcp
 
     from ...model import KForcingLM, ModelConfig
@@ -239,16 +248,16 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
-    if "model_type" in manifest["model_config"]:  # a Hugging Face model: its stage folder is the export
-        raise CheckpointError(f"checkpoint: {checkpoint} holds a Hugging Face model ({manifest['model_config']['model_type']}); "
-                              "a finished stage folder is its save_pretrained export, and --resume continues an unfinished one")
+    cfg = manifest["train_config"]
+    record = {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
+              "exported_from": str(checkpoint), "step": manifest["step"]}
+    if "model_type" in manifest["model_config"]:  # a Hugging Face student: exported as its stage folder
+        return _export_hf(checkpoint, out, manifest, record, tokenizer)
     model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     model.load_state_dict(state["model"])
-    cfg = manifest["train_config"]
-    save_model(out, model, {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
-                            "exported_from": str(checkpoint), "step": manifest["step"]})
+    save_model(out, model, record)
     tokenizer = Path(tokenizer) if tokenizer else checkpoint.parent.parent / "tokenizer.json"
     if tokenizer.is_file():
         from ..files import write_bytes
@@ -257,14 +266,123 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     return out / "model.json"
 
 
+def _saved_tensor_shapes(checkpoint: Path) -> dict[str, tuple]:
+    """name -> full shape of every tensor DCP saved under ``model.`` (from its metadata; no tensor is read)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {name.removeprefix("model."): tuple(meta.size) for name, meta in metadata.items()
+            if name.startswith("model.") and hasattr(meta, "size")}
+
+
+def _export_hf(checkpoint: Path, out: Path, manifest: dict, record: dict, tokenizer: Optional[Path]) -> Path:
+    """A Hugging Face student's sharded checkpoint as its stage folder (``save_hf_stage``), from the full state dict."""
+    import torch.distributed.checkpoint as dcp
+
+    from ...integrations.hf_noise import NoiseEmbedding
+    from ..hf_recipe.files import _transformers, save_hf_stage
+    from ..hf_recipe.student import HFStudent
+
+    tf = _transformers()
+    values = manifest["model_config"]
+    try:
+        config = tf.AutoConfig.for_model(**values)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{checkpoint / MANIFEST}: its model_config is not a transformers config this transformers "
+                              f"builds ({type(exc).__name__}: {exc})") from None
+    # The noise embedding's feature counts are read off its saved layers (DCP metadata): z_in takes
+    # 2 * (noise_features // 2) features, tau_mlp.0 2 + 2 * (tau_features // 2).
+    shapes = _saved_tensor_shapes(checkpoint)
+    try:
+        noise = NoiseEmbedding(config.hidden_size, noise_features=shapes["noise_encoder.z_in.weight"][1],
+                               tau_features=shapes["noise_encoder.tau_mlp.0.weight"][1] - 2)
+    except KeyError as exc:
+        raise CheckpointError(f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's checkpoint") from None
+    hf_tokenizer = _hf_tokenizer(checkpoint, manifest, tokenizer)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
+    student = HFStudent(model.float(), noise, k_train=manifest["info"].get("k"))
+    state = {"model": {name: t for name, t in student.state_dict().items() if name in shapes}}  # a tied head is saved once
+    missing = sorted(set(student.state_dict()) - set(shapes) - set(student.tied_keys()))
+    if missing:
+        raise CheckpointError(f"{checkpoint}: model or optimizer state does not match its model_config (no {missing[0]!r})")
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    student.load_state_dict(state["model"], strict=False)  # loaded in place; a tied head follows its embedding
+    save_hf_stage(out, student.eval(), record, hf_tokenizer)
+    return out / "model.json"
+
+
+def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
+    """The tokenizer the finished stage would have saved (see :func:`export_model`), checked against the run's."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from ..data import EOS
+    from ..hf_recipe.files import is_hf, is_hf_stage
+    from .checkpoint import literal_specials
+
+    info, run = manifest["info"], checkpoint.parent.parent
+    teacher = info.get("teacher") or manifest["train_config"].get("teacher")
+    if given:
+        source, what = Path(given), "--tokenizer"
+    elif teacher:  # a distilled stage: the teacher's tokenizer, as the trainer used (eos token and all)
+        if not is_hf(teacher):
+            raise CheckpointError(f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not here "
+                                  "(moved or deleted); pass --tokenizer, a folder holding that tokenizer (the teacher's)")
+        source, what = Path(teacher), f"the run's teacher {teacher}"
+    elif is_hf_stage(run):  # a finished Stage 0: the stage folder holds its tokenizer already
+        source, what = run, f"the run folder {run}"
+    else:  # an unfinished Stage 0 of a --model-config run: the package's BPE
+        source, what = run / "tokenizer.json", "the run's tokenizer.json"
+    try:
+        if source.is_dir():
+            tok = AutoTokenizer.from_pretrained(str(source))
+            backend = literal_specials(tok.backend_tokenizer)
+        elif source.is_file():
+            backend = literal_specials(Tokenizer.from_file(str(source)))
+            tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(source)), eos_token=EOS)
+        else:
+            raise OSError("not found")
+    except Exception as exc:  # OSError, ValueError, and the plain Exception tokenizers raises for a malformed file
+        raise CheckpointError(f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, the "
+                              "run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json") from None
+    want = info.get("tokenizer_sha256")
+    if want is not None and not _same_tokenizer(backend, want):
+        raise CheckpointError(f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass --tokenizer, "
+                              "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json")
+    return tok
+
+
+def _same_tokenizer(backend, want: str) -> bool:
+    """``backend`` is the tokenizer of SHA-256 ``want`` (:func:`~kforcing_kernels.app.training.checkpoint.tokenizer_sha256`),
+    also once wrapped by ``PreTrainedTokenizerFast``: the wrapper adds a post-processor that adds no token."""
+    import hashlib
+    import json
+
+    from .checkpoint import tokenizer_sha256
+
+    if tokenizer_sha256(backend) == want:
+        return True
+    data = json.loads(backend.to_str())
+    post = data.get("post_processor")
+    if not (isinstance(post, dict) and post.get("type") == "TemplateProcessing" and not post.get("special_tokens")):
+        return False
+    data["post_processor"] = None  # as the package's BPE was before the wrapper
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest() == want
+
+
 def main(argv=None) -> None:
     from ..cli import make_parser
 
     # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
     parser = make_parser("python -m kforcing_kernels.app.training.sharded_checkpoint",
-                         "Export a sharded (--parallel fsdp) checkpoint as a plain model.safetensors.")
+                         "Export a sharded (--parallel fsdp) checkpoint whole: a plain model.safetensors, or for a "
+                         "Hugging Face student its stage folder (save_pretrained + noise embedding).")
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
-    parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and tokenizer.json")
+    parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and the tokenizer")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer folder "
+                             "(default: the run folder's tokenizer.json; a Hugging Face student: its teacher's folder)")
     args = parser.parse_args(argv)
     from .config import ConfigError
 
@@ -279,7 +397,7 @@ def main(argv=None) -> None:
             parser.error(f"checkpoint: no sharded checkpoint in {source} (expected {checkpoint_dir(source)}/step_*.dcp)")
         source = found[-1]
     try:
-        print(export_model(source, args.out))
+        print(export_model(source, args.out, args.tokenizer))
     except (CheckpointError, ConfigError) as exc:
         parser.error(str(exc))
 
