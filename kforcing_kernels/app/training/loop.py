@@ -61,7 +61,8 @@ PROGRESS_SECONDS = 30.0
 class ProgressLines:
     """When to print a plain progress line without a live bar: after the first step (it shows the step time), about
     ten times over the run (every ``(stop - start) // 10`` steps), whenever ``seconds`` passed since the last line
-    (a slow stage otherwise stays silent for minutes), and at the last step. ``seconds``: default :data:`PROGRESS_SECONDS`; ``clock``: seconds, monotonic."""
+    (a slow stage otherwise stays silent for minutes), and at the last step. ``seconds``: default
+    :data:`PROGRESS_SECONDS`; ``clock``: seconds, monotonic."""
 
     def __init__(self, start: int, stop: int, seconds: Optional[float] = None, clock=time.monotonic):
         self.start, self.stop, self.clock = start, stop, clock
@@ -159,7 +160,8 @@ def threads_line(dims: ParallelDims) -> str:
         return f"device {dims.device}"
     ranks = f" per rank ({dims.world} ranks)" if dims.world > 1 else ""
     n = torch.get_num_threads()
-    return f"device cpu, {n} thread{'s' if n != 1 else ''}{ranks} (--threads N sets it; on a busy machine try --threads 1)"
+    threads = f"{n} thread{'s' if n != 1 else ''}{ranks}"
+    return f"device cpu, {threads} (--threads N sets it; on a busy machine try --threads 1)"
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:

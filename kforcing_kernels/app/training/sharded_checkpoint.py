@@ -288,7 +288,7 @@ def _export_hf(checkpoint: Path, out: Path, manifest: dict, record: dict, tokeni
     try:
         config = tf.AutoConfig.for_model(**values)
     except (ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"{checkpoint / MANIFEST}: its model_config is not a transformers config this transformers "
+        raise CheckpointError(f"{checkpoint / MANIFEST}: its model_config is not a config this transformers "
                               f"builds ({type(exc).__name__}: {exc})") from None
     # The noise embedding's feature counts are read off its saved layers (DCP metadata): z_in takes
     # 2 * (noise_features // 2) features, tau_mlp.0 2 + 2 * (tau_features // 2).
@@ -297,14 +297,16 @@ def _export_hf(checkpoint: Path, out: Path, manifest: dict, record: dict, tokeni
         noise = NoiseEmbedding(config.hidden_size, noise_features=shapes["noise_encoder.z_in.weight"][1],
                                tau_features=shapes["noise_encoder.tau_mlp.0.weight"][1] - 2)
     except KeyError as exc:
-        raise CheckpointError(f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's checkpoint") from None
+        raise CheckpointError(f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's "
+                              "checkpoint") from None
     hf_tokenizer = _hf_tokenizer(checkpoint, manifest, tokenizer)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
     student = HFStudent(model.float(), noise, k_train=manifest["info"].get("k"))
-    state = {"model": {name: t for name, t in student.state_dict().items() if name in shapes}}  # a tied head is saved once
+    # A tied head is saved once, under its embedding's name.
+    state = {"model": {name: t for name, t in student.state_dict().items() if name in shapes}}
     missing = sorted(set(student.state_dict()) - set(shapes) - set(student.tied_keys()))
     if missing:
-        raise CheckpointError(f"{checkpoint}: model or optimizer state does not match its model_config (no {missing[0]!r})")
+        raise CheckpointError(f"{checkpoint}: the saved model does not match its model_config (no {missing[0]!r})")
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     student.load_state_dict(state["model"], strict=False)  # loaded in place; a tied head follows its embedding
     save_hf_stage(out, student.eval(), record, hf_tokenizer)
@@ -326,8 +328,8 @@ def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
         source, what = Path(given), "--tokenizer"
     elif teacher:  # a distilled stage: the teacher's tokenizer, as the trainer used (eos token and all)
         if not is_hf(teacher):
-            raise CheckpointError(f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not here "
-                                  "(moved or deleted); pass --tokenizer, a folder holding that tokenizer (the teacher's)")
+            raise CheckpointError(f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not "
+                                  "here (moved or deleted); pass --tokenizer, a folder holding that tokenizer")
         source, what = Path(teacher), f"the run's teacher {teacher}"
     elif is_hf_stage(run):  # a finished Stage 0: the stage folder holds its tokenizer already
         source, what = run, f"the run folder {run}"
@@ -343,18 +345,19 @@ def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
         else:
             raise OSError("not found")
     except Exception as exc:  # OSError, ValueError, and the plain Exception tokenizers raises for a malformed file
-        raise CheckpointError(f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, the "
-                              "run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json") from None
+        raise CheckpointError(f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, "
+                              "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json") from None
     want = info.get("tokenizer_sha256")
     if want is not None and not _same_tokenizer(backend, want):
-        raise CheckpointError(f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass --tokenizer, "
-                              "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json")
+        raise CheckpointError(f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass "
+                              "--tokenizer, the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json")
     return tok
 
 
 def _same_tokenizer(backend, want: str) -> bool:
-    """``backend`` is the tokenizer of SHA-256 ``want`` (:func:`~kforcing_kernels.app.training.checkpoint.tokenizer_sha256`),
-    also once wrapped by ``PreTrainedTokenizerFast``: the wrapper adds a post-processor that adds no token."""
+    """``backend`` is the tokenizer of SHA-256 ``want``
+    (:func:`~kforcing_kernels.app.training.checkpoint.tokenizer_sha256`), also once wrapped by
+    ``PreTrainedTokenizerFast``: the wrapper adds a post-processor that adds no token."""
     import hashlib
     import json
 
@@ -381,8 +384,9 @@ def main(argv=None) -> None:
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
     parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and the tokenizer")
     parser.add_argument("--tokenizer", default=None,
-                        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer folder "
-                             "(default: the run folder's tokenizer.json; a Hugging Face student: its teacher's folder)")
+                        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer "
+                             "folder (default: the run folder's tokenizer.json; a Hugging Face student: its "
+                             "teacher's folder)")
     args = parser.parse_args(argv)
     from .config import ConfigError
 

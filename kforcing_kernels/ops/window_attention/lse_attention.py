@@ -193,6 +193,12 @@ def _tile_span(r0: int, r1: int, lk: int, causal: bool, allowed: Optional[torch.
     return klo, khi
 
 
+def _tile_rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """[B, Hkv, g, L, *] -> rows ``[r0, r1)`` of a K/V head's g query heads stacked: [B * Hkv, g * (r1 - r0), *]."""
+    b, hkv, g = x.shape[:3]
+    return x[:, :, :, r0:r1].reshape(b * hkv, g * (r1 - r0), -1)
+
+
 def _attend_tiled_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, acc_grads=False):
     """The CPU backward (module docstring): tiles of query rows, each over the keys it sees.
 
@@ -218,10 +224,10 @@ def _attend_tiled_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, a
         if klo >= khi:  # no row of the tile sees a key: no gradient
             continue
         r, span = r1 - r0, khi - klo
-        tile = lambda x: x[:, :, :, r0:r1].reshape(b * hkv, g * r, -1)  # noqa: E731
-        qc, doc = tile(qg).to(ct), tile(dog).to(ct)
+        qc, doc = _tile_rows(qg, r0, r1).to(ct), _tile_rows(dog, r0, r1).to(ct)
         kc, vc = kf[:, klo:khi], vf[:, klo:khi]
-        p = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale).sub_(tile(lse_g[..., None])).exp_()  # [B*Hkv, g*r, span]
+        # P [B * Hkv, g * r, span]
+        p = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale).sub_(_tile_rows(lse_g[..., None], r0, r1)).exp_()
         if allowed is not None:
             vis = allowed[:, :, r0:r1, klo:khi]
             if causal:
@@ -230,7 +236,7 @@ def _attend_tiled_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, a
         elif causal and khi > r0:  # only the diagonal block holds keys past a row: mask it alone
             hidden = torch.arange(r0, khi, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
             p.view(b * hkv, g, r, span)[..., r0 - klo:].masked_fill_(hidden, 0.0)
-        ds = torch.bmm(doc, vc.transpose(1, 2)).sub_(tile(delta[..., None])).mul_(p)
+        ds = torch.bmm(doc, vc.transpose(1, 2)).sub_(_tile_rows(delta[..., None], r0, r1)).mul_(p)
         dq[:, :, :, r0:r1] = torch.bmm(ds, kc).mul_(scale).view(b, hkv, g, r, d)
         dk[:, klo:khi] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
         dv[:, klo:khi] += torch.bmm(p.transpose(1, 2), doc)

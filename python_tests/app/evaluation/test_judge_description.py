@@ -18,4 +18,5 @@ def test_a_trained_teacher_says_its_steps(tmp_path):
     info = {"k": 0, "train_config": {"steps": 600}}
     assert judge_description(tmp_path, info, given=False) == f"the run's Stage-0 AR teacher ({tmp_path}, 600 steps)"
     assert judge_description(tmp_path, info, given=True) == f"a separately trained AR model ({tmp_path}, 600 steps)"
-    assert judge_description(tmp_path, {"k": 0}, given=False) == f"the run's Stage-0 AR teacher ({tmp_path})"  # not recorded
+    unrecorded = judge_description(tmp_path, {"k": 0}, given=False)  # no train_config: the steps are not known
+    assert unrecorded == f"the run's Stage-0 AR teacher ({tmp_path})"

@@ -9,20 +9,26 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from train_helpers import micro_config, write_json_package  # noqa: E402
+
 from kforcing_kernels.app.data import EOS  # noqa: E402
 from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, literal_specials, tokenizer_sha256  # noqa: E402
+from kforcing_kernels.app.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    latest_checkpoint,
+    literal_specials,
+    tokenizer_sha256,
+)
 from kforcing_kernels.app.training.loop import train  # noqa: E402
 from kforcing_kernels.app.training.sharded_checkpoint import _hf_tokenizer, export_model  # noqa: E402
-from train_helpers import micro_config, write_json_package  # noqa: E402
 
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 
 
 def test_an_interrupted_stage0_exports_with_the_packages_tokenizer(tmp_path, monkeypatch):
-    """Stage 0 of a --model-config run under FSDP2, stopped after step 1: its export is a stage folder with the run's BPE
-    (eos token set), and its weights are a one-process step's within rounding (an independent run, no DCP)."""
+    """Stage 0 of a --model-config run under FSDP2, stopped after step 1: its export is a stage folder with the run's
+    BPE (eos token set), and its weights are a one-process step's within rounding (an independent run, no DCP)."""
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
     corpus = write_json_package(tmp_path / "corpus")
     (tmp_path / "llama.json").write_text(transformers.LlamaConfig(**LLAMA).to_json_string())
@@ -64,5 +70,5 @@ def test_a_moved_teacher_is_named_and_tokenizer_takes_its_place(tmp_path):
     assert tok.eos_token == "</s>"  # the teacher's own, not the package's
     other = tmp_path / "other"
     _hf_tokenizer_folder(other, "completely different text with other merges")
-    with pytest.raises(CheckpointError, match=r"^tokenizer: --tokenizer .* is not the tokenizer this run was trained with"):
+    with pytest.raises(CheckpointError, match=r"^tokenizer: --tokenizer .* is not the tokenizer this run was trained"):
         _hf_tokenizer(checkpoint, manifest, other)

@@ -4,10 +4,10 @@ progress lines on a time basis as well as by step count, so a slow stage is neve
 import re
 
 import torch
+from train_helpers import micro_config, write_json_package
 
 from kforcing_kernels.app.training import loop
 from kforcing_kernels.app.training.loop import ProgressLines, train
-from train_helpers import micro_config, write_json_package
 
 
 class FakeClock:
@@ -19,7 +19,7 @@ class FakeClock:
 
 
 def test_a_slow_run_prints_a_line_at_least_every_period():
-    """1000 steps of 12 s each (a default Stage 1 on a busy CPU): a line every 30 s, not every 100 steps (20 minutes)."""
+    """1000 steps of 12 s each (a default Stage 1 on a busy CPU): a line every 30 s, not every 100 steps (20 min)."""
     clock = FakeClock()
     lines = ProgressLines(0, 1000, seconds=30.0, clock=clock)
     printed = []

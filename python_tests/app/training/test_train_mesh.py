@@ -131,7 +131,8 @@ def test_hf_sharded_checkpoint_exports_as_the_stage_folder(runs, run, tmp_path, 
 
     other = Tokenizer(models.BPE(unk_token="<unk>"))  # a tokenizer the run was not trained with
     other.pre_tokenizer = pre_tokenizers.ByteLevel()
-    other.train_from_iterator(["something else entirely"] * 20, trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
+    other.train_from_iterator(["something else entirely"] * 20,
+                              trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
     other.save(str(tmp_path / "other.json"))
     with pytest.raises(SystemExit):
         export_main([str(runs / run), "--out", str(tmp_path / "export2"), "--tokenizer", str(tmp_path / "other.json")])

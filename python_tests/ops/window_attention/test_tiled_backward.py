@@ -53,7 +53,8 @@ def test_tiled_backward_matches_the_textbook_gradients(monkeypatch, tile_rows, m
     b, h, hkv, lq, lk = 2, 6, 2, 61, 61 if "causal" in mask else 67
     q, k, v, dout = _inputs(b, h, hkv, lq, lk)
     causal = mask.startswith("causal")
-    allowed = _masks(b, lq, lk)["band"] if mask == "causal+band" else None if mask == "causal" else _masks(b, lq, lk)[mask]
+    masks = _masks(b, lq, lk)
+    allowed = masks["band"] if mask == "causal+band" else None if mask == "causal" else masks[mask]
     full = torch.ones(lq, lk, dtype=torch.bool).tril() if causal else torch.ones(lq, lk, dtype=torch.bool)
     visible = full if allowed is None else full & allowed
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -64,7 +65,7 @@ def test_tiled_backward_matches_the_textbook_gradients(monkeypatch, tile_rows, m
     want = torch.autograd.grad(textbook(q, k, v, visible.expand(b, 1, lq, lk)), (q, k, v), dout)
     for label, a, e in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == torch.float64
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -77,7 +78,8 @@ def test_tiled_backward_16_bit_inputs_accumulate_in_fp32(monkeypatch, dtype):
     assert [g.dtype for g in acc] == [torch.float32] * 3 and [g.dtype for g in plain] == [dtype] * 3
     for a, p in zip(acc, plain):
         assert torch.equal(a.to(dtype), p)  # one rounding at the end
-    ref = attend_backward(*(t.double() for t in (dout, q, k, v, out)), lse.double(), causal=True, scale=SCALE, force_math=True)
+    ref = attend_backward(*(t.double() for t in (dout, q, k, v, out)), lse.double(), causal=True, scale=SCALE,
+                          force_math=True)
     for a, r in zip(acc, ref):
         torch.testing.assert_close(a.double(), r, rtol=2e-2, atol=2e-2)
 
@@ -125,7 +127,9 @@ def test_tiled_backward_bits_do_not_depend_on_the_thread_count():
     out, lse = attend(q, k, v, causal=True, scale=SCALE)
     band = _masks(2, 700, 700)["band"]
     for causal, allowed in ((True, None), (False, band)):
-        run = lambda: attend_backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, allowed=allowed)  # noqa: E731
+        def run(causal=causal, allowed=allowed):
+            return attend_backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, allowed=allowed)
+
         one = _grads_with_threads(run, 1)
         for threads in (2, 3):
             for label, a, c in zip(("dq", "dk", "dv"), one, _grads_with_threads(run, threads)):
