@@ -262,9 +262,11 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
 
 def judge_description(folder: Path, info: dict, given: bool) -> str:
     """How the report names the judge: which model (the run's own AR teacher or one given), its folder, and how it was
-    trained (its steps; a pretrained Hugging Face model was not trained by this package and says so)."""
-    if is_hf_source(folder):
-        what = "a pretrained Hugging Face model" if given else "the run's AR teacher, a pretrained Hugging Face model"
+    trained (its steps; a pretrained source folder, ``--model``'s, was not trained by this package and says so)."""
+    kind = find_kind(folder)
+    option = kind.source_option(folder) if kind is not None else None
+    if option is not None:  # a source folder (--model): pretrained elsewhere, no steps of ours
+        what = "a pretrained model" if given else f"the run's AR teacher, the pretrained {option} model"
         return f"{what} ({folder})"
     steps = (info.get("train_config") or {}).get("steps")
     what = "a separately trained AR model" if given else "the run's Stage-0 AR teacher"

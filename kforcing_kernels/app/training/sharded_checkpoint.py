@@ -20,10 +20,10 @@ checkpoints you trust (the exported ``model.safetensors`` is the file to share).
 ``python -m kforcing_kernels.app.training.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
 writes, in one process and without a process group, the model whole (DCP gathers every rank's shards): for the
 native model a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
-:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads; for a Hugging Face student the stage folder a
-finished stage is (:func:`~kforcing_kernels.app.hf_recipe.files.save_hf_stage`: ``save_pretrained`` of the backbone and
-of the run's tokenizer, ``noise_embedding.safetensors``, ``model.json``), which ``from_pretrained`` and
-:func:`~kforcing_kernels.app.hf_recipe.files.load_hf_stage` load.
+:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads; another kind's model (a Hugging Face student) as
+the stage folder a finished stage of that kind is, written by its kind (:meth:`ModelKind.export_sharded
+<kforcing_kernels.app.student.ModelKind.export_sharded>`; for HF: ``save_pretrained`` of the backbone and of the run's
+tokenizer, ``noise_embedding.safetensors``, ``model.json``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
+from ..student import kind_of_config
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -251,8 +252,10 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     cfg = manifest["train_config"]
     record = {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
               "exported_from": str(checkpoint), "step": manifest["step"]}
-    if "model_type" in manifest["model_config"]:  # a Hugging Face student: exported as its stage folder
-        return _export_hf(checkpoint, out, manifest, record, tokenizer)
+    kind = kind_of_config(manifest["model_config"])
+    if kind is not None:  # another kind's model (a Hugging Face student): exported as its stage folder, by its kind
+        kind.export_sharded(checkpoint, out, manifest, record, tokenizer)
+        return out / "model.json"
     model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
@@ -264,114 +267,6 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
 
         write_bytes(out / "tokenizer.json", tokenizer.read_bytes())
     return out / "model.json"
-
-
-def _saved_tensor_shapes(checkpoint: Path) -> dict[str, tuple]:
-    """name -> full shape of every tensor DCP saved under ``model.`` (from its metadata; no tensor is read)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return {name.removeprefix("model."): tuple(meta.size) for name, meta in metadata.items()
-            if name.startswith("model.") and hasattr(meta, "size")}
-
-
-def _export_hf(checkpoint: Path, out: Path, manifest: dict, record: dict, tokenizer: Optional[Path]) -> Path:
-    """A Hugging Face student's sharded checkpoint as its stage folder (``save_hf_stage``), from the full state dict."""
-    import torch.distributed.checkpoint as dcp
-
-    from ...integrations.hf_noise import NoiseEmbedding
-    from ..hf_recipe.files import _transformers, save_hf_stage
-    from ..hf_recipe.student import HFStudent
-
-    tf = _transformers()
-    values = manifest["model_config"]
-    try:
-        config = tf.AutoConfig.for_model(**values)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"{checkpoint / MANIFEST}: its model_config is not a config this transformers "
-                              f"builds ({type(exc).__name__}: {exc})") from None
-    # The noise embedding's feature counts are read off its saved layers (DCP metadata): z_in takes
-    # 2 * (noise_features // 2) features, tau_mlp.0 2 + 2 * (tau_features // 2).
-    shapes = _saved_tensor_shapes(checkpoint)
-    try:
-        noise = NoiseEmbedding(config.hidden_size, noise_features=shapes["noise_encoder.z_in.weight"][1],
-                               tau_features=shapes["noise_encoder.tau_mlp.0.weight"][1] - 2)
-    except KeyError as exc:
-        raise CheckpointError(f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's "
-                              "checkpoint") from None
-    hf_tokenizer = _hf_tokenizer(checkpoint, manifest, tokenizer)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
-    student = HFStudent(model.float(), noise, k_train=manifest["info"].get("k"))
-    # A tied head is saved once, under its embedding's name.
-    state = {"model": {name: t for name, t in student.state_dict().items() if name in shapes}}
-    missing = sorted(set(student.state_dict()) - set(shapes) - set(student.tied_keys()))
-    if missing:
-        raise CheckpointError(f"{checkpoint}: the saved model does not match its model_config (no {missing[0]!r})")
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    student.load_state_dict(state["model"], strict=False)  # loaded in place; a tied head follows its embedding
-    save_hf_stage(out, student.eval(), record, hf_tokenizer)
-    return out / "model.json"
-
-
-def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
-    """The tokenizer the finished stage would have saved (see :func:`export_model`), checked against the run's."""
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from ..data import EOS
-    from ..hf_recipe.files import is_hf, is_hf_stage
-    from .checkpoint import literal_specials
-
-    info, run = manifest["info"], checkpoint.parent.parent
-    teacher = info.get("teacher") or manifest["train_config"].get("teacher")
-    if given:
-        source, what = Path(given), "--tokenizer"
-    elif teacher:  # a distilled stage: the teacher's tokenizer, as the trainer used (eos token and all)
-        if not is_hf(teacher):
-            raise CheckpointError(f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not "
-                                  "here (moved or deleted); pass --tokenizer, a folder holding that tokenizer")
-        source, what = Path(teacher), f"the run's teacher {teacher}"
-    elif is_hf_stage(run):  # a finished Stage 0: the stage folder holds its tokenizer already
-        source, what = run, f"the run folder {run}"
-    else:  # an unfinished Stage 0 of a --model-config run: the package's BPE
-        source, what = run / "tokenizer.json", "the run's tokenizer.json"
-    try:
-        if source.is_dir():
-            tok = AutoTokenizer.from_pretrained(str(source))
-            backend = literal_specials(tok.backend_tokenizer)
-        elif source.is_file():
-            backend = literal_specials(Tokenizer.from_file(str(source)))
-            tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(source)), eos_token=EOS)
-        else:
-            raise OSError("not found")
-    except Exception as exc:  # OSError, ValueError, and the plain Exception tokenizers raises for a malformed file
-        raise CheckpointError(f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, "
-                              "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json") from None
-    want = info.get("tokenizer_sha256")
-    if want is not None and not _same_tokenizer(backend, want):
-        raise CheckpointError(f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass "
-                              "--tokenizer, the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json")
-    return tok
-
-
-def _same_tokenizer(backend, want: str) -> bool:
-    """``backend`` is the tokenizer of SHA-256 ``want``
-    (:func:`~kforcing_kernels.app.training.checkpoint.tokenizer_sha256`), also once wrapped by
-    ``PreTrainedTokenizerFast``: the wrapper adds a post-processor that adds no token."""
-    import hashlib
-    import json
-
-    from .checkpoint import tokenizer_sha256
-
-    if tokenizer_sha256(backend) == want:
-        return True
-    data = json.loads(backend.to_str())
-    post = data.get("post_processor")
-    if not (isinstance(post, dict) and post.get("type") == "TemplateProcessing" and not post.get("special_tokens")):
-        return False
-    data["post_processor"] = None  # as the package's BPE was before the wrapper
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest() == want
 
 
 def main(argv=None) -> None:

@@ -9,9 +9,9 @@ def test_a_pretrained_teacher_is_called_pretrained(tmp_path):
     (folder / "config.json").write_text('{"model_type": "qwen2"}')  # a plain Hugging Face folder: no model.json
     for given in (False, True):
         text = judge_description(folder, {"k": 0, "tensors": {}}, given=given)
-        assert "pretrained Hugging Face model" in text and str(folder) in text
+        assert "pretrained" in text and str(folder) in text
         assert "None" not in text and "steps" not in text
-    assert judge_description(folder, {}, given=False).startswith("the run's AR teacher")
+    assert judge_description(folder, {}, given=False).startswith("the run's AR teacher, the pretrained --model model")
 
 
 def test_a_trained_teacher_says_its_steps(tmp_path):

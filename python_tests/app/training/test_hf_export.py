@@ -9,18 +9,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from train_helpers import micro_config, write_json_package  # noqa: E402
+from helpers.train_helpers import micro_config, write_json_package  # noqa: E402
 
 from kforcing_kernels.app.data import EOS  # noqa: E402
+from kforcing_kernels.app.files import CheckpointError, literal_specials, tokenizer_sha256  # noqa: E402
+from kforcing_kernels.app.hf_recipe.export import _hf_tokenizer  # noqa: E402
 from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import (  # noqa: E402
-    CheckpointError,
-    latest_checkpoint,
-    literal_specials,
-    tokenizer_sha256,
-)
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint  # noqa: E402
 from kforcing_kernels.app.training.loop import train  # noqa: E402
-from kforcing_kernels.app.training.sharded_checkpoint import _hf_tokenizer, export_model  # noqa: E402
+from kforcing_kernels.app.training.sharded_checkpoint import export_model  # noqa: E402
 
 LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)

@@ -113,7 +113,7 @@ def test_hf_sharded_checkpoint_exports_as_the_stage_folder(runs, run, tmp_path, 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from kforcing_kernels.app.hf_recipe.files import load_hf_stage
-    from kforcing_kernels.app.training.checkpoint import tokenizer_sha256
+    from kforcing_kernels.app.files import tokenizer_sha256
     from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
 
     assert latest_checkpoint(runs / run).name == "step_00000003.dcp"  # the final step: the run's own model
