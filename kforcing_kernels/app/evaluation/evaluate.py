@@ -42,7 +42,7 @@ from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
 from ..generation.inference import generate_ar, generate_kforcing
 from ..files import CheckpointError, check_writable, read_json, write_json
 from ..student import corpus_for, find_kind, kind_of, load_student
-from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
+from .report import HF_GENERATE, STAGE1_ROW, format_report, judge_description, target_checks, timing_report
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
@@ -258,19 +258,6 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
     if info.get("k", 0) != 0:
         raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
     return model, judge_description(folder, info, given=judge is not None)
-
-
-def judge_description(folder: Path, info: dict, given: bool) -> str:
-    """How the report names the judge: which model (the run's own AR teacher or one given), its folder, and how it was
-    trained (its steps; a pretrained source folder, ``--model``'s, was not trained by this package and says so)."""
-    kind = find_kind(folder)
-    option = kind.source_option(folder) if kind is not None else None
-    if option is not None:  # a source folder (--model): pretrained elsewhere, no steps of ours
-        what = "a pretrained model" if given else f"the run's AR teacher, the pretrained {option} model"
-        return f"{what} ({folder})"
-    steps = (info.get("train_config") or {}).get("steps")
-    what = "a separately trained AR model" if given else "the run's Stage-0 AR teacher"
-    return f"{what} ({folder}, {steps} steps)" if steps is not None else f"{what} ({folder})"
 
 
 def evaluate_pipeline(

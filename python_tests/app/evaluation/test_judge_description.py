@@ -1,6 +1,6 @@
 """The judge line of the evaluation report names the judge and how it was trained, never "None steps"."""
 
-from kforcing_kernels.app.evaluation.evaluate import judge_description
+from kforcing_kernels.app.evaluation.report import judge_description
 
 
 def test_a_pretrained_teacher_is_called_pretrained(tmp_path):
