@@ -21,7 +21,7 @@ import torch
 
 from ..data import EOS
 from ..files import CheckpointError, literal_specials, tokenizer_sha256
-from .files import _transformers, is_hf_source, is_hf_stage, save_hf_stage
+from .files import import_transformers, is_hf_source, is_hf_stage, save_hf_stage
 
 
 def _saved_tensor_shapes(checkpoint: Path) -> dict[str, tuple]:
@@ -40,7 +40,7 @@ def export_sharded(checkpoint: Path, out: Path, manifest: dict, record: dict, to
     from ...integrations.hf_noise import NoiseEmbedding
     from .student import HFStudent
 
-    tf = _transformers()
+    tf = import_transformers()
     values = manifest["model_config"]
     try:
         config = tf.AutoConfig.for_model(**values)
