@@ -89,6 +89,14 @@ MUTATIONS = [
     dict(id="math-path-backward-dv-=", file=f"{WA}/lse_attention.py",
          old="dv += (p.transpose(-1, -2) @ doc).sum(2)", new="dv = (p.transpose(-1, -2) @ doc).sum(2)",
          tests=["python_tests/ops/window_attention/test_math_path.py"]),
+    # --- issue 46: the tiled CPU backward (composite's pieces)
+    dict(id="tiled-backward-causal-tile-drops-its-last-key", file=f"{WA}/lse_attention.py",
+         old="klo, khi = 0, min(lk, r1) if causal else lk", new="klo, khi = 0, min(lk, r1 - 1) if causal else lk",
+         tests=["python_tests/ops/window_attention/test_tiled_backward.py", "-k", "textbook"]),
+    dict(id="tiled-backward-dk-unscaled", file=f"{WA}/lse_attention.py",
+         old="dk[:, klo:khi] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)",
+         new="dk[:, klo:khi] += torch.bmm(ds.transpose(1, 2), qc)",
+         tests=["python_tests/ops/window_attention/test_tiled_backward.py", "-k", "textbook"]),
     # --- triton kernels, in the interpreter
     dict(id="triton-dkdv-dk-unscaled", file=f"{WA}/triton/jit_backward.py",
          old="tl.store(DK + kv_off, (dk * sm_scale)", new="tl.store(DK + kv_off, (dk)",
@@ -137,7 +145,7 @@ MUTATIONS = [
          old="        owner = _deal(cost, size, world)", new="        owner = _deal(torch.ones_like(cost), size, world)",
          tests=["python_tests/parallel/test_context_parallel.py", "-k", "balances or staircase"]),
     dict(id="cp-dk-not-reduced-over-ranks", file="kforcing_kernels/parallel/context_parallel.py",
-         old="        dist.reduce_scatter_tensor(mine, per_rank.view(-1, *per_rank.shape[2:]), op=dist.ReduceOp.SUM, group=group)",
+         old="        _reduce_scatter_single(mine, per_rank.view(-1, *per_rank.shape[2:]), group=group)",
          new="        mine = per_rank[rank]",
          tests=["python_tests/app/training/test_context_parallel_torchrun.py", "-k", "gloo"]),
     # --- issue #36: row subsets through the kernels, EAGLE-3 steps

@@ -129,6 +129,17 @@ class ModelKind(ABC):
         """A finished stage as a model folder :meth:`load` reads back (``corpus``: the text it was trained on); its
         ``model.json`` records ``model_kind`` (this kind's name), so the registry finds the kind without asking."""
 
+    def holds_config(self, model_config: dict) -> bool:
+        """Whether ``model_config`` (a checkpoint's saved model config) configures a model of this kind; the default
+        kind's is the fallback (:func:`kind_of_config`), so it need not claim its own."""
+        return False
+
+    def export_sharded(self, checkpoint, out, manifest: dict, record: dict, tokenizer=None) -> None:
+        """Write the model of a sharded (DCP) checkpoint, whole, as this kind's stage folder ``out`` (one process, no
+        process group); ``manifest`` is the checkpoint's, ``record`` the ``model.json`` info to save, ``tokenizer``
+        the user's ``--tokenizer`` or None. ``app/training/sharded_checkpoint.py`` exports the default kind itself."""
+        raise NotImplementedError(f"{self.summary}: its sharded checkpoints cannot be exported")
+
     def with_decode(self, model: Student, rule: str) -> None:
         """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
         if rule not in self.decode_rules:
@@ -203,6 +214,15 @@ def kind_of(model: nn.Module) -> ModelKind:
     """The kind of a model (its ``kind`` attribute, a :class:`Student`'s; DDP's wrapped module is looked through)."""
     inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return kind_named(getattr(inner, "kind", DEFAULT_KIND))
+
+
+def kind_of_config(model_config: dict) -> Optional[ModelKind]:
+    """The registered kind that claims a checkpoint's saved model config (:meth:`ModelKind.holds_config`), or None
+    (the default kind's)."""
+    for name in _SPECS:
+        if name != DEFAULT_KIND and kind_named(name).holds_config(model_config):
+            return kind_named(name)
+    return None
 
 
 def recorded_kind(folder) -> Optional[str]:

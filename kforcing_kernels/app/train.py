@@ -85,7 +85,9 @@ def _add_common(p: argparse.ArgumentParser, defaults: TrainConfig, stage: str) -
     p.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="auto: bf16/fp16 autocast on CUDA, fp32 on CPU")
     add_device(p)
     add_threads(p)
-    p.add_argument("--log-every", type=_positive_int, default=defaults.log_every, help="steps between metric lines")
+    p.add_argument("--log-every", type=_positive_int, default=defaults.log_every,
+                   help="steps between the records of metrics.jsonl (the terminal shows a live bar; without one, a "
+                        "progress line about every tenth of the run and at least every 30 s)")
     p.add_argument("--ckpt-every", type=_positive_int, default=defaults.ckpt_every, help="steps between checkpoints")
     p.add_argument("--keep-checkpoints", type=_positive_int, default=defaults.keep_checkpoints, help="newest checkpoints kept")
     p.add_argument("--eval-every", type=_non_negative_int, default=defaults.eval_every, help="steps between validation losses (0: only at the end)")

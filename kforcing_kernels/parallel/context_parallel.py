@@ -114,6 +114,20 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _GatheredAttention.apply(q, k, v, split, rank, group, scale)
 
 
+def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group=None) -> None:
+    """``output`` = every rank's ``local`` concatenated along dim 0. torch 2.13 names it ``all_gather_single``
+    (``all_gather_into_tensor`` warns there, a FutureWarning on every rank); older torch has only the old name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)
+
+
+def _reduce_scatter_single(output: torch.Tensor, per_rank: torch.Tensor, group=None) -> None:
+    """``output`` = the sum over ranks of their ``per_rank`` chunk (dim 0) of this rank: ``reduce_scatter_single`` on
+    torch 2.13 (``reduce_scatter_tensor`` warns there), the old name before."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, per_rank, op=dist.ReduceOp.SUM, group=group)
+
+
 def gather_keys(k: torch.Tensor, v: torch.Tensor, split: RowSplit, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather the ranks' K/V shards ``[B, Hkv, K_r, D]`` into the layout's key order ``[B, Hkv, Lk, D]`` (no autograd)."""
     world, pad = split.world, split.max_keys
@@ -123,7 +137,7 @@ def gather_keys(k: torch.Tensor, v: torch.Tensor, split: RowSplit, group=None) -
         gathered = local[None]
     else:
         gathered = local.new_empty(world * 2, *local.shape[1:])  # shards concatenated along dim 0
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        _all_gather_single(gathered, local.contiguous(), group=group)
         gathered = gathered.view(world, *local.shape)
     flat = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, k.shape[0], k.shape[1], world * pad, k.shape[3])
     full = flat.index_select(3, split.key_order().to(k.device))
@@ -141,7 +155,7 @@ def scatter_key_grads(dk: torch.Tensor, dv: torch.Tensor, split: RowSplit, rank:
         mine = per_rank[0]
     else:
         mine = per_rank.new_empty(per_rank.shape[1:])
-        dist.reduce_scatter_tensor(mine, per_rank.view(-1, *per_rank.shape[2:]), op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_single(mine, per_rank.view(-1, *per_rank.shape[2:]), group=group)
     n = split.key_rows[rank].numel()
     return mine[0, :, :, :n], mine[1, :, :, :n]
 

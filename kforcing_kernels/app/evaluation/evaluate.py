@@ -42,7 +42,7 @@ from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
 from ..generation.inference import generate_ar, generate_kforcing
 from ..files import CheckpointError, check_writable, read_json, write_json
 from ..student import corpus_for, find_kind, kind_of, load_student
-from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
+from .report import HF_GENERATE, STAGE1_ROW, format_report, judge_description, target_checks, timing_report
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
@@ -257,9 +257,7 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
                          "pass a judge trained on the run's --data and --vocab-size")
     if info.get("k", 0) != 0:
         raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
-    steps = info.get("train_config", {}).get("steps")
-    what = "the run's Stage-0 AR teacher" if judge is None else "a separately trained AR model"
-    return model, f"{what} ({folder}, {steps} steps)"
+    return model, judge_description(folder, info, given=judge is not None)
 
 
 def evaluate_pipeline(

@@ -216,3 +216,19 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
     atomic_write_file(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
     return None
+
+
+def judge_description(folder: Path, info: dict, given: bool) -> str:
+    """How the report names the judge: which model (the run's own AR teacher or one given), its folder, and how it was
+    trained (its steps; a pretrained source folder, ``--model``'s, was not trained by this package and says so)."""
+    from ..student import find_kind
+
+    kind = find_kind(folder)
+    option = kind.source_option(folder) if kind is not None else None
+    if option is not None:  # a source folder (--model): pretrained elsewhere, no steps of ours
+        what = "a pretrained model" if given else f"the run's AR teacher, the pretrained {option} model"
+        return f"{what} ({folder})"
+    steps = (info.get("train_config") or {}).get("steps")
+    what = "a separately trained AR model" if given else "the run's Stage-0 AR teacher"
+    return f"{what} ({folder}, {steps} steps)" if steps is not None else f"{what} ({folder})"
+

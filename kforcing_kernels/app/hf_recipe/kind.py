@@ -68,6 +68,14 @@ class HFKind(ModelKind):
             raise files.CheckpointError(f"{folder}: a Hugging Face stage is saved with its tokenizer (pass the corpus)")
         files.save_hf_stage(folder, model, {**info, "model_kind": self.name}, files.hf_tokenizer_of(corpus))
 
+    def holds_config(self, model_config: dict) -> bool:
+        return isinstance(model_config.get("model_type"), str)  # every transformers config names its model_type
+
+    def export_sharded(self, checkpoint, out, manifest: dict, record: dict, tokenizer=None) -> None:
+        from .export import export_sharded
+
+        export_sharded(Path(checkpoint), Path(out), manifest, record, None if tokenizer is None else Path(tokenizer))
+
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
         return files.hf_corpus(teacher, data, verbose=verbose)
 

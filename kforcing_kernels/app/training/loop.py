@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,31 @@ from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sy
 from .stage import Stage, lock_out, require_resume_settings, require_same_provenance, set_up
 from .config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
                            validate_config)
+
+# Without a live bar (stderr not a terminal, or --no-progress): a plain progress line at least this often.
+PROGRESS_SECONDS = 30.0
+
+
+class ProgressLines:
+    """When to print a plain progress line without a live bar: after the first step (it shows the step time), about
+    ten times over the run (every ``(stop - start) // 10`` steps), whenever ``seconds`` passed since the last line
+    (a slow stage otherwise stays silent for minutes), and at the last step. ``seconds``: default
+    :data:`PROGRESS_SECONDS`; ``clock``: seconds, monotonic."""
+
+    def __init__(self, start: int, stop: int, seconds: Optional[float] = None, clock=time.monotonic):
+        self.start, self.stop, self.clock = start, stop, clock
+        self.seconds = PROGRESS_SECONDS if seconds is None else seconds
+        self.every = max(1, (stop - start) // 10)
+        self.last = clock()
+
+    def due(self, done: int) -> bool:
+        """Whether step ``done`` (1-based, as printed) gets a line; call once per step, in order."""
+        now = self.clock()
+        if done == self.start + 1 or done % self.every == 0 or done == self.stop or now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
 
 # ---------------------------------------------------------------------- schedule, model, optimizer
 
@@ -121,9 +147,21 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
     stage = set_up(cfg, dims, out, log)
+    log(threads_line(dims))
     t_start = time.perf_counter()
     last_loss = _run_steps(stage)
     return _finish(stage, last_loss, t_start)
+
+
+def threads_line(dims: ParallelDims) -> str:
+    """The start line that says what the run computes on: the device and, on CPU, the threads torch uses (--threads,
+    else torch's default: every core, which on a busy machine can make a step many times slower than --threads 1)."""
+    if dims.device.type != "cpu":
+        return f"device {dims.device}"
+    ranks = f" per rank ({dims.world} ranks)" if dims.world > 1 else ""
+    n = torch.get_num_threads()
+    threads = f"{n} thread{'s' if n != 1 else ''}{ranks}"
+    return f"device cpu, {threads} (--threads N sets it; on a busy machine try --threads 1)"
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:
@@ -150,7 +188,7 @@ def _run_steps(stage: Stage) -> float:
     live = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     bar = tqdm(total=cfg.steps, initial=stage.start, desc=f"[{cfg.stage}]", disable=not (dims.main and live), file=sys.stderr,
                dynamic_ncols=True, mininterval=0.2)
-    every = max(1, (stop - stage.start) // 10)  # without a live bar: about ten plain progress lines
+    lines = ProgressLines(stage.start, stop)  # without a live bar: plain progress lines, about ten and every 30 s
     t_start, last_loss = time.perf_counter(), float("nan")
     for step in range(stage.start, stop):
         t0 = time.perf_counter()
@@ -189,7 +227,7 @@ def _run_steps(stage: Stage) -> float:
         if dims.main:
             bar.set_postfix_str(f"loss {last_loss:.4f} {tok_s:,.0f} tok/s", refresh=False)
             bar.update(1)
-            if not live and (done % every == 0 or done == stop):
+            if not live and lines.due(done):
                 stage.log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s ({time.perf_counter() - t_start:.0f}s)")
             if done % cfg.log_every == 0 or done == stop:
                 append_jsonl(out / "metrics.jsonl", {

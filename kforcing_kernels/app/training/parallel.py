@@ -252,9 +252,20 @@ def parallelize(model, dims: ParallelDims, *, activation_checkpointing: bool = F
         _fully_shard(model, dims, amp)
         return model
     if dims.world > 1:
-        return nn.parallel.DistributedDataParallel(
-            model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None, broadcast_buffers=False)
+        return data_parallel(model, dims)
     return model
+
+
+def data_parallel(model: nn.Module, dims: ParallelDims) -> nn.parallel.DistributedDataParallel:
+    """DDP over every rank, buffers not synced in forward (they are the same on every rank: RoPE and noise
+    frequencies). torch 2.13 names that ``forward_sync_buffers=False`` and warns on every rank (FutureWarning)
+    at the old ``broadcast_buffers=False``; older torch has only the old name."""
+    import inspect
+
+    ddp = nn.parallel.DistributedDataParallel
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+               else {"broadcast_buffers": False})
+    return ddp(model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None, **no_sync)
 
 
 def place_teacher(teacher, dims: ParallelDims, mode: str, amp: Optional[torch.dtype] = None) -> None:

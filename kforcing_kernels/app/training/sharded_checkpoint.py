@@ -18,8 +18,12 @@ torn and corrupted files, not against a hostile author: DCP's ``.metadata`` is a
 checkpoints you trust (the exported ``model.safetensors`` is the file to share).
 
 ``python -m kforcing_kernels.app.training.sharded_checkpoint CHECKPOINT --out FOLDER`` (or :func:`export_model`)
-writes a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
-:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads, in one process, without a process group.
+writes, in one process and without a process group, the model whole (DCP gathers every rank's shards): for the
+native model a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.json) that
+:func:`~kforcing_kernels.app.training.checkpoint.load_model` loads; another kind's model (a Hugging Face student) as
+the stage folder a finished stage of that kind is, written by its kind (:meth:`ModelKind.export_sharded
+<kforcing_kernels.app.student.ModelKind.export_sharded>`; for HF: ``save_pretrained`` of the backbone and of the run's
+tokenizer, ``noise_embedding.safetensors``, ``model.json``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
+from ..student import kind_of_config
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -228,10 +233,15 @@ def check_export_out(checkpoint: Path, out: Path) -> None:
 
 
 def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
-    """A plain ``model.safetensors`` + ``model.json`` in ``out`` from a sharded checkpoint folder (one process).
+    """The model of a sharded checkpoint folder, whole, in ``out`` (one process); returns ``out / "model.json"``.
 
-    ``tokenizer``: the run's tokenizer.json (default: the one in the run folder above ``checkpoints/``), copied
-    beside the model so :func:`~kforcing_kernels.app.training.checkpoint.load_model` checks and returns it."""
+    Native model: ``model.safetensors`` + ``model.json``; ``tokenizer``: the run's tokenizer.json (default: the one in
+    the run folder above ``checkpoints/``), copied beside the model so
+    :func:`~kforcing_kernels.app.training.checkpoint.load_model` checks and returns it.
+
+    Hugging Face student: the stage folder (module docstring); ``tokenizer``: a Hugging Face tokenizer folder or a
+    ``tokenizer.json`` (default: the run's teacher folder when it is a Hugging Face one, else the run's tokenizer.json
+    with the package's EOS, what the finished stage would have saved), refused unless it is the run's tokenizer."""
     import torch.distributed.checkpoint as dcp
 
     from ...model import KForcingLM, ModelConfig
@@ -239,16 +249,18 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
-    if "model_type" in manifest["model_config"]:  # a Hugging Face model: its stage folder is the export
-        raise CheckpointError(f"checkpoint: {checkpoint} holds a Hugging Face model ({manifest['model_config']['model_type']}); "
-                              "a finished stage folder is its save_pretrained export, and --resume continues an unfinished one")
+    cfg = manifest["train_config"]
+    record = {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
+              "exported_from": str(checkpoint), "step": manifest["step"]}
+    kind = kind_of_config(manifest["model_config"])
+    if kind is not None:  # another kind's model (a Hugging Face student): exported as its stage folder, by its kind
+        kind.export_sharded(checkpoint, out, manifest, record, tokenizer)
+        return out / "model.json"
     model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     model.load_state_dict(state["model"])
-    cfg = manifest["train_config"]
-    save_model(out, model, {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
-                            "exported_from": str(checkpoint), "step": manifest["step"]})
+    save_model(out, model, record)
     tokenizer = Path(tokenizer) if tokenizer else checkpoint.parent.parent / "tokenizer.json"
     if tokenizer.is_file():
         from ..files import write_bytes
@@ -262,9 +274,14 @@ def main(argv=None) -> None:
 
     # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
     parser = make_parser("python -m kforcing_kernels.app.training.sharded_checkpoint",
-                         "Export a sharded (--parallel fsdp) checkpoint as a plain model.safetensors.")
+                         "Export a sharded (--parallel fsdp) checkpoint whole: a plain model.safetensors, or for a "
+                         "Hugging Face student its stage folder (save_pretrained + noise embedding).")
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
-    parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and tokenizer.json")
+    parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and the tokenizer")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer "
+                             "folder (default: the run folder's tokenizer.json; a Hugging Face student: its "
+                             "teacher's folder)")
     args = parser.parse_args(argv)
     from .config import ConfigError
 
@@ -279,7 +296,7 @@ def main(argv=None) -> None:
             parser.error(f"checkpoint: no sharded checkpoint in {source} (expected {checkpoint_dir(source)}/step_*.dcp)")
         source = found[-1]
     try:
-        print(export_model(source, args.out))
+        print(export_model(source, args.out, args.tokenizer))
     except (CheckpointError, ConfigError) as exc:
         parser.error(str(exc))
 

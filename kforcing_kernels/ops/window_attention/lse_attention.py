@@ -10,9 +10,16 @@ On CPU the forward is PyTorch's fused flash kernel (``_scaled_dot_product_flash_
 which returns the LSE and supports GQA. Its backward is not used: on CPUs with AMX (Sapphire Rapids,
 torch 2.13) its dq and dK come out with other bits for another thread count (1 vs 2 threads: dK differs
 from 270 rows on, dq from 1024), which breaks the backends' promise of bits independent of the thread
-count (python_tests/ops/window_attention/test_determinism.py). The backward is the portable matmul path (fp32 math,
-query-chunked), as elsewhere: thread-invariant, and ~5x slower than the flash backward on CPU (the
-default CPU backend is the C++ extension, not this one).
+count (python_tests/ops/window_attention/test_determinism.py). The CPU backward is
+:func:`_attend_tiled_backward` instead: the flash backward's work, cut the same way whatever the thread
+count. Query rows go in tiles of
+``_TILE_ROWS`` rows (a query head group's rows stacked, GQA folded into the rows of one matmul), each
+tile only over the keys it can see (a causal tile stops at its last row, a masked one at the span of its
+visible keys: no work on the masked triangle), and dK/dV add the tiles' products in tile order. The
+partition depends on the shapes and the mask only, and each product is one fixed-shape matmul, so the
+bits do not depend on how many threads run it; its speed is the flash backward's (the foundation
+benchmark: BENCHMARKS.md). ``force_math`` (the ``reference`` backend, the oracle) keeps the plain
+query-chunked matmul path, written independently of the tiles.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ from ..common.dtypes import acc_dtype
 
 # Rows processed at once by the portable path; bounds the fp32 score buffer.
 _MATH_ROW_CHUNK = 1024
+# Query rows of one tile of the CPU backward, all heads of a GQA group together (so a tile's matmuls have
+# _TILE_ROWS rows): a tile's fp32 scores (_TILE_ROWS x keys) stay in cache. Measured on the foundation
+# benchmark's shapes (lse_attention's module docstring): 256 rows run the flash backward's speed.
+_TILE_ROWS = 256
 
 
 def _use_flash_cpu(q: torch.Tensor) -> bool:
@@ -80,10 +91,12 @@ def attend_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one piece given the merged ``out``/``lse``: ``(dq, dk, dv)`` like q, k, v.
 
-    ``acc_grads``: the portable path returns them in the accumulation dtype instead, for a
-    caller that sums pieces (each rounding to bf16 would add up over the pieces). ``force_math`` is
-    accepted as :func:`attend` takes it: the backward always runs the portable path."""
-    # Not torch's flash CPU backward: its bits depend on the thread count on some CPUs (module docstring).
+    ``acc_grads``: they come back in the accumulation dtype instead, for a caller that sums pieces
+    (each rounding to bf16 would add up over the pieces). On CPU the tiled backward (bits independent
+    of the thread count, module docstring); ``force_math`` or another device: the plain matmul path."""
+    if q.device.type == "cpu" and not force_math:
+        return _attend_tiled_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
+                                      acc_grads=acc_grads)
     return _attend_math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
                                  acc_grads=acc_grads)
 
@@ -160,6 +173,74 @@ def _attend_math_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, ac
         dq[:, :, rows] = ((ds @ kf) * scale).reshape(b, h, -1, d).to(dq.dtype)
         dk += ((ds.transpose(-1, -2) @ qc) * scale).sum(2)
         dv += (p.transpose(-1, -2) @ doc).sum(2)
+    if acc_grads:
+        return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------- tiled CPU backward
+
+
+def _tile_span(r0: int, r1: int, lk: int, causal: bool, allowed: Optional[torch.Tensor]) -> tuple[int, int]:
+    """``[klo, khi)``: the keys rows ``[r0, r1)`` can see (causal: up to the last row; a mask: its visible
+    columns' span, over the whole batch). Empty (``klo >= khi``) when no row of the tile sees a key."""
+    klo, khi = 0, min(lk, r1) if causal else lk
+    if allowed is not None:
+        cols = allowed[:, :, r0:r1, :khi].any(2).flatten(0, 1).any(0).nonzero()
+        if cols.numel() == 0:
+            return 0, 0
+        klo, khi = int(cols[0]), int(cols[-1]) + 1
+    return klo, khi
+
+
+def _tile_rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """[B, Hkv, g, L, *] -> rows ``[r0, r1)`` of a K/V head's g query heads stacked: [B * Hkv, g * (r1 - r0), *]."""
+    b, hkv, g = x.shape[:3]
+    return x[:, :, :, r0:r1].reshape(b * hkv, g * (r1 - r0), -1)
+
+
+def _attend_tiled_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, acc_grads=False):
+    """The CPU backward (module docstring): tiles of query rows, each over the keys it sees.
+
+    Per tile (rows ``[r0, r1)`` of the ``g`` query heads sharing a K/V head, stacked into ``g * r`` rows):
+    ``P = exp(Q K^T scale - lse)`` over the tile's keys, masked; ``dS = P (dO V^T - delta)``;
+    ``dQ = dS K scale``, ``dK += dS^T Q scale``, ``dV += P^T dO``, the tiles added in order."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    ct = acc_dtype(q.dtype)
+    rows = max(1, _TILE_ROWS // g)  # query rows per head in a tile
+    kf = k.to(ct).reshape(b * hkv, lk, d)
+    vf = v.to(ct).reshape(b * hkv, lk, d)
+    qg, dog = q.reshape(b, hkv, g, lq, d), dout.reshape(b, hkv, g, lq, d)
+    delta = (dout.to(ct) * out.to(ct)).sum(-1).reshape(b, hkv, g, lq)  # rowsum(dO * O), the merged one
+    lse_g = lse.to(ct).reshape(b, hkv, g, lq)
+    dq = torch.zeros(b, hkv, g, lq, d, dtype=ct if acc_grads else q.dtype, device=q.device)
+    dk = torch.zeros(b * hkv, lk, d, dtype=ct, device=k.device)
+    dv = torch.zeros_like(dk)
+    for r0 in range(0, lq, rows):
+        r1 = min(lq, r0 + rows)
+        klo, khi = _tile_span(r0, r1, lk, causal, allowed)
+        if klo >= khi:  # no row of the tile sees a key: no gradient
+            continue
+        r, span = r1 - r0, khi - klo
+        qc, doc = _tile_rows(qg, r0, r1).to(ct), _tile_rows(dog, r0, r1).to(ct)
+        kc, vc = kf[:, klo:khi], vf[:, klo:khi]
+        # P [B * Hkv, g * r, span]
+        p = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale).sub_(_tile_rows(lse_g[..., None], r0, r1)).exp_()
+        if allowed is not None:
+            vis = allowed[:, :, r0:r1, klo:khi]
+            if causal:
+                vis = vis & (torch.arange(klo, khi, device=q.device) <= torch.arange(r0, r1, device=q.device)[:, None])
+            p.view(b, hkv, g, r, span).masked_fill_(~vis[:, :, None], 0.0)
+        elif causal and khi > r0:  # only the diagonal block holds keys past a row: mask it alone
+            hidden = torch.arange(r0, khi, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
+            p.view(b * hkv, g, r, span)[..., r0 - klo:].masked_fill_(hidden, 0.0)
+        ds = torch.bmm(doc, vc.transpose(1, 2)).sub_(_tile_rows(delta[..., None], r0, r1)).mul_(p)
+        dq[:, :, :, r0:r1] = torch.bmm(ds, kc).mul_(scale).view(b, hkv, g, r, d)
+        dk[:, klo:khi] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)
+        dv[:, klo:khi] += torch.bmm(p.transpose(1, 2), doc)
+    dq, dk, dv = dq.view(b, h, lq, d), dk.view(k.shape), dv.view(v.shape)
     if acc_grads:
         return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -104,6 +104,41 @@ def test_hf_sharded_checkpoint_resumes_bitwise(runs):
         torch.testing.assert_close(tensor, one[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@needs_dist
+@pytest.mark.parametrize("run", ["hf_w1", "hf_fsdp_ac"], ids=["1-rank", "4-rank"])
+def test_hf_sharded_checkpoint_exports_as_the_stage_folder(runs, run, tmp_path, capsys):
+    """The export of an HF student's sharded checkpoint (written by 1 or 4 ranks, gathered in one process) is its stage
+    folder: the final checkpoint's export loads with load_hf_stage and from_pretrained and equals the run's own final
+    stage bit for bit (weights, noise embedding, tokenizer); another tokenizer is refused naming --tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from kforcing_kernels.app.hf_recipe.files import load_hf_stage
+    from kforcing_kernels.app.files import tokenizer_sha256
+    from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
+
+    assert latest_checkpoint(runs / run).name == "step_00000003.dcp"  # the final step: the run's own model
+    export_main([str(runs / run), "--out", str(tmp_path / "export")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "export" / "model.json")
+    exported, info, tokenizer = load_hf_stage(tmp_path / "export")
+    final, final_info, final_tokenizer = load_hf_stage(runs / run)
+    assert info["k"] == final_info["k"] == 2 and info["step"] == 3 and exported.k_train == 2
+    want = final.state_dict()
+    assert exported.state_dict().keys() == want.keys()
+    assert all(torch.equal(tensor, want[name]) for name, tensor in exported.state_dict().items())
+    assert tokenizer_sha256(tokenizer) == tokenizer_sha256(final_tokenizer)
+    backbone = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    assert torch.equal(backbone.get_input_embeddings().weight, final.wte.weight)
+
+    other = Tokenizer(models.BPE(unk_token="<unk>"))  # a tokenizer the run was not trained with
+    other.pre_tokenizer = pre_tokenizers.ByteLevel()
+    other.train_from_iterator(["something else entirely"] * 20,
+                              trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
+    other.save(str(tmp_path / "other.json"))
+    with pytest.raises(SystemExit):
+        export_main([str(runs / run), "--out", str(tmp_path / "export2"), "--tokenizer", str(tmp_path / "other.json")])
+    assert "tokenizer: --tokenizer" in capsys.readouterr().err and not (tmp_path / "export2" / "model.json").exists()
+
+
 def test_parallelize_compiles_each_decoder_layer_after_checkpointing(monkeypatch):
     """--compile: torch.compile per decoder layer, around the checkpointed forward; the same loss and gradients.
     (Inductor on CPU takes minutes to build; dynamo's "eager" backend traces the same graph-broken layers.)"""
