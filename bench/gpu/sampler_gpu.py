@@ -8,8 +8,9 @@ import torch
 def rows(args, time_ms) -> list[dict]:
     """The Triton inverse-CDF sampler vs softmax + cumsum + searchsorted (fp32, fp64) on bf16 logits, timed by
     ``time_ms`` (bench/gpu/triton_gpu.py's); one row per (``args.sampler_vocab``, ``args.sampler_rows``)."""
-    from ..attention.cpu_kernels import softmax_cumsum_searchsorted
     from kforcing_kernels.ops import sampling
+
+    from ..attention.cpu_kernels import softmax_cumsum_searchsorted
 
     rows = []
     for vocab in args.sampler_vocab:

@@ -29,11 +29,29 @@ import time
 
 import torch
 
-
-from .._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files
-from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser
-from .._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields
 from kforcing_kernels import default_backend
+from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser
+
+from .._cli import (
+    add_model_args,
+    add_run_args,
+    apply_profile,
+    command_line,
+    default_out,
+    parse_overrides,
+    progress_bar,
+    write_report_files,
+)
+from .._timing import (
+    busy_cores,
+    commit_label,
+    machine_info,
+    measure_many,
+    paired_ratio,
+    pin_threads,
+    row_stamp,
+    timing_fields,
+)
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
 FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1, "max_seconds": 60.0}

@@ -61,8 +61,9 @@ def rows(args, time_ms) -> list[dict]:
     """Self-forcing step (teacher k -> student 2k) of the paper backbone, bf16 autocast: dense-mask SDPA
     (``dense``, the public code's attention), ours (``--train-ours``) and the same step with attention
     replaced by a zero-cost op (``zero``: the limit; ``ours_vs_zero`` = ours / zero time, 1.0 is ideal)."""
-    from .train_step import build_models, make_step
     from kforcing_kernels.app.training.objectives import Batch
+
+    from .train_step import build_models, make_step
 
     device = torch.device(args.device)
     # bf16; a dry run (bench/gpu/triton_gpu.py --dry-run) sets fp16: the Triton interpreter's bf16 dot is wrong

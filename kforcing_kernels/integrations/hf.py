@@ -55,15 +55,25 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "`pip install transformers` (or `pip install kforcing_kernels[hf]`)"
     ) from exc
 
-from ..ops.window_attention import op as window_op, window_attention
-from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
+from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
+from ..ops.window_attention import op as window_op
+from ..ops.window_attention import window_attention
 from ..parallel.context_parallel import RankRows
 from ..sdpa import scaled_dot_product_attention
-from .hf_masks import (additive_mask, check_layout_documents, documents_from_positions,
-                       flash_documents, interval_layout_from_mask, rank_rows_attention, sliding_layout, sliding_window_of,
-                       structure_layout, structure_mask)
+from .hf_masks import (
+    additive_mask,
+    check_layout_documents,
+    documents_from_positions,
+    flash_documents,
+    interval_layout_from_mask,
+    rank_rows_attention,
+    sliding_layout,
+    sliding_window_of,
+    structure_layout,
+    structure_mask,
+)
 from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"

@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .documents import (IntsLike, PerBatch, as_int, as_int_tensor, check_block_aligned, check_spans, document_bounds,
-                        parse_cu_seqlens, positive_int, stack_rows)
+from .documents import (
+    IntsLike,
+    PerBatch,
+    as_int,
+    as_int_tensor,
+    check_block_aligned,
+    check_spans,
+    document_bounds,
+    parse_cu_seqlens,
+    positive_int,
+    stack_rows,
+)
 
 if TYPE_CHECKING:
     from .window_layout import WindowLayout

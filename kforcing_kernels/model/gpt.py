@@ -28,14 +28,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.paged_attention import paged_attention
-from ..ops.window_attention import window_attention
 from ..layouts import WindowLayout
 from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
+from ..ops.paged_attention import paged_attention
+from ..ops.window_attention import window_attention
 from ..parallel.context_parallel import ContextParallel, RankRows
 from ..types import KV, Temperature
 from .config import ModelConfig
-
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,15 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.paper_masks import (  # noqa: E402
+    bd3lm_block_diff_mask,
+    causal_packed_elementwise,
+    kforcing_double_packed_elementwise,
+    kforcing_single_packed_elementwise,
+    ptp_truncated_elementwise,
+    sbd_packed_elementwise,
+)
 from kforcing_kernels import WindowLayout
-
-
-from helpers.paper_masks import causal_packed_elementwise, kforcing_single_packed_elementwise, kforcing_double_packed_elementwise, sbd_packed_elementwise, bd3lm_block_diff_mask, ptp_truncated_elementwise  # noqa: E402
-
 
 DOCS = [[0, 7], [0, 3, 7], [0, 1, 2, 7], [0, 4, 4, 7], [0, 5, 6, 7]]
 

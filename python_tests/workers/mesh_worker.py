@@ -8,8 +8,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kforcing_kernels.app.training.loop import train
 from helpers.fsdp_settings import stage2_config
+from kforcing_kernels.app.training.loop import train
 
 
 def main(root: Path, device: str) -> None:

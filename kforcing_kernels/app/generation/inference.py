@@ -40,7 +40,8 @@ from ...ops.sampling import inverse_cdf_sample
 from ...types import Temperature
 from ..student import kind_of
 from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
-from .serving import PagedGenerator, Request, prefill_kforcing, window_layout as _window_layout
+from .serving import PagedGenerator, Request, prefill_kforcing
+from .serving import window_layout as _window_layout
 
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
 CACHES = ("paged", "contiguous")

@@ -23,18 +23,26 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .checkpoint import read_json
-
+from ...settings import POSITIVE, check_reals
+from ..data import data_sha256
 from ..files import RunLock
+from ..student import check_model_options, find_kind, stage_kind
+from .checkpoint import read_json
+from .config import (
+    PROVENANCE,
+    ConfigError,
+    TrainConfig,
+    changed_provenance,
+    changed_settings,
+    check_device,
+    check_out_folder,
+    effective_config,
+    existing_run,
+    teacher_sha256,
+)
+from .loop import train
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
-from ..data import data_sha256
-from ..student import check_model_options, find_kind, stage_kind
-from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
-                           check_out_folder, effective_config, existing_run, teacher_sha256)
-from .loop import train
-from ...settings import POSITIVE, check_reals
-
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
 

@@ -24,7 +24,6 @@ writes a plain ``model.safetensors`` + ``model.json`` (+ the run's tokenizer.jso
 
 from __future__ import annotations
 
-import argparse
 import base64
 import os
 import secrets
@@ -35,8 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
+from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"

@@ -20,17 +20,17 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers.train_helpers import write_json_package  # noqa: E402
 from kforcing_kernels.app import train as train_cli  # noqa: E402
-from kforcing_kernels.app.generation import inference  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
+from kforcing_kernels.app.generation import inference  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing  # noqa: E402
 from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
 from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
-from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing  # noqa: E402
+from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.training.config import ConfigError, TrainConfig  # noqa: E402
 from kforcing_kernels.app.training.loop import train  # noqa: E402
 from kforcing_kernels.integrations.hf_noise import NoiseEmbedding  # noqa: E402
-from helpers.train_helpers import write_json_package  # noqa: E402
 
 VOCAB = 300
 FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}

@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
+from helpers.train_helpers import write_json_package
 from kforcing_kernels.app.data import load_corpus, sample_crops
-from kforcing_kernels.ops.sampling import inverse_cdf_sample
 from kforcing_kernels.app.hf_recipe.files import load_any_model
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
-from helpers.train_helpers import write_json_package
+from kforcing_kernels.ops.sampling import inverse_cdf_sample
 
 TAUS = (0.5, 0.8, 1.0)
 GRID = 256  # z values per context

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
-from kforcing_kernels.app.hf_recipe.files import load_any_model
-from kforcing_kernels.app.training.loop import train
 from helpers.fsdp_settings import stage2_config
 from helpers.train_helpers import REPO, torchrun, write_json_package
+from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
+from kforcing_kernels.app.training.loop import train
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,17 +18,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.files import LOCK_NAME
-
-from kforcing_kernels.app.files import atomic_write
+from helpers.train_helpers import VOCAB, micro_config, write_json_package
 from kforcing_kernels.app.data import load_corpus
-from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
+from kforcing_kernels.app.files import LOCK_NAME, atomic_write
 from kforcing_kernels.app.train import main
+from kforcing_kernels.app.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    read_metrics,
+)
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
 from kforcing_kernels.app.training.stage import _optimizer
-from helpers.train_helpers import VOCAB, micro_config, write_json_package
+from kforcing_kernels.model import KForcingLM, ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,14 @@ import math
 
 import pytest
 import torch
-from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels.ops.window_attention.composite import pieces as composite
 from kforcing_kernels.ops.window_attention import lse_attention as _lse_attention
-
+from kforcing_kernels.ops.window_attention.composite import pieces as composite
 
 LAYOUTS = zoo.small()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from helpers.attention import make_qkv, run_with_grads
 
+from helpers.attention import make_qkv, run_with_grads
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.ops.window_attention import backend_limits
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch._dynamo
-from helpers.attention import make_qkv, run_with_grads
 
+from helpers.attention import make_qkv, run_with_grads
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
 CPU_BACKENDS = [name for name in ("reference", "composite", "cpp") if backends_available()[name] is None]

@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
-from helpers.attention import assert_within_2x_torch_error, compare_with_reference
 
+from helpers.attention import assert_within_2x_torch_error, compare_with_reference
 from kforcing_kernels import WindowLayout
 from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 

@@ -33,13 +33,12 @@ import os
 import random
 import subprocess
 import sys
-
-from helpers import REPO
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from helpers import REPO
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -384,7 +383,7 @@ def test_fuzz_quick_draws_the_whole_space():
         "context empty rows": lambda d: "context=empty" in d, "live_slots": lambda d: "live_slots" in d,
         "per-batch live_slots": lambda d: "live_slots=(" in d and "live_slots=(" in d and ", " in d.split("live_slots=(")[1].split(")")[0],
         "per-batch context": lambda d: "context_ranges=(" in d and ", " in d.split("context_ranges=(")[1].split(")")[0],
-        **{f"constructor {f}": (lambda f: lambda d: d.startswith(f"seed=") and f" {f} n=" in d)(f)
+        **{f"constructor {f}": (lambda f: lambda d: d.startswith("seed=") and f" {f} n=" in d)(f)
            for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")},
         "per-batch cu_seqlens": lambda d: "cu_seqlens=[[" in d,
         "shared cu_seqlens": lambda d: "cu_seqlens=[0" in d,

@@ -40,8 +40,15 @@ from ...common.dtypes import acc_dtype
 from .. import masked_keys
 from . import query_rows
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
-from .pieces import (context_chunks, from_windows, intra_backward, intra_forward, prefix_backward, prefix_forward,
-                     to_windows)
+from .pieces import (
+    context_chunks,
+    from_windows,
+    intra_backward,
+    intra_forward,
+    prefix_backward,
+    prefix_forward,
+    to_windows,
+)
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
+from helpers import REPO
 from helpers.attention import make_qkv
 from kforcing_kernels import WindowLayout, default_backend, window_attention
 from kforcing_kernels.ops.window_attention import reference
-from helpers import REPO
 
 ROOT = str(REPO)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
