@@ -240,7 +240,10 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
             # Time in units of causal attention over N timed in the same round: comparable across
             # configurations even when the machine's load drifts between them.
             row["causal_units"] = row["ratio_to_ideal"] * mult
-    del jobs, q, kk, v, dout, grads
+    # Release this configuration's tensors before the next one. The closures above read these names, so they are
+    # rebound (which empties the closures' cells, as del would) rather than deleted.
+    jobs.clear()
+    q = kk = v = dout = grads = None
     gc.collect()
     return rows
 

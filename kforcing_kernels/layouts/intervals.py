@@ -193,7 +193,7 @@ def merge_subset_pieces(counts: list, kinds: list, los: list, his: list, tile_ro
     rows of one kind and the merge visits at most ``SUBSET_MERGE_SLACK`` more key area (rows x union span,
     per interval) than the two apart."""
     def area(n, lo, hi):
-        return sum(n * (h - l) for l, h in zip(lo, hi) if h > l)
+        return sum(n * (end - start) for start, end in zip(lo, hi) if end > start)
 
     sizes, size, kind, cur_lo, cur_hi = [], 0, None, None, None
     for n, c, lo, hi in zip(counts, kinds, los, his):

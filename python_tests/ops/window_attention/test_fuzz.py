@@ -423,7 +423,7 @@ def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 90
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (result.stdout + result.stderr)[-6000:]
     assert result.returncode == 0 and " passed" in result.stdout, f"interpreter fuzz failed (rc={result.returncode}):\n{tail}"
-    print(next((l for l in result.stdout.splitlines() if l.startswith("fuzz triton")), tail))
+    print(next((line for line in result.stdout.splitlines() if line.startswith("fuzz triton")), tail))
 
 
 # ---------------------------------------------------------------------- long form

@@ -128,13 +128,13 @@ def _forward(q, k, v, layout: WindowLayout, scale: float):
         qw = to_windows(q[:, :, -nw:], layout)
         o_i, l_i = intra_forward(qw, to_windows(k[:, :, c:], layout), to_windows(v[:, :, c:], layout), layout, scale)
         o_p, l_p = prefix_forward(qw, k, v, layout, scale)
-        l = torch.logaddexp(l_p, l_i)
-        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
+        lse_w = torch.logaddexp(l_p, l_i)
+        # exp(l_p - lse_w) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
         # and a blank row (both -inf) keeps o_i = 0.
-        weight = torch.where(l > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
+        weight = torch.where(lse_w > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
         o = torch.lerp(o_i.to(ct), o_p.to(ct), weight[..., None])
         out[:, :, -nw:] = from_windows(o.to(q.dtype), layout)
-        lse[:, :, -nw:] = from_windows(l, layout)
+        lse[:, :, -nw:] = from_windows(lse_w, layout)
     return out, lse
 
 

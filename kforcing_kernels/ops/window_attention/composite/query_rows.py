@@ -71,13 +71,13 @@ def forward(q, k, v, layout: QueryRowsLayout, scale: float):
     lse = torch.full(q.shape[:3], float("-inf"), dtype=ct, device=q.device)
     parts = []
     for rows, lo, hi, allowed in _pieces(layout, q.device):
-        o, l = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed)
-        parts.append((rows, o, l))
-        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], l)
+        o, lse_p = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed)
+        parts.append((rows, o, lse_p))
+        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_p)
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     finite = torch.where(lse > float("-inf"), lse, 0.0)
-    for rows, o, l in parts:  # each piece weighted by its share of the row's softmax mass
-        out[:, :, rows] += torch.exp(l - finite[:, :, rows])[..., None] * o.to(ct)
+    for rows, o, lse_p in parts:  # each piece weighted by its share of the row's softmax mass
+        out[:, :, rows] += torch.exp(lse_p - finite[:, :, rows])[..., None] * o.to(ct)
     return out.to(q.dtype), lse
 
 
