@@ -117,10 +117,10 @@ def run(args) -> dict:
         prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=gen).to(device)
         runs = {}
         for cache in args.cache:
-            runs[("ar", None, cache)] = lambda cache=cache: generate_ar(
+            runs[("ar", None, cache)] = lambda cache=cache, prompts=prompts: generate_ar(
                 model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
             for k in args.k:
-                runs[("kforcing", k, cache)] = lambda k=k, cache=cache: generate_kforcing(
+                runs[("kforcing", k, cache)] = lambda k=k, cache=cache, prompts=prompts: generate_kforcing(
                     model, prompts, k, t, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE)
         timings = measure_many(runs, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
         for (method, k, cache), timing in timings.items():
@@ -138,7 +138,9 @@ def run(args) -> dict:
         bar.update()
     bar.close()
     for r in rows:
-        same = lambda o: o["batch"] == r["batch"] and o["prompt_len"] == r["prompt_len"] and o["status"] == "ok"  # noqa: E731
+        def same(o, r=r):
+            return o["batch"] == r["batch"] and o["prompt_len"] == r["prompt_len"] and o["status"] == "ok"
+
         ar = next((o for o in rows if same(o) and o["method"] == "ar" and o["cache"] == r["cache"]), None)
         contiguous = next((o for o in rows if same(o) and o["method"] == r["method"] and o["k"] == r["k"] and o["cache"] == "contiguous"), None)
         ok = r["status"] == "ok"

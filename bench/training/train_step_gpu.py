@@ -101,7 +101,9 @@ def rows(args, time_ms) -> list[dict]:
         row = {"preset": args.train_preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n": args.n[0],
                "batch": args.batch, "teacher_k": k, "student_k": 2 * k, "ours": args.train_ours,
                **{f"{label}_ms": times[label] for label in args.train_variants}}
-        timed = lambda *labels: all(isinstance(times.get(x), float) for x in labels)  # noqa: E731
+        def timed(*labels, times=times):
+            return all(isinstance(times.get(x), float) for x in labels)
+
         row["speedup"] = times["dense"] / times["ours"] if timed("dense", "ours") else None
         row["ours_vs_zero"] = times["ours"] / times["zero"] if timed("ours", "zero") else None
         rows.append(row)

@@ -257,7 +257,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
             decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
         )
-        done, value = decided_by_rank0(lambda: _stage_decision(folder, cfg, base, data_hash))
+        done, value = decided_by_rank0(functools.partial(_stage_decision, folder, cfg, base, data_hash))
         # The previous stage's train() ended with every rank past its model.json: all ranks see the same folders.
         summaries[folder.name] = value if done else train(dataclasses.replace(cfg, resume=value))
         teacher = folder

@@ -19,10 +19,11 @@ import shutil
 import pytest
 import torch
 
+from helpers import REPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from helpers import REPO
 from helpers.train_helpers import write_json_package  # noqa: E402
 from kforcing_kernels.app import train as train_cli  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402

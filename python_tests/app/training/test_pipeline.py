@@ -23,7 +23,7 @@ from kforcing_kernels.model import KForcingLM
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    corpus = write_json_package(root / "corpus")
+    write_json_package(root / "corpus")  # the data of pipeline_configs(root)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         summaries = run_pipeline(*pipeline_configs(root))

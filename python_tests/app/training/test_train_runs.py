@@ -505,7 +505,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, corpus_dir, accum)
         summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3, dump_grads=str(dump)))
         runs[a] = (load_file(str(dump)), read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"), summary,
                    load_file(str(tmp_path / f"accum{a}" / "model.safetensors")))
-    (g1, m1, s1, w1), (ga, ma, sa, wa) = runs[1], runs[accum]
+    (g1, m1, _, w1), (ga, ma, _, wa) = runs[1], runs[accum]
     assert g1.keys() == ga.keys() and g1
     for name in g1:
         torch.testing.assert_close(ga[name], g1[name], rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")

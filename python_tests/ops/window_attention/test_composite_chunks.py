@@ -30,7 +30,7 @@ def check_against_reference(layout):
     ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="composite"), q, k, v, dout)
     ref = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), q, k, v, dout)
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("name", PREFIX)

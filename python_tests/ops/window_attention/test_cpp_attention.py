@@ -15,7 +15,7 @@ LAYOUTS = zoo.small()
 def _assert_close(ours, ref, atol, rtol):
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(a).all(), label
-        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m, label=label: f"{label}: {m}")
 
 
 def _other_isas():
