@@ -125,6 +125,8 @@ class Attention(nn.Module):
                 raise ValueError("past: context parallelism runs without a cached context")
             y = layout.attend(q, k, v)
         else:
+            if layout is None:
+                raise ValueError("layout: expected a WindowLayout (None only with a paged past)")
             keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
         return self.proj(y.transpose(1, 2).reshape(b, n, c)), (k, v)
@@ -170,6 +172,9 @@ class NoiseEncoder(nn.Module):
     Every slot is encoded independently of every other slot, so the encoder keeps
     the fully causal design (one token per noise variable) and the cached inference exact.
     """
+
+    freqs: torch.Tensor  # buffers (register_buffer in _build)
+    tau_freqs: torch.Tensor
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -81,10 +81,11 @@ def _per_element(fn, tensors, layout: WindowLayout, *args):
 
 def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
     """Batch element ``b``'s layout; per-batch layouts derive all of theirs once (each keeps its own pieces)."""
-    if layout.batch_size is None:
+    n = layout.batch_size
+    if n is None:
         return layout
     return layout.derived("composite.batch_elements",
-                           lambda: tuple(layout.batch_element(i) for i in range(layout.batch_size)))[b]
+                          lambda: tuple(layout.batch_element(i) for i in range(n)))[b]
 
 
 def forward(q, k, v, layout: WindowLayout, scale: float):

@@ -34,8 +34,8 @@ GROUP_ROWS = 128
 def _build_pieces(layout: QueryRowsLayout) -> list:
     """``[(rows int64 [r] (subset indices), key lo, key hi, allowed bool [B', 1, r, hi - lo])]``: one per
     group and interval whose rows see some key through that interval."""
-    order, begin = subset_query_tiles(layout.parent, layout.rows, GROUP_ROWS)
-    order, begin = order.to(torch.int64), begin.tolist()
+    order_t, begin_t = subset_query_tiles(layout.parent, layout.rows, GROUP_ROWS)
+    order, begin = order_t.to(torch.int64), begin_t.tolist()
     iv = layout.row_intervals(copy=False)  # [B', R, J, 2]
     pieces = []
     for t in range(len(begin) - 1):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -78,7 +78,7 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 
 _tuned_lock = threading.Lock()
-_tuned: dict[tuple, object] = {}
+_tuned: dict[tuple, Any] = {}  # triton Autotuner objects
 _direct = DirectCache(trusted=PLAN_POINTERS)  # steady-state launches (direct.py), filled from the autotuner path's results
 
 
