@@ -191,7 +191,10 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
     assert meta["train_config"]["preset"] is None
     ckpt.write_text(json.dumps({**meta, "train_config": {**meta["train_config"], "preset": "tiny"}}))
     train(dataclasses.replace(parts, stop_at=None, resume=True))
-    losses = lambda name: [(m["step"], m["loss"]) for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]  # noqa: E731
+
+    def losses(name):
+        return [(m["step"], m["loss"]) for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]
+
     assert losses("whole") == losses("parts") and len(losses("whole")) == 4
     for file in ("model.safetensors", "noise_embedding.safetensors"):
         a, b = load_file(str(tmp_path / "whole" / file)), load_file(str(tmp_path / "parts" / file))
