@@ -50,6 +50,11 @@ aot-check:
 		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
 	done
 
+# ruff over the tree and mypy over the library (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
+.PHONY: lint
+lint: $(STAMP)
+	PYTHON=$(PY) tools/lint.sh
+
 # Plants each bug of tools/mutations.py in a scratch copy and runs the tests that must catch it (slow; not part of test).
 .PHONY: mutate
 mutate: $(STAMP)

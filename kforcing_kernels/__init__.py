@@ -6,11 +6,10 @@
     layout.dense_mask()                          # bool [Lq, Lk], the oracle
 """
 
-from .ops.window_attention import window_attention
-from .ops.window_attention import BACKENDS, backends_available, default_backend
-from .ops.sampling import inverse_cdf_sample, noise_inversion
-from .layouts import WindowLayout
 from . import _moved
+from .layouts import WindowLayout
+from .ops.sampling import inverse_cdf_sample, noise_inversion
+from .ops.window_attention import BACKENDS, backends_available, default_backend, window_attention
 
 _moved.install()  # an import of a 0.2 application module (kforcing_kernels.train, ...) fails naming its 0.3 place
 

@@ -54,3 +54,11 @@ def load() -> Optional[ModuleType]:
 def reason() -> Optional[str]:
     """None when ``_C`` is loaded, else why not."""
     return _load()[1]
+
+
+def require() -> ModuleType:
+    """The ``_C`` module, for callers that checked ``reason()``; RuntimeError naming why when it is absent."""
+    module, why = _load()
+    if module is None:
+        raise RuntimeError(f"kforcing_kernels._C is not available: {why}")
+    return module

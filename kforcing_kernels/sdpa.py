@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .ops.window_attention import SUPPORTED_DTYPES, window_attention
 from .layouts import WindowLayout
+from .ops.window_attention import SUPPORTED_DTYPES, window_attention
 
 __all__ = ["scaled_dot_product_attention", "match_layout", "route_dense_masks"]
 

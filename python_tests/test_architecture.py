@@ -16,6 +16,7 @@ import os
 import re
 
 import pytest
+
 from helpers import REPO
 
 ROOT = str(REPO)

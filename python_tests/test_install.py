@@ -30,6 +30,7 @@ import textwrap
 import zipfile
 
 import pytest
+
 from helpers import REPO
 
 ROOT = str(REPO)

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers import REPO
 
 ROOT = str(REPO)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.attention import make_qkv, run_with_grads
 from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_by_name
 
 import kforcing_kernels.sdpa
+from helpers.attention import make_qkv, run_with_grads
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.sdpa import match_layout, route_dense_masks, scaled_dot_product_attention
 

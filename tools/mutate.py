@@ -26,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.mutations import MUTATIONS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-from tools.mutations import MUTATIONS
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "*.o")
 PYTEST = ["-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider"]

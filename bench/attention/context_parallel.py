@@ -146,13 +146,13 @@ def time_attention(args: argparse.Namespace) -> dict:
             k = torch.randn(1, heads, layout.n_keys, head_dim, generator=g)
             v = torch.randn(1, heads, layout.n_keys, head_dim, generator=g)
 
-            def step(lay, rows):
+            def step(lay, rows, q=q, k=k, v=v):
                 qq, kk, vv = (t.detach().requires_grad_() for t in (q if rows is None else q[:, :, rows], k, v))
                 out = window_attention(qq, kk, vv, lay, backend=args.backend)
                 torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))
 
             splits = {w: balanced_split(layout, w) for w in (2, 4)}
-            fns = {"whole": lambda: step(layout, None)}
+            fns = {"whole": lambda layout=layout: step(layout, None)}
             for w, split in splits.items():
                 fns[w] = (lambda s: lambda: step(s.sub_layout(0), s.query_rows[0]))(split)
             timing = measure_many(fns, warmup=1, reps=args.reps)

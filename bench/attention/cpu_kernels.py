@@ -27,15 +27,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kforcing_kernels import _extension, backends_available, window_attention
+from kforcing_kernels.layouts import ideal_causal_pairs
+from kforcing_kernels.ops import sampling
 
 from .._cli import write_json
 from .._timing import machine_info, pin_threads
 from .peers import LAYOUTS, mean_pairs
-from kforcing_kernels import backends_available, window_attention
-from kforcing_kernels import _extension
-from kforcing_kernels.ops import sampling
-from kforcing_kernels.layouts import ideal_causal_pairs
-
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (meaningful with --threads 1)
 

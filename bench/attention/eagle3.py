@@ -36,7 +36,7 @@ def build_step(length: int, step: int):
     (layouts/derived.py), so the table of registered contents is emptied first, as for a new step's shapes."""
     derived._interned.clear()
     layout = WindowLayout.eagle3_ttt(length, step)
-    layout.row_intervals_int32, layout.cpu_query_tiles  # what the cpp kernels read, built (and cached) here
+    _ = layout.row_intervals_int32, layout.cpu_query_tiles  # what the cpp kernels read, built (and cached) here
     return layout
 
 

@@ -73,11 +73,11 @@ def run(args) -> dict:
     n, blocks, block, b = args.n, args.blocks, args.block, args.batch_size
     rows = {}
     for variant, window in (("dflash", None), ("specforge_sliding", args.window)):
-        def ours_layout():
+        def ours_layout(window=window):
             anchors, keep = _draw(gen, b, blocks, n)
             kw = dict(window=window, window_mode="slot") if window else {}
             layout = WindowLayout.anchor_blocks(n, anchors, block, keep=keep, **kw)
-            layout.row_intervals_int32  # what cpp reads; composite and the plans derive from the same tensor
+            _ = layout.row_intervals_int32  # what cpp reads; composite and the plans derive from the same tensor
             return layout
 
         def ours_block_mask():
@@ -86,7 +86,7 @@ def run(args) -> dict:
         def ours_plan():
             tile_plan(ours_layout())
 
-        def flex_create():
+        def flex_create(window=window):
             anchors, keep = _draw(gen, b, blocks, n)
             create_block_mask(_dflash_mask_mod(anchors, keep, n, block, window), b, None, blocks * block,
                               n + blocks * block, device="cpu")
@@ -102,8 +102,8 @@ def run(args) -> dict:
             layout = make(n, 4)
             # The builders themselves: the layout's store would answer a second call from its cache.
             rows[f"{name} N={n} k=4"] = {
-                "row intervals": _median_ms(lambda: build_row_intervals(layout), args.reps),
-                "Triton tile plan": _median_ms(lambda: build_plan(layout, DEFAULT_TILES), args.reps),
+                "row intervals": _median_ms(lambda layout=layout: build_row_intervals(layout), args.reps),
+                "Triton tile plan": _median_ms(lambda layout=layout: build_plan(layout, DEFAULT_TILES), args.reps),
             }
     return rows
 

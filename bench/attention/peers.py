@@ -13,16 +13,22 @@ Ratios are only meaningful inside one run.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
+from kforcing_kernels import WindowLayout, backends_available, window_attention
+from kforcing_kernels.app.cli import (
+    add_batch_size,
+    add_device,
+    add_threads,
+    make_parser,
+    non_negative_int,
+    positive_int,
+)
+from kforcing_kernels.layouts import ideal_causal_pairs, zoo
 
 from .._cli import write_json
-from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, non_negative_int, positive_int
 from .._timing import machine_info, measure, pin_threads
-from kforcing_kernels import WindowLayout, backends_available, window_attention
-from kforcing_kernels.layouts import ideal_causal_pairs, zoo
 
 LAYOUTS = zoo.BENCH_FAMILIES  # the shared layout zoo (kforcing_kernels/layouts/zoo.py)
 

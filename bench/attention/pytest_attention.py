@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kforcing_kernels import window_attention
+from kforcing_kernels.layouts import ideal_causal_pairs
 
 from .._timing import phase_step, pin_threads
 from .peers import LAYOUTS
 from .sweep import OURS, method_availability, parse_args
-from kforcing_kernels import window_attention
-from kforcing_kernels.layouts import ideal_causal_pairs
 
 N = int(os.environ.get("KF_BENCH_N", 512))
 K = int(os.environ.get("KF_BENCH_K", 4))

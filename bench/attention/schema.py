@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections import defaultdict
 
 from .sweep import METHODS, PHASES, SCHEMA_ID

@@ -50,11 +50,11 @@ def main(argv=None) -> dict:
     results = {"n": args.n, "k": args.k, "window": args.window, "backend": args.backend, "threads": args.threads,
                "shape": list(shape), "layouts": {}}
     for name, layout in layouts.items():
-        def forward():
+        def forward(layout=layout):
             with torch.no_grad():
                 window_attention(q, k, v, layout, backend=args.backend)
 
-        def forward_backward():
+        def forward_backward(layout=layout):
             out = window_attention(q, k, v, layout, backend=args.backend)
             torch.autograd.grad(out.sum(), (q, k, v))
 

@@ -37,14 +37,24 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-
-from .._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar
-from .._timing import busy_cores, failure_reason, machine_info, measure, measure_many, paired_ratio, phase_step, pin_threads, row_stamp
-from .peers import LAYOUTS, mean_pairs
-from .methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PHASES
 from kforcing_kernels import backends_available, window_attention
 from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, positive_int
 from kforcing_kernels.layouts import ideal_causal_pairs
+
+from .._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar
+from .._timing import (
+    busy_cores,
+    failure_reason,
+    machine_info,
+    measure,
+    measure_many,
+    paired_ratio,
+    phase_step,
+    pin_threads,
+    row_stamp,
+)
+from .methods import METHOD_DESCRIPTION, METHOD_KIND, METHODS, OURS, PHASES
+from .peers import LAYOUTS, mean_pairs
 
 SCHEMA_ID = "kforcing-bench/attention/v1"
 FLEX_BLOCK = 128
@@ -230,7 +240,10 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
             # Time in units of causal attention over N timed in the same round: comparable across
             # configurations even when the machine's load drifts between them.
             row["causal_units"] = row["ratio_to_ideal"] * mult
-    del jobs, q, kk, v, dout, grads
+    # Release this configuration's tensors before the next one. The closures above read these names, so they are
+    # rebound (which empties the closures' cells, as del would) rather than deleted.
+    jobs.clear()
+    q = kk = v = dout = grads = None
     gc.collect()
     return rows
 

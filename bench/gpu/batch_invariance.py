@@ -44,8 +44,16 @@ from typing import Iterator, Optional
 import torch
 
 from kforcing_kernels import WindowLayout, default_backend, env, window_attention
+from kforcing_kernels.app.cli import (
+    add_batch_sizes,
+    add_device,
+    add_seed,
+    add_threads,
+    apply_threads,
+    make_parser,
+    positive_int,
+)
 from kforcing_kernels.ops.window_attention import reference
-from kforcing_kernels.app.cli import add_batch_sizes, add_device, add_seed, add_threads, apply_threads, make_parser, positive_int
 
 from . import batch_invariance_teacher as teacher
 from .batch_invariance_teacher import positions

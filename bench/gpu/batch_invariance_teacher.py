@@ -234,7 +234,7 @@ def _seconds(run: Callable[[], object], device: torch.device, reps: int = 3) -> 
 
 def throughput(model, inputs: list, autocast, device: torch.device) -> dict:
     """Seconds for all targets of one batch in each mode (best of 3), and the per-sample mode's slowdown."""
-    seconds = {mode: _seconds(lambda: run_mode(mode, model, inputs, autocast), device) for mode in MODES}
+    seconds = {mode: _seconds(lambda mode=mode: run_mode(mode, model, inputs, autocast), device) for mode in MODES}
     return {"batch": inputs[0].shape[0], **{f"{mode}_s": s for mode, s in seconds.items()},
             "per_sample_slowdown": seconds["per_sample"] / seconds["batched"]}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from kforcing_kernels.ops.window_attention import dispatch
+
 from .triton_gpu import LAYOUTS
 
 CANDIDATES = dispatch.BENCH_METHOD  # backend -> the bench method that measures it

@@ -8,8 +8,9 @@ import torch
 def rows(args, time_ms) -> list[dict]:
     """The Triton inverse-CDF sampler vs softmax + cumsum + searchsorted (fp32, fp64) on bf16 logits, timed by
     ``time_ms`` (bench/gpu/triton_gpu.py's); one row per (``args.sampler_vocab``, ``args.sampler_rows``)."""
-    from ..attention.cpu_kernels import softmax_cumsum_searchsorted
     from kforcing_kernels.ops import sampling
+
+    from ..attention.cpu_kernels import softmax_cumsum_searchsorted
 
     rows = []
     for vocab in args.sampler_vocab:
@@ -19,9 +20,9 @@ def rows(args, time_ms) -> list[dict]:
             z = torch.rand(n_rows, device="cuda", generator=gen)
             tau = 0.8
             methods = {
-                "triton": lambda: sampling.inverse_cdf_sample(logits, z, tau),
-                "softmax+cumsum+searchsorted fp32": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float32),
-                "softmax+cumsum+searchsorted fp64": lambda: softmax_cumsum_searchsorted(logits, z, tau, torch.float64),
+                "triton": lambda logits=logits, z=z, tau=tau: sampling.inverse_cdf_sample(logits, z, tau),
+                "softmax+cumsum+searchsorted fp32": lambda logits=logits, z=z, tau=tau: softmax_cumsum_searchsorted(logits, z, tau, torch.float32),
+                "softmax+cumsum+searchsorted fp64": lambda logits=logits, z=z, tau=tau: softmax_cumsum_searchsorted(logits, z, tau, torch.float64),
             }
             times = {name: time_ms(fn) for name, fn in methods.items()}
             agree = float((methods["triton"]() == sampling.inverse_cdf_sample_reference(logits, z, tau)).double().mean())

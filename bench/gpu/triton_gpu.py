@@ -51,15 +51,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..attention import peers as attention
+from kforcing_kernels import WindowLayout, window_attention
 
-from . import sampler_gpu
-from .gpu_table import render_markdown
 from .._cli import write_json
 from .._timing import machine_info
-from .gpu_variants import _repeats_the_default, _triton_env, read_variants, variant_backend, variant_problem
+from ..attention import peers as attention
 from ..training.train_step_gpu import TRAIN_VARIANTS
-from kforcing_kernels import WindowLayout, window_attention
+from . import sampler_gpu
+from .gpu_table import render_markdown
+from .gpu_variants import _repeats_the_default, _triton_env, read_variants, variant_backend, variant_problem
 
 LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5

@@ -42,8 +42,9 @@ import time
 
 import torch
 
-from .triton_stub_driver import stub_driver
 from kforcing_kernels.app.cli import add_batch_size
+
+from .triton_stub_driver import stub_driver
 
 DIRECT_ENV = "KFORCING_TRITON_DIRECT_LAUNCH"
 AUTOTUNE_ENV = "KFORCING_TRITON_AUTOTUNE"

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
 
 import torch
 
-
-from ..attention import peers as attention
-from .._cli import write_json
 from kforcing_kernels import window_attention
 
+from .._cli import write_json
+from ..attention import peers as attention
 
 # Kernel-name fragments -> part, first match wins (names from triton/jit_*.py and inductor's flex templates).
 PARTS = (("_slot_bwd", "slot_bwd"), ("_dkdv", "dkdv"), ("_dq", "dq"), ("_delta", "delta"), ("_bwd_kernel", "bwd_fused"),

@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from .._cli import command_line, default_out
 from kforcing_kernels.app.cli import add_device, make_parser, positive_int
+
+from .._cli import command_line, default_out
 
 _KEYS = ("distill_batch", "seed")
 
@@ -77,11 +78,10 @@ def train_and_score(spec: dict, out: Path, device: str) -> dict:
 
 def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
     """The one Stage-0 teacher of every variant with this seed (trained on first use)."""
-    from kforcing_kernels.app.training.checkpoint import read_json
     from kforcing_kernels.app.demo import DEMO
-    from kforcing_kernels.app.training.config import ConfigError
+    from kforcing_kernels.app.training.checkpoint import read_json
+    from kforcing_kernels.app.training.config import ConfigError, changed_settings
     from kforcing_kernels.app.training.loop import train
-    from kforcing_kernels.app.training.config import changed_settings
 
     folder = out / f"shared_seed{seed}" / "stage0"
     cfg = dataclasses.replace(DEMO["train"], device=device, progress=False, seed=seed, stage="stage0", out=str(folder),

@@ -31,7 +31,15 @@ import torch
 
 from kforcing_kernels.app.cli import add_threads, make_parser, positive_int
 
-from ._train_models import Collectives, add_model_arguments, build_pair, execute_launcher, model_argv, model_name, tensor_bytes
+from ._train_models import (
+    Collectives,
+    add_model_arguments,
+    build_pair,
+    execute_launcher,
+    model_argv,
+    model_name,
+    tensor_bytes,
+)
 
 SCHEMA_ID = "kforcing-bench/teacher-parallel/v1"
 MIB = 2**20

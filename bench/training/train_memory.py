@@ -42,8 +42,16 @@ import torch
 from kforcing_kernels.app.cli import add_threads, int_list, make_parser, positive_int
 from kforcing_kernels.app.training.parallel import decoder_layers
 
-from ._train_models import (Collectives, add_model_arguments, build_pair, execute_launcher, model_argv, model_name, rss_bytes,
-                            tensor_bytes)
+from ._train_models import (
+    Collectives,
+    add_model_arguments,
+    build_pair,
+    execute_launcher,
+    model_argv,
+    model_name,
+    rss_bytes,
+    tensor_bytes,
+)
 
 SCHEMA_ID = "kforcing-bench/train-memory/v2"
 MIB = 2**20

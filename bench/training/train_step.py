@@ -31,12 +31,30 @@ import time
 
 import torch
 
-
-from .._cli import add_model_args, add_run_args, apply_profile, command_line, default_out, parse_overrides, progress_bar, write_report_files
-from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int
-from .._timing import busy_cores, commit_label, machine_info, measure_many, paired_ratio, pin_threads, row_stamp, timing_fields
-from ..attention.report import _slope
 from kforcing_kernels import default_backend
+from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int
+
+from .._cli import (
+    add_model_args,
+    add_run_args,
+    apply_profile,
+    command_line,
+    default_out,
+    parse_overrides,
+    progress_bar,
+    write_report_files,
+)
+from .._timing import (
+    busy_cores,
+    commit_label,
+    machine_info,
+    measure_many,
+    paired_ratio,
+    pin_threads,
+    row_stamp,
+    timing_fields,
+)
+from ..attention.report import _slope
 
 SCHEMA_ID = "kforcing-bench/train-step/v1"
 FULL = {"k": [1, 2, 4, 8], "seq_len": 512, "batch": 2, "reps": 3, "warmup": 1, "max_seconds": 30.0}

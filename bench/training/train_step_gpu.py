@@ -61,8 +61,9 @@ def rows(args, time_ms) -> list[dict]:
     """Self-forcing step (teacher k -> student 2k) of the paper backbone, bf16 autocast: dense-mask SDPA
     (``dense``, the public code's attention), ours (``--train-ours``) and the same step with attention
     replaced by a zero-cost op (``zero``: the limit; ``ours_vs_zero`` = ours / zero time, 1.0 is ideal)."""
-    from .train_step import build_models, make_step
     from kforcing_kernels.app.training.objectives import Batch
+
+    from .train_step import build_models, make_step
 
     device = torch.device(args.device)
     # bf16; a dry run (bench/gpu/triton_gpu.py --dry-run) sets fp16: the Triton interpreter's bf16 dot is wrong
@@ -100,7 +101,9 @@ def rows(args, time_ms) -> list[dict]:
         row = {"preset": args.train_preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n": args.n[0],
                "batch": args.batch, "teacher_k": k, "student_k": 2 * k, "ours": args.train_ours,
                **{f"{label}_ms": times[label] for label in args.train_variants}}
-        timed = lambda *labels: all(isinstance(times.get(x), float) for x in labels)  # noqa: E731
+        def timed(*labels, times=times):
+            return all(isinstance(times.get(x), float) for x in labels)
+
         row["speedup"] = times["dense"] / times["ours"] if timed("dense", "ours") else None
         row["ours_vs_zero"] = times["ours"] / times["zero"] if timed("ours", "zero") else None
         rows.append(row)

@@ -32,14 +32,13 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from .training.checkpoint import CheckpointError  # noqa: E402
-
-from .files import write_json, write_text
 from .data import DataError  # noqa: E402
 from .evaluation.evaluate import DEMO_EVAL, evaluate_pipeline  # noqa: E402
 from .evaluation.report import format_report, plot_summary  # noqa: E402
-from .training.pipeline import PipelineConfig, run_pipeline  # noqa: E402
+from .files import write_json, write_text
+from .training.checkpoint import CheckpointError  # noqa: E402
 from .training.config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
+from .training.pipeline import PipelineConfig, run_pipeline  # noqa: E402
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()

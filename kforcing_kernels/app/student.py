@@ -111,7 +111,7 @@ class ModelKind(ABC):
         """The command-line option ``folder`` came in by when it is a source, not a stage (``--model``), else None."""
         return None
 
-    def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:
+    def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:  # noqa: B027 - a no-op default
         """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before a stage starts)."""
 
     # -------------------------------------------------------------- building and saving

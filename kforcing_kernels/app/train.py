@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .. import env
-from .training.checkpoint import CheckpointError
 from .cli import (
     add_batch_size,
     add_command,
@@ -39,11 +38,12 @@ from .cli import (
     positive_int,
 )
 from .data import DataError
-from .training.parallel import PARALLEL_MODES, TEACHER_MODES
 from .student import check_model_options
-from .training.pipeline import PipelineConfig, per_round_type, run_pipeline
+from .training.checkpoint import CheckpointError
 from .training.config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
 from .training.loop import NonFiniteLoss, train
+from .training.parallel import PARALLEL_MODES, TEACHER_MODES
+from .training.pipeline import PipelineConfig, per_round_type, run_pipeline
 
 # ---------------------------------------------------------------------- CLI
 
@@ -180,8 +180,8 @@ def _evaluate(out: str, which: str, device: str) -> dict:
     from pathlib import Path
 
     from .evaluation.evaluate import DEMO_EVAL, QUICK_EVAL, evaluate_pipeline
-    from .files import write_json, write_text
     from .evaluation.report import format_report, timing_report
+    from .files import write_json, write_text
 
     settings = dataclasses.asdict(QUICK_EVAL if which == "quick" else DEMO_EVAL)
     summary = evaluate_pipeline(out, device=device, log=lambda line: print(line, file=sys.stderr), **settings)

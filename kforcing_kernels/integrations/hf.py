@@ -55,15 +55,25 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "`pip install transformers` (or `pip install kforcing_kernels[hf]`)"
     ) from exc
 
-from ..ops.window_attention import op as window_op, window_attention
-from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
 from ..layouts import WindowLayout
 from ..layouts.positions import double_positions, sbd_positions, single_positions
+from ..layouts.sliding import check_window, sliding_bounds, window_hides_nothing
+from ..ops.window_attention import op as window_op
+from ..ops.window_attention import window_attention
 from ..parallel.context_parallel import RankRows
 from ..sdpa import scaled_dot_product_attention
-from .hf_masks import (additive_mask, check_layout_documents, documents_from_positions,
-                       flash_documents, interval_layout_from_mask, rank_rows_attention, sliding_layout, sliding_window_of,
-                       structure_layout, structure_mask)
+from .hf_masks import (
+    additive_mask,
+    check_layout_documents,
+    documents_from_positions,
+    flash_documents,
+    interval_layout_from_mask,
+    rank_rows_attention,
+    sliding_layout,
+    sliding_window_of,
+    structure_layout,
+    structure_mask,
+)
 from .hf_noise import NoiseEmbedding  # noqa: F401  (public here: the noise half of an HF PFLM)
 
 ATTN_IMPLEMENTATION = "kforcing"
@@ -185,8 +195,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
         if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout, window)):
             out = _traced_sliding_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend)
         else:
-            layout = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
-            out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
+            sliding = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
+            out = window_attention(query, key, value, sliding, scale=scaling, backend=kforcing_backend)
         return out.transpose(1, 2).contiguous(), None
 
     gqa = query.shape[1] != key.shape[1]
@@ -218,7 +228,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
                 return out.transpose(1, 2).contiguous(), None
         elif compiling or lq != lk or dropout:
-            mask = structure_mask(lq, lk, positions, cu, window, query.device, use_positions=positions is not None)
+            mask: Optional[torch.Tensor] = structure_mask(lq, lk, positions, cu, window, query.device,
+                                                          use_positions=positions is not None)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
             return out.transpose(1, 2).contiguous(), None
     mask = None
@@ -374,7 +385,8 @@ def single_forward_inputs(
     _check_ids("input_ids", input_ids, 2)
     b, n = input_ids.shape
     k = _check_noise(noise, b, n)
-    tokens = model.get_input_embeddings()(input_ids)
+    # torch's stubs type nn.Module's unknown attributes as Tensor | Module, so the method reads as not callable.
+    tokens = model.get_input_embeddings()(input_ids)  # type: ignore[operator]
     noise_tokens = noise_embedding(noise, tau).reshape(b, n * k, -1).to(tokens.dtype)
     positions = kforcing_position_ids(n, k, device=input_ids.device)
     return {
@@ -401,7 +413,8 @@ def double_forward_inputs(
     b, n, k = future1_ids.shape
     if _check_noise(noise, b, n) != k:
         raise ValueError(f"noise: expected shape {tuple(future1_ids.shape)} (future1_ids'), got {tuple(noise.shape)}")
-    f1 = model.get_input_embeddings()(future1_ids.reshape(b, n * k))
+    # torch's stubs type nn.Module's unknown attributes as Tensor | Module, so the method reads as not callable.
+    f1 = model.get_input_embeddings()(future1_ids.reshape(b, n * k))  # type: ignore[operator]
     f2 = noise_embedding(noise, tau).reshape(b, n * k, -1).to(f1.dtype)
     positions = double_forward_position_ids(n, k, device=future1_ids.device)
     return {

@@ -85,6 +85,7 @@ def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torc
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 2:
             got = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got {got}")
+    assert isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)  # checked in the loop above
     if lq != lk:
         raise ValueError(
             f"cu_seq_lens_q: packed flash kwargs need the keys to be exactly this call's tokens (use_cache=False, "
@@ -318,10 +319,10 @@ def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, sl
     if layout.queries == "all":
         lo, hi = layout.prefix_lo.reshape(-1), layout.prefix_hi.reshape(-1)
         seen = hi > lo
-        bad = seen & ((pos[(hi - 1).clamp(min=0)] + 1 != first[:, 0])
-                      | (pos[(hi - 1).clamp(min=0)] - pos[lo.clamp(max=max(layout.n_ctx - 1, 0))] != hi - 1 - lo))
-        if bool(bad.any()):
-            m = int(torch.nonzero(bad)[0])
+        late = seen & ((pos[(hi - 1).clamp(min=0)] + 1 != first[:, 0])
+                       | (pos[(hi - 1).clamp(min=0)] - pos[lo.clamp(max=max(layout.n_ctx - 1, 0))] != hi - 1 - lo))
+        if bool(late.any()):
+            m = int(torch.nonzero(late)[0])
             refuse(f"window {m} at position {int(first[m, 0])} sees context [{int(lo[m])}, {int(hi[m])}) whose last "
                    f"token is at position {int(pos[hi[m] - 1])}")
 

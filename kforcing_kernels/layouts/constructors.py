@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .documents import (IntsLike, PerBatch, as_int, as_int_tensor, check_block_aligned, check_spans, document_bounds,
-                        parse_cu_seqlens, positive_int, stack_rows)
+from .documents import (
+    IntsLike,
+    PerBatch,
+    as_int,
+    as_int_tensor,
+    check_block_aligned,
+    check_spans,
+    document_bounds,
+    parse_cu_seqlens,
+    positive_int,
+    stack_rows,
+)
 
 if TYPE_CHECKING:
     from .window_layout import WindowLayout
@@ -206,7 +216,7 @@ def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, bloc
         window_mode: ``"block"`` or ``"slot"``, see above.
         cu_seqlens: packed documents over the S context tokens (shared or per batch element).
     """
-    n_ctx = as_int_tensor("n_ctx", [n_ctx], dims=(1,))[0].item()
+    n_ctx = int(as_int_tensor("n_ctx", [n_ctx], dims=(1,))[0])
     if n_ctx < 0:
         raise ValueError(f"n_ctx: expected >= 0, got {n_ctx}")
     block = positive_int("block", block)

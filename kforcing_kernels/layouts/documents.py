@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-IntsLike = Union[torch.Tensor, Sequence[int]]
+IntsLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]]]  # [n] or per batch element [B, n]
 
 
 def as_int(name: str, value) -> int:

@@ -49,6 +49,7 @@ def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
     if layout.context_lo is None:
         iv[:, :c, 0, 1] = torch.arange(1, c + 1)
     else:
+        assert layout.context_hi is not None  # WindowLayout sets both or neither
         iv[:, :c, 0, 0] = layout.context_lo.reshape(-1, c)
         iv[:, :c, 0, 1] = layout.context_hi.reshape(-1, c)
     if layout.num_windows:
@@ -193,9 +194,12 @@ def merge_subset_pieces(counts: list, kinds: list, los: list, his: list, tile_ro
     rows of one kind and the merge visits at most ``SUBSET_MERGE_SLACK`` more key area (rows x union span,
     per interval) than the two apart."""
     def area(n, lo, hi):
-        return sum(n * (h - l) for l, h in zip(lo, hi) if h > l)
+        return sum(n * (end - start) for start, end in zip(lo, hi) if end > start)
 
-    sizes, size, kind, cur_lo, cur_hi = [], 0, None, None, None
+    sizes: list[int] = []
+    size, kind = 0, None
+    cur_lo: list = []  # the current tile's union spans (read only once it has rows)
+    cur_hi: list = []
     for n, c, lo, hi in zip(counts, kinds, los, his):
         while n:
             take = min(n, tile_rows)

@@ -13,7 +13,7 @@ refused rather than silently reordered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -50,7 +50,7 @@ class QueryRowsLayout:
                              f"then {int(r[at + 1])} at index {at + 1}")
         self.parent = parent
         self._rows = r
-        self._iv = None
+        self._iv: Optional[torch.Tensor] = None
         self._rows_key = None
 
     @property

@@ -133,7 +133,7 @@ class WindowLayout:
         if (context_lo is None) != (context_hi is None):
             raise ValueError("context_lo: expected context_lo and context_hi together (or neither)")
         clo = chi = None
-        if context_lo is not None:
+        if context_lo is not None and context_hi is not None:  # together (checked above)
             clo = _ranges("context_lo", context_lo, n_ctx, "context tokens")
             chi = _ranges("context_hi", context_hi, n_ctx, "context tokens")
             if clo.shape != chi.shape:
@@ -328,9 +328,14 @@ class WindowLayout:
         b = as_int("b", b)
         if not 0 <= b < self._range_batch:
             raise ValueError(f"b: expected a batch index in [0, {self._range_batch}), got {b}")
-        pick = lambda t: None if t is None else (t[b] if t.dim() == 2 else t)  # noqa: E731
+        def row(t: torch.Tensor) -> torch.Tensor:
+            return t[b] if t.dim() == 2 else t
+
+        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else row(t)
+
         return WindowLayout(
-            self.n_ctx, self.num_windows, self.window_size, pick(self._prefix_lo), pick(self._prefix_hi),
+            self.n_ctx, self.num_windows, self.window_size, row(self._prefix_lo), row(self._prefix_hi),
             last_window_size=self.last_window_size, intra=self.intra, queries=self.queries, n_streams=self.n_streams,
             context_lo=pick(self._context_lo), context_hi=pick(self._context_hi), live_slots=pick(self._live),
             prefix_slide_lo=pick(self._prefix_slide_lo), prefix_slide_hi=pick(self._prefix_slide_hi),

@@ -1,7 +1,7 @@
 """The reference model: a GPT-style decoder run as AR teacher or push-forward LM."""
 
-from .config import PRESETS, ModelConfig
 from ..layouts.positions import double_positions, single_positions
+from .config import PRESETS, ModelConfig
 from .gpt import KForcingLM, PagedPast
 
 __all__ = ["ModelConfig", "PRESETS", "KForcingLM", "PagedPast", "single_positions", "double_positions"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ..settings import POSITIVE, check_reals
 
@@ -66,7 +66,7 @@ class ModelConfig:
     @classmethod
     def micro(cls, **overrides) -> "ModelConfig":
         """A few thousand parameters: for tests that must run in seconds."""
-        base = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8, tau_features=4)
+        base: dict[str, Any] = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8, tau_features=4)
         base.update(overrides)
         return cls(**base)
 

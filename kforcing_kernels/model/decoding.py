@@ -19,9 +19,9 @@ resolves of z)``:
 
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
+
+import torch
 
 from ..ops.sampling import inverse_cdf_sample
 from ..ops.sampling.op import inverse_cdf_sample_unchecked

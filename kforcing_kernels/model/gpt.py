@@ -28,15 +28,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layouts import WindowLayout
+from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ..ops.paged_attention import paged_attention
 from ..ops.paged_attention.op import paged_attention_unchecked
 from ..ops.window_attention import window_attention
-from ..layouts import WindowLayout
-from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ..parallel.context_parallel import ContextParallel, RankRows
 from ..types import KV, Temperature
 from .config import ModelConfig
-
 
 
 @dataclass(frozen=True)
@@ -136,6 +135,8 @@ class Attention(nn.Module):
                 raise ValueError("past: context parallelism runs without a cached context")
             y = layout.attend(q, k, v)
         else:
+            if layout is None:
+                raise ValueError("layout: expected a WindowLayout (None only with a paged past)")
             keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             y = window_attention(q, keys, values, layout, backend=self.backend)  # [B, H, L, D]
         return self.proj(y.transpose(1, 2).reshape(b, n, c)), (k, v)
@@ -226,6 +227,9 @@ class NoiseEncoder(nn.Module):
     Every slot is encoded independently of every other slot, so the encoder keeps
     the fully causal design (one token per noise variable) and the cached inference exact.
     """
+
+    freqs: torch.Tensor  # buffers (register_buffer in _build)
+    tau_freqs: torch.Tensor
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -19,8 +19,9 @@ ROOT = str(REPO)
 
 pytest.importorskip("tqdm")
 
-from kforcing_kernels.app import cli as cli_common
-from kforcing_kernels.app.cli import RETIRED_FLAGS, SHARED_OPTIONS, all_parsers
+# After the importorskip: the CLIs' modules import tqdm.
+from kforcing_kernels.app import cli as cli_common  # noqa: E402
+from kforcing_kernels.app.cli import RETIRED_FLAGS, SHARED_OPTIONS, all_parsers  # noqa: E402
 
 
 def _bench_parser():

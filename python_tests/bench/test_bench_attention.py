@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-
 from bench.attention.report import fit_exponents
 from bench.attention.schema import check_report, validate_schema
 from bench.attention.sweep import METHODS, configurations, method_availability, parse_args

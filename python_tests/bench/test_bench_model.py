@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-
 pytest.importorskip("kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout")
 
 from bench.inference import serving as inference

@@ -15,9 +15,9 @@ import sys
 import tarfile
 
 import pytest
-from helpers import REPO
 
 from bench.gpu import check
+from helpers import REPO
 
 ROOT = str(REPO)
 PLANNED_S = {  # the per-step budgets (s), from the H200 run's measured times (bench/gpu/check.py's docstring)

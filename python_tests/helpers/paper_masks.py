@@ -91,8 +91,7 @@ def jacobi_elementwise(n_prompt, n_noisy):
         for ki in range(size):
             if qi < ctx:
                 mask[qi, ki] = ki <= qi
-            else:
-                i = qi - ctx
+            else:  # noisy token qi - ctx
                 mask[qi, ki] = ki < n_prompt or (ctx <= ki <= qi)
     return mask
 

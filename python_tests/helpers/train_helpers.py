@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from helpers import REPO
-
 from kforcing_kernels.app.training.config import TrainConfig
 
 VOCAB = 300

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from helpers import REPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +22,6 @@ import kforcing_kernels.integrations.hf as kf_hf  # noqa: E402
 import kforcing_kernels.sdpa  # noqa: E402
 from kforcing_kernels import WindowLayout  # noqa: E402
 from kforcing_kernels.sdpa import route_dense_masks  # noqa: E402
-from helpers import REPO
 
 VOCAB, HIDDEN = 48, 32
 

@@ -15,8 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import hf_helpers as H  # noqa: E402
 import kforcing_kernels.integrations.hf as kf_hf  # noqa: E402
+from helpers import hf_helpers as H  # noqa: E402
 from kforcing_kernels import WindowLayout  # noqa: E402
 
 FAMILIES = {

@@ -14,8 +14,8 @@ import torch._dynamo.testing
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import hf_helpers as H  # noqa: E402
 import kforcing_kernels.integrations.hf as kf_hf  # noqa: E402
+from helpers import hf_helpers as H  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

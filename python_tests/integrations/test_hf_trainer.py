@@ -13,8 +13,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers import hf_helpers as H  # noqa: E402
 import kforcing_kernels.integrations.hf as kf_hf  # noqa: E402
+from helpers import hf_helpers as H  # noqa: E402
 
 N, K, SAMPLES, LR = 6, 2, 4, 1e-2
 

@@ -8,11 +8,10 @@ and all gradients, is checked against fp64 in test_backends_vs_paper_masks.py.""
 import itertools
 
 import numpy as np
-
 import pytest
 import torch
-from helpers.paper_masks import dflash_elementwise, jacobi_batched_elementwise, jacobi_elementwise
 
+from helpers.paper_masks import dflash_elementwise, jacobi_batched_elementwise, jacobi_elementwise
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.layouts.jacobi import from_streams, stream_order, to_streams
 

@@ -9,9 +9,9 @@ index changes the result (the test can fail).
 
 import pytest
 import torch
-from helpers.attention import make_qkv
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from helpers.attention import make_qkv
 from kforcing_kernels import WindowLayout, window_attention
 
 LAYOUTS = {

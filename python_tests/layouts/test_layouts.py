@@ -5,13 +5,15 @@ import itertools
 import pytest
 import torch
 
-from kforcing_kernels import WindowLayout
-
 # ---------------------------------------------------------------- element-wise definitions
-
-
-from helpers.paper_masks import kforcing_single_elementwise, kforcing_double_elementwise, sbd_elementwise, ptp_elementwise, jacobi_elementwise  # noqa: E402
-
+from helpers.paper_masks import (  # noqa: E402
+    jacobi_elementwise,
+    kforcing_double_elementwise,
+    kforcing_single_elementwise,
+    ptp_elementwise,
+    sbd_elementwise,
+)
+from kforcing_kernels import WindowLayout
 
 SIZES = [(1, 1), (1, 3), (2, 1), (5, 2), (7, 3), (13, 4), (17, 1), (9, 8)]
 

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from kforcing_kernels.app.training.context_parallel import context_parallel_loss
-from kforcing_kernels.app.training.parallel import ParallelDims, setup_parallel
-from kforcing_kernels.app.training.objectives import Objective, compute_loss, make_batch
 from kforcing_kernels.app.training.config import ConfigError, TrainConfig, validate_config
+from kforcing_kernels.app.training.context_parallel import context_parallel_loss
+from kforcing_kernels.app.training.objectives import Objective, compute_loss, make_batch
+from kforcing_kernels.app.training.parallel import ParallelDims, setup_parallel
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.window_attention import window_attention

@@ -8,19 +8,18 @@ ranks give every rank the single-process logits at its rows and, summed over the
 The trainer's ``--context-parallel 2`` on an HF student (DDP and FSDP2) is held by test_train_mesh.py.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import REPO
 from helpers import hf_helpers as H
 from helpers.train_helpers import torchrun
 from kforcing_kernels.app.hf_recipe.student import HFStudent
 from kforcing_kernels.integrations import hf as kf_hf
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.parallel import ContextParallel
-from helpers import REPO
 
 ROOT = REPO
 CONFIGS = {

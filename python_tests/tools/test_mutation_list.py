@@ -9,10 +9,9 @@ import os
 import pytest
 
 from helpers import REPO
+from tools import mutations
 
 ROOT = str(REPO)
-
-from tools import mutations
 
 
 @pytest.mark.parametrize("mutation", mutations.MUTATIONS, ids=lambda m: m["id"])

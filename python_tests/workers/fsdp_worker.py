@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforcing_kernels.app.training.loop import train
 from helpers.fsdp_settings import stage2_config
+from kforcing_kernels.app.training.loop import train
 
 
 def main(root: Path, device: str) -> None:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import hf_helpers as H
-from kforcing_kernels.app.training.context_parallel import context_parallel_loss
 from kforcing_kernels.app.hf_recipe.student import HFStudent
+from kforcing_kernels.app.training.context_parallel import context_parallel_loss
 from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss
 from kforcing_kernels.parallel import ContextParallel
 

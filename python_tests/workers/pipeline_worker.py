@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from kforcing_kernels.app.train import build_parser, config_from_args, pipeline_config_from_args
 from kforcing_kernels.app.training import checkpointer
 from kforcing_kernels.app.training.pipeline import run_pipeline
-from kforcing_kernels.app.train import build_parser, config_from_args, pipeline_config_from_args
 
 HF_FSDP = True  # a Hugging Face model under --parallel fsdp
 

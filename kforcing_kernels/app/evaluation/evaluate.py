@@ -38,14 +38,14 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
-from ..generation.inference import generate_ar, generate_kforcing
-from ..files import CheckpointError, check_writable, read_json, write_json
-from ..student import corpus_for, find_kind, kind_of, load_student
-from .report import HF_GENERATE, STAGE1_ROW, format_report, judge_description, target_checks, timing_report
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
+from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
+from ..files import CheckpointError, check_writable, read_json, write_json
+from ..generation.inference import generate_ar, generate_kforcing
+from ..student import corpus_for, find_kind, kind_of, load_student
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
+from .report import HF_GENERATE, STAGE1_ROW, format_report, judge_description, target_checks, timing_report
 
 
 @dataclass(frozen=True)
@@ -413,8 +413,17 @@ def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: flo
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from app/cli.py."""
-    from ..cli import (add_batch_sizes, add_device, add_new_tokens, add_seed, add_temperature, add_threads, make_parser,
-                             positive_float_list, positive_int)
+    from ..cli import (
+        add_batch_sizes,
+        add_device,
+        add_new_tokens,
+        add_seed,
+        add_temperature,
+        add_threads,
+        make_parser,
+        positive_float_list,
+        positive_int,
+    )
 
     d = DEMO_EVAL
     parser = make_parser("kforcing-evaluate", "Evaluate a `train pipeline` run folder (defaults: the demo's settings).")

@@ -30,17 +30,16 @@ The metric definitions (:func:`noise_sensitivity`, :func:`collision_complement`,
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
+from ...model.decoding import decode_slots
 from ..data import sample_crops
 from ..student import corpus_for, load_student
 from ..training.objectives import CDF_ORDERS, forward_distillation_targets
-from ...model.decoding import decode_slots
 
 # Upper edges of the interval-width buckets of accuracy_by_width (the last bucket is [0.5, 1]).
 WIDTH_EDGES = (0.01, 0.05, 0.2, 0.5, 1.0)
@@ -199,8 +198,8 @@ def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, b
     student is uncertain (its posterior is broad) and argmax turns that uncertainty into the mode. Same
     prompts and noise for all three.
     """
-    from .evaluate import judge_score
     from ..generation.inference import generate_ar
+    from .evaluate import judge_score
 
     gen = torch.Generator().manual_seed(seed)
     prompts = sample_crops(val, batch, prompt_len, gen)

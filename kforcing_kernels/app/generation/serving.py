@@ -29,13 +29,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ...layouts import WindowLayout
 from ...model import KForcingLM
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from .checks import check_ar, check_k, check_noise, check_temperature
-from .paged_cache import PagedKVCache, PagePoolFull, paged_backend
+from .paged_cache import PagedKVCache, PagePoolFull
 from .static_step import StaticDecodeStep, check_compile_step
-from ...layouts import WindowLayout
 
 
 def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) -> WindowLayout:

@@ -42,10 +42,28 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from ..data import (EOS, FORMAT_VERSION, Corpus, DataError, default_cache_dir, documents_sha256, load_documents,
-                    split_documents, token_streams)
-from ..files import (CheckpointError, atomic_write_file, literal_specials, load_tensors, read_json, save_tensors,
-                     sha256_file, tokenizer_sha256, write_json)
+from ..data import (
+    EOS,
+    FORMAT_VERSION,
+    Corpus,
+    DataError,
+    default_cache_dir,
+    documents_sha256,
+    load_documents,
+    split_documents,
+    token_streams,
+)
+from ..files import (
+    CheckpointError,
+    atomic_write_file,
+    literal_specials,
+    load_tensors,
+    read_json,
+    save_tensors,
+    sha256_file,
+    tokenizer_sha256,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from .student import HFStudent

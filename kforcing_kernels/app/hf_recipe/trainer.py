@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 import transformers
 
+from ..training.objectives import Batch, Objective, compute_loss, student_inputs
 from .files import load_hf_stage, save_hf_stage
 from .student import HFStudent
-from ..training.objectives import Batch, Objective, compute_loss, student_inputs
 
 STAGES = ("stage1", "stage2")
 

@@ -28,8 +28,17 @@ import torch
 
 # The checked readers, tensor files and tokenizer I/O live in app/files.py (one place for every file's bytes);
 # read_json, load_tensors and save_tensors stay importable from here, where 0.2 defined them.
-from ..files import (TMP_SUFFIX, CheckpointError, load_tensors, load_tokenizer, read_json, save_tensors,
-                     tokenizer_sha256, write_json, write_text)
+from ..files import (
+    TMP_SUFFIX,
+    CheckpointError,
+    load_tensors,
+    load_tokenizer,
+    read_json,
+    save_tensors,
+    tokenizer_sha256,
+    write_json,
+    write_text,
+)
 
 CHECKPOINT_FORMAT = 1
 

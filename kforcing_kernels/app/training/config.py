@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
+from ...model import PRESETS, ModelConfig
+from ...model.decoding import DECODE_RULES
+from ...settings import POSITIVE, UNIT, UNIT_OPEN_HIGH, argparse_type, check_reals, real_error
 from ..cli import resolve_device
 from ..data import DEFAULT_SOURCE
 from ..files import LOCK_NAME
 from ..student import kind_of_folder, stage_kind
-from ...model import PRESETS, ModelConfig
-from ...model.decoding import DECODE_RULES
-from ...settings import POSITIVE, UNIT, UNIT_OPEN_HIGH, argparse_type, check_reals, real_error
+from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
 

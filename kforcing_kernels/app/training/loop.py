@@ -44,15 +44,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ... import env
-from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
-from .context_parallel import context_parallel_loss
 from ..data import Corpus, data_sha256
 from ..files import append_jsonl
+from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
+from .config import (
+    TrainConfig,
+    check_device,
+    discard_failed_start,
+    effective_config,
+    folder_before_start,
+    teacher_sha256,
+    validate_config,
+)
+from .context_parallel import context_parallel_loss
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
 from .stage import Stage, lock_out, require_resume_settings, require_same_provenance, set_up
-from .config import (TrainConfig, check_device, discard_failed_start, effective_config, folder_before_start, teacher_sha256,
-                           validate_config)
 
 # Without a live bar (stderr not a terminal, or --no-progress): a plain progress line at least this often.
 PROGRESS_SECONDS = 30.0

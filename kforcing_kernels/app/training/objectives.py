@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layouts.positions import document_offsets
-from ..data import sample_crops
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample, noise_inversion
+from ..data import sample_crops
 from .linear_ce import chunk_rows_for, linear_cross_entropy
 
 

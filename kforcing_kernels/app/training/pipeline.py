@@ -23,18 +23,26 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .checkpoint import read_json
-
+from ...settings import POSITIVE, check_reals
+from ..data import data_sha256
 from ..files import RunLock
+from ..student import check_model_options, find_kind, stage_kind
+from .checkpoint import read_json
+from .config import (
+    PROVENANCE,
+    ConfigError,
+    TrainConfig,
+    changed_provenance,
+    changed_settings,
+    check_device,
+    check_out_folder,
+    effective_config,
+    existing_run,
+    teacher_sha256,
+)
+from .loop import train
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
-from ..data import data_sha256
-from ..student import check_model_options, find_kind, stage_kind
-from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_device,
-                           check_out_folder, effective_config, existing_run, teacher_sha256)
-from .loop import train
-from ...settings import POSITIVE, check_reals
-
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
 
@@ -249,7 +257,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
             decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
         )
-        done, value = decided_by_rank0(lambda: _stage_decision(folder, cfg, base, data_hash))
+        done, value = decided_by_rank0(functools.partial(_stage_decision, folder, cfg, base, data_hash))
         # The previous stage's train() ended with every rank past its model.json: all ranks see the same folders.
         summaries[folder.name] = value if done else train(dataclasses.replace(cfg, resume=value))
         teacher = folder

@@ -28,7 +28,6 @@ tokenizer, ``noise_embedding.safetensors``, ``model.json``).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import os
 import secrets
@@ -39,9 +38,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
 from ..student import kind_of_config
+from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"

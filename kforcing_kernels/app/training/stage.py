@@ -21,10 +21,18 @@ from ..files import RunLock, check_writable, write_json, write_text
 from ..student import corpus_for, kind_of, load_student, stage_kind
 from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
+from .config import (
+    PROVENANCE,
+    ConfigError,
+    TrainConfig,
+    changed_provenance,
+    changed_settings,
+    check_splits,
+    prepare_out,
+    teacher_sha256,
+)
 from .objectives import STAGE1_CDF_ORDER, Objective
 from .parallel import ParallelDims, parallelize, place_teacher
-from .config import (PROVENANCE, ConfigError, TrainConfig, changed_provenance, changed_settings, check_splits, prepare_out,
-                           teacher_sha256)
 
 
 def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:

@@ -87,7 +87,7 @@ class OpRegistry:
         notes = {}
         for name in self.names:
             module, reason = self.load(name)
-            note = module.limits() if reason is None and hasattr(module, "limits") else None
+            note = module.limits() if module is not None and reason is None and hasattr(module, "limits") else None
             if note:
                 notes[name] = note
         return notes
@@ -96,7 +96,7 @@ class OpRegistry:
         """The backend's module; ValueError for an unknown name, RuntimeError (with the reason) if absent."""
         self.check_name(name)
         module, reason = self.load(name)
-        if reason is not None:
+        if module is None or reason is not None:  # module None comes with a reason
             raise RuntimeError(f"backend {name!r} is not available: {reason}")
         return module
 

@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 
-
 # The dtypes the attention ops (window_attention, paged_attention) take.
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -26,7 +26,7 @@ def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale:
     """CPU tensors; context_lens int64 [B] on CPU."""
     if q.device.type != "cpu":
         raise ValueError(f"q: backend 'cpp' takes CPU tensors, got device {q.device}")
-    return _extension.load().paged_attention_forward(
+    return _extension.require().paged_attention_forward(
         q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages.contiguous(), v_pages.contiguous(),
         block_table.contiguous(), context_lens.contiguous(), float(scale),
     )

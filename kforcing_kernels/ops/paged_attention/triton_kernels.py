@@ -38,7 +38,7 @@ def _paged_fwd_kernel(
     dim_ok = dims < D
     q = tl.load(Q + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     length = tl.load(Lens + b)
     for t0 in range(0, length, BLOCK_N):
@@ -54,7 +54,7 @@ def _paged_fwd_kernel(
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
     # The window: slot i sees slots 0..i (BLOCK_M >= W, so one tile).
@@ -69,10 +69,10 @@ def _paged_fwd_kernel(
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-    l = tl.where(row_ok, l, 1.0)
-    out = acc / l[:, None]
+    l_sum = tl.where(row_ok, l_sum, 1.0)
+    out = acc / l_sum[:, None]
     tl.store(Out + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 

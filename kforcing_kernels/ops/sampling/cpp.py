@@ -19,8 +19,8 @@ def available() -> Optional[str]:
 
 
 def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    return _extension.load().inverse_cdf_sample(logits, z, tau)
+    return _extension.require().inverse_cdf_sample(logits, z, tau)
 
 
 def noise_inversion(logits: torch.Tensor, tokens: torch.Tensor, tau: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return _extension.load().noise_inversion(logits, tokens, tau, u)
+    return _extension.require().noise_inversion(logits, tokens, tau, u)

@@ -57,14 +57,14 @@ def forward(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float)
     ``layout`` may be a row subset (``QueryRowsLayout``): the same kernels over its rows' tiles."""
     if layout.n_queries == 0:  # a subset of no rows: nothing for the kernels to tile
         return q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return _extension.load().attention_forward(q, k, v, *_layout_args(layout), float(scale), _n_rows(layout))
+    return _extension.require().attention_forward(q, k, v, *_layout_args(layout), float(scale), _n_rows(layout))
 
 
 def backward(dout, q, k, v, out, lse, layout: Union[WindowLayout, QueryRowsLayout], scale: float):
     """Gradients (dq, dk, dv) given the forward's ``out`` and ``lse``."""
     if layout.n_queries == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    return _extension.load().attention_backward(dout, q, k, v, out, lse, *_layout_args(layout), float(scale),
+    return _extension.require().attention_backward(dout, q, k, v, out, lse, *_layout_args(layout), float(scale),
                                                 _n_rows(layout))
 
 
@@ -80,7 +80,7 @@ def preferred() -> bool:
 
 def isa() -> str:
     """Instruction set the kernels run with here (``generic``, ``avx2`` or ``avx512``)."""
-    return _extension.load().isa()
+    return _extension.require().isa()
 
 
 __all__ = ["available", "preferred", "forward", "backward", "isa"]

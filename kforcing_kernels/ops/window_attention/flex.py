@@ -154,7 +154,7 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
             f"backend 'flex': FlexAttention has no backward on {q.device.type} tensors (torch implements it on CUDA "
             "only); use backend='triton' on CUDA or 'cpp' / 'composite' / 'reference' on CPU for gradients")
     with torch.enable_grad():
-        leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
-        again, _ = _call(*leaves, layout, scale, with_lse=True)  # the forward's own graph: no second compile
-        grads = torch.autograd.grad(again, leaves, dout)
+        lq, lk, lv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        again, _ = _call(lq, lk, lv, layout, scale, with_lse=True)  # the forward's own graph: no second compile
+        grads = torch.autograd.grad(again, (lq, lk, lv), dout)
     return tuple(g.contiguous() for g in grads)

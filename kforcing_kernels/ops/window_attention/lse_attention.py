@@ -117,8 +117,8 @@ def _visible(q_rows: slice, lk: int, causal: bool, allowed: Optional[torch.Tenso
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     # [B, H, L, D] -> [B, Hkv, g, L, D] so that query head h uses kv head h // g.
-    b, h, l, d = x.shape
-    return x.view(b, h // groups, groups, l, d)
+    b, h, length, d = x.shape
+    return x.view(b, h // groups, groups, length, d)
 
 
 

@@ -12,9 +12,11 @@ out of their products themselves (csrc/kf_isa_impl.h) and never come here.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
-from ...layouts import WindowLayout
+from ...layouts import QueryRowsLayout, WindowLayout
 from ..common.dtypes import acc_dtype
 
 _ROW_CHUNK = 64
@@ -29,7 +31,7 @@ def needed(k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.device.type == "cpu" and has_nonfinite(k, v)
 
 
-def _chunks(q, k, v, layout: WindowLayout, scale: float):
+def _chunks(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float):
     """Yield per chunk of query rows: (rows, seen [B', 1, r, Lk], masked K [B, H, r, Lk, D], masked V,
     p [B, H, r, Lk], lse [B, H, r])."""
     ct = acc_dtype(q.dtype)
@@ -50,7 +52,7 @@ def _chunks(q, k, v, layout: WindowLayout, scale: float):
         yield rows, seen[..., 0], k_seen, v_seen, p, lse
 
 
-def forward(q, k, v, layout: WindowLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, Lq, D] q.dtype, lse [B, H, Lq])``; a row sees only its own keys' values."""
     outs, lses = [], []
     for _, _, _, v_seen, p, lse in _chunks(q, k, v, layout, scale):
@@ -59,7 +61,7 @@ def forward(q, k, v, layout: WindowLayout, scale: float) -> tuple[torch.Tensor, 
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
 
 
-def backward(dout, q, k, v, layout: WindowLayout, scale: float):
+def backward(dout, q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float):
     """``(dq, dk, dv)`` of :func:`forward`, written out (products again only over seen keys)."""
     ct = acc_dtype(q.dtype)
     b, h, _, d = q.shape

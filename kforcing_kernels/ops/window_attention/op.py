@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from types import ModuleType
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Literal, NamedTuple, Optional, Union, overload
 
 import torch
 
@@ -42,6 +42,20 @@ from . import dispatch
 from .backends import REGISTRY, get_backend
 
 SUPPORTED_DTYPES = ATTENTION_DTYPES
+
+
+@overload
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
+                     scale: Optional[float] = ..., backend: Optional[str] = ...,
+                     return_lse: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
+                     scale: Optional[float] = ..., backend: Optional[str] = ...,
+                     return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
+                     scale: Optional[float] = ..., backend: Optional[str] = ...,
+                     return_lse: bool = ...) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def window_attention(
@@ -230,7 +244,8 @@ def default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layo
     # them to the constant functions would fail.
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        measured = dispatch.choose(_measured_rows(index, dtype), *_measured_keys(index, dtype), head_dim,
+        capability, dtype_name = _measured_keys(index, dtype)
+        measured = dispatch.choose(_measured_rows(index, dtype), capability, dtype_name, head_dim,
                                    layout.n_ctx, dispatch.layout_family(layout))
         if measured is not None:
             return measured
@@ -247,7 +262,7 @@ def _measured_rows(device_index: int, dtype: torch.dtype) -> tuple:
 
 
 @torch.compiler.assume_constant_result
-def _measured_keys(device_index: int, dtype: torch.dtype) -> tuple:
+def _measured_keys(device_index: int, dtype: torch.dtype) -> tuple[str, str]:
     return dispatch.capability_of(device_index), dispatch.dtype_name(dtype)
 
 
@@ -334,6 +349,7 @@ def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayou
         optional = i >= 2  # every range but prefix_lo, prefix_hi may be the default
         tensors.append(None if optional and t.dim() == 1 and t.numel() == 0 else t)
     prefix_lo, prefix_hi, context_lo, context_hi, live, slide_lo, slide_hi = tensors
+    assert prefix_lo is not None and prefix_hi is not None  # never optional above
     return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
         n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
         context_lo=context_lo, context_hi=context_hi, live_slots=live, prefix_slide_lo=slide_lo, prefix_slide_hi=slide_hi,

@@ -14,8 +14,8 @@ from torch import nn
 
 from kforcing_kernels.app.evaluation.evaluate import per_position_nll
 from kforcing_kernels.app.evaluation.report import format_nll_table
-from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.training.objectives import forward_distillation_targets, self_forcing_targets
+from kforcing_kernels.model import KForcingLM, ModelConfig
 
 V = 29
 SURE = 40.0  # logit of the target at the right slot: its NLL is ~ V * exp(-40)

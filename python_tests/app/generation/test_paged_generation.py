@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
-from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.app.generation.paged_cache import PagedKVCache, PagePoolFull
 from kforcing_kernels.app.generation.serving import PagedGenerator, Request
+from kforcing_kernels.model import KForcingLM, ModelConfig
 
 CFG = ModelConfig.micro(vocab_size=40, n_embd=32, n_head=2, n_layer=2)
 LENGTHS = (3, 9, 5, 1)

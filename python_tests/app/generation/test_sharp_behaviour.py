@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from kforcing_kernels.app.generation import inference
 from helpers.sharp_model import VOCAB, attention_entropy, sharp_model
+from kforcing_kernels.app.generation import inference
 
 TOL = 2e-4  # fp32 cache-vs-recompute agreement on logits of order 10
 PROMPTS = [[3, 17, 5, 40, 22, 9, 31], [8, 1, 44, 12]]  # ragged: per-request ranges in every step

@@ -20,17 +20,17 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers.train_helpers import write_json_package  # noqa: E402
 from kforcing_kernels.app import train as train_cli  # noqa: E402
-from kforcing_kernels.app.generation import inference  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
+from kforcing_kernels.app.generation import inference  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing  # noqa: E402
 from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
 from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
-from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing  # noqa: E402
+from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, read_metrics  # noqa: E402
 from kforcing_kernels.app.training.config import ConfigError, TrainConfig  # noqa: E402
 from kforcing_kernels.app.training.loop import train  # noqa: E402
 from kforcing_kernels.integrations.hf_noise import NoiseEmbedding  # noqa: E402
-from helpers.train_helpers import write_json_package  # noqa: E402
 
 VOCAB = 300
 FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
@@ -191,7 +191,10 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
     assert meta["train_config"]["preset"] is None
     ckpt.write_text(json.dumps({**meta, "train_config": {**meta["train_config"], "preset": "tiny"}}))
     train(dataclasses.replace(parts, stop_at=None, resume=True))
-    losses = lambda name: [(m["step"], m["loss"]) for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]  # noqa: E731
+
+    def losses(name):
+        return [(m["step"], m["loss"]) for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]
+
     assert losses("whole") == losses("parts") and len(losses("whole")) == 4
     for file in ("model.safetensors", "noise_embedding.safetensors"):
         a, b = load_file(str(tmp_path / "whole" / file)), load_file(str(tmp_path / "parts" / file))

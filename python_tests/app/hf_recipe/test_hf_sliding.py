@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import hf_helpers as H  # noqa: E402
 import kforcing_kernels.integrations.hf as kf_hf  # noqa: E402
+from helpers import hf_helpers as H  # noqa: E402
 from kforcing_kernels import WindowLayout  # noqa: E402
 
 W = 4
@@ -239,8 +239,8 @@ def test_double_forward_and_training_gradients_under_a_sliding_window_equal_reco
 
 @pytest.mark.parametrize("family", SLIDING)
 def test_k_forcing_generation_past_the_window_equals_recomputation(family):
-    from kforcing_kernels.app.hf_recipe.student import HFStudent
     from kforcing_kernels.app.generation.inference import generate_kforcing
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
 
     k, new_tokens = 4, 20  # prompts of 6 and 9 tokens: generation runs to 26-29 tokens, far past W = 8
     ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
@@ -286,8 +286,8 @@ def test_compiled_single_forward_under_a_sliding_window_equals_eager(family):
 @pytest.mark.parametrize("family", SLIDING)
 def test_package_ar_generation_past_the_window_equals_transformers_generate(family):
     """The package's AR decoding (the evaluation's baseline) over the full cache: HF generate's tokens, past W."""
-    from kforcing_kernels.app.hf_recipe.student import HFStudent
     from kforcing_kernels.app.generation.inference import generate_ar
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
 
     ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
     prompts = torch.randint(3, H.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -18,11 +18,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import read_metrics  # noqa: E402
-from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
-from kforcing_kernels.app.generation.inference import generate_kforcing  # noqa: E402
 from helpers.train_helpers import write_json_package  # noqa: E402
+from kforcing_kernels.app import train as train_cli  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_kforcing  # noqa: E402
+from kforcing_kernels.app.hf_recipe.files import load_hf_stage  # noqa: E402
+from kforcing_kernels.app.training.checkpoint import read_metrics  # noqa: E402
 
 VOCAB, W = 300, 8
 

@@ -19,14 +19,15 @@ import shutil
 import pytest
 import torch
 
+from helpers import REPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
+from helpers.train_helpers import write_json_package  # noqa: E402
 from kforcing_kernels.app import train as train_cli  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
 from kforcing_kernels.app.evaluation.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
-from helpers.train_helpers import write_json_package  # noqa: E402
-from helpers import REPO
 
 VOCAB = 300
 SMALL = ["--seq-len", "16", "--batch-size", "4", "--steps-stage1", "1", "--steps-stage2", "1", "--warmup-steps", "1",
@@ -240,7 +241,7 @@ def test_bad_model_folders_are_usage_errors(root, tmp_path, capsys, monkeypatch,
         argv = [command, "--out", str(tmp_path / "out"), "--data", str(root / "corpus"), "--model", str(folder)]
         argv += SMALL if command == "pipeline" else ["--steps", "1", "--threads", "1", "--no-progress", "--device", "cpu"]
         err = usage_error(capsys, argv)
-        assert "Traceback" not in err and f"error: model: " in err and message in err and "(--model)" in err, err
+        assert "Traceback" not in err and "error: model: " in err and message in err and "(--model)" in err, err
         assert not (tmp_path / "out" / "stage1").exists() and not (tmp_path / "out" / "model.json").exists()
 
 
@@ -275,8 +276,8 @@ def test_the_pipeline_prints_where_the_evaluation_is_not_all_of_it(root, trained
 
 
 def test_the_exporters_usage_names_a_command_that_exists(capsys):
+
     import tomllib
-    from pathlib import Path
 
     from kforcing_kernels.app.training import sharded_checkpoint
 

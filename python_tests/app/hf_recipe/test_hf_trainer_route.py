@@ -17,12 +17,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
-from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
-from kforcing_kernels.app.hf_recipe.trainer import KForcingTrainer, kforcing_loss, kforcing_targets, load_pflm, save_pflm  # noqa: E402
-from kforcing_kernels.app.generation.inference import generate_kforcing  # noqa: E402
-from kforcing_kernels.ops.sampling import inverse_cdf_sample  # noqa: E402
 from helpers.train_helpers import write_json_package  # noqa: E402
+from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
+from kforcing_kernels.app.generation.inference import generate_kforcing  # noqa: E402
+from kforcing_kernels.app.hf_recipe.student import HFStudent  # noqa: E402
+from kforcing_kernels.app.hf_recipe.trainer import (  # noqa: E402
+    KForcingTrainer,
+    kforcing_loss,
+    kforcing_targets,
+    load_pflm,
+    save_pflm,
+)
+from kforcing_kernels.ops.sampling import inverse_cdf_sample  # noqa: E402
 
 VOCAB, N, ROWS = 300, 8, 8
 

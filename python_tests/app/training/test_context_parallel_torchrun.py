@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from helpers import REPO
+from helpers.train_helpers import torchrun
 from kforcing_kernels.app.training.checkpoint import read_metrics
 from kforcing_kernels.app.training.config import TrainConfig
-from helpers.train_helpers import torchrun
 from kforcing_kernels.app.training.loop import train
-from helpers import REPO
 
 ROOT = REPO
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")

@@ -10,7 +10,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from helpers.train_helpers import micro_config, write_json_package  # noqa: E402
-
 from kforcing_kernels.app.data import EOS  # noqa: E402
 from kforcing_kernels.app.files import CheckpointError, literal_specials, tokenizer_sha256  # noqa: E402
 from kforcing_kernels.app.hf_recipe.export import _hf_tokenizer  # noqa: E402

@@ -9,9 +9,9 @@ explicit, sequential teacher passes over the spelled-out sequence with a dense c
 import pytest
 import torch
 
+from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss, make_batch, step_generator
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss, make_batch, step_generator
 
 V = 37
 

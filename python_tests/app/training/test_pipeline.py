@@ -8,22 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.train_helpers import write_json_package
 from kforcing_kernels.app.data import load_corpus, sample_crops
 from kforcing_kernels.app.evaluation.evaluate import DEMO_EVAL, distinct_n, evaluate_pipeline, judge_score
 from kforcing_kernels.app.evaluation.report import format_nll_table, format_report, format_table1, plot_summary
 from kforcing_kernels.app.generation.inference import generate_kforcing
-from kforcing_kernels.model import KForcingLM
-from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
 from kforcing_kernels.app.training.checkpoint import latest_checkpoint, load_model, read_json, read_metrics
 from kforcing_kernels.app.training.config import ConfigError, TrainConfig
 from kforcing_kernels.app.training.loop import train
-from helpers.train_helpers import write_json_package
+from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.model import KForcingLM
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    corpus = write_json_package(root / "corpus")
+    write_json_package(root / "corpus")  # the data of pipeline_configs(root)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         summaries = run_pipeline(*pipeline_configs(root))

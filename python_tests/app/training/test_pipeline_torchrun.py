@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from kforcing_kernels.app import train as train_cli  # noqa: E402
-from kforcing_kernels.app.training.checkpoint import read_json, read_metrics  # noqa: E402
-from kforcing_kernels.app.files import RunLock  # noqa: E402
-from workers.pipeline_worker import CASES, pipeline_argv  # noqa: E402
 from helpers.train_helpers import REPO, torchrun, write_json_package  # noqa: E402
+from kforcing_kernels.app import train as train_cli  # noqa: E402
+from kforcing_kernels.app.files import RunLock  # noqa: E402
+from kforcing_kernels.app.training.checkpoint import read_json, read_metrics  # noqa: E402
+from workers.pipeline_worker import CASES, pipeline_argv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

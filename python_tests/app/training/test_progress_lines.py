@@ -4,8 +4,8 @@ progress lines on a time basis as well as by step count, so a slow stage is neve
 import re
 
 import torch
-from helpers.train_helpers import micro_config, write_json_package
 
+from helpers.train_helpers import micro_config, write_json_package
 from kforcing_kernels.app.training import loop
 from kforcing_kernels.app.training.loop import ProgressLines, train
 

@@ -14,22 +14,35 @@ import sys
 import textwrap
 from pathlib import Path
 
-from helpers import REPO
-
 import pytest
 import torch
 
+from helpers import REPO
+from helpers.train_helpers import VOCAB, micro_config, write_json_package
 from kforcing_kernels.app import files
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_model, read_json, save_model, save_tensors
-from kforcing_kernels.app.files import LOCK_NAME, RunLock, append_jsonl, atomic_write, atomic_write_file, check_writable, write_json, write_text
 from kforcing_kernels.app.data import load_corpus
 from kforcing_kernels.app.evaluation.evaluate import load_judge
-from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.app.files import (
+    LOCK_NAME,
+    RunLock,
+    append_jsonl,
+    atomic_write,
+    atomic_write_file,
+    check_writable,
+    write_json,
+    write_text,
+)
+from kforcing_kernels.app.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_model,
+    read_json,
+    save_model,
+    save_tensors,
+)
 from kforcing_kernels.app.training.config import ConfigError
 from kforcing_kernels.app.training.loop import train
-from helpers.train_helpers import VOCAB, micro_config, write_json_package
-
-
+from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
 
 
 def write_package(folder: Path, package: str) -> Path:
@@ -458,9 +471,9 @@ def no_cuda(monkeypatch):
 
 def commands(stage, tmp_path, corpus_dir):
     from kforcing_kernels.app import demo
+    from kforcing_kernels.app import train as train_cli
     from kforcing_kernels.app.evaluation import evaluate
     from kforcing_kernels.app.generation import inference
-    from kforcing_kernels.app import train as train_cli
 
     common = ["--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro", "--seq-len", "16", "--batch-size", "4"]
     return {

@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
+from helpers.train_helpers import write_json_package
 from kforcing_kernels.app.data import load_corpus, sample_crops
-from kforcing_kernels.ops.sampling import inverse_cdf_sample
 from kforcing_kernels.app.hf_recipe.files import load_any_model
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
-from helpers.train_helpers import write_json_package
+from kforcing_kernels.ops.sampling import inverse_cdf_sample
 
 TAUS = (0.5, 0.8, 1.0)
 GRID = 256  # z values per context
@@ -101,7 +101,9 @@ def slot_entropies(teacher, student, context: torch.Tensor, tau: float) -> dict:
     grid = z.expand(b, n, GRID)  # [B, N, M]
     t_tokens = inverse_cdf_sample(logits[:, :, None].expand(b, n, GRID, vocab), grid, torch.full_like(grid, tau))
     s_tokens = torch.cat([_student_tokens(student, context, grid[..., i:i + CHUNK], tau) for i in range(0, GRID, CHUNK)], -1)
-    hist = lambda toks: torch.zeros(b, n, vocab).scatter_add_(-1, toks, torch.ones_like(toks, dtype=torch.float32))
+    def hist(toks):  # [B, N, V] counts of the sampled tokens
+        return torch.zeros(b, n, vocab).scatter_add_(-1, toks, torch.ones_like(toks, dtype=torch.float32))
+
     return {"exact": float(exact.mean()), "teacher": float(_entropy(hist(t_tokens)).mean()),
             "student": float(_entropy(hist(s_tokens)).mean())}
 

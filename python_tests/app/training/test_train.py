@@ -6,19 +6,28 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.train_helpers import VOCAB, micro_config, write_json_package
 from kforcing_kernels.app.data import load_corpus
+from kforcing_kernels.app.train import main
+from kforcing_kernels.app.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    read_metrics,
+    save_checkpoint,
+)
+from kforcing_kernels.app.training.config import TrainConfig
+from kforcing_kernels.app.training.loop import learning_rate, train
+from kforcing_kernels.app.training.objectives import (
+    forward_distillation_targets,
+    noise_inversion_supervision,
+    self_forcing_targets,
+)
+from kforcing_kernels.app.training.stage import _optimizer
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
-from kforcing_kernels.app.training.checkpoint import (
-    CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics, save_checkpoint,
-)
-from kforcing_kernels.app.training.objectives import forward_distillation_targets, noise_inversion_supervision, self_forcing_targets
-from kforcing_kernels.app.train import main
-from kforcing_kernels.app.training.config import TrainConfig
-from kforcing_kernels.app.training.loop import learning_rate, train
-from kforcing_kernels.app.training.stage import _optimizer
-from helpers.train_helpers import VOCAB, micro_config, write_json_package
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from helpers import REPO
 from kforcing_kernels.app.training.checkpoint import read_metrics
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
-from helpers import REPO
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")

@@ -25,14 +25,21 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.training.checkpoint import CheckpointError, clean_run_folder, latest_checkpoint, load_model, read_metrics
-from kforcing_kernels.app.training import sharded_checkpoint
-from kforcing_kernels.app.training.sharded_checkpoint import MANIFEST, export_model, main as export_main
-from kforcing_kernels.app.train import build_parser, config_from_args
-from kforcing_kernels.app.training.config import ConfigError
-from kforcing_kernels.app.training.loop import train
 from helpers.fsdp_settings import stage2_config
 from helpers.train_helpers import REPO, torchrun, write_json_package
+from kforcing_kernels.app.train import build_parser, config_from_args
+from kforcing_kernels.app.training import sharded_checkpoint
+from kforcing_kernels.app.training.checkpoint import (
+    CheckpointError,
+    clean_run_folder,
+    latest_checkpoint,
+    load_model,
+    read_metrics,
+)
+from kforcing_kernels.app.training.config import ConfigError
+from kforcing_kernels.app.training.loop import train
+from kforcing_kernels.app.training.sharded_checkpoint import MANIFEST, export_model
+from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
@@ -214,10 +221,10 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_less():
 
 
 def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model(tmp_path, monkeypatch):
+    from helpers.train_helpers import micro_config
     from kforcing_kernels.app.training.parallel import parallelize, setup_parallel
     from kforcing_kernels.app.training.sharded_checkpoint import load_sharded_checkpoint
     from kforcing_kernels.model import KForcingLM, ModelConfig
-    from helpers.train_helpers import micro_config
 
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
     corpus = write_json_package(tmp_path / "corpus")

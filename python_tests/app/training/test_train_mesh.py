@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
-from kforcing_kernels.app.hf_recipe.files import load_any_model
-from kforcing_kernels.app.training.loop import train
 from helpers.fsdp_settings import stage2_config
 from helpers.train_helpers import REPO, torchrun, write_json_package
+from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
+from kforcing_kernels.app.training.loop import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,8 +112,8 @@ def test_hf_sharded_checkpoint_exports_as_the_stage_folder(runs, run, tmp_path, 
     stage bit for bit (weights, noise embedding, tokenizer); another tokenizer is refused naming --tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from kforcing_kernels.app.hf_recipe.files import load_hf_stage
     from kforcing_kernels.app.files import tokenizer_sha256
+    from kforcing_kernels.app.hf_recipe.files import load_hf_stage
     from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
 
     assert latest_checkpoint(runs / run).name == "step_00000003.dcp"  # the final step: the run's own model

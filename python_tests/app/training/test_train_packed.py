@@ -9,18 +9,23 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_json, read_metrics
-
-from kforcing_kernels.app.files import write_json
 from kforcing_kernels.app.data import load_corpus
+from kforcing_kernels.app.files import write_json
+from kforcing_kernels.app.train import main
+from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_json, read_metrics
+from kforcing_kernels.app.training.loop import train
+from kforcing_kernels.app.training.objectives import (
+    Batch,
+    Objective,
+    compute_loss,
+    forward_distillation_targets,
+    make_batch,
+    self_forcing_targets,
+    step_generator,
+)
 from kforcing_kernels.layouts.positions import document_offsets
 from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.training.objectives import (
-    Batch, Objective, compute_loss, forward_distillation_targets, make_batch, self_forcing_targets, step_generator,
-)
 from kforcing_kernels.ops.sampling import noise_inversion
-from kforcing_kernels.app.train import main
-from kforcing_kernels.app.training.loop import train
 
 EOS, V = 0, 40
 
@@ -232,7 +237,6 @@ def test_literal_eos_text_is_ordinary_tokens(tmp_path):
     documents is EOS; the marker's characters in text are ordinary tokens, in the streams, in
     Corpus.encode, and in the tokenizer a run folder or the cache gives back."""
     from helpers.train_helpers import write_json_package
-
     from kforcing_kernels.app import data
     from kforcing_kernels.app.training.checkpoint import load_model, save_model
 

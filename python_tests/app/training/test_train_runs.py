@@ -18,17 +18,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kforcing_kernels.app.files import LOCK_NAME
-
-from kforcing_kernels.app.files import atomic_write
+from helpers.train_helpers import VOCAB, micro_config, write_json_package
 from kforcing_kernels.app.data import load_corpus
-from kforcing_kernels.model import KForcingLM, ModelConfig
-from kforcing_kernels.app.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_model, read_metrics
+from kforcing_kernels.app.files import LOCK_NAME, atomic_write
 from kforcing_kernels.app.train import main
+from kforcing_kernels.app.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    read_metrics,
+)
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
 from kforcing_kernels.app.training.stage import _optimizer
-from helpers.train_helpers import VOCAB, micro_config, write_json_package
+from kforcing_kernels.model import KForcingLM, ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -501,7 +505,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, corpus_dir, accum)
         summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3, dump_grads=str(dump)))
         runs[a] = (load_file(str(dump)), read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"), summary,
                    load_file(str(tmp_path / f"accum{a}" / "model.safetensors")))
-    (g1, m1, s1, w1), (ga, ma, sa, wa) = runs[1], runs[accum]
+    (g1, m1, _, w1), (ga, ma, _, wa) = runs[1], runs[accum]
     assert g1.keys() == ga.keys() and g1
     for name in g1:
         torch.testing.assert_close(ga[name], g1[name], rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")

@@ -10,13 +10,12 @@ import math
 import os
 import subprocess
 import sys
-
-from helpers import REPO
 from fractions import Fraction
 
 import pytest
 import torch
 
+from helpers import REPO
 from kforcing_kernels import _extension
 from kforcing_kernels.ops.sampling import op
 

@@ -16,6 +16,7 @@ import textwrap
 import warnings
 
 import pytest
+
 from helpers import REPO
 
 pytest.importorskip("triton")

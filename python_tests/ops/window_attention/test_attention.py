@@ -4,15 +4,14 @@ import math
 
 import pytest
 import torch
-from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels.ops.window_attention.composite import pieces as composite
 from kforcing_kernels.ops.window_attention import lse_attention as _lse_attention
-
+from kforcing_kernels.ops.window_attention.composite import pieces as composite
 
 LAYOUTS = zoo.small()
 
@@ -220,21 +219,21 @@ def _valid():
 @pytest.mark.parametrize(
     "mutate,needle",
     [
-        (lambda q, k, v, l: (q[0], k, v, l, {}), "q: expected rank 4"),
-        (lambda q, k, v, l: (q, k[0], v, l, {}), "k: expected rank 4"),
-        (lambda q, k, v, l: (q, k, v[..., :8], l, {}), "v: expected the shape of k"),
-        (lambda q, k, v, l: (q[:, :, :-1], k, v, l, {}), r"q: expected length 12 \(layout.n_queries\), got 11"),
-        (lambda q, k, v, l: (q, k[:, :, :-1], v[:, :, :-1], l, {}), r"k: expected length 12 \(layout.n_keys\), got 11"),
-        (lambda q, k, v, l: (q, k.half(), v.half(), l, {}), "k, v: expected dtype torch.float32"),
-        (lambda q, k, v, l: (q.int(), k, v, l, {}), "q: expected dtype in"),
-        (lambda q, k, v, l: (q[:, :3], k, v, l, {}), "q: expected a head count that is a multiple of k's 2"),
-        (lambda q, k, v, l: (q, k[:1], v[:1], l, {}), "k: expected batch 2"),
-        (lambda q, k, v, l: (q, k[..., :8], v[..., :8], l, {}), "k: expected head dim 16"),
-        (lambda q, k, v, l: (q, k, v, l, {"backend": "cudnn"}), "backend: expected one of"),
-        (lambda q, k, v, l: (q, k, v, "single", {}), "layout: expected a WindowLayout"),
-        (lambda q, k, v, l: (q, k, v, l, {"scale": -1.0}), "scale: expected a positive"),
-        (lambda q, k, v, l: (q, k, v, WindowLayout(4, 4, 2, torch.zeros(3, 4, dtype=torch.long), torch.arange(1, 5).repeat(3, 1)), {}), "layout: expected per-batch ranges for batch 2, got 3"),
-        (lambda q, k, v, l: (q, k.to("meta"), v.to("meta"), l, {}), "k, v: expected device"),
+        (lambda q, k, v, lay: (q[0], k, v, lay, {}), "q: expected rank 4"),
+        (lambda q, k, v, lay: (q, k[0], v, lay, {}), "k: expected rank 4"),
+        (lambda q, k, v, lay: (q, k, v[..., :8], lay, {}), "v: expected the shape of k"),
+        (lambda q, k, v, lay: (q[:, :, :-1], k, v, lay, {}), r"q: expected length 12 \(layout.n_queries\), got 11"),
+        (lambda q, k, v, lay: (q, k[:, :, :-1], v[:, :, :-1], lay, {}), r"k: expected length 12 \(layout.n_keys\), got 11"),
+        (lambda q, k, v, lay: (q, k.half(), v.half(), lay, {}), "k, v: expected dtype torch.float32"),
+        (lambda q, k, v, lay: (q.int(), k, v, lay, {}), "q: expected dtype in"),
+        (lambda q, k, v, lay: (q[:, :3], k, v, lay, {}), "q: expected a head count that is a multiple of k's 2"),
+        (lambda q, k, v, lay: (q, k[:1], v[:1], lay, {}), "k: expected batch 2"),
+        (lambda q, k, v, lay: (q, k[..., :8], v[..., :8], lay, {}), "k: expected head dim 16"),
+        (lambda q, k, v, lay: (q, k, v, lay, {"backend": "cudnn"}), "backend: expected one of"),
+        (lambda q, k, v, lay: (q, k, v, "single", {}), "layout: expected a WindowLayout"),
+        (lambda q, k, v, lay: (q, k, v, lay, {"scale": -1.0}), "scale: expected a positive"),
+        (lambda q, k, v, lay: (q, k, v, WindowLayout(4, 4, 2, torch.zeros(3, 4, dtype=torch.long), torch.arange(1, 5).repeat(3, 1)), {}), "layout: expected per-batch ranges for batch 2, got 3"),
+        (lambda q, k, v, lay: (q, k.to("meta"), v.to("meta"), lay, {}), "k, v: expected device"),
     ],
 )
 def test_validation_errors_name_the_argument(mutate, needle):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers import REPO, TESTS
 from helpers.paper_masks import (
     bd3lm_block_diff_mask,
@@ -23,7 +24,6 @@ from helpers.paper_masks import (
     sbd_elementwise,
     sbd_packed_elementwise,
 )
-
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,8 +13,8 @@ import torch
 
 from bench.gpu import batch_invariance as bi
 from bench.gpu import batch_invariance_teacher as bt
-from kforcing_kernels import backends_available
 from helpers import REPO
+from kforcing_kernels import backends_available
 
 ROOT = str(REPO)
 CPU_BACKENDS = [name for name in ("cpp", "composite", "reference") if backends_available()[name] is None]

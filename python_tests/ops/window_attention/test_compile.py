@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from helpers.attention import make_qkv, run_with_grads
 
+from helpers.attention import make_qkv, run_with_grads
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.ops.window_attention import backend_limits
 
@@ -127,8 +127,8 @@ def test_default_backend_fullgraph_dynamic_one_graph_for_two_sizes():
             layout = WindowLayout.kforcing_single(n, 2)
             q, k, v = make_qkv(layout, heads=2, head_dim=16)
             dout = torch.randn_like(q)
-            got = run_with_grads(lambda q, k, v: compiled(q, k, v, layout, *extra), q, k, v, dout)
-            want = run_with_grads(lambda q, k, v: f(q, k, v, layout, *extra), q, k, v, dout)
+            got = run_with_grads(lambda q, k, v, c=compiled, lay=layout, ex=extra: c(q, k, v, lay, *ex), q, k, v, dout)
+            want = run_with_grads(lambda q, k, v, f=f, lay=layout, ex=extra: f(q, k, v, lay, *ex), q, k, v, dout)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         # One graph: one cache entry for the frame (a float argument makes dynamo restart its first trace

@@ -9,11 +9,10 @@ overlap, so a chunk's dK/dV must be added to, not written over, the previous chu
 import pytest
 import torch
 
+from helpers.attention import make_qkv, run_with_grads
 from kforcing_kernels import window_attention
 from kforcing_kernels.layouts import zoo
 from kforcing_kernels.ops.window_attention.composite import pieces as composite
-
-from helpers.attention import make_qkv, run_with_grads
 
 PREFIX = ["ptp", "ptp_per_batch", "sbd_short_last", "double_packed", "blank_full_windows"]
 CONTEXT = ["causal_block_packed", "causal_packed", "sbd_packed", "bd3lm"]
@@ -31,7 +30,7 @@ def check_against_reference(layout):
     ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="composite"), q, k, v, dout)
     ref = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), q, k, v, dout)
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("name", PREFIX)

@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
-from helpers.attention import assert_within_2x_torch_error, compare_with_reference
 
+from helpers.attention import assert_within_2x_torch_error, compare_with_reference
 from kforcing_kernels import WindowLayout
 from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
@@ -73,9 +73,9 @@ class StandIns:
             assert dropout_p == 0.0 and window_size_left == window_size_right == -1 and q.dim() == 3
             outs, lses = [], []
             for qs, ks, vs in zip(seqs(q, cu_q), seqs(k, cu_k), seqs(v, cu_k)):
-                o, l = _math(qs, expand(ks, q.shape[1]), expand(vs, q.shape[1]), causal, None, softmax_scale)
+                o, lse = _math(qs, expand(ks, q.shape[1]), expand(vs, q.shape[1]), causal, None, softmax_scale)
                 outs.append(o[0].transpose(0, 1))
-                lses.append(l[0])
+                lses.append(lse[0])
             return torch.cat(outs).to(q.dtype), torch.cat(lses, 1).float(), None, torch.zeros(2, dtype=torch.int64)
 
         def bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, *,
@@ -101,8 +101,8 @@ class StandIns:
         def fwd(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
             self._count("sdpa_flash_fwd")
             assert k.shape[1] == q.shape[1] and dropout_p == 0.0
-            o, l = _math(q, k, v, is_causal, None, scale)
-            return (o.to(q.dtype), l.float(), token[0], token[1], q.shape[2], k.shape[2], token[2], token[3], None)
+            o, lse = _math(q, k, v, is_causal, None, scale)
+            return (o.to(q.dtype), lse.float(), token[0], token[1], q.shape[2], k.shape[2], token[2], token[3], None)
 
         def bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale):
             self._count("sdpa_flash_bwd")
@@ -118,9 +118,9 @@ class StandIns:
             self._count("sdpa_efficient_fwd" + ("_masked" if bias is not None else ""))
             assert k.shape[1] == q.shape[1] and compute_lse
             assert bias is None or (bias.stride(2) % 16 == 0 and bias.shape == (*q.shape[:3], k.shape[2]))
-            o, l = _math(q, k, v, is_causal, bias, scale)
-            padded = torch.zeros(*l.shape[:2], -(-l.shape[2] // 32) * 32)
-            padded[..., : l.shape[2]] = l
+            o, lse = _math(q, k, v, is_causal, bias, scale)
+            padded = torch.zeros(*lse.shape[:2], -(-lse.shape[2] // 32) * 32)
+            padded[..., : lse.shape[2]] = lse
             return o.to(q.dtype), padded.float(), torch.tensor(1), torch.tensor(2)
 
         def bwd(dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask, is_causal, *, scale):

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv, run_with_grads
 
+from helpers.attention import assert_within_2x_torch_error, compare_with_reference, make_qkv, run_with_grads
+from kforcing_kernels import WindowLayout, _extension, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
-from kforcing_kernels import WindowLayout, backends_available, window_attention
-from kforcing_kernels import _extension
 
 pytestmark = pytest.mark.skipif(backends_available()["cpp"] is not None, reason=f"cpp backend: {backends_available()['cpp']}")
 
@@ -16,7 +15,7 @@ LAYOUTS = zoo.small()
 def _assert_close(ours, ref, atol, rtol):
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert torch.isfinite(a).all(), label
-        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=rtol, msg=lambda m, label=label: f"{label}: {m}")
 
 
 def _other_isas():

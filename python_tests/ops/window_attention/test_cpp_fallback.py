@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+
 from helpers import REPO
 
 ROOT = str(REPO)

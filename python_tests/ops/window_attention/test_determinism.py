@@ -74,7 +74,9 @@ def test_bitwise_per_batch_documents_whatever_the_other_elements_boundaries(back
         cus = others[:pos] + [mine] + others[pos:]
         layout = make(n, cus)
         assert layout.range_batch == len(cus)
-        fill = lambda t: torch.cat([rand(pos, *t.shape[1:]), t, rand(len(cus) - pos - 1, *t.shape[1:])])  # noqa: E731
+        def fill(t, pos=pos, cus=cus):  # the element at pos, random ones around it
+            return torch.cat([rand(pos, *t.shape[1:]), t, rand(len(cus) - pos - 1, *t.shape[1:])])
+
         got = _run(backend, layout, fill(q), fill(k), fill(v), fill(dout), threads=2)
         for label, a, c in zip(("out", "dq", "dk", "dv"), alone, got):
             assert torch.equal(a, c[pos:pos + 1]), f"{label} of the element depends on the other elements' documents"

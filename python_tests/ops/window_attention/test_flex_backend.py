@@ -7,7 +7,6 @@ device capability replaced (no GPU needed).
 """
 
 import json
-import os
 
 import pytest
 import torch

@@ -33,13 +33,12 @@ import os
 import random
 import subprocess
 import sys
-
-from helpers import REPO
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from helpers import REPO
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -217,7 +216,7 @@ def _sizes(rng: random.Random, seed: int, layout: WindowLayout, batch: int, trit
 
 def _window_roles(layout: WindowLayout):
     """Per window-region token (storage order): (window index, slot within the window), from the documented storage."""
-    c, m, w, s_count = layout.n_ctx, layout.num_windows, layout.window_size, layout.n_streams
+    m, w, s_count = layout.num_windows, layout.window_size, layout.n_streams
     n = layout.n_window_tokens
     roles = []
     for r in range(n):
@@ -250,7 +249,9 @@ def oracle_mask(layout: WindowLayout, batch: int) -> torch.Tensor:
             a, e = (0, t + 1) if clo is None else (int(clo[b, t]), int(chi[b, t]))
             mask[b, t, a:e] = True
         for r, (win, slot) in enumerate(roles):
-            alive = lambda s: live is None or s < int(live[b, win])  # noqa: E731
+            def alive(s, b=b, win=win):
+                return live is None or s < int(live[b, win])
+
             if not alive(slot):
                 continue
             row = c + r
@@ -384,7 +385,7 @@ def test_fuzz_quick_draws_the_whole_space():
         "context empty rows": lambda d: "context=empty" in d, "live_slots": lambda d: "live_slots" in d,
         "per-batch live_slots": lambda d: "live_slots=(" in d and "live_slots=(" in d and ", " in d.split("live_slots=(")[1].split(")")[0],
         "per-batch context": lambda d: "context_ranges=(" in d and ", " in d.split("context_ranges=(")[1].split(")")[0],
-        **{f"constructor {f}": (lambda f: lambda d: d.startswith(f"seed=") and f" {f} n=" in d)(f)
+        **{f"constructor {f}": lambda d, f=f: d.startswith("seed=") and f" {f} n=" in d
            for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")},
         "per-batch cu_seqlens": lambda d: "cu_seqlens=[[" in d,
         "shared cu_seqlens": lambda d: "cu_seqlens=[0" in d,
@@ -424,7 +425,7 @@ def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 90
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (result.stdout + result.stderr)[-6000:]
     assert result.returncode == 0 and " passed" in result.stdout, f"interpreter fuzz failed (rc={result.returncode}):\n{tail}"
-    print(next((l for l in result.stdout.splitlines() if l.startswith("fuzz triton")), tail))
+    print(next((line for line in result.stdout.splitlines() if line.startswith("fuzz triton")), tail))
 
 
 # ---------------------------------------------------------------------- long form

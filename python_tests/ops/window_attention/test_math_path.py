@@ -49,7 +49,7 @@ def test_math_path_forward_and_backward(monkeypatch, name):
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
     for label, a, e in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m: f"{label}: {m}")
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, label=label: f"{label}: {m}")
 
 
 def test_math_path_causal(monkeypatch):

@@ -95,10 +95,10 @@ def test_cpp_rows_have_the_same_bits_in_the_full_layout_and_any_subset(name):
     (dq,) = torch.autograd.grad((out * weight).sum(), (qf,))
     for label, rows in _subsets(layout).items():
         qs = q[:, :, rows].detach().requires_grad_()
-        o, l = window_attention(qs, k, v, layout.restrict_rows(rows), backend="cpp", return_lse=True)
+        o, lse_r = window_attention(qs, k, v, layout.restrict_rows(rows), backend="cpp", return_lse=True)
         (g,) = torch.autograd.grad((o * weight[:, :, rows]).sum(), (qs,))
         assert torch.equal(o, out[:, :, rows]), (name, label, "out")
-        assert torch.equal(l, lse[:, :, rows]), (name, label, "lse")
+        assert torch.equal(lse_r, lse[:, :, rows]), (name, label, "lse")
         assert torch.equal(g, dq[:, :, rows]), (name, label, "dq")
 
 

@@ -40,8 +40,15 @@ from ...common.dtypes import acc_dtype
 from .. import masked_keys
 from . import query_rows
 from .cuda import attend, attend_backward  # fused kernels on CUDA, lse_attention elsewhere
-from .pieces import (context_chunks, from_windows, intra_backward, intra_forward, prefix_backward, prefix_forward,
-                     to_windows)
+from .pieces import (
+    context_chunks,
+    from_windows,
+    intra_backward,
+    intra_forward,
+    prefix_backward,
+    prefix_forward,
+    to_windows,
+)
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -74,10 +81,11 @@ def _per_element(fn, tensors, layout: WindowLayout, *args):
 
 def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
     """Batch element ``b``'s layout; per-batch layouts derive all of theirs once (each keeps its own pieces)."""
-    if layout.batch_size is None:
+    n = layout.batch_size
+    if n is None:
         return layout
     return layout.derived("composite.batch_elements",
-                           lambda: tuple(layout.batch_element(i) for i in range(layout.batch_size)))[b]
+                          lambda: tuple(layout.batch_element(i) for i in range(n)))[b]
 
 
 def forward(q, k, v, layout: WindowLayout, scale: float):
@@ -121,13 +129,13 @@ def _forward(q, k, v, layout: WindowLayout, scale: float):
         qw = to_windows(q[:, :, -nw:], layout)
         o_i, l_i = intra_forward(qw, to_windows(k[:, :, c:], layout), to_windows(v[:, :, c:], layout), layout, scale)
         o_p, l_p = prefix_forward(qw, k, v, layout, scale)
-        l = torch.logaddexp(l_p, l_i)
-        # exp(l_p - l) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
+        lse_w = torch.logaddexp(l_p, l_i)
+        # exp(l_p - lse_w) == sigmoid(l_p - l_i): one fused lerp pass; an empty prefix (l_p = -inf) gives o_i,
         # and a blank row (both -inf) keeps o_i = 0.
-        weight = torch.where(l > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
+        weight = torch.where(lse_w > float("-inf"), torch.sigmoid(l_p - l_i), 0.0)
         o = torch.lerp(o_i.to(ct), o_p.to(ct), weight[..., None])
         out[:, :, -nw:] = from_windows(o.to(q.dtype), layout)
-        lse[:, :, -nw:] = from_windows(l, layout)
+        lse[:, :, -nw:] = from_windows(lse_w, layout)
     return out, lse
 
 

@@ -64,7 +64,8 @@ def _op(name: str):
 def use_ops(ops: dict, devices=("cuda",)):
     """Replace ops (``flash_attn`` module-like, or aten op names) and the devices routed here; for tests."""
     global _devices
-    saved = dict(_ops), _devices, dict(_disabled), set(_fa_lse_checked), dict(_aux)
+    saved_ops, saved_devices = dict(_ops), _devices
+    saved_disabled, saved_checked, saved_aux = dict(_disabled), set(_fa_lse_checked), dict(_aux)
     _ops.update(ops)
     _devices = tuple(devices)
     _disabled.clear()
@@ -74,11 +75,14 @@ def use_ops(ops: dict, devices=("cuda",)):
         yield
     finally:
         _ops.clear()
-        _ops.update(saved[0])
-        _devices = saved[1]
-        for live, old in zip((_disabled, _fa_lse_checked, _aux), saved[2:]):
-            live.clear()
-            live.update(old)
+        _ops.update(saved_ops)
+        _devices = saved_devices
+        _disabled.clear()
+        _disabled.update(saved_disabled)
+        _fa_lse_checked.clear()
+        _fa_lse_checked.update(saved_checked)
+        _aux.clear()
+        _aux.update(saved_aux)
 
 
 def status() -> dict:
@@ -276,11 +280,11 @@ def attend_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, allo
     """As :func:`lse_attention.attend_backward`: one piece's ``(dq, dk, dv)`` from the merged out/lse (the
     portable path's in the accumulation dtype: the composite sums pieces and rounds once)."""
     masked = allowed is not None
-    args = [t.contiguous() for t in (dout, q, k, v, out)]
+    dc, qc, kc, vc, oc = (t.contiguous() for t in (dout, q, k, v, out))
     got = _run("backward", q, k, causal, masked, {
-        "flash_attn": lambda: _fa_backward(*args, lse, causal, scale),
-        "sdpa_flash": lambda: _sdpa_flash_backward(*args, lse, allowed, causal, scale),
-        "sdpa_efficient": lambda: _sdpa_eff_backward(*args, lse, allowed, causal, scale),
+        "flash_attn": lambda: _fa_backward(dc, qc, kc, vc, oc, lse, causal, scale),
+        "sdpa_flash": lambda: _sdpa_flash_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
+        "sdpa_efficient": lambda: _sdpa_eff_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
     })
     if got is None:  # the portable path; fp32 gradients for 16-bit inputs (the composite sums pieces)
         return lse_attention.attend_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,

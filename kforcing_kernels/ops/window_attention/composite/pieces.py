@@ -132,15 +132,15 @@ def prefix_forward(qw, k, v, layout, scale):
     """Window -> context attention: (out [B, H, M, w, D], lse [B, H, M, w])."""
     b, h, m, w, d = qw.shape
     if is_staircase(layout):
-        o, l = attend(_slot_major(qw), k[:, :, :m], v[:, :, :m], causal=True, scale=scale)
-        return _from_slot_major(o, h), _from_slot_major(l, h)
+        o, lse_p = attend(_slot_major(qw), k[:, :, :m], v[:, :, :m], causal=True, scale=scale)
+        return _from_slot_major(o, h), _from_slot_major(lse_p, h)
     out = qw.new_zeros(b, h, m, w, d)
     lse = torch.full((b, h, m, w), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
-        o, l = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
+        o, lse_p = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
         out[:, :, m0:m1] = o.view(b, h, m1 - m0, w, d)
-        lse[:, :, m0:m1] = l.view(b, h, m1 - m0, w)
+        lse[:, :, m0:m1] = lse_p.view(b, h, m1 - m0, w)
     return out, lse
 
 
@@ -261,8 +261,8 @@ def intra_forward(qw, kw, vw, layout, scale):
     b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)
-        o, l = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
-        return _unfold(o, b), _unfold(l, b)
+        o, lse_i = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
+        return _unfold(o, b), _unfold(lse_i, b)
     s = _scores(qw, kw, scale, layout)
     row_max = s.amax(-1, keepdim=True)
     row_max = torch.where(row_max > float("-inf"), row_max, 0.0)  # a blank slot sees nothing

@@ -34,8 +34,8 @@ GROUP_ROWS = 128
 def _build_pieces(layout: QueryRowsLayout) -> list:
     """``[(rows int64 [r] (subset indices), key lo, key hi, allowed bool [B', 1, r, hi - lo])]``: one per
     group and interval whose rows see some key through that interval."""
-    order, begin = subset_query_tiles(layout.parent, layout.rows, GROUP_ROWS)
-    order, begin = order.to(torch.int64), begin.tolist()
+    order_t, begin_t = subset_query_tiles(layout.parent, layout.rows, GROUP_ROWS)
+    order, begin = order_t.to(torch.int64), begin_t.tolist()
     iv = layout.row_intervals(copy=False)  # [B', R, J, 2]
     pieces = []
     for t in range(len(begin) - 1):
@@ -71,13 +71,13 @@ def forward(q, k, v, layout: QueryRowsLayout, scale: float):
     lse = torch.full(q.shape[:3], float("-inf"), dtype=ct, device=q.device)
     parts = []
     for rows, lo, hi, allowed in _pieces(layout, q.device):
-        o, l = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed)
-        parts.append((rows, o, l))
-        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], l)
+        o, lse_p = attend(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], causal=False, scale=scale, allowed=allowed)
+        parts.append((rows, o, lse_p))
+        lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], lse_p)
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     finite = torch.where(lse > float("-inf"), lse, 0.0)
-    for rows, o, l in parts:  # each piece weighted by its share of the row's softmax mass
-        out[:, :, rows] += torch.exp(l - finite[:, :, rows])[..., None] * o.to(ct)
+    for rows, o, lse_p in parts:  # each piece weighted by its share of the row's softmax mass
+        out[:, :, rows] += torch.exp(lse_p - finite[:, :, rows])[..., None] * o.to(ct)
     return out.to(q.dtype), lse
 
 

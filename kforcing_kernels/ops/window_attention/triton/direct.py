@@ -31,7 +31,7 @@ import array
 import operator
 import threading
 from math import gcd
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -82,7 +82,12 @@ class ArgSignature:
         if plan is None:
             return None
         # The plan stands for the argument types in the key (one per tuple of types; hashed by identity).
-        dtypes = aligned = widths = divisible = constants = ()
+        # Each part of the key: () when the plan has none, True for the common case, else a tuple per argument.
+        dtypes: tuple = ()
+        aligned: Union[bool, tuple] = ()
+        widths: Union[bool, tuple] = ()
+        divisible: Union[bool, tuple] = ()
+        constants: tuple = ()
         if plan.tensors is not None:
             tensors = plan.tensors(args)
             dtypes = tuple(map(_dtype, tensors))
@@ -178,7 +183,7 @@ class DirectLaunch:
                   self._packed, metadata, enter, leave, *args, *self.tail)
 
 
-_runtime_knobs = None  # triton.knobs.runtime (the launch hooks), imported with the first DirectLaunch
+_runtime_knobs: Any = None  # triton.knobs.runtime (the launch hooks), imported with the first DirectLaunch
 
 
 def pack_tail(fn, n_positional: int, kwargs: dict) -> Optional[tuple]:

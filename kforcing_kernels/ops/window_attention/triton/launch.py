@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -34,12 +34,26 @@ from triton.runtime import driver as _triton_driver
 
 from .... import env
 from ....layouts import WindowLayout
-from .configs import (CANDIDATE_CONFIGS, DELTA_BLOCK, GPU_DTYPES, KERNEL_CONFIGS, LEGACY_TILE_SETS, SUPPORTED_HEAD_DIMS,
-                      TILE_SETS, TILES_BY_HEAD_DIM, autotune_enabled, kernel_variant, check_head_dim, length_bucket,
-                      prefetch_enabled, tile_set_for, tiles_for)
+from .configs import (
+    CANDIDATE_CONFIGS,
+    DELTA_BLOCK,
+    GPU_DTYPES,
+    KERNEL_CONFIGS,
+    LEGACY_TILE_SETS,
+    SUPPORTED_HEAD_DIMS,
+    TILE_SETS,
+    TILES_BY_HEAD_DIM,
+    autotune_enabled,
+    check_head_dim,
+    kernel_variant,
+    length_bucket,
+    prefetch_enabled,
+    tile_set_for,
+    tiles_for,
+)
+from .direct import DirectCache, direct_launch_enabled
 from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
 from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
-from .direct import DirectCache, direct_launch_enabled
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, PLAN_POINTERS, interpreting
 from .jit_forward import _fwd_kernel, _slot_fwd_kernel
 from .plan import TilePlan, Tiles, device_plan, stream_id, tile_plan
@@ -64,7 +78,7 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 
 _tuned_lock = threading.Lock()
-_tuned: dict[tuple, object] = {}
+_tuned: dict[tuple, Any] = {}  # triton Autotuner objects
 _direct = DirectCache(trusted=PLAN_POINTERS)  # steady-state launches (direct.py), filled from the autotuner path's results
 
 

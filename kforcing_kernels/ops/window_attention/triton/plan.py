@@ -256,7 +256,7 @@ def _query_tiles(g: Geometry, bm: int) -> dict:
 # ---------------------------------------------------------------------- key intervals per query tile
 
 
-def tile_intervals(layout: WindowLayout, g: Geometry, qt: dict) -> torch.Tensor:
+def tile_intervals(layout: Union[WindowLayout, QueryRowsLayout], g: Geometry, qt: dict) -> torch.Tensor:
     """int64 [B', T, J, 4] ``(klo, khi, flo, fhi)``: union and intersection of each tile's row intervals.
 
     A reduction of ``layout.row_intervals()`` (the one derivation of what a row sees)

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kforcing_kernels.tools import aot_report, ttgir  # noqa: E402
 from helpers import REPO
+from kforcing_kernels.tools import aot_report, ttgir  # noqa: E402
 
 ROOT = str(REPO)
 

@@ -17,8 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kforcing_kernels.ops.window_attention.triton import direct  # noqa: E402
-from kforcing_kernels.ops.window_attention.triton import launch  # noqa: E402
+from kforcing_kernels.ops.window_attention.triton import direct, launch  # noqa: E402
 from kforcing_kernels.tools import aot_report  # noqa: E402
 
 ENV = "KFORCING_TRITON_DIRECT_LAUNCH"

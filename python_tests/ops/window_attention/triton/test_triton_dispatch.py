@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import REPO
 from kforcing_kernels import WindowLayout  # noqa: E402
 from kforcing_kernels.ops.window_attention.triton import configs, launch  # noqa: E402
 from kforcing_kernels.ops.window_attention.triton.plan import tile_plan  # noqa: E402
-from helpers import REPO
 
 ROOT = str(REPO)
 

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
+from helpers import REPO
 from helpers.attention import make_qkv
 from kforcing_kernels import WindowLayout, default_backend, window_attention
 from kforcing_kernels.ops.window_attention import reference
-from helpers import REPO
 
 ROOT = str(REPO)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -48,7 +48,7 @@ def test_compiled_kernels_match_reference(name):
             tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
             for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
                 assert bool(torch.isfinite(got).all()), (dtype, d, what)
-                torch.testing.assert_close(got.double(), want, **tol, msg=lambda m: f"{dtype} D={d} {what}: {m}")
+                torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, dtype=dtype, d=d, what=what: f"{dtype} D={d} {what}: {m}")
 
 
 @needs_gpu
@@ -133,7 +133,7 @@ def _grads_vs_reference(layout, backend, dtype, d, device, heads=4, kv_heads=2):
     want = (ref_out, *torch.autograd.grad(ref_out, (qr, kr, vr), dout.double()))
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.device == q.device and bool(torch.isfinite(a).all()), what
-        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m: f"{backend} {what}: {m}")
+        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m, what=what: f"{backend} {what}: {m}")
     return got
 
 

@@ -10,9 +10,9 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO
-
 import pytest
+
+from helpers import REPO
 
 pytest.importorskip("triton")
 

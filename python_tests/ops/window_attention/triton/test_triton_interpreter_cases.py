@@ -153,7 +153,7 @@ def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch,
     for name, t in got.items():
         assert bool(torch.isfinite(t).all()), f"{name} has non-finite values"
         assert t.dtype == (torch.float32 if name == "lse" else dtype)
-        torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
     plan = tile_plan(layout, tiles)
     assert counters.tolist() == _expected_counts(plan, layout, tiles, variant, batch, heads), \
         dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
@@ -185,7 +185,7 @@ def test_prefetching_step_loop_gives_the_same_bits(kernels, monkeypatch, variant
         assert torch.equal(old, new), name
     _, _, want = _reference(q, k, v, dout, layout, scale)
     for name, got, ref in zip(("dq", "dk", "dv"), grads["1"], want):
-        torch.testing.assert_close(got.double(), ref, **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.double(), ref, **TOL[torch.float32], msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------- work accounting at the contract's shape
