@@ -65,7 +65,8 @@ def test_broken_extension_warns_once_and_falls_back():
 
 def test_my_suites_pass_with_the_extension_disabled():
     """The sampler suite exercises the torch fallback; the cpp suite reports itself skipped."""
-    suites = [os.path.join(ROOT, "python_tests", name) for name in ("test_sampling.py", "test_cpp_attention.py")]
+    suites = [os.path.join(ROOT, "python_tests", "ops", "sampling", "test_sampling.py"),
+              os.path.join(ROOT, "python_tests", "ops", "window_attention", "test_cpp_attention.py")]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],
         env=dict(os.environ, KFORCING_DISABLE_EXT="1"), capture_output=True, text=True, timeout=600, cwd=ROOT,
