@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,8 @@ class PagedPast:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The window's queries/keys/values ``[B, H, W, D]`` -> attention output ``[B, H, W, D]``."""
         if not self.checked:
+            if self.backend is None:
+                raise ValueError("PagedPast.backend: an unchecked call (checked=False) needs a resolved backend name")
             return paged_attention_unchecked(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
                                              1.0 / math.sqrt(q.shape[-1]), self.backend)
         return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
@@ -198,6 +200,8 @@ def direct_block(x: torch.Tensor, b: int, n: int, cos2: torch.Tensor, sin2: torc
     what a static decode step runs (app/generation/static_step.py) when the model has none.
     """
     w = past.direct
+    if w is None:
+        raise ValueError("direct_block: past.direct is None (the block's DirectBlock, from Block.direct_weights)")
     c = x.shape[-1]
     qkv = torch.mm(F.rms_norm(x, (c,), w.norm1, w.eps1), w.qkv_t)
     qkv = qkv.view(b, n, 3, w.n_head, w.head_dim).permute(2, 0, 3, 1, 4)
@@ -353,7 +357,7 @@ class KForcingLM(nn.Module):
             cos2, sin2 = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
             x = x.reshape(b * n, c)
             for layer_past in past:
-                x, kv = direct_block(x, b, n, cos2, sin2, layer_past)
+                x, kv = direct_block(x, b, n, cos2, sin2, cast(PagedPast, layer_past))
                 kvs.append(kv)
             return self.norm_f(x.view(b, n, c)), kvs
         for i, block in enumerate(self.blocks):
