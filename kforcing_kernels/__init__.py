@@ -15,4 +15,5 @@ _moved.install()  # an import of a 0.2 application module (kforcing_kernels.trai
 
 __version__ = "0.3.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
 
-__all__ = ["WindowLayout", "window_attention", "inverse_cdf_sample", "noise_inversion", "backends_available", "default_backend", "BACKENDS", "__version__"]
+__all__ = ["WindowLayout", "window_attention", "inverse_cdf_sample", "noise_inversion", "backends_available",
+           "default_backend", "BACKENDS", "__version__"]

@@ -129,7 +129,8 @@ def test_no_import_cycles():
 
 def test_cycle_finder_finds_a_planted_cycle():
     graph = {k: set(v) for k, v in GRAPH.items()}
-    graph["kforcing_kernels.app.training.loop"].add("kforcing_kernels.app.train")  # the cycle of 0.2 (train <-> pipeline)
+    # the cycle of 0.2 (train <-> pipeline)
+    graph["kforcing_kernels.app.training.loop"].add("kforcing_kernels.app.train")
     assert any("kforcing_kernels.app.train" in c and "kforcing_kernels.app.training.loop" in c for c in _cycles(graph))
 
 
@@ -295,7 +296,8 @@ def test_no_module_imports_a_private_name_of_another():
 
 def test_the_private_name_finder_sees_both_forms(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text("from .plan import _hidden, tile_plan\nfrom . import plan\nfrom .jit_common import _row_interval\n"
+    planted.write_text("from .plan import _hidden, tile_plan\nfrom . import plan\nfrom .jit_common import "
+                       "_row_interval\n"
                        "plan._other()\n")
     name = f"{PACKAGE}.ops.window_attention.triton.planted"
     MODULES[name] = str(planted)

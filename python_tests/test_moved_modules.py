@@ -22,20 +22,27 @@ API_0_2 = {
         "DistInfo build_parser config_from_args evaluate_loss learning_rate main setup_distributed train"
     ).split(),
     "train_config": (
-        "ConfigError PRECISIONS RUN_FILES STAGES SUPERVISIONS TrainConfig changed_settings check_splits existing_run prepare_out validate_config"
+        "ConfigError PRECISIONS RUN_FILES STAGES SUPERVISIONS TrainConfig changed_settings check_splits existing_run "
+        "prepare_out validate_config"
     ).split(),
     "pipeline": "PerRound PipelineConfig per_round_type run_pipeline".split(),
     "objectives": (
-        "Batch Objective compute_loss document_mask forward_distillation_targets make_batch noise_inversion_supervision self_forcing_targets step_generator window_tokens"
+        "Batch Objective compute_loss document_mask forward_distillation_targets make_batch "
+        "noise_inversion_supervision self_forcing_targets step_generator window_tokens"
     ).split(),
     "data": (
-        "Corpus DEFAULT_SOURCE DataError EOS FORMAT_VERSION default_cache_dir document_offsets file_documents is_validation load_corpus load_documents sample_windows stdlib_documents"
+        "Corpus DEFAULT_SOURCE DataError EOS FORMAT_VERSION default_cache_dir document_offsets file_documents "
+        "is_validation load_corpus load_documents sample_windows stdlib_documents"
     ).split(),
     "checkpoint": (
-        "CHECKPOINT_FORMAT CheckpointError append_jsonl atomic_write checkpoint_dir clean_run_folder latest_checkpoint load_checkpoint load_model load_tensors read_checkpoint_meta read_json read_metrics read_model_info recover_metrics save_checkpoint save_model save_tensors stderr_log write_json write_text"
+        "CHECKPOINT_FORMAT CheckpointError append_jsonl atomic_write checkpoint_dir clean_run_folder latest_checkpoint "
+        "load_checkpoint load_model load_tensors read_checkpoint_meta read_json read_metrics read_model_info "
+        "recover_metrics save_checkpoint save_model save_tensors stderr_log write_json write_text"
     ).split(),
     "evaluate": (
-        "DEMO_EVAL EvalSettings ar_validation_nll build_parser distinct_n evaluate_pipeline format_nll_table format_report format_table1 format_tau_table interleaved_timings judge_score load_judge main per_position_nll plot_summary"
+        "DEMO_EVAL EvalSettings ar_validation_nll build_parser distinct_n evaluate_pipeline format_nll_table "
+        "format_report format_table1 format_tau_table interleaved_timings judge_score load_judge main per_position_nll "
+        "plot_summary"
     ).split(),
     "demo": "DEMO LONG PRESETS QUICK build_parser main".split(),
     "inference": (
@@ -44,7 +51,10 @@ API_0_2 = {
     "serving": "PagedGenerator Request window_layout".split(),
     "paged_cache": "PagePoolFull PagedKVCache paged_backend paged_trunk".split(),
     "cli_common": (
-        "DEFAULT_DEVICE DEFAULT_NEW_TOKENS DEFAULT_SEED DEFAULT_TEMPERATURE HelpFormatter RETIRED_FLAGS SHARED_OPTIONS add_batch_size add_batch_sizes add_command add_device add_new_tokens add_preset add_seed add_temperature add_threads all_parsers apply_threads checked fraction int_list make_parser non_negative_float non_negative_int positive_float positive_float_list positive_int resolve_device"
+        "DEFAULT_DEVICE DEFAULT_NEW_TOKENS DEFAULT_SEED DEFAULT_TEMPERATURE HelpFormatter RETIRED_FLAGS SHARED_OPTIONS "
+        "add_batch_size add_batch_sizes add_command add_device add_new_tokens add_preset add_seed add_temperature "
+        "add_threads all_parsers apply_threads checked fraction int_list make_parser non_negative_float "
+        "non_negative_int positive_float positive_float_list positive_int resolve_device"
     ).split(),
 }
 

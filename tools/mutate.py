@@ -45,7 +45,8 @@ def apply(scratch: Path, mutation: dict) -> str:
     text = path.read_text()
     count = text.count(mutation["old"])
     if count != 1:
-        raise MutationError(f"{mutation['id']}: expected {mutation['old']!r} exactly once in {mutation['file']}, found {count}")
+        raise MutationError(f"{mutation['id']}: expected {mutation['old']!r} exactly once in {mutation['file']}, found "
+                            f"{count}")
     path.write_text(text.replace(mutation["old"], mutation["new"]))
     return text
 

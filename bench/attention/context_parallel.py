@@ -80,7 +80,8 @@ def fit_row_bytes(model: KForcingLM, context_parallel: bool) -> tuple[float, flo
     return a, w, c
 
 
-def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[float, float, float], n_params: int) -> dict:
+def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[float, float, float],
+                n_params: int) -> dict:
     """Per-rank bytes (the largest rank) of one SingleForward training step at context N, window k."""
     a, w, c = per_row
     static = 16 * n_params
@@ -113,7 +114,8 @@ def longest(cfg, k, world, per_row, n_params, budget: float, step: int = 256) ->
 
 def traffic(cfg: ModelConfig, split, world: int) -> dict:
     """Bytes through the busiest rank per training step (all layers, fp32 K/V), for each measure its own busiest rank."""
-    per = [layer_traffic(split, r, batch=1, kv_heads=cfg.n_head, head_dim=cfg.head_dim, elem_bytes=4) for r in range(world)]
+    per = [layer_traffic(split, r, batch=1, kv_heads=cfg.n_head, head_dim=cfg.head_dim,
+                         elem_bytes=4) for r in range(world)]
     return {name: cfg.n_layer * max(getattr(t, name) for t in per) for name in ("actual", "all_gather_once", "ideal")}
 
 
@@ -205,7 +207,8 @@ def execute(args: argparse.Namespace) -> int:
     print(f"  CP path with 1 rank:  {cp1[0]:,.0f} / {cp1[1]:,.0f} / {cp1[2]:,.0f}")
     report = {"config": cfg.to_dict(), "k": args.k, "budget_gib": args.budget_gib, "per_row_plain": plain,
               "per_row_cp": cp1, "table": [], "longest": {}}
-    print("\n| N | N(1+k) | CP | rows/rank | params+grads+Adam GiB | activations GiB | attention transient GiB | total GiB "
+    print("\n| N | N(1+k) | CP | rows/rank | params+grads+Adam GiB | activations GiB | attention transient GiB | total "
+          "GiB "
           "| comm/step GiB | no re-gather GiB | ideal GiB | comm / ideal |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.n:

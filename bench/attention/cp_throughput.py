@@ -30,7 +30,8 @@ def _train(args, stage: list[str], out: Path, threads: int, world: int = 1) -> N
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
         "-m", "kforcing_kernels.app.train"]
     cmd = [*launcher, *stage, "--out", str(out), "--threads", str(threads), "--device", "cpu", "--no-progress",
-           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--log-every", "1", "--eval-batches", "1"]
+           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--log-every", "1", "--eval-batches",
+           "1"]
     if world > 1:
         cmd += ["--context-parallel", str(world)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -72,10 +73,12 @@ def main(argv=None) -> int:
             rate, rates = steady_tokens_per_s(root / f"cp{world}")
             rows.append({"world": world, "threads_per_rank": args.threads // world, "tokens_per_s": rate,
                          "per_rank": rate / world, "vs_one": rate / one, "rates": rates})
-    print(f"Stage 1 (noise inversion), N={args.seq_len}, k={args.k}, batch {args.batch_size}, {args.threads} threads in all:")
+    print(f"Stage 1 (noise inversion), N={args.seq_len}, k={args.k}, batch {args.batch_size}, {args.threads} threads "
+          "in all:")
     print("| world | threads/rank | tokens/s | per rank | vs one process |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['world']} | {r['threads_per_rank']} | {r['tokens_per_s']:.0f} | {r['per_rank']:.0f} | {r['vs_one']:.2f} |")
+        print(f"| {r['world']} | {r['threads_per_rank']} | {r['tokens_per_s']:.0f} | {r['per_rank']:.0f} | "
+              f"{r['vs_one']:.2f} |")
     if args.json:
         write_json({"settings": vars(args), "rows": rows}, args.json)
     return 0

@@ -127,9 +127,11 @@ def measure(path: Path, cfg: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--commits", nargs="+", default=[DEFAULT_BASE, "HEAD"],
-                   help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the module docstring)")
+                   help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the "
+                        "module docstring)")
     p.add_argument("--workdir", default="/tmp/kforcing_cpp_ab", help="where the worktrees go")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the children (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")

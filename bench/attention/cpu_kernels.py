@@ -77,7 +77,8 @@ def bench_attention(args) -> dict:
     backends = [name for name in ("composite", "cpp") if backends_available()[name] is None]
     for name in backends:
         fwd[name] = lambda name=name: window_attention(q, k, v, layout, backend=name)
-        step[name] = lambda name=name: torch.autograd.grad(window_attention(q, k, v, layout, backend=name), (q, k, v), dout)
+        step[name] = lambda name=name: torch.autograd.grad(window_attention(q, k, v, layout, backend=name), (q, k, v),
+                                                           dout)
     with torch.no_grad():
         t_fwd = interleaved(fwd, warmup=args.warmup, reps=args.reps)
     t_step = interleaved(step, warmup=args.warmup, reps=args.reps)
@@ -99,13 +100,15 @@ def bench_attention(args) -> dict:
 def format_attention(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        f"attention: layout={cfg['layout']} N={cfg['n']} k={cfg['k']} B=1 H={cfg['heads']} D={cfg['dim']} {cfg['dtype']} "
+        f"attention: layout={cfg['layout']} N={cfg['n']} k={cfg['k']} B=1 H={cfg['heads']} D={cfg['dim']} "
+        f"{cfg['dtype']} "
         f"(ideal = {cfg['ideal_multiplier']:.3f} x causal SDPA over N; cpp isa={cfg['isa']})",
         "| method | fwd ms | x ideal | fwd+bwd ms | x ideal |",
         "|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
-        lines.append(f"| {name} | {row['fwd_ms']:.1f} | {row['fwd_x_ideal']:.2f} | {row['fwd_bwd_ms']:.1f} | {row['fwd_bwd_x_ideal']:.2f} |")
+        lines.append(f"| {name} | {row['fwd_ms']:.1f} | {row['fwd_x_ideal']:.2f} | {row['fwd_bwd_ms']:.1f} | "
+                     f"{row['fwd_bwd_x_ideal']:.2f} |")
     return "\n".join(lines)
 
 

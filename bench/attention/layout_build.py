@@ -1,7 +1,7 @@
 """Mask construction per training step for block-drafter layouts (they change every step).
 
-    python -m bench layout-build                       # N=4096 context, 16 blocks of 16, B=8 (--threads 2 as in BENCHMARKS)
-    python -m bench layout-build --n 8192 --blocks 32 --block 16 --batch-size 8 --json out.json
+    python -m bench layout-build                       # N=4096 context, 16 blocks of 16, B=8 (--threads 2 as in
+    BENCHMARKS) python -m bench layout-build --n 8192 --blocks 32 --block 16 --batch-size 8 --json out.json
 
 Per step a DFlash trainer draws new anchors and keep masks, so the mask is rebuilt every step.
 Timed (medians, CPU): ``WindowLayout.anchor_blocks`` + its row intervals (what the cpp and
@@ -98,7 +98,8 @@ def run(args) -> dict:
             "create_block_mask(mask_mod)": _median_ms(flex_create, args.reps),
         }
     if args.existing:
-        for name, make in (("kforcing_single", WindowLayout.kforcing_single), ("kforcing_double", WindowLayout.kforcing_double)):
+        for name, make in (("kforcing_single", WindowLayout.kforcing_single), ("kforcing_double",
+                                                                               WindowLayout.kforcing_double)):
             layout = make(n, 4)
             # The builders themselves: the layout's store would answer a second call from its cache.
             rows[f"{name} N={n} k=4"] = {
@@ -114,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", type=positive_int, default=16, help="tokens per block (default 16)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
     p.add_argument("--window", type=positive_int, default=512, help="SpecForge sliding window W (default 512)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (None: all cores; the numbers in BENCHMARKS used 2)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (None: all cores; the numbers in BENCHMARKS used 2)")
     p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions (default 10)")
     p.add_argument("--existing", action="store_true", help="also time the K-Forcing layouts' intervals + plan")
     p.add_argument("--json", help="write the results here")

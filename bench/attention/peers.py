@@ -116,7 +116,8 @@ def run(args) -> dict:
         time_method(name, fn, bwd)
 
     return {
-        "config": {**vars(args), "threads": threads, "ideal_multiplier": ideal_mult, "num_pairs": int(layout.num_pairs() if isinstance(layout.num_pairs(), int) else layout.num_pairs().sum())},
+        "config": {**vars(args), "threads": threads, "ideal_multiplier": ideal_mult,
+            "num_pairs": int(layout.num_pairs() if isinstance(layout.num_pairs(), int) else layout.num_pairs().sum())},
         "machine": machine_info(),
         "causal_over_ctx": {"fwd": causal, "fwd_bwd": causal_fb},
         "results": rows,
@@ -131,7 +132,8 @@ def format_table(report: dict) -> str:
     dense = rows.get("dense_sdpa")
     lines = [
         f"layout={cfg['layout']} N={cfg['n']} k={cfg['k']} B={cfg['batch']} H={cfg['heads']} D={cfg['dim']} "
-        f"{cfg['dtype']} {cfg['device']} threads={cfg['threads']} (ideal = {cfg['ideal_multiplier']:.3f} x causal over C)",
+        f"{cfg['dtype']} {cfg['device']} threads={cfg['threads']} (ideal = {cfg['ideal_multiplier']:.3f} x causal over "
+        "C)",
         f"{'method':<16}{'fwd ms':>10}{'x ideal':>9}{'fwd+bwd ms':>12}{'x ideal':>9}{'fb vs dense':>13}",
     ]
     for name, row in rows.items():

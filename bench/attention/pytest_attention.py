@@ -1,7 +1,9 @@
 """pytest-benchmark entry points: one shape, every method of the sweep (not part of ``make test``).
 
-    .venv/bin/python -m pytest bench/attention/pytest_attention.py --benchmark-only --benchmark-columns=min,median,rounds
-    KF_BENCH_N=1024 KF_BENCH_K=8 KF_BENCH_THREADS=1 .venv/bin/python -m pytest bench/attention/pytest_attention.py --benchmark-only
+    .venv/bin/python -m pytest bench/attention/pytest_attention.py --benchmark-only
+    --benchmark-columns=min,median,rounds
+    KF_BENCH_N=1024 KF_BENCH_K=8 KF_BENCH_THREADS=1 .venv/bin/python -m pytest bench/attention/pytest_attention.py
+    --benchmark-only
 
 The sweep CLI (``python -m bench attention``) is the source of the reported numbers;
 this file is for pytest-benchmark's own tooling (``--benchmark-compare``, histograms).
@@ -59,7 +61,8 @@ def test_attention(benchmark, problem, method, phase):
         # Causal SDPA over N; the ideal is this x |M| / causal(N), recorded in extra_info.
         benchmark.extra_info["ideal_multiplier"] = layout.num_pairs() / ideal_causal_pairs(layout.n_ctx)
         q, k, v = rand(layout.n_ctx), rand(layout.n_ctx), rand(layout.n_ctx)
-        _run(benchmark, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), rand(layout.n_ctx, False), phase)
+        _run(benchmark, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), rand(layout.n_ctx,
+                                                                                                         False), phase)
         return
     if avail[method] is not None:
         pytest.skip(avail[method])

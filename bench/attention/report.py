@@ -49,7 +49,8 @@ def fit_exponents(report: dict) -> list[dict]:
             "layout": layout, "n": n_fit, "d": d, "method": method, "phase": phase, "k": ks, "num_pairs": work,
             "median_ms": medians, "min_ms": mins, "causal_units": units,
             "slope_k": _slope(ks, medians), "slope_k_min": _slope(ks, mins), "slope_k_norm": _slope(ks, units),
-            "slope_work": _slope(work, medians) if spread else None, "slope_work_min": _slope(work, mins) if spread else None,
+            "slope_work": _slope(work, medians) if spread else None, "slope_work_min": _slope(work,
+                                                                                              mins) if spread else None,
             "slope_work_norm": _slope(work, units) if spread else None,
         })
     return fits
@@ -78,12 +79,15 @@ def format_report(report: dict) -> str:
     gpu = meta["device"].startswith("cuda")
     lines = [
         f"attention sweep: {meta['command']}",
-        f"  {meta['device']} ({meta['cuda'] or meta['processor']}), {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-        f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} round-robin rounds (<= {meta['max_seconds']} s per method)",
+        f"  {meta['device']} ({meta['cuda'] or meta['processor']}), {meta['dtype']}, B={meta['batch']} "
+        f"H={meta['heads']}, "
+        f"threads={meta['threads']} (pinned), warm-up {meta['warmup']}, up to {meta['reps']} round-robin rounds (<= "
+        f"{meta['max_seconds']} s per method)",
         "  cells: median ms (x ideal = median over rounds of time / ideal time in the same round)",
         f"  torch {meta['torch']}, triton {meta['triton']}, commit {commit_label(meta)}, "
         f"{meta['timestamp']}, {meta['wall_s']:.0f} s",
-        f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on {meta['cpus']} cores"
+        f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on "
+        f"{meta['cpus']} cores"
         + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers; "
            "--threads 1 is steadier **" if _busy(meta) else ""),
     ]
@@ -119,9 +123,11 @@ def format_report(report: dict) -> str:
 
     fits = report["fits"]
     if fits:
-        lines += ["", f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p (an O(|M|) kernel: p_|M| = 1; "
+        lines += ["",
+                  f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p (an O(|M|) kernel: p_|M| = 1; "
                   "dense-mask SDPA: ~2)",
-                  "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load drift)"]
+                  "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load "
+                  "drift)"]
         lines.append(f"{'':<39}{'---------- raw -----------':>28}{'--------- norm -----------':>28}")
         lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}" + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2)
         index = {(f["layout"], f["d"], f["method"], f["phase"]): f for f in fits}
@@ -129,18 +135,21 @@ def format_report(report: dict) -> str:
         def fmt(f, key, width):
             return f"{f[key]:>{width}.2f}" if f and f[key] is not None else f"{'-':>{width}}"
 
-        for layout, d in sorted({(f["layout"], f["d"]) for f in fits}, key=lambda t: (meta["layouts"].index(t[0]), t[1])):
+        for layout, d in sorted({(f["layout"], f["d"]) for f in fits}, key=lambda t: (meta["layouts"].index(t[0]),
+                                                                                      t[1])):
             for m in METHODS:
                 fw, fb = index.get((layout, d, m, "fwd")), index.get((layout, d, m, "fwd_bwd"))
                 if fw or fb:
                     cells = "".join(
-                        fmt(fw, f"slope_k{s}", 8) + fmt(fb, f"slope_k{s}", 6) + fmt(fw, f"slope_work{s}", 10) + fmt(fb, f"slope_work{s}", 6)
+                        fmt(fw, f"slope_k{s}", 8) + fmt(fb, f"slope_k{s}", 6) + fmt(fw, f"slope_work{s}", 10) + fmt(fb,
+                            f"slope_work{s}", 6)
                         for s in ("", "_norm")
                     )
                     lines.append(f"{layout:<8}{d:>5}  {m:<24}{cells}")
             best = best_of_ours(fits, layout, d)
             if best:
-                lines.append(f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k {best['slope_k']:.2f} raw / "
+                lines.append(f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k "
+                             f"{best['slope_k']:.2f} raw / "
                              f"{best['slope_k_norm']:.2f} norm"
                              + (f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}" if best["slope_work"] is not None else ""))
 
@@ -240,8 +249,10 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
             ax.set_ylabel("ms (median)")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-                 f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / same-round causal time",
+    fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
+                 f"H={meta['heads']}, "
+                 f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / "
+                 "same-round causal time",
                  fontsize=10)
     _save(fig, path)
     return True
@@ -282,8 +293,10 @@ def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
             ax.grid(True, axis="y", which="both", alpha=0.3)
             if sel:
                 ax.legend(fontsize=7)
-    fig.suptitle(f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} H={meta['heads']}, "
-                 f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round ratios)", fontsize=10)
+    fig.suptitle(f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
+                 f"H={meta['heads']}, "
+                 f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round "
+                 "ratios)", fontsize=10)
     _save(fig, path)
     return True
 

@@ -32,13 +32,16 @@ ROW = {
     "properties": {
         "machine": _STR, "torch": _STR, "triton": {"type": ["string", "null"]}, "git_commit": _STR, "timestamp": _STR,
         "layout": _STR, "n": {"type": "integer", "minimum": 1}, "k": {"type": ["integer", "null"], "minimum": 1},
-        "d": {"type": "integer", "minimum": 1}, "lq": {"type": "integer", "minimum": 1}, "lk": {"type": "integer", "minimum": 1},
+        "d": {"type": "integer", "minimum": 1}, "lq": {"type": "integer", "minimum": 1}, "lk": {"type": "integer",
+                                                                                                "minimum": 1},
         "num_pairs": {"type": "number", "minimum": 1}, "ideal_multiplier": {"type": "number", "minimum": 0},
-        "method": {"type": "string", "enum": list(METHODS)}, "kind": {"type": "string", "enum": ["ideal", "peer", "ours"]},
+        "method": {"type": "string", "enum": list(METHODS)}, "kind": {"type": "string", "enum": ["ideal", "peer",
+                                                                                                 "ours"]},
         "phase": {"type": "string", "enum": ["build", *PHASES]},
         "status": {"type": "string", "enum": ["ok", "unsupported", "skipped", "error"]},
         "reason": {"type": ["string", "null"]}, "median_ms": _OPT_NUM, "min_ms": _OPT_NUM, "first_ms": _OPT_NUM,
-        "reps": {"type": "integer", "minimum": 0}, "ratio_to_ideal": _OPT_NUM, "ratio_to_ideal_min": _OPT_NUM, "causal_units": _OPT_NUM, "tflops": _OPT_NUM,
+        "reps": {"type": "integer", "minimum": 0}, "ratio_to_ideal": _OPT_NUM, "ratio_to_ideal_min": _OPT_NUM,
+        "causal_units": _OPT_NUM, "tflops": _OPT_NUM,
     },
 }
 
@@ -51,13 +54,16 @@ SCHEMA = {
         "schema": {"type": "string", "enum": [SCHEMA_ID]},
         "meta": {
             "type": "object",
-            "required": ["machine", "processor", "cpus", "threads", "torch", "triton", "git_commit", "timestamp", "command",
-                         "quick", "device", "dtype", "batch", "heads", "warmup", "reps", "layouts", "n", "k", "dims", "fit_n", "wall_s"],
+            "required": ["machine", "processor", "cpus", "threads", "torch", "triton", "git_commit", "timestamp",
+                         "command",
+                         "quick", "device", "dtype", "batch", "heads", "warmup", "reps", "layouts", "n", "k", "dims",
+                         "fit_n", "wall_s"],
             "properties": {
                 "threads": {"type": "integer", "minimum": 1}, "command": {"type": "string", "minLength": 1},
                 "timestamp": {"type": "string", "minLength": 1}, "quick": {"type": "boolean"}, "wall_s": _NUM,
                 "layouts": {"type": "array", "items": _STR}, "n": {"type": "array", "items": {"type": "integer"}},
-                "k": {"type": "array", "items": {"type": "integer"}}, "dims": {"type": "array", "items": {"type": "integer"}},
+                "k": {"type": "array", "items": {"type": "integer"}}, "dims": {"type": "array",
+                                                                               "items": {"type": "integer"}},
             },
         },
         "methods": {
@@ -81,7 +87,8 @@ SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["layout", "n", "d", "method", "phase", "k", "median_ms", "min_ms", "causal_units", "slope_k", "slope_k_min",
+                "required": ["layout", "n", "d", "method", "phase", "k", "median_ms", "min_ms", "causal_units",
+                             "slope_k", "slope_k_min",
                              "slope_k_norm", "slope_work", "slope_work_min", "slope_work_norm"],
                 "properties": {"slope_k": _NUM, "slope_k_min": _NUM, "slope_k_norm": _NUM,
                                "slope_work": _OPT_NUM, "slope_work_min": _OPT_NUM, "slope_work_norm": _OPT_NUM},

@@ -319,16 +319,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
     p.add_argument("--backend", choices=("triton", "cpp", "composite", "reference"), default=None,
                    help="window_attention backend (None: the dispatcher's for the device and dtype)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="q/k/v dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="q/k/v dtype (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS),
                    help="which checks (configs: CUDA and the triton backend only)")
     add_batch_sizes(p, [2, 4, 8, 16], help="batch sizes the sequence is placed in")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="attention layouts")
     p.add_argument("--n", type=positive_int, default=None, help="context length N (None: 1024 on CUDA, 48 on CPU)")
     p.add_argument("--k", type=positive_int, default=None, help="window k (None: 4)")
-    p.add_argument("--dims", type=positive_int, nargs="+", default=None, help="head dims (None: 64 128 on CUDA, 32 64 on CPU)")
+    p.add_argument("--dims", type=positive_int, nargs="+", default=None,
+                   help="head dims (None: 64 128 on CUDA, 32 64 on CPU)")
     p.add_argument("--heads", type=positive_int, default=None, help="heads (None: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--teacher-n", type=positive_int, default=None, help="teacher context length (None: 256 on CUDA, 32 on CPU)")
+    p.add_argument("--teacher-n", type=positive_int, default=None,
+                   help="teacher context length (None: 256 on CUDA, 32 on CPU)")
     p.add_argument("--teacher-k", type=positive_int, default=4, help="teacher window k")
     add_seed(p)
     add_threads(p)

@@ -57,7 +57,8 @@ def positions(batch: int) -> list[int]:
 def teacher_model(device: torch.device, n: int, seed: int) -> KForcingLM:
     """Random-weight teacher: 4 x 512, head dim 64 on CUDA (the triton backend's D); the tiny preset on CPU."""
     if device.type == "cuda":
-        cfg = ModelConfig(vocab_size=8192, n_layer=4, n_head=8, n_embd=512, seq_len=n, noise_features=64, tau_features=8)
+        cfg = ModelConfig(vocab_size=8192, n_layer=4, n_head=8, n_embd=512, seq_len=n, noise_features=64,
+                          tau_features=8)
     else:
         cfg = ModelConfig(seq_len=n)
     model = KForcingLM(cfg)
@@ -81,7 +82,8 @@ def targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.T
         logits, _ = model.single_forward(tokens, z[..., :k], tau)
         ar_logits = model(tokens)
         second_stage = self_forcing_targets(model, tokens, z, tau)
-    return {"single_logits": logits, "single_inverse_cdf": inverse_cdf_sample(logits, u, tau[:, None, None].expand(u.shape)),
+    return {"single_logits": logits, "single_inverse_cdf": inverse_cdf_sample(logits, u, tau[:, None,
+                                                                                             None].expand(u.shape)),
             "self_forcing": second_stage, "ar_inverse_cdf": forward_distillation_targets(ar_logits, u[..., 0], tau)}
 
 
@@ -112,14 +114,17 @@ def run_mode(mode: str, model: KForcingLM, inputs: list, autocast) -> dict[str, 
 
 def per_sample_targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.Tensor]:
     """The batch-invariant mode: :func:`targets` of each sequence alone, concatenated."""
-    parts = [targets(model, tokens[i:i + 1], z[i:i + 1], u[i:i + 1], tau[i:i + 1], autocast) for i in range(tokens.shape[0])]
+    parts = [targets(model, tokens[i:i + 1], z[i:i + 1], u[i:i + 1], tau[i:i + 1],
+                     autocast) for i in range(tokens.shape[0])]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
-def random_inputs(cfg: ModelConfig, batch: int, n: int, k: int, gen: torch.Generator, device: torch.device) -> list[torch.Tensor]:
+def random_inputs(cfg: ModelConfig, batch: int, n: int, k: int, gen: torch.Generator,
+                  device: torch.device) -> list[torch.Tensor]:
     """[tokens [B, N], z [B, N, 2k], u [B, N, k], tau [B]] drawn on ``device``."""
     return [torch.randint(0, cfg.vocab_size, (batch, n), generator=gen, device=device),
-            torch.rand(batch, n, 2 * k, generator=gen, device=device), torch.rand(batch, n, k, generator=gen, device=device),
+            torch.rand(batch, n, 2 * k, generator=gen, device=device), torch.rand(batch, n, k, generator=gen,
+                                                                                  device=device),
             0.7 + 0.6 * torch.rand(batch, generator=gen, device=device)]
 
 
@@ -189,7 +194,8 @@ def first_divergent_module(model, one: list, batched: list, pos: int, autocast) 
                  "max_abs_diff": (mine.double() - out_a.double()).abs().max().item()}
         if in_a is not None and in_b is not None:
             found["rows_alone"], found["rows_batched"] = in_a.numel() // in_a.shape[-1], in_b.numel() // in_b.shape[-1]
-        found["cause"] = (f"{kind} gives other bits for the same input when it computes {found.get('rows_batched')} rows "
+        found["cause"] = (f"{kind} gives other bits for the same input when it computes {found.get('rows_batched')} "
+                          "rows "
                           f"instead of {found.get('rows_alone')} (a kernel chosen by matrix size)" if input_equal else
                           "its input already differed: an op outside the leaf modules before it changed first")
         return found
@@ -286,6 +292,7 @@ def summarize(checks: list[dict]) -> dict:
                 modules[named] = modules.get(named, 0) + 1
         found[mode] = {"invariant": all(c["pass"] for c in records), "records": len(records),
                        "max_logit_diff": max((c["max_abs_diff"]["single_logits"] for c in records), default=0.0),
-                       "tokens_differing": sum(t.get("tokens_differing", 0) for c in records for t in c["targets"].values()),
+                       "tokens_differing": sum(t.get("tokens_differing",
+                                                     0) for c in records for t in c["targets"].values()),
                        "first_divergent_modules": modules}
     return found

@@ -2,7 +2,8 @@
 
     python -m bench infer --quick                 # CPU, seconds: micro model, batch 2/4, 8 new tokens
     python -m bench infer                         # k = 1, 2, 4 at batch 4, 16; prompt 64; 64 new tokens (short on CPU)
-    python -m bench infer --full                  # the grid: batch 4, 16, 128; prompt 64 and 512; 256 new tokens
+    python -m bench infer --full                  # the grid: batch 4, 16, 128; prompt 64 and 512; 256 new
+    tokens
     python -m bench infer --paper --device cuda --compile cudagraph --hf eager --hf-reps 1   # Table 1 protocol:
         # paper backbone (12 x 768, vocab 50258, random weights), bf16, 64-token prompts to 1,024 tokens (960 new),
         # AR and k = 2, 4 on both caches at batch 4, 16, 128, 1 warm-up + 3 timed runs; + the HF baseline row
@@ -64,8 +65,10 @@ from .._cli import (
 from .._timing import busy_cores, commit_label, failure_reason, machine_info, pin_threads, row_stamp
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
-FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1, "max_seconds": 60.0}
-DEFAULT = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [64], "new_tokens": 64, "reps": 3, "warmup": 1, "max_seconds": 10.0}
+FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1,
+        "max_seconds": 60.0}
+DEFAULT = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [64], "new_tokens": 64, "reps": 3, "warmup": 1,
+           "max_seconds": 10.0}
 QUICK = {"k": [2, 4], "batch": [2, 4], "prompt_len": [8], "new_tokens": 8, "reps": 2, "warmup": 1, "max_seconds": 1.0,
          "preset": "micro"}
 # K-Forcing's Table 1: 64-token prompts completed to 1,024 tokens, batch 4 / 16 / 128, paper backbone, bf16.
@@ -156,7 +159,8 @@ def run(args) -> dict:
     device = torch.device(args.device)
     backend = args.backend or default_backend(device)
     paged_backend = backend if backend in ("reference", "composite", "cpp") else default_paged_backend(device)
-    cfg = PRESETS[args.preset](seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend, **args.overrides)
+    cfg = PRESETS[args.preset](seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend,
+                               **args.overrides)
     torch.manual_seed(0)
     model = KForcingLM(cfg).to(device=device, dtype=DTYPES[args.dtype]).eval()  # weights and KV cache
     elt = model.wte.weight.element_size()
@@ -164,7 +168,8 @@ def run(args) -> dict:
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
         "threads": threads, "backend": backend, "paged_backend": paged_backend, "page_size": PAGE_SIZE,
-        "preset": args.preset, "dtype": args.dtype, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes, "prompt_len": args.prompt_len,
+        "preset": args.preset, "dtype": args.dtype, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes,
+        "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "caches": args.cache, "compile": args.compile, "hf": args.hf, "loadavg_start": busy_cores(),
     }
@@ -334,8 +339,10 @@ def format_report(report: dict) -> str:
     m = meta["model"]
     lines = [
         f"inference throughput: {meta['command']}",
-        f"  model {meta['preset']} ({meta.get('dtype', 'float32')}): {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
-        f"{meta['new_tokens']} new tokens; attention backend {meta['backend']!r}, paged backend {meta['paged_backend']!r}, "
+        f"  model {meta['preset']} ({meta.get('dtype', 'float32')}): {m['n_layer']} layers, width {m['n_embd']}, "
+        f"{m['n_head']} heads, vocab {m['vocab_size']}; "
+        f"{meta['new_tokens']} new tokens; attention backend {meta['backend']!r}, paged backend "
+        f"{meta['paged_backend']!r}, "
         f"page size {meta['page_size']}",
         f"  {meta['device']}, threads={meta['threads']} (pinned), decode step {meta.get('compile', 'eager')}, "
         f"warm-up {meta['warmup']}, up to {meta['reps']} reps; torch {meta['torch']}, "
@@ -379,7 +386,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cache", default=None, help=f"comma-separated caches to time (None: {','.join(CACHES)})")
     p.add_argument("--k", type=int_list, default=None, help="comma-separated K-Forcing k values (None: the profile's)")
     add_batch_sizes(p, None, help="batch sizes to time (None: the profile's)")
-    p.add_argument("--prompt-len", type=int_list, default=None, help="comma-separated prompt lengths (None: the profile's)")
+    p.add_argument("--prompt-len", type=int_list, default=None,
+                   help="comma-separated prompt lengths (None: the profile's)")
     add_new_tokens(p, None, help_extra=" (None: the profile's)")
     add_model_args(p)
     p.add_argument("--backend", default=None, help="attention backend (None: default_backend for the device)")

@@ -3,8 +3,8 @@ trainer builds it, and the counters they share (collective buffers, the teacher'
 
 A pair is the native model (``--preset``) or a Hugging Face causal LM: ``--hf-llama NAME`` (a built-in Llama config of
 :data:`HF_LLAMA`) or ``--model-config FILE`` (a transformers config JSON, as ``kforcing-train --model-config``). Both
-go through ``kforcing_kernels.app.hf_recipe.files.build_from_config``: the teacher is a PFLM(k/2) (frozen), the student a copy
-of it trained at window k (Stage 2 starts the student from its teacher).
+go through ``kforcing_kernels.app.hf_recipe.files.build_from_config``: the teacher is a PFLM(k/2) (frozen), the student
+a copy of it trained at window k (Stage 2 starts the student from its teacher).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0,
               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
 HF_LLAMA = {
-    "tiny": dict(_LLAMA, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64),
+    "tiny": dict(_LLAMA, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
     "25m": dict(_LLAMA, vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                 num_attention_heads=8, num_key_value_heads=8),
     "100m": dict(_LLAMA, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -37,8 +37,10 @@ def add_model_arguments(p, preset: str, hf_llama: str | None = None) -> None:
 
     add_preset(p, preset, help="native model size of teacher and student (unless --hf-llama or --model-config)")
     p.add_argument("--hf-llama", choices=sorted(HF_LLAMA), default=hf_llama,
-                   help="a Hugging Face Llama of this built-in config instead of the native model (see bench/training/_train_models.py)")
-    p.add_argument("--model-config", default=None, help="a Hugging Face model from this transformers config JSON instead")
+                   help="a Hugging Face Llama of this built-in config instead of the native model (see "
+                        "bench/training/_train_models.py)")
+    p.add_argument("--model-config", default=None,
+                   help="a Hugging Face model from this transformers config JSON instead")
 
 
 def model_name(args) -> str:
@@ -66,7 +68,8 @@ def build_pair(args, seq_len: int, k: int, device: torch.device, seed: int = 0):
                 path = Path(folder, "config.json")
                 path.write_text(json.dumps(HF_LLAMA[args.hf_llama]))
                 teacher = build_from_config(path, seed)
-        # build_from_config seeds the HF weights only; Stage 1 gives the noise embedding its seeded start (as the trainer)
+        # build_from_config seeds the HF weights only; Stage 1 gives the noise embedding its seeded start (as the
+        # trainer)
         teacher.reset_noise_encoder(torch.Generator().manual_seed(seed))
         teacher.k_train = k // 2
     else:

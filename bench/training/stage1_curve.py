@@ -14,7 +14,8 @@ sweep continues where it stopped. Each student is then measured:
 
     python -m bench stage1 --out R                                              # widths 64,128,256; 400 and 1600 steps
     python -m bench stage1 --out R --widths 128 --steps 400,1600,6400           # the steps curve at the demo's width
-    python -m bench stage1 --out R --widths 32 --steps 20 --stage0-steps 20 --taus 0.8 --batches 1 --new-tokens 4   # seconds
+    python -m bench stage1 --out R --widths 32 --steps 20 --stage0-steps 20 --taus 0.8 --batches 1 --new-tokens 4   #
+    seconds
 
 The numbers are deterministic (seeded training on the CPU); the report is ``OUT/stage1_curve.json`` and a markdown
 table on stdout.
@@ -61,7 +62,8 @@ def add_arguments(p) -> None:
 
 def _train(argv: list[str], threads) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "kforcing_kernels.app.train", *argv, *(["--threads", str(threads)] if threads else []), "--no-progress"]
+    cmd = [sys.executable, "-m", "kforcing_kernels.app.train", *argv, *(["--threads", str(threads)] if threads else []),
+           "--no-progress"]
     print("+", " ".join(cmd[1:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 

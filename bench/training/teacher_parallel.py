@@ -4,9 +4,10 @@
     python -m bench teacher --hf-llama tiny --seq-len 16 --reps 2   # seconds: a check of the script itself
 
 One ``torchrun --nproc_per_node W`` launch (gloo on CPU, one thread per rank unless ``--threads``). Every rank builds
-the pair as the trainer does (bench/training/_train_models.py) twice: once with the teacher replicated, once sharded with
-FSDP2 (``kforcing_kernels.app.training.parallel.place_teacher``); the student is FSDP2-sharded (``parallelize``) in both. It
-times, round-robin (``bench._timing.measure_many``: each round runs every callable once, so both placements see
+the pair as the trainer does (bench/training/_train_models.py) twice: once with the teacher replicated, once sharded
+with
+FSDP2 (``kforcing_kernels.app.training.parallel.place_teacher``); the student is FSDP2-sharded (``parallelize``) in
+both. It times, round-robin (``bench._timing.measure_many``: each round runs every callable once, so both placements see
 the same background load):
 
 * ``step``: one whole Stage-2 step (teacher SingleForward + DoubleForward, the student's forward and loss, backward,
@@ -57,7 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed calls of each callable first")
     add_threads(p)
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
-    p.add_argument("--worker-out", default=None, help="internal: run as a torchrun worker and write rank 0's numbers here")
+    p.add_argument("--worker-out", default=None,
+                   help="internal: run as a torchrun worker and write rank 0's numbers here")
 
 
 def _setup(args, mode: str, device: torch.device):
@@ -107,13 +109,16 @@ def measure(args, device: torch.device) -> dict:
         comm.reset()
         with comm:
             loss = step(teacher, student, optimizer)
-        rows.append({"teacher_parallel": mode, "step": _summary(times[f"step/{mode}"]), "teacher": _summary(times[f"teacher/{mode}"]),
-                     "teacher_bytes": tensor_bytes(teacher.parameters()), "teacher_all_gather_bytes": comm.teacher_gathered,
+        rows.append({"teacher_parallel": mode, "step": _summary(times[f"step/{mode}"]),
+                     "teacher": _summary(times[f"teacher/{mode}"]),
+                     "teacher_bytes": tensor_bytes(teacher.parameters()),
+                     "teacher_all_gather_bytes": comm.teacher_gathered,
                      "student_all_gather_bytes": comm.gathered, "loss": float(loss.detach())})
     n_teacher = sum(p.numel() for p in pairs["replicate"][0].parameters())
-    return {"schema": SCHEMA_ID, "model": model_name(args), "teacher_parameters": n_teacher, "world": dist.get_world_size(),
-            "seq_len": args.seq_len, "k": args.k, "batch_per_rank": args.batch_per_rank, "threads": torch.get_num_threads(),
-            "rows": rows}
+    return {"schema": SCHEMA_ID, "model": model_name(args), "teacher_parameters": n_teacher,
+            "world": dist.get_world_size(),
+            "seq_len": args.seq_len, "k": args.k, "batch_per_rank": args.batch_per_rank,
+            "threads": torch.get_num_threads(), "rows": rows}
 
 
 def _summary(t: dict) -> dict:
@@ -135,8 +140,10 @@ def _worker(args) -> None:
 
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world), "-m", "bench",
-               "teacher", "--worker-out", folder, *model_argv(args), *([] if args.hf_llama or args.model_config else ["--native"]),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world), "-m",
+               "bench",
+               "teacher", "--worker-out", folder, *model_argv(args),
+               *([] if args.hf_llama or args.model_config else ["--native"]),
                "--seq-len", str(args.seq_len), "--k", str(args.k),
                "--batch-per-rank", str(args.batch_per_rank), "--reps", str(args.reps), "--warmup", str(args.warmup)]
         cmd += ["--threads", str(args.threads)] if args.threads else []

@@ -1,15 +1,18 @@
 """Per-rank memory and communication of one FSDP2 self-forcing step, with and without activation checkpointing.
 
-    python -m bench memory                              # the paper backbone (12 x 768, GPT-2 vocabulary), worlds 1 and 2
-    python -m bench memory --preset micro --seq-len 16  # seconds: a check of the script itself
+    python -m bench memory                              # the paper backbone (12 x 768, GPT-2 vocabulary), worlds 1 and
+    2 python -m bench memory --preset micro --seq-len 16  # seconds: a check of the script itself
     python -m bench memory --hf-llama 100m --seq-len 64 --worlds 1,2,4 --teacher-parallel replicate,fsdp --ac off
-                                                        # a 109.5M-parameter Hugging Face Llama (bench/training/_train_models.py)
+                                                        # a 109.5M-parameter Hugging Face Llama
+                                                        (bench/training/_train_models.py)
 
 For each world size W, teacher placement (``--teacher-parallel``) and AC setting (one ``torchrun --nproc_per_node W``
 launch each, gloo on CPU), rank r builds the pair as the trainer does (native, or a Hugging Face model through
 ``build_from_config``) and runs one Stage-2 step as the trainer does with ``--parallel fsdp``
-(``kforcing_kernels.app.training.parallel``: every decoder layer and the root ``fully_shard``-ed, the teacher replicated or
-sharded by ``place_teacher``, ``compute_loss`` + backward + AdamW) on a micro-batch of ``--batch-per-rank`` sequences, and counts bytes, not allocator statistics (so CPU numbers are
+(``kforcing_kernels.app.training.parallel``: every decoder layer and the root ``fully_shard``-ed, the teacher replicated
+or
+sharded by ``place_teacher``, ``compute_loss`` + backward + AdamW) on a micro-batch of ``--batch-per-rank`` sequences,
+and counts bytes, not allocator statistics (so CPU numbers are
 the numbers a GPU would hold, fp32):
 
 * parameters, gradients, AdamW state: the bytes of this rank's local shards (``DTensor.to_local()``);
@@ -70,16 +73,21 @@ def _choice_list(choices):
 
 def add_arguments(p) -> None:
     add_model_arguments(p, "paper")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="context length N (the student attends over N(1+k) tokens)")
+    p.add_argument("--seq-len", type=positive_int, default=128,
+                   help="context length N (the student attends over N(1+k) tokens)")
     p.add_argument("--k", type=positive_int, default=2, help="student window (stage 2: twice the teacher's; even)")
     p.add_argument("--batch-per-rank", type=positive_int, default=1, help="sequences per rank (the micro-batch)")
-    p.add_argument("--worlds", type=int_list, default="1,2", help="world sizes (comma-separated); one torchrun launch each")
+    p.add_argument("--worlds", type=int_list, default="1,2",
+                   help="world sizes (comma-separated); one torchrun launch each")
     p.add_argument("--teacher-parallel", type=_choice_list(TEACHER_MODES), default="replicate",
-                   help="teacher placements to measure (comma-separated: replicate,fsdp), as the trainer's --teacher-parallel")
-    p.add_argument("--ac", type=_choice_list(("off", "on")), default="off,on", help="activation checkpointing settings (comma-separated)")
+                   help="teacher placements to measure (comma-separated: replicate,fsdp), as the trainer's "
+                        "--teacher-parallel")
+    p.add_argument("--ac", type=_choice_list(("off", "on")), default="off,on",
+                   help="activation checkpointing settings (comma-separated)")
     add_threads(p)
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
-    p.add_argument("--worker-out", default=None, help="internal: run as a torchrun worker and write this rank's numbers here")
+    p.add_argument("--worker-out", default=None,
+                   help="internal: run as a torchrun worker and write this rank's numbers here")
 
 
 class _SavedTensors:
@@ -146,9 +154,10 @@ def measure(spec, seq_len: int, k: int, batch: int, checkpointed: bool, device: 
     world = dist.get_world_size()
     return {
         "world": world, "rank": dist.get_rank(), "activation_checkpointing": checkpointed, "model": model_name(spec),
-        "teacher_parallel": teacher_parallel, "seq_len": seq_len, "k": k, "batch_per_rank": batch, "parameters": n_params,
-        "teacher_parameters": n_teacher,
-        "param_bytes": tensor_bytes(student.parameters()), "grad_bytes": tensor_bytes(p.grad for p in student.parameters()),
+        "teacher_parallel": teacher_parallel, "seq_len": seq_len, "k": k, "batch_per_rank": batch,
+        "parameters": n_params, "teacher_parameters": n_teacher,
+        "param_bytes": tensor_bytes(student.parameters()),
+        "grad_bytes": tensor_bytes(p.grad for p in student.parameters()),
         "optimizer_bytes": tensor_bytes(v for state in optimizer.state.values() for v in state.values()),
         "activation_bytes": saved.total, "teacher_bytes": tensor_bytes(teacher.parameters()),
         "all_gather_forward_bytes": forward[0], "all_gather_backward_bytes": comm.gathered,
@@ -162,7 +171,8 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    row = measure(args, args.seq_len, args.k, args.batch_per_rank, args.ac == ["on"], torch.device("cpu"), args.teacher_parallel[0])
+    row = measure(args, args.seq_len, args.k, args.batch_per_rank, args.ac == ["on"], torch.device("cpu"),
+                  args.teacher_parallel[0])
     Path(args.worker_out, f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     dist.destroy_process_group()
 
@@ -174,14 +184,17 @@ def run(args) -> list[dict]:
         for teacher in args.teacher_parallel:
             for ac in args.ac:
                 with tempfile.TemporaryDirectory() as folder:
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), "-m",
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(world), "-m",
                            "bench", "memory", "--worker-out", folder, *model_argv(args), "--seq-len", str(args.seq_len),
-                           "--k", str(args.k), "--batch-per-rank", str(args.batch_per_rank), "--teacher-parallel", teacher,
-                           "--ac", ac] + (["--threads", str(args.threads)] if args.threads else [])
+                           "--k", str(args.k), "--batch-per-rank", str(args.batch_per_rank), "--teacher-parallel",
+                           teacher, "--ac", ac] + (["--threads", str(args.threads)] if args.threads else [])
                     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)}
-                    result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
+                    result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                                            text=True)
                     if result.returncode:
-                        raise SystemExit(f"world {world}, teacher {teacher}, AC {ac}: torchrun failed\n{result.stderr[-4000:]}")
+                        raise SystemExit(f"world {world}, teacher {teacher}, AC {ac}: torchrun "
+                                         f"failed\n{result.stderr[-4000:]}")
                     rows += [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
     return rows
 
@@ -199,7 +212,8 @@ def format_report(rows: list[dict]) -> str:
             continue
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
         wire = (r["all_gather_forward_bytes"] + r["all_gather_backward_bytes"] + r["reduce_scatter_bytes"]) * (r["world"] - 1) // r["world"]
-        peak = max(o["peak_rss_bytes"] for o in rows if (o["world"], o["teacher_parallel"], o["activation_checkpointing"])
+        peak = max(o["peak_rss_bytes"] for o in rows if (o["world"], o["teacher_parallel"],
+                                                         o["activation_checkpointing"])
                    == (r["world"], r["teacher_parallel"], r["activation_checkpointing"]))
         lines.append(f"| {r['world']} | {r['teacher_parallel']} | {'on' if r['activation_checkpointing'] else 'off'} | "
                      f"{r['param_bytes'] / MIB:.1f} | {r['grad_bytes'] / MIB:.1f} | {r['optimizer_bytes'] / MIB:.1f} | "

@@ -142,7 +142,8 @@ def run(args) -> dict:
     del teacher, student
     meta = {
         **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len, "batch": args.batch_size,
+        "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len,
+        "batch": args.batch_size,
         "k": args.k, "variants": variants, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
         "activation_checkpointing": args.ac, "chunked_loss": not args.unchunked_loss,
         "loadavg_start": busy_cores(),
@@ -170,8 +171,8 @@ def run(args) -> dict:
             models[label] = (teacher, student)
         timings = measure_many(steps, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
         for label, timing in timings.items():
-            row = {**stamp, "teacher_k": k, "student_k": 2 * k, "n": n, "batch": b, "variant": label, "backend": variants[label],
-                   "loss": losses[label]}
+            row = {**stamp, "teacher_k": k, "student_k": 2 * k, "n": n, "batch": b, "variant": label,
+                   "backend": variants[label], "loss": losses[label]}
             row.update(timing_fields(timing, "context_tokens_per_s", b * n))
             if row["status"] == "ok" and not args.no_memory:
                 row.update(step_memory(*models[label], batch, device, chunked))
@@ -201,7 +202,8 @@ def format_report(report: dict) -> str:
     m = meta["model"]
     lines = [
         f"self-forcing training step: {meta['command']}",
-        f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}; "
+        f"  model {meta['preset']}: {m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab "
+        f"{m['vocab_size']}; "
         f"N={meta['seq_len']}, B={meta['batch']}; {meta['device']}, threads={meta['threads']} (pinned), "
         f"warm-up {meta['warmup']}, up to {meta['reps']} reps",
         f"  dense = attention_backend 'reference' (dense mask + SDPA); ours = {meta['variants']['ours']!r}; "
@@ -243,7 +245,8 @@ def format_report(report: dict) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small run: {QUICK}")
-    p.add_argument("--k", default=None, help="comma-separated teacher window sizes k, the student gets 2k (None: the profile's)")
+    p.add_argument("--k", default=None,
+                   help="comma-separated teacher window sizes k, the student gets 2k (None: the profile's)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="context length N (None: the profile's)")
     add_batch_size(p, None, help="sequences per step (None: the profile's)")
     add_model_args(p)

@@ -12,8 +12,8 @@ generation, serving, the Hugging Face recipe and the demo. The library (``layout
 
     training/            one stage, and the pipeline of stages
         config.py            a run's settings, their checks, the run folder
-        parallel.py          ParallelDims (one dp x cp device mesh), parallelize (AC, compile, FSDP2/DDP), the teacher's placement
-        stage.py             a stage's set-up: models built and placed, optimizer, checkpointer, resume checks
+        parallel.py          ParallelDims (one dp x cp device mesh), parallelize (AC, compile, FSDP2/DDP), the teacher's
+        placement stage.py             a stage's set-up: models built and placed, optimizer, checkpointer, resume checks
         loop.py              train(): the steps of one stage and its finish
         objectives.py        batches and losses: AR, forward distillation, self-forcing, noise inversion
         context_parallel.py  the loss of a rank's share of a sequence (--context-parallel)

@@ -102,12 +102,14 @@ def resolve_device(name: str) -> str:
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {name!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = ("this torch is built without CUDA" if torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+            why = ("this torch is built without CUDA" if torch.version.cuda is None and getattr(torch.version, "hip",
+                                                                                                None) is None
                    else "torch sees no CUDA device")
             raise argparse.ArgumentTypeError(f"{name!r} is not available: {why}; use cpu or auto")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{name!r} is not available: torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+            raise argparse.ArgumentTypeError(f"{name!r} is not available: torch sees {count} CUDA device(s) "
+                                             f"(cuda:0..cuda:{count - 1})")
     elif device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
@@ -140,7 +142,8 @@ def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; None: torch's own choice")
 
 
-def add_new_tokens(p: argparse.ArgumentParser, default: Optional[int] = DEFAULT_NEW_TOKENS, help_extra: str = "") -> None:
+def add_new_tokens(p: argparse.ArgumentParser, default: Optional[int] = DEFAULT_NEW_TOKENS,
+                   help_extra: str = "") -> None:
     p.add_argument("--new-tokens", type=positive_int, default=default, help="tokens generated per prompt" + help_extra)
 
 

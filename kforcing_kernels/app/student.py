@@ -12,8 +12,8 @@ Two things, both declared here and implemented once per kind:
   stage checks. ``app/native.py`` (the package's own model) and ``app/hf_recipe/kind.py`` (Hugging Face models)
   implement it.
 
-The registry maps a kind's name to the module that implements it, loaded on first use (as ``ops/common/registry.py`` does
-for backends): this module imports no kind, and no caller asks which kind it holds; it asks the registry for the
+The registry maps a kind's name to the module that implements it, loaded on first use (as ``ops/common/registry.py``
+does for backends): this module imports no kind, and no caller asks which kind it holds; it asks the registry for the
 model's (:func:`kind_of`) or the folder's (:func:`kind_of_folder`) and calls the kind.
 """
 

@@ -165,21 +165,27 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 "that hides keys (under torch.compile, pass no attention_mask)"
             )
         if dropout:
-            raise ValueError(f"dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or attention_dropout=0), got {dropout}")
-        if isinstance(kforcing_layout, RankRows):  # context parallelism: this rank's rows (hf_masks.rank_rows_attention)
+            raise ValueError("dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or "
+                             f"attention_dropout=0), got {dropout}")
+        # context parallelism: this rank's rows (hf_masks.rank_rows_attention)
+        if isinstance(kforcing_layout, RankRows):
             out = rank_rows_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend, flash)
             return out.transpose(1, 2).contiguous(), None
         if not isinstance(kforcing_layout, WindowLayout):
-            raise ValueError(f"kforcing_layout: expected a WindowLayout (or a RankRows), got {type(kforcing_layout).__name__}")
+            raise ValueError("kforcing_layout: expected a WindowLayout (or a RankRows), got "
+                             f"{type(kforcing_layout).__name__}")
         if lq != kforcing_layout.n_queries:
-            raise ValueError(f"kforcing_layout: expected {kforcing_layout.n_queries} input tokens (layout.n_queries), got {lq}")
+            raise ValueError(f"kforcing_layout: expected {kforcing_layout.n_queries} input tokens (layout.n_queries), "
+                             f"got {lq}")
         if lk != kforcing_layout.n_keys:
             raise ValueError(
-                f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got {lk}"
+                f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got "
+                f"{lk}"
             )
         if flash and (kforcing_layout.num_windows or kforcing_layout.queries != "all"):
             raise ValueError(
-                "cu_seq_lens_q: flash kwargs describe rows of plain tokens; a kforcing_layout with windows keeps packed "
+                "cu_seq_lens_q: flash kwargs describe rows of plain tokens; a kforcing_layout with windows keeps "
+                "packed "
                 "documents apart itself: build it with cu_seqlens= (and per-document position ids) instead"
             )
         cu = flash_documents(kwargs, batch, lq, lk)
@@ -192,7 +198,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
                 check_layout_documents(kforcing_layout, docs, "position_ids")
         # This layer's window (Gemma's local layers; None on global ones) in position space, as inference has it.
-        if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout, window)):
+        if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout,
+                                                                                                       window)):
             out = _traced_sliding_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend)
         else:
             sliding = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
@@ -205,7 +212,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
         # The builder materialised the whole mask (padding, offset keys, extra rules): windows and documents
         # are in it already, so only flash kwargs it cannot know about are refused.
         if cu is not None:
-            raise ValueError("cu_seq_lens_q: packed flash kwargs together with an attention_mask (padding) are not supported")
+            raise ValueError("cu_seq_lens_q: packed flash kwargs together with an attention_mask (padding) are not "
+                             "supported")
         layout = None
         if not compiling and lq == lk and attention_mask.dtype == torch.bool:
             layout = interval_layout_from_mask(attention_mask, batch)
@@ -230,7 +238,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
         elif compiling or lq != lk or dropout:
             mask: Optional[torch.Tensor] = structure_mask(lq, lk, positions, cu, window, query.device,
                                                           use_positions=positions is not None)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=gqa)
             return out.transpose(1, 2).contiguous(), None
     mask = None
     if causal and 1 < lq < lk:  # a chunk after a cache: query i is token lk - lq + i

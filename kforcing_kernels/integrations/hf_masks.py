@@ -84,7 +84,8 @@ def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torc
     for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 2:
             got = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got {got}")
+            raise ValueError(f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got "
+                             f"{got}")
     assert isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)  # checked in the loop above
     if lq != lk:
         raise ValueError(
@@ -94,14 +95,17 @@ def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torc
     if batch != 1:
         raise ValueError(f"cu_seq_lens_q: packed documents come as one row (batch size 1), got batch size {batch}")
     if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seq_lens_k: expected the shape of cu_seq_lens_q {tuple(cu_q.shape)}, got {tuple(cu_k.shape)}")
+        raise ValueError(f"cu_seq_lens_k: expected the shape of cu_seq_lens_q {tuple(cu_q.shape)}, got "
+                         f"{tuple(cu_k.shape)}")
     if torch.compiler.is_compiling():
         return cu_q  # values are checked in eager mode only (reading them would break the graph)
     cu = cu_q.detach().to("cpu", torch.int64)
     if not torch.equal(cu, cu_k.detach().to("cpu", torch.int64)):
-        raise ValueError(f"cu_seq_lens_k: expected equal to cu_seq_lens_q without a cache, got {cu_k.tolist()} vs {cu.tolist()}")
+        raise ValueError(f"cu_seq_lens_k: expected equal to cu_seq_lens_q without a cache, got {cu_k.tolist()} vs "
+                         f"{cu.tolist()}")
     if int(cu[0]) != 0 or int(cu[-1]) != lq or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seq_lens_q: expected non-decreasing offsets from 0 to {lq} (the packed length), got {cu.tolist()}")
+        raise ValueError(f"cu_seq_lens_q: expected non-decreasing offsets from 0 to {lq} (the packed length), got "
+                         f"{cu.tolist()}")
     longest = int((cu[1:] - cu[:-1]).max())
     for name in ("max_length_q", "max_length_k"):
         value = kwargs.get(name)
@@ -239,7 +243,8 @@ def check_layout_documents(layout: WindowLayout, docs, source: str) -> None:
         if bool(crosses.any()):
             row = int(torch.nonzero(crosses)[0])
             raise ValueError(
-                f"kforcing_layout: {source} pack several documents, but the layout lets query row {row} see context keys "
+                f"kforcing_layout: {source} pack several documents, but the layout lets query row {row} see context "
+                "keys "
                 f"[{int(lo[row])}, {int(hi[row])}) across a document boundary; build the layout per document "
                 f"(e.g. WindowLayout.kforcing_single(n, k, cu_seqlens={cu.tolist()}))"
             )
@@ -279,7 +284,8 @@ def _check_window_positions(layout: WindowLayout, position_ids) -> None:
         if last[0] is key[0] and last[1] is key[1] and last[2] == key[2]:
             return
     lq, start = layout.n_queries, layout.n_keys - layout.n_queries  # query row r is key start + r
-    pos = torch.arange(start, layout.n_keys)[None] if position_ids is None else position_ids.detach().cpu().to(torch.int64)
+    pos = torch.arange(start,
+                       layout.n_keys)[None] if position_ids is None else position_ids.detach().cpu().to(torch.int64)
     if pos.dim() != 2 or pos.shape[-1] != lq:
         raise ValueError(f"position_ids: expected [B, {lq}] (one per input token), got {tuple(pos.shape)}")
     slots = layout.window_token_keys  # [M, w], -1 past a short last window
@@ -327,7 +333,8 @@ def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, sl
                    f"token is at position {int(pos[hi[m] - 1])}")
 
 
-def additive_mask(layout: WindowLayout, batch: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def additive_mask(layout: WindowLayout, batch: Optional[int] = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The layout as the additive 4-D float mask HF ``attn_implementation="eager"`` adds to its scores.
 
     Returns ``[B|1, 1, Lq, Lk]`` (``batch`` expands a shared layout): 0 where a query sees a key and
@@ -344,7 +351,8 @@ def additive_mask(layout: WindowLayout, batch: Optional[int] = None, dtype: torc
 
 
 def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: RankRows,
-                        window: Optional[int], scaling: Optional[float], backend: Optional[str], flash: bool) -> torch.Tensor:
+                        window: Optional[int], scaling: Optional[float], backend: Optional[str],
+                        flash: bool) -> torch.Tensor:
     """Attention of this rank's rows under context parallelism (``kforcing_layout`` a ``RankRows``): ``[B, H, R, D]``.
 
     query ``[B, H, R, D]`` holds the rank's query rows (``rows.query_rows``), key/value ``[B, Hkv, K_r, D]`` its keys
@@ -354,9 +362,11 @@ def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     the key gather stay the split's, the rank's sub-layout is the windowed layout restricted to its rows.
     """
     if torch.compiler.is_compiling():
-        raise ValueError("kforcing_layout: a RankRows (context parallelism) runs eagerly; torch.compile is not supported with it")
+        raise ValueError("kforcing_layout: a RankRows (context parallelism) runs eagerly; torch.compile is not "
+                         "supported with it")
     if backend is not None:
-        raise ValueError(f"kforcing_backend: a RankRows kforcing_layout (context parallelism) runs the row-subset kernels "
+        raise ValueError("kforcing_backend: a RankRows kforcing_layout (context parallelism) runs the row-subset "
+                         "kernels "
                          f"of op.query_rows_backend; expected None, got {backend!r}")
     if flash:
         raise ValueError("cu_seq_lens_q: flash kwargs with a RankRows kforcing_layout (context parallelism); build the "
@@ -373,7 +383,8 @@ def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         try:
             windowed = layout.with_sliding_window(window)
         except ValueError as exc:
-            raise ValueError(f"sliding_window: the model's window ({window}) with this context-parallel split's layout: "
+            raise ValueError(f"sliding_window: the model's window ({window}) with this context-parallel split's "
+                             "layout: "
                              f"{exc}") from None
         if windowed is not layout:  # same rows and keys: only the rows' intervals shrink
             rows = RankRows(dataclasses.replace(rows.split, layout=windowed), rows.rank, rows.group)

@@ -97,7 +97,8 @@ def _blockwise(cls: "type[WindowLayout]", n_ctx: int, block: int, cu_seqlens,
     check_block_aligned("cu_seqlens", docs, block, n_ctx)
     m = -(-n_ctx // block)
     hi = torch.arange(m) * block
-    lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs, PerBatch)) if docs else torch.zeros_like(hi)
+    lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs,
+        PerBatch)) if docs else torch.zeros_like(hi)
     hi = hi.expand_as(lo).clone()
     return cls(n_ctx, m, block, lo, hi, last_window_size=n_ctx - (m - 1) * block, intra="full", queries="all",
                **_context_ranges(n_ctx, cu_seqlens, context_block))
@@ -156,7 +157,8 @@ def jacobi(cls: "type[WindowLayout]", n_prompt, n_noisy=None, *, num_blocks=None
             raise ValueError("n_noisy: give n_noisy, or num_blocks and block_size")
         counts, sizes = _per_sample("num_blocks", num_blocks), _per_sample("block_size", block_size)
         if counts.dim() and sizes.dim() and counts.shape != sizes.shape:
-            raise ValueError(f"block_size: expected the shape of num_blocks {tuple(counts.shape)}, got {tuple(sizes.shape)}")
+            raise ValueError(f"block_size: expected the shape of num_blocks {tuple(counts.shape)}, got "
+                             f"{tuple(sizes.shape)}")
         noisy = counts * sizes
     elif num_blocks is not None or block_size is not None:
         raise ValueError("num_blocks: give n_noisy or num_blocks and block_size, not both")
@@ -167,7 +169,8 @@ def jacobi(cls: "type[WindowLayout]", n_prompt, n_noisy=None, *, num_blocks=None
         p, t = int(prompt), int(noisy)
         return cls(p + t, 1, t, [0], [p], intra="causal", queries="all")
     if prompt.dim() and noisy.dim() and prompt.shape != noisy.shape:
-        raise ValueError(f"n_noisy: expected one value per sample like n_prompt {tuple(prompt.shape)}, got {tuple(noisy.shape)}")
+        raise ValueError(f"n_noisy: expected one value per sample like n_prompt {tuple(prompt.shape)}, got "
+                         f"{tuple(noisy.shape)}")
     b = (prompt if prompt.dim() else noisy).shape[0]
     prompt, noisy = prompt.expand(b).clone(), noisy.expand(b).clone()
     c, t = int((prompt + noisy).max()), int(noisy.max())

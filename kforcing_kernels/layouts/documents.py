@@ -62,7 +62,8 @@ def check_spans(prefix: str, lo: torch.Tensor, hi: torch.Tensor, n_ctx: int, wha
         raise ValueError(f"{hi_name}: expected values <= n_ctx={n_ctx}, got max {int(hi.max())}")
     if bool((lo > hi).any()):
         bad = int(torch.nonzero(lo > hi)[0, -1])
-        raise ValueError(f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > {hi_name}")
+        raise ValueError(f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > "
+                         f"{hi_name}")
 
 
 def _one(name: str, cu: IntsLike, n: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ from .documents import as_int, as_int_tensor
 
 def _ints(name: str, value) -> torch.Tensor:
     """int64 ``[n]``: one int (a Python or numpy int, a 0-dim tensor) as ``[1]``, or a sequence as it is."""
-    if getattr(value, "ndim", None) == 0 or not hasattr(value, "__len__"):  # a scalar, as the other constructors take it
+    # a scalar, as the other constructors take it
+    if getattr(value, "ndim", None) == 0 or not hasattr(value, "__len__"):
         return torch.tensor([as_int(name, value)], dtype=torch.int64)
     return as_int_tensor(name, value, dims=(1,))
 
@@ -58,7 +59,8 @@ def stream_order(prompt_lens, num_blocks, block_sizes) -> torch.Tensor:
     order = torch.full((b, c + w), -1, dtype=torch.int64)
     for i in range(b):
         pi, ni, ti = int(p[i]), int(n[i]), int(t[i])
-        blk = torch.arange(ni)[:, None] * (2 * ti) + torch.arange(ti)[None]  # offset of noisy_j's token r after the prompt
+        # offset of noisy_j's token r after the prompt
+        blk = torch.arange(ni)[:, None] * (2 * ti) + torch.arange(ti)[None]
         order[i, :pi] = torch.arange(pi)
         order[i, pi:pi + ni * ti] = (pi + ti + blk).flatten()  # clean_j follows noisy_j
         order[i, c:c + ni * ti] = (pi + blk).flatten()

@@ -98,7 +98,8 @@ class QueryRowsLayout:
     @property
     def row_intervals_int32(self) -> torch.Tensor:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
-        return self.derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:, self._rows].contiguous())
+        return self.derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:,
+            self._rows].contiguous())
 
     @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,7 +118,8 @@ class WindowLayout:
         if n_streams < 1 or window_size % n_streams != 0:
             raise ValueError(f"n_streams: expected a divisor of window_size={window_size}, got {n_streams}")
         if n_streams > 1 and num_windows and last != window_size:
-            raise ValueError(f"last_window_size: stream-major storage (n_streams={n_streams}) needs equal windows, got {last} != {window_size}")
+            raise ValueError(f"last_window_size: stream-major storage (n_streams={n_streams}) needs equal windows, got "
+                             f"{last} != {window_size}")
         if n_ctx + num_windows == 0:
             raise ValueError("n_ctx: a layout needs at least one token (n_ctx=0 and num_windows=0)")
         if queries == "windows" and num_windows == 0:
@@ -137,7 +138,8 @@ class WindowLayout:
             clo = _ranges("context_lo", context_lo, n_ctx, "context tokens")
             chi = _ranges("context_hi", context_hi, n_ctx, "context tokens")
             if clo.shape != chi.shape:
-                raise ValueError(f"context_hi: expected the shape of context_lo {tuple(clo.shape)}, got {tuple(chi.shape)}")
+                raise ValueError(f"context_hi: expected the shape of context_lo {tuple(clo.shape)}, got "
+                                 f"{tuple(chi.shape)}")
             check_spans("context", clo, chi, n_ctx, "context row")
         live = None
         if live_slots is not None:

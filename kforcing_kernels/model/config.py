@@ -41,7 +41,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_reals(self, self.REAL_SETTINGS)
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features", "tau_features"):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features",
+                     "tau_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -66,7 +67,8 @@ class ModelConfig:
     @classmethod
     def micro(cls, **overrides) -> "ModelConfig":
         """A few thousand parameters: for tests that must run in seconds."""
-        base: dict[str, Any] = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8, tau_features=4)
+        base: dict[str, Any] = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8,
+                                    tau_features=4)
         base.update(overrides)
         return cls(**base)
 

@@ -51,7 +51,8 @@ def decode_slots(logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax"
     if rule != "residual":
         raise ValueError(f"rule: expected one of {DECODE_RULES}, got {rule!r}")
     if noise.shape != logits.shape[:-1]:
-        raise ValueError(f"noise: expected shape {tuple(logits.shape[:-1])} (the logits' [..., V] less V), got {tuple(noise.shape)}")
+        raise ValueError(f"noise: expected shape {tuple(logits.shape[:-1])} (the logits' [..., V] less V), got "
+                         f"{tuple(noise.shape)}")
     if sampler is not None:
         one = torch.ones((), dtype=torch.float64, device=logits.device)
         return inverse_cdf_sample_unchecked(logits.float(), residual_noise(noise), one, sampler)

@@ -242,10 +242,12 @@ class NoiseEncoder(nn.Module):
     def _build(self, n_embd: int, noise_features: int, tau_features: int) -> None:
         """The layers for width ``n_embd``; also what the Hugging Face ``NoiseEmbedding`` builds (integrations/hf_noise.py)."""
         half = noise_features // 2 or 1
-        self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
+        self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half),
+                             persistent=False)
         tau_half = tau_features // 2 or 1
         # Periods from 16 down to 1 tau units: features vary smoothly, not wrap, over tau's range.
-        self.register_buffer("tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half), persistent=False)
+        self.register_buffer("tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half),
+                             persistent=False)
         c = n_embd
         self.z_in = nn.Linear(2 * half, c)
         self.tau_mlp = nn.Sequential(nn.Linear(2 + 2 * tau_half, c), nn.SiLU(), nn.Linear(c, 2 * c))
@@ -370,7 +372,8 @@ class KForcingLM(nn.Module):
         tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
         if tau.dim() == 1:
             if tau.shape[0] != noise.shape[0]:
-                raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}")
+                raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got "
+                                 f"{tuple(tau.shape)}")
             tau = tau.view(-1, *([1] * (noise.dim() - 1)))
         elif tau.dim() != 0:
             raise ValueError(f"tau: expected a scalar or shape [B], got {tuple(tau.shape)}")
@@ -459,7 +462,8 @@ class KForcingLM(nn.Module):
         shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
         rows = shard.query_rows.to(tokens.device)
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        x = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
+        x = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows],
+                                                                           tau)], 1)
         h, _ = self.trunk(x, single_positions(n, k, tokens.device, cu)[..., rows], shard)
         h = h[:, context_rows.numel():]
         return (h if return_hidden else self.head(h)), window_rows.cpu()
@@ -471,15 +475,16 @@ class KForcingLM(nn.Module):
         """DoubleForward (paper eq. 19): the second round, conditioned on the first round's tokens.
 
         Args:
-            context_kv: per layer, the context K/V ``[B, H, N, D]`` returned by :meth:`single_forward` (reused, not recomputed).
-            first: ``[B, N, k]`` tokens predicted in round one (Future-1, embedded as ordinary tokens).
+            context_kv: per layer, the context K/V ``[B, H, N, D]`` returned by :meth:`single_forward` (reused, not
+            recomputed). first: ``[B, N, k]`` tokens predicted in round one (Future-1, embedded as ordinary tokens).
             noise: ``[B, N, k]`` fresh noise for round two (Future-2).
             tau: temperature, scalar or ``[B]``.
             cu_seqlens: the packed documents the context K/V were computed with.
             return_hidden: the final hidden states ``[B, N, k, C]`` in place of the logits.
 
         Returns:
-            logits ``[B, N, k, V]``: ``[:, t, j]`` predicts token t + k + 1 + j given context ``<= t`` and ``first[:, t]``.
+            logits ``[B, N, k, V]``: ``[:, t, j]`` predicts token t + k + 1 + j given context ``<= t`` and ``first[:,
+            t]``.
         """
         b, n, k = first.shape
         if noise.shape != first.shape:
@@ -499,4 +504,5 @@ def _check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens: expected an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens))}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
-        raise ValueError(f"tokens: expected ids in [0, {cfg.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        raise ValueError(f"tokens: expected ids in [0, {cfg.vocab_size}), got [{int(tokens.min())}, "
+                         f"{int(tokens.max())}]")

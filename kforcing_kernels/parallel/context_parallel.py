@@ -107,7 +107,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_qkv(q, k, v)
     check_layout_batch(split.layout, q.shape[0])
     if q.shape[2] != split.query_rows[rank].numel():
-        raise ValueError(f"q: expected {split.query_rows[rank].numel()} rows (split.query_rows[{rank}]), got {q.shape[2]}")
+        raise ValueError(f"q: expected {split.query_rows[rank].numel()} rows (split.query_rows[{rank}]), got "
+                         f"{q.shape[2]}")
     if k.shape[2] != split.key_rows[rank].numel():
         raise ValueError(f"k: expected {split.key_rows[rank].numel()} keys (split.key_rows[{rank}]), got {k.shape[2]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)

@@ -37,7 +37,8 @@ def needed_keys(split: RowSplit, rank: int) -> torch.Tensor:
     return torch.cumsum(delta, 0)[:-1] > 0
 
 
-def layer_traffic(split: RowSplit, rank: int, *, batch: int, kv_heads: int, head_dim: int, elem_bytes: int) -> LayerTraffic:
+def layer_traffic(split: RowSplit, rank: int, *, batch: int, kv_heads: int, head_dim: int,
+                  elem_bytes: int) -> LayerTraffic:
     """Bytes through ``rank`` for one attention layer of one training step (forward and backward)."""
     per_key = 2 * batch * kv_heads * head_dim * elem_bytes  # K and V (or dK and dV) of one key
     shard = split.max_keys * per_key

@@ -183,7 +183,8 @@ def test_bench_is_one_cli_with_every_module_reachable():
     for module in modules:
         importlib.import_module(f"bench.{module}")
     for name in ("peers", "gpu", "infer"):
-        proc = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
         assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), proc.stdout[:300] + proc.stderr[-2000:]
 
 

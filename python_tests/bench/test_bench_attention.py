@@ -104,7 +104,8 @@ def test_check_report_rejects_incomplete_reports(quick_run):
 
 def test_validate_schema_subset():
     schema = {"type": "object", "required": ["a"], "additionalProperties": False,
-              "properties": {"a": {"type": "integer", "minimum": 1}, "b": {"type": ["string", "null"], "enum": ["x", None]}}}
+              "properties": {"a": {"type": "integer", "minimum": 1}, "b": {"type": ["string", "null"], "enum": ["x",
+                                                                                                                None]}}}
     assert validate_schema({"a": 1, "b": None}, schema) == []
     assert validate_schema({"a": True}, schema) == ["$.a: expected integer, got bool"]
     assert validate_schema({"a": 0, "b": "y", "c": 1}, schema) == [
@@ -116,7 +117,8 @@ def _synthetic(times_of_k, pairs_of_k):
     rows = []
     for k in (1, 2, 4, 8):
         t = times_of_k(k)
-        rows.append({"layout": "single", "n": 1024, "k": k, "d": 64, "method": "dense_sdpa", "phase": "fwd", "status": "ok",
+        rows.append({"layout": "single", "n": 1024, "k": k, "d": 64, "method": "dense_sdpa", "phase": "fwd",
+                     "status": "ok",
                      "median_ms": t, "min_ms": 0.9 * t, "causal_units": t / (7.0 + k), "num_pairs": pairs_of_k(k)})
     return {"meta": {"fit_n": 1024}, "rows": rows}
 
@@ -134,7 +136,8 @@ def test_fit_exponents_recovers_known_power_laws():
     units = 3.0 * (1 + ks_array()) ** 2 / (7.0 + ks_array())
     assert fit["slope_work_norm"] == pytest.approx(np.polyfit(np.log(1 + ks_array()), np.log(units), 1)[0])
     ks = np.array([1.0, 2.0, 4.0, 8.0])
-    assert fit["slope_k"] == pytest.approx(np.polyfit(np.log(ks), np.log(3.0 * (1 + ks) ** 2), 1)[0])  # least squares, all k
+    # least squares, all k
+    assert fit["slope_k"] == pytest.approx(np.polyfit(np.log(ks), np.log(3.0 * (1 + ks) ** 2), 1)[0])
     # Work that does not move with k gives no work exponent rather than a division by ~0.
     flat = fit_exponents(_synthetic(lambda k: 5.0 + k, lambda k: 1000.0))[0]
     assert flat["slope_work"] is None and flat["slope_k"] > 0

@@ -34,7 +34,8 @@ def test_one_rank_counts_match_the_model():
     n_params = sum(p.numel() for p in torch.nn.Module.parameters(_micro()))
     for row in rows:
         assert row["parameters"] == n_params
-        assert row["param_bytes"] == row["grad_bytes"] == row["teacher_bytes"] == 4 * n_params  # one rank: nothing sharded
+        # one rank: nothing sharded
+        assert row["param_bytes"] == row["grad_bytes"] == row["teacher_bytes"] == 4 * n_params
         n_tensors = len(list(_micro().parameters()))
         assert row["optimizer_bytes"] == 2 * 4 * n_params + 4 * n_tensors  # exp_avg, exp_avg_sq, one fp32 step each
         assert row["all_gather_forward_bytes"] == row["reduce_scatter_bytes"] == row["teacher_all_gather_bytes"] == 0
@@ -52,7 +53,8 @@ def test_one_rank_hf_llama_counts_match_the_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = tmp_path / "llama.json"
     config.write_text(json.dumps(HF_LLAMA["tiny"]))
-    rows = _one_rank(_spec(model_config=str(config)), [(False, "replicate"), (True, "replicate"), (False, "fsdp")], seq_len=8)
+    rows = _one_rank(_spec(model_config=str(config)), [(False, "replicate"), (True, "replicate"), (False, "fsdp")],
+                     seq_len=8)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**HF_LLAMA["tiny"]))
     n_hf = sum(p.numel() for p in hf.parameters())  # the tied head counted once
     n_tensors_hf = len(list(hf.parameters()))
@@ -63,7 +65,8 @@ def test_one_rank_hf_llama_counts_match_the_model(tmp_path):
     n_params, n_tensors = n_hf + sum(p.numel() for p in noise), n_tensors_hf + len(noise)
     for row in rows:
         assert row["parameters"] == row["teacher_parameters"] == n_params
-        assert row["param_bytes"] == row["grad_bytes"] == row["teacher_bytes"] == 4 * n_params  # one rank: nothing sharded
+        # one rank: nothing sharded
+        assert row["param_bytes"] == row["grad_bytes"] == row["teacher_bytes"] == 4 * n_params
         assert row["optimizer_bytes"] == 2 * 4 * n_params + 4 * n_tensors
         assert row["all_gather_forward_bytes"] == row["reduce_scatter_bytes"] == row["teacher_all_gather_bytes"] == 0
         assert row["activation_bytes"] > 0 and row["peak_rss_bytes"] >= row["rss_bytes"] > 0
@@ -96,7 +99,8 @@ def test_two_ranks_shard_the_student_and_the_teacher():
     args = types.SimpleNamespace(preset="micro", hf_llama="tiny", model_config=None, worlds=[2], seq_len=8, k=2,
                                  batch_per_rank=1, teacher_parallel=["replicate", "fsdp"], ac=["off"], threads=1)
     rows = run(args)
-    assert [(r["teacher_parallel"], r["rank"]) for r in rows] == [("replicate", 0), ("replicate", 1), ("fsdp", 0), ("fsdp", 1)]
+    assert [(r["teacher_parallel"], r["rank"]) for r in rows] == [("replicate", 0), ("replicate", 1), ("fsdp", 0),
+                                                                  ("fsdp", 1)]
     n = rows[0]["parameters"]
     for row in rows:
         assert row["param_bytes"] == row["grad_bytes"] == 4 * n // 2

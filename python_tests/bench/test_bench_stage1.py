@@ -66,9 +66,11 @@ class _FakeRuns:
         def measure(stage0, stage1, taus, batches, new_tokens):
             self.measured.append(stage1.name)
             return {"parameters": 1, "val_loss": 1.0, "teacher_entropy": 2.0, "nats_of_u_used": 1.0,
-                    "noise_sensitivity": 0.1, "teacher_noise_sensitivity": 0.2, "accuracy_narrow_intervals": [0.5, None],
+                    "noise_sensitivity": 0.1, "teacher_noise_sensitivity": 0.2, "accuracy_narrow_intervals": [0.5,
+                                                                                                              None],
                     "samples": {str(t): {name: {"ppl": 2.0, "distinct4": 0.5}
-                                         for name in ("AR teacher", "student, argmax", "student, residual")} for t in taus}}
+                                         for name in ("AR teacher", "student, argmax",
+                                                      "student, residual")} for t in taus}}
 
         monkeypatch.setattr(stage1_curve, "_train", train)
         monkeypatch.setattr(stage1_curve, "measure_student", measure)

@@ -97,7 +97,8 @@ def test_single_forward_matches_eager_with_dense_mask(make_config):
 
     layout = batch.pop("kforcing_layout")
     batch["inputs_embeds"] = kf_hf.single_forward_inputs(eager_model, ids, noise, noise_embedding, tau)["inputs_embeds"]
-    theirs = logits_and_grads(eager_model, noise_embedding.parameters(), attention_mask=additive_mask(layout, 2), **batch)
+    theirs = logits_and_grads(eager_model, noise_embedding.parameters(), attention_mask=additive_mask(layout, 2),
+                              **batch)
     assert_same_logits_and_grads(ours, theirs)
 
 
@@ -137,7 +138,8 @@ def test_without_a_layout_attention_is_causal_like_sdpa():
     ours_model, sdpa_model = twin_models(llama_config(), "kforcing", "sdpa")
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(ours_model(input_ids=ids).logits, sdpa_model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours_model(input_ids=ids).logits, sdpa_model(input_ids=ids).logits, atol=1e-5,
+                                   rtol=1e-5)
         # A chunk after a cache (bottom-right causal), then one decoding step.
         outs = []
         for model in (ours_model, sdpa_model):
@@ -156,7 +158,8 @@ def test_without_a_layout_attention_is_causal_like_sdpa():
 def test_dense_4d_masks_are_routed_by_exact_match(monkeypatch):
     routed = []
     original = kforcing_kernels.sdpa.window_attention
-    monkeypatch.setattr(kforcing_kernels.sdpa, "window_attention", lambda *a, **kw: routed.append(a[3]) or original(*a, **kw))
+    monkeypatch.setattr(kforcing_kernels.sdpa, "window_attention", lambda *a, **kw: routed.append(a[3]) or original(*a,
+        **kw))
     layout = WindowLayout.kforcing_single(6, 2)
     ours_model, sdpa_model = twin_models(llama_config(), "kforcing", "sdpa")
     embeds = torch.randn(2, layout.n_queries, HIDDEN)
@@ -207,7 +210,8 @@ def test_position_ids_and_noise_embedding():
     with pytest.raises(ValueError, match="tau"):
         embed(u)
     with pytest.raises(ValueError, match="noise"):
-        kf_hf.single_forward_inputs(twin_models(llama_config(), "kforcing")[0], torch.zeros(2, 5, dtype=torch.long), u[:, :4], embed, torch.ones(2))
+        kf_hf.single_forward_inputs(twin_models(llama_config(), "kforcing")[0], torch.zeros(2, 5, dtype=torch.long),
+                                    u[:, :4], embed, torch.ones(2))
 
 
 def test_transformers_is_imported_only_by_the_integration():
@@ -224,7 +228,8 @@ def test_transformers_is_imported_only_by_the_integration():
     )
     root = str(REPO)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
 
 

@@ -83,7 +83,8 @@ def test_generate_with_left_padding_matches_sdpa(llama_twins, cache):
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0  # row 0 is left padded
-    assert_same_generation(generate(ours, ids, mask, cache_implementation=cache), generate(sdpa, ids, mask, cache_implementation=cache))
+    assert_same_generation(generate(ours, ids, mask, cache_implementation=cache), generate(sdpa, ids, mask,
+                                                                                           cache_implementation=cache))
 
 
 def test_static_cache_attends_only_filled_slots(llama_twins, prompts):

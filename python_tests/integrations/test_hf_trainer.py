@@ -77,7 +77,8 @@ def test_one_trainer_step_equals_a_hand_written_sdpa_step(tmp_path):
     before = models()[1].state_dict()
     for name, p in trained.items():
         torch.testing.assert_close(p.detach(), by_hand[name].detach(), atol=1e-6, rtol=1e-5, msg=name)
-    assert all(not torch.equal(trained[name].detach(), before[name]) for name in trained if name.endswith("proj.weight"))
+    assert all(not torch.equal(trained[name].detach(),
+                               before[name]) for name in trained if name.endswith("proj.weight"))
 
 
 def test_trainer_lowers_the_loss(tmp_path):

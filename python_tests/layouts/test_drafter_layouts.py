@@ -95,7 +95,8 @@ def test_sliding_layouts_round_trip_through_the_custom_op_and_compile():
     assert layout.batch_element(1).prefix_slide_lo.tolist() == [5, 3]
 
 
-@pytest.mark.parametrize("prompts, counts, sizes", [([3, 6], [2, 1], [4, 3]), ([2], [3], [2]), ([1, 4, 2], [1, 2, 3], [3, 1, 2])])
+@pytest.mark.parametrize("prompts, counts, sizes", [([3, 6], [2, 1], [4, 3]), ([2], [3], [2]), ([1, 4, 2], [1, 2, 3],
+                                                                                                [3, 1, 2])])
 def test_batched_jacobi_equals_per_sample_jacobi(prompts, counts, sizes):
     layout = WindowLayout.jacobi(prompts, num_blocks=counts, block_size=sizes)
     noisy = [n * t for n, t in zip(counts, sizes)]

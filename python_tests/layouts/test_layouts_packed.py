@@ -93,7 +93,8 @@ def test_per_batch_cu_seqlens_stack_per_element():
 
 
 def test_num_pairs_counts_the_mask_with_documents_and_blanks():
-    for layout in (WindowLayout.kforcing_single(7, 3, cu_seqlens=[0, 2, 7]), WindowLayout.bd3lm(8, 2, cu_seqlens=[0, 4, 8]),
+    for layout in (WindowLayout.kforcing_single(7, 3, cu_seqlens=[0, 2, 7]), WindowLayout.bd3lm(8, 2, cu_seqlens=[0, 4,
+                                                                                                                  8]),
                    WindowLayout.ptp(6, [2, 4], 3, [0, 0], doc_ends=[3, 6])):
         assert layout.num_pairs() == int(layout.dense_mask().sum())
 

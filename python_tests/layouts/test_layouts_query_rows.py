@@ -17,7 +17,8 @@ ZOO = zoo.small()
 def _subsets(n: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     random_half = torch.randperm(n, generator=g)[: max(1, n // 2)].sort().values
-    return [torch.arange(n), random_half, torch.arange(n - 1, n), torch.arange(0, n, 3), torch.zeros(0, dtype=torch.int64)]
+    return [torch.arange(n), random_half, torch.arange(n - 1, n), torch.arange(0, n, 3), torch.zeros(0,
+                                                                                                     dtype=torch.int64)]
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

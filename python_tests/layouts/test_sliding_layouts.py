@@ -42,11 +42,13 @@ CASES = {
     # name: (layout, paper mask, query positions, key positions)
     "single": lambda: (WindowLayout.kforcing_single(16, 4), P.kforcing_single_elementwise(16, 4),
                        single_positions(16, 4), single_positions(16, 4)),
-    "single_packed": lambda: (WindowLayout.kforcing_single(16, 3, cu_seqlens=CU), P.kforcing_single_packed_elementwise(16, 3, CU),
+    "single_packed": lambda: (WindowLayout.kforcing_single(16, 3, cu_seqlens=CU),
+                              P.kforcing_single_packed_elementwise(16, 3, CU),
                               single_positions(16, 3, CU), single_positions(16, 3, CU)),
     "double": lambda: (WindowLayout.kforcing_double(12, 2), P.kforcing_double_elementwise(12, 2),
                        double_positions(12, 2)[1], sum(double_positions(12, 2), [])),
-    "double_packed": lambda: (WindowLayout.kforcing_double(16, 2, cu_seqlens=CU), P.kforcing_double_packed_elementwise(16, 2, CU),
+    "double_packed": lambda: (WindowLayout.kforcing_double(16, 2, cu_seqlens=CU),
+                              P.kforcing_double_packed_elementwise(16, 2, CU),
                               double_positions(16, 2, CU)[1], sum(double_positions(16, 2, CU), [])),
     "sbd": lambda: (WindowLayout.sbd(14, 3), P.sbd_elementwise(14, 3), list(range(14)) * 2, list(range(14)) * 2),
     "causal_packed": lambda: (WindowLayout.causal(16, cu_seqlens=CU), P.causal_packed_elementwise(16, CU),
@@ -116,7 +118,8 @@ def test_backends_run_the_sliding_layout_like_a_dense_softmax(backend):
             pytest.skip(f"C++ extension: {reason}")
     layout = WindowLayout.kforcing_single(24, 4).with_sliding_window(8)
     gen = torch.Generator().manual_seed(0)
-    q, kk, v = (torch.randn(2, 4, layout.n_keys, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, kk, v = (torch.randn(2, 4, layout.n_keys, 16, generator=gen, dtype=torch.float64,
+                            requires_grad=True) for _ in range(3))
     out = window_attention(q, kk, v, layout, backend=backend)
     mask = windowed(P.kforcing_single_elementwise(24, 4), single_positions(24, 4), single_positions(24, 4), 8)
     scores = (q @ kk.transpose(-1, -2)) / 4.0

@@ -59,7 +59,8 @@ def test_a_coarse_calibrated_student_collapses_under_argmax_not_under_residual()
     # the inverse-CDF target given that half. Its argmax emits one token per half (tokens 0 and 2 only: the
     # collapse of issue 39); the residual rule decodes the posterior at z's unresolved digits and gives p.
     p = torch.tensor([0.4, 0.2, 0.3, 0.1])
-    lower, upper = torch.tensor([0.8, 0.2, 0.0, 0.0]), torch.tensor([0.0, 0.2, 0.6, 0.2])  # (p restricted to a half) * 2
+    # (p restricted to a half) * 2
+    lower, upper = torch.tensor([0.8, 0.2, 0.0, 0.0]), torch.tensor([0.0, 0.2, 0.6, 0.2])
     assert torch.allclose((lower + upper) / 2, p)
     z = torch.rand(100_000, generator=torch.Generator().manual_seed(1))
     posterior = torch.where((z < 0.5)[:, None], lower, upper)
@@ -98,7 +99,8 @@ def test_generation_decodes_by_the_models_rule_in_every_cache(residual_model, k)
     new_tokens = 6
     noise = torch.rand(2, math.ceil(new_tokens / k), k, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
     paged = generate_kforcing(residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise)
-    contiguous = generate_kforcing(residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise, cache="contiguous")
+    contiguous = generate_kforcing(residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise,
+                                   cache="contiguous")
     assert paged.tolist() == contiguous.tolist()
     # Uncached: SingleForward over the whole context, the last window decoded by the residual rule.
     for b, p in enumerate(prompts):

@@ -98,8 +98,8 @@ def test_one_rank_model_and_loss_match_the_plain_ones():
     torch.manual_seed(0)
     model = KForcingLM(ModelConfig.micro())
     cp = ContextParallel(0, 1)
-    batch = make_batch(Objective.AR, torch.randint(0, 64, (400,)), 4, 12, 1, (0.5, 1.0), torch.Generator().manual_seed(1),
-                       separator=3)
+    batch = make_batch(Objective.AR, torch.randint(0, 64, (400,)), 4, 12, 1, (0.5, 1.0),
+                       torch.Generator().manual_seed(1), separator=3)
     share, loss, per_pos = context_parallel_loss(Objective.AR, model, batch, None, cp)
     want, want_pos = compute_loss(Objective.AR, model, batch)
     torch.testing.assert_close(loss, want.detach())
@@ -191,11 +191,13 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
         gathered_kv = 2 * b * hkv * n * d * elem  # the whole sequence's K and V after the gather
         gather_buffers = 2 * b * hkv * world * split.max_keys * d * elem  # padded shards received
         dkdv = 2 * (2 * b * hkv * n * d * 4)  # full-length fp32 dK, dV, and their torch.stack copy
-        scatter = 2 * (2 * b * hkv * world * split.max_keys * d * 4)  # the padded buffer and its per-rank contiguous copy
+        # the padded buffer and its per-rank contiguous copy
+        scatter = 2 * (2 * b * hkv * world * split.max_keys * d * 4)
         dq = b * h * rows * d * 4
         scores = 3 * b * h * min(chunk_rows, rows) * n * 4
         expected = gathered_kv + gather_buffers + dkdv + scatter + dq + scores
-        got = attention_transient_bytes(split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem, chunk_rows=chunk_rows)
+        got = attention_transient_bytes(split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem,
+                                        chunk_rows=chunk_rows)
         assert got == expected, (world, got, expected)
 
 
@@ -280,6 +282,7 @@ def test_a_pipeline_refuses_a_distillation_batch_its_later_stages_would_refuse_b
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = TrainConfig(device="cpu", batch_size=4, context_parallel=2)  # dp = 2
-    with pytest.raises(ConfigError, match=r"^batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = 2 x 1"):
+    with pytest.raises(ConfigError,
+                       match=r"^batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = 2 x 1"):
         run_pipeline(PipelineConfig(out=str(tmp_path / "run"), batch_size_distill=3), base)
     assert not (tmp_path / "run").exists()

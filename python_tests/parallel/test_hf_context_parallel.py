@@ -26,7 +26,8 @@ CONFIGS = {
     "llama_gqa": lambda **kw: H.llama(**kw),
     "gpt2": lambda **kw: H.gpt2(bos_token_id=0, eos_token_id=0, **kw),
     "mistral_sliding": lambda **kw: H.mistral(**{"sliding_window": 5, **kw}),
-    "gemma3_alternating": lambda **kw: H.gemma3(**{"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], **kw}),
+    "gemma3_alternating": lambda **kw: H.gemma3(**{"sliding_window": 4, "layer_types": ["sliding_attention",
+                                                                                        "full_attention"], **kw}),
 }
 
 
@@ -40,7 +41,8 @@ def _student(name, **extra):
 
 def _inputs(b=2, n=11, k=3):
     gen = torch.Generator().manual_seed(4)
-    return (torch.randint(0, H.VOCAB, (b, n), generator=gen), torch.rand(b, n, k, generator=gen), torch.tensor([0.8, 1.2]))
+    return (torch.randint(0, H.VOCAB, (b, n), generator=gen), torch.rand(b, n, k, generator=gen), torch.tensor([0.8,
+                                                                                                                1.2]))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -90,7 +92,8 @@ def test_rank_rows_refusals_name_their_argument():
         attn(None, q, k, k, None, kforcing_layout=shard, sliding_window=1)  # shorter than the layout's windows (2)
 
 
-GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                          reason="torch.distributed with gloo is not available")
 
 
 @GLOO

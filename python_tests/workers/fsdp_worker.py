@@ -23,7 +23,8 @@ def main(root: Path, device: str) -> None:
     # The degenerate 1 x 2 mesh (one data-parallel row, a CP group of two): FSDP2 must shard over the cp dim (issue 46).
     run("f2_cp", context_parallel=2, dump_grads=str(root / "f2_cp.safetensors"))
     run("f2_ac", activation_checkpointing=True, dump_grads=str(root / "f2_ac.safetensors"))  # AC == without, bitwise
-    run("f2_accum", grad_accum=2, steps=1, dump_grads=str(root / "f2_accum.safetensors"))  # no reduction until the last micro-batch
+    # no reduction until the last micro-batch
+    run("f2_accum", grad_accum=2, steps=1, dump_grads=str(root / "f2_accum.safetensors"))
     run("f2_stop", stop_at=2)
     if dist.get_rank() == 0:  # the 2-rank checkpoint at step 2, for the one-rank resume (2 -> 1) after this launch
         shutil.copytree(root / "f2_stop", root / "f2_stop_for_1")

@@ -62,7 +62,8 @@ def check_forward(cp, tag):
             model.zero_grad(set_to_none=True)
             logits, rows = model(*args, cu_seqlens=cu, context_parallel=cp)
             assert rows.dtype == torch.int64 and logits.shape[1] == rows.numel() > 0, (case, rows)
-            torch.testing.assert_close(logits, full[:, rows].detach(), rtol=1e-9, atol=1e-9, msg=f"{tag} {name} {case}: logits")
+            torch.testing.assert_close(logits, full[:, rows].detach(), rtol=1e-9, atol=1e-9,
+                                       msg=f"{tag} {name} {case}: logits")
             (logits * weight[:, rows]).sum().backward()
             for p_name, got in grads(model).items():
                 torch.testing.assert_close(cp.all_reduce(got), want[p_name], rtol=tol, atol=tol / 10,
@@ -96,7 +97,8 @@ def check_loss(cp):
             model.zero_grad(set_to_none=True)
             backward, group_loss, _ = context_parallel_loss(objective, model, batch, teacher, cp)
             backward.backward()
-            assert abs(float(group_loss) - float(loss)) <= 1e-5 * abs(float(loss)), (case, float(group_loss), float(loss))
+            assert abs(float(group_loss) - float(loss)) <= 1e-5 * abs(float(loss)), (case, float(group_loss),
+                                                                                     float(loss))
             for p_name, got in grads(model).items():  # DDP over the group's ranks: the mean of their gradients
                 torch.testing.assert_close(cp.all_reduce(got) / cp.world, want[p_name], rtol=1e-4, atol=1e-7,
                                            msg=f"loss {name} {case}: grad {p_name}")

@@ -1,14 +1,15 @@
 """Run by ``torchrun --nproc_per_node 2`` from test_pipeline_torchrun.py: the two-rank pipelines of that test in one launch.
 
-``python pipeline_worker.py ROOT``: ROOT holds ``corpus/`` and ``llama.json``; each case trains ``ROOT/<case>``. A torchrun
+``python pipeline_worker.py ROOT``: ROOT holds ``corpus/`` and ``llama.json``; each case trains ``ROOT/<case>``. A
+torchrun
 worker can create its default process group once (a second one after destroying the first does not rendezvous), so the
 cases call :func:`run_pipeline` with the settings the CLI parses (the first call creates the group, the others reuse it)
 rather than ``main()``, which destroys it; the test's second launch runs the CLI itself. Then:
 
 * ``ROOT/locked`` (its lock held by the test) and a missing ``--model-config``: every rank writes the error it got to
   ``ROOT/<name>.rank<r>.txt``;
-* ``killed``: the ``ddp`` case, rank 0 killed (SIGKILL) right after stage1's first checkpoint. Last: the launch ends there.
-"""
+* ``killed``: the ``ddp`` case, rank 0 killed (SIGKILL) right after stage1's first checkpoint. Last: the launch ends
+there. """
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from kforcing_kernels.app.training.pipeline import run_pipeline
 HF_FSDP = True  # a Hugging Face model under --parallel fsdp
 
 # Three stages (0, 1, 2 with k=2) of a few steps, checkpoints at step 2 (stage1's is where ``killed`` dies).
-SMALL = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--k-final", "2", "--steps-stage0", "4", "--steps-stage1", "3",
+SMALL = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--k-final", "2", "--steps-stage0", "4",
+         "--steps-stage1", "3",
          "--steps-stage2", "3", "--warmup-steps", "1", "--log-every", "1", "--ckpt-every", "2", "--eval-batches", "1",
          "--no-progress", "--device", "cpu"]
 MODELS = {"native": ["--preset", "micro"], "hf": ["--model-config", "{root}/llama.json"],
           "missing": ["--model-config", "{root}/missing.json"]}  # refused before any stage
-CASES = {"ddp": ("native", "ddp"), "fsdp": ("native", "fsdp"), "hf": ("hf", "ddp"), **({"hf_fsdp": ("hf", "fsdp")} if HF_FSDP else {})}
+CASES = {"ddp": ("native", "ddp"), "fsdp": ("native", "fsdp"), "hf": ("hf", "ddp"), **({"hf_fsdp": ("hf",
+    "fsdp")} if HF_FSDP else {})}
 
 
 def pipeline_argv(root: Path, out: str, model: str, parallel: str, *extra: str) -> list[str]:

@@ -71,17 +71,20 @@ class EvalSettings:
 
 
 DEMO_EVAL = EvalSettings()
-# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (its quality numbers are a smoke check of a run).
+# `kforcing-train pipeline --evaluate quick`: every table once, in seconds (its quality numbers are a smoke check of a
+# run).
 # Its timings are a measurement all the same: 32 new tokens and 9 timed runs per method (one run of 8 tokens gave k = 4
 # "speedups" from 0.77x to 59x across models of one size); summary["timing"] reports the spread of the runs.
-QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1, nll_batch_size=2)
+QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1,
+                          nll_batch_size=2)
 
 
 # ---------------------------------------------------------------------- NLL
 
 
 @torch.no_grad()
-def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int, seed: int = 0) -> float:
+def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int,
+                      seed: int = 0) -> float:
     """Mean next-token NLL of an AR model on held-out windows (the reference row of Table 2)."""
     gen = torch.Generator().manual_seed(seed)
     device = model.wte.weight.device
@@ -134,7 +137,8 @@ def distinct_n(rows: Sequence[Sequence[int]], n: int) -> float:
 
 
 @torch.no_grad()
-def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None) -> dict:
+def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor,
+                eos_id: Optional[int] = None) -> dict:
     """The judge's NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
 
     Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct2", "distinct4": unique/total
@@ -155,7 +159,8 @@ def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Ten
     n = int(keep.sum())
     nll = float(-(token_logp * keep).sum() / max(n, 1))
     rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(completions.tolist(), keep.tolist())]
-    return {"nll": nll, "ppl": math.exp(nll), "distinct2": distinct_n(rows, 2), "distinct4": distinct_n(rows, 4), "tokens": n}
+    return {"nll": nll, "ppl": math.exp(nll), "distinct2": distinct_n(rows, 2), "distinct4": distinct_n(rows, 4),
+            "tokens": n}
 
 
 # ---------------------------------------------------------------------- throughput
@@ -166,7 +171,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
+def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str,
+                                                                                                       list[float]]:
     """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call.
 
     A tqdm bar (calls done/total, rate, ETA) on a terminal; it updates between timed calls, never inside one.
@@ -236,12 +242,15 @@ def ar_teacher_folder(run: Path) -> Path:
         return run / "stage0"
     if find_kind(teacher) is None:  # say what is missing in an HF folder's terms too
         raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in {run / 'stage1' / 'model.json'}) is "
-                         "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run was trained "
-                         "before teachers were recorded as absolute paths (then evaluate it from the directory it was trained in)")
+                         "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run "
+                         "was trained "
+                         "before teachers were recorded as absolute paths (then evaluate it from the directory it was "
+                         "trained in)")
     return Path(teacher)
 
 
-def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM, str]:
+def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM,
+                                                                                                           str]:
     """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
 
     ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
@@ -250,13 +259,16 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
         return judge.eval(), "a model given by the caller"
     folder = Path(judge) if judge is not None else ar_teacher_folder(run)
     if find_kind(folder) is None:
-        raise ValueError(f"judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got {str(folder)!r}")
+        raise ValueError("judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got "
+                         f"{str(folder)!r}")
     model, info, judge_tokenizer = load_student(folder, device)
     if _same_tokenizer(judge_tokenizer, tokenizer) is False:
-        raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to it; "
+        raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to "
+                         "it; "
                          "pass a judge trained on the run's --data and --vocab-size")
     if info.get("k", 0) != 0:
-        raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}")
+        raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in "
+                         f"{str(folder)!r}")
     return model, judge_description(folder, info, given=judge is not None)
 
 
@@ -303,30 +315,33 @@ def evaluate_pipeline(
         raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
                          "gives another tokenizer); restore it to evaluate this run")
     if judge_model.config.vocab_size != teacher.config.vocab_size:
-        raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's ({teacher.config.vocab_size})")
+        raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's "
+                         f"({teacher.config.vocab_size})")
     stages = [run / "stage1"] + sorted(run.glob("stage2_k*"), key=lambda p: int(p.name.split("_k")[1]))
     seq_len = tinfo["train_config"]["seq_len"]
     summary: dict = {"run": str(run), "temperature": temperature, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads(), "seed": seed,
-                     "judge": judge_text, "reps": reps}
+                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads(),
+                     "seed": seed, "judge": judge_text, "reps": reps}
 
     # Table 2: per-position NLL of every student against its own teacher's targets.
     log("[eval] per-position validation NLL")
     nll_rows = [{"model": "AR teacher (next token, data)", "k": 0,
-                 "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size, seq_len=seq_len, seed=seed)],
+                 "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size,
+                                           seq_len=seq_len, seed=seed)],
                  "agreement": None}]
     models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
         student, info, student_tokenizer = load_student(folder, device)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if _same_tokenizer(student_tokenizer, tokenizer) is False:
-            raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one pipeline")
+            raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one "
+                             "pipeline")
         if info.get("teacher_sha256") not in (None, prev_sha):
             raise ValueError(f"run: {folder} was distilled from another teacher than the {prev_folder} in this folder "
                              "(retrained since?); retrain the later stages (`kforcing-train pipeline --overwrite`)")
         prev_folder, prev_sha = folder, info["tensors"]["sha256"]
-        row = per_position_nll(student, prev, info["teacher_k"], corpus.val, batches=nll_batches, batch_size=nll_batch_size,
-                               seq_len=seq_len, tau=temperature, seed=seed)
+        row = per_position_nll(student, prev, info["teacher_k"], corpus.val, batches=nll_batches,
+                               batch_size=nll_batch_size, seq_len=seq_len, tau=temperature, seed=seed)
         nll_rows.append({"model": f"PFLM(k={info['k']}) [{folder.name}]", **row})
         models[info["k"]] = student
         prev = student
@@ -343,10 +358,12 @@ def evaluate_pipeline(
     noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
 
     def generators(prompts: torch.Tensor, tau: float, b: int, outputs: dict) -> dict:
-        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise_ar[:b]))}
+        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=tau,
+                                                                   noise=noise_ar[:b]))}
         for k in ks:
             fns[f"K-Forcing k={k}"] = (lambda k=k: outputs.__setitem__(
-                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=tau, noise=noise_kf[k][:b])))
+                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=tau,
+                                                      noise=noise_kf[k][:b])))
         return fns
 
     throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
@@ -357,22 +374,27 @@ def evaluate_pipeline(
         log(f"[eval] throughput at batch {b}")
         fns = generators(prompts_all[:b].to(device), temperature, b, outputs)
         if hf_model is not None:
-            fns[HF_GENERATE] = lambda b=b: _hf_generate(hf_model, prompts_all[:b].to(device), new_tokens, temperature, corpus.eos_id)
+            fns[HF_GENERATE] = lambda b=b: _hf_generate(hf_model, prompts_all[:b].to(device), new_tokens, temperature,
+                                                        corpus.eos_id)
         times = interleaved_timings(fns, reps, torch.device(device))
         for name, ts in times.items():
             throughput.setdefault(name, {})[b] = b * new_tokens / statistics.median(ts)
             timing.setdefault(name, {})[str(b)] = {"runs": len(ts), "median_s": statistics.median(ts), "min_s": min(ts),
-                                                   "max_s": max(ts), "spread": (max(ts) - min(ts)) / statistics.median(ts)}
+                                                   "max_s": max(ts),
+                                                   "spread": (max(ts) - min(ts)) / statistics.median(ts)}
     hf_throughput = throughput.pop(HF_GENERATE, None)
     prompts_dev = prompts_all.to(device)
     # The "K-Forcing k=1" row decodes the FINAL PFLM one token per step; the Stage-1 student's own samples
     # (what forward distillation produced, before self-forcing) get a row of their own, untimed.
     stage1_name = STAGE1_ROW if final_k > 1 else None
     if stage1_name:
-        outputs[stage1_name] = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=temperature, noise=noise_kf[1])
+        outputs[stage1_name] = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=temperature,
+                                                 noise=noise_kf[1])
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
-    reference = sample_crops(corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2))
-    quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id)
+    reference = sample_crops(corpus.val, max(batch_sizes), prompt_len + new_tokens,
+                             torch.Generator().manual_seed(seed + 2))
+    quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:,
+        prompt_len:], corpus.eos_id)
     summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
     summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}
     # Seconds per timed run: median, min, max and spread ((max - min) / median) over the ``reps`` runs, per batch size.
@@ -382,7 +404,8 @@ def evaluate_pipeline(
         summary["speedup_vs_hf_generate"] = {name: {str(b): row[b] / hf_throughput[b] for b in row}
                                              for name, row in throughput.items()}
     summary["quality"] = quality
-    summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name, out in outputs.items()}
+    summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name,
+                          out in outputs.items()}
 
     # The temperature sweep: same prompts and noise, every method at every tau, one judge.
     log(f"[eval] quality over tau in {list(taus)}")
@@ -395,7 +418,8 @@ def evaluate_pipeline(
         if stage1_name:  # kept apart from the timed methods' rows (tau_sweep holds exactly those)
             out1 = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=tau, noise=noise_kf[1])
             stage1_sweep[str(tau)] = judge_score(judge_model, prompts_dev, out1, corpus.eos_id)
-        sweep[str(tau)] = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outs.items()}
+        sweep[str(tau)] = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name,
+                           out in outs.items()}
     summary["tau_sweep"] = sweep
     if stage1_sweep:
         summary["tau_sweep_stage1"] = {"name": stage1_name, "scores": stage1_sweep}
@@ -407,7 +431,8 @@ def evaluate_pipeline(
 @torch.no_grad()
 def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: float, eos_id: int) -> torch.Tensor:
     """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early stop)."""
-    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens,
                           do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=eos_id)
 
 
@@ -434,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_temperature(parser, help_extra=" of the tables (K-Forcing needs > 0)")
     parser.add_argument("--taus", type=positive_float_list, default=",".join(map(str, d.taus)),
                         help="temperatures of the quality sweep, comma-separated (none: skip it)")
-    parser.add_argument("--reps", type=positive_int, default=d.reps, help="timed runs per method (median), after one warm-up")
+    parser.add_argument("--reps", type=positive_int, default=d.reps,
+                        help="timed runs per method (median), after one warm-up")
     add_seed(parser)
     parser.add_argument("--judge", help="an AR stage folder that scores all methods (None: the run's stage0)")
     add_device(parser)
@@ -461,9 +487,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except CheckpointError as exc:
             parser.error(f"argument {exc}")
     try:
-        summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                    temperature=args.temperature, taus=args.taus, reps=args.reps, seed=args.seed, judge=args.judge,
-                                    device=args.device)
+        summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens,
+                                    temperature=args.temperature, taus=args.taus, reps=args.reps, seed=args.seed,
+                                    judge=args.judge, device=args.device)
     except ValueError as exc:
         parser.error(str(exc))
     print(format_report(summary))

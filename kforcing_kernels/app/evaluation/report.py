@@ -8,7 +8,8 @@ from typing import Optional
 
 from ..files import atomic_write_file
 
-HF_GENERATE = "HF generate (sdpa)"  # the baseline an HF user runs: transformers' own sampling loop on the teacher folder
+# the baseline an HF user runs: transformers' own sampling loop on the teacher folder
+HF_GENERATE = "HF generate (sdpa)"
 # The quality row of the Stage-1 PFLM(1) student itself (the k rows decode the final PFLM).
 STAGE1_ROW = "Stage-1 PFLM(1), k=1"
 
@@ -28,12 +29,14 @@ def format_table1(summary: dict) -> str:
         k = "1" if name == "AR" else name.split("=")[1]
         q = summary["quality"][name]
         cells = [f"{row[str(b)]:,.0f}" for b in bs] + [f"{summary['speedup'][name][str(b)]:.2f}x" for b in bs]
-        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | {q['distinct4']:.3f} |")
+        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} "
+                                                                f"| {q['distinct4']:.3f} |")
     ref = summary["quality"]["data (held-out text)"]
     blank = " | ".join("-" for _ in bs)
     for name, q in summary["quality"].items():  # untimed rows (the Stage-1 student's own samples)
         if name not in summary["throughput"] and name != "data (held-out text)":
-            lines.append(f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | {q['distinct4']:.3f} |")
+            lines.append(f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | "
+                         f"{q['distinct4']:.3f} |")
     lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
     return "\n".join(lines)
 
@@ -92,7 +95,8 @@ def target_checks(summary: dict) -> list[dict]:
     final = f"K-Forcing k={summary['final_k']}"
     if final in quality and summary["final_k"] > 1:
         r = quality[final]["ppl"] / ar["ppl"]
-        checks.append({"target": f"{final}: judge PPL <= {FINAL_PPL_MAX}x AR", "value": f"{r:.2f}x", "met": r <= FINAL_PPL_MAX})
+        checks.append({"target": f"{final}: judge PPL <= {FINAL_PPL_MAX}x AR", "value": f"{r:.2f}x",
+                       "met": r <= FINAL_PPL_MAX})
         data = quality.get("data (held-out text)")
         if data:
             checks.append(_share_check(f"{final}: distinct-4 >= {FINAL_DISTINCT4_SHARE}x the held-out text's",
@@ -123,23 +127,32 @@ def format_report(summary: dict) -> str:
     judge = summary.get("judge", "the run's Stage-0 AR teacher")
     caption1 = (f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
                 f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, median of {summary.get('reps', '?')} timed runs "
-                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row (untimed) is the Stage-1 "
+                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row "
+                "(untimed) is the Stage-1 "
                 f"student's own samples, one token per step. Quality of the {max(bs)} completions of the "
-                f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated tokens "
-                f"given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. Judge-scored, "
+                f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated "
+                "tokens "
+                "given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. "
+                "Judge-scored, "
                 "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
-                "repetitive text can score a low perplexity). Which way is bad: a student that samples like its teacher "
+                "repetitive text can score a low perplexity). Which way is bad: a student that samples like its "
+                "teacher "
                 "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
                 "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
                 "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
                 "real data, not a target (the judge is the teacher, so its own samples score lower). "
                 f"The PFLMs decode by {summary.get('decode', 'argmax')} (model/decoding.py); an argmax PFLM collapses "
                 "until it resolves its noise to the width of the teacher's CDF intervals, which takes far more Stage-1 "
-                "steps than the default demo's (BENCHMARKS.md, \"Stage 1: the fixes tried, and the budget the targets need\").")
-    caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; the "
-                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned on tau); a "
-                   "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its noise.")
-    caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and how often "
+                "steps than the default demo's (BENCHMARKS.md, \"Stage 1: the fixes tried, and the budget the targets "
+                "need\").")
+    caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; "
+                   "the "
+                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned "
+                   "on tau); a "
+                   "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its "
+                   "noise.")
+    caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and "
+                "how often "
                 "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
     parts = [format_table1(summary), caption1]
     if summary.get("tau_sweep"):
@@ -148,7 +161,8 @@ def format_report(summary: dict) -> str:
     if targets:
         caption_targets = (
             "Does each student sample like its teacher? Targets checked on this run's numbers above. Where a Stage-1 "
-            "row says NO: a PFLM(1) decoded by argmax emits its teacher's mode until it resolves its noise to the width "
+            "row says NO: a PFLM(1) decoded by argmax emits its teacher's mode until it resolves its noise to the "
+            "width "
             "of the teacher's CDF intervals, and the measured curve over Stage-1 steps and model width "
             "(`python -m bench stage1`; BENCHMARKS.md, \"Stage 1 over steps and width\") puts that far past the "
             "default demo's budget.")
@@ -160,7 +174,8 @@ def format_report(summary: dict) -> str:
 def format_nll_table(summary: dict) -> str:
     rows = summary["per_position_nll"]
     kmax = max(r["k"] for r in rows)
-    head = "| model | " + " | ".join(f"NLL j={j}" for j in range(1, kmax + 1)) + " | " + " | ".join(f"agree j={j}" for j in range(1, kmax + 1)) + " |"
+    head = "| model | " + " | ".join(f"NLL j={j}" for j in range(1,
+        kmax + 1)) + " | " + " | ".join(f"agree j={j}" for j in range(1, kmax + 1)) + " |"
     lines = [head, "|" + "---|" * (2 * kmax + 1)]
     for r in rows:
         nll = [f"{v:.3f}" for v in r["nll"]] + ["-"] * (kmax - len(r["nll"]))
@@ -181,7 +196,8 @@ def timing_report(summary: dict) -> str:
     if "hf_generate" in summary:
         rows = [f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
                 for name, per_batch in summary["speedup_vs_hf_generate"].items()]
-        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b, v in summary["hf_generate"].items())
+        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b,
+                                                          v in summary["hf_generate"].items())
                  + "), the baseline an HF user runs:\n" + "\n".join(rows))
     return text
 

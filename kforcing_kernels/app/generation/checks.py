@@ -19,7 +19,8 @@ def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: b
         if temperature.dtype == torch.bool or temperature.is_complex():
             raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != batch):
-            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got {tuple(temperature.shape)}")
+            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got "
+                             f"{tuple(temperature.shape)}")
         values = temperature.detach().double().cpu().flatten()
     elif isinstance(temperature, Real) and not isinstance(temperature, bool):
         values = torch.tensor([float(temperature)], dtype=torch.float64)
@@ -73,4 +74,5 @@ def check_ar(model) -> None:
     k_train = getattr(model, "k_train", None)
     if k_train:
         raise ValueError(f"model: this model was trained with K-Forcing (k_train={k_train}); AR decoding would read it "
-                         f"without its noise window: use generate_kforcing (1 <= k <= {k_train}), or an AR (stage0) model")
+                         f"without its noise window: use generate_kforcing (1 <= k <= {k_train}), or an AR (stage0) "
+                         "model")

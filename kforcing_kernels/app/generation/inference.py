@@ -111,7 +111,8 @@ def _prompt_row(i: int, p) -> torch.Tensor:
             raise ValueError(f"prompts: prompt {i}: expected integer token ids, got {list(p)!r}")
         t = _id_tensor(i, p)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex() or t.dim() > 1:
-        raise ValueError(f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, shape {tuple(t.shape)}")
+        raise ValueError(f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, "
+                         f"shape {tuple(t.shape)}")
     if t.numel() == 0:
         raise ValueError(f"prompts: prompt {i} is empty; every prompt needs at least one token")
     return t.flatten().to(torch.int64)
@@ -130,10 +131,13 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
         if prompts.dim() == 1:
             prompts = prompts[None]
         if prompts.dim() != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0:
-            raise ValueError(f"prompts: expected a [B, P] tensor with B, P >= 1 (or a 1-D prompt), got shape {tuple(prompts.shape)}")
-        return prompts.to(device=device, dtype=torch.int64), torch.full((prompts.shape[0],), prompts.shape[1], dtype=torch.int64)
+            raise ValueError("prompts: expected a [B, P] tensor with B, P >= 1 (or a 1-D prompt), got shape "
+                             f"{tuple(prompts.shape)}")
+        return prompts.to(device=device, dtype=torch.int64), torch.full((prompts.shape[0],), prompts.shape[1],
+                                                                        dtype=torch.int64)
     if isinstance(prompts, (str, bytes)):
-        raise ValueError(f"prompts: expected token ids (encode text with the tokenizer first), got {type(prompts).__name__}")
+        raise ValueError("prompts: expected token ids (encode text with the tokenizer first), got "
+                         f"{type(prompts).__name__}")
     if not isinstance(prompts, Iterable):
         raise ValueError(f"prompts: expected a [B, P] tensor or sequences of token ids, got {type(prompts).__name__}")
     items = list(prompts)
@@ -142,7 +146,8 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
     if all(_is_token(x) for x in items):
         rows = [_id_tensor(0, items)]  # a flat list of ids is one prompt
     elif any(_is_token(x) for x in items):
-        raise ValueError("prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids and sequences")
+        raise ValueError("prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids "
+                         "and sequences")
     else:
         rows = [_prompt_row(i, p) for i, p in enumerate(items)]
     lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
@@ -167,7 +172,8 @@ def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: i
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size):
-        raise ValueError(f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]")
+        raise ValueError(f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, "
+                         f"{int(tokens.max())}]")
     if cache not in CACHES:
         raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
 
@@ -247,7 +253,8 @@ def generate_kforcing(
     check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
-        noise = torch.rand((b, steps, k), generator=check_generator(generator), device=generator.device if generator else "cpu")
+        noise = torch.rand((b, steps, k), generator=check_generator(generator),
+                           device=generator.device if generator else "cpu")
     check_noise(noise)
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
@@ -267,7 +274,8 @@ def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tens
     (b, p_max), device, steps = tokens.shape, tokens.device, noise.shape[1]
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
-        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
+        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i,
+                    row in enumerate(_rows(tokens, lengths))]
         return _run_paged(model, requests, k, page_size, return_logits, k_train, compile_step)
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
@@ -326,7 +334,8 @@ def generate_ar(
     b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=True)
     if noise is None:
-        noise = torch.rand((b, max_new_tokens), generator=check_generator(generator), device=generator.device if generator else "cpu")
+        noise = torch.rand((b, max_new_tokens), generator=check_generator(generator),
+                           device=generator.device if generator else "cpu")
     check_noise(noise)  # the same checks as the paged cache's requests
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
@@ -344,7 +353,8 @@ def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, no
     (b, p_max), device, greedy = tokens.shape, tokens.device, is_greedy(temperature)
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
-        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i, row in enumerate(_rows(tokens, lengths))]
+        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i,
+                    row in enumerate(_rows(tokens, lengths))]
         return _run_paged(model, requests, None, page_size, return_logits, compile_step=compile_step)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
@@ -378,13 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.app.train (holds model.safetensors)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    parser.add_argument("--k", type=int, default=None, help="tokens per step (None: the model's k_train; AR models ignore it)")
+    parser.add_argument("--k", type=int, default=None,
+                        help="tokens per step (None: the model's k_train; AR models ignore it)")
     add_new_tokens(parser)
     add_temperature(parser, help_extra="; 0: greedy (AR models only)")
     add_seed(parser)
     add_device(parser)
     add_threads(parser)
-    parser.add_argument("--out", default=None, help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
+    parser.add_argument("--out", default=None,
+                        help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
     return parser
 
 
@@ -406,7 +418,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a Hugging Face stage: its tokenizer's own EOS
     eos = tokenizer.token_to_id("<|eos|>") if hf_tokenizer is None else hf_tokenizer.eos_token_id
-    prompts = [tokenizer.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]  # an empty prompt starts a new document
+    # an empty prompt starts a new document
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]
     if info["k"] == 0:
         out = generate_ar(model, prompts, args.new_tokens, temperature=args.temperature, generator=gen)
     else:

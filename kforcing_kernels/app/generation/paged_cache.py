@@ -50,11 +50,13 @@ class PagedKVCache:
         capacity: Optional[int] = None, page_size: int = 16, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        for name, value in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
+        for name, value in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("page_size",
+                                                                                                       page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if (num_pages is None) == (capacity is None):
-            raise ValueError(f"num_pages: give exactly one of num_pages or capacity, got num_pages={num_pages!r}, capacity={capacity!r}")
+            raise ValueError(f"num_pages: give exactly one of num_pages or capacity, got num_pages={num_pages!r}, "
+                             f"capacity={capacity!r}")
         if capacity is not None:
             if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
                 raise ValueError(f"capacity: expected a positive int (tokens), got {capacity!r}")
@@ -153,7 +155,8 @@ class PagedKVCache:
     def reserve(self, rows: Sequence[int], counts: Sequence[int]) -> None:
         """Make room for ``counts[i]`` more tokens in ``rows[i]``: all or nothing (:class:`PagePoolFull`)."""
         self._check_rows(rows)
-        need = [max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows, counts)]
+        need = [max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows,
+            counts)]
         if sum(need) > len(self._free):
             raise PagePoolFull(
                 f"page pool full: {sum(need)} more pages of {self.page_size} tokens needed for {len(rows)} rows, "
@@ -189,11 +192,13 @@ class PagedKVCache:
         """int32 ``[B, num_pages]`` (CPU): the rows' full table rows (-1 past their pages)."""
         return self._table[index]
 
-    def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]) -> None:
+    def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               counts: Sequence[int]) -> None:
         """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``
         at ``rows[i]``'s current length, in place; lengths grow by ``counts``."""
         if len(set(rows)) != len(rows):
-            raise ValueError(f"rows: expected distinct rows (a repeated row would write twice into the same slots), got {list(rows)}")
+            raise ValueError("rows: expected distinct rows (a repeated row would write twice into the same slots), "
+                             f"got {list(rows)}")
         counts = [int(c) for c in counts]
         if len(counts) != len(rows) or any(c < 0 for c in counts):
             raise ValueError(f"counts: expected {len(rows)} non-negative ints (one per row), got {counts}")
@@ -204,7 +209,8 @@ class PagedKVCache:
             return
         k0 = kvs[0][0]
         if k0.shape[0] != len(rows) or k0.shape[2] < width or k0.shape[1:2] + k0.shape[3:] != self.k[0].shape[2:]:
-            raise ValueError(f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages {tuple(self.k[0].shape)}, got {tuple(k0.shape)}")
+            raise ValueError(f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages "
+                             f"{tuple(self.k[0].shape)}, got {tuple(k0.shape)}")
         self.reserve(rows, counts)
         idx = torch.tensor(list(rows), dtype=torch.int64)
         cnt = torch.tensor(counts, dtype=torch.int64)
@@ -215,7 +221,8 @@ class PagedKVCache:
         page = self._table[idx[:, None], pos // self.page_size].to(torch.int64)
         device = self.k[0].device
         slots = (page * self.page_size + pos % self.page_size)[valid].to(device)  # flat slot in [num_pages * page_size]
-        src = (torch.arange(len(rows))[:, None] * k0.shape[2] + steps)[valid].to(device)  # (batch row, token) in [B * L]
+        # (batch row, token) in [B * L]
+        src = (torch.arange(len(rows))[:, None] * k0.shape[2] + steps)[valid].to(device)
         for layer, (k, v) in enumerate(kvs):
             for pool, x in ((self.k[layer], k), (self.v[layer], v)):
                 flat = x.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B * L, Hkv, D]

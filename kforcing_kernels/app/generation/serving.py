@@ -57,7 +57,8 @@ def prefill_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Ten
     """
     b, p_max = tokens.shape
     k = noise.shape[1]
-    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(tokens.device)
+    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)],
+                          1).to(tokens.device)
     x = torch.cat([model.wte(tokens), model.embed_noise(noise, tau)], 1)  # [B, P_max + k, C]
     return model.trunk(x, positions, window_layout(p_max, lengths, k, "all"))
 
@@ -153,7 +154,8 @@ class PagedGenerator:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
-            check_k(model, k, k_train)  # at most the trained window (k_train, default model.k_train), not on an AR model
+            # at most the trained window (k_train, default model.k_train), not on an AR model
+            check_k(model, k, k_train)
         else:
             check_ar(model)  # AR steps on a K-Forcing model would decode it without its noise window
         self.model, self.k, self.keep_logits = model, k, keep_logits

@@ -69,7 +69,8 @@ class HFStudent(nn.Module):
 
     kind = "hf"  # its ModelKind in app/student.py's registry: app/hf_recipe/kind.py
 
-    def __init__(self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None):
+    def __init__(self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None,
+                 k_train: Optional[int] = None):
         super().__init__()
         impl = getattr(hf_model.config, "_attn_implementation", None)
         if impl != kf_hf.ATTN_IMPLEMENTATION:
@@ -173,7 +174,8 @@ class HFStudent(nn.Module):
         """noise ``[B, *S]`` in [0, 1), tau scalar or ``[B]`` -> embeddings ``[B, *S, C]`` in the model's dtype."""
         tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
         if tau.dim() > 1 or (tau.dim() == 1 and tau.shape[0] != noise.shape[0]):
-            raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}")
+            raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got "
+                             f"{tuple(tau.shape)}")
         return self.noise_encoder(noise, tau).to(self.wte.weight.dtype)
 
     def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
@@ -208,7 +210,8 @@ class HFStudent(nn.Module):
         k = noise.shape[2]
         cu = as_cu_seqlens(cu_seqlens, n, b)
         embeds = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k, cu_seqlens=cu),
+        logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k,
+            cu_seqlens=cu),
                                   keep=n * k, use_cache=keep_cache, hidden=return_hidden)
         return logits.reshape(b, n, k, -1), (None if cache is None else crop_cache(cache, n))
 
@@ -224,7 +227,8 @@ class HFStudent(nn.Module):
         (``logits[:, i] == forward(tokens, noise, tau).flatten(1, 2)[:, rows[i]]``).
         """
         if not isinstance(cp, ContextParallel):
-            raise ValueError(f"context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got {type(cp).__name__}")
+            raise ValueError("context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got "
+                             f"{type(cp).__name__}")
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
         cu = as_cu_seqlens(cu_seqlens, n, b)
@@ -240,7 +244,8 @@ class HFStudent(nn.Module):
         shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
         rows = shard.query_rows.to(tokens.device)
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        embeds = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1)
+        embeds = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows],
+                                                                                tau)], 1)
         windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
         logits, _ = self._run(embeds, single_positions(n, k, tokens.device, cu)[..., rows], shard, keep=max(windows, 1),
                               hidden=return_hidden)
@@ -257,8 +262,10 @@ class HFStudent(nn.Module):
         if context_kv is None or context_kv.get_seq_length() != n:
             raise ValueError(f"context_kv: expected the cache of single_forward over N={n} context tokens")
         cu = as_cu_seqlens(cu_seqlens, n, b)
-        embeds = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        logits, _ = self._run(embeds, double_positions(n, k, first.device, cu), WindowLayout.kforcing_double(n, k, cu_seqlens=cu),
+        embeds = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)],
+                           1)
+        logits, _ = self._run(embeds, double_positions(n, k, first.device, cu), WindowLayout.kforcing_double(n, k,
+            cu_seqlens=cu),
                               keep=n * k, cache=context_kv, hidden=return_hidden)
         crop_cache(context_kv, n)
         return logits.reshape(b, n, k, -1)
@@ -301,19 +308,21 @@ class HFStudent(nn.Module):
     def generate_ar(self, prompt: torch.Tensor, new_tokens: int, temperature, noise: torch.Tensor, greedy: bool):
         """AR decoding for prompts of one length: prompt ``[B, P]``, noise ``[B, T]`` -> (tokens ``[B, T]``, logits ``[B, T, V]``)."""
         b, p = prompt.shape
-        logits, cache = self._run(self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p), keep=1,
-                                  use_cache=True)
+        logits, cache = self._run(self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p),
+                                  keep=1, use_cache=True)
         outs, all_logits = [], []
         for s in range(new_tokens):
             last = logits[:, -1]
             outs.append(last.argmax(-1) if greedy else inverse_cdf_sample(last, noise[:, s], temperature))
             all_logits.append(last)
             if s + 1 < new_tokens:
-                logits, cache = self._window_call(self.wte(outs[-1][:, None]), cache.get_seq_length(), 1, "windows", 1, cache)
+                logits, cache = self._window_call(self.wte(outs[-1][:, None]), cache.get_seq_length(), 1, "windows", 1,
+                                                  cache)
         return torch.stack(outs, 1), torch.stack(all_logits, 1)
 
 
-def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: int, *per_row) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: int, *per_row) -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
     """``run(prompt [G, P], *rows of per_row)`` for each group of prompts of one length P, results put back in order.
 
     tokens ``[B, P_max]`` right-padded, lengths ``[B]``; each ``per_row`` tensor has B rows (or is None).
@@ -325,6 +334,7 @@ def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: in
         got, got_logits = run(tokens[rows, :length], *(None if t is None else t[rows] for t in per_row))
         if out is None:
             out = torch.empty(tokens.shape[0], width, dtype=torch.int64, device=tokens.device)
-            logits = torch.empty(tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype, device=tokens.device)
+            logits = torch.empty(tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype,
+                                 device=tokens.device)
         out[rows], logits[rows] = got[:, :width], got_logits[:, :width]
     return out, logits

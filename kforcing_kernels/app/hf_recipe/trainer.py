@@ -10,7 +10,8 @@ What the CLI route (``kforcing-train pipeline --model``) does for a user who tra
     teacher = HFStudent(load(), k_train=0)            # Stage 1: the AR model, frozen
     student = HFStudent(load())                        # its copy + a fresh noise embedding
     rows = [{"input_ids": ids [N], "noise": uniform [N, 1], "tau": temperature}, ...]   # Stage 2 at k: noise [N, k]
-    KForcingTrainer(model=student, teacher=teacher, stage="stage1", args=TrainingArguments(..., remove_unused_columns=False),
+    KForcingTrainer(model=student, teacher=teacher, stage="stage1", args=TrainingArguments(...,
+    remove_unused_columns=False),
                     train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(path)).train()
     trainer.save_model("stage1")                       # a stage folder, noise embedding included
     pflm = load_pflm("stage1")                         # back: generate_kforcing(pflm, prompts, k, n) accepts it
@@ -58,7 +59,8 @@ def _batch(input_ids: torch.Tensor, noise: torch.Tensor, tau, separator: Optiona
     tau = torch.as_tensor(tau, dtype=torch.float32, device=input_ids.device)
     tau = tau.expand(input_ids.shape[0]) if tau.dim() == 0 else tau
     if tau.shape != input_ids.shape[:1]:
-        raise ValueError(f"tau: expected a scalar or one temperature per sequence [{input_ids.shape[0]}], got {tuple(tau.shape)}")
+        raise ValueError(f"tau: expected a scalar or one temperature per sequence [{input_ids.shape[0]}], got "
+                         f"{tuple(tau.shape)}")
     return Batch(input_ids, noise, tau, separator=separator)
 
 
@@ -66,8 +68,8 @@ def kforcing_targets(stage: str, teacher: HFStudent, input_ids: torch.Tensor, no
                      separator: Optional[int] = None) -> torch.Tensor:
     """The teacher's targets ``[B, N, k]`` for context ``input_ids [B, N]`` and ``noise [B, N, k]`` (see the module docstring).
 
-    ``tau``: a scalar or ``[B]`` (> 0); ``separator``: the EOS id of packed documents (attention stays in each), or None.
-    """
+    ``tau``: a scalar or ``[B]`` (> 0); ``separator``: the EOS id of packed documents (attention stays in each), or
+    None. """
     objective = _objective(stage, None, teacher)
     return student_inputs(objective, _batch(input_ids, noise, tau, separator), teacher, None)[2]
 
@@ -100,13 +102,15 @@ def save_pflm(student: HFStudent, folder, tokenizer=None, k: Optional[int] = Non
                          "model's tokenizer")
     k = student.k_train if k is None else k
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k: expected the window the model was trained for (an int >= 1; k_train is {student.k_train!r}), got {k!r}")
+        raise ValueError("k: expected the window the model was trained for (an int >= 1; k_train is "
+                         f"{student.k_train!r}), got {k!r}")
     save_hf_stage(folder, student, {"kind": "pflm", "k": k}, tokenizer)
 
 
 def load_pflm(folder, device="cpu") -> HFStudent:
     """A stage folder of :func:`save_pflm` (or of ``kforcing-train``) as the PFLM: backbone + noise embedding, every
-    file's size and SHA-256 checked; in eval mode, ``k_train`` and ``hf_tokenizer`` set. ``generate_kforcing`` accepts it."""
+    file's size and SHA-256 checked; in eval mode, ``k_train`` and ``hf_tokenizer`` set. ``generate_kforcing`` accepts
+    it."""
     return load_hf_stage(folder, device)[0]
 
 
@@ -136,16 +140,18 @@ class KForcingTrainer(transformers.Trainer):
         ids = inputs["input_ids"]
         if next(self.teacher.parameters()).device != ids.device:
             self.teacher.to(ids.device)
-        loss = kforcing_loss(self.stage, model, self.teacher, ids, inputs["noise"], inputs.get("tau", 1.0), self.separator)
+        loss = kforcing_loss(self.stage, model, self.teacher, ids, inputs["noise"], inputs.get("tau", 1.0),
+                             self.separator)
         return (loss, None) if return_outputs else loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Trainer would load model.safetensors (the backbone's keys, not the wrapper's) with strict=False: nothing.
-        _load_stage_into(self.accelerator.unwrap_model(model if model is not None else self.model), resume_from_checkpoint,
-                         "resume_from_checkpoint")
+        _load_stage_into(self.accelerator.unwrap_model(model if model is not None else self.model),
+                         resume_from_checkpoint, "resume_from_checkpoint")
 
     def _load_best_model(self):
-        _load_stage_into(self.accelerator.unwrap_model(self.model), self.state.best_model_checkpoint, "load_best_model_at_end")
+        _load_stage_into(self.accelerator.unwrap_model(self.model), self.state.best_model_checkpoint,
+                         "load_best_model_at_end")
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -160,7 +166,8 @@ def _load_stage_into(student: HFStudent, folder, option: str) -> None:
     except ValueError as exc:  # CheckpointError: the folder is missing, damaged or not a stage folder
         raise ValueError(f"{option}: {exc}") from None
     if info["k"] != student.k_train:
-        raise ValueError(f"{option}: {folder} holds a PFLM trained for k={info['k']}, this trainer trains k={student.k_train}")
+        raise ValueError(f"{option}: {folder} holds a PFLM trained for k={info['k']}, this trainer trains "
+                         f"k={student.k_train}")
     try:
         student.load_state_dict(saved.state_dict())
     except RuntimeError as exc:

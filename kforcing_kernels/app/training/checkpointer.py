@@ -1,6 +1,7 @@
 """One checkpointer per run, its format chosen once from the run's parallelism.
 
-A sharded student (``--parallel fsdp``) is saved as DCP folders (:mod:`~kforcing_kernels.app.training.sharded_checkpoint`:
+A sharded student (``--parallel fsdp``) is saved as DCP folders
+(:mod:`~kforcing_kernels.app.training.sharded_checkpoint`:
 every rank writes its shards; resumable on another world size); a whole one (``ddp``, one process) as
 ``step_*.safetensors`` + JSON (:mod:`~kforcing_kernels.app.training.checkpoint`, written by rank 0). Either way a
 checkpoint is atomic, carries a manifest of its files, and resuming on the same world size repeats the

@@ -43,7 +43,8 @@ class TrainConfig:
     teacher: Optional[str] = None  # stage folder of the teacher (stage1, stage2)
     data: str = DEFAULT_SOURCE
     vocab_size: int = 1024
-    preset: Optional[str] = "tiny"  # stage0 only: the model size (later stages inherit the teacher's); recorded None for an HF model
+    # stage0 only: the model size (later stages inherit the teacher's); recorded None for an HF model
+    preset: Optional[str] = "tiny"
     model_overrides: dict = field(default_factory=dict)
     # A Hugging Face causal LM instead of the native model (app/hf_recipe/files.py): `model` is a local HF folder,
     # the AR teacher of stage1 (its tokenizer encodes --data); `model_config` a transformers config file,
@@ -74,7 +75,8 @@ class TrainConfig:
     # positions restart per document, and predictions past a document's end leave the loss.
     packed_docs: bool = False
     seed: int = 0
-    # Ranks that share each sequence (context parallelism, app/training/context_parallel.py); a divisor of the world size.
+    # Ranks that share each sequence (context parallelism, app/training/context_parallel.py); a divisor of the world
+    # size.
     context_parallel: int = 1
     precision: str = "auto"
     device: str = "auto"
@@ -97,13 +99,14 @@ class TrainConfig:
     teacher_parallel: str = "replicate"
 
     # Fields that change what a step computes; a resumed run must agree on them.
-    RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps", "batch_size",
+    RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps",
+                   "batch_size",
                    "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "decode", "k", "packed_docs", "seed", "precision", "parallel", "model",
-                   "model_config")
+                   "tau_min", "tau_max", "supervision", "decode", "k", "packed_docs", "seed", "precision", "parallel",
+                   "model", "model_config")
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "decode": "argmax", "k": 1, "parallel": "ddp", "model": None,
-                       "model_config": None}
+    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "decode": "argmax", "k": 1, "parallel": "ddp",
+                       "model": None, "model_config": None}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,15 +115,16 @@ class TrainConfig:
 def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
     """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config differs from ``cfg``.
 
-    ``teacher``, ``data``, ``model`` and ``model_config`` are paths: the same folder written relative or absolute (from this
-    working directory) is the same setting; the built-in corpus name compares as a name.
+    ``teacher``, ``data``, ``model`` and ``model_config`` are paths: the same folder written relative or absolute (from
+    this working directory) is the same setting; the built-in corpus name compares as a name.
     """
     changed = []
     for key in TrainConfig.RESUME_KEYS:
         if key in ignore:
             continue
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
-        if key in ("teacher", "data", "model", "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
+        if key in ("teacher", "data", "model",
+                   "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
             same = Path(used).resolve() == Path(wanted).resolve()
         elif key in _LEGACY and _LEGACY[key](saved, used, wanted):
             same = True
@@ -183,7 +187,8 @@ def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], l
         if saved.get(key) is None:
             unknown.append(key)
         elif saved[key] != value:
-            changed.append((key, f"{_PROVENANCE_WHAT[key]} changed (sha256 {saved[key][:12]}... then, {value[:12]}... now)"))
+            changed.append((key,
+                            f"{_PROVENANCE_WHAT[key]} changed (sha256 {saved[key][:12]}... then, {value[:12]}... now)"))
     return changed, unknown
 
 
@@ -290,28 +295,33 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     if cfg.decode not in DECODE_RULES:
         raise ConfigError(f"decode: expected one of {DECODE_RULES}, got {cfg.decode!r}")
     if cfg.decode != "argmax" and cfg.stage != "stage1":
-        raise ConfigError(f"decode: the decoding rule is chosen in stage1 (stage2 students inherit their teacher's), got stage {cfg.stage!r}")
+        raise ConfigError("decode: the decoding rule is chosen in stage1 (stage2 students inherit their teacher's), "
+                          f"got stage {cfg.stage!r}")
     if cfg.supervision not in SUPERVISIONS:
         raise ConfigError(f"supervision: expected one of {SUPERVISIONS}, got {cfg.supervision!r}")
     if cfg.supervision == "noise_inversion" and cfg.stage != "stage1":
         raise ConfigError(f"supervision: noise_inversion distils the AR teacher (stage1), got stage {cfg.stage!r}")
     if cfg.k != 1 and not (cfg.stage == "stage1" and cfg.supervision == "noise_inversion"):
-        raise ConfigError(f"k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 doubles its teacher's), got {cfg.k}")
+        raise ConfigError("k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 "
+                          f"doubles its teacher's), got {cfg.k}")
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel: expected one of {PARALLEL_MODES}, got {cfg.parallel!r}")
     if cfg.parallel == "fsdp" and cfg.precision == "fp16":
-        raise ConfigError("precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use --precision bf16")
+        raise ConfigError("precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use "
+                          "--precision bf16")
     if not 0 < cfg.tau_min <= cfg.tau_max:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
     if not _is_int(cfg.context_parallel) or cfg.context_parallel < 1 or world % cfg.context_parallel:
-        raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}")
+        raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got "
+                          f"{cfg.context_parallel!r}")
     if cfg.teacher_parallel not in TEACHER_MODES:
         raise ConfigError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {cfg.teacher_parallel!r}")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
-        raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x {cfg.grad_accum} "
+        raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
+                          f"{cfg.grad_accum} "
                           f"(world size {world} / context_parallel {cfg.context_parallel}), got {cfg.batch_size}")
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ConfigError(f"stop_at: expected a step in [1, steps={cfg.steps}], got {cfg.stop_at}")
@@ -323,20 +333,24 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
 def _validate_hf(cfg: TrainConfig) -> None:
     """--model / --model-config: which stages take them and what they exclude."""
     if cfg.model and cfg.model_config:
-        raise ConfigError("model_config: --model (a pretrained folder) and --model-config (a random initialisation) are two "
+        raise ConfigError("model_config: --model (a pretrained folder) and --model-config (a random initialisation) "
+                          "are two "
                           "sources of the model; pass one")
     if cfg.model_config:
         if cfg.stage != "stage0":
-            raise ConfigError(f"model_config: only stage0 builds a model from --model-config (later stages inherit their "
+            raise ConfigError("model_config: only stage0 builds a model from --model-config (later stages inherit "
+                              "their "
                               f"teacher's), got stage {cfg.stage!r}")
         if not Path(cfg.model_config).is_file():
             raise ConfigError(f"model_config: no transformers config file at {cfg.model_config!r}")
     if cfg.model:
         if cfg.stage != "stage1":
-            raise ConfigError(f"model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model PATH` or "
+            raise ConfigError("model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model "
+                              "PATH` or "
                               f"`pipeline --model PATH`), got stage {cfg.stage!r}")
         if not (Path(cfg.model) / "config.json").exists():
-            raise ConfigError(f"model: expected a local Hugging Face model folder (config.json, weights, tokenizer), got {cfg.model!r}")
+            raise ConfigError("model: expected a local Hugging Face model folder (config.json, weights, tokenizer), "
+                              f"got {cfg.model!r}")
         if cfg.teacher and Path(cfg.teacher).resolve() != Path(cfg.model).resolve():
             raise ConfigError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
     if (cfg.model or cfg.model_config) and cfg.model_overrides:

@@ -1,8 +1,8 @@
 """The trainer's context parallelism (``--context-parallel N``): N ranks share each sequence.
 
 The world (``torchrun --nproc_per_node W``) is a ``W / N`` x N device mesh (``app/parallel.ParallelDims``):
-its ``cp`` dim makes the CP groups of N consecutive ranks, and the batch is sharded over the ``dp`` rows; the ranks of a group get the
-same sequences and split each one's query rows (``kforcing_kernels.parallel``: balanced by attended
+its ``cp`` dim makes the CP groups of N consecutive ranks, and the batch is sharded over the ``dp`` rows; the ranks of a
+group get the same sequences and split each one's query rows (``kforcing_kernels.parallel``: balanced by attended
 pairs, K/V all-gathered per attention layer, dK/dV reduce-scattered). Each rank runs the student on
 its rows only, so activation memory per rank is about 1/N of the sequence's (see BENCHMARKS.md).
 

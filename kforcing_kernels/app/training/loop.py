@@ -126,7 +126,8 @@ def train(cfg: TrainConfig) -> dict:
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(cfg.device, cfg.context_parallel,
-                          cfg.parallel, group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
+                          cfg.parallel,
+                          group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
     out = Path(cfg.out)
     try:
         before = folder_before_start(out) if dims.main else None
@@ -149,7 +150,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
         require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
-        require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+        require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data),
+                                           "teacher_sha256": teacher_sha256(cfg.teacher)},
                                  f"the finished run in {out}", log)
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
@@ -172,8 +174,8 @@ def threads_line(dims: ParallelDims) -> str:
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:
-    return evaluate_loss(stage.student, stage.teacher, stage.objective, stage.k, stage.cfg, stage.corpus, stage.dims.device,
-                         stage.autocast)
+    return evaluate_loss(stage.student, stage.teacher, stage.objective, stage.k, stage.cfg, stage.corpus,
+                         stage.dims.device, stage.autocast)
 
 
 def _step_loss(stage: Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,8 +195,8 @@ def _run_steps(stage: Stage) -> float:
     separator = stage.corpus.eos_id if cfg.packed_docs else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     live = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    bar = tqdm(total=cfg.steps, initial=stage.start, desc=f"[{cfg.stage}]", disable=not (dims.main and live), file=sys.stderr,
-               dynamic_ncols=True, mininterval=0.2)
+    bar = tqdm(total=cfg.steps, initial=stage.start, desc=f"[{cfg.stage}]", disable=not (dims.main and live),
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.2)
     lines = ProgressLines(stage.start, stop)  # without a live bar: plain progress lines, about ten and every 30 s
     t_start, last_loss = time.perf_counter(), float("nan")
     for step in range(stage.start, stop):
@@ -202,7 +204,8 @@ def _run_steps(stage: Stage) -> float:
         lr = learning_rate(cfg, step)
         for group in stage.optimizer.param_groups:
             group["lr"] = lr
-        batch = make_batch(stage.objective, stage.corpus.train, cfg.batch_size, cfg.seq_len, stage.k, (cfg.tau_min, cfg.tau_max),
+        batch = make_batch(stage.objective, stage.corpus.train, cfg.batch_size, cfg.seq_len, stage.k, (cfg.tau_min,
+                                                                                                       cfg.tau_max),
                            step_generator(cfg.seed, step), separator).shard(dims.dp_rank, dims.dp)
         loss_sum, pos_sum = 0.0, 0.0
         for micro in range(cfg.grad_accum):
@@ -275,7 +278,8 @@ def _finish(stage: Stage, last_loss: float, t_start: float) -> dict:
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
-        record = {**stage.model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(), "summary": summary}
+        record = {**stage.model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(),
+                  "summary": summary}
     stage.checkpointer.export(stage.student, record, stage.corpus)  # a collective under FSDP2: rank 0 writes
     dims.barrier()
     return summary

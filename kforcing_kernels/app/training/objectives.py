@@ -13,7 +13,8 @@
 
 Packed documents (``Batch.separator`` set, the trainer's ``--packed-docs``): a window of the
 token stream holds pieces of several documents, each ending with the separator (EOS). Every
-model call, teacher and student, gets the crop's ``cu_seqlens`` (:func:`~kforcing_kernels.layouts.positions.document_offsets`),
+model call, teacher and student, gets the crop's ``cu_seqlens``
+(:func:`~kforcing_kernels.layouts.positions.document_offsets`),
 so attention never crosses a document and RoPE positions restart at 0 in each. A prediction
 whose target lies past the end of its document is left out of the loss: in AR, the separator
 position (it would predict the next document's first token); in a K-Forcing window t, slot j
@@ -94,7 +95,8 @@ def _forward_targets(teacher_logits: torch.Tensor, z: torch.Tensor, taus: torch.
         return inverse_cdf_sample(teacher_logits, z, taus)
     if order != "probability":
         raise ValueError(f"order: expected one of {CDF_ORDERS}, got {order!r}")
-    by_probability = torch.sort(teacher_logits, dim=-1, descending=True, stable=True).indices  # [B, N, V] ids, most probable first
+    # [B, N, V] ids, most probable first
+    by_probability = torch.sort(teacher_logits, dim=-1, descending=True, stable=True).indices
     rank = inverse_cdf_sample(teacher_logits.gather(-1, by_probability), z, taus)  # [B, N]
     return by_probability.gather(-1, rank[..., None])[..., 0]
 
@@ -242,7 +244,8 @@ class Batch:
         size = self.tokens.shape[0] // count
         part = slice(index * size, (index + 1) * size)
         seed = None if self.seed is None else (self.seed * 1009 + index + 1) % 2**62
-        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed, self.separator)
+        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed,
+                     self.separator)
 
     def to(self, device) -> "Batch":
         return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)), self.seed,
@@ -321,7 +324,8 @@ def require_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
     if objective in (Objective.FORWARD, Objective.SELF_FORCING) and batch.noise is None:
         raise ValueError(f"batch.noise: objective {objective.value} needs noise [B, N, k], got None")
     if objective is Objective.FORWARD and batch.noise.shape[-1] != 1:
-        raise ValueError(f"batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got {tuple(batch.noise.shape)}")
+        raise ValueError("batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got "
+                         f"{tuple(batch.noise.shape)}")
     if objective is Objective.SELF_FORCING and batch.noise.shape[-1] % 2:
         raise ValueError(f"batch.noise: self-forcing needs 2k noises per window, got {batch.noise.shape[-1]}")
     if objective is Objective.NOISE_INVERSION:
@@ -426,7 +430,8 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
             return loss, loss.detach()[None]
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
-        loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1))
+        loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1],
+                                                                               1))
         return loss, loss.detach()[None]
     context, noise, targets, cu = student_inputs(objective, batch, teacher, k, chunked=chunked, chunk_rows=chunk_rows)
     if head is not None:

@@ -134,7 +134,8 @@ def resolve_device(device: str) -> torch.device:
         torch.cuda.set_device(dev)
     elif dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         # Every rank of this node would take the same GPU: NCCL refuses that, or the ranks share one GPU's memory.
-        raise ValueError(f"device: {device!r} puts all {os.environ['LOCAL_WORLD_SIZE']} torchrun processes of this node on "
+        raise ValueError(f"device: {device!r} puts all {os.environ['LOCAL_WORLD_SIZE']} torchrun processes of this "
+                         "node on "
                          "one GPU; pass 'cuda' (each rank takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES")
     return dev
 
@@ -276,7 +277,8 @@ def place_teacher(teacher, dims: ParallelDims, mode: str, amp: Optional[torch.dt
         raise ValueError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {mode!r}")
     if mode == "fsdp":
         if dims.mesh is None:
-            raise ValueError("teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one process)")
+            raise ValueError("teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one "
+                             "process)")
         _fully_shard(teacher, dims, amp, methods=("single_forward", "double_forward"), reshard_root=True)
 
 

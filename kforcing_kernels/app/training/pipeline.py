@@ -1,7 +1,8 @@
 """The whole K-Forcing schedule from one config: Stage 0 -> Stage 1 -> Stage 2 (k=2) -> ... -> Stage 2 (k=k_final).
 
     python -m kforcing_kernels.app.train pipeline --out runs/x
-    python -m kforcing_kernels.app.train pipeline --out runs/x --model HF_FOLDER   # no Stage 0: the HF model is the AR teacher
+    python -m kforcing_kernels.app.train pipeline --out runs/x --model HF_FOLDER   # no Stage 0: the HF model is the AR
+    teacher
     torchrun --nproc_per_node 2 -m kforcing_kernels.app.train pipeline --out runs/x   # every stage data parallel
 
 Under torchrun every rank runs the pipeline: rank 0 alone locks ``--out``, checks the sources and decides each
@@ -74,19 +75,22 @@ class PipelineConfig:
     def num_rounds(self) -> int:
         """Self-forcing rounds: k = 2, 4, ..., k_final."""
         if not isinstance(self.k_final, int) or self.k_final < 1 or self.k_final & (self.k_final - 1):
-            raise ConfigError(f"k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got {self.k_final!r}")
+            raise ConfigError("k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got "
+                              f"{self.k_final!r}")
         return self.k_final.bit_length() - 1
 
     def round_steps(self) -> list[int]:
         """Steps of each self-forcing round, in order (k=2 first)."""
         return [int(v) for v in _per_round(self.steps_stage2, self.num_rounds(), "steps_stage2", "--steps-stage2",
-                                           lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "positive integers")]
+                                           lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                                           "positive integers")]
 
     def round_lrs(self) -> list[float]:
         """Learning rate of each self-forcing round, in order (k=2 first)."""
         value = self.lr_distill if self.lr_stage2 is None else self.lr_stage2
         return [float(v) for v in _per_round(value, self.num_rounds(), "lr_stage2", "--lr-stage2",
-                                             lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+                                             lambda v: isinstance(v, (int, float)) and not isinstance(v,
+                                                 bool) and 0 < v < math.inf,
                                              "positive numbers")]
 
     def stage_folders(self) -> list[tuple[str, Path]]:
@@ -115,9 +119,11 @@ def per_round_type(cast, expected: str):
         try:
             values = tuple(cast(part) for part in text.split(","))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got "
+                                             f"{text!r}") from None
         if not all(0 < v < math.inf for v in values):
-            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got "
+                                             f"{text!r}")
         return values
 
     return parse
@@ -128,14 +134,18 @@ _RETRAIN = "choose another output folder (--out), or retrain every stage of this
 
 def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_hash) -> None:
     """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for now,
-    on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current --data's."""
+    on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current
+    --data's."""
     saved = finished.get("train_config") or read_json(folder / "train_config.json")
-    # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working directory.
+    # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working
+    # directory.
     for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
-        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks for "
+        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks "
+                          "for "
                           f"{wanted!r}; {_RETRAIN}")
     # Its identity, not its path: a teacher retrained in place is another teacher.
-    changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)})
+    changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(),
+                                                     "teacher_sha256": teacher_sha256(cfg.teacher)})
     kind = find_kind(cfg.teacher)
     note = kind.earlier_identity_note(cfg.teacher, finished.get("teacher_sha256")) if kind is not None else None
     if note is not None:
@@ -149,7 +159,8 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
             raise ConfigError(f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the "
                               f"{source_option} folder {cfg.teacher} changed since it was trained "
                               f"({kind.source_files}: {what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}")
-        raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was trained "
+        raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was "
+                          "trained "
                           f"({PROVENANCE[key]}); {_RETRAIN}")
     if unknown:
         print(f"[pipeline] warning: {folder} was saved before {', '.join(unknown)} were recorded; reusing it without "
@@ -162,7 +173,8 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Call
     A finished stage (model.json present) is skipped, unless ``base.overwrite`` (then every stage is
     trained again); one trained with other settings (steps, learning rate, batch size, ...: the keys
     a resume must agree on) is refused with a ConfigError rather than mixed into this run. With
-    ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without ``--resume`` or ``--overwrite`` is refused by :func:`train`.
+    ``base.resume`` a stage with checkpoints continues and a stage not yet started starts; a partial stage without
+    ``--resume`` or ``--overwrite`` is refused by :func:`train`.
     A finished stage whose --data text or teacher (the SHA-256 of the previous stage's model file; of a ``--model``
     folder, of its weights, config.json and tokenizer files) changed
     since it was trained is refused the same way. ``pipe.out`` is locked while the stages run, and while ``then``
@@ -249,12 +261,14 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
     for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
         distill = stage != "stage0"
         if stage == "stage0" and base.model:  # a pretrained Hugging Face model is the AR teacher: no stage0
-            teacher = Path(base.model).resolve()  # recorded as stage1's teacher: the run folder works from any directory
+            # recorded as stage1's teacher: the run folder works from any directory
+            teacher = Path(base.model).resolve()
             continue
         cfg = dataclasses.replace(
             base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
-            model=base.model if stage == "stage1" else None, model_config=base.model_config if stage == "stage0" else None,
+            model=base.model if stage == "stage1" else None,
+            model_config=base.model_config if stage == "stage0" else None,
             decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
         )
         done, value = decided_by_rank0(functools.partial(_stage_decision, folder, cfg, base, data_hash))

@@ -46,8 +46,8 @@ from .parallel import broadcast_value
 SHARDED_FORMAT = "kforcing-dcp/1"
 SHARDED_SUFFIX = ".dcp"
 MANIFEST = "manifest.json"
-_MANIFEST_KEYS = {"format": str, "step": int, "world_size": int, "train_config": dict, "model_config": dict, "info": dict,
-                  "scaler": (dict, type(None)), "rng": list, "files": dict}
+_MANIFEST_KEYS = {"format": str, "step": int, "world_size": int, "train_config": dict, "model_config": dict,
+                  "info": dict, "scaler": (dict, type(None)), "rng": list, "files": dict}
 
 
 def is_sharded(path: Path) -> bool:
@@ -91,7 +91,8 @@ def _fsync_file(path: Path) -> None:
 # ---------------------------------------------------------------------- save
 
 
-def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:
+def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict,
+                            keep: int) -> Path:
     """Every rank: write the sharded checkpoint of ``step`` (see the module docstring); keep the newest ``keep``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -156,7 +157,8 @@ def read_sharded_meta(folder: Path) -> dict:
         raise CheckpointError(f"{folder}: not a sharded checkpoint folder")
     manifest = read_json(folder / MANIFEST, {"format": str})
     if manifest["format"] != SHARDED_FORMAT:
-        raise CheckpointError(f"{folder / MANIFEST}: unknown checkpoint format {manifest['format']!r}, expected {SHARDED_FORMAT}")
+        raise CheckpointError(f"{folder / MANIFEST}: unknown checkpoint format {manifest['format']!r}, expected "
+                              f"{SHARDED_FORMAT}")
     return read_json(folder / MANIFEST, _MANIFEST_KEYS)
 
 
@@ -173,7 +175,8 @@ def verify_sharded(folder: Path) -> dict:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
         if path.stat().st_size != record.get("bytes"):
-            raise CheckpointError(f"{path}: truncated or corrupt: {path.stat().st_size} bytes, expected {record.get('bytes')}")
+            raise CheckpointError(f"{path}: truncated or corrupt: {path.stat().st_size} bytes, expected "
+                                  f"{record.get('bytes')}")
         if sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {MANIFEST}")
     return manifest
@@ -227,7 +230,8 @@ def check_export_out(checkpoint: Path, out: Path) -> None:
     check_out_folder(out, "--out")
     run = Path(checkpoint).parent.parent
     if out.resolve() == run.resolve():
-        raise ConfigError(f"out: {str(out)!r} is the run folder of {str(checkpoint)!r}; exporting there would replace the "
+        raise ConfigError(f"out: {str(out)!r} is the run folder of {str(checkpoint)!r}; exporting there would replace "
+                          "the "
                           "run's own model.safetensors and model.json: choose another --out")
 
 
@@ -286,7 +290,8 @@ def main(argv=None) -> None:
 
     source = Path(args.checkpoint)
     try:  # before looking for the checkpoint: a wrong --out is the first thing to say
-        check_export_out(source if is_sharded(source) else checkpoint_dir(source) / f"step{SHARDED_SUFFIX}", Path(args.out))
+        check_export_out(source if is_sharded(source) else checkpoint_dir(source) / f"step{SHARDED_SUFFIX}",
+                         Path(args.out))
     except ConfigError as exc:
         parser.error(f"argument --out: {str(exc).removeprefix('out: ')}")
     if not is_sharded(source):

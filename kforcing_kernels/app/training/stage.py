@@ -1,6 +1,6 @@
 """The set-up of one training stage: the models (the student built or inherited, the teacher loaded, both placed
-on the ranks by :mod:`~kforcing_kernels.app.training.parallel`), the optimizer, the checkpointer, the run folder's lock, and
-the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before anything is built.
+on the ranks by :mod:`~kforcing_kernels.app.training.parallel`), the optimizer, the checkpointer, the run folder's lock,
+and the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before anything is built.
 
 :func:`set_up` returns a :class:`Stage`; :mod:`~kforcing_kernels.app.training.loop` runs its steps.
 """
@@ -68,7 +68,8 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
         if tinfo["k"] != 0:
-            raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}")
+            raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from "
+                              f"{cfg.teacher}")
         student = copy.deepcopy(teacher).cpu()
         student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
         if cfg.decode != "argmax":  # how the PFLM decodes, saved in its model config (model/decoding.py)
@@ -79,13 +80,15 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
         k = cfg.k
     else:
         if tinfo["k"] == 0:
-            raise ConfigError(f"teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in {cfg.teacher}")
+            raise ConfigError("teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in "
+                              f"{cfg.teacher}")
         student = copy.deepcopy(teacher).cpu()
         k = 2 * tinfo["k"]
     student.requires_grad_(True)
-    info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"], "supervision": cfg.supervision,
-            **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
-    if cfg.stage == "stage1":  # which inverse-CDF construction the student learned (app/evaluation/noise_diagnosis.py reads it)
+    info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"],
+            "supervision": cfg.supervision, **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
+    # which inverse-CDF construction the student learned (app/evaluation/noise_diagnosis.py reads it)
+    if cfg.stage == "stage1":
         info["cdf_order"] = STAGE1_CDF_ORDER
     return student, teacher, k, info
 
@@ -117,7 +120,8 @@ def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
     """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
     changed, unknown = changed_provenance(saved, now)
     for key, what in changed:
-        raise ConfigError(f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or start "
+        raise ConfigError(f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or "
+                          "start "
                           f"again with --overwrite (or another --out) ({PROVENANCE[key]})")
     if unknown:
         log(f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
@@ -130,7 +134,8 @@ def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     ckpt = latest_checkpoint(out)
     meta = read_meta(ckpt)
     require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
-    require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+    require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data),
+                                           "teacher_sha256": teacher_sha256(cfg.teacher)},
                              f"the run in {out}", log)
     return ckpt, meta
 
@@ -188,7 +193,8 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
     prepare_out(cfg, dims.main, log)
     if cfg.dump_grads and dims.main:
         check_writable(cfg.dump_grads, "--dump-grads")  # now, not after the first step
-    # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new tokenizer).
+    # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new
+    # tokenizer).
     ckpt, ckpt_meta = _resume_state(out, cfg, log) if cfg.resume else (None, None)
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
@@ -200,7 +206,8 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
 
     objective = Objective.of(cfg.stage, cfg.supervision)
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
-        require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log)
+        require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}",
+                                log)
     student, teacher, k, model_info = _build(cfg, dims, corpus, log)
     _check_vocab(cfg, student, corpus)
     check_splits(cfg, corpus, objective, k)
@@ -208,7 +215,8 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
     amp = _amp_dtype(cfg.precision, dims.device)
     if teacher is not None:
         place_teacher(teacher, dims, cfg.teacher_parallel, amp)
-    model = parallelize(student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, amp=amp)
+    model = parallelize(student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                        amp=amp)
     optimizer = _optimizer(student, cfg, fused_ok=dims.device.type == "cuda")
     scaler = torch.amp.GradScaler(dims.device.type, enabled=amp == torch.float16)
     checkpointer = Checkpointer(out, dims, cfg.keep_checkpoints)
@@ -232,8 +240,10 @@ def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
     if kind_of(student).tokenizer_from_model and cfg.stage != "stage0":
         top = max(int(corpus.train.max()), int(corpus.val.max()))
         if top >= vocab:
-            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the model's {vocab} embeddings")
+            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the "
+                              f"model's {vocab} embeddings")
     elif vocab != corpus.vocab_size:
         what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
-        raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of {cfg.data!r} (--vocab-size "
+        raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of "
+                          f"{cfg.data!r} (--vocab-size "
                           f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")

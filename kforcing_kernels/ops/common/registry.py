@@ -10,8 +10,8 @@ whose answer depends on the head dim lists the head dims it can take as ``HEAD_D
 ``supports`` is then asked about those only, else with ``head_dim=None``) and
 ``preferred() -> bool`` (present but slower than the next choice here, e.g. cpp's portable
 build) and ``limits() -> Optional[str]`` (usable, but not for everything: flex has no backward on CPU
-tensors; :meth:`OpRegistry.limits` collects these notes, ``available()`` stays None for it). A backend that is not built or cannot import is reported absent with its reason; it is
-never faked, and ``reference`` is a backend like any other.
+tensors; :meth:`OpRegistry.limits` collects these notes, ``available()`` stays None for it). A backend that is not built
+or cannot import is reported absent with its reason; it is never faked, and ``reference`` is a backend like any other.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def _(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backe
 # ---------------------------------------------------------------------- validation
 
 
-def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend, check_table=True) -> torch.Tensor:
+def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend,
+              check_table=True) -> torch.Tensor:
     """Checks every argument; returns context_lens as int64 [B] on CPU."""
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
         check_tensor(name, t, rank=4, dtypes=SUPPORTED_DTYPES)
@@ -199,7 +200,8 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
         bad = used & ((ids < 0) | (ids >= num_pages))
         if bool(bad.any()):
             i, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"block_table: request {i} page {j} is {int(ids[i, j])}, outside the pool of {num_pages} pages")
+            raise ValueError(f"block_table: request {i} page {j} is {int(ids[i, j])}, outside the pool of {num_pages} "
+                             "pages")
     check_scale(scale)
     REGISTRY.check_name(backend)
     return lens

@@ -25,7 +25,8 @@ def available() -> Optional[str]:
 def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float):
     on_cpu = q.device.type == "cpu"
     if on_cpu != triton_env.interpret_requested():
-        raise ValueError(f"q: backend 'triton' takes CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), got device {q.device}")
+        raise ValueError("q: backend 'triton' takes CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), got "
+                         f"device {q.device}")
     allowed = (torch.float32, torch.float16) if on_cpu else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
         raise ValueError(f"q: backend 'triton' takes dtype in {allowed} here, got {q.dtype}")

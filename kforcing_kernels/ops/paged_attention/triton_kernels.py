@@ -36,7 +36,8 @@ def _paged_fwd_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < W
     dim_ok = dims < D
-    q = tl.load(Q + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(Q + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
+                other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -73,7 +74,8 @@ def _paged_fwd_kernel(
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
     l_sum = tl.where(row_ok, l_sum, 1.0)
     out = acc / l_sum[:, None]
-    tl.store(Out + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(Out + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:,
+        None] & dim_ok[None, :])
 
 
 def paged_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float) -> torch.Tensor:

@@ -15,5 +15,5 @@ from .op import (
     sampler_backend,
 )
 
-__all__ = ["inverse_cdf_sample", "inverse_cdf_sample_reference", "noise_inversion", "noise_inversion_reference", "sampler_backend",
-           "REGISTRY"]
+__all__ = ["inverse_cdf_sample", "inverse_cdf_sample_reference", "noise_inversion", "noise_inversion_reference",
+           "sampler_backend", "REGISTRY"]

@@ -53,9 +53,11 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
     if logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if not isinstance(other, torch.Tensor):
-        raise ValueError(f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got {type(other).__name__}")
+        raise ValueError(f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got "
+                         f"{type(other).__name__}")
     if other.shape != logits.shape[:-1]:
-        raise ValueError(f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(other.shape)}")
+        raise ValueError(f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got "
+                         f"{tuple(other.shape)}")
     if other.device != logits.device:
         raise ValueError(f"{other_name}: expected device {logits.device} (logits'), got {other.device}")
     if other_name == "z":
@@ -69,7 +71,8 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
             raise ValueError(f"{other_name}: expected an integer dtype, got {other.dtype}")
         outside = (other < 0) | (other >= logits.shape[-1])
         if bool(outside.any()):
-            raise ValueError(f"{other_name}: expected ids in [0, {logits.shape[-1]}), got {other[outside].flatten()[0].item()}")
+            raise ValueError(f"{other_name}: expected ids in [0, {logits.shape[-1]}), got "
+                             f"{other[outside].flatten()[0].item()}")
     if isinstance(temperature, torch.Tensor):
         if temperature.dtype == torch.bool or temperature.is_complex():
             raise ValueError(f"temperature: expected a real tensor, got {temperature.dtype}")
@@ -146,7 +149,8 @@ def _(logits, z, tau, backend):
 
 
 def noise_inversion_reference(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, generator: Optional[torch.Generator] = None
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0,
+    generator: Optional[torch.Generator] = None
 ) -> torch.Tensor:
     """Torch version of :func:`noise_inversion` (float64, materialises the CDF: the ``reference`` backend)."""
     tau = _check(logits, tokens, "tokens", temperature)

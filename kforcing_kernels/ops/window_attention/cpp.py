@@ -56,7 +56,8 @@ def forward(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float)
 
     ``layout`` may be a row subset (``QueryRowsLayout``): the same kernels over its rows' tiles."""
     if layout.n_queries == 0:  # a subset of no rows: nothing for the kernels to tile
-        return q.new_zeros(q.shape), q.new_zeros(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[:3],
+                                                 dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return _extension.require().attention_forward(q, k, v, *_layout_args(layout), float(scale), _n_rows(layout))
 
 

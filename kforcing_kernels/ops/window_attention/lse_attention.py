@@ -64,7 +64,8 @@ def attend(
     """
     if _use_flash_cpu(q) and not force_math:
         mask = None if allowed is None else _additive_mask(allowed, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                              scale=scale)
         lse = lse.to(acc_dtype(q.dtype)).contiguous()
         if allowed is not None:
             empty = ~allowed.any(-1)  # [B|1, 1, Lq]

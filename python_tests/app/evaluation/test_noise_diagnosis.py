@@ -108,7 +108,8 @@ def test_the_report_says_which_way_a_deviation_from_the_teacher_is_bad():
     # The Stage-1 student's own (untimed) row: in Table 1 with "-" throughput, and in the tau sweep.
     summary["quality"]["Stage-1 PFLM(1), k=1"] = {**q, "ppl": 12.0, "distinct4": 0.65}
     summary["tau_sweep"] = {"0.8": {"AR": q, "K-Forcing k=1": summary["quality"]["K-Forcing k=1"]}}
-    summary["tau_sweep_stage1"] = {"name": "Stage-1 PFLM(1), k=1", "scores": {"0.8": {**q, "ppl": 12.0, "distinct4": 0.65}}}
+    summary["tau_sweep_stage1"] = {"name": "Stage-1 PFLM(1), k=1", "scores": {"0.8": {**q, "ppl": 12.0,
+                                                                                      "distinct4": 0.65}}}
     text = format_report(summary)
     assert "| Stage-1 PFLM(1), k=1 | 1 | - | - | 3.000 | 12.00 | 0.60x | 0.650 |" in text
     assert "| Stage-1 PFLM(1), k=1 | 12.00 (0.60x), 0.650 |" in text

@@ -98,7 +98,8 @@ def test_bad_inputs_raise_clear_errors(model, prompts):
 # ---------------------------------------------------------------------- issue 12 items 5 and 17: refuse nonsense
 
 
-@pytest.mark.parametrize("tau", [0, 0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, float("nan"), 1.0]), True, "1"])
+@pytest.mark.parametrize("tau", [0, 0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, float("nan"), 1.0]), True,
+                                 "1"])
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_kforcing_refuses_bad_temperature(model, prompts, tau, cache):
     with pytest.raises(ValueError, match="temperature: expected a finite number > 0"):
@@ -214,7 +215,8 @@ def test_cli_unwritable_out_is_a_clear_error(stage, tmp_path, capsys, where):
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    out = {"under_a_file": blocker / "gen.jsonl", "missing_dir": tmp_path / "nope" / "gen.jsonl", "a_directory": tmp_path}[where]
+    out = {"under_a_file": blocker / "gen.jsonl", "missing_dir": tmp_path / "nope" / "gen.jsonl",
+           "a_directory": tmp_path}[where]
     with pytest.raises(SystemExit):
         main([str(stage), "--prompt", "def", "--new-tokens", "2", "--out", str(out)])
     assert "argument --out:" in capsys.readouterr().err

@@ -172,7 +172,8 @@ def test_ar_decoding_refuses_a_k_forcing_model(model, ar_model):
     """generate_ar and an AR PagedGenerator on a K-Forcing model (k_train=2) would decode it without its noise
     window: refused by name on both caches; the AR model with the same weights runs."""
     for cache in ("contiguous", "paged"):
-        with pytest.raises(ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\).*generate_kforcing"):
+        with pytest.raises(ValueError,
+                           match=r"^model: this model was trained with K-Forcing \(k_train=2\).*generate_kforcing"):
             generate_ar(model, [[1, 2]], 3, cache=cache)
     with pytest.raises(ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\)"):
         PagedGenerator(model, None, num_pages=8)

@@ -111,7 +111,8 @@ def test_kforcing_cached_logits_match_a_full_recompute(model):
 def test_kforcing_shifted_positions_are_caught(model, monkeypatch, where):
     noise = kforcing_noise()
     # The patch moves the positions given to model.trunk, which the contiguous-cache path calls for
-    # every step (the paged path decodes through model.trunk over PagedKVCache.views; the recompute tests above cover it).
+    # every step (the paged path decodes through model.trunk over PagedKVCache.views; the recompute tests above cover
+    # it).
     out, logits = run_kforcing(model, noise, cache="contiguous")
     with shifted_positions(model, monkeypatch, **{where: 1}):
         out_shifted, shifted = run_kforcing(model, noise, cache="contiguous")

@@ -37,8 +37,8 @@ FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config
 
 
 def tiny_config(family: str, vocab: int = VOCAB):
-    return FAMILIES[family](vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, max_position_embeddings=128)
+    return FAMILIES[family](vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
 def tiny_student(family: str, seed: int = 0, vocab: int = 48) -> HFStudent:
@@ -54,7 +54,8 @@ def root(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         # A "pretrained" Qwen2 folder as a user has one: weights, config and a fast tokenizer with an EOS.
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(str(root / "corpus"), vocab_size=VOCAB).tokenizer,
+        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(str(root / "corpus"),
+                                                                                      vocab_size=VOCAB).tokenizer,
                                                          eos_token=EOS)
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2")).save_pretrained(root / "qwen2")
@@ -81,8 +82,8 @@ def run(request, root):
     out = root / f"run_{family}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
-        train_cli.main(["pipeline", "--out", str(out), "--data", str(root / "corpus"), *source_args(root, family), *SMALL,
-                        "--evaluate", "quick"])
+        train_cli.main(["pipeline", "--out", str(out), "--data", str(root / "corpus"), *source_args(root, family),
+                        *SMALL, "--evaluate", "quick"])
         yield family, out
 
 
@@ -101,13 +102,15 @@ def test_one_command_k_forces_the_model_end_to_end(run, capsys):
     assert all(text for text in summary["samples"].values())
     # Generation from the CLI, with the stage's own tokenizer.
     capsys.readouterr()
-    inference.main([str(out / "stage2_k4"), "--prompt", "def dumps(", "--new-tokens", "8", "--threads", "1", "--device", "cpu"])
+    inference.main([str(out / "stage2_k4"), "--prompt", "def dumps(", "--new-tokens", "8", "--threads", "1", "--device",
+                    "cpu"])
     assert capsys.readouterr().out.startswith("def dumps(")
 
 
 def test_hf_stages_record_no_preset_and_reuse_stages_saved_with_one(run, root, capsys, monkeypatch):
     """Issue 38: --preset sizes no Hugging Face model, so HF stages record none (and stage2 its own k); stages saved
-    before, with the --preset default and k 1 recorded, are still reused; a recorded k that is not the window is refused."""
+    before, with the --preset default and k 1 recorded, are still reused; a recorded k that is not the window is
+    refused."""
     family, out = run
     names = (["stage0"] if family == "llama" else []) + ["stage1", "stage2_k2", "stage2_k4"]
     for name in names:
@@ -141,7 +144,8 @@ def test_the_stage_folder_loads_with_from_pretrained(run):
     folder = out / "stage2_k4"
     student, info, _ = load_hf_stage(folder)
     assert info["k"] == 4 and student.k_train == 4
-    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()  # the independent oracle
+    # the independent oracle
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(student(ids), plain(ids).logits, atol=1e-5, rtol=1e-5)
@@ -177,9 +181,10 @@ def test_a_damaged_or_old_stage_folder_is_refused(run, tmp_path):
 def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
     """fp32, and bf16 autocast (fp32 weights and AdamW state; CPU autocast is deterministic) alike."""
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
-    cfg = TrainConfig(stage="stage1", model=str(root / "qwen2"), out=str(tmp_path / "whole"), data=str(root / "corpus"), seq_len=16,
-                      batch_size=4, steps=4, warmup_steps=1, log_every=1, eval_batches=1, progress=False, packed_docs=True, device="cpu",
-                      precision=precision)
+    cfg = TrainConfig(stage="stage1", model=str(root / "qwen2"), out=str(tmp_path / "whole"), data=str(root / "corpus"),
+                      seq_len=16,
+                      batch_size=4, steps=4, warmup_steps=1, log_every=1, eval_batches=1, progress=False,
+                      packed_docs=True, device="cpu", precision=precision)
     torch.set_num_threads(1)
     train(cfg)
     parts = dataclasses.replace(cfg, out=str(tmp_path / "parts"), stop_at=2)
@@ -202,8 +207,10 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["pipeline", "--model", "M", "--preset", "micro"], "argument --preset: sizes the native model; --model gives the model"),
-    (["pipeline", "--model-config", "C.json", "--n-layer", "2"], "argument --n-layer: sizes the native model; --model-config"),
+    (["pipeline", "--model", "M", "--preset", "micro"],
+     "argument --preset: sizes the native model; --model gives the model"),
+    (["pipeline", "--model-config", "C.json", "--n-layer", "2"],
+     "argument --n-layer: sizes the native model; --model-config"),
     (["stage1"], "argument --teacher: stage1 needs --teacher .* or --model"),
 ])
 def test_cli_refusals_name_the_setting(argv, message, tmp_path, capsys):
@@ -216,13 +223,14 @@ def test_cli_refusals_name_the_setting(argv, message, tmp_path, capsys):
     (dict(stage="stage0", model="qwen2"), "model: --model is a pretrained AR teacher"),
     (dict(stage="stage0", model="qwen2", model_config="llama.json"), "model_config: --model .* and --model-config"),
     (dict(stage="stage1", model_config="llama.json", teacher="x"), "model_config: only stage0"),
-    (dict(stage="stage0", model_config="llama.json", vocab_size=257), "vocab_size: --model-config .* has 300 tokens .* has 257"),
+    (dict(stage="stage0", model_config="llama.json", vocab_size=257),
+     "vocab_size: --model-config .* has 300 tokens .* has 257"),
 ])
 def test_config_refusals_name_the_setting(root, tmp_path, monkeypatch, change, message):
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
     change = {k: str(root / v) if k in ("model", "model_config") else v for k, v in change.items()}
-    cfg = TrainConfig(out=str(tmp_path / "out"), data=str(root / "corpus"), seq_len=16, batch_size=4, steps=1, progress=False,
-                      device="cpu", **change)
+    cfg = TrainConfig(out=str(tmp_path / "out"), data=str(root / "corpus"), seq_len=16, batch_size=4, steps=1,
+                      progress=False, device="cpu", **change)
     with pytest.raises(ConfigError, match=message):
         train(cfg)
 
@@ -285,7 +293,8 @@ def test_ar_decoding_equals_transformers_generate():
     oracle = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", 48), attn_implementation="sdpa").eval()
     oracle.load_state_dict(model.hf.state_dict())
     prompts = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(1))
-    want = oracle.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = oracle.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, min_new_tokens=6,
+                           do_sample=False)
     assert generate_ar(model, prompts, 6, temperature=0).tolist() == want[:, 5:].tolist()
 
 
@@ -337,7 +346,8 @@ def test_the_hf_corpus_cache_keeps_each_tokenizers_ids(tmp_path, monkeypatch):
     write_json_package(tmp_path / "corpus")
     data = str(tmp_path / "corpus")
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "native"))
-    tokenizers = [transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(data, vocab_size=v).tokenizer, eos_token=EOS)
+    tokenizers = [transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(data, vocab_size=v).tokenizer,
+                                                       eos_token=EOS)
                   for v in (280, 320)]
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "shared"))
     first, second = (load_hf_corpus(data, tok) for tok in tokenizers)

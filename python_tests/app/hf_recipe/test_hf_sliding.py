@@ -48,7 +48,8 @@ def test_packed_documents_inside_a_sliding_window_match_sdpa():
     ids = torch.randint(0, H.VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2]])
     got = H.logits_and_grads(ours, input_ids=ids, position_ids=positions, use_cache=False)
-    H.assert_same_logits_and_grads(got, H.logits_and_grads(sdpa, input_ids=ids, position_ids=positions, use_cache=False))
+    H.assert_same_logits_and_grads(got, H.logits_and_grads(sdpa, input_ids=ids, position_ids=positions,
+                                                           use_cache=False))
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2_moe_mask_only"])
@@ -57,8 +58,8 @@ def test_generation_with_a_sliding_window_matches_sdpa(family):
     ids = torch.randint(3, H.VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     outs = []
     for model in (ours, sdpa):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         outs.append((out.sequences, torch.stack(out.logits)))
     assert torch.equal(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
@@ -71,7 +72,8 @@ def test_softcapping_is_refused_only_where_it_exists():
     with torch.no_grad(), pytest.raises(ValueError, match="softcap: not supported by attn_implementation='kforcing'"):
         model(input_ids=torch.randint(0, H.VOCAB, (1, 5)))
     # The message names the config field and how to turn it off; the recipe's wrapper refuses before any step.
-    with torch.no_grad(), pytest.raises(ValueError, match=r"config.attn_logit_softcapping.*attn_logit_softcapping=None"):
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match=r"config.attn_logit_softcapping.*attn_logit_softcapping=None"):
         model(input_ids=torch.randint(0, H.VOCAB, (1, 5)))
     from kforcing_kernels.app.hf_recipe.student import HFStudent
 
@@ -98,7 +100,8 @@ def test_layout_under_a_sliding_window_sees_positions_less_than_w_back():
     assert not torch.equal(mask, layout.dense_mask())  # e.g. masked token 7 no longer sees clean tokens 0..3
     got = H.logits_and_grads(ours, input_ids=ids, position_ids=positions[None], kforcing_layout=layout, use_cache=False)
     additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[None, None]
-    want = H.logits_and_grads(eager, input_ids=ids, position_ids=positions[None], attention_mask=additive, use_cache=False)
+    want = H.logits_and_grads(eager, input_ids=ids, position_ids=positions[None], attention_mask=additive,
+                              use_cache=False)
     H.assert_same_logits_and_grads(got, want)
 
 
@@ -111,18 +114,22 @@ def test_layout_positions_and_windows_that_have_no_meaning_are_refused_by_name()
         ours(input_ids=ids, position_ids=torch.arange(24)[None], kforcing_layout=layout, use_cache=False)
     with torch.no_grad(), pytest.raises(ValueError, match="position_ids: with the model's sliding window"):
         ours(input_ids=ids, kforcing_layout=layout, use_cache=False)  # the model's default positions: the same
-    # A layout over the model's own sliding cache, which dropped all but the last W - 1 keys: the message says what to pass.
+    # A layout over the model's own sliding cache, which dropped all but the last W - 1 keys: the message says what to
+    # pass.
     with torch.no_grad():
         cache = ours(input_ids=ids[:, :8], use_cache=True).past_key_values
         windows = WindowLayout(8, 1, 2, [0], [8], queries="windows")
         with pytest.raises(ValueError, match=r"past_key_values=DynamicCache\(\)"):
-            ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows, past_key_values=cache)
+            ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows,
+                 past_key_values=cache)
         full = transformers.DynamicCache()
         ours(input_ids=ids[:, :8], past_key_values=full, use_cache=True)
-        ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows, past_key_values=full)
+        ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows,
+             past_key_values=full)
     # A window shorter than the layout's windows (k = 6 > W = 4): a slot would lose its own window's first slots.
     wide = WindowLayout.kforcing_single(4, 6)
-    with torch.no_grad(), pytest.raises(ValueError, match="sliding_window: the model's window \\(4\\).*shorter than the layout's windows of 6"):
+    with torch.no_grad(), pytest.raises(ValueError,
+        match="sliding_window: the model's window \\(4\\).*shorter than the layout's windows of 6"):
         ours(input_ids=torch.randint(0, H.VOCAB, (1, 28)), position_ids=kf_hf.kforcing_position_ids(4, 6)[None],
              kforcing_layout=wide, use_cache=False)
 
@@ -134,7 +141,8 @@ def test_padded_batch_mask_with_a_window_runs_as_interval_layout(monkeypatch):
 
     layouts = []
     original = hf_module.window_attention
-    monkeypatch.setattr(hf_module, "window_attention", lambda q, k, v, layout, **kw: layouts.append(layout) or original(q, k, v, layout, **kw))
+    monkeypatch.setattr(hf_module, "window_attention", lambda q, k, v, layout,
+                        **kw: layouts.append(layout) or original(q, k, v, layout, **kw))
     ours, sdpa = H.twin_models(FAMILIES["mistral"](), "kforcing", "sdpa")
     ids = torch.randint(1, H.VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
     padding = torch.ones(2, 9, dtype=torch.long)
@@ -193,7 +201,8 @@ def test_single_forward_equals_per_window_recomputation_with_the_models_sliding_
     torch.manual_seed(1)
     noise_embedding = kf_hf.NoiseEmbedding(H.HIDDEN)
     gen = torch.Generator().manual_seed(8)
-    ids, noise, tau = torch.randint(0, H.VOCAB, (2, n), generator=gen), torch.rand(2, n, k, generator=gen), torch.tensor([0.7, 1.1])
+    ids, noise, tau = torch.randint(0, H.VOCAB, (2, n), generator=gen), torch.rand(2, n, k,
+        generator=gen), torch.tensor([0.7, 1.1])
     with torch.no_grad():
         got = ours(**kf_hf.single_forward_inputs(ours, ids, noise, noise_embedding, tau)).logits
         want_windows, want_context = per_window_recomputation(sdpa, noise_embedding, ids, noise, tau)
@@ -231,7 +240,8 @@ def test_double_forward_and_training_gradients_under_a_sliding_window_equal_reco
     total = 0
     for t in range(12):
         x = torch.cat([sdpa.get_input_embeddings()(tokens[:, :t + 1]), student.embed_noise(noise[:, t], 0.9)], 1)
-        total = total + sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + k)[None], use_cache=False).logits[:, t + 1:].logsumexp(-1).sum()
+        total = total + sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + k)[None], use_cache=False).logits[:,
+            t + 1:].logsumexp(-1).sum()
     want = torch.autograd.grad(total, list(sdpa.parameters()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -253,7 +263,8 @@ def test_k_forcing_generation_past_the_window_equals_recomputation(family):
             seq = prompt[None]
             for s in range(new_tokens // k):
                 x = torch.cat([sdpa.get_input_embeddings()(seq), student.embed_noise(noise[b:b + 1, s], 0.8)], 1)
-                want = sdpa(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).logits[:, -k:]
+                want = sdpa(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).logits[:,
+                                                                                                                  -k:]
                 torch.testing.assert_close(logits[b, s * k:(s + 1) * k], want[0], atol=1e-5, rtol=1e-5)
                 assert out[b, s * k:(s + 1) * k].tolist() == want[0].argmax(-1).tolist()
                 seq = torch.cat([seq, want.argmax(-1)], 1)

@@ -37,9 +37,10 @@ def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, m
     (tmp_path / "mistral.json").write_text(config.to_json_string())
     out = tmp_path / "run"
     train_cli.main(["pipeline", "--out", str(out), "--data", str(tmp_path / "corpus"), "--model-config",
-                    str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "2", "--seq-len", "24",
-                    "--batch-size", "2", "--steps-stage1", "2", "--steps-stage2", "2", "--warmup-steps", "1",
-                    "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu", "--precision", precision])
+                    str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "2", "--seq-len",
+                    "24", "--batch-size", "2", "--steps-stage1", "2", "--steps-stage2", "2", "--warmup-steps", "1",
+                    "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu",
+                    "--precision", precision])
     for name in ("stage0", "stage1", "stage2_k2", "stage2_k4"):
         losses = [m["loss"] for m in read_metrics(out / name / "metrics.jsonl") if "loss" in m]
         assert losses and all(math.isfinite(x) for x in losses), name

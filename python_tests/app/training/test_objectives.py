@@ -24,7 +24,8 @@ def model(seed: int, sharpen: float = 1.0) -> KForcingLM:
     return m
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # compute_loss works in fp32: rel 1e-6 below
+# compute_loss works in fp32: rel 1e-6 below
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean of -log softmax(logits)[target], in fp64, over every prediction."""
     logp = logits.double() - logits.double().logsumexp(-1, keepdim=True)
     return -logp.gather(-1, targets[..., None]).mean()
@@ -158,22 +159,26 @@ def test_compute_loss_is_told_the_objective_and_checks_its_inputs():
     with pytest.raises(ValueError, match="stage2_typo"):
         compute_loss("stage2_typo", student, Batch(tokens, z, tau), teacher)
     # The same batch under two explicit objectives gives two different losses: nothing is inferred.
-    assert compute_loss("ar", student, Batch(tokens))[0] != compute_loss("stage1_forward", student, Batch(tokens, z, tau), teacher)[0]
+    assert compute_loss("ar", student, Batch(tokens))[0] != compute_loss("stage1_forward", student, Batch(tokens, z,
+        tau), teacher)[0]
 
 
 def test_objective_of_each_stage_and_batch_shapes():
-    assert [Objective.of(s, sup) for s, sup in [("stage0", "forward"), ("stage1", "forward"), ("stage1", "noise_inversion"),
+    assert [Objective.of(s, sup) for s, sup in [("stage0", "forward"), ("stage1", "forward"), ("stage1",
+                                                                                               "noise_inversion"),
                                                 ("stage2", "forward")]] == [
         Objective.AR, Objective.FORWARD, Objective.NOISE_INVERSION, Objective.SELF_FORCING]
     with pytest.raises(ValueError, match="stage: expected"):
         Objective.of("stage3")
     stream = torch.arange(500)
     shapes = {}
-    for objective, k in [(Objective.AR, 0), (Objective.FORWARD, 1), (Objective.NOISE_INVERSION, 3), (Objective.SELF_FORCING, 4)]:
+    for objective, k in [(Objective.AR, 0), (Objective.FORWARD, 1), (Objective.NOISE_INVERSION, 3),
+                         (Objective.SELF_FORCING, 4)]:
         batch = make_batch(objective, stream, 4, 10, k, (0.5, 0.8), step_generator(0, 7))
         shapes[objective] = (tuple(batch.tokens.shape), None if batch.noise is None else tuple(batch.noise.shape))
         # windows of the stream: consecutive ids
-        assert torch.equal(batch.tokens - batch.tokens[:, :1], torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens))
+        assert torch.equal(batch.tokens - batch.tokens[:, :1],
+                           torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens))
         if objective is not Objective.AR:
             assert bool(((batch.tau >= 0.5) & (batch.tau <= 0.8)).all())
     assert shapes == {Objective.AR: ((4, 11), None), Objective.FORWARD: ((4, 10), (4, 10, 1)),

@@ -44,18 +44,20 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_torchrun")
     write_json_package(root / "corpus")
     (root / "llama.json").write_text(transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64).to_json_string())
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64).to_json_string())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KFORCING_CACHE", str(root / "cache"))
         for model in ("native", "hf"):  # the single-process references
             train_cli.main(pipeline_argv(root, f"one_{model}", model, "ddp"))
         with RunLock(root / "locked"):  # another run holds this folder while the launch runs
-            first = torchrun(2, REPO / "python_tests" / "workers" / "pipeline_worker.py", root, timeout=240, check=False)
+            first = torchrun(2, REPO / "python_tests" / "workers" / "pipeline_worker.py", root, timeout=240,
+                             check=False)
         assert (root / "killed" / "stage1" / "checkpoints").is_dir(), first.stdout[-3000:] + first.stderr[-5000:]
         assert first.returncode != 0  # rank 0 was killed
         killed = {stage: sorted(p.name for p in (root / "killed" / stage).glob("*")) for stage in STAGES}
-        resumed = torchrun(2, "-m", "kforcing_kernels.app.train", *pipeline_argv(root, "killed", "native", "ddp", "--resume"), timeout=240, check=False)
+        resumed = torchrun(2, "-m", "kforcing_kernels.app.train", *pipeline_argv(root, "killed", "native", "ddp",
+                                                                                 "--resume"), timeout=240, check=False)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     return root, killed, resumed
 
@@ -69,7 +71,8 @@ def summary(run: Path) -> dict:
 
 
 def weights(run: Path) -> dict:
-    return {f"{path.name}/{name}": t for path in sorted(run.glob("*.safetensors")) for name, t in load_file(str(path)).items()}
+    return {f"{path.name}/{name}": t for path in sorted(run.glob("*.safetensors")) for name,
+            t in load_file(str(path)).items()}
 
 
 def test_every_stage_finishes(runs):
@@ -94,7 +97,8 @@ def test_two_ranks_match_one_process(runs, case):
 
 def test_resume_after_a_kill_equals_the_uninterrupted_run(runs):
     root, killed, resumed = runs
-    # Killed in the middle of stage1: stage0 finished, stage1 has its step-2 checkpoint and no model, stage2 not started.
+    # Killed in the middle of stage1: stage0 finished, stage1 has its step-2 checkpoint and no model, stage2 not
+    # started.
     assert "model.json" in killed["stage0"] and "model.json" not in killed["stage1"] and "checkpoints" in killed["stage1"]
     assert killed["stage2_k2"] == []
     for stage in STAGES:

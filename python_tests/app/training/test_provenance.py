@@ -100,7 +100,8 @@ def test_provenance_is_recorded_in_models_and_checkpoints(teachers, corpus_dir, 
     info = read_json(teachers / "json" / "model.json")
     assert len(info["data_sha256"]) == 64 and len(info["tokenizer_sha256"]) == 64
     assert info["data_sha256"] != read_json(teachers / "logging" / "model.json")["data_sha256"]
-    train(micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teachers / "json"), steps=2, ckpt_every=1))
+    train(micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teachers / "json"), steps=2,
+                       ckpt_every=1))
     s1 = read_json(tmp_path / "s1" / "model.json")
     assert s1["teacher_sha256"] == info["tensors"]["sha256"] and s1["tokenizer_sha256"] == info["tokenizer_sha256"]
     assert read_json(latest_checkpoint(tmp_path / "s1"))["info"]["teacher_sha256"] == info["tensors"]["sha256"]
@@ -192,7 +193,8 @@ def test_pipeline_refuses_students_of_a_teacher_retrained_in_place(pipeline_run,
     run = shutil.copytree(pipe.out, tmp_path / "run")
     shutil.rmtree(run / "stage0")
     perturbed_copy(Path(pipe.out) / "stage0", run / "stage0")  # Stage 0 retrained: its settings still match
-    with pytest.raises(ConfigError, match=r"teacher: .*stage1 holds a finished stage1, but the teacher's model file \(--teacher\) changed"):
+    with pytest.raises(ConfigError,
+        match=r"teacher: .*stage1 holds a finished stage1, but the teacher's model file \(--teacher\) changed"):
         run_pipeline(dataclasses.replace(pipe, out=str(run)), base)
     # Its own rerun (nothing changed) still reuses every stage.
     assert set(run_pipeline(pipe, base)) == {"stage0", "stage1", "stage2_k2"}
@@ -216,11 +218,13 @@ def test_pipeline_refuses_stages_trained_on_text_that_changed_since(pipeline_run
 
 def test_resume_refuses_a_teacher_retrained_since(teachers, corpus_dir, tmp_path):
     teacher = shutil.copytree(teachers / "json", tmp_path / "teacher")
-    cfg = micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teacher), steps=3, stop_at=1, ckpt_every=1)
+    cfg = micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teacher), steps=3, stop_at=1,
+                       ckpt_every=1)
     train(cfg)
     shutil.rmtree(teacher)
     perturbed_copy(teachers / "json", teacher)
-    with pytest.raises(ConfigError, match=r"teacher: --resume .*teacher's model file \(--teacher\) changed.*\(--teacher\)"):
+    with pytest.raises(ConfigError,
+                       match=r"teacher: --resume .*teacher's model file \(--teacher\) changed.*\(--teacher\)"):
         train(dataclasses.replace(cfg, resume=True, stop_at=None))
 
 
@@ -247,8 +251,8 @@ def test_a_second_run_into_a_locked_folder_fails_at_once(tmp_path, corpus_dir, c
         with pytest.raises(CheckpointError, match=r"out: .* is in use by another run.*--out"):
             train(micro_config(out, corpus_dir))
         with pytest.raises(SystemExit) as exc:
-            main(["stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
-                  "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress"])
+            main(["stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset",
+                  "micro", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress"])
         assert exc.value.code == 2 and "is in use by another run" in capsys.readouterr().err
         assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing of the second run was written
     train(micro_config(out, corpus_dir, steps=2))  # released: the folder is free again
@@ -475,10 +479,12 @@ def commands(stage, tmp_path, corpus_dir):
     from kforcing_kernels.app.evaluation import evaluate
     from kforcing_kernels.app.generation import inference
 
-    common = ["--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro", "--seq-len", "16", "--batch-size", "4"]
+    common = ["--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro", "--seq-len", "16",
+              "--batch-size", "4"]
     return {
         "train": (train_cli.main, ["stage0", *common, "--steps", "2"]),
-        "pipeline": (train_cli.main, ["pipeline", *common, "--k-final", "1", "--steps-stage0", "2", "--steps-stage1", "2"]),
+        "pipeline": (train_cli.main, ["pipeline", *common, "--k-final", "1", "--steps-stage0", "2", "--steps-stage1",
+                                      "2"]),
         "demo": (demo.main, ["--quick"]),
         "generate": (inference.main, [str(stage), "--prompt", "def", "--new-tokens", "2"]),
         "evaluate": (evaluate.main, [str(tmp_path / "no-run")]),
@@ -530,7 +536,8 @@ def test_evaluate_json_that_cannot_be_written_fails_before_the_evaluation(teache
 def test_the_train_command_exits_with_a_usage_error_in_a_real_process(tmp_path):
     file = tmp_path / "a-file"
     file.write_text("")
-    result = subprocess.run([sys.executable, "-m", "kforcing_kernels.app.train", "stage0", "--out", str(file), "--steps", "1"],
+    result = subprocess.run([sys.executable, "-m", "kforcing_kernels.app.train", "stage0", "--out", str(file),
+                             "--steps", "1"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr and "--out" in result.stderr, result.stderr
 
@@ -538,7 +545,8 @@ def test_the_train_command_exits_with_a_usage_error_in_a_real_process(tmp_path):
 def test_dump_grads_that_cannot_be_written_fails_before_training(tmp_path, corpus_dir, capsys):
     from kforcing_kernels.app.train import main
 
-    err = usage_error(capsys, main, ["stage0", "--out", str(tmp_path / "run"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB),
+    err = usage_error(capsys, main, ["stage0", "--out", str(tmp_path / "run"), "--data", str(corpus_dir),
+                                     "--vocab-size", str(VOCAB),
                                      "--preset", "micro", "--seq-len", "16", "--batch-size", "4", "--steps", "2",
                                      "--dump-grads", str(tmp_path)])
     assert "--dump-grads" in err and "is a directory" in err
@@ -549,7 +557,8 @@ def test_dump_grads_that_cannot_be_written_fails_before_training(tmp_path, corpu
                     reason="torch.distributed with gloo is not available")
 def test_a_locked_folder_stops_every_rank_of_a_torchrun_run(tmp_path, corpus_dir):
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.app.train",
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+            "kforcing_kernels.app.train",
             "stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
             "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress", "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -40,7 +40,8 @@ def _hf_model_config(root):
     """The same sizes as a Hugging Face Llama (the noise embedding's features are the native encoder's: 32 z, 8 tau)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
     (root / "llama.json").write_text(config.to_json_string())
     return {"model_config": str(root / "llama.json")}
 
@@ -49,8 +50,8 @@ def _hf_model_config(root):
 def trained(request, tmp_path_factory):
     """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU.
 
-    ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through app/hf_recipe/student.py.
-    """
+    ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through
+    app/hf_recipe/student.py. """
     root = tmp_path_factory.mktemp("tau")
     corpus_dir = write_json_package(root / "corpus")
     with pytest.MonkeyPatch.context() as mp:
@@ -100,7 +101,8 @@ def slot_entropies(teacher, student, context: torch.Tensor, tau: float) -> dict:
     exact = -(logp.exp() * logp).sum(-1)  # [B, N]
     grid = z.expand(b, n, GRID)  # [B, N, M]
     t_tokens = inverse_cdf_sample(logits[:, :, None].expand(b, n, GRID, vocab), grid, torch.full_like(grid, tau))
-    s_tokens = torch.cat([_student_tokens(student, context, grid[..., i:i + CHUNK], tau) for i in range(0, GRID, CHUNK)], -1)
+    s_tokens = torch.cat([_student_tokens(student, context, grid[..., i:i + CHUNK], tau) for i in range(0, GRID,
+                                                                                                        CHUNK)], -1)
     def hist(toks):  # [B, N, V] counts of the sampled tokens
         return torch.zeros(b, n, vocab).scatter_add_(-1, toks, torch.ones_like(toks, dtype=torch.float32))
 
@@ -119,7 +121,8 @@ def tracking_failures(rows: dict) -> list[str]:
         failures.append("entropy does not rise with tau")
     for tau, r in rows.items():
         if not RATIO_MIN * r["teacher"] <= r["student"] <= r["teacher"] + EXCESS_MAX:
-            failures.append(f"tau={tau}: student {r['student']:.3f} outside [{RATIO_MIN} x, +{EXCESS_MAX}] of teacher {r['teacher']:.3f}")
+            failures.append(f"tau={tau}: student {r['student']:.3f} outside [{RATIO_MIN} x, +{EXCESS_MAX}] of teacher "
+                            f"{r['teacher']:.3f}")
     return failures
 
 
@@ -129,7 +132,8 @@ def _rows(teacher, student, corpus) -> dict:
 
 
 def _report(rows: dict) -> str:
-    return ", ".join(f"tau={t}: teacher {r['teacher']:.3f} (exact {r['exact']:.3f}) student {r['student']:.3f}" for t, r in rows.items())
+    return ", ".join(f"tau={t}: teacher {r['teacher']:.3f} (exact {r['exact']:.3f}) student {r['student']:.3f}" for t,
+                     r in rows.items())
 
 
 def test_student_entropy_tracks_the_teacher_across_tau(trained):

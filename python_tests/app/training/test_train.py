@@ -170,7 +170,8 @@ def test_stage1_records_its_decoding_rule_and_stage2_inherits_it(tmp_path, corpu
         assert load_model(str(tmp_path / folder))[0].config.decode == "residual"
     assert load_model(str(chain / "stage1"))[0].config.decode == "argmax"
     with pytest.raises(ConfigError, match="decode: the decoding rule is chosen in stage1"):
-        train(micro(tmp_path / "bad", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2, decode="residual"))
+        train(micro(tmp_path / "bad", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2,
+                    decode="residual"))
 
 
 def test_noise_inversion_stage_trains_any_k(tmp_path, corpus_dir, chain):

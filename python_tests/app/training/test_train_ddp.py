@@ -18,7 +18,8 @@ from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="torch.distributed with gloo is not available")
 def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -33,7 +34,8 @@ def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     stage2 = dataclasses.replace(base, stage="stage2", teacher=str(tmp_path / "s1"), steps=3)
     train(dataclasses.replace(stage2, out=str(tmp_path / "one"), dump_grads=str(tmp_path / "one.safetensors")))
 
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "kforcing_kernels.app.train",
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+            "kforcing_kernels.app.train",
             "stage2", "--teacher", str(tmp_path / "s1"), "--steps", "3", "--data", str(corpus), "--vocab-size", "300",
             "--seq-len", "16", "--batch-size", "8", "--log-every", "1", "--eval-batches", "1", "--no-progress",
             "--out", str(tmp_path / "two"), "--dump-grads", str(tmp_path / "two.safetensors"),
@@ -65,6 +67,7 @@ def test_an_explicit_gpu_under_a_multi_process_torchrun_node_is_refused(monkeypa
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     # Two processes on this node: both would take cuda:1.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"device: 'cuda:1' puts all 2 torchrun processes of this node on one GPU; pass 'cuda'"):
+    with pytest.raises(ValueError,
+                       match=r"device: 'cuda:1' puts all 2 torchrun processes of this node on one GPU; pass 'cuda'"):
         resolve_device("cuda:1")
     assert resolve_device("cpu") == torch.device("cpu")

@@ -43,7 +43,8 @@ from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
-needs_dist = pytest.mark.skipif(not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
+needs_dist = pytest.mark.skipif(not BACKEND_OK,
+    reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 
 
@@ -72,7 +73,8 @@ def _make_runs(root: Path) -> None:
     train(dataclasses.replace(base, stage="stage0", out=str(root / "s0"), **teacher))
     train(dataclasses.replace(base, stage="stage1", out=str(root / "s1"), **{**teacher, "teacher": str(root / "s0")}))
     train(dataclasses.replace(base, out=str(root / "one"), dump_grads=str(root / "one.safetensors")))
-    train(dataclasses.replace(base, out=str(root / "one_ac"), activation_checkpointing=True, dump_grads=str(root / "one_ac.safetensors")))
+    train(dataclasses.replace(base, out=str(root / "one_ac"), activation_checkpointing=True,
+                              dump_grads=str(root / "one_ac.safetensors")))
     if BACKEND_OK:
         train(dataclasses.replace(base, out=str(root / "w1"), parallel="fsdp", stop_at=2))  # one rank, for 1 -> 2
         torchrun(2, REPO / "python_tests" / "workers" / "fsdp_worker.py", root, DEVICE, timeout=240)
@@ -256,7 +258,8 @@ def test_one_process_sharded_checkpoint_respects_umask_and_refuses_another_model
         monkeypatch.setattr(sharded_checkpoint, "write_json", full_disk)  # the manifest, written last, fails
         with pytest.raises(CheckpointError, match="step_00000007.dcp: cannot write .*No space left"):
             sharded_checkpoint.save_sharded_checkpoint(tmp_path / "run", 7, other, optimizer, scaler, {}, {}, keep=2)
-        assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]  # nothing else
+        # nothing else
+        assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000001.dcp"]
     finally:
         dims.close()
 

@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 4 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
-needs_dist = pytest.mark.skipif(not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
+needs_dist = pytest.mark.skipif(not BACKEND_OK,
+    reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 
 
@@ -52,7 +53,8 @@ def _make_runs(root: Path) -> None:
     teacher = dict(packed_docs=False, steps=2, ckpt_every=100, teacher=None)
     train(dataclasses.replace(native, stage="stage0", out=str(root / "s0"), **teacher))
     train(dataclasses.replace(native, stage="stage1", out=str(root / "s1"), **{**teacher, "teacher": str(root / "s0")}))
-    train(dataclasses.replace(native, stage="stage0", out=str(root / "h0"), model_config=str(root / "llama.json"), **teacher))
+    train(dataclasses.replace(native, stage="stage0", out=str(root / "h0"), model_config=str(root / "llama.json"),
+                              **teacher))
     train(dataclasses.replace(native, stage="stage1", out=str(root / "h1"), **{**teacher, "teacher": str(root / "h0")}))
     for base, name in ((native, "one"), (hf, "hf_one")):
         train(dataclasses.replace(base, out=str(root / name), dump_grads=str(root / f"{name}.safetensors")))

@@ -140,10 +140,12 @@ def test_one_document_per_window_is_the_unpacked_path(objective, k):
     stream = _stream([400])[:-1]  # one document, no separator inside any window
     student, teacher = _model(1), (None if objective is Objective.AR else _model(2))
     for batch in _batch(objective, k, stream, EOS):
-        assert all(torch.equal(cu, torch.tensor([0, batch.tokens.shape[1]])) for cu in document_offsets(batch.tokens, EOS))
+        assert all(torch.equal(cu, torch.tensor([0, batch.tokens.shape[1]])) for cu in document_offsets(batch.tokens,
+                                                                                                        EOS))
         with torch.no_grad():
             packed, packed_pos = compute_loss(objective, student, batch, teacher, k=k)
-            plain, plain_pos = compute_loss(objective, student, dataclasses.replace(batch, separator=None), teacher, k=k)
+            plain, plain_pos = compute_loss(objective, student, dataclasses.replace(batch, separator=None), teacher,
+                                            k=k)
         torch.testing.assert_close(packed, plain, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(packed_pos, plain_pos, atol=1e-6, rtol=1e-6)
 
@@ -157,7 +159,8 @@ def test_document_offsets_and_batches():
     with pytest.raises(ValueError, match="separator: expected None or a token id"):
         make_batch(Objective.AR, _stream([50]), 2, 8, 1, (1.0, 1.0), torch.Generator(), separator=True)
     # The same draws with and without packing; shards and device moves keep the separator.
-    a = make_batch(Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0), EOS)
+    a = make_batch(Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0),
+                   EOS)
     b = make_batch(Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.noise, b.noise) and b.separator is None
     assert a.shard(1, 2).to("cpu").separator == EOS
@@ -193,8 +196,8 @@ def test_packed_run_resumes_bit_for_bit_and_differs_from_unpacked(tmp_path, corp
     corpus = load_corpus(str(corpus_dir), vocab_size=300)
     first = make_batch(Objective.AR, corpus.train, 4, 16, 0, (1.0, 1.0), step_generator(1, 0), corpus.eos_id)
     assert (first.tokens[:, :-1] == corpus.eos_id).any()  # the first step's windows cross documents
-    main(["stage0", "--out", str(tmp_path / "whole"), "--data", str(corpus_dir), "--vocab-size", "300", "--preset", "micro",
-          "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1",
+    main(["stage0", "--out", str(tmp_path / "whole"), "--data", str(corpus_dir), "--vocab-size", "300", "--preset",
+          "micro", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1",
           "--eval-batches", "1", "--lr", "3e-3", "--seed", "1", "--no-progress", "--packed-docs"])
     assert read_json(tmp_path / "whole" / "train_config.json")["packed_docs"] is True
     parts = micro(tmp_path / "parts", corpus_dir, stop_at=3)

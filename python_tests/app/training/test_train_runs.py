@@ -142,7 +142,8 @@ def test_resume_of_a_finished_run_with_other_settings_refuses(tmp_path, corpus_d
 
 def test_cli_resume_without_a_checkpoint_is_a_clear_error(tmp_path, corpus_dir, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["stage0", "--out", str(tmp_path / "none"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--resume"])
+        main(["stage0", "--out", str(tmp_path / "none"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB),
+              "--resume"])
     assert exc.value.code == 2
     assert "resume: no checkpoint" in capsys.readouterr().err
 
@@ -164,11 +165,13 @@ def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_f
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="validation split of --data .* fewer than one sequence.*--seq-len"):
         train(micro(out, short_val_file, seq_len=96))
-    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()  # nothing trained, nothing written
+    # nothing trained, nothing written
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
     train(micro(tmp_path / "fits", short_val_file, seq_len=16, steps=1))  # a sequence that fits trains
 
 
-def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, corpus_dir, short_val_file, finished, monkeypatch):
+def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, corpus_dir, short_val_file, finished,
+                                                                    monkeypatch):
     """Issue 38: an error after the run folder was made (locked) but before a step was trained leaves nothing, not a
     folder holding only the lock (or the config) that a rerun calls "a partial run" and refuses without --overwrite."""
     from kforcing_kernels.app.training import loop as trainer
@@ -244,7 +247,8 @@ def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finish
     assert run_record(out) == run_record(finished)  # the same steps, and one final evaluation
     summary = json.loads((out / "model.json").read_text())["summary"]
     expected = json.loads((finished / "model.json").read_text())["summary"]
-    assert [summary[k] for k in ("final_loss", "val_loss", "val_loss_pos")] == [expected[k] for k in ("final_loss", "val_loss", "val_loss_pos")]
+    assert [summary[k] for k in ("final_loss", "val_loss", "val_loss_pos")] == [expected[k] for k in ("final_loss",
+        "val_loss", "val_loss_pos")]
 
 
 # ---------------------------------------------------------------------- item 12: torn metrics, full disks, leftovers
@@ -340,7 +344,8 @@ MALFORMED = {
     "step as text": lambda m: {**m, "step": "2"},
     "no param_groups": lambda m: {k: v for k, v in m.items() if k != "param_groups"},
     "tensors as a list": lambda m: {**m, "tensors": [m["tensors"]]},
-    "tensors without sha256": lambda m: {**m, "tensors": {"file": m["tensors"]["file"], "bytes": m["tensors"]["bytes"]}},
+    "tensors without sha256": lambda m: {**m, "tensors": {"file": m["tensors"]["file"],
+                                                          "bytes": m["tensors"]["bytes"]}},
     "tensors elsewhere": lambda m: {**m, "tensors": {**m["tensors"], "file": "../../x.safetensors"}},
     "param_groups wrong": lambda m: {**m, "param_groups": [{"lr": 1.0}]},
     "scaler as a number": lambda m: {**m, "scaler": 3},
@@ -439,7 +444,8 @@ def test_unusable_data_gives_a_clear_error_naming_data(tmp_path, capsys, make, m
     (data / "binary.bin").write_bytes(b"\0\1")  # not a text file: ignored
     source = make(data)
     with pytest.raises(SystemExit) as exc:
-        main(["stage0", "--out", str(tmp_path / "run"), "--data", str(source), "--vocab-size", str(VOCAB), "--steps", "1"])
+        main(["stage0", "--out", str(tmp_path / "run"), "--data", str(source), "--vocab-size", str(VOCAB), "--steps",
+              "1"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--data" in err and message in err and "Traceback" not in err
@@ -502,7 +508,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, corpus_dir, accum)
     runs = {}
     for a in (1, accum):
         dump = tmp_path / f"grads{a}.safetensors"
-        summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3, dump_grads=str(dump)))
+        summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3,
+                              dump_grads=str(dump)))
         runs[a] = (load_file(str(dump)), read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"), summary,
                    load_file(str(tmp_path / f"accum{a}" / "model.safetensors")))
     (g1, m1, _, w1), (ga, ma, _, wa) = runs[1], runs[accum]
@@ -562,7 +569,8 @@ def test_a_stage_writing_into_its_teachers_folder_is_refused_before_anything_is_
     ("batch_size", 0), ("keep_checkpoints", -1), ("keep_checkpoints", 0), ("seed", 1.5), ("device", "bogus"),
     ("model_overrides", {"n_layers": 2}), ("warmup_steps", -1), ("seq_len", True),
     # issue 40: real-valued settings (these trained and saved a NaN model, or ran with nonsense, or a TypeError mid-run)
-    ("lr", float("inf")), ("lr", "0.001"), ("lr", 0.0), ("grad_clip", float("nan")), ("grad_clip", 0), ("weight_decay", -3),
+    ("lr", float("inf")), ("lr", "0.001"), ("lr", 0.0), ("grad_clip", float("nan")), ("grad_clip", 0), ("weight_decay",
+                                                                                                        -3),
     ("min_lr_ratio", 5), ("tau_min", -1.0), ("tau_max", float("inf")), ("beta1", 1.0), ("beta2", -0.1), ("lr", True),
 ])
 def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, setting, value):
@@ -609,7 +617,8 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 
     monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
     out = tmp_path / "run"
-    with pytest.raises(trainer.NonFiniteLoss, match=r"^loss: step 3 gave a non-finite loss \(nan\).*step_00000002, holds the last good"):
+    with pytest.raises(trainer.NonFiniteLoss,
+                       match=r"^loss: step 3 gave a non-finite loss \(nan\).*step_00000002, holds the last good"):
         train(micro(out, corpus_dir, ckpt_every=2, keep_checkpoints=5))
     assert latest_checkpoint(out).stem == "step_00000002"
     assert not (out / "model.json").exists()
@@ -619,7 +628,8 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     calls.clear()  # the CLI says the same, as an error (exit status 1), not a traceback
     monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
     with pytest.raises(SystemExit, match="^kforcing-train: error: loss: step 3 gave a non-finite loss"):
-        main(["stage0", "--out", str(tmp_path / "cli"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
+        main(["stage0", "--out", str(tmp_path / "cli"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB),
+              "--preset", "micro",
               "--seq-len", "16", "--steps", "4", "--batch-size", "4", "--warmup-steps", "1", "--ckpt-every", "2",
               "--eval-batches", "1", "--no-progress"])
 
@@ -638,7 +648,8 @@ def test_weight_decay_falls_on_matrices_only():
             if isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
                 should_decay.add(id(p))
     assert seen == {id(p) for p in model.parameters()} and should_decay and seen - should_decay
-    decay = {id(p): group["weight_decay"] for group in _optimizer(model, cfg, fused_ok=False).param_groups for p in group["params"]}
+    decay = {id(p): group["weight_decay"] for group in _optimizer(model, cfg,
+                                                                  fused_ok=False).param_groups for p in group["params"]}
     assert decay.keys() == seen  # every parameter in exactly one group
     assert {i for i, wd in decay.items() if wd == 0.25} == should_decay
     assert all(wd == 0.0 for i, wd in decay.items() if i not in should_decay)

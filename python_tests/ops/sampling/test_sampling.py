@@ -139,11 +139,14 @@ def test_noise_inversion_generator_is_reproducible():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(2)), r"z: expected shape \(3,\) \(logits without V\), got \(2,\)"),
+        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(2)),
+         r"z: expected shape \(3,\) \(logits without V\), got \(2,\)"),
         (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), 0.0), "temperature: expected finite values > 0"),
-        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), torch.ones(2)), r"temperature: expected a scalar or shape \(3,\)"),
+        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), torch.ones(2)),
+         r"temperature: expected a scalar or shape \(3,\)"),
         (lambda: inverse_cdf_sample(torch.randint(0, 5, (3, 5)), torch.rand(3)), "logits: expected a floating tensor"),
-        (lambda: noise_inversion(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)), r"tokens: expected shape \(3,\)"),
+        (lambda: noise_inversion(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)),
+         r"tokens: expected shape \(3,\)"),
     ],
 )
 def test_validation_errors(call, match):

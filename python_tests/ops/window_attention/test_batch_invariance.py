@@ -176,7 +176,8 @@ def test_config_sweep_runs_end_to_end_through_the_triton_interpreter(tmp_path):
     out = tmp_path / "interp.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("KFORCING_BACKEND", None)
-    cmd = [sys.executable, "-m", "bench", "batch-invariance", "--device", "cpu", "--backend", "triton", "--checks", "configs",
+    cmd = [sys.executable, "-m", "bench", "batch-invariance", "--device", "cpu", "--backend", "triton", "--checks",
+           "configs",
            "--layouts", "single", "--n", "4", "--k", "2", "--dims", "32", "--heads", "1", "--batch-sizes", "2",
            "--json", str(out), "--quiet"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -199,7 +200,8 @@ def test_triton_bitwise_alone_vs_batched_under_every_config():
     import argparse
 
     report = bi.Report(None, {}, quiet=True)
-    args = argparse.Namespace(n=512, k=4, dims=[64, 128], heads=2, batch_sizes=[2, 4], seed=0, device=torch.device("cuda"))
+    args = argparse.Namespace(n=512, k=4, dims=[64, 128], heads=2, batch_sizes=[2, 4], seed=0,
+                              device=torch.device("cuda"))
     bi.attention_checks(report, args, "triton", torch.bfloat16)
     bi.config_checks(report, args, torch.bfloat16)
     checks = report.data["checks"]

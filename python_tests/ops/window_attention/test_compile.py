@@ -18,7 +18,8 @@ from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.ops.window_attention import backend_limits
 
 # Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
-CPU_BACKENDS = [name for name, reason in backends_available().items() if reason is None and name not in backend_limits()]
+CPU_BACKENDS = [name for name,
+                reason in backends_available().items() if reason is None and name not in backend_limits()]
 # On a CUDA machine the composite backend also runs its CUDA path (composite_cuda) under compile.
 CASES = CPU_BACKENDS + (["composite-cuda"] if torch.cuda.is_available() else [])
 
@@ -55,7 +56,8 @@ def test_fullgraph_matches_eager_forward_and_backward(case):
     layout = WindowLayout.kforcing_double(5, 2)
 
     def qkv(**kw):
-        return tuple(t.detach().to(device).requires_grad_(True) for t in make_qkv(layout, head_dim=d, dtype=dtype, **kw))
+        return tuple(t.detach().to(device).requires_grad_(True) for t in make_qkv(layout, head_dim=d, dtype=dtype,
+                                                                                  **kw))
 
     explanation = torch._dynamo.explain(_attend(backend))(*qkv(), layout)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -104,7 +106,8 @@ def test_changing_sizes_within_a_bucket_does_not_recompile():
 def test_a_new_bucket_compiles_a_new_graph():
     family = lambda n: WindowLayout.kforcing_single(n, 2) if n < 10 else WindowLayout.kforcing_double(n, 2)  # noqa: E731
     assert _count_compiles(family, (5, 7, 10, 12), dynamic=True) == 2  # queries: all -> windows
-    assert _count_compiles(lambda n: WindowLayout.kforcing_single(n, 2), (5, 1), dynamic=True) == 2  # N = 1 is specialised
+    # N = 1 is specialised
+    assert _count_compiles(lambda n: WindowLayout.kforcing_single(n, 2), (5, 1), dynamic=True) == 2
 
 
 def test_default_backend_fullgraph_dynamic_one_graph_for_two_sizes():

@@ -113,7 +113,8 @@ def _constructor_case(rng: random.Random):
     per_batch = rng.random() < 0.5
 
     def cus(n, align=1):
-        return [_cu(rng, n, align) for _ in range(batch)] if per_batch else (_cu(rng, n, align) if rng.random() < 0.8 else None)
+        return [_cu(rng, n, align) for _ in range(batch)] if per_batch else (_cu(rng, n,
+                                                                                 align) if rng.random() < 0.8 else None)
 
     family = rng.choice(("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi"))
     n = rng.randint(1, 13)
@@ -141,7 +142,8 @@ def _constructor_case(rng: random.Random):
         shape = (batch, m) if per_batch else (m,)
         starts = torch.randint(0, n + 1, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
         doc_starts = (starts * torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))).long()
-        doc_ends = starts + torch.randint(0, length + 2, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        doc_ends = starts + torch.randint(0, length + 2, shape,
+                                          generator=torch.Generator().manual_seed(rng.randrange(2**31)))
         cu = None
         layout = WindowLayout.ptp(n, starts, length, doc_starts=doc_starts if rng.random() < 0.7 else None,
                                   doc_ends=doc_ends if rng.random() < 0.7 else None)
@@ -178,8 +180,10 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
         lo, hi = _ranges(rng, c, m, rng.choice(kinds))
     # Lists and tensors both go through the constructor (empty lists read as float: issue 12 item 18, not ours).
     if m == 0 or rng.random() < 0.5:
-        lo = torch.tensor(lo, dtype=torch.int64).reshape(batch if per_batch else -1, m) if per_batch else torch.tensor(lo, dtype=torch.int64)
-        hi = torch.tensor(hi, dtype=torch.int64).reshape(batch if per_batch else -1, m) if per_batch else torch.tensor(hi, dtype=torch.int64)
+        lo = torch.tensor(lo, dtype=torch.int64).reshape(batch if per_batch else -1,
+                                                         m) if per_batch else torch.tensor(lo, dtype=torch.int64)
+        hi = torch.tensor(hi, dtype=torch.int64).reshape(batch if per_batch else -1,
+                                                         m) if per_batch else torch.tensor(hi, dtype=torch.int64)
     extra, what = {}, ""
     if c and rng.random() < 0.4:  # context ranges, shared or per batch element
         kind = rng.choice(("docs", "docs", "block", "sliding", "random", "empty"))
@@ -193,7 +197,8 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
         draw = lambda: [rng.choice((0, rng.randint(0, w), w, w + 1)) for _ in range(m)]  # noqa: E731
         extra["live_slots"] = [draw() for _ in range(batch)] if rng.random() < 0.35 else draw()
         what += " live_slots"
-    layout = WindowLayout(c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams, **extra)
+    layout = WindowLayout(c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
+                          **extra)
     batch = layout.range_batch or batch
     desc = (f"C={c} M={m} w={w} last={last} S={streams} intra={intra} queries={queries} per_batch={per_batch}{what}")
     return _sizes(rng, seed, layout, batch, triton, desc)
@@ -288,7 +293,8 @@ def check_case(case: Case, backends) -> list[str]:
     gen = torch.Generator().manual_seed(case.seed)
     shape_q = (case.batch, case.heads, layout.n_queries, case.head_dim)
     shape_k = (case.batch, case.kv_heads, layout.n_keys, case.head_dim)
-    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
+    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape_q, shape_k, shape_k,
+                                                                                            shape_q))
     scale = 1.0 / case.head_dim ** 0.5
     mask = oracle_mask(layout, case.batch)
     problems = []
@@ -322,13 +328,15 @@ def check_case(case: Case, backends) -> list[str]:
                 problems.append(f"{backend} lse: not -inf exactly on the rows that see nothing | {case.desc}")
                 continue
             if bool(finite.any()):
-                lerr = (lse.double()[finite] - want_lse[finite]).abs().max().item() / max(1.0, want_lse[finite].abs().max().item())
+                lerr = (lse.double()[finite] - want_lse[finite]).abs().max().item() / max(1.0,
+                    want_lse[finite].abs().max().item())
                 if not lerr <= max(tol, 1e-6 if dtype != torch.float64 else tol):
                     problems.append(f"{backend} lse: rel err {lerr:.3g} | {case.desc}")
     return problems
 
 
-def run_fuzz(first_seed: int, count: int, *, triton_only: bool = False, progress: bool = False) -> tuple[int, list[str]]:
+def run_fuzz(first_seed: int, count: int, *, triton_only: bool = False, progress: bool = False) -> tuple[int,
+                                                                                                         list[str]]:
     backends = ["triton"] if triton_only else _in_process_backends()
     problems: list[str] = []
     for i in range(count):
@@ -419,7 +427,8 @@ def test_fuzz_triton_interpreter_cases():
 
 def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 900) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", KFORCING_FUZZ_TRITON_COUNT=str(count),
-               KFORCING_FUZZ_TRITON_FIRST=str(first_seed), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               KFORCING_FUZZ_TRITON_FIRST=str(first_seed), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                                         ""))
     cmd = [sys.executable, "-m", "pytest", os.path.join(HERE, "test_fuzz.py"), "-q", "-p", "no:cacheprovider", "-s",
            "-k", "test_fuzz_triton_interpreter_cases"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -446,7 +455,8 @@ def test_fuzz_long_triton_interpreter():
     pytest.importorskip("triton")
     count = int(os.environ.get("KFORCING_FUZZ_TRITON_COUNT", "10000"))
     first = int(os.environ.get("KFORCING_FUZZ_TRITON_FIRST", "2000000"))
-    _run_interpreter_subprocess(count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT", "86400")))
+    _run_interpreter_subprocess(count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT",
+                                                                                            "86400")))
 
 
 def test_fuzz_detects_a_wrong_backend(monkeypatch):

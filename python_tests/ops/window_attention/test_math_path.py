@@ -27,7 +27,8 @@ def dense_attention(q, k, v, allowed):
     return p @ vv, lse
 
 
-@pytest.mark.parametrize("name", ["ptp_per_batch", "double_k2", "sbd_short_last", "blank_full_windows", "ptp_empty_prefixes"])
+@pytest.mark.parametrize("name", ["ptp_per_batch", "double_k2", "sbd_short_last", "blank_full_windows",
+                                  "ptp_empty_prefixes"])
 def test_math_path_forward_and_backward(monkeypatch, name):
     monkeypatch.setattr(lse_attention, "_MATH_ROW_CHUNK", 8)
     layout = zoo.small()[name]

@@ -1,7 +1,8 @@
 """Row subsets (``QueryRowsLayout``) through the backends' own plans: exact, NaN-safe, bitwise on cpp, tiled.
 
 Backends: reference, composite, cpp here; triton in the interpreter process (test_triton_interpreter_cases.py,
-``test_row_subsets_match_the_fp64_reference``). Oracle: the full layout's fp64 reference attention at the subset's rows (forward and every gradient);
+``test_row_subsets_match_the_fp64_reference``). Oracle: the full layout's fp64 reference attention at the subset's rows
+(forward and every gradient);
 for the bitwise promise, cpp's own full-layout run. Subsets are the shapes context parallelism and
 EAGLE-3 produce: a balanced rank's rows (``balanced_split``), one storage stream, a random sparse set.
 """

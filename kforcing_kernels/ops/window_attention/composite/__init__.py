@@ -150,7 +150,8 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     if layout.queries == "all" and c:
         if layout.has_default_context:
             dq[:, :, :c], dk_c, dv_c = attend_backward(
-                dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True, scale=scale
+                dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True,
+                scale=scale
             )
             dk_ctx += dk_c
             dv_ctx += dv_c

@@ -138,7 +138,8 @@ def prefix_forward(qw, k, v, layout, scale):
     lse = torch.full((b, h, m, w), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
-        o, lse_p = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
+        o, lse_p = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale,
+                          allowed=allowed)
         out[:, :, m0:m1] = o.view(b, h, m1 - m0, w, d)
         lse[:, :, m0:m1] = lse_p.view(b, h, m1 - m0, w)
     return out, lse
@@ -151,7 +152,8 @@ def prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
     dv = torch.zeros_like(dk)
     if is_staircase(layout):
         dq, dk_p, dv_p = attend_backward(
-            _slot_major(dow), _slot_major(qw), k[:, :, :m], v[:, :, :m], _slot_major(ow), _slot_major(lw), causal=True, scale=scale
+            _slot_major(dow), _slot_major(qw), k[:, :, :m], v[:, :, :m], _slot_major(ow), _slot_major(lw), causal=True,
+            scale=scale
         )
         dk[:, :, :m] += dk_p
         dv[:, :, :m] += dv_p
@@ -160,7 +162,8 @@ def prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
         dq_c, dk_c, dv_c = attend_backward(
-            _rows(dow, m0, m1), _rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], _rows(ow, m0, m1), _rows(lw, m0, m1),
+            _rows(dow, m0, m1), _rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], _rows(ow, m0, m1), _rows(lw, m0,
+                                                                                                                m1),
             causal=False, scale=scale, allowed=allowed,
         )
         dq[:, :, m0:m1] = dq_c.view(b, h, m1 - m0, w, d)
@@ -261,7 +264,8 @@ def intra_forward(qw, kw, vw, layout, scale):
     b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)
-        o, lse_i = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device))
+        o, lse_i = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b,
+                                                                                                          qw.device))
         return _unfold(o, b), _unfold(lse_i, b)
     s = _scores(qw, kw, scale, layout)
     row_max = s.amax(-1, keepdim=True)

@@ -7,8 +7,8 @@ for bfloat16, so that combination is refused). This module imports triton only
 when asked (``available``, ``kernels``), so the backend reports its absence.
 
     __init__.py       the backend: available/supports/forward/backward, kernels() (launch.py)
-    plan.py           tile shapes (Tiles), the tile plan of a layout (or of a row subset, QueryRowsLayout), its device copies
-    configs.py        tile sets, per-kernel (warps, stages) tables, the tile set and autotune choices
+    plan.py           tile shapes (Tiles), the tile plan of a layout (or of a row subset, QueryRowsLayout), its device
+    copies configs.py        tile sets, per-kernel (warps, stages) tables, the tile set and autotune choices
     launch.py         autotuned launchers: attention_forward / attention_backward
     direct.py         steady-state launches of the cached compiled kernel (no autotuner, no JIT binding)
     jit_common.py     @triton.jit helpers shared by the kernels, their argument roles
@@ -49,7 +49,8 @@ def kernels() -> ModuleType:
 
 def _allowed_dtypes() -> tuple[tuple[torch.dtype, ...], str]:
     if triton_env.interpret_requested():
-        return (torch.float32, torch.float16), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
+        return (torch.float32,
+                torch.float16), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
     return (torch.float16, torch.bfloat16), "on CUDA (use backend='composite' for other dtypes)"
 
 

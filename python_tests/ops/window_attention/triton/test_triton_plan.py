@@ -18,7 +18,8 @@ def general_layouts():
         # Rows whose context start moves inside one query tile while the rows still share keys (issue 40): a
         # sliding-window context (each row sees its last 21 tokens) and SpecForge's per-slot sliding blocks.
         "sliding_context": WindowLayout(90, 2, 5, [10, 0], [60, 90], queries="all",
-                                        context_lo=(torch.arange(90) - 20).clamp(min=0), context_hi=torch.arange(1, 91)),
+                                        context_lo=(torch.arange(90) - 20).clamp(min=0), context_hi=torch.arange(1,
+                                                                                                                 91)),
         "anchor_blocks_sliding_slot": WindowLayout.anchor_blocks(100, [40, 90], 24, window=30, window_mode="slot"),
     }
 

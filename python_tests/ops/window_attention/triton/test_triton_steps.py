@@ -58,7 +58,8 @@ def test_steps_visit_every_attended_pair_once(name, tiles):
                     assert block.all(), f"entry {e} of key tile {kt} is listed full but has masked pairs"
                 visits[r0:r0 + rows, k0:k0 + kl] += block.long()
         want = dense[b] & in_key_tiles[None, :]
-        assert torch.equal(visits, want.long()), f"batch {b}: pairs visited {int(visits.sum())}, attended {int(want.sum())}"
+        assert torch.equal(visits,
+                           want.long()), f"batch {b}: pairs visited {int(visits.sum())}, attended {int(want.sum())}"
     assert int(steps.products().sum()) == steps.entries.shape[0]
     assert (steps.full_products() <= steps.products()).all()
 
