@@ -10,13 +10,6 @@ cheaply: ``_Variable``).
                             unset: tune, except under torch.distributed with more than one rank
 ``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper``, ``wide``, or the A/B candidate
                             ``hopper128``: 128-key D=64 dK/dV programs) where it applies
-``KFORCING_TRITON_KERNELS`` Triton kernel generation, for A/B runs: ``fused`` (default; 3 launches per
-                            forward + backward, window slots inline), ``split`` (slot, dQ and dK/dV
-                            kernels launched apart: 6), ``legacy`` (split, first-generation dQ, dK/dV)
-``KFORCING_TRITON_PREFETCH`` Triton, for A/B runs: ``1`` (default) the dK/dV step loops read each step's
-                            table entry one item ahead (loop-carried), so Triton's pipeliner prefetches
-                            q/dO; ``0`` the earlier loop that reads it in the same iteration (on sm_90a its
-                            loads are waited for at once: ``async_wait {num = 0}``)
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``KFORCING_FLEX_BACKEND``   the ``flex`` backend's FlexAttention kernel (``kernel_options["BACKEND"]``):
@@ -109,9 +102,7 @@ def cpp_isa() -> Optional[str]:
 triton_autotune = _Variable("KFORCING_TRITON_AUTOTUNE", empty_is_unset=False).get
 # The others: None when unset or empty (the caller reports a value it cannot parse).
 triton_tiles = _Variable("KFORCING_TRITON_TILES").get
-triton_kernels = _Variable("KFORCING_TRITON_KERNELS").get
 triton_direct_launch = _Variable("KFORCING_TRITON_DIRECT_LAUNCH").get
-triton_prefetch = _Variable("KFORCING_TRITON_PREFETCH").get
 
 
 # TRITON_INTERPRET's raw value (an empty string stays ""): part of window_attention's eager cache key.

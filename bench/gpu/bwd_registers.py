@@ -4,12 +4,11 @@
     python -m bench bwd-registers --arch 80 --tiles base --head-dims 128
 
 The fused ``bwd`` kernel (``jit_backward._bwd_kernel``) runs three program kinds, split by program id:
-dK/dV (``_dkdv_program``), dQ with the window rows' slot part inline (``_dq_program``, SLOT_INLINE) and
+dK/dV (``_dkdv_program``), dQ with the window rows' slot part inline (``_dq_program``) and
 the window keys' dK/dV (``_slot_dkdv_program``). One kernel gets one register allocation, the largest
 kind's (plus whatever the branches cost together). This compiles ``bwd`` and, with ``bwd``'s arguments,
 constexprs and config, three kernels that each run one kind alone, and prints registers and spill bytes
-of each (``aot_report.compile_one``: ``triton.compile`` for the target, ``cuobjdump`` for resources),
-beside the split ``dkdv`` kernel (KFORCING_TRITON_KERNELS=split) of the same tiles.
+of each (``aot_report.compile_one``: ``triton.compile`` for the target, ``cuobjdump`` for resources).
 """
 
 from __future__ import annotations
@@ -30,51 +29,51 @@ from kforcing_kernels.tools import aot_report
 
 @jit_kernel
 def _bwd_dkdv_only(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     bounds_bstride, stepptr_bstride, iv_bstride,
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                   StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                   stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                  sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, PREFETCH, INSTRUMENT)
+                  sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
 
 
 @jit_kernel
 def _bwd_dq_only(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     bounds_bstride, stepptr_bstride, iv_bstride,
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    _dq_program(pid % n_bh, pid // n_bh, Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
+    _dq_program(pid % n_bh, pid // n_bh, Q, K, V, DOut, Lse, Delta, DQ, QueryTiles, Bounds, Order,
                 RowIv, WindowKeys, RowSlot0, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                stride_kn, stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads,
+                stride_kn, stride_lb, stride_lh, bounds_bstride, iv_bstride, n_heads,
                 kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
-                BLOCK_M, BLOCK_N, HEAD_DIM, True, INSTRUMENT)
+                BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)
 
 
 @jit_kernel
 def _bwd_window_keys_only(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     bounds_bstride, stepptr_bstride, iv_bstride,
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     _slot_dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys, Counters,
@@ -89,8 +88,6 @@ KINDS = {"bwd (all kinds)": None, "dK/dV only": _bwd_dkdv_only, "dQ only": _bwd_
 
 def _compile(item):
     label, job = item
-    if job.kernel == "dkdv":
-        return label, aot_report.compile_one(job)
     return label, aot_report.compile_one(job, KINDS[label])
 
 
@@ -116,14 +113,11 @@ def main(argv=None) -> int:
             w, s = configs.KERNEL_CONFIGS["bwd"][(tile_set, d)][0]
             for label in KINDS:
                 items.append((label, aot_report.Job(args.arch, "bwd", tile_set, d, args.dtype, w, s, True, True)))
-            w, s = configs.KERNEL_CONFIGS["dkdv"][(tile_set, d)][0]
-            items.append(("split dkdv kernel", aot_report.Job(args.arch, "dkdv", tile_set, d, args.dtype, w, s, True, True)))
     with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(_compile, items))
     import triton
 
-    print(f"triton {triton.__version__}, sm_{args.arch}{'a' if args.arch >= 90 else ''}, {args.dtype}, "
-          f"KFORCING_TRITON_PREFETCH={int(configs.prefetch_enabled())}")
+    print(f"triton {triton.__version__}, sm_{args.arch}{'a' if args.arch >= 90 else ''}, {args.dtype}")
     print("| tiles | D | program | warps/stages | regs | spill B | top wait | bufs |")
     print("|---|---|---|---|---|---|---|---|")
     for label, row in results:

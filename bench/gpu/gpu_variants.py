@@ -10,11 +10,9 @@ import torch
 
 
 @contextlib.contextmanager
-def _triton_env(tiles: str = "auto", kernels: str = "fused", extra: dict | None = None):
-    """KFORCING_TRITON_TILES / _KERNELS (and ``extra`` variables) for the duration ("auto" / "fused": the
-    dispatcher's own)."""
-    want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles,
-            "KFORCING_TRITON_KERNELS": None if kernels == "fused" else kernels, **(extra or {})}
+def _triton_env(tiles: str = "auto", extra: dict | None = None):
+    """KFORCING_TRITON_TILES (and ``extra`` variables) for the duration ("auto": the dispatcher's own)."""
+    want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles, **(extra or {})}
     old = {name: os.environ.pop(name, None) for name in want}
     os.environ.update({name: value for name, value in want.items() if value})
     try:

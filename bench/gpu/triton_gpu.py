@@ -11,15 +11,15 @@ before timing, so compilation and autotuning are not timed. Useful FLOPs count o
 attended pairs |M| (``layout.num_pairs()``): forward 4 |M| D per (batch, head), forward +
 backward 3.5x that (FlashAttention-2's convention). Methods, bf16, same q/k/v:
 
-* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` / ``--triton-kernels`` add
-  runs with the tile set or the kernel variant forced: ``triton[wide]``, ``triton[legacy]``; ``--variants FILE``
-  adds one run per line of FILE, ``NAME VAR=VALUE ...``, e.g. ``triton[noprefetch]`` from
-  ``noprefetch KFORCING_TRITON_PREFETCH=0``: bench/gpu/gpu_variants.txt);
+* ``triton``: ``window_attention(backend="triton")`` (``--triton-tiles`` adds runs with the tile set
+  forced: ``triton[wide]``; ``--variants FILE`` adds one run per line of FILE, ``NAME VAR=VALUE ...``,
+  e.g. ``triton[wide_m64]`` from ``wide_m64 KFORCING_TRITON_TILES=wide_m64``: bench/gpu/gpu_variants.txt);
 * ``flex``: ``torch.compile``d FlexAttention with the layout's analytic BlockMask (128x128), called as the
   flex backend calls it (``flex.attention``: its LSE returned too, so both share one compiled graph per shape)
   and differentiated by FlexAttention's own autograd;
-* ``flex_backend``: ``window_attention(backend="flex")``, the same FlexAttention as users get it (its
-  backward recomputes the forward): what the CUDA dispatch table weighs against ``triton``;
+* ``flex_backend``: ``window_attention(backend="flex")``, the same FlexAttention as users get it (eager calls
+  differentiated by FlexAttention's own autograd, as ``flex``): what the CUDA dispatch table weighs against
+  ``triton``;
 * ``sdpa_flash_causal``: torch SDPA, flash kernel forced, causal over L' tokens with
   L'(L'+1)/2 ~ |M|: the same useful work at autoregressive-attention efficiency (the FA2 anchor);
 * ``fa2_causal``: flash-attn's own kernel on the same L' (when flash-attn is installed);
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels import WindowLayout, window_attention
+from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
 from .._cli import write_json
 from .._timing import machine_info
@@ -128,25 +129,25 @@ def _use_wide_dkdv(spec: str | None) -> None:
     from kforcing_kernels.ops.window_attention.triton import launch as tk  # its tables are configs.py's
 
     if not _WIDE_DKDV_DEFAULT:
-        _WIDE_DKDV_DEFAULT.append((tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["dkdv"][("wide", 128)])))
+        _WIDE_DKDV_DEFAULT.append((tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["bwd"][("wide", 128)])))
     want = _WIDE_DKDV_DEFAULT[0]
     if spec is not None:
         keys, step, configs = spec.split(":")
         want = (dataclasses.replace(want[0], block_n_dkdv=int(keys), block_m_dkdv=int(step)),
                 [tuple(int(x) for x in c.split(".")) for c in configs.split(",")])
-    if (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)]) != want:
-        tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["dkdv"][("wide", 128)] = want[0], list(want[1])
+    if (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)]) != want:
+        tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)] = want[0], list(want[1])
         tk._tuned.clear()  # autotuners are keyed by the tile set's name, not its tiles
         tk.clear_host_states()  # so are the launchers' cached host states (their tiles)
 
 
 @contextlib.contextmanager
-def _setting(tiles: str = "auto", kernels: str = "fused", extra: dict | None = None, wide_dkdv=False):
+def _setting(tiles: str = "auto", extra: dict | None = None, wide_dkdv=False):
     """A method's switches (``_triton_env``) and wide dK/dV tiles (``_use_wide_dkdv``: a spec, None for the
     shipped ones, False to leave them), set once around all of its calls: never inside a timed call."""
     if wide_dkdv is not False:
         _use_wide_dkdv(wide_dkdv)
-    with _triton_env(tiles, kernels, extra):
+    with _triton_env(tiles, extra):
         yield
 
 
@@ -158,13 +159,10 @@ def _methods(layout, q, kk, v, args, extras):
     for spec in args.wide_dkdv if "triton" in args.methods else ():
         out[f"triton[dkdv {spec}]"] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
                                        functools.partial(_setting, "wide", wide_dkdv=spec))
-    runs = [(t, b) for t in args.triton_tiles for b in args.triton_kernels] if "triton" in args.methods else []
-    for tiles, variant in runs:
-        tags = [x for x in (tiles, variant) if x not in ("auto", "fused")]
-        name = f"triton[{' '.join(tags)}]" if tags else "triton"
-
+    for tiles in args.triton_tiles if "triton" in args.methods else ():
+        name = "triton" if tiles == "auto" else f"triton[{tiles}]"
         out[name] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
-                     functools.partial(_setting, tiles, variant, wide_dkdv=None if args.wide_dkdv else False))
+                     functools.partial(_setting, tiles, wide_dkdv=None if args.wide_dkdv else False))
     for vname, assignments in getattr(args, "variant_list", ()):
         backend = variant_backend(assignments)
         if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
@@ -299,10 +297,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--triton-tiles", nargs="+", choices=("auto", "base", "hopper", "wide", "hopper128"), default=["auto"],
+    p.add_argument("--triton-tiles", nargs="+", choices=("auto", *TILE_SETS), default=["auto"],
                    help="tile sets to run triton with (auto: the dispatcher's choice)")
-    p.add_argument("--triton-kernels", nargs="+", choices=("fused", "split", "legacy"), default=["fused"],
-                   help="triton kernels: fused (3 launches), split (6), legacy (split, first-generation dQ/dK-dV)")
     p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")

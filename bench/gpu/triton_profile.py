@@ -9,11 +9,11 @@ against the wall time of a synchronised step, and the host time to enqueue one s
 (no sync): when the enqueue time is close to the wall time, the step is launch-bound and
 bigger kernels will not help; when the kernel sum is, the kernels are the place to work.
 
-Each kernel's time is also summed per part (``parts_ms``): ``fwd`` (forward and slot-forward kernels),
-``delta``, ``dq``, ``dkdv``, ``bwd_fused`` (the fused backward: dQ and dK/dV programs in one launch,
-which a profiler cannot split: the ``split`` variant times them apart), ``slot_bwd``, FlexAttention's
-``flex_fwd`` / ``flex_bwd``, and ``other`` (copies, fills). ``--variants FILE`` profiles every triton
-variant of bench/gpu/gpu_variants.txt too (``triton[NAME]``), ``--methods flex_backend`` the flex backend;
+Each kernel's time is also summed per part (``parts_ms``): ``fwd``, ``delta``, ``bwd_fused`` (the fused
+backward: dQ and dK/dV programs in one launch, which a profiler cannot split; ``bench/gpu/bwd_registers.py``
+compiles each kind alone), FlexAttention's ``flex_fwd`` / ``flex_bwd``, and ``other`` (copies, fills).
+``--variants FILE`` profiles every triton variant of bench/gpu/gpu_variants.txt too (``triton[NAME]``),
+``--methods flex_backend`` the flex backend;
 ``--dry-run`` runs the same code on CPU (Triton interpreter, fp32, tiny shapes; CPU profiler events,
 so the parts say only that the path ran).
 """
@@ -32,8 +32,8 @@ from .._cli import write_json
 from ..attention import peers as attention
 
 # Kernel-name fragments -> part, first match wins (names from triton/jit_*.py and inductor's flex templates).
-PARTS = (("_slot_bwd", "slot_bwd"), ("_dkdv", "dkdv"), ("_dq", "dq"), ("_delta", "delta"), ("_bwd_kernel", "bwd_fused"),
-         ("_fwd", "fwd"), ("flex_attention_backward", "flex_bwd"), ("flex_attention", "flex_fwd"))
+PARTS = (("_delta", "delta"), ("_bwd_kernel", "bwd_fused"), ("_fwd", "fwd"), ("flex_attention_backward", "flex_bwd"),
+         ("flex_attention", "flex_fwd"))
 
 
 def part_of(kernel_name: str) -> str:

@@ -23,10 +23,9 @@ loop of ``num_stages >= 3`` whose top wait is 0 drains every copy before its mat
 It prints one table and exits 1 if a config the dispatcher can choose spills (STACK or LOCAL > 0)
 or needs more shared memory than the target has, or, with ``--require-hopper`` (on by default with
 ``--defaults``), if a default config (the first of its list, what runs without autotuning) of a
-main kernel (``main_kernels()``: fwd, dq, dkdv and any new kernel not in AUXILIARY_KERNELS) has
+main kernel (``main_kernels()``: fwd, bwd and any new kernel not in AUXILIARY_KERNELS) has
 no wgmma, a main loop of depth 0 or a main loop that stalls on sm_90a; 2 if Triton's ptxas/cuobjdump
-are missing. The dK/dV step loops are compiled as KFORCING_TRITON_PREFETCH selects (default: prefetching;
-``KFORCING_TRITON_PREFETCH=0`` reports the earlier loop).
+are missing.
 """
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ from typing import Optional
 from . import ttgir
 
 TARGETS = (80, 90)
-# Kernels that only feed the main ones (slot steps, the backward's delta) and the paged decode kernel:
-# not held to the Hopper check. Every other name in launch.KERNELS is a main kernel.
-AUXILIARY_KERNELS = ("slot_fwd", "slot_bwd", "delta", "paged")
+# Kernels that only feed the main ones (the backward's delta) and the paged decode kernel: not held to
+# the Hopper check. Every other name in launch.KERNELS is a main kernel.
+AUXILIARY_KERNELS = ("delta", "paged")
 # Max dynamic shared memory per block (bytes): A100 / H100.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 DTYPES = ("fp16", "bf16")
@@ -195,24 +194,11 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
 
         return dict(HKV=4, D=head_dim, BLOCK_M=16, BLOCK_N=paged.BLOCK_N, BLOCK_D=head_dim)
     tiles = configs.TILE_SETS[tile_set][head_dim]
-    if kernel in ("slot_fwd", "slot_bwd"):
-        return dict(BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     if kernel == "delta":
         return dict(BLOCK_M=configs.DELTA_BLOCK, HEAD_DIM=head_dim)
-    if kernel == "dkdv_legacy":
-        tiles = configs.LEGACY_TILE_SETS[tile_set][head_dim]
-        return dict(BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv,
-                    HEAD_DIM=head_dim, INSTRUMENT=False)
-    if kernel == "bwd":  # the dK/dV step loops as KFORCING_TRITON_PREFETCH selects them (default: prefetching)
+    if kernel == "bwd":
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim,
-                    PREFETCH=configs.prefetch_enabled(), INSTRUMENT=False)
-    if kernel == "dkdv":
-        return dict(BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=head_dim,
-                    PREFETCH=configs.prefetch_enabled(), INSTRUMENT=False)
-    if kernel == "fwd":  # the default kernels' forward (window slots inline); split/legacy's skips that code
-        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, SLOT_INLINE=True,
-                    INSTRUMENT=False)
+                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
 
@@ -257,7 +243,7 @@ def compile_one(job: Job, fn=None) -> Row:
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
     """``scope``: 'defaults' (first config each), 'chosen' (KERNEL_CONFIGS) or 'all' (every candidate).
-    A (kernel, tile set) whose constexprs equal another set's (the slot and delta kernels do not read
+    A (kernel, tile set) whose constexprs equal another set's (the delta kernel does not read
     block_m/block_n) is compiled once."""
     from ..ops.window_attention.triton import configs, launch
 
@@ -294,12 +280,11 @@ def run(job_list: list[Job], workers: int = 1) -> list[Row]:
 
 
 def main_kernels() -> tuple[str, ...]:
-    """The kernels that carry the attention math (fwd, dq, dkdv and any kernel added since, such as the
-    fused backward): every kernel in KERNELS but the auxiliary ones and the legacy ones kept for A/B
-    runs (``*_legacy``, KFORCING_TRITON_KERNELS=legacy). These must be Hopper-grade."""
+    """The kernels that carry the attention math (fwd, bwd and any kernel added since): every kernel in
+    KERNELS but the auxiliary ones. These must be Hopper-grade."""
     from ..ops.window_attention.triton import launch
 
-    return tuple(name for name in launch.KERNELS if name not in AUXILIARY_KERNELS and not name.endswith("_legacy"))
+    return tuple(name for name in launch.KERNELS if name not in AUXILIARY_KERNELS)
 
 
 # The head dims the Hopper standard covers: the paper backbone's 64 and 128 (D = 32 is reported, not held to it).

@@ -2,8 +2,8 @@
 
     python -m kforcing_kernels.tools.slot_cost            # N 1024..8192, k 1..8, single + double, D=128, B=1, H=16
 
-Slot mode (windows <= SLOT_WINDOW_MAX), as the ``split``/``legacy`` kernels run it
-(KFORCING_TRITON_KERNELS), launches two extra kernels per pass (slot_fwd, slot_bwd) and
+Slot mode (windows <= SLOT_WINDOW_MAX), as the ``split``/``legacy`` kernels of 0.4 ran it
+(removed after the H200 run), launches two extra kernels per pass (slot_fwd, slot_bwd) and
 round-trips an fp32 partial per window row through memory: forward writes and re-reads
 ``out`` (D fp32) and ``lse``, backward ``dq`` (D fp32). The default kernels run the same slot
 steps inside the window tiles, so they pay neither the launches nor the partial's traffic. Tile mode instead visits the window's

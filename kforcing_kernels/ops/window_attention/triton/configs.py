@@ -31,7 +31,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # "base" keeps 32-key programs. The wide set now steps 32 rows (the pipelined dK/dV kernel compiles clean).
 # Base D=128 dK/dV programs step 32 rows too: with the prefetching step loop (issue 34; q/dO of two steps
 # in flight) 64-row steps spill 32-56 bytes under Triton 3.6 (sm_80 bwd, sm_90a bwd and dkdv); 32-row steps
-# compile clean (sm_90a: 229 registers fused, 206 split).
+# compile clean (sm_90a: 229 registers).
 TILE_SETS: dict[str, dict[int, Tiles]] = {
     "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32, block_m_dkdv=32)},
     "hopper": {64: Tiles(64, 64, 64, 64)},
@@ -45,17 +45,6 @@ TILE_SETS: dict[str, dict[int, Tiles]] = {
 }
 # Tile sets tile_set_for picks only when KFORCING_TRITON_TILES names them (A/B candidates).
 FORCED_ONLY_TILE_SETS = ("hopper128",)
-# The tiles of the legacy backward (KFORCING_TRITON_KERNELS=legacy): forward tiles as above, the dK/dV
-# tiles it was tuned with (32-key programs at D <= 64: no wgmma; 16-row steps in the wide set).
-LEGACY_TILE_SETS: dict[str, dict[int, Tiles]] = {
-    "base": {32: DEFAULT_TILES, 64: DEFAULT_TILES, 128: Tiles(64, 64, 64, 32)},
-    "hopper": {64: DEFAULT_TILES},
-    "wide": {128: Tiles(128, 64, 128, 32, block_m_dkdv=16, slot_window_max=4)},
-    "hopper128": {64: DEFAULT_TILES},
-}
-# Three launches per forward + backward (default), the slot / dQ / dK/dV kernels as launches of their own,
-# or those with the first-generation dQ and dK/dV kernels (KFORCING_TRITON_KERNELS).
-KERNEL_VARIANTS = ("fused", "split", "legacy")
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
 # Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
@@ -66,41 +55,23 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9, "hopper128": 9}
 # ends of the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources").
 # The first entry of each list is the default (`aot_report --defaults`, the CI test) and what runs
 # without timing (KFORCING_TRITON_AUTOTUNE=0, or by default under torch.distributed); on sm_90a the
-# defaults of fwd, dq, dkdv and bwd are software-pipelined (3 stages) with wgmma. Pruned by that
-# measurement (pipelined kernels): the dq/bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead), the
-# base dkdv D=128 program (64 keys x 64-row steps) spills on sm_90a below 3 stages, D=64 dkdv with
-# 64-key programs spills on sm_80 under 3.6 (hence the sm_90+ "hopper" set); with the window slot steps
-# inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead) and the D=64 one at 8/1
-# (8/2 replaces it). With the prefetching dK/dV step loop (issue 34) under Triton 3.6 the split dkdv's
-# base D=64 4/2 (sm_80) and hopper 4/3 (sm_90a) spill 8 bytes, and base D=64 4/3 spills 8 on sm_80 under 3.9:
-# base D=64 now leads with 8/3 (3 stages, 98-128 registers), hopper keeps 8/3 only. Legacy lists: as tuned in 0.3.
-_SLOT_FWD = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(8, 1), (4, 1)]}
-_SLOT_BWD = {32: [(8, 1)], 64: [(8, 1)], 128: [(8, 1)]}
+# defaults of fwd and bwd are software-pipelined (3 stages) with wgmma. Pruned by that measurement
+# (pipelined kernels): the bwd D=64 base set spills at 4 warps on sm_80 (so 8 warps lead); with the
+# window slot steps inline, the D=32 bwd spills on sm_80 at 4 warps under 3.9 (8 warps lead) and the
+# D=64 one at 8/1 (8/2 replaces it). Until 0.4 (commit 6f25b35) the table also held the split kernels
+# (slot_fwd, slot_bwd, dq, dkdv) and the legacy ones (dq_legacy, dkdv_legacy), removed after the H200 run.
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
 KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
     "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
             ("hopper", 64): [(4, 3), (4, 2), (8, 3)],
             ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dq": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3), (4, 2)],
-           ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dkdv": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(8, 3), (8, 2), (4, 1)],
-             ("hopper", 64): [(8, 3)], ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)],
-             ("hopper128", 64): [(8, 3)]},
     "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
             ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)], ("hopper128", 64): [(8, 3)]},
-    "dq_legacy": {("base", 32): [(4, 2), (4, 3), (8, 2)], ("base", 64): [(4, 1), (8, 1)], ("hopper", 64): [(4, 1), (8, 1)],
-                  ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "dkdv_legacy": {("base", 32): [(4, 3), (8, 1), (8, 2)], ("base", 64): [(4, 2), (8, 2), (4, 1), (4, 3)],
-                    ("hopper", 64): [(4, 2), (8, 2), (4, 1), (4, 3)], ("base", 128): [(8, 1)],
-                    ("wide", 128): [(8, 2), (8, 1)]},
-    # The slot and delta kernels do not read block_m/block_n: the same lists under every tile set.
-    "slot_fwd": {(s, d): _SLOT_FWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
-    "slot_bwd": {(s, d): _SLOT_BWD[d] for s, by_d in TILE_SETS.items() for d in by_d},
+    # The delta kernel does not read block_m/block_n: the same lists under every tile set.
     "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
 }
-# The candidate set's forward, dQ and legacy kernels are the hopper set's (the same tiles there).
-for _name in ("fwd", "dq", "dq_legacy", "dkdv_legacy"):
-    KERNEL_CONFIGS[_name][("hopper128", 64)] = KERNEL_CONFIGS[_name][("hopper", 64)]
+# The candidate set's forward is the hopper set's (the same tiles there).
+KERNEL_CONFIGS["fwd"][("hopper128", 64)] = KERNEL_CONFIGS["fwd"][("hopper", 64)]
 # Candidates the AOT report compiles to prune the table above (`aot_report --all`).
 CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
 DELTA_BLOCK = 64
@@ -128,26 +99,6 @@ def autotune_enabled() -> bool:
         return forced == "1"
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def kernel_variant() -> str:
-    """Which kernels run (KFORCING_TRITON_KERNELS): ``fused`` (default: ``fwd`` with the window slots
-    inline, ``delta``, ``bwd``), ``split`` (``slot_fwd``, ``fwd``, ``delta``, ``slot_bwd``, ``dq``,
-    ``dkdv``) or ``legacy`` (``split`` with ``dq_legacy``, ``dkdv_legacy``)."""
-    value = env.triton_kernels() or "fused"
-    if value not in KERNEL_VARIANTS:
-        raise ValueError(f"KFORCING_TRITON_KERNELS: expected one of {KERNEL_VARIANTS}, got {value!r}")
-    return value
-
-
-def prefetch_enabled() -> bool:
-    """Whether the dK/dV step loops (``bwd``, ``dkdv``) read each step's table entry one item ahead so that
-    Triton pipelines their q/dO loads (KFORCING_TRITON_PREFETCH: ``1``, the default, or ``0``, the earlier
-    loop, kept for GPU A/B runs; jit_backward._dkdv_steps). Both give the same bits."""
-    value = env.triton_prefetch() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"KFORCING_TRITON_PREFETCH: expected '0' or '1', got {value!r}")
-    return value == "1"
 
 
 def check_head_dim(head_dim: int) -> None:

@@ -4,17 +4,19 @@
 * ``_window_dq``, ``_slot_dkdv_program`` (small windows only): the intra-window part of dQ
   for a block of rows, and per (batch x kv head, block of windows) the window keys' dK/dV
   (complete: only their own window sees them), in slot steps.
-* ``_slot_bwd_kernel`` (``split``/``legacy`` only): both as a launch of their own, dQ part to ``DQPart``.
-* ``_dq_kernel``: the forward's walk, accumulating dQ on top of the intra-window part. Per interval
-  three key loops, masked / full / masked (``plan.bounds``' full run in the middle), so the
-  full tiles carry no mask arithmetic and each loop is software-pipelined on its own.
-* ``_dkdv_kernel``: one program per (batch x kv head, key tile) over one flattened list of
+* ``_dq_program``: the forward's walk, accumulating dQ, then the window rows' intra-window part.
+  Per interval three key loops, masked / full / masked (``plan.bounds``' full run in the middle),
+  so the full tiles carry no mask arithmetic and each loop is software-pipelined on its own.
+* ``_dkdv_program``: one program per (batch x kv head, key tile) over one flattened list of
   query-row steps that see the key tile (``steps.py``), full steps first: two flat loops
-  over (step, head of the GQA group) that Triton pipelines (the previous kernel nested a
-  runtime step loop and a runtime group loop, and only the innermost, group loop, was
-  pipelined: ``jit_backward_legacy.py``). dK/dV need no atomics.
-* ``_bwd_kernel`` (default): dK/dV, dQ (intra-window part inline) and the window keys' dK/dV in
-  one launch, programs split by id (FlexAttention's backward does the same for dQ and dK/dV).
+  over (step, head of the GQA group) that Triton pipelines, each step's table entry read one
+  item ahead so that the next steps' q/dO loads are in flight during the math. dK/dV need no atomics.
+* ``_bwd_kernel``: dK/dV, dQ and the window keys' dK/dV in one launch, programs split by id
+  (FlexAttention's backward does the same for dQ and dK/dV).
+
+Until 0.4 (commit 6f25b35) ``KFORCING_TRITON_KERNELS=split|legacy`` launched the slot, dQ and dK/dV
+work apart (and the first-generation dQ / dK/dV kernels); the H200 run measured them slower or tied
+(BENCHMARKS.md, "H200: the variants removed"), so they were removed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from .jit_common import _lse2_for_grad, _row_interval, _sees, _slot_block, jit_k
 
 # Columns per piece of the window dQ's row dot products in dQ programs of at least WINDOW_DQ_PIECES_FROM
 # elements (the wide set's 128 rows x D=128): whole rows of q, k, dO and v beside such a dQ accumulator
-# spill 16-48 bytes on sm_90a; 32-column pieces compile clean. Smaller programs, and the slot kernel
-# (split/legacy; its D=32 sm_80 build spills 16-24 bytes in pieces), take whole rows.
+# spill 16-48 bytes on sm_90a; 32-column pieces compile clean. Smaller programs take whole rows.
 WINDOW_DQ_COLUMNS = tl.constexpr(32)
 WINDOW_DQ_PIECES_FROM = tl.constexpr(128 * 128)
 
@@ -128,42 +129,6 @@ def _slot_dkdv_program(
     tl.store(DV + kv_own, dv.to(DV.dtype.element_ty), mask=ok[:, None])
 
 
-@jit_kernel
-def _slot_bwd_kernel(
-    Q, K, V, DOut, Lse, Delta, DQPart, DK, DV,  # dq partial [B, H, Nw, D] fp32 (unscaled); dk/dv of window keys
-    RowIv, WindowKeys, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    n_kv_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv,
-    qk_scale, sm_scale,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
-):
-    """Grid (B * Hkv, slot blocks): the ``split``/``legacy`` kernels' slot launch. The block's tokens
-    as queries (dQ partial over their window's key slots, per query head), then as keys (dK/dV)."""
-    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
-    b = pid_bh // n_kv_heads
-    kvh = pid_bh % n_kv_heads
-    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key64 = key.to(tl.int64)
-    rows = key64 - query_offset
-    for g in range(0, kv_group):
-        h = kvh * kv_group + g
-        q_head = b * stride_qb + h * stride_qh
-        l_head = b * stride_lb + h * stride_lh
-        lse2_t = _lse2_for_grad(tl.load(Lse + l_head + rows, mask=ok, other=0.0))
-        delta_t = tl.load(Delta + l_head + rows, mask=ok, other=0.0)
-        dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, tl.zeros([BLOCK_T, HEAD_DIM], dtype=tl.float32),
-                        q_head + rows * stride_qm, lse2_t, delta_t,
-                        b * stride_kb + kvh * stride_kh, rows, ok, slot0, b * iv_bstride, window_size, n_iv,
-                        stride_kn, qk_scale, BLOCK_T, HEAD_DIM, HEAD_DIM, INSTRUMENT)
-        tl.store(DQPart + b * stride_pb + h * stride_ph + (key64 - n_ctx)[:, None] * HEAD_DIM + offs_d[None, :], dq,
-                 mask=ok[:, None])
-    _slot_dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys,
-                       Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-                       n_kv_heads, kv_group, num_windows, window_size, query_offset, windows_per_block, iv_bstride,
-                       n_iv, qk_scale, sm_scale, BLOCK_T, HEAD_DIM, INSTRUMENT)
-
-
 @triton.jit
 def _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, t_begin, t_end, lo, hi, n_keys, stride_kn,
                   qk_scale, Counters, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, INSTRUMENT: tl.constexpr):
@@ -194,16 +159,15 @@ def _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, t_begin, t_
 
 @triton.jit
 def _dq_program(
-    pid_bh, tile_rank, Q, K, V, DOut, Lse, Delta, DQ, DQPart,
+    pid_bh, tile_rank, Q, K, V, DOut, Lse, Delta, DQ,
     QueryTiles, Bounds, Order, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     bounds_bstride, iv_bstride,
     n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_INLINE: tl.constexpr,
-    INSTRUMENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
-    """dQ of query tile ``Order[tile_rank]`` of (batch x head) ``pid_bh``; window rows start from their
-    intra-window part (``SLOT_INLINE``: computed here, else the slot kernel's ``DQPart``)."""
+    """dQ of query tile ``Order[tile_rank]`` of (batch x head) ``pid_bh``; window rows add their
+    intra-window part last."""
     pid_bh = pid_bh.to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
     h = pid_bh % n_heads
@@ -226,11 +190,6 @@ def _dq_program(
     kv_tile0 = b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if not SLOT_INLINE:
-        if seeded != 0:  # start from the slot kernel's part
-            wrow = rows + query_offset - n_ctx
-            dq = tl.load(DQPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=ok[:, None], other=0.0)
     q = tl.load(Q + q_off, mask=ok[:, None], other=0.0)
     do = tl.load(DOut + q_off, mask=ok[:, None], other=0.0)
 
@@ -248,15 +207,14 @@ def _dq_program(
                            stride_kn, qk_scale, Counters, BLOCK_N, False, INSTRUMENT)
         dq = _dq_key_tiles(K, V, q, do, lse2, delta, dq, kv_tile0, key_start, full_end, n_tiles, lo, hi, n_keys,
                            stride_kn, qk_scale, Counters, BLOCK_N, True, INSTRUMENT)
-    if SLOT_INLINE:
-        if seeded != 0:  # the intra-window part last: with q and dO (re-read there) no longer live, it fits
-            slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
-            dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq,
-                            b * stride_qb + h * stride_qh + rows * stride_qm, lse2, delta,
-                            b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv, stride_kn,
-                            qk_scale, BLOCK_M, HEAD_DIM,
-                            WINDOW_DQ_COLUMNS if BLOCK_M * HEAD_DIM >= WINDOW_DQ_PIECES_FROM else HEAD_DIM,
-                            INSTRUMENT)
+    if seeded != 0:  # the intra-window part last: with q and dO (re-read there) no longer live, it fits
+        slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
+        dq = _window_dq(Q, K, V, DOut, WindowKeys, RowIv, Counters, dq,
+                        b * stride_qb + h * stride_qh + rows * stride_qm, lse2, delta,
+                        b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv, stride_kn,
+                        qk_scale, BLOCK_M, HEAD_DIM,
+                        WINDOW_DQ_COLUMNS if BLOCK_M * HEAD_DIM >= WINDOW_DQ_PIECES_FROM else HEAD_DIM,
+                        INSTRUMENT)
 
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
@@ -277,29 +235,24 @@ def _step_entry(StepEntries, i, i_end, kv_group, MASKED: tl.constexpr):
 def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, i_begin, i_end, head0,
                 q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
                 BLOCK_M_STEP: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr):
+                INSTRUMENT: tl.constexpr):
     """dK/dV of one key block += the flattened (step, head) items ``[i_begin, i_end)``: item i is
     query-row step ``i // kv_group`` of ``StepEntries`` (row start, rows, interval) for head
     ``head0 + i % kv_group``. One loop with no inner loop, so Triton pipelines its loads.
 
-    ``PREFETCH`` (KFORCING_TRITON_PREFETCH, default on): the step's table entry is a loop-carried value
-    read one item ahead, so the q/dO addresses of item i do not depend on a load of iteration i and
-    Triton's pipeliner can issue item i+1's q/dO (and i+2's) while item i computes. Without it the
-    entry is read in the same iteration: on sm_90a the loop then opens with ``async_wait {num = 0}``
-    (every copy drained, q/dO requested only after the previous item's math: tools/ttgir.py reports it).
-    Both orders compute the same sums in the same order."""
+    The step's table entry is a loop-carried value read one item ahead, so the q/dO addresses of item
+    i do not depend on a load of iteration i and Triton's pipeliner can issue item i+1's q/dO (and
+    i+2's) while item i computes. Read in the same iteration (the loop up to 0.4, commit 6f25b35,
+    ``KFORCING_TRITON_PREFETCH=0``), the sm_90a loop opened with ``async_wait {num = 0}``: every copy
+    drained, q/dO requested only after the previous item's math (tools/ttgir.py reports it); the
+    H200 measured the prefetching loop 1-2% faster at N=8192."""
     offs_m = tl.arange(0, BLOCK_M_STEP)
     offs_d = tl.arange(0, HEAD_DIM)
-    if PREFETCH:
-        next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i_begin, i_end, kv_group, MASKED)
+    next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i_begin, i_end, kv_group, MASKED)
     for i in range(i_begin, i_end):
         e = i // kv_group
         head = head0 + (i - e * kv_group)
-        if PREFETCH:
-            row0, n_rows, interval = next_row0, next_n_rows, next_interval
-        else:
-            row0 = tl.load(StepEntries + e * 3)
-            n_rows = tl.load(StepEntries + e * 3 + 1)
+        row0, n_rows, interval = next_row0, next_n_rows, next_interval
         rows = row0 + offs_m
         ok = offs_m < n_rows
         q_off = q_batch + head * stride_qh + rows[:, None] * stride_qm + offs_d[None, :]
@@ -311,15 +264,13 @@ def _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv,
         delta = tl.load(Delta + l_off, mask=ok, other=0.0)
         p = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M_STEP]
         if MASKED:
-            if not PREFETCH:  # the non-prefetching loop reads it here, as it always did
-                interval = tl.load(StepEntries + e * 3 + 2)
             lo, hi = _row_interval(RowIv, iv_base, rows, ok, interval, n_iv)
             p = tl.where((cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]), p, 0.0)
         dv += tl.dot(p.to(do.dtype), do)
         ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds.to(q.dtype), q)
-        if PREFETCH:  # after the math: read at the top of the body, several configs spill under Triton 3.6
-            next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i + 1, i_end, kv_group, MASKED)
+        # After the math: read at the top of the body, several configs spill under Triton 3.6.
+        next_row0, next_n_rows, next_interval = _step_entry(StepEntries, i + 1, i_end, kv_group, MASKED)
         if INSTRUMENT:
             tl.atomic_add(Counters + 4, 1)
     return dk, dv
@@ -332,8 +283,7 @@ def _dkdv_program(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     stepptr_bstride, iv_bstride,
     n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr,
-    INSTRUMENT: tl.constexpr,
+    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     """dK/dV of key tile ``StepOrder[tile_rank]`` of (batch x kv head) ``pid_bh``: BLOCK_N keys, whose
     steps StepPtr gives as [begin, first masked, end)."""
@@ -364,59 +314,25 @@ def _dkdv_program(
     iv_base = b * iv_bstride
     dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, begin, first_masked,
                          head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
-                         BLOCK_M_STEP, HEAD_DIM, False, PREFETCH, INSTRUMENT)
+                         BLOCK_M_STEP, HEAD_DIM, False, INSTRUMENT)
     dk, dv = _dkdv_steps(Q, DOut, Lse, Delta, RowIv, StepEntries, Counters, k, v, dk, dv, cols, first_masked, end,
                          head0, q_batch, l_batch, iv_base, kv_group, stride_qh, stride_qm, stride_lh, n_iv, qk_scale,
-                         BLOCK_M_STEP, HEAD_DIM, True, PREFETCH, INSTRUMENT)
+                         BLOCK_M_STEP, HEAD_DIM, True, INSTRUMENT)
 
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @jit_kernel
-def _dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, DQPart,
-    QueryTiles, Bounds, Order, RowIv, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    bounds_bstride, iv_bstride,
-    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, qk_scale, sm_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
-):
-    """Grid (B * H, query tiles); window rows start from the slot kernel's ``DQPart`` (``split``)."""
-    _dq_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
-                RowIv, RowIv, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads, kv_group, n_keys,
-                n_ctx, query_offset, n_intervals, n_iv, 0, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False,
-                INSTRUMENT)
-
-
-@jit_kernel
-def _dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
-    KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-    stepptr_bstride, iv_bstride,
-    n_kv_heads, kv_group, n_iv, qk_scale, sm_scale,
-    BLOCK_M_STEP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr,
-    INSTRUMENT: tl.constexpr,
-):
-    """Grid (B * Hkv, key tiles)."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1), Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
-                  StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                  stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                  sm_scale, BLOCK_M_STEP, BLOCK_N, HEAD_DIM, PREFETCH, INSTRUMENT)
-
-
-@jit_kernel
 def _bwd_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, DK, DV, DQPart,
+    Q, K, V, DOut, Lse, Delta, DQ, DK, DV,
     QueryTiles, Bounds, Order, KeyTiles, StepPtr, StepEntries, StepOrder, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
     bounds_bstride, stepptr_bstride, iv_bstride,
     n_heads, n_kv_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, num_windows, window_size,
     windows_per_block, n_bh, n_bkv, n_dkdv_programs, n_dq_programs, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M_STEP: tl.constexpr, BLOCK_N_DKDV: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, PREFETCH: tl.constexpr, INSTRUMENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     """The whole backward after ``delta`` in one launch (1-D grid), programs split by id: the first
     ``n_dkdv_programs`` = ``n_bkv`` x key tiles are dK/dV programs (the larger share of the work, so
@@ -429,14 +345,14 @@ def _bwd_kernel(
         _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                       StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
                       stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, PREFETCH, INSTRUMENT)
+                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
     elif pid < n_dkdv_programs + n_dq_programs:
         p = pid - n_dkdv_programs
-        _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, DQPart, QueryTiles, Bounds, Order,
+        _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, QueryTiles, Bounds, Order,
                     RowIv, WindowKeys, RowSlot0, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                    stride_kn, stride_lb, stride_lh, stride_pb, stride_ph, bounds_bstride, iv_bstride, n_heads,
+                    stride_kn, stride_lb, stride_lh, bounds_bstride, iv_bstride, n_heads,
                     kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale, sm_scale,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, True, INSTRUMENT)
+                    BLOCK_M, BLOCK_N, HEAD_DIM, INSTRUMENT)
     else:
         p = pid - n_dkdv_programs - n_dq_programs
         _slot_dkdv_program(p % n_bkv, p // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, RowIv, WindowKeys, Counters,

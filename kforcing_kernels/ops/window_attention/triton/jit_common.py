@@ -17,10 +17,10 @@ LOG2E = 1.4426950408889634
 
 # Argument roles (the AOT report builds kernel signatures from these).
 IO_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")  # in the inputs' dtype
-FP32_POINTERS = ("Lse", "OPart", "LsePart", "Delta", "DQPart")  # other pointers are int32 plan tensors
+FP32_POINTERS = ("Lse", "Delta")  # other pointers are int32 plan tensors
 # The int32 plan tables (plan.device_int32 uploads them 16-byte aligned), and Counters (int32, the caller's).
-PLAN_POINTERS = ("QueryTiles", "Bounds", "Order", "KeyTiles", "KeyPtr", "KeyEntries", "KeyOrder", "StepPtr",
-                 "StepEntries", "StepOrder", "RowIv", "WindowKeys", "RowSlot0")
+PLAN_POINTERS = ("QueryTiles", "Bounds", "Order", "KeyTiles", "StepPtr", "StepEntries", "StepOrder", "RowIv",
+                 "WindowKeys", "RowSlot0")
 FLOAT_ARGS = ("qk_scale", "sm_scale")
 # Strides of q/k/v/dout are multiples of the head dim (>= 32), so Triton may assume 16-divisibility.
 ALIGNED_STRIDES = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")
@@ -46,7 +46,7 @@ def interpreting() -> bool:
 # [B', Lq, n_iv, 2], WindowLayout.row_intervals()): row r sees keys [lo, hi) of each of
 # its n_iv intervals (0: context part, 1..S: its own window's streams). WindowKeys
 # (int32 [M * w], -1 past a short last window) is the key of each window slot, so the
-# slot kernels read both storage orders in place without a storage formula.
+# slot steps read both storage orders in place without a storage formula.
 
 
 @triton.jit

@@ -1,9 +1,7 @@
 """The forward kernels (``@triton.jit`` source only; launched by ``launch.py``).
 
 * ``_window_softmax`` (small windows only): the intra-window part of a block of rows,
-  w slot steps (``SLOT_INLINE``: inside ``_fwd_kernel``'s window tiles, so no launch of its own).
-* ``_slot_fwd_kernel`` (``split``/``legacy`` kernels only): the same as a launch, one block of
-  whole windows per program; writes a partial ``(out, lse)`` that the main kernel reads.
+  w slot steps, inside ``_fwd_kernel``'s window tiles (no launch of its own).
 * ``_fwd_kernel``: one program per (batch x head, query tile); window rows start from their
   intra-window part. Per interval of the plan it walks key tiles of BLOCK_N; only tiles
   outside the plan's full range are masked.
@@ -17,8 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_common import _finish, _row_interval, _sees, _slot_block, jit_kernel
-
+from .jit_common import _finish, _row_interval, _sees, jit_kernel
 
 @triton.jit
 def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows, ok, slot0, iv_base, window_size, n_iv,
@@ -54,39 +51,13 @@ def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows,
 
 
 @jit_kernel
-def _slot_fwd_kernel(
-    Q, K, V, OPart, LsePart,  # q [B, H, Lq, D], k/v [B, Hkv, Lk, D]; partial out [B, H, Nw, D] fp32, lse [B, H, Nw] (log2)
-    RowIv, WindowKeys, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_pb, stride_ph, stride_lb, stride_lh,
-    n_heads, kv_group, n_ctx, num_windows, window_size, query_offset, windows_per_block, iv_bstride, n_iv, qk_scale,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
-):
-    pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    kvh = h // kv_group
-    ok, slot0, key = _slot_block(tl.program_id(1), windows_per_block, num_windows, window_size, WindowKeys, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
-    out, lse2 = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
-                                b * stride_kb + kvh * stride_kh, key.to(tl.int64) - query_offset, ok, slot0,
-                                b * iv_bstride, window_size, n_iv, stride_qm, stride_kn, qk_scale, BLOCK_T, HEAD_DIM,
-                                INSTRUMENT)
-    wrow = key.to(tl.int64) - n_ctx
-    tl.store(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=ok[:, None])
-    tl.store(LsePart + b * stride_lb + h * stride_lh + wrow, lse2, mask=ok)
-
-
-@jit_kernel
 def _fwd_kernel(
     Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
-    OPart, LsePart,  # the slot kernel's partial for window rows (read by seeded tiles unless SLOT_INLINE)
     QueryTiles, Bounds, Order, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh, stride_pb, stride_ph,
-    stride_wb, stride_wh, bounds_bstride, iv_bstride,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
+    bounds_bstride, iv_bstride,
     n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLOT_INLINE: tl.constexpr,
-    INSTRUMENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
@@ -109,17 +80,11 @@ def _fwd_kernel(
     k_tile0 = K + kv_tile0
     v_tile0 = V + kv_tile0
 
-    if seeded != 0:  # start from the intra-window part: normalised out, l = 1
-        wrow = rows + query_offset - n_ctx
-        if SLOT_INLINE:  # computed here (no slot launch): each row's window from RowSlot0
-            slot0 = tl.load(RowSlot0 + wrow, mask=ok, other=0)
-            acc, m_i = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
-                                       b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv,
-                                       stride_qm, stride_kn, qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
-        else:  # the slot kernel's
-            acc = tl.load(OPart + b * stride_pb + h * stride_ph + wrow[:, None] * HEAD_DIM + offs_d[None, :],
-                          mask=ok[:, None], other=0.0)
-            m_i = tl.load(LsePart + b * stride_wb + h * stride_wh + wrow, mask=ok, other=float("-inf"))
+    if seeded != 0:  # start from the intra-window part (each row's window from RowSlot0): normalised out, l = 1
+        slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
+        acc, m_i = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
+                                   b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv,
+                                   stride_qm, stride_kn, qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
         l_i = tl.where(ok, 1.0, 0.0)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

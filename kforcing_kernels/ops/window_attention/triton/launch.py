@@ -10,10 +10,8 @@ both storage orders (position-major, and the stream-major DoubleForward storage
 
 Launches per forward + backward (default): ``fwd`` (``jit_forward.py``; window tiles compute their
 rows' intra-window part inline), ``delta``, ``bwd`` (``jit_backward.py``: dK/dV, dQ and the window
-keys' dK/dV, programs split by id). ``KFORCING_TRITON_KERNELS=split`` launches the slot work and
-dQ / dK/dV apart (``slot_fwd``, ``fwd``, ``delta``, ``slot_bwd``, ``dq``, ``dkdv``), ``=legacy`` the
-same with the first-generation ``dq_legacy``, ``dkdv_legacy`` of ``jit_backward_legacy.py`` and
-their own dK/dV tiles, for A/B runs. Launchers take contiguous ``[B, H, L, D]`` tensors. Under
+keys' dK/dV, programs split by id); nothing else (the ``split`` and ``legacy`` kernels of 0.4 were
+removed after the H200 run: BENCHMARKS.md). Launchers take contiguous ``[B, H, L, D]`` tensors. Under
 ``TRITON_INTERPRET=1`` the kernels run in Triton's interpreter on CPU tensors with
 a fixed config; on a GPU each kernel is autotuned over its entries in
 ``configs.KERNEL_CONFIGS``, one autotuner per key (tile set, head dim, length
@@ -39,31 +37,24 @@ from .configs import (
     DELTA_BLOCK,
     GPU_DTYPES,
     KERNEL_CONFIGS,
-    LEGACY_TILE_SETS,
     SUPPORTED_HEAD_DIMS,
     TILE_SETS,
     TILES_BY_HEAD_DIM,
     autotune_enabled,
     check_head_dim,
-    kernel_variant,
     length_bucket,
-    prefetch_enabled,
     tile_set_for,
     tiles_for,
 )
 from .direct import DirectCache, direct_launch_enabled
-from .jit_backward import _bwd_kernel, _delta_kernel, _dkdv_kernel, _dq_kernel, _slot_bwd_kernel
-from .jit_backward_legacy import _dkdv_legacy_kernel, _dq_legacy_kernel
+from .jit_backward import _bwd_kernel, _delta_kernel
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, PLAN_POINTERS, interpreting
-from .jit_forward import _fwd_kernel, _slot_fwd_kernel
+from .jit_forward import _fwd_kernel
 from .plan import TilePlan, Tiles, device_plan, stream_id, tile_plan
 from .steps import device_steps, step_plan
 
 # The kernels by the names the configs, the autotune cache and the AOT report use.
-KERNELS = {
-    "fwd": _fwd_kernel, "slot_fwd": _slot_fwd_kernel, "delta": _delta_kernel, "slot_bwd": _slot_bwd_kernel,
-    "dq": _dq_kernel, "dkdv": _dkdv_kernel, "bwd": _bwd_kernel, "dq_legacy": _dq_legacy_kernel, "dkdv_legacy": _dkdv_legacy_kernel,
-}
+KERNELS = {"fwd": _fwd_kernel, "delta": _delta_kernel, "bwd": _bwd_kernel}
 
 
 def _tuned_kernel(kernel_name: str, key: tuple):
@@ -102,8 +93,7 @@ def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> 
         if entry is not None:
             entry(grid, args, active.get_current_stream(device))
             return
-    # PREFETCH (the dK/dV loop's A/B switch) picks other code: its own autotuner, so neither loop inherits the other's config.
-    key = (kernel_name, *tune_key, autotune, kwargs.get("PREFETCH"))
+    key = (kernel_name, *tune_key, autotune)
     with _tuned_lock:
         tuned = _tuned.get(key)
         if tuned is None:
@@ -156,14 +146,12 @@ def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
 
 
 def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]:
-    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs. The
-    legacy backward keeps its own dK/dV tiles (forward tiles are the same in both tables)."""
+    """(tiles, tile set name). Explicit tiles outside every set tune over the base set's configs."""
     d = q.shape[-1]
-    sets = LEGACY_TILE_SETS if kernel_variant() == "legacy" else TILE_SETS
     if tiles is None:
         name = tile_set_for(d, q.shape[2], q.device)
-        return sets[name][d], name
-    return tiles, next((n for n, by_d in sets.items() if by_d.get(d) == tiles), "base")
+        return TILE_SETS[name][d], name
+    return tiles, next((n for n, by_d in TILE_SETS.items() if by_d.get(d) == tiles), "base")
 
 
 def _tune_key(tile_set: str, q: torch.Tensor, plan: TilePlan) -> tuple:
@@ -186,7 +174,7 @@ def _device_guard(t: torch.Tensor):
 
 
 # The host state of a launch (tiles, tile plan, autotune key, device copies): per layout, head dim, query rows,
-# device, stream and the tile/kernel switches. Building it reads the layout's derived store (hashing the tiles,
+# device, stream and the tile switch. Building it reads the layout's derived store (hashing the tiles,
 # formatting the device, querying the stream) on every call; a training step repeats one key.
 HOST_STATE_MAX = 64
 
@@ -220,7 +208,7 @@ def _host_state(layout, q: torch.Tensor, tiles: Optional[Tiles], counters: Optio
     if tiles is not None or counters is not None:
         return _HostState(layout, q, tiles, counters)
     device = q.device
-    key = (layout, q.shape[-1], q.shape[2], device, stream_id(device), env.triton_tiles(), env.triton_kernels())
+    key = (layout, q.shape[-1], q.shape[2], device, stream_id(device), env.triton_tiles())
     state = _host_states.get(key)
     if state is None:
         state = _HostState(layout, q, None, None)
@@ -276,31 +264,15 @@ def _forward(q, k, v, layout, scale, tiles, counters):
     kv_group = n_heads // k.shape[1]
     q_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
 
-    inline = kernel_variant() == "fused"  # window slots inside the fwd programs, else a slot launch first
-    n_window_rows = lq - (g.n_ctx - g.query_offset)
-    o_part = q.new_empty(bsz, n_heads, n_window_rows if plan.intra_blocks and not inline else 0, d,
-                         dtype=torch.float32)
-    lse_part = q.new_empty(bsz, n_heads, o_part.shape[2], dtype=torch.float32)
-    if not inline:
-        _launch(
-            "slot_fwd", (bsz * n_heads, plan.intra_blocks), key,
-            q, k, v, o_part, lse_part, pt["row_iv"], pt["window_keys"], counters,
-            *q_strides, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-            n_heads, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
-            pt["iv_bstride"], pt["n_iv"], scale * LOG2E,
-            BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
-        )
     out = torch.empty_like(q)
     lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     _launch(
         "fwd", (bsz * n_heads, plan.num_query_tiles), key,
-        q, k, v, out, lse, o_part, lse_part,
+        q, k, v, out, lse,
         pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
-        *q_strides, lse.stride(0), lse.stride(1), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        lse_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
+        *q_strides, lse.stride(0), lse.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
         n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], g.window_size,
-        scale * LOG2E, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, SLOT_INLINE=inline,
-        INSTRUMENT=instrument,
+        scale * LOG2E, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     return out, lse
 
@@ -350,86 +322,22 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dq = torch.empty_like(q)
-    variant = kernel_variant()
-    # split/legacy: the slot kernel runs first (window keys' dK/dV, window rows' dQ part); the default
-    # kernels do that inside the backward launch.
-    slot_launch = plan.intra_blocks > 0 and variant != "fused"
-    n_window_rows = lq - (g.n_ctx - g.query_offset)
-    dq_part = q.new_empty(bsz, n_heads, n_window_rows if slot_launch else 0, d, dtype=torch.float32)
-    if slot_launch:
-        _launch(
-            "slot_bwd", (bsz * n_kv, plan.intra_blocks), key,
-            q, k, v, dout, lse, delta, dq_part, dk, dv, pt["row_iv"], pt["window_keys"], counters,
-            *strides, dq_part.stride(0), dq_part.stride(1),
-            n_kv, kv_group, g.n_ctx, g.num_windows, g.window_size, g.query_offset, plan.windows_per_block,
-            pt["iv_bstride"], pt["n_iv"], scale * LOG2E, scale,
-            BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
-        )
-    if variant == "fused":
-        st = hs.steps()
-        n_dkdv = bsz * n_kv * plan.num_key_tiles
-        n_dq = bsz * n_heads * plan.num_query_tiles
-        n_slot = bsz * n_kv * plan.intra_blocks
-        _launch(
-            "bwd", (n_dkdv + n_dq + n_slot, 1), key,
-            q, k, v, dout, lse, delta, dq, dk, dv, dq_part,
-            pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
-            st["step_order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
-            *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], st["stepptr_bstride"],
-            pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
-            g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
-            scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-            BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, PREFETCH=prefetch_enabled(),
-            INSTRUMENT=instrument,
-        )
-        return dq, dk, dv
-    if variant == "legacy":
-        _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
-                         instrument)
-        return dq, dk, dv
     st = hs.steps()
+    n_dkdv = bsz * n_kv * plan.num_key_tiles
+    n_dq = bsz * n_heads * plan.num_query_tiles
+    n_slot = bsz * n_kv * plan.intra_blocks
     _launch(
-        "dq", (bsz * n_heads, plan.num_query_tiles), key,
-        q, k, v, dout, lse, delta, dq, dq_part,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
-        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
-        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
-    )
-    _launch(
-        "dkdv", (bsz * n_kv, plan.num_key_tiles), key,
-        q, k, v, dout, lse, delta, dk, dv,
-        pt["key_tiles"], st["step_ptr"], st["step_entries"], st["step_order"], pt["row_iv"], counters,
-        *strides, st["stepptr_bstride"], pt["iv_bstride"],
-        n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d, PREFETCH=prefetch_enabled(),
-        INSTRUMENT=instrument,
+        "bwd", (n_dkdv + n_dq + n_slot, 1), key,
+        q, k, v, dout, lse, delta, dq, dk, dv,
+        pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
+        st["step_order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
+        *strides, pt["bounds_bstride"], st["stepptr_bstride"],
+        pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
+        g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
+        scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
+        BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
     )
     return dq, dk, dv
-
-
-def _backward_legacy(q, k, v, dout, lse, delta, dq, dk, dv, dq_part, plan, pt, counters, strides, key, scale,
-                     instrument):
-    """The first-generation dQ and dK/dV kernels (KFORCING_TRITON_KERNELS=legacy), for A/B runs."""
-    (bsz, n_heads, _, d), n_kv, g, tiles = q.shape, k.shape[1], plan.geometry, plan.tiles
-    kv_group = n_heads // n_kv
-    _launch(
-        "dq_legacy", (bsz * n_heads, plan.num_query_tiles), key,
-        q, k, v, dout, lse, delta, dq, dq_part,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], counters,
-        *strides, dq_part.stride(0), dq_part.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
-        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
-    )
-    _launch(
-        "dkdv_legacy", (bsz * n_kv, plan.num_key_tiles), key,
-        q, k, v, dout, lse, delta, dk, dv,
-        pt["query_tiles"], pt["key_tiles"], pt["key_ptr"], pt["key_entries"], pt["key_order"], pt["row_iv"],
-        counters, *strides, pt["keyptr_bstride"], pt["iv_bstride"],
-        n_kv, kv_group, pt["n_iv"], scale * LOG2E, scale,
-        BLOCK_M=tiles.block_m, BLOCK_M_STEP=tiles.dkdv_step_rows, BLOCK_N=tiles.block_n_dkdv, HEAD_DIM=d,
-        INSTRUMENT=instrument,
-    )
 
 
 __all__ = [

@@ -25,14 +25,12 @@ rows would otherwise pay a BLOCK_M x BLOCK_M block-diagonal product for
 BLOCK_M * (w+1)/2 useful pairs. The default kernels run them inside the
 window ("seeded") query tiles, which start their online softmax (forward) or
 dQ from them; window keys are only seen by their own window, so their dK/dV
-come outright from slot blocks of ``block_t // w`` whole windows. The
-``split``/``legacy`` kernels run all of it as a separate slot kernel whose
-partials the main kernels read.
+come outright from slot blocks of ``block_t // w`` whole windows.
 Large windows use tile products (their intra part is a causal band, intervals 1..S).
 
-The backward dK/dV kernel walks the transposed plan: for each key tile (aligned
-BLOCK_N chunks of the context, and of each window stream in tile mode), the
-list of (query tile, interval, full) that touch it, in CSR form.
+The transposed plan lists for each key tile (aligned BLOCK_N chunks of the context, and of each
+window stream in tile mode) the (query tile, interval, full) that touch it, in CSR form; the
+backward's dK/dV programs walk its row-step form (``steps.py``), built from it on the host.
 
 A row subset (``QueryRowsLayout``: a context-parallel rank, an EAGLE-3 step) is planned the same way
 from its own rows' intervals (``build_tile_plan``), in tile mode, with query tiles of runs of its rows.
@@ -464,11 +462,9 @@ def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
 
     return dict(
         query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
-        key_tiles=dev(plan.key_tiles), key_ptr=dev(plan.key_ptr), key_entries=dev(plan.key_entries),
-        key_order=dev(plan.key_order), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
+        key_tiles=dev(plan.key_tiles), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
         row_slot0=dev(_row_slot0(layout)),
         bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
-        keyptr_bstride=plan.key_ptr.shape[1] if plan.key_ptr.shape[0] > 1 else 0,
         iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0, n_iv=row_iv.shape[2],
     )
 

@@ -54,7 +54,7 @@ def test_report_compiles_each_distinct_kernel_once():
              j.dtype, j.num_warps, j.num_stages) for j in jobs]
     assert len(keys) == len(set(keys))
     assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {
-        (name, "wide") for name in ("fwd", "dq", "dkdv", "bwd", "dq_legacy", "dkdv_legacy")}
+        (name, "wide") for name in ("fwd", "bwd")}
     assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
     # The paged decode kernel (ops/paged_attention) is in the report too, at its launch config.
     paged = [j for j in jobs if j.kernel == aot_report.PAGED]
@@ -169,23 +169,22 @@ def _row(kernel, arch=90, default=True, wgmma=2, dots=2, depth=2, error=None, ti
 def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
     from kforcing_kernels.ops.window_attention.triton import launch
 
-    assert {"fwd", "dq", "dkdv"} <= set(aot_report.main_kernels())
-    assert not set(aot_report.main_kernels()) & {"slot_fwd", "slot_bwd", "delta"}
-    monkeypatch.setitem(launch.KERNELS, "bwd_fused", launch.KERNELS["dq"])  # a new kernel is a main one
-    assert "bwd_fused" in aot_report.main_kernels()
-    rows = [_row("fwd"), _row("dq", depth=0), _row("dkdv", wgmma=0, depth=0), _row("bwd_fused", depth=None),
-            _row("fwd", error="PTXASError: x"), _row("dq", arch=80, wgmma=0), _row("dq", default=False, depth=0),
+    assert set(aot_report.main_kernels()) == {"fwd", "bwd"}
+    monkeypatch.setitem(launch.KERNELS, "bwd_new", launch.KERNELS["bwd"])  # a new kernel is a main one
+    assert "bwd_new" in aot_report.main_kernels()
+    rows = [_row("fwd"), _row("bwd", depth=0), _row("bwd_new", wgmma=0, depth=0), _row("fwd", depth=None),
+            _row("fwd", error="PTXASError: x"), _row("bwd", arch=80, wgmma=0), _row("bwd", default=False, depth=0),
             _row("delta", wgmma=0, dots=0, depth=None),
-            # Not held to the standard: legacy A/B kernels, sets sm_90a never picks unforced, D = 32.
-            _row("dkdv_legacy", wgmma=0, depth=0), _row("dkdv", tiles="base", wgmma=0, depth=0),
-            _row("dq", tiles="base", d=32, depth=0),
+            # Not held to the standard: sets sm_90a never picks unforced, D = 32.
+            _row("bwd", tiles="base", wgmma=0, depth=1), _row("bwd", tiles="hopper128", wgmma=0, depth=4),
+            _row("fwd", tiles="base", d=32, depth=0),
             # A stall counts at 3+ stages only (two stages wait with num = 0 in a real pipeline).
-            _row("bwd", depth=3, stages=3, top_waits=(0, 6, 2)), _row("dkdv", depth=3, stages=3, top_waits=(4, 6)),
+            _row("bwd", depth=3, stages=3, top_waits=(0, 6, 2)), _row("bwd", depth=5, stages=3, top_waits=(4, 6)),
             _row("fwd", depth=2, stages=2, top_waits=(0,))]
     failures = {(r.job.kernel, r.depth): problems for r, problems in aot_report.hopper_failures(rows)}
-    assert failures == {("dq", 0): ["main loop not pipelined (depth 0)"],
-                        ("dkdv", 0): ["no wgmma (0 of 2 dots)", "main loop not pipelined (depth 0)"],
-                        ("bwd_fused", None): ["no main loop with a dot"],
+    assert failures == {("bwd", 0): ["main loop not pipelined (depth 0)"],
+                        ("bwd_new", 0): ["no wgmma (0 of 2 dots)", "main loop not pipelined (depth 0)"],
+                        ("fwd", None): ["no main loop with a dot"],
                         ("fwd", 2): ["does not compile (PTXASError: x)"],
                         ("bwd", 3): ["main loop 1 of 3 stalls (async_wait num = 0 at the top, 3 stages)"]}
     table = aot_report.format_table(rows[-3:])
@@ -201,11 +200,10 @@ COLUMNS = ("target", "kernel", "tiles", "d", "dtype", "warps", "stages", "regs",
 
 
 def _ci_kernels() -> list[str]:
-    """Every kernel but the legacy A/B ones (unchanged since their own report, and re-checked by `make
-    aot-check` and `aot_report` without --kernels): the suite's compile budget goes to what runs by default."""
+    """Every kernel, the paged decode kernel included."""
     from kforcing_kernels.ops.window_attention.triton import launch
 
-    return [name for name in launch.KERNELS if not name.endswith("_legacy")] + [aot_report.PAGED]
+    return [*launch.KERNELS, aot_report.PAGED]
 
 
 @pytest.fixture(scope="module")
@@ -268,51 +266,24 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
 
 
 def test_default_main_kernels_are_hopper_grade(default_report):
-    """Issue #25's standard: every default sm_90a config of fwd, dq, dkdv and the fused
-    backward at D = 64 and 128 runs wgmma in a software-pipelined main loop; issue #34's: none of those
+    """Issue #25's standard: every default sm_90a config of fwd and the fused backward at D = 64 and 128 runs wgmma in a software-pipelined main loop; issue #34's: none of those
     loops drains its copies at the top (the dK/dV step loops prefetch q/dO)."""
     result, _ = default_report
     assert "NOT HOPPER-GRADE" not in result.stdout, result.stdout[-3000:]
 
 
 def test_default_step_loops_keep_a_step_in_flight(default_report):
-    """Every default of the dK/dV kernels (fused and split) that sm_90a dispatches (D = 64, 128) at 3+ stages:
+    """Every default of the fused backward (its dK/dV step loops) that sm_90a dispatches (D = 64, 128) at 3+ stages:
     each main loop opens with copies still in flight (top wait >= 1) into at least num_stages q/dO (and
     k/v) buffers. (The mma_v2 sets keep num_stages - 1 buffers: their operands go through registers.)"""
     from kforcing_kernels.ops.window_attention.triton import configs
 
     _, rows = default_report
-    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in ("bwd", "dkdv") and int(r["stages"]) >= 3
+    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] == "bwd" and int(r["stages"]) >= 3
                and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
     assert {(r["kernel"], r["tiles"], r["d"]) for r in checked} == {
-        (k, t, d) for k in ("bwd", "dkdv") for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
+        ("bwd", t, d) for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
     for r in checked:
         waits, bufs = r["top_wait"].split("/"), r["bufs"].split("/")
         assert len(waits) == len(bufs) >= 2 and "-" not in waits + bufs, r
         assert all(int(w) >= 1 for w in waits) and all(int(b) >= int(r["stages"]) for b in bufs), r
-
-
-def test_report_flags_the_non_prefetching_step_loop():
-    """Compiled for sm_90a on this CPU: the dK/dV loop as it was (KFORCING_TRITON_PREFETCH=0) stalls and the
-    report says so; the prefetching one (default) does not, with as many q/dO buffers as stages."""
-    if aot_report.tools_missing() is not None:
-        pytest.skip(aot_report.tools_missing())
-    from kforcing_kernels.ops.window_attention.triton import launch
-
-    if launch.interpreting():
-        pytest.skip("kernels were built for the interpreter in this process")
-    job = aot_report.Job(90, "dkdv", "hopper", 64, "bf16", 8, 3, True, True)
-    rows = {}
-    for prefetch in ("0", "1"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("KFORCING_TRITON_PREFETCH", prefetch)
-            rows[prefetch] = aot_report.compile_one(job)
-    old, new = rows["0"], rows["1"]
-    assert old.error is None and new.error is None
-    assert old.depth == new.depth == 3  # depth alone cannot tell them apart
-    assert old.top_waits[0] == 0 and old.stalled_loops == [0]
-    assert [line.split("|")[-4].strip() for line in aot_report.format_table([old, new]).splitlines()[2:]] == ["1", "-"]
-    assert any("stall" in p for p in old.hopper_problems())
-    assert len(new.top_waits) == 2 and all(w >= 1 for w in new.top_waits) and not new.stalled_loops
-    assert all(b >= 3 for b in new.buffers) and min(old.buffers) < 3
-    assert new.hopper_problems() == []

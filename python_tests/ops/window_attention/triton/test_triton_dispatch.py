@@ -63,81 +63,26 @@ def test_tune_key_separates_what_changes_the_best_config():
     assert launch._resolve_tiles(configs.TILE_SETS["base"][128], q)[1] == "base"
 
 
-def test_kernel_variant_switch(monkeypatch):
-    """KFORCING_TRITON_KERNELS picks the dQ/dK-dV kernels and, for legacy, its own dK/dV tiles."""
-    q = torch.empty(1, 2, 300, 64, device="meta")
-    monkeypatch.delenv("KFORCING_TRITON_KERNELS", raising=False)
-    assert configs.kernel_variant() == "fused"
-    assert launch._resolve_tiles(configs.TILE_SETS["hopper"][64], q) == (configs.TILE_SETS["hopper"][64], "hopper")
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", "legacy")
-    assert launch._resolve_tiles(None, q) == (configs.LEGACY_TILE_SETS["base"][64], "base")
-    assert configs.LEGACY_TILE_SETS["hopper"][64].block_n_dkdv == 32 < configs.TILE_SETS["hopper"][64].block_n_dkdv
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", "fast")
-    with pytest.raises(ValueError, match="KFORCING_TRITON_KERNELS"):
-        configs.kernel_variant()
+def test_removed_kernel_switches_are_not_read():
+    """KFORCING_TRITON_KERNELS (split / legacy kernels) and KFORCING_TRITON_PREFETCH (the non-prefetching dK/dV
+    loop) were removed after the H200 run: nothing reads them, so a stale setting changes nothing."""
+    from kforcing_kernels import env
+
+    for name in ("KFORCING_TRITON_KERNELS", "KFORCING_TRITON_PREFETCH"):
+        assert name not in (env.__doc__ or "")
+    assert set(launch.KERNELS) == {"fwd", "delta", "bwd"}
+    assert not hasattr(configs, "kernel_variant") and not hasattr(configs, "prefetch_enabled")
 
 
-@pytest.mark.parametrize("variant, kernel", [("fused", "bwd"), ("split", "dkdv")])
-def test_prefetch_switch_reaches_the_dkdv_launches(monkeypatch, variant, kernel):
-    """KFORCING_TRITON_PREFETCH selects the dK/dV step loop (1, the default: prefetching; 0: the earlier loop,
-    for GPU A/B runs) in the launch of the kernel that runs it; any other value is refused by name."""
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
-    launched = {}
-    monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.__setitem__(name, kw))
-    layout = WindowLayout.kforcing_single(300, 4)
-    q, kv = torch.randn(1, 2, layout.n_queries, 64), torch.randn(1, 2, layout.n_keys, 64)
-    lse = torch.zeros(1, 2, layout.n_queries)
-    for value, expected in ((None, True), ("", True), ("1", True), ("0", False)):
-        if value is None:
-            monkeypatch.delenv("KFORCING_TRITON_PREFETCH", raising=False)
-        else:
-            monkeypatch.setenv("KFORCING_TRITON_PREFETCH", value)
-        assert configs.prefetch_enabled() is expected
-        launched.clear()
-        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
-        assert launched[kernel]["PREFETCH"] is expected
-        assert all("PREFETCH" not in kw for name, kw in launched.items() if name != kernel)
-    monkeypatch.setenv("KFORCING_TRITON_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
-        configs.prefetch_enabled()
-    with pytest.raises(ValueError, match="KFORCING_TRITON_PREFETCH"):
-        launch.attention_backward(q, q, kv, kv, q, lse, layout, 0.125)
-
-
-
-def test_each_dkdv_loop_has_its_own_autotuner(monkeypatch):
-    """The two dK/dV loops are other code: an A/B run in one process must not hand one loop the config the
-    autotuner picked for the other (the autotuner's own key holds HEAD_DIM only), so PREFETCH keys the autotuner."""
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "direct_launch_enabled", lambda: False)
-    monkeypatch.setattr(launch, "_tuned", {})
-    made = []
-
-    class Tuner:  # stands in for triton.autotune(...)(kernel): indexing by the grid gives the launcher
-        def __getitem__(self, grid):
-            return lambda *a, **kw: None
-
-    monkeypatch.setattr(launch, "_tuned_kernel", lambda name, key: made.append(name) or Tuner())
-    tune_key = ("hopper", 64, 1024, "tile-full")
-    for prefetch in (True, False, True, False):
-        launch._launch("bwd", (2, 1), tune_key, PREFETCH=prefetch)
-    launch._launch("fwd", (2, 1), tune_key)
-    assert made == ["bwd", "bwd", "fwd"] and len(launch._tuned) == 3
-
-@pytest.mark.parametrize("variant, slot_launches, tile_launches", [
-    ("fused", ["fwd", "delta", "bwd"], ["fwd", "delta", "bwd"]),
-    ("split", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq", "dkdv"], ["fwd", "delta", "dq", "dkdv"]),
-    ("legacy", ["slot_fwd", "fwd", "delta", "slot_bwd", "dq_legacy", "dkdv_legacy"],
-     ["fwd", "delta", "dq_legacy", "dkdv_legacy"]),
-])
-def test_launches_per_forward_and_backward(monkeypatch, variant, slot_launches, tile_launches):
-    """The default kernels make 3 launches per forward + backward whether the windows take slot steps
-    (k = 4) or tile products (k = 32); the A/B variants keep the old launch sequence. The kernel
-    launcher is replaced by a recorder: what is counted is what the launchers ask for."""
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+def test_launches_per_forward_and_backward(monkeypatch):
+    """3 launches per forward + backward whether the windows take slot steps (k = 4) or tile products
+    (k = 32), with the tiles of every set. The kernel launcher is replaced by a recorder: what is counted is
+    what the launchers ask for."""
+    monkeypatch.setenv("KFORCING_TRITON_KERNELS", "split")  # removed switch: ignored
     launched = []
     monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None)
-    for k, expected in ((4, slot_launches), (32, tile_launches)):
+    expected = ["fwd", "delta", "bwd"]
+    for k in (4, 32):
         layout = WindowLayout.kforcing_single(300, k)
         assert bool(tile_plan(layout, launch.tiles_for(64, layout.n_queries)).intra_blocks) == (k == 4)
         q = torch.randn(1, 2, layout.n_queries, 64)
@@ -146,14 +91,15 @@ def test_launches_per_forward_and_backward(monkeypatch, variant, slot_launches, 
         out, lse = launch.attention_forward(q, kv, kv, layout, 0.125)
         launch.attention_backward(q, q, kv, kv, out, lse, layout, 0.125)
         assert launched == expected
-    # The wide D=128 tiles too (their 128-row dQ programs take the window dot products in column pieces).
-    wide = configs.TILE_SETS["wide"][128]
+    # The D=128 sets too (the wide set's 128-row dQ programs take the window dot products in column pieces).
     layout = WindowLayout.kforcing_single(300, 4)
     q, kv = torch.randn(1, 2, layout.n_queries, 128), torch.randn(1, 2, layout.n_keys, 128)
-    launched.clear()
-    out, lse = launch.attention_forward(q, kv, kv, layout, 0.125, tiles=wide)
-    launch.attention_backward(q, q, kv, kv, out, lse, layout, 0.125, tiles=wide)
-    assert launched == slot_launches
+    for name, by_d in configs.TILE_SETS.items():
+        if 128 in by_d:
+            launched.clear()
+            out, lse = launch.attention_forward(q, kv, kv, layout, 0.125, tiles=by_d[128])
+            launch.attention_backward(q, q, kv, kv, out, lse, layout, 0.125, tiles=by_d[128])
+            assert launched == expected, name
 
 
 def test_hopper_set_is_the_sm90_choice_at_d64(monkeypatch):

@@ -61,10 +61,8 @@ def _cases():
             batch = layout.batch_size
         if tiles.block_n_dkdv > 32 and d == 32:
             d = 64  # wide dK/dV tiles are the D >= 64 sets' (they are never dispatched at D = 32)
-        # Every case runs the default (fused) backward; every sixth also the split and the legacy one.
-        for variant in ("fused", "split", "legacy")[: 1 + 2 * (i % 6 == 0)]:
-            cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads, variant,
-                                      id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}-{variant}"))
+        cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads,
+                                  id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}"))
 
     # (N, k, tiles): every k at small N, a few at larger N (slot steps are the interpreter's slow part,
     # so long windows get larger slot blocks).
@@ -125,20 +123,18 @@ def _reference(q, k, v, dout, layout, scale):
     return out, lse, grads
 
 
-def _expected_counts(plan, layout, tiles, variant, batch, heads):
+def _expected_counts(plan, layout, tiles, batch, heads):
     per_bh = plan.tile_products().sum() * (heads if plan.bounds.shape[0] > 1 else batch * heads)
     slot = plan.slot_steps() * batch * heads
-    # Fused: the window tiles run their rows' slot steps inline (forward, and the backward's dQ part).
-    fwd_slot = plan.inline_slot_steps() * batch * heads if variant == "fused" else slot
-    # Fused / split: one count per (key tile, row step, head); legacy: per (key tile, query tile, head).
-    per_b = plan.dkdv_tile_products() if variant == "legacy" else step_plan(layout, plan).products()
-    dkdv = per_b.sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
+    # The window tiles run their rows' slot steps inline (forward, and the backward's dQ part).
+    fwd_slot = plan.inline_slot_steps() * batch * heads
+    # One dK/dV count per (key tile, row step, head).
+    dkdv = step_plan(layout, plan).products().sum() * (heads if plan.key_ptr.shape[0] > 1 else batch * heads)
     return [int(per_bh), fwd_slot, int(per_bh), fwd_slot + slot, int(dkdv)]
 
 
-@pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads, variant", _cases())
-def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch, heads, kv_heads, variant):
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
+@pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads", _cases())
+def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_heads):
     q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype,
                        requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
@@ -155,17 +151,15 @@ def test_matches_reference(kernels, monkeypatch, layout, tiles, d, dtype, batch,
         assert t.dtype == (torch.float32 if name == "lse" else dtype)
         torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
     plan = tile_plan(layout, tiles)
-    assert counters.tolist() == _expected_counts(plan, layout, tiles, variant, batch, heads), \
+    assert counters.tolist() == _expected_counts(plan, layout, tiles, batch, heads), \
         dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
 
 
-@pytest.mark.parametrize("variant", ["fused", "split"])
-def test_prefetching_step_loop_gives_the_same_bits(kernels, monkeypatch, variant):
-    """KFORCING_TRITON_PREFETCH=1 (default: each step's table entry read one item ahead) and 0 (read in its
-    own iteration) sum the same products in the same order: dQ/dK/dV bit for bit, over full and masked
-    steps, a GQA group of 2 (consecutive items share an entry), short last steps and key tiles without
-    full steps; and both match the reference. Windows of 6 > slot_window_max take tile products, so masked
-    steps read intervals 0 and 1 from the carried entry."""
+def test_step_loop_with_carried_entries_matches_reference(kernels):
+    """The dK/dV step loop reads each step's table entry one item ahead (loop-carried, so Triton prefetches
+    q/dO): over full and masked steps, a GQA group of 2 (consecutive items share an entry), short last steps
+    and key tiles without full steps it runs every planned step once and matches the reference. Windows of
+    6 > slot_window_max take tile products, so masked steps read intervals 0 and 1 from the carried entry."""
     layout = WindowLayout(37, 4, 6, [0, 9, 20, 37], [9, 20, 37, 37], last_window_size=3)
     tiles = Tiles(32, 16, 32, 16, block_m_dkdv=16, slot_window_max=4)
     assert sorted(set(step_plan(layout, tile_plan(layout, tiles)).entries[:, 2].tolist())) == [0, 1]
@@ -173,18 +167,11 @@ def test_prefetching_step_loop_gives_the_same_bits(kernels, monkeypatch, variant
     dout = torch.randn(q.shape, dtype=torch.float64).float()
     scale = 32 ** -0.5
     out, lse = kernels.attention_forward(q, k, v, layout, scale, tiles=tiles)
-    monkeypatch.setenv("KFORCING_TRITON_KERNELS", variant)
-    grads = {}
-    for prefetch in ("0", "1"):
-        monkeypatch.setenv("KFORCING_TRITON_PREFETCH", prefetch)
-        counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
-        grads[prefetch] = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles,
-                                                     counters=counters)
-        assert counters[4].item() == int(step_plan(layout, tile_plan(layout, tiles)).products().sum()) * 4
-    for name, old, new in zip(("dq", "dk", "dv"), grads["0"], grads["1"]):
-        assert torch.equal(old, new), name
+    counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles, counters=counters)
+    assert counters[4].item() == int(step_plan(layout, tile_plan(layout, tiles)).products().sum()) * 4
     _, _, want = _reference(q, k, v, dout, layout, scale)
-    for name, got, ref in zip(("dq", "dk", "dv"), grads["1"], want):
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         torch.testing.assert_close(got.double(), ref, **TOL[torch.float32], msg=lambda m, name=name: f"{name}: {m}")
 
 
