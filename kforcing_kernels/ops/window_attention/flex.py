@@ -2,11 +2,16 @@
 
 On CUDA tensors the forward is ``torch.compile``d ``flex_attention`` (one static graph per
 shape) with ``layout.to_block_mask(128)``, built from the row intervals (``layouts/flex.py``,
-no mask_mod sweep) and cached per layout and device (``layouts/derived.py``). The backward
-recomputes that forward under autograd and differentiates it: FlexAttention's backward is
-reachable only through autograd, so a forward + backward through this backend costs one extra
-forward compared with calling compiled ``flex_attention`` directly (the GPU check measures both:
-``bench/gpu/triton_gpu.py`` methods ``flex`` and ``flex_backend``).
+no mask_mod sweep) and cached per layout and device (``layouts/derived.py``).
+
+Gradients: a plain eager ``window_attention(backend="flex")`` call (no torch.compile, tensor subclass,
+dispatch mode or functorch transform: ``op._plain_eager``) on a device where FlexAttention has a
+backward calls :func:`differentiable`: ``flex_attention`` itself under autograd, so FlexAttention's own
+autograd saves what its backward needs (q, k, v, out, its LSE) and runs its backward kernel; a forward +
+backward costs what compiled ``flex_attention`` called directly costs (``bench/gpu/triton_gpu.py`` methods
+``flex`` and ``flex_backend``). Every other call goes through the op's custom-op pair, whose backward
+(:func:`backward`) recomputes the forward under autograd and differentiates it: FlexAttention's backward
+is reachable only through autograd, so that path costs one extra forward.
 
 On CPU tensors the forward is eager ``flex_attention`` (the same mask_mod math, dense scores:
 compiling it for CPU takes about a minute per shape) and the backward is refused, as
@@ -31,6 +36,10 @@ from ...layouts import WindowLayout
 from ..common.dtypes import acc_dtype
 
 BLOCK_SIZE = 128  # FlexAttention's own default tile; the BlockMask's granularity on CUDA
+# Devices whose FlexAttention has no backward (torch refuses inputs that need grad there): a call on them runs
+# the forward on detached inputs and the op's refusing backward. Tests empty it, with torch's own guard lifted,
+# to run FlexAttention's math backward on CPU (python_tests/ops/window_attention/test_flex_backend.py).
+NO_BACKWARD_DEVICES = ("cpu", "mps")
 # None: CPU tensors run eager flex_attention. A torch.compile backend name ("eager"): they run the compiled
 # path as CUDA tensors do, compiled with that backend (bench/gpu/gpu_check.sh --dry-run walks the CUDA code on CPU).
 CPU_COMPILE_BACKEND: Optional[str] = None
@@ -136,20 +145,36 @@ def _call(q, k, v, layout: WindowLayout, scale: float, with_lse: bool):
     return out, lse
 
 
+def has_own_backward(q: torch.Tensor) -> bool:
+    """Whether FlexAttention differentiates inputs on q's device itself (no: CPU and MPS, see NO_BACKWARD_DEVICES)."""
+    return q.device.type not in NO_BACKWARD_DEVICES
+
+
+def differentiable(q, k, v, layout: WindowLayout, scale: float):
+    """FlexAttention over ``layout``, differentiated by FlexAttention's own autograd (devices with
+    ``has_own_backward``; the op calls it for plain eager calls): ``(out [B, H, Lq, D], lse [B, H, Lq])``,
+    ``lse`` natural log, detached, fp32 (fp64 for fp64 inputs) as :func:`forward` returns it."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the same compiled graph as forward's inputs
+    out, lse = _call(q, k, v, layout, scale, with_lse=True)
+    return out, lse.detach().to(acc_dtype(q.dtype))
+
+
 def forward(q, k, v, layout: WindowLayout, scale: float):
     """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] -> (out [B, H, Lq, D], lse [B, H, Lq] natural log, fp32; fp64 for fp64).
 
     A row that sees no key gets out 0 and lse -inf, as FlexAttention defines it.
     """
-    if q.device.type != "cuda" and any(t.requires_grad for t in (q, k, v)):
-        q, k, v = (t.detach() for t in (q, k, v))  # a forward only: FlexAttention refuses CPU inputs that need grad
+    if not has_own_backward(q) and any(t.requires_grad for t in (q, k, v)):
+        q, k, v = (t.detach() for t in (q, k, v))  # a forward only: FlexAttention refuses such inputs that need grad
     out, lse = _call(q, k, v, layout, scale, with_lse=True)
     return out.contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()
 
 
 def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
-    """Gradients (dq, dk, dv): compiled FlexAttention's backward after recomputing its forward (CUDA only)."""
-    if q.device.type != "cuda":
+    """Gradients (dq, dk, dv): compiled FlexAttention's backward after recomputing its forward, for the calls
+    that go through the op's custom-op pair (compiled, subclass, mode or transform: see the module docstring);
+    devices in NO_BACKWARD_DEVICES are refused by name."""
+    if not has_own_backward(q):
         raise RuntimeError(
             f"backend 'flex': FlexAttention has no backward on {q.device.type} tensors (torch implements it on CUDA "
             "only); use backend='triton' on CUDA or 'cpp' / 'composite' / 'reference' on CPU for gradients")

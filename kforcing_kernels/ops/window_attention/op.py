@@ -8,7 +8,10 @@ tensor subclass, dispatch mode or functorch transform) take a
 ``torch.autograd.Function`` over the same two bodies instead: the custom op's
 Python dispatch and the layout's round trip through its range tensors cost about
 a millisecond per forward + backward on the host, as much as the kernels
-themselves at N=1024 on an H100 (bench/gpu/triton_profile.py).
+themselves at N=1024 on an H100 (bench/gpu/triton_profile.py). One exception: a plain eager
+call of backend ``flex`` on a device where FlexAttention has a backward (CUDA) calls
+``flex_attention`` under autograd (``flex.differentiable``), so FlexAttention's own autograd
+saves what its backward kernel needs instead of the op's backward recomputing the forward.
 
 torch.compile policy (tested in python_tests/ops/window_attention/test_compile.py): ``window_attention``
 traces with ``fullgraph=True`` for every backend. A layout enters the graph as its
@@ -103,7 +106,10 @@ def window_attention(
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, query_rows_backend(q, backend))
         return (out, lse.detach()) if return_lse else out
     name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
-    if _plain_eager(q, k, v):
+    if name == "flex" and _plain_eager(q, k, v) and get_backend("flex").has_own_backward(q):
+        # FlexAttention's own autograd: it saves what its backward kernel needs (no recomputed forward).
+        out, lse = get_backend("flex").differentiable(q, k, v, layout, scale)
+    elif _plain_eager(q, k, v):
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), scale, name)

@@ -1,7 +1,10 @@
 """The ``flex`` backend (FlexAttention over the analytic BlockMask) and the measured CUDA dispatch table.
 
 On CPU the flex backend runs eager ``flex_attention`` forward only; its forward is checked against the
-float64 reference on every layout of the zoo, and its refusal of a backward is checked by name. The
+float64 reference on every layout of the zoo, and its refusal of a backward is checked by name. Its
+gradients come from FlexAttention's own autograd where FlexAttention has a backward (CUDA); with torch's CPU
+guard lifted, that path runs here too (FlexAttention's eager math backward) and is checked against the
+reference. The
 dispatch table's format, provenance and the choice ``backend=None`` makes from it are checked with the
 device capability replaced (no GPU needed).
 """
@@ -46,6 +49,53 @@ def test_flex_cpu_forward_in_fp32_with_grad_inputs_and_the_backward_refused_by_n
     torch.testing.assert_close(out, window_attention(q, k, v, layout, backend="reference"), atol=2e-6, rtol=2e-6)
     with pytest.raises(RuntimeError, match="backend 'flex': FlexAttention has no backward on cpu"):
         out.sum().backward()
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """FlexAttention's own autograd on CPU: torch refuses CPU inputs that need grad (``_validate_device``), yet its
+    eager backward (the dense math of ``sdpa_dense_backward``) runs there; lift that guard and let the backend
+    treat CPU as a device with a backward, so the CUDA code path (``flex.differentiable``) runs here."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    if not hasattr(flex_module, "_validate_device"):
+        pytest.skip("this torch's FlexAttention has no _validate_device guard to lift")
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+    monkeypatch.setattr(flex, "NO_BACKWARD_DEVICES", ())
+
+
+@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "ptp_empty_prefixes"])
+def test_flex_grads_come_from_flexattentions_own_autograd(flex_backward_on_cpu, name):
+    """backend="flex" on a device with a FlexAttention backward: the output's grad_fn is FlexAttention's own
+    (no recomputed forward), its grads equal the float64 reference's, and the LSE keeps its semantics
+    (natural log, detached, -inf where a row sees nothing)."""
+    layout = ZOO[name]
+    q, k, v = make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=16, dtype=torch.float64)
+    out, lse = window_attention(q, k, v, layout, backend="flex", scale=0.3, return_lse=True)
+    assert "FlexAttention" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
+    assert not lse.requires_grad and lse.dtype == torch.float64
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want_out, want_lse = window_attention(q, k, v, layout, backend="reference", scale=0.3, return_lse=True)
+    want = torch.autograd.grad(want_out, (q, k, v), dout)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    for what, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+def test_flex_without_its_own_backward_keeps_the_refusal_path(monkeypatch):
+    """Where FlexAttention has no backward (CPU, as shipped) the op's Function runs the forward and refuses the
+    backward by name; compiled calls and transforms always take the op's custom-op pair."""
+    layout = ZOO["double_k2"]
+    q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2, head_dim=16)
+    assert not flex.has_own_backward(q)
+    out = window_attention(q, k, v, layout, backend="flex")
+    assert "FlexAttention" not in type(out.grad_fn).__name__
+    called = []
+    monkeypatch.setattr(flex, "differentiable", lambda *a: called.append(a))
+    window_attention(q, k, v, layout, backend="flex")
+    assert not called
 
 
 def test_flex_block_mask_is_built_once_per_layout_content():
