@@ -29,6 +29,8 @@ def rows_from_report(report: dict, command: str) -> list[dict]:
     provenance = {"gpu": machine.get("cuda") or report["capability"], "torch": machine["torch"],
                   "triton": machine.get("triton") or "none", "date": machine["timestamp"],
                   "command": f"{command} ({report['command']})" if command else report["command"]}
+    if machine.get("git_commit"):
+        provenance["commit"] = machine["git_commit"] + ("-dirty" if machine.get("git_dirty") else "")
     dtype = "float32" if report["config"].get("dry_run") else "bfloat16"
     by_key: dict = {}
     for r in report["rows"]:

@@ -12,7 +12,14 @@ A row applies to CUDA inputs on a GPU of that compute capability, of that dtype 
 whose layout is of that family (:func:`layout_family`) with a context length in that bucket
 (:func:`length_bucket`). For such inputs ``backend=None`` runs the row's backend (when it is
 available); without a row it runs the registry's default (``triton``). ``KFORCING_BACKEND`` still
-overrides both. The table ships with no rows until a GPU run measures them.
+overrides both. The provenance may add ``commit`` (the measured checkout) and a ``note``; rows may add
+``measured`` (every timing behind the choice). A top-level ``pending`` list names keys
+(capability, dtype, head_dim, length_bucket, family, and ``why``) whose measurement went stale and
+that have no row until the GPU check measures them again (:func:`merge` settles them).
+
+The shipped rows are the H200's (issue 47; ``bench/results/gpu-h200/``): triton at D = 64 (N <= 1024,
+N <= 8192) and D = 128 (N <= 1024); D = 128, N <= 8192 is pending (FlexAttention's own backward, issue 47
+item 2, changed what ``backend="flex"`` costs there).
 """
 
 from __future__ import annotations
@@ -178,10 +185,14 @@ def write(table: dict, path=None) -> Path:
 
 
 def merge(table: dict, rows: list[dict]) -> dict:
-    """``table`` with ``rows`` added; a new row replaces the old one with the same key."""
+    """``table`` with ``rows`` added; a new row replaces the old one with the same key, and settles a ``pending``
+    entry of that key (a key whose measurement is known to be stale, kept out of the rows until re-measured)."""
     by_key = {row_key(row): row for row in table["rows"]}
     by_key.update({row_key(row): row for row in rows})
-    return dict(table, rows=list(by_key.values()))
+    merged = dict(table, rows=list(by_key.values()))
+    if "pending" in table:
+        merged["pending"] = [p for p in table["pending"] if row_key(p) not in by_key]
+    return merged
 
 
 def choose(rows, capability: str, dtype: str, head_dim, n_ctx, family: str) -> Optional[str]:

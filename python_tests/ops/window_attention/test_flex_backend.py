@@ -134,6 +134,19 @@ def test_committed_table_is_valid_and_every_row_has_its_provenance():
         assert all(row["provenance"][key] for key in dispatch.PROVENANCE_KEYS), row
 
 
+def test_committed_table_holds_the_h200_rows_and_the_pending_d128_key():
+    """The H200 run's rows (issue 47), with the commit they measured; D=128 N<=8192 waits for a re-measurement with
+    backend="flex" on FlexAttention's own autograd, so it has no row and backend=None keeps the registry's choice."""
+    table = dispatch.load(dispatch.TABLE_PATH)
+    keys = {dispatch.row_key(row): row for row in table["rows"]}
+    assert set(keys) == {("9.0", "bfloat16", 64, 1024, "single"), ("9.0", "bfloat16", 64, 8192, "single"),
+                         ("9.0", "bfloat16", 128, 1024, "single")}
+    assert all(row["backend"] == "triton" and row["provenance"]["commit"] == "6f25b35" for row in keys.values())
+    assert [dispatch.row_key(p) for p in table["pending"]] == [("9.0", "bfloat16", 128, 8192, "single")]
+    settled = dispatch.merge(table, [_row(backend="triton", dim=128, bucket=8192)])
+    assert settled["pending"] == [] and len(settled["rows"]) == 4
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda t: t.pop("format"), "format"),
     (lambda t: t["rows"][0].pop("provenance"), "missing"),
