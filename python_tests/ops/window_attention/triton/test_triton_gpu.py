@@ -240,9 +240,15 @@ def test_gpu_check_bench_commands_parse(tmp_path):
 def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(monkeypatch):
     """The training-step rows (bench/gpu/triton_gpu.py --train-step) on the micro model with the timer
     replaced: three variants of one step, the ratios from their times, and a zero-cost variant that
-    really runs no attention (while the others do)."""
+    really runs no attention (while the others do). "Ours" is backend "cpp": without the C++ extension (a
+    source-tree import, as on the H200 run) the test skips, naming why."""
     from bench.gpu import triton_gpu
+    from kforcing_kernels import backends_available
     from kforcing_kernels.model import gpt
+
+    missing = backends_available()["cpp"]
+    if missing is not None:
+        pytest.skip(f"--train-ours cpp needs the C++ extension, not usable here: {missing}")
 
     calls = {"attention": 0}
     real = gpt.window_attention
