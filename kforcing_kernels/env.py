@@ -8,8 +8,9 @@ cheaply: ``_Variable``).
                             the extension reads it too (csrc/dispatch.cpp)
 ``KFORCING_TRITON_AUTOTUNE`` Triton: ``0`` runs each kernel's first config (no autotuning), ``1`` tunes;
                             unset: tune, except under torch.distributed with more than one rank
-``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper``, ``wide``, or the A/B candidate
-                            ``hopper128``: 128-key D=64 dK/dV programs) where it applies
+``KFORCING_TRITON_TILES``   Triton: force a tile set (``base``, ``hopper``, ``wide``, or the A/B candidates
+                            ``hopper128``: 128-key D=64 dK/dV programs; ``wide_n64``: 64-key D=128 dK/dV
+                            programs stepping 64 rows, configs.TILE_SETS) where it applies
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``KFORCING_FLEX_BACKEND``   the ``flex`` backend's FlexAttention kernel (``kernel_options["BACKEND"]``):

@@ -64,7 +64,8 @@ def flex_backward_on_cpu(monkeypatch):
     monkeypatch.setattr(flex, "NO_BACKWARD_DEVICES", ())
 
 
-@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "ptp_empty_prefixes"])
+@pytest.mark.parametrize("name", [
+    "single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "ptp_empty_prefixes"])
 def test_flex_grads_come_from_flexattentions_own_autograd(flex_backward_on_cpu, name):
     """backend="flex" on a device with a FlexAttention backward: the output's grad_fn is FlexAttention's own
     (no recomputed forward), its grads equal the float64 reference's, and the LSE keeps its semantics

@@ -42,14 +42,25 @@ TILE_SETS: dict[str, dict[int, Tiles]] = {
     # Triton 3.6.0 and 3.9.0 (bwd 255 / 220 registers, dkdv 255 / 222; bench/results/aot/). Not a candidate:
     # the wide D=128 set with 64-row steps, which spills 64-144 bytes (bwd, dkdv) on sm_90a.
     "hopper128": {64: Tiles(64, 64, 128, 64)},
+    # D=128 backward candidate for the GPU A/B (issue 47: at N=8192 the wide set's forward + backward is 0.82x
+    # FlexAttention's, 294 vs 357 TFLOP/s on an H200, forward at parity). FlexAttention's sm_90 D=128 backward
+    # (torch/_inductor/template_heuristics/triton.py: FlexBwDConfig(64, 128, 128, 64, 3, 8); one launch, dK/dV
+    # programs first, then dQ) steps 64 query rows per 128-key dK/dV program and 64 keys per 128-row dQ program,
+    # 3 stages, 8 warps. The wide set matches it but for 32-row steps. "wide_n64" takes FlexAttention's step
+    # shape on 64-key programs (twice the q/dO re-reads of 128-key programs, twice the math per step of the wide
+    # set's), at 2 stages: AOT-clean on sm_90a under Triton 3.6.0 and 3.9.0. Not candidates (they spill on sm_90a
+    # under 3.6.0): 64-row steps on 128-key programs (FlexAttention's exact shape: 72-136 B), the wide set at 4
+    # stages (16 B) or with only its dK/dV loop at 4 (8 B), "wide_n64" at 3 stages (56 B); BENCHMARKS.md, "D=128
+    # backward candidates". Forced only (KFORCING_TRITON_TILES=wide_n64).
+    "wide_n64": {128: Tiles(128, 64, 64, 32, block_m_dkdv=64, slot_window_max=4)},
 }
 # Tile sets tile_set_for picks only when KFORCING_TRITON_TILES names them (A/B candidates).
-FORCED_ONLY_TILE_SETS = ("hopper128",)
+FORCED_ONLY_TILE_SETS = ("hopper128", "wide_n64")
 TILES_BY_HEAD_DIM = TILE_SETS["base"]
 WIDE_MIN_ROWS = 2048
 # Lowest compute capability (major) each set runs on, forced or not: the AOT report checks a set only
 # for targets at or above it (the wide dQ kernel spills on sm_80 under Triton 3.6).
-TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9, "hopper128": 9}
+TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9, "hopper128": 9, "wide_n64": 9}
 # (num_warps, num_stages) per kernel and (tile set, head dim): every entry compiles with 0 spill bytes
 # and within shared memory on sm_80 and sm_90a ("hopper", "wide": sm_90a only) in fp16 and bf16 under both
 # ends of the supported Triton range, 3.6.0 and 3.9.0 (`make aot-check`; README "Triton AOT resources").
@@ -66,12 +77,14 @@ KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
             ("hopper", 64): [(4, 3), (4, 2), (8, 3)],
             ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
     "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
-            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)], ("hopper128", 64): [(8, 3)]},
+            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)], ("hopper128", 64): [(8, 3)],
+            ("wide_n64", 128): [(8, 2)]},
     # The delta kernel does not read block_m/block_n: the same lists under every tile set.
     "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
 }
-# The candidate set's forward is the hopper set's (the same tiles there).
+# The candidate sets' forwards are the hopper / wide sets' (the same forward tiles there).
 KERNEL_CONFIGS["fwd"][("hopper128", 64)] = KERNEL_CONFIGS["fwd"][("hopper", 64)]
+KERNEL_CONFIGS["fwd"][("wide_n64", 128)] = KERNEL_CONFIGS["fwd"][("wide", 128)]
 # Candidates the AOT report compiles to prune the table above (`aot_report --all`).
 CANDIDATE_CONFIGS = [(4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)]
 DELTA_BLOCK = 64
@@ -122,8 +135,8 @@ def _capability(device: Optional[torch.device]) -> tuple[int, int]:
 def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> str:
     """Name of the tile set for ``rows`` query rows per head of ``head_dim`` on ``device``.
 
-    KFORCING_TRITON_TILES=base|hopper|wide|hopper128 forces a set where it applies (head dims it has no tiles for,
-    and CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base"). Unforced, CUDA sm_90+ takes "wide"
+    KFORCING_TRITON_TILES=base|hopper|wide|hopper128|wide_n64 forces a set where it applies (head dims it has
+    no tiles for, and CUDA devices below its TILE_SET_MIN_CAPABILITY, keep "base"). Unforced, CUDA sm_90+ takes "wide"
     for long D=128 heads and "hopper" where it has tiles; everything else (and the interpreter) "base".
     """
     check_head_dim(head_dim)

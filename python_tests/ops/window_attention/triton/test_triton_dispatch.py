@@ -80,7 +80,8 @@ def test_launches_per_forward_and_backward(monkeypatch):
     what the launchers ask for."""
     monkeypatch.setenv("KFORCING_TRITON_KERNELS", "split")  # removed switch: ignored
     launched = []
-    monkeypatch.setattr(launch, "_launch", lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None)
+    monkeypatch.setattr(launch, "_launch",
+                        lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None)
     expected = ["fwd", "delta", "bwd"]
     for k in (4, 32):
         layout = WindowLayout.kforcing_single(300, k)

@@ -99,6 +99,9 @@ def _cases():
         TILE_SETS["hopper"][64])
     add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
         TILE_SETS["wide"][128])
+    # The D=128 candidate: 64-key dK/dV programs stepping 64 rows.
+    add("double-N40-k8-wide-n64", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide_n64"][128])
+    add("single-N70-k2-wide-n64", WindowLayout.kforcing_single(70, 2), TILE_SETS["wide_n64"][128])
     general = {
         "empty-ranges": WindowLayout(12, 5, 3, [0, 4, 4, 0, 7], [0, 9, 4, 12, 7], last_window_size=2),
         "full-streams": WindowLayout(9, 4, 6, [0, 2, 3, 1], [3, 5, 9, 9], intra="full", queries="windows", n_streams=2),
