@@ -130,12 +130,16 @@ def smoke(dry: bool) -> int:
             print(f"{label}: EXCEPTION {type(exc).__name__}: {exc}", flush=True)
             return
         floor = 8e-3 if dtype == torch.bfloat16 else 1e-3
+        # composite: each piece run by a fused CUDA kernel returns its dK/dV in the input dtype, so a key's
+        # gradient is rounded once per fused piece that sees it and again after the fp32 sum (<= 2 + 1 roundings
+        # here) where torch's dense reference rounds once: 3x (test_composite_cuda.py, the rounding test).
+        factor = 3 if backend == "composite" else 2
         parts, ok = [], repeat_ok
         for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), ours, ref64, ref_lp):
             finite = bool(torch.isfinite(a).all())
             err = (a.double() - b).abs().max().item()
             torch_err = (c.double() - b).abs().max().item()
-            good = finite and err <= 2 * torch_err + floor
+            good = finite and err <= factor * torch_err + floor
             ok &= good
             parts.append(f"{what} {err:.1e}/{torch_err:.1e}{'' if finite else ' NONFINITE'}{'' if good else ' BAD'}")
         failures += not ok
