@@ -106,7 +106,8 @@ STEPS: tuple[Step, ...] = (
          _m("bench", "gpu", "--warm", *_DRY_SHAPES, *_AB_METHODS, "--json", "{work}/warm.json", "--dry-run"),
          "compiles and autotunes every kernel the A/B times, so later caps do not pay for it (measured: 84 s)"),
     Step("smoke", 1, 50, _m("bench", "gpu-script", "smoke"), _m("bench", "gpu-script", "smoke", "--dry-run"),
-         "bf16 vs float64 within 2x torch's error, bitwise repeatable, both D=128 tile sets, flex, composite (45 s)"),
+         "bf16 vs float64 within 2x torch's error (composite 3x), bitwise repeatable, both D=128 tile sets, flex, "
+         "composite (45 s)"),
     Step("pytest_gpu", 1, 90,
          _m("pytest", "{test:test_triton_gpu.py}", "-q", "-p", "no:cacheprovider", "-rfEs", "--durations=10",
             "--maxfail=4", "--junitxml={work}/pytest_gpu.xml"),

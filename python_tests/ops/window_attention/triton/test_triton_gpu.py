@@ -67,14 +67,15 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
     assert "|M|=2634240" in capsys.readouterr().out  # SingleForward N=1024, k=4: ~5 x causal + intra
 
 
-def test_gpu_table_renders_from_the_committed_h100_json(capsys):
-    """The README's GPU table is `--render` of bench/results/gpu-h100/attention_table.json."""
+@pytest.mark.parametrize("name", ["bench_ab", "bench_single_d128", "bench_composite_dense"])
+def test_gpu_tables_render_from_the_committed_h200_json(capsys, name):
+    """The README's GPU tables are `--render` of bench/results/gpu-h200/gc/*.json (the H200 run of 6f25b35)."""
     from bench.gpu import triton_gpu
 
-    path = os.path.join(ROOT, "bench", "results", "gpu-h100", "attention_table.json")
+    path = os.path.join(ROOT, "bench", "results", "gpu-h200", "gc", f"{name}.json")
     assert triton_gpu.main(["--render", path]) == 0
     table = capsys.readouterr().out.strip()
-    assert table.count("\n") == 19  # header, rule, 18 shapes
+    assert table.count("\n") >= 5  # header, rule, shapes
     with open(os.path.join(ROOT, "README.md")) as f:
         assert table in f.read()
 
