@@ -218,6 +218,8 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
         return None  # the general path's empty result
     name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     module = get_backend(name)
+    if name == "flex" and module.has_own_backward(q):
+        return None  # FlexAttention's own autograd (window_attention's flex branch), not the op's Function
     eager_ops = getattr(module, "eager_ops", None)
     ops = eager_ops(q, k, v, layout) if eager_ops is not None else (module, "forward", "backward")
     entry = _EagerEntry(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale), name, *ops)

@@ -21,7 +21,6 @@ from kforcing_kernels.tools import aot_report  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     monkeypatch.delenv("KFORCING_TRITON_TILES", raising=False)
-    monkeypatch.delenv("KFORCING_TRITON_KERNELS", raising=False)
     launch.clear_host_states()
     yield
     launch.clear_host_states()
