@@ -86,7 +86,7 @@ def test_flex_grads_come_from_flexattentions_own_autograd(flex_backward_on_cpu, 
     torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
     for what, a, b in zip(("dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=lambda m, what=what: f"{what}: {m}")
 
 
 def test_flex_without_its_own_backward_keeps_the_refusal_path(monkeypatch):

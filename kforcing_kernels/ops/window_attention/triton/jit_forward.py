@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .jit_common import _finish, _row_interval, _sees, jit_kernel
 
+
 @triton.jit
 def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows, ok, slot0, iv_base, window_size, n_iv,
                     stride_qm, stride_kn, qk_scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,

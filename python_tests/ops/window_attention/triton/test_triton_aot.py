@@ -266,21 +266,23 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
 
 
 def test_default_main_kernels_are_hopper_grade(default_report):
-    """Issue #25's standard: every default sm_90a config of fwd and the fused backward at D = 64 and 128 runs wgmma in a software-pipelined main loop; issue #34's: none of those
+    """Issue #25's standard: every default sm_90a config of fwd and the fused backward at D = 64 and 128 runs
+    wgmma in a software-pipelined main loop; issue #34's: none of those
     loops drains its copies at the top (the dK/dV step loops prefetch q/dO)."""
     result, _ = default_report
     assert "NOT HOPPER-GRADE" not in result.stdout, result.stdout[-3000:]
 
 
 def test_default_step_loops_keep_a_step_in_flight(default_report):
-    """Every default of the fused backward (its dK/dV step loops) that sm_90a dispatches (D = 64, 128) at 3+ stages:
-    each main loop opens with copies still in flight (top wait >= 1) into at least num_stages q/dO (and
+    """Every default of the fused backward (its dK/dV step loops) that sm_90a dispatches (D = 64, 128) at 3+
+    stages: each main loop opens with copies still in flight (top wait >= 1) into at least num_stages q/dO (and
     k/v) buffers. (The mma_v2 sets keep num_stages - 1 buffers: their operands go through registers.)"""
     from kforcing_kernels.ops.window_attention.triton import configs
 
     _, rows = default_report
     checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] == "bwd" and int(r["stages"]) >= 3
-               and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
+               and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
+               and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
     assert {(r["kernel"], r["tiles"], r["d"]) for r in checked} == {
         ("bwd", t, d) for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
     for r in checked:
