@@ -14,7 +14,8 @@ cheaply: ``_Variable``).
 ``KFORCING_TRITON_DIRECT_LAUNCH`` Triton: ``0`` sends every launch through the autotuner and the JIT's
                             binding; unset or ``1``: repeated launches call the cached compiled kernel
 ``KFORCING_FLEX_BACKEND``   the ``flex`` backend's FlexAttention kernel (``kernel_options["BACKEND"]``):
-                            ``FLASH`` (FlashAttention-4, needs ``flash-attn-4``), ``TRITON``, ``AUTO``; unset: torch's default
+                            ``FLASH`` (FlashAttention-4, needs ``flash-attn-4``), ``TRITON``, ``AUTO``; unset: torch's
+                            default
 ``KFORCING_DISPATCH_TABLE`` a dispatch table JSON to read instead of the package's ``dispatch_table.json``
 ``TRITON_INTERPRET``        Triton's own switch: ``1`` (set before triton is imported) runs the kernels
                             in its interpreter on CPU tensors
@@ -121,4 +122,5 @@ def cache_dir() -> Path:
 
 def distributed_ranks() -> tuple[int, int, int]:
     """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) outside torchrun."""
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK",
+                                                                                                        "0"))

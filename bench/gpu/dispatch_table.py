@@ -39,7 +39,8 @@ def rows_from_report(report: dict, command: str) -> list[dict]:
         if len(times) < 2:
             continue  # one side missing (failed, or a CPU dry run's flex without backward): decides nothing
         layout = LAYOUTS[r["layout"]](r["n"], r["k"])
-        key = (report["capability"], dtype, r["dim"], dispatch.length_bucket(layout.n_ctx), dispatch.layout_family(layout))
+        key = (report["capability"], dtype, r["dim"], dispatch.length_bucket(layout.n_ctx),
+               dispatch.layout_family(layout))
         winner = min(times, key=times.get)
         entry = by_key.setdefault(key, {"winners": set(), "fwd_bwd_ms": {}})
         entry["winners"].add(winner)

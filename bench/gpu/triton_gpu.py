@@ -245,7 +245,8 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
                       "fwd_bwd_tflops": FWD_BWD_FACTOR * flops / fb_ms / 1e9}
         if getattr(args, "warm", False):  # first calls: compile + autotune; no timings worth keeping
             rows[name] = {"first_calls_s": time.perf_counter() - started}
-            print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s", flush=True)
+            print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s",
+                  flush=True)
     stack.close()
     ratios = {}
     if "triton" in rows:
@@ -303,7 +304,8 @@ def parse_args(argv=None):
                    help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
                         "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")
     p.add_argument("--variants", default=None, metavar="FILE",
-                   help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... (bench/gpu/gpu_variants.txt); "
+                   help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... "
+                        "(bench/gpu/gpu_variants.txt); "
                         "a variant this checkout cannot run (unknown variable or tile set) is skipped with the reason")
     p.add_argument("--warm", action="store_true",
                    help="call every method once (forward, forward + backward) to compile and autotune; time nothing "

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--methods", nargs="+", choices=("triton", "flex_backend"), default=["triton"])
     p.add_argument("--variants", default=None, metavar="FILE",
-                   help="also profile every triton variant of FILE (bench/gpu/gpu_variants.txt); unknown ones are skipped")
+                   help="also profile every triton variant of FILE (bench/gpu/gpu_variants.txt); unknown ones are "
+                        "skipped")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes (no numbers)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
                             continue
                         r["label"] = label
                         rows.append(r)
-                        parts = ", ".join(f"{part} {ms:.3f}" for part, ms in sorted(r["parts_ms"].items(), key=lambda x: -x[1]))
+                        parts = ", ".join(f"{part} {ms:.3f}" for part, ms in sorted(r["parts_ms"].items(),
+                                                                                    key=lambda x: -x[1]))
                         print(f"{label} {layout_name} N={n} k={k} D={d} B={args.batch} H={args.heads}: wall "
                               f"{r['wall_ms']:.3f} ms, host enqueue {r['enqueue_ms']:.3f} ms, kernels "
                               f"{r['kernel_sum_ms']:.3f} ms ({parts})")

@@ -317,7 +317,8 @@ def format_table(rows: list[Row]) -> str:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
         stalled = ",".join(str(i + 1) for i in r.stalled_loops) or "-"
-        lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype, str(j.num_warps), str(j.num_stages),
+        lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype,
+                      str(j.num_warps), str(j.num_stages),
                       str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
                       str(r.wgmma), str(r.dots), "-" if r.depth is None else str(r.depth),
                       per_loop(r.top_waits), per_loop(r.buffers), stalled,

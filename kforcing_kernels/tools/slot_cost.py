@@ -6,8 +6,8 @@ Slot mode (windows <= SLOT_WINDOW_MAX), as the ``split``/``legacy`` kernels of 0
 (removed after the H200 run), launches two extra kernels per pass (slot_fwd, slot_bwd) and
 round-trips an fp32 partial per window row through memory: forward writes and re-reads
 ``out`` (D fp32) and ``lse``, backward ``dq`` (D fp32). The default kernels run the same slot
-steps inside the window tiles, so they pay neither the launches nor the partial's traffic. Tile mode instead visits the window's
-own keys as extra (masked) tile products of the main kernels. For each shape this prints the
+steps inside the window tiles, so they pay neither the launches nor the partial's traffic. Tile mode instead visits the
+window's own keys as extra (masked) tile products of the main kernels. For each shape this prints the
 forward tile products of both plans (the dQ kernel visits the same), the partial's bytes per
 pass, and both costs as time at a nominal H100 rate (``--tflops`` on tensor cores, ``--tbps``
 HBM): extra MMA time of tile mode vs the partial's memory time of slot mode.

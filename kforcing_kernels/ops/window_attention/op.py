@@ -360,7 +360,8 @@ def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayou
     assert prefix_lo is not None and prefix_hi is not None  # never optional above
     return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
         n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
-        context_lo=context_lo, context_hi=context_hi, live_slots=live, prefix_slide_lo=slide_lo, prefix_slide_hi=slide_hi,
+        context_lo=context_lo, context_hi=context_hi, live_slots=live, prefix_slide_lo=slide_lo,
+        prefix_slide_hi=slide_hi,
     ))
 
 

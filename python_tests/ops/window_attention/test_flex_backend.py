@@ -298,7 +298,8 @@ def test_a_row_whose_backend_is_absent_here_is_ignored(tmp_path, monkeypatch, ta
     dispatch.write({"format": dispatch.FORMAT, "rows": [_row()]}, table_on_a_fake_h200)
     dispatch.clear_cache()
     monkeypatch.setattr(flex, "available", lambda: "no flex_attention in this torch")
-    assert _default(WindowLayout.kforcing_single(1024, 4)) == REGISTRY.default(torch.device("cuda"), torch.bfloat16, 128)
+    assert _default(WindowLayout.kforcing_single(1024, 4)) == REGISTRY.default(torch.device("cuda"), torch.bfloat16,
+                                                                               128)
 
 
 def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path):
@@ -326,7 +327,8 @@ def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path)
     assert got == {("9.0", "bfloat16", 128, 1024, "single"): "flex", ("9.0", "bfloat16", 128, 8192, "single"): "triton",
                    ("9.0", "bfloat16", 64, 1024, "streams"): "triton"}
     provenance = table["rows"][0]["provenance"]
-    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu/gpu_check.sh (python -m")
+    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu/gpu_check.sh "
+                                                                                   "(python -m")
     rows = tuple((*dispatch.row_key(r), r["backend"]) for r in table["rows"])
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 700, "single") == "flex"
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 5000, "single") == "triton"

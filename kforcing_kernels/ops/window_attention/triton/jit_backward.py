@@ -344,8 +344,8 @@ def _bwd_kernel(
     if pid < n_dkdv_programs:
         _dkdv_program(pid % n_bkv, pid // n_bkv, Q, K, V, DOut, Lse, Delta, DK, DV, KeyTiles, StepPtr,
                       StepEntries, StepOrder, RowIv, Counters, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                      stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv, qk_scale,
-                      sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
+                      stride_kn, stride_lb, stride_lh, stepptr_bstride, iv_bstride, n_kv_heads, kv_group, n_iv,
+                      qk_scale, sm_scale, BLOCK_M_STEP, BLOCK_N_DKDV, HEAD_DIM, INSTRUMENT)
     elif pid < n_dkdv_programs + n_dq_programs:
         p = pid - n_dkdv_programs
         _dq_program(p % n_bh, p // n_bh, Q, K, V, DOut, Lse, Delta, DQ, QueryTiles, Bounds, Order,

@@ -70,7 +70,8 @@ def _tuned_kernel(kernel_name: str, key: tuple):
 
 _tuned_lock = threading.Lock()
 _tuned: dict[tuple, Any] = {}  # triton Autotuner objects
-_direct = DirectCache(trusted=PLAN_POINTERS)  # steady-state launches (direct.py), filled from the autotuner path's results
+# steady-state launches (direct.py), filled from the autotuner path's results
+_direct = DirectCache(trusted=PLAN_POINTERS)
 
 
 def _launch(kernel_name: str, grid: tuple, tune_key: tuple, *args, **kwargs) -> None:
@@ -119,7 +120,8 @@ def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
             _no_counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
         return _no_counters[str(device)]
     if counters.dtype != torch.int32 or counters.numel() != len(COUNTER_NAMES):
-        raise ValueError(f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} {tuple(counters.shape)}")
+        raise ValueError(f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} "
+                         f"{tuple(counters.shape)}")
     return counters
 
 

@@ -67,7 +67,8 @@ def test_report_compiles_each_distinct_kernel_once():
 
 
 def _copy(name, buffer, index):
-    return (f"    %{name}_view = ttg.memdesc_index %{buffer}[%c{index}_i32] : !ttg.memdesc<3x64x64xf16, #shared, #smem, "
+    return (f"    %{name}_view = ttg.memdesc_index %{buffer}[%c{index}_i32] : !ttg.memdesc<3x64x64xf16, #shared, "
+            "#smem, "
             f"mutable> -> !ttg.memdesc<64x64xf16, #shared, #smem, mutable> loc(#loc1)\n"
             f"    %{name} = ttg.async_copy_global_to_local %ptr_{name}, %{name}_view mask %ok other %zero : "
             f"tensor<64x64x!tt.ptr<f16>, #blocked> -> <64x64xf16, #shared, #smem, mutable> loc(#loc1)\n")

@@ -46,9 +46,11 @@ def test_compiled_kernels_match_reference(name):
             ref_out, ref_lse = reference.attention(qr, kr, vr, layout, d ** -0.5)
             ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr), dout.double())
             tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
-            for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+            for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse,
+                                                                                              *ref_grads)):
                 assert bool(torch.isfinite(got).all()), (dtype, d, what)
-                torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, dtype=dtype, d=d, what=what: f"{dtype} D={d} {what}: {m}")
+                torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, dtype=dtype, d=d,
+                                           what=what: f"{dtype} D={d} {what}: {m}")
 
 
 @needs_gpu
@@ -134,7 +136,8 @@ def _grads_vs_reference(layout, backend, dtype, d, device, heads=4, kv_heads=2):
     want = (ref_out, *torch.autograd.grad(ref_out, (qr, kr, vr), dout.double()))
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.device == q.device and bool(torch.isfinite(a).all()), what
-        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m, what=what: f"{backend} {what}: {m}")
+        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m,
+                                   what=what: f"{backend} {what}: {m}")
     return got
 
 
@@ -146,7 +149,8 @@ def test_both_tile_sets_at_d128_are_right_and_bitwise_repeatable(tiles, monkeypa
         layout = LAYOUTS[name]
         _grads_vs_reference(layout, "triton", torch.bfloat16, 128, "cuda")
         q, k, v = (t.detach().cuda().requires_grad_(True) for t in
-                   make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16))
+                   make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=128,
+                            dtype=torch.bfloat16))
         dout = torch.randn_like(q)
         runs = []
         for _ in range(2):

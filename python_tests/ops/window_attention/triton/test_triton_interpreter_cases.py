@@ -111,7 +111,8 @@ def _cases():
         # The context start moves inside one query tile while the rows share keys (issue 40: a plan that marks
         # such a partly masked tile full skips its mask): a sliding-window context, per-slot sliding blocks.
         "sliding-context": WindowLayout(48, 2, 3, [5, 0], [30, 48], queries="all",
-                                        context_lo=(torch.arange(48) - 20).clamp(min=0), context_hi=torch.arange(1, 49)),
+                                        context_lo=(torch.arange(48) - 20).clamp(min=0), context_hi=torch.arange(1,
+                                                                                                                 49)),
         "anchor-sliding-slot": WindowLayout.anchor_blocks(48, [20, 45], 16, window=21, window_mode="slot"),
     }
     for name, layout in general.items():
