@@ -64,7 +64,8 @@ def test_every_marker_is_known_and_sits_on_a_python_block():
             assert match, f"{doc}:{number}: malformed marker {line.strip()!r}"
             assert match[1] == "needs cuda" or re.fullmatch(r"skip \S.*",
                                                             match[1]), f"{doc}:{number}: unknown marker {match[1]!r}"
-            assert number < len(lines) and lines[number].strip() == "```python", f"{doc}:{number}: marker not right above a ```python block"
+            assert number < len(lines) and lines[number].strip() == "```python", (f"{doc}:{number}: marker not "
+                                                                                   "right above a ```python block")
 
 
 @pytest.mark.parametrize("doc, line, marker, code", SNIPPETS, ids=[f"{d}:{n}" for d, n, _, _ in SNIPPETS])

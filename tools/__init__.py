@@ -1,1 +1,2 @@
-"""Maintenance scripts of the checkout (not installed): `python -m tools.mutate` plants known bugs and runs the tests that must catch them."""
+"""Maintenance scripts of the checkout (not installed): `python -m tools.mutate` plants known bugs and runs the tests
+that must catch them."""

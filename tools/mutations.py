@@ -189,8 +189,10 @@ MUTATIONS = [
          new="        key = (layout.n_queries, layout.n_keys)\n        if key not in self._splits:",
          tests=["python_tests/parallel/test_context_parallel.py", "-k", "split_cache"]),
     dict(id="weight-decay-groups-swapped", file="kforcing_kernels/app/training/stage.py",
-         old='groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]',
-         new='groups = [{"params": no_decay, "weight_decay": cfg.weight_decay}, {"params": decay, "weight_decay": 0.0}]',
+         old='groups = [{"params": decay, "weight_decay": cfg.weight_decay}, '
+             '{"params": no_decay, "weight_decay": 0.0}]',
+         new='groups = [{"params": no_decay, "weight_decay": cfg.weight_decay}, '
+             '{"params": decay, "weight_decay": 0.0}]',
          tests=["python_tests/app/training/test_train_runs.py", "-k", "weight_decay_falls"]),
     dict(id="hf-corpus-cache-without-tokenizer", file="kforcing_kernels/app/hf_recipe/files.py",
          old='json.dumps([FORMAT_VERSION, "hf", tokenizer_sha256(backend), eos, val_fraction])',

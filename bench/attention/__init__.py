@@ -1,1 +1,2 @@
-"""Attention benchmarks on the CPU: the sweep, one shape against its peers, the C++ kernels, layouts, context parallelism."""
+"""Attention benchmarks on the CPU: the sweep, one shape against its peers, the C++ kernels, layouts, context
+parallelism."""

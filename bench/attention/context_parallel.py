@@ -113,7 +113,8 @@ def longest(cfg, k, world, per_row, n_params, budget: float, step: int = 256) ->
 
 
 def traffic(cfg: ModelConfig, split, world: int) -> dict:
-    """Bytes through the busiest rank per training step (all layers, fp32 K/V), for each measure its own busiest rank."""
+    """Bytes through the busiest rank per training step (all layers, fp32 K/V), for each measure its own busiest
+    rank."""
     per = [layer_traffic(split, r, batch=1, kv_heads=cfg.n_head, head_dim=cfg.head_dim,
                          elem_bytes=4) for r in range(world)]
     return {name: cfg.n_layer * max(getattr(t, name) for t in per) for name in ("actual", "all_gather_once", "ideal")}
@@ -165,7 +166,8 @@ def time_attention(args: argparse.Namespace) -> dict:
                 traffic = layer_traffic(split, 0, batch=1, kv_heads=heads, head_dim=head_dim, elem_bytes=4)
                 rows = split.query_rows[0].numel()
                 pairs = int(split.sub_layout(0).num_pairs())
-                print(f"| {family} | {n} | {args.k} | {w} | {rows} / {layout.n_queries} | {pairs / layout.num_pairs():.3f} "
+                print(f"| {family} | {n} | {args.k} | {w} | {rows} / {layout.n_queries} "
+                      f"| {pairs / layout.num_pairs():.3f} "
                       f"| {whole['min_ms']:.1f} / {whole['median_ms']:.1f} -> {t['min_ms']:.1f} / {t['median_ms']:.1f} "
                       f"| {ratio:.2f} | {traffic.actual / 2**20:.2f} / {traffic.ideal / 2**20:.2f} |")
                 report["rows"].append({"layout": family, "n": n, "k": args.k, "world": w, "rank_rows": rows,
@@ -216,7 +218,8 @@ def execute(args: argparse.Namespace) -> int:
             m = rank_memory(cfg, n, args.k, world, plain if world == 1 else cp1, n_params)
             t = traffic(cfg, m["split"], world) if world > 1 else {"actual": 0, "all_gather_once": 0, "ideal": 0}
             ratio = f"{t['actual'] / t['ideal']:.2f}" if t["ideal"] else "-"
-            print(f"| {n} | {m['length']} | {world} | {m['rows']} | {m['static'] / GIB:.2f} | {m['activations'] / GIB:.2f} "
+            print(f"| {n} | {m['length']} | {world} | {m['rows']} | {m['static'] / GIB:.2f} "
+                  f"| {m['activations'] / GIB:.2f} "
                   f"| {m['attention_transient'] / GIB:.2f} | {m['total'] / GIB:.2f} | {t['actual'] / GIB:.2f} "
                   f"| {t['all_gather_once'] / GIB:.2f} | {t['ideal'] / GIB:.2f} | {ratio} |")
             report["table"].append({key: v for key, v in m.items() if key != "split"} | {"traffic": t})

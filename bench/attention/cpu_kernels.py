@@ -160,7 +160,8 @@ def bench_sampler(args) -> dict:
             for name, t in times.items()}
     agree = None
     if "cpp fused (fp64 math)" in methods:
-        agree = float((methods["cpp fused (fp64 math)"]() == methods["softmax+cumsum+searchsorted fp64"]()).double().mean())
+        agree = float((methods["cpp fused (fp64 math)"]()
+                       == methods["softmax+cumsum+searchsorted fp64"]()).double().mean())
     return {"config": {"rows": args.rows, "vocab": args.vocab, "tau": tau, "logits_mib": logits.numel() * 4 / 2**20},
             "rows": rows, "agreement_with_fp64": agree}
 
@@ -206,7 +207,8 @@ def main(argv=None):
     threads = pin_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     report = {"machine": machine_info(), "threads": threads, "clock": args.clock}
-    print(f"threads={threads}, clock={args.clock}, torch {torch.__version__}, cpp: {backends_available()['cpp'] or 'available'}")
+    print(f"threads={threads}, clock={args.clock}, torch {torch.__version__}, "
+          f"cpp: {backends_available()['cpp'] or 'available'}")
     if args.only in (None, "attention"):
         report["attention"] = bench_attention(args)
         print(format_attention(report["attention"]))

@@ -42,7 +42,8 @@ def fit_exponents(report: dict) -> list[dict]:
         if len(rows) < 2:
             continue
         ks = [r["k"] for r in rows]
-        medians, mins, units = [r["median_ms"] for r in rows], [r["min_ms"] for r in rows], [r["causal_units"] for r in rows]
+        medians, mins, units = ([r["median_ms"] for r in rows], [r["min_ms"] for r in rows],
+                                [r["causal_units"] for r in rows])
         work = [r["num_pairs"] for r in rows]
         spread = max(work) / min(work) >= MIN_WORK_SPREAD
         fits.append({
@@ -112,14 +113,18 @@ def format_report(report: dict) -> str:
     if builds:
         lines += ["", "mask / plan build, ms median (what each method needs before its first call)"]
         cols = ("dense_sdpa", "flex_blockmask", "flex_create_block_mask")
-        lines.append(f"{'layout':<8}{'N':>6}{'k':>4}{'dense_mask()':>15}{'to_block_mask()':>17}{'create_block_mask':>19}{'cbm / analytic':>16}")
+        lines.append(f"{'layout':<8}{'N':>6}{'k':>4}{'dense_mask()':>15}{'to_block_mask()':>17}"
+                     f"{'create_block_mask':>19}{'cbm / analytic':>16}")
         index = {(r["layout"], r["n"], r["k"], r["method"]): r for r in builds}
         for key in sorted({(r["layout"], r["n"], r["k"]) for r in builds}, key=lambda t: (t[0], t[1], t[2] or 0)):
             cells = [index.get(key + (c,)) for c in cols]
-            text = [f"{c['median_ms']:.2f}" if c and c["status"] == "ok" else (c["status"] if c else "-") for c in cells]
-            ratio = cells[2]["median_ms"] / cells[1]["median_ms"] if all(c and c["status"] == "ok" for c in cells[1:]) else None
+            text = [f"{c['median_ms']:.2f}" if c and c["status"] == "ok" else (c["status"] if c else "-")
+                    for c in cells]
+            ratio = (cells[2]["median_ms"] / cells[1]["median_ms"]
+                     if all(c and c["status"] == "ok" for c in cells[1:]) else None)
             k = "-" if key[2] is None else key[2]
-            lines.append(f"{key[0]:<8}{key[1]:>6}{k:>4}{text[0]:>15}{text[1]:>17}{text[2]:>19}{(f'{ratio:.1f}x' if ratio else '-'):>16}")
+            lines.append(f"{key[0]:<8}{key[1]:>6}{k:>4}{text[0]:>15}{text[1]:>17}{text[2]:>19}"
+                         f"{(f'{ratio:.1f}x' if ratio else '-'):>16}")
 
     fits = report["fits"]
     if fits:
@@ -129,7 +134,8 @@ def format_report(report: dict) -> str:
                   "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load "
                   "drift)"]
         lines.append(f"{'':<39}{'---------- raw -----------':>28}{'--------- norm -----------':>28}")
-        lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}" + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2)
+        lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}"
+                     + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2)
         index = {(f["layout"], f["d"], f["method"], f["phase"]): f for f in fits}
 
         def fmt(f, key, width):
@@ -151,7 +157,8 @@ def format_report(report: dict) -> str:
                 lines.append(f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k "
                              f"{best['slope_k']:.2f} raw / "
                              f"{best['slope_k_norm']:.2f} norm"
-                             + (f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}" if best["slope_work"] is not None else ""))
+                             + (f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}"
+                                if best["slope_work"] is not None else ""))
 
     lines += ["", "methods not timed here:"]
     absent = [(m, info["reason"]) for m, info in report["methods"].items() if info["status"] != "measured"]
@@ -179,7 +186,8 @@ def _busy(meta: dict) -> bool:
 
 def best_of_ours(fits: list[dict], layout: str, d: int) -> Optional[dict]:
     """Our fastest backend's fwd+bwd fit (fastest at the largest k), if any was timed."""
-    ours = [f for f in fits if f["layout"] == layout and f["d"] == d and f["method"] in OURS and f["phase"] == "fwd_bwd"]
+    ours = [f for f in fits
+            if f["layout"] == layout and f["d"] == d and f["method"] in OURS and f["phase"] == "fwd_bwd"]
     return min(ours, key=lambda f: f["median_ms"][-1]) if ours else None
 
 

@@ -299,7 +299,8 @@ def run_sweep(args) -> dict:
                 for row in bench_config(name, n, k, d, layout, args, avail, device, dtype):
                     rows.append({**stamp, **row})
                 if args.verbose:
-                    bar.write(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} {time.perf_counter() - t0:6.1f} s", file=sys.stderr)
+                    bar.write(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} "
+                              f"{time.perf_counter() - t0:6.1f} s", file=sys.stderr)
                 bar.update()
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()

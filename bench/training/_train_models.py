@@ -100,7 +100,8 @@ class Collectives:
         self.gathered = self.scattered = self.teacher_gathered = 0
 
     def watch_teacher(self, teacher) -> None:
-        """Route the all-gathers of ``teacher``'s passes (forward, single_forward, double_forward) to ``teacher_gathered``."""
+        """Route the all-gathers of ``teacher``'s passes (forward, single_forward, double_forward) to
+        ``teacher_gathered``."""
         for name in ("forward", "single_forward", "double_forward"):
             method = getattr(teacher, name)
 

@@ -43,7 +43,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     steps = [p for p in parts if "=" not in p]
     extra = dict(p.split("=", 1) for p in parts if "=" in p)
     if not name or len(steps) != 4 or not all(s.isdigit() for s in steps) or not all(int(s) > 0 for s in steps[1:]) \
-            or set(extra) - set(_KEYS) or not all(v.isdigit() for v in extra.values()) or extra.get("distill_batch") == "0":
+            or set(extra) - set(_KEYS) or not all(v.isdigit() for v in extra.values()) \
+            or extra.get("distill_batch") == "0":
         raise argparse.ArgumentTypeError(
             "expected NAME=S0,S1,K2,K4[,distill_batch=B][,seed=S] with positive step counts (S0 0 with "
             f"--shared-stage0), got {text!r}")

@@ -166,7 +166,8 @@ def format_report(report: dict) -> str:
         s, t = r["step"], r["teacher"]
         lines.append(f"| {r['teacher_parallel']} | {s['median_ms']:.0f} ({s['min_ms']:.0f}-{s['max_ms']:.0f}) | "
                      f"{t['median_ms']:.0f} ({t['min_ms']:.0f}-{t['max_ms']:.0f}) | {r['teacher_bytes'] / MIB:.1f} | "
-                     f"{r['teacher_all_gather_bytes'] / MIB:.1f} | {r['teacher_all_gather_bytes'] * (w - 1) / w / MIB:.1f} |")
+                     f"{r['teacher_all_gather_bytes'] / MIB:.1f} | "
+                     f"{r['teacher_all_gather_bytes'] * (w - 1) / w / MIB:.1f} |")
     return "\n".join(lines)
 
 

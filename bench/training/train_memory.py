@@ -211,7 +211,8 @@ def format_report(rows: list[dict]) -> str:
         if r["rank"]:
             continue
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
-        wire = (r["all_gather_forward_bytes"] + r["all_gather_backward_bytes"] + r["reduce_scatter_bytes"]) * (r["world"] - 1) // r["world"]
+        wire = ((r["all_gather_forward_bytes"] + r["all_gather_backward_bytes"] + r["reduce_scatter_bytes"])
+                * (r["world"] - 1) // r["world"])
         peak = max(o["peak_rss_bytes"] for o in rows if (o["world"], o["teacher_parallel"],
                                                          o["activation_checkpointing"])
                    == (r["world"], r["teacher_parallel"], r["activation_checkpointing"]))
@@ -220,7 +221,8 @@ def format_report(rows: list[dict]) -> str:
                      f"{r['activation_bytes'] / MIB:.1f} | {(state + r['activation_bytes']) / MIB:.1f} | "
                      f"{r['teacher_bytes'] / MIB:.1f} | {r['teacher_all_gather_bytes'] / MIB:.1f} | "
                      f"{r['all_gather_forward_bytes'] / MIB:.1f} / {r['all_gather_backward_bytes'] / MIB:.1f} | "
-                     f"{r['reduce_scatter_bytes'] / MIB:.1f} | {wire / MIB:.1f} ({r['ideal_comm_bytes_per_rank'] / MIB:.1f}) | "
+                     f"{r['reduce_scatter_bytes'] / MIB:.1f} | "
+                     f"{wire / MIB:.1f} ({r['ideal_comm_bytes_per_rank'] / MIB:.1f}) | "
                      f"{peak / MIB:.0f} |")
     return "\n".join(lines)
 

@@ -212,7 +212,8 @@ def format_report(report: dict) -> str:
         f"  torch {meta['torch']}, commit {commit_label(meta)}, {meta['timestamp']}, {meta['wall_s']:.0f} s, "
         f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
         "",
-        f"{'stage':<10}{'dense ms':>12}{'ours ms':>12}{'speed-up':>10}{'(from mins)':>13}{'ours ctx tok/s':>16}{'loss dense/ours':>20}",
+        f"{'stage':<10}{'dense ms':>12}{'ours ms':>12}{'speed-up':>10}{'(from mins)':>13}"
+        f"{'ours ctx tok/s':>16}{'loss dense/ours':>20}",
     ]
     for k in meta["k"]:
         sel = {r["variant"]: r for r in report["rows"] if r["teacher_k"] == k}

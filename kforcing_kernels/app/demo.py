@@ -1,4 +1,5 @@
-"""``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end (CUDA when torch sees a GPU, else CPU).
+"""``make demo``: the whole tiny K-Forcing pipeline on the embedded corpus, end to end (CUDA when torch sees a GPU, else
+CPU).
 
 Stage 0 (AR teacher) -> Stage 1 (PFLM k=1) -> Stage 2 (k=2) -> Stage 2 (k=4) on the
 Python standard library's source, then the evaluation of ``kforcing_kernels.app.evaluation.evaluate``
@@ -146,7 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for method, sample in summary["samples"].items():
         print(f"--- {method} ---\n{sample}\n")
     print(f"[demo] {summary['seconds']['total']:.0f}s in total ({t_train:.0f}s training)")
-    print(f"[demo] wrote {out / 'summary.json'}, {out / 'tables.md'}" + (f", {out / 'plot.png'}" if why_not is None else f" (no plot: {why_not})"))
+    print(f"[demo] wrote {out / 'summary.json'}, {out / 'tables.md'}"
+          + (f", {out / 'plot.png'}" if why_not is None else f" (no plot: {why_not})"))
 
 
 if __name__ == "__main__":

@@ -230,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                                                            None) else None
     native = sorted(given & {"--preset", "--n-layer", "--n-head", "--n-embd"})
     if hf_option and native:
-        parser.error(f"argument {native[0]}: sizes the native model; {hf_option} gives the model (leave {', '.join(native)} out)")
+        parser.error(f"argument {native[0]}: sizes the native model; {hf_option} gives the model "
+                     f"(leave {', '.join(native)} out)")
     if hf_option == "--model" and "--vocab-size" in given:  # it would be recorded, yet the folder's tokenizer decides
         parser.error("argument --vocab-size: --model brings its own tokenizer and vocabulary (leave --vocab-size out)")
     if args.command == "stage1" and not (args.teacher or args.model):

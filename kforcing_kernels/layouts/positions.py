@@ -41,7 +41,8 @@ def single_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tens
 
 
 def double_positions(n: int, k: int, device=None, cu_seqlens=None) -> torch.Tensor:
-    """int64 [2*N*k] (or [B, ...]): positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t at pos(t) + 1 + i."""
+    """int64 [2*N*k] (or [B, ...]): positions of ``[Future-1 | Future-2]``, stream-major; slot i of the 2k-window of t
+    at pos(t) + 1 + i."""
     t = context_positions(n, cu_seqlens, device)[..., None]
     i = torch.arange(k, device=device)
     return torch.cat([(t + 1 + i).flatten(-2), (t + 1 + k + i).flatten(-2)], -1)

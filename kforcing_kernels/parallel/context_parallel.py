@@ -130,7 +130,8 @@ def _reduce_scatter_single(output: torch.Tensor, per_rank: torch.Tensor, group=N
 
 
 def gather_keys(k: torch.Tensor, v: torch.Tensor, split: RowSplit, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather the ranks' K/V shards ``[B, Hkv, K_r, D]`` into the layout's key order ``[B, Hkv, Lk, D]`` (no autograd)."""
+    """All-gather the ranks' K/V shards ``[B, Hkv, K_r, D]`` into the layout's key order ``[B, Hkv, Lk, D]`` (no
+    autograd)."""
     world, pad = split.world, split.max_keys
     local = k.new_zeros(2, *k.shape[:2], pad, k.shape[3])
     local[0, :, :, :k.shape[2]], local[1, :, :, :k.shape[2]] = k, v
@@ -146,7 +147,8 @@ def gather_keys(k: torch.Tensor, v: torch.Tensor, split: RowSplit, group=None) -
 
 
 def scatter_key_grads(dk: torch.Tensor, dv: torch.Tensor, split: RowSplit, rank: int, group=None):
-    """Reduce-scatter full-length dK/dV ``[B, Hkv, Lk, D]``: rank r gets the sum over ranks at its keys ``[B, Hkv, K_r, D]``."""
+    """Reduce-scatter full-length dK/dV ``[B, Hkv, Lk, D]``: rank r gets the sum over ranks at its keys
+    ``[B, Hkv, K_r, D]``."""
     world, pad = split.world, split.max_keys
     b, hkv, _, d = dk.shape
     flat = dk.new_zeros(2, b, hkv, world * pad, d)

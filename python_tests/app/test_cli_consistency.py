@@ -86,7 +86,8 @@ def test_shared_option_same_name_type_default(parsers, flag):
             if flag in action.option_strings:
                 seen.append(name)
                 assert action.dest == dest, f"{name} {flag}: dest {action.dest!r}, expected {dest!r}"
-                assert action.type is typ, f"{name} {flag}: type {action.type!r}, expected cli_common's {typ.__name__!r}"
+                assert action.type is typ, (f"{name} {flag}: type {action.type!r}, "
+                                            f"expected cli_common's {typ.__name__!r}")
                 if default is not None or flag in ("--threads",):
                     assert action.default == default, f"{name} {flag}: default {action.default!r}, expected {default!r}"
             # The same dest under another flag would be the same thing with two names.
@@ -185,7 +186,8 @@ def test_bench_is_one_cli_with_every_module_reachable():
     for name in ("peers", "gpu", "infer"):
         proc = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
-        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), proc.stdout[:300] + proc.stderr[-2000:]
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), \
+            proc.stdout[:300] + proc.stderr[-2000:]
 
 
 def test_the_wheel_does_not_ship_the_benchmarks():

@@ -1,4 +1,5 @@
-"""``python -m bench allocation``: its variant syntax and report (the runs themselves are the demo pipeline's, tested in test_pipeline)."""
+"""``python -m bench allocation``: its variant syntax and report (the runs themselves are the demo pipeline's, tested in
+test_pipeline)."""
 
 import argparse
 

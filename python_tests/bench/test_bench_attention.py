@@ -84,7 +84,8 @@ def test_quick_writes_csv_plots_and_table(quick_run):
 def test_check_report_rejects_incomplete_reports(quick_run):
     report, _, _ = quick_run
     missing_row = copy.deepcopy(report)
-    missing_row["rows"] = [r for r in missing_row["rows"] if not (r["method"] == "composite" and r["phase"] == "fwd_bwd" and r["k"] == 2)]
+    missing_row["rows"] = [r for r in missing_row["rows"]
+                           if not (r["method"] == "composite" and r["phase"] == "fwd_bwd" and r["k"] == 2)]
     assert any("no fwd_bwd row for measured method composite" in e for e in check_report(missing_row))
 
     no_reason = copy.deepcopy(report)

@@ -1,4 +1,5 @@
-"""bench/training/stage1_curve.py: trains the stages through the CLI, measures each student, and reuses what it finished."""
+"""bench/training/stage1_curve.py: trains the stages through the CLI, measures each student, and reuses what it
+finished."""
 
 import json
 import types
@@ -37,8 +38,9 @@ def test_the_curve_trains_measures_and_resumes(tmp_path, capsys):
 # ---------------------------------------------------------------------- what is reused (issue 46), without training
 
 class _FakeRuns:
-    """bench.stage1_curve's training and measuring replaced: ``_train`` writes a stage's files as the CLI would (model.json
-    last, with its train_config and a fresh weights hash), ``measure_student`` returns the settings it was given."""
+    """bench.stage1_curve's training and measuring replaced: ``_train`` writes a stage's files as the CLI would
+    (model.json last, with its train_config and a fresh weights hash), ``measure_student`` returns the settings it was
+    given."""
 
     def __init__(self, monkeypatch):
         import itertools

@@ -234,7 +234,8 @@ def test_transformers_is_imported_only_by_the_integration():
 
 
 def test_compiled_training_step_matches_eager():
-    """torch.compile(model, fullgraph=True) (inductor) on the README's SingleForward training step: loss and every grad equal eager.
+    """torch.compile(model, fullgraph=True) (inductor) on the README's SingleForward training step: loss and every grad
+    equal eager.
 
     HF's q/k/v are transposed views; the custom op's fake kernels must report the
     contiguous outputs the kernels really return or Inductor's stride asserts fire.

@@ -57,7 +57,8 @@ def test_fullgraph_dynamic_training_step_one_graph_for_two_lengths():
 
 
 def test_compiled_packed_batch_without_a_layout_matches_sdpa():
-    """No layout, restarting position ids, use_cache=False, compiled: documents stay apart (a dense mask in the graph)."""
+    """No layout, restarting position ids, use_cache=False, compiled: documents stay apart (a dense mask in the
+    graph)."""
     ours, sdpa = H.twin_models(H.mistral(sliding_window=3), "kforcing", "sdpa")
     ids = torch.randint(0, H.VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1]])

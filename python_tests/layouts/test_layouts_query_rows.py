@@ -111,7 +111,8 @@ def test_parent_must_be_a_window_layout():
 
 
 def test_row_n_queries_is_refused_at_once():
-    """The bound itself: row n_queries (one past the last) is refused when the sub-layout is made, not later by an IndexError."""
+    """The bound itself: row n_queries (one past the last) is refused when the sub-layout is made, not later by an
+    IndexError."""
     parent = WindowLayout.causal(10)
     with pytest.raises(ValueError, match=r"^rows: expected query rows in \[0, 10\) \(parent.n_queries\), got 10"):
         parent.restrict_rows([9, 10])

@@ -202,8 +202,8 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
 
 
 def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_path):
-    """bench.attention.cp_throughput: the median tokens/s after the first logged step (its compiles), from metrics.jsonl;
-    a world size that does not divide the cores is refused by name."""
+    """bench.attention.cp_throughput: the median tokens/s after the first logged step (its compiles), from
+    metrics.jsonl; a world size that does not divide the cores is refused by name."""
     from bench.attention import cp_throughput
 
     lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}, {"step": 2, "val_loss": 2.9},

@@ -1,4 +1,5 @@
-"""Worker of python_tests/parallel/test_hf_context_parallel.py: context parallelism for Hugging Face models (torchrun, gloo).
+"""Worker of python_tests/parallel/test_hf_context_parallel.py: context parallelism for Hugging Face models (torchrun,
+gloo).
 
 Launched with 3 processes: CP groups of 2 (ranks 0, 1) and 3 ranks (all) split the same sequences.
 

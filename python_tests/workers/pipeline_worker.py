@@ -1,4 +1,5 @@
-"""Run by ``torchrun --nproc_per_node 2`` from test_pipeline_torchrun.py: the two-rank pipelines of that test in one launch.
+"""Run by ``torchrun --nproc_per_node 2`` from test_pipeline_torchrun.py: the two-rank pipelines of that test in one
+launch.
 
 ``python pipeline_worker.py ROOT``: ROOT holds ``corpus/`` and ``llama.json``; each case trains ``ROOT/<case>``. A
 torchrun

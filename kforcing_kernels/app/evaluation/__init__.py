@@ -1,1 +1,2 @@
-"""Evaluation: per-position NLL, speed, judge perplexity (``kforcing-evaluate``), their report, and the Stage-1 noise diagnosis."""
+"""Evaluation: per-position NLL, speed, judge perplexity (``kforcing-evaluate``), their report, and the Stage-1 noise
+diagnosis."""

@@ -202,7 +202,8 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
 @torch.no_grad()
 def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, batch: int = 128, prompt_len: int = 16,
                    new_tokens: int = 48, seed: int = 1) -> dict:
-    """Judge (= teacher) perplexity and distinct-4 of the student's own k=1 samples, decoded two ways, against the teacher's.
+    """Judge (= teacher) perplexity and distinct-4 of the student's own k=1 samples, decoded two ways, against the
+    teacher's.
 
     "argmax" is the paper's PFLM decoding. "residual" picks the token at the inverse CDF of the
     student's own softmax at the noise's low digits (:func:`~kforcing_kernels.model.decoding.decode_slots`;
@@ -237,8 +238,9 @@ def format_diagnosis(d: dict) -> str:
     lines = [f"tau {d['tau']}, CDF order {d['order']}, {d['positions']} positions",
              f"noise sensitivity: student {s['student']:.3f} | teacher targets {s['teacher targets']:.3f} | "
              f"teacher 1 - sum p^2 {s['teacher 1 - sum p^2']:.3f} (teacher mean p_max {d['teacher mean p_max']:.3f})",
-             f"student NLL of its targets {d['student nll']:.3f} nats vs the teacher's entropy {d['teacher entropy']:.3f} "
-             f"(a student that ignored u would match the entropy: it uses >= {d['teacher entropy'] - d['student nll']:.3f} nats of u)",
+             f"student NLL of its targets {d['student nll']:.3f} nats vs the teacher's entropy "
+             f"{d['teacher entropy']:.3f} (a student that ignored u would match the entropy: it uses >= "
+             f"{d['teacher entropy'] - d['student nll']:.3f} nats of u)",
              "student argmax agreement with:"]
     lines += [f"  {k:34s} {v:.3f}" for k, v in d["agreement"].items()]
     lm = list(d["next_token_nll_tau1"].items())
@@ -248,8 +250,10 @@ def format_diagnosis(d: dict) -> str:
               f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f')}" for r in d["accuracy_by_width"]]
     u = d["u_sweep"]
     lines.append(f"u sweep ({u['points']} points, last position of {u['contexts']} windows): distinct tokens student "
-                 f"{u['distinct tokens per context (student)']:.1f} / teacher {u['distinct tokens per context (teacher)']:.1f}; "
-                 f"changes along u student {u['token changes along u (student)']:.1f} / teacher {u['token changes along u (teacher)']:.1f}; "
+                 f"{u['distinct tokens per context (student)']:.1f} / teacher "
+                 f"{u['distinct tokens per context (teacher)']:.1f}; "
+                 f"changes along u student {u['token changes along u (student)']:.1f} / teacher "
+                 f"{u['token changes along u (teacher)']:.1f}; "
                  f"agreement {u['agreement']:.3f}")
     lines.append("noise encoder cosine(enc(u), enc(u + d)): " + ", ".join(f"d={k}: {v:.3f}" for k,
                                                                           v in d["encoder_cosine"].items()))

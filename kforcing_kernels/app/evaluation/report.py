@@ -21,7 +21,8 @@ def _ratio(q: dict, ar: dict) -> str:
 def format_table1(summary: dict) -> str:
     """Throughput, speed-up and judge-scored quality at the main tau (markdown)."""
     bs = summary["batch_sizes"]
-    head = "| method | k | " + " | ".join(f"tok/s @ B={b}" for b in bs) + " | " + " | ".join(f"speedup @ B={b}" for b in bs)
+    head = ("| method | k | " + " | ".join(f"tok/s @ B={b}" for b in bs) + " | "
+            + " | ".join(f"speedup @ B={b}" for b in bs))
     head += " | judge NLL | judge PPL | PPL / AR | distinct-4 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ar = summary["quality"]["AR"]
@@ -37,7 +38,8 @@ def format_table1(summary: dict) -> str:
         if name not in summary["throughput"] and name != "data (held-out text)":
             lines.append(f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | "
                          f"{q['distinct4']:.3f} |")
-    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | {_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
+    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | "
+                 f"{_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
     return "\n".join(lines)
 
 
@@ -89,7 +91,8 @@ def target_checks(summary: dict) -> list[dict]:
         sweep = (summary.get("tau_sweep_stage1") or {}).get("scores")
         if sweep:
             ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in sweep}
-            checks.append({"target": f"Stage-1 student: PPL follows tau ({lo}-{hi}x AR at tau " + " / ".join(ratios) + ")",
+            checks.append({"target": f"Stage-1 student: PPL follows tau ({lo}-{hi}x AR at tau "
+                                     + " / ".join(ratios) + ")",
                            "value": " / ".join(f"{r:.2f}x" for r in ratios.values()),
                            "met": all(lo <= r <= hi for r in ratios.values())})
     final = f"K-Forcing k={summary['final_k']}"
@@ -105,7 +108,8 @@ def target_checks(summary: dict) -> list[dict]:
 
 
 def _share_check(target: str, value: float, reference: float, share: float) -> dict:
-    """``value >= share * reference``; not decidable (``met`` None) when the reference is 0 (samples too short for a 4-gram)."""
+    """``value >= share * reference``; not decidable (``met`` None) when the reference is 0 (samples too short for a
+    4-gram)."""
     if reference <= 0:
         return {"target": target, "value": f"{value:.3f} (reference {reference:.3f})", "met": None}
     return {"target": target, "value": f"{value:.3f} ({value / reference:.2f}x)", "met": value >= share * reference}
@@ -117,7 +121,8 @@ def format_targets(summary: dict) -> str:
     if not checks:
         return ""
     lines = ["| sampling target | this run | met |", "|---|---|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |" for c in checks]
+    lines += [f"| {c['target']} | {c['value']} | {'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |"
+              for c in checks]
     return "\n".join(lines)
 
 
@@ -126,7 +131,8 @@ def format_report(summary: dict) -> str:
     bs = summary["batch_sizes"]
     judge = summary.get("judge", "the run's Stage-0 AR teacher")
     caption1 = (f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
-                f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, median of {summary.get('reps', '?')} timed runs "
+                f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, "
+                f"median of {summary.get('reps', '?')} timed runs "
                 f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row "
                 "(untimed) is the Stage-1 "
                 f"student's own samples, one token per step. Quality of the {max(bs)} completions of the "

@@ -14,7 +14,8 @@ from ...types import Temperature
 
 def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: bool) -> None:
     """tau: a real number or a [B] tensor, finite, > 0 (>= 0 for AR, where a scalar 0 is greedy)."""
-    what = "a finite number >= 0 (0 = greedy)" if allow_zero else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)"
+    what = ("a finite number >= 0 (0 = greedy)" if allow_zero
+            else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)")
     if isinstance(temperature, torch.Tensor):
         if temperature.dtype == torch.bool or temperature.is_complex():
             raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
@@ -49,7 +50,8 @@ def check_generator(generator: Optional[torch.Generator]) -> Optional[torch.Gene
 def check_noise(noise: torch.Tensor, name: str = "noise") -> None:
     """Uniform noise: a floating tensor with every value in [0, 1) (NaN refused), as the sampler requires."""
     if not isinstance(noise, torch.Tensor) or not noise.dtype.is_floating_point:
-        raise ValueError(f"{name}: expected a floating tensor of uniforms in [0, 1), got {getattr(noise, 'dtype', type(noise).__name__)}")
+        raise ValueError(f"{name}: expected a floating tensor of uniforms in [0, 1), "
+                         f"got {getattr(noise, 'dtype', type(noise).__name__)}")
     outside = ~((noise >= 0) & (noise < 1))
     if bool(outside.any()):
         raise ValueError(f"{name}: expected values in [0, 1), got {noise[outside].flatten()[0].item()}")

@@ -244,7 +244,8 @@ class PagedGenerator:
         if prompt.numel() == 0 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
             raise ValueError(f"prompt: expected a non-empty sequence of token ids, got {r.prompt!r}")
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.model.config.vocab_size:
-            raise ValueError(f"prompt: expected token ids in [0, {self.model.config.vocab_size}), got {prompt.tolist()}")
+            raise ValueError(f"prompt: expected token ids in [0, {self.model.config.vocab_size}), "
+                             f"got {prompt.tolist()}")
         if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, got {r.max_new_tokens!r}")
         check_temperature(r.temperature, allow_zero=self.k is None)

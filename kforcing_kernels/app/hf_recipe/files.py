@@ -109,8 +109,8 @@ def hf_weights_sha256(folder) -> str:
 
 
 def hf_source_sha256(folder) -> str:
-    """The identity of a plain HF folder as a teacher: SHA-256 over its weights' identity (:func:`hf_weights_sha256`) and
-    the names and SHA-256s of its ``config.json`` and tokenizer files (:data:`TOKENIZER_FILES` present)."""
+    """The identity of a plain HF folder as a teacher: SHA-256 over its weights' identity (:func:`hf_weights_sha256`)
+    and the names and SHA-256s of its ``config.json`` and tokenizer files (:data:`TOKENIZER_FILES` present)."""
     folder = Path(folder)
     h = hashlib.sha256(b"weights\0" + hf_weights_sha256(folder).encode())
     for name in (CONFIG_FILE, *sorted(TOKENIZER_FILES)):
@@ -132,7 +132,8 @@ def check_hf_source(folder, option: str = "--model") -> None:
                               "model "
                               "folder (config.json, weights, tokenizer)") from None
     except ValueError as exc:
-        raise CheckpointError(f"{name}: {config} is not valid JSON ({exc}); restore the folder's config.json ({option})") from None
+        raise CheckpointError(f"{name}: {config} is not valid JSON ({exc}); "
+                              f"restore the folder's config.json ({option})") from None
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise CheckpointError(f"{name}: {config} is not a transformers config (a JSON object with a \"model_type\"); "
                               f"restore the folder's config.json ({option})")
@@ -143,8 +144,8 @@ def check_hf_source(folder, option: str = "--model") -> None:
 
 
 def read_model_config(path):
-    """A ``--model-config`` file as a transformers config: a JSON object with a known ``model_type``, else a ``CheckpointError``
-    naming the option."""
+    """A ``--model-config`` file as a transformers config: a JSON object with a known ``model_type``, else a
+    ``CheckpointError`` naming the option."""
     tf = import_transformers()
     try:
         values = json.loads(Path(path).read_text())
@@ -203,7 +204,8 @@ def _must_be_positive(key: str) -> bool:
 
 
 def import_transformers():
-    """transformers, imported only when an HF model is used (it is an optional dependency), with "kforcing" registered."""
+    """transformers, imported only when an HF model is used (it is an optional dependency), with "kforcing"
+    registered."""
     import transformers
 
     from ...integrations import hf as _registers_kforcing  # noqa: F401
@@ -212,7 +214,8 @@ def import_transformers():
 
 
 def build_from_config(path, seed: int) -> "HFStudent":
-    """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by ``seed``."""
+    """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by
+    ``seed``."""
     tf = import_transformers()
     config = read_model_config(path)
     from .student import HFStudent
@@ -249,7 +252,8 @@ def _from_pretrained(folder, device):
 
 
 def load_hf_source(folder, device="cpu"):
-    """A plain HF folder as an AR teacher: ``(HFStudent in eval mode, info, tokenizer)`` (info: ``k=0`` and the weights' identity)."""
+    """A plain HF folder as an AR teacher: ``(HFStudent in eval mode, info, tokenizer)`` (info: ``k=0`` and the weights'
+    identity)."""
     from .student import HFStudent
 
     check_hf_source(folder)
@@ -262,7 +266,8 @@ def load_hf_source(folder, device="cpu"):
 
 
 def load_hf_stage(folder, device="cpu"):
-    """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked first."""
+    """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked
+    first."""
     from ...integrations.hf_noise import NOISE_EMBEDDING_FORMAT, NoiseEmbedding
     from .student import HFStudent
 
@@ -289,7 +294,8 @@ def load_hf_stage(folder, device="cpu"):
     try:
         embedding.load_state_dict(load_tensors(json_path, noise["tensors"]))
     except (RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{folder / NOISE_FILE}: does not match the noise embedding of {json_path.name} ({exc})") from None
+        raise CheckpointError(f"{folder / NOISE_FILE}: does not match the noise embedding of {json_path.name} "
+                              f"({exc})") from None
     student = HFStudent(model, embedding, k_train=info["k"])
     student.hf_tokenizer = tokenizer
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)

@@ -306,7 +306,8 @@ class HFStudent(nn.Module):
 
     @torch.no_grad()
     def generate_ar(self, prompt: torch.Tensor, new_tokens: int, temperature, noise: torch.Tensor, greedy: bool):
-        """AR decoding for prompts of one length: prompt ``[B, P]``, noise ``[B, T]`` -> (tokens ``[B, T]``, logits ``[B, T, V]``)."""
+        """AR decoding for prompts of one length: prompt ``[B, P]``, noise ``[B, T]`` -> (tokens ``[B, T]``, logits
+        ``[B, T, V]``)."""
         b, p = prompt.shape
         logits, cache = self._run(self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p),
                                   keep=1, use_cache=True)

@@ -66,7 +66,8 @@ def _batch(input_ids: torch.Tensor, noise: torch.Tensor, tau, separator: Optiona
 
 def kforcing_targets(stage: str, teacher: HFStudent, input_ids: torch.Tensor, noise: torch.Tensor, tau,
                      separator: Optional[int] = None) -> torch.Tensor:
-    """The teacher's targets ``[B, N, k]`` for context ``input_ids [B, N]`` and ``noise [B, N, k]`` (see the module docstring).
+    """The teacher's targets ``[B, N, k]`` for context ``input_ids [B, N]`` and ``noise [B, N, k]`` (see the module
+    docstring).
 
     ``tau``: a scalar or ``[B]`` (> 0); ``separator``: the EOS id of packed documents (attention stays in each), or
     None. """

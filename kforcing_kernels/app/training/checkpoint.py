@@ -192,7 +192,8 @@ def read_checkpoint_meta(json_path: Path) -> dict:
     """A checkpoint's JSON, checked for format and structure."""
     meta = read_json(json_path, {"format": int})
     if meta["format"] != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{json_path}: unknown checkpoint format {meta['format']!r}, expected {CHECKPOINT_FORMAT}")
+        raise CheckpointError(f"{json_path}: unknown checkpoint format {meta['format']!r}, "
+                              f"expected {CHECKPOINT_FORMAT}")
     return read_json(json_path, _CHECKPOINT_KEYS)
 
 

@@ -113,7 +113,8 @@ class TrainConfig:
 
 
 def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
-    """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config differs from ``cfg``.
+    """``(key, saved value, cfg's value)`` for each of ``RESUME_KEYS`` (less ``ignore``) on which a saved run's config
+    differs from ``cfg``.
 
     ``teacher``, ``data``, ``model`` and ``model_config`` are paths: the same folder written relative or absolute (from
     this working directory) is the same setting; the built-in corpus name compares as a name.
@@ -355,8 +356,8 @@ def _validate_hf(cfg: TrainConfig) -> None:
             raise ConfigError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
     if (cfg.model or cfg.model_config) and cfg.model_overrides:
         option = "--model" if cfg.model else "--model-config"
-        raise ConfigError(f"model_overrides: {option} gives the model; --{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} "
-                          "size the native model only")
+        raise ConfigError(f"model_overrides: {option} gives the model; --"
+                          f"{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} size the native model only")
 
 
 # ---------------------------------------------------------------------- the output folder and the data
@@ -381,7 +382,8 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
             clean_run_folder(out, log)
         if latest_checkpoint(out) is None:
             found = existing_run(out)
-            where = f"the run in {out} ({', '.join(found)}) stopped before its first checkpoint" if found else f"there is no run in {out}"
+            where = (f"the run in {out} ({', '.join(found)}) stopped before its first checkpoint" if found
+                     else f"there is no run in {out}")
             raise ConfigError(f"resume: no checkpoint to continue from: {where}; start again with --overwrite "
                               "(or without --resume), or check --out")
         return
@@ -410,7 +412,8 @@ def folder_before_start(out: Path) -> tuple[list[Path], Optional[set]]:
 
 
 def discard_failed_start(out: Path, before: tuple[list[Path], Optional[set]], overwrite: bool) -> None:
-    """After a run failed (while it still holds the lock): when it trained nothing, remove what its start left in ``out``.
+    """After a run failed (while it still holds the lock): when it trained nothing, remove what its start left in
+    ``out``.
 
     Only names that were not in ``out`` before (``before``, from :func:`folder_before_start`; with --overwrite the old
     run's files count as gone, as the user asked) are candidates, and only if every one of them is a start file

@@ -238,7 +238,8 @@ def _run_steps(stage: Stage) -> float:
             bar.set_postfix_str(f"loss {last_loss:.4f} {tok_s:,.0f} tok/s", refresh=False)
             bar.update(1)
             if not live and lines.due(done):
-                stage.log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s ({time.perf_counter() - t_start:.0f}s)")
+                stage.log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s "
+                          f"({time.perf_counter() - t_start:.0f}s)")
             if done % cfg.log_every == 0 or done == stop:
                 append_jsonl(out / "metrics.jsonl", {
                     "step": done, "loss": last_loss, "loss_pos": stats[1:].tolist(), "lr": lr,
@@ -247,7 +248,8 @@ def _run_steps(stage: Stage) -> float:
         # The checkpoint comes before the evaluation: an evaluation error never costs trained steps.
         if done % cfg.ckpt_every == 0 or done == stop:
             stage.checkpointer.save(done, stage.student, stage.optimizer, stage.scaler, cfg.to_dict(), stage.model_info)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps and (dims.main or stage.everyone_evaluates):
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps \
+                and (dims.main or stage.everyone_evaluates):
             val = _evaluate(stage)
             if dims.main:
                 append_jsonl(out / "metrics.jsonl", {"step": done, "val_loss": val[0], "val_loss_pos": val[1]})

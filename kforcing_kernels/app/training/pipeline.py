@@ -107,13 +107,15 @@ def _per_round(value, rounds: int, name: str, option: str, accept, expected: str
         return values * rounds
     if len(values) != rounds:
         raise ConfigError(f"{name} ({option}): expected one value or one per self-forcing round "
-                          f"({rounds} for k_final={2 ** rounds}: k={', '.join(str(2 ** (r + 1)) for r in range(rounds))}), "
+                          f"({rounds} for k_final={2 ** rounds}: "
+                          f"k={', '.join(str(2 ** (r + 1)) for r in range(rounds))}), "
                           f"got {len(values)} ({','.join(str(v) for v in values)})")
     return values
 
 
 def per_round_type(cast, expected: str):
-    """An argparse ``type`` for ``300`` or ``300,450``: a tuple of positive values (the count is checked against k_final later)."""
+    """An argparse ``type`` for ``300`` or ``300,450``: a tuple of positive values (the count is checked against k_final
+    later)."""
 
     def parse(text: str) -> tuple:
         try:
@@ -129,12 +131,13 @@ def per_round_type(cast, expected: str):
     return parse
 
 
-_RETRAIN = "choose another output folder (--out), or retrain every stage of this one (`kforcing-train pipeline --overwrite`)"
+_RETRAIN = ("choose another output folder (--out), or retrain every stage of this one "
+            "(`kforcing-train pipeline --overwrite`)")
 
 
 def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_hash) -> None:
-    """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for now,
-    on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current
+    """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for
+    now, on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current
     --data's."""
     saved = finished.get("train_config") or read_json(folder / "train_config.json")
     # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working

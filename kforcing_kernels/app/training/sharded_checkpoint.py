@@ -183,7 +183,8 @@ def verify_sharded(folder: Path) -> dict:
 
 
 def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
-    """Every rank: restore model, optimizer, scaler and RNG from ``folder`` (any saved world size); returns the manifest.
+    """Every rank: restore model, optimizer, scaler and RNG from ``folder`` (any saved world size); returns the
+    manifest.
 
     Rank 0 verifies the files and the model config; every rank raises the same :class:`CheckpointError`."""
     import torch.distributed.checkpoint as dcp
@@ -297,7 +298,8 @@ def main(argv=None) -> None:
     if not is_sharded(source):
         found = sorted(checkpoint_dir(source).glob(f"step_*{SHARDED_SUFFIX}"))
         if not found:
-            parser.error(f"checkpoint: no sharded checkpoint in {source} (expected {checkpoint_dir(source)}/step_*.dcp)")
+            parser.error(f"checkpoint: no sharded checkpoint in {source} "
+                         f"(expected {checkpoint_dir(source)}/step_*.dcp)")
         source = found[-1]
     try:
         print(export_model(source, args.out, args.tokenizer))

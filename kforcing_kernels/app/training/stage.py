@@ -106,7 +106,8 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torc
 def require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
-        flag = " (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2" else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else ""
+        flag = (" (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2"
+                else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else "")
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
 
 

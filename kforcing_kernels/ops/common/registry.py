@@ -58,7 +58,8 @@ class OpRegistry:
         self.names = tuple(self.specs)
         unknown = {n for names in preference.values() for n in names} - set(self.specs)
         if unknown or fallback not in self.specs:
-            raise ValueError(f"{op}: preference/fallback name unknown backends {sorted(unknown | ({fallback} - set(self.specs)))}")
+            raise ValueError(f"{op}: preference/fallback name unknown backends "
+                             f"{sorted(unknown | ({fallback} - set(self.specs)))}")
         self.preference = dict(preference)
         self.fallback = fallback
         self.override = override

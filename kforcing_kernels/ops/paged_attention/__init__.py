@@ -1,4 +1,5 @@
-"""Decode attention over a paged KV cache: ``paged_attention(q, k_new, v_new, k_pages, v_pages, block_table, context_lens)``.
+"""Decode attention over a paged KV cache: ``paged_attention(q, k_new, v_new, k_pages, v_pages, block_table,
+context_lens)``.
 
     op.py         the public function, validation, backend registry
     reference.py  gather the pages into a contiguous cache, dense masked attention (the oracle)

@@ -18,7 +18,8 @@ def available() -> Optional[str]:
     if reason is not None:
         return reason
     if not hasattr(_extension.load(), "paged_attention_forward"):
-        return "kforcing_kernels._C was built without paged_attention_forward (rebuild: python setup.py build_ext --inplace)"
+        return ("kforcing_kernels._C was built without paged_attention_forward "
+                "(rebuild: python setup.py build_ext --inplace)")
     return None
 
 

@@ -180,7 +180,8 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
     if page_size < 1:
         raise ValueError(f"k_pages: expected page_size >= 1, got shape {tuple(k_pages.shape)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table: expected an int32 (or int64) tensor, got {getattr(block_table, 'dtype', type(block_table).__name__)}")
+        raise ValueError(f"block_table: expected an int32 (or int64) tensor, "
+                         f"got {getattr(block_table, 'dtype', type(block_table).__name__)}")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table: expected shape [B={b}, max_pages], got {tuple(block_table.shape)}")
     if block_table.device != q.device:

@@ -1,4 +1,5 @@
-"""Generation on the paged cache equals the contiguous cache (tokens and logits); the step API: early finish, joins, full pool."""
+"""Generation on the paged cache equals the contiguous cache (tokens and logits); the step API: early finish, joins,
+full pool."""
 
 import math
 

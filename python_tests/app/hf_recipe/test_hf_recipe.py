@@ -136,7 +136,8 @@ def test_hf_stages_record_no_preset_and_reuse_stages_saved_with_one(run, root, c
     record("stage2_k4", k=2)
     with pytest.raises(SystemExit):
         train_cli.main(argv)
-    assert "k: " + str(copy / "stage2_k4") + " holds a finished stage2_k4 trained with k=2, this run asks for 4" in capsys.readouterr().err
+    assert ("k: " + str(copy / "stage2_k4") + " holds a finished stage2_k4 trained with k=2, this run asks for 4"
+            in capsys.readouterr().err)
 
 
 def test_the_stage_folder_loads_with_from_pretrained(run):
@@ -265,7 +266,8 @@ def test_noise_features_are_the_native_encoders():
 
 
 def uncached_kforcing(model, prompt, k, noise, tau):
-    """Algorithm 1 without a cache: SingleForward over the whole context at each step (other windows get unrelated noise)."""
+    """Algorithm 1 without a cache: SingleForward over the whole context at each step (other windows get unrelated
+    noise)."""
     seq, out = prompt.clone(), []
     for step in range(noise.shape[0]):
         z = torch.rand(1, seq.numel(), k, dtype=torch.float64)

@@ -106,7 +106,8 @@ def test_noise_inversion_targets_are_the_real_next_tokens_with_noise_in_their_bi
 
 
 def naive_window(teacher, context, prefix, noise, tau):
-    """One window decoded the obvious way: a causal pass over [context ; prefix ; noise tokens], argmax of the last k."""
+    """One window decoded the obvious way: a causal pass over [context ; prefix ; noise tokens], argmax of the last
+    k."""
     x = torch.cat([teacher.wte(context), teacher.wte(prefix), teacher.embed_noise(noise[None], tau)[0]], 0)[None]
     h, _ = teacher.trunk(x, torch.arange(x.shape[1]), WindowLayout.causal(x.shape[1]))
     return teacher.head(h[0, -noise.numel():]).argmax(-1)

@@ -85,7 +85,8 @@ def test_rerunning_the_pipeline_skips_finished_stages(run, capsys, monkeypatch):
     (lambda pipe, base: (dataclasses.replace(pipe, batch_size_distill=2), base), "batch_size", "stage1"),
 ])
 def test_rerunning_with_other_settings_refuses_the_finished_stages(run, change, key, stage):
-    """A finished stage trained with other settings is not silently reused (e.g. ``demo --long`` into a default demo's folder)."""
+    """A finished stage trained with other settings is not silently reused (e.g. ``demo --long`` into a default demo's
+    folder)."""
     folder, _, _ = run
     before = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
     with pytest.raises(ConfigError, match=rf"^{key}: .*{stage} trained with {key}=.*--overwrite"):
@@ -174,7 +175,8 @@ def test_stage2_resumes_a_checkpoint_saved_before_its_k_was_recorded(run, tmp_pa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_evaluation_on_cuda_matches_the_cpu_evaluation(run, monkeypatch):
-    """The whole evaluation runs with every model on CUDA (held-out text and judge on different devices once broke it)."""
+    """The whole evaluation runs with every model on CUDA (held-out text and judge on different devices once broke
+    it)."""
     folder, _, on_cpu = run
     monkeypatch.setenv("KFORCING_CACHE", str(folder.parent / "cache"))  # the corpus cache the run fixture filled
     on_gpu = evaluate_pipeline(folder, device="cuda", **EVAL)
@@ -331,7 +333,8 @@ def test_demo_and_evaluate_share_the_settings():
 
 
 def test_demo_turns_a_refused_folder_into_a_usage_error(monkeypatch, capsys, tmp_path):
-    """`demo --long --out <a default demo's folder>`: the pipeline's refusal reaches the user as a usage error, not a traceback."""
+    """`demo --long --out <a default demo's folder>`: the pipeline's refusal reaches the user as a usage error, not a
+    traceback."""
     from kforcing_kernels.app import demo
 
     def refuse(pipe, base):

@@ -99,7 +99,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(runs):
     root, killed, resumed = runs
     # Killed in the middle of stage1: stage0 finished, stage1 has its step-2 checkpoint and no model, stage2 not
     # started.
-    assert "model.json" in killed["stage0"] and "model.json" not in killed["stage1"] and "checkpoints" in killed["stage1"]
+    assert ("model.json" in killed["stage0"] and "model.json" not in killed["stage1"]
+            and "checkpoints" in killed["stage1"])
     assert killed["stage2_k2"] == []
     for stage in STAGES:
         again, ddp = root / "killed" / stage, root / "ddp" / stage

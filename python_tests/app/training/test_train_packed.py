@@ -58,7 +58,8 @@ def _pieces(row: torch.Tensor):
 
 
 def _kept(a: int, b: int, closed: bool, t: int, j: int) -> bool:
-    """Slot j of window t (document [a, b)) targets position t + 1 + j: past a closed document's end it leaves the loss."""
+    """Slot j of window t (document [a, b)) targets position t + 1 + j: past a closed document's end it leaves the
+    loss."""
     return not closed or t + 1 + j < b
 
 

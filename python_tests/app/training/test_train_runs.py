@@ -50,7 +50,8 @@ micro = functools.partial(micro_config, steps=4, warmup_steps=1)
 
 def snapshot(folder: Path) -> dict:
     """Every file of ``folder`` but the run lock (an empty file a run attempt creates and keeps: checkpoint.RunLock)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}
 
 
 def run_record(folder: Path) -> list[tuple]:
@@ -130,7 +131,8 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_metrics(tmp_path, cor
 
 
 def test_resume_of_a_finished_run_with_other_settings_refuses(tmp_path, corpus_dir):
-    """--resume on a finished run returns its summary only if the settings are the run's (else it would pass for this run)."""
+    """--resume on a finished run returns its summary only if the settings are the run's (else it would pass for this
+    run)."""
     out = tmp_path / "run"
     summary = train(micro(out, corpus_dir))
     before = snapshot(out)
@@ -358,7 +360,8 @@ def test_checkpoint_json_of_the_wrong_structure_names_the_file(tmp_path, checkpo
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     json_path = folder / checkpoint.name
-    (folder / checkpoint.with_suffix(".safetensors").name).write_bytes(checkpoint.with_suffix(".safetensors").read_bytes())
+    (folder / checkpoint.with_suffix(".safetensors").name).write_bytes(
+        checkpoint.with_suffix(".safetensors").read_bytes())
     json_path.write_text(json.dumps(MALFORMED[case](json.loads(checkpoint.read_text()))))
     model = KForcingLM(ModelConfig.from_dict(json.loads(checkpoint.read_text())["model_config"]))
     model.noise_encoder.requires_grad_(False)  # as the stage-0 trainer: its optimizer has no noise-encoder parameters

@@ -31,7 +31,8 @@ INTERPRETER_CHECK = textwrap.dedent(
 
     def reference64(logits, z, tau):
         cdf = torch.softmax(logits.double() / tau, -1).cumsum(-1)
-        return torch.searchsorted(cdf, z.double()[:, None].contiguous(), right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+        return torch.searchsorted(cdf, z.double()[:, None].contiguous(),
+                                  right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
 
     assert st.interpreting() and st.available() is None
     ext = _extension.load()
@@ -65,7 +66,8 @@ INTERPRETER_CHECK = textwrap.dedent(
     tau = torch.rand(2, 3, generator=g, dtype=torch.float64) + 0.1
     got = st.inverse_cdf_sample(logits, z, tau)
     assert got.shape == (2, 3)
-    assert torch.equal(got.flatten(), torch.stack([reference64(logits.view(6, -1)[i:i + 1], z.view(6)[i:i + 1], tau.view(6)[i].item())[0] for i in range(6)]))
+    assert torch.equal(got.flatten(), torch.stack([reference64(logits.view(6, -1)[i:i + 1], z.view(6)[i:i + 1],
+                                                               tau.view(6)[i].item())[0] for i in range(6)]))
     print("checked", checked)
     """
 )
