@@ -1,1 +1,2 @@
-"""GPU benchmarks and checks: Triton vs FlexAttention and SDPA, kernel profiles, the dispatch table, batch invariance, host cost."""
+"""GPU benchmarks and checks: Triton vs FlexAttention and SDPA, kernel profiles, the dispatch table, batch invariance,
+host cost."""

@@ -189,7 +189,8 @@ def first_divergent_module(model, one: list, batched: list, pos: int, autocast) 
         mine = out_b[pos:pos + 1]
         if mine.shape != out_a.shape or torch.equal(mine, out_a):
             continue
-        input_equal = in_a is not None and in_b is not None and in_b.shape[0] == batch and torch.equal(in_b[pos:pos + 1], in_a)
+        input_equal = (in_a is not None and in_b is not None and in_b.shape[0] == batch
+                       and torch.equal(in_b[pos:pos + 1], in_a))
         found = {"module": name, "type": kind, "input_equal": input_equal,
                  "max_abs_diff": (mine.double() - out_a.double()).abs().max().item()}
         if in_a is not None and in_b is not None:

@@ -1,4 +1,5 @@
-"""GPU sampler rows of bench/gpu/triton_gpu.py (``--sampler``): the Triton inverse-CDF sampler against the plain torch way."""
+"""GPU sampler rows of bench/gpu/triton_gpu.py (``--sampler``): the Triton inverse-CDF sampler against the plain torch
+way."""
 
 from __future__ import annotations
 

@@ -254,7 +254,8 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
             if other != "triton":
                 for phase in ("fwd", "fwd_bwd"):
                     if rows[other].get(f"{phase}_tflops") and rows["triton"].get(f"{phase}_tflops"):
-                        ratios[f"{phase}_vs_{other}"] = rows["triton"][f"{phase}_tflops"] / rows[other][f"{phase}_tflops"]
+                        ratios[f"{phase}_vs_{other}"] = (rows["triton"][f"{phase}_tflops"]
+                                                         / rows[other][f"{phase}_tflops"])
     return {"layout": layout_name, "n": n, "k": k, "dim": d, "batch": b, "heads": h, "pairs": int(layout.num_pairs()),
             "causal_equivalent_len": lc, "results": rows, "errors": errors, "ratios": ratios}
 
@@ -311,7 +312,8 @@ def parse_args(argv=None):
                    help="call every method once (forward, forward + backward) to compile and autotune; time nothing "
                         "(bench/gpu/gpu_check.sh's first step: later steps reuse the disk caches)")
     p.add_argument("--dry-run", action="store_true",
-                   help="CPU, tiny shapes, fp32, each method called once (bench/gpu/gpu_check.sh --dry-run; no numbers)")
+                   help="CPU, tiny shapes, fp32, each method called once "
+                        "(bench/gpu/gpu_check.sh --dry-run; no numbers)")
     p.add_argument("--slot-window-max", type=int, default=None,
                    help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
                         "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")
@@ -320,7 +322,8 @@ def parse_args(argv=None):
     p.add_argument("--train-preset", default="paper", help="model preset for --train-step (paper: 12 layers, 768)")
     p.add_argument("--train-ours", default="triton", help="our backend for --train-step")
     p.add_argument("--train-variants", nargs="+", choices=TRAIN_VARIANTS, default=list(TRAIN_VARIANTS),
-                   help="--train-step variants: dense-mask SDPA, ours, attention replaced by a zero-cost op (the limit)")
+                   help="--train-step variants: dense-mask SDPA, ours, "
+                        "attention replaced by a zero-cost op (the limit)")
     p.add_argument("--sampler", action="store_true", help="time the Triton sampler instead")
     p.add_argument("--sampler-vocab", type=int, nargs="+", default=[32000, 152064])
     p.add_argument("--sampler-rows", type=int, nargs="+", default=[256, 4096])
@@ -342,7 +345,8 @@ def main(argv=None) -> int:
             layout = LAYOUTS[layout_name](n, k)
             fwd, fb = useful_flops(layout, args.batch, args.heads, d)
             print(f"{layout_name} N={n} k={k} D={d}: |M|={int(layout.num_pairs())} "
-                  f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, fwd+bwd {fb / 1e9:.2f} GFLOP")
+                  f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, "
+                  f"fwd+bwd {fb / 1e9:.2f} GFLOP")
         return 0
     args.variant_list = []
     if args.variants:

@@ -91,7 +91,8 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.spills == 0 and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch]
+        return (self.error is None and self.spills == 0
+                and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch])
 
     def hopper_problems(self) -> list[str]:
         """Why this config is not Hopper-grade (wgmma and a pipelined main loop), empty if it is."""

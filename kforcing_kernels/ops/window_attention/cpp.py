@@ -52,7 +52,8 @@ def _n_rows(layout) -> int:
 
 
 def forward(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float):
-    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] (CPU) -> (out [B, H, Lq, D], lse [B, H, Lq] natural log, fp32; fp64 for fp64).
+    """q [B, H, Lq, D], k/v [B, Hkv, Lk, D] (CPU) -> (out [B, H, Lq, D], lse [B, H, Lq] natural log, fp32; fp64 for
+    fp64).
 
     ``layout`` may be a row subset (``QueryRowsLayout``): the same kernels over its rows' tiles."""
     if layout.n_queries == 0:  # a subset of no rows: nothing for the kernels to tile

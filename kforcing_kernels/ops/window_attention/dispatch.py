@@ -223,7 +223,8 @@ def measured_rows(device_index: int, dtype: torch.dtype, usable) -> tuple:
     if rows is None:
         capability, names = capability_of(device_index), usable()
         rows = tuple((*row_key(row), row["backend"]) for row in load(path)["rows"]
-                     if row["capability"] == capability and row["dtype"] == dtype_name(dtype) and row["backend"] in names)
+                     if row["capability"] == capability and row["dtype"] == dtype_name(dtype)
+                     and row["backend"] in names)
         _cache[key] = rows
     return rows
 

@@ -79,7 +79,8 @@ def kernel_options() -> Optional[dict]:
 
 
 def block_mask(layout: WindowLayout, device: torch.device):
-    """The layout's analytic BlockMask on ``device`` (``BLOCK_SIZE`` tiles), built once per layout content and device."""
+    """The layout's analytic BlockMask on ``device`` (``BLOCK_SIZE`` tiles), built once per layout content and
+    device."""
     device = torch.device(device)
     return layout.derived(("flex_block_mask", BLOCK_SIZE, str(device)),
                           lambda: layout.to_block_mask(BLOCK_SIZE, device=device))

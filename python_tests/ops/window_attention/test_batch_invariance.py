@@ -183,7 +183,8 @@ def test_config_sweep_runs_end_to_end_through_the_triton_interpreter(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     report = json.loads(out.read_text())
-    assert report["complete"] and "configs_note" in report["meta"] and not [c for c in report["checks"] if not c["pass"]]
+    assert (report["complete"] and "configs_note" in report["meta"]
+            and not [c for c in report["checks"] if not c["pass"]])
     from kforcing_kernels.ops.window_attention.triton.configs import KERNEL_CONFIGS
 
     # fwd, delta and bwd launch (the fused kernels); one run with every first entry, one per other entry

@@ -232,7 +232,8 @@ def test_cpu_query_tiles_policy(name):
     assert order.dtype == begin.dtype == torch.int32
     assert torch.equal(order.sort().values, torch.arange(layout.n_queries, dtype=torch.int32))
     sizes = begin.diff()
-    assert begin[0] == 0 and begin[-1] == layout.n_queries and bool((sizes >= 1).all()) and bool((sizes <= CPU_TILE_ROWS).all())
+    assert (begin[0] == 0 and begin[-1] == layout.n_queries and bool((sizes >= 1).all())
+            and bool((sizes <= CPU_TILE_ROWS).all()))
     key_of_row = order.long() + layout.query_offset
     keys = layout.window_token_keys
     window_of_key = torch.full((layout.n_keys,), -1)

@@ -391,7 +391,8 @@ def test_fuzz_quick_draws_the_whole_space():
         "context docs": lambda d: "context=docs" in d, "context block": lambda d: "context=block" in d,
         "context sliding": lambda d: "context=sliding" in d, "context random": lambda d: "context=random" in d,
         "context empty rows": lambda d: "context=empty" in d, "live_slots": lambda d: "live_slots" in d,
-        "per-batch live_slots": lambda d: "live_slots=(" in d and "live_slots=(" in d and ", " in d.split("live_slots=(")[1].split(")")[0],
+        "per-batch live_slots": lambda d: ("live_slots=(" in d and "live_slots=(" in d
+                                           and ", " in d.split("live_slots=(")[1].split(")")[0]),
         "per-batch context": lambda d: "context_ranges=(" in d and ", " in d.split("context_ranges=(")[1].split(")")[0],
         **{f"constructor {f}": lambda d, f=f: d.startswith("seed=") and f" {f} n=" in d
            for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")},
@@ -433,7 +434,8 @@ def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 90
            "-k", "test_fuzz_triton_interpreter_cases"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (result.stdout + result.stderr)[-6000:]
-    assert result.returncode == 0 and " passed" in result.stdout, f"interpreter fuzz failed (rc={result.returncode}):\n{tail}"
+    assert result.returncode == 0 and " passed" in result.stdout, \
+        f"interpreter fuzz failed (rc={result.returncode}):\n{tail}"
     print(next((line for line in result.stdout.splitlines() if line.startswith("fuzz triton")), tail))
 
 

@@ -226,7 +226,8 @@ def _loop_per_head(x: torch.Tensor) -> bool:
 
 
 def _window_mm(x: torch.Tensor, y: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-window products: x [B, H, M, w, a] @ y [B, Hy, M, a, c] -> [B, H, M, w, c]; head h uses y's head h // group."""
+    """Per-window products: x [B, H, M, w, a] @ y [B, Hy, M, a, c] -> [B, H, M, w, c]; head h uses y's head
+    h // group."""
     b, h, m, w = x.shape[:4]
     c = y.shape[-1]
     if _loop_per_head(x):

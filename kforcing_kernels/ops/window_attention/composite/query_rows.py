@@ -64,7 +64,8 @@ def _pieces(layout: QueryRowsLayout, device: torch.device) -> list:
 
 
 def forward(q, k, v, layout: QueryRowsLayout, scale: float):
-    """q [B, H, R, D], k/v [B, Hkv, Lk, D] -> (out [B, H, R, D] q.dtype, lse [B, H, R] acc dtype; -inf where a row sees nothing)."""
+    """q [B, H, R, D], k/v [B, Hkv, Lk, D] -> (out [B, H, R, D] q.dtype, lse [B, H, R] acc dtype; -inf where a row
+    sees nothing)."""
     if masked_keys.needed(k, v):
         return masked_keys.forward(q, k, v, layout, scale)
     ct = acc_dtype(q.dtype)

@@ -362,7 +362,8 @@ def build_tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) 
 
 
 def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAULT_TILES) -> TilePlan:
-    """The tile plan of ``layout`` (or of a row subset) at ``tiles``, built once per layout content (``layout.derived``)."""
+    """The tile plan of ``layout`` (or of a row subset) at ``tiles``, built once per layout content
+    (``layout.derived``)."""
     sizes = (tiles.block_m, tiles.block_n, tiles.block_n_dkdv, tiles.dkdv_step_rows)
     if min(sizes) < 16 or any(x & (x - 1) for x in sizes + (tiles.block_t,)):
         raise ValueError(f"tiles: expected powers of two, block sizes >= 16 (tl.dot), got {tiles}")

@@ -85,12 +85,14 @@ ALLOC = "    %buf = ttg.local_alloc : () -> !ttg.memdesc<3x64x64xf16, #shared, #
 WGMMA = ("%s = ttng.warp_group_dot %q, %k_view, %acc {inputPrecision = 0 : i32, isAsync = true} : "
          "!ttg.memdesc<64x64xf16> * !ttg.memdesc<64x64xf16> -> tensor<64x64xf32, #mma> loc(#loc2)\n"
          "%sw:3 = ttng.warp_group_dot_wait %s, %q, %k_view {pendings = 0 : i32} : tensor<64x64xf32, #mma> loc(#loc2)")
-MMA_V2 = "%p = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<32x64xf16> * tensor<64x64xf16> -> tensor<32x64xf32> loc(#loc3)"
+MMA_V2 = ("%p = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<32x64xf16> * tensor<64x64xf16> "
+          "-> tensor<32x64xf32> loc(#loc3)")
 WAIT0 = "%w = ttg.async_wait %a0 {num = 0 : i32} loc(#loc4)"
 
 
 def _func(body):
-    return "module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n" + body + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n"
+    return ("module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n" + body
+            + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n")
 
 
 def test_ttgir_dot_counts_tell_wgmma_from_mma_v2():
@@ -255,7 +257,8 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
 
     result, rows = default_report
     main = set(aot_report.main_kernels())
-    held = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in main and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
+    held = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in main
+            and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
             and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
     expected = {(r["kernel"], r["tiles"], r["d"], r["dtype"], r["warps"], r["stages"]) for r in held
                 if r["wgmma"] == "0" or r["depth"] in ("0", "-") or r["stalls"] != "-"}

@@ -80,7 +80,8 @@ def test_trusted_plan_tables_are_int32_aligned_and_left_out_of_the_key():
         "QueryTiles", "Bounds", "Order", "RowIv", "WindowKeys", "RowSlot0"}
     names = [p.name for p in fn.params if not p.is_constexpr]
     base = {name: (torch.zeros(8, dtype=torch.int32) if name in PLAN_POINTERS or name == "Counters" else
-                   torch.zeros(8)) if name[0].isupper() else (0.5 if name in launch.FLOAT_ARGS else 32) for name in names}
+                   torch.zeros(8)) if name[0].isupper() else (0.5 if name in launch.FLOAT_ARGS else 32)
+            for name in names}
     signer = direct.ArgSignature(fn, PLAN_POINTERS)
     key = signer(tuple(base.values()))
     other_table = dict(base, Bounds=torch.zeros(8, dtype=torch.int64)[1:])  # never passed: not checked
