@@ -40,11 +40,12 @@ from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
-from ..common.validation import ATTENTION_DTYPES, check_scale, check_tensor
 from . import dispatch
 from .backends import REGISTRY, get_backend
-
-SUPPORTED_DTYPES = ATTENTION_DTYPES
+from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
+from .checks import check_layout_batch as check_layout_batch  # re-exported: context parallelism
+from .checks import check_qkv as check_qkv  # re-exported: context parallelism
+from .checks import validate
 
 
 @overload
@@ -96,7 +97,7 @@ def window_attention(
     if entry is not None:  # a plain eager call like one validated before (see _eager_entry)
         out, lse = _EagerWindowAttention.apply(q, k, v, layout, entry.scale, entry.backend, entry)
         return (out, lse.detach()) if return_lse else out
-    _validate(q, k, v, layout, scale, backend)
+    validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:  # nothing to attend (q.shape[2]: a subset of no rows)
         out = q * 0.0 + (k.sum() + v.sum()) * 0.0  # empty, yet connected to q, k and v for autograd
@@ -213,7 +214,7 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
         return entry
     if q.device.type == "meta" or k.device.type == "meta" or v.device.type == "meta":
         return None
-    _validate(q, k, v, layout, scale, backend)  # raises naming the argument, as on the general path
+    validate(q, k, v, layout, scale, backend)  # raises naming the argument, as on the general path
     if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
         return None  # the general path's empty result
     name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
@@ -279,55 +280,6 @@ def _default_choices(device_type: str, dtype: torch.dtype) -> tuple:
     # Backend discovery imports modules, which dynamo cannot trace; under compile the
     # choices are a trace-time constant (changing KFORCING_BACKEND later does not recompile).
     return REGISTRY.choices(torch.device(device_type), dtype)
-
-
-# ---------------------------------------------------------------------- validation
-
-
-def _validate(q, k, v, layout, scale, backend) -> None:
-    if not isinstance(layout, (WindowLayout, QueryRowsLayout)):
-        raise ValueError(f"layout: expected a WindowLayout or QueryRowsLayout, got {type(layout).__name__}")
-    check_qkv(q, k, v)
-    if q.shape[2] != layout.n_queries:
-        raise ValueError(f"q: expected length {layout.n_queries} (layout.n_queries), got {q.shape[2]}")
-    if k.shape[2] != layout.n_keys:
-        raise ValueError(f"k: expected length {layout.n_keys} (layout.n_keys), got {k.shape[2]}")
-    check_layout_batch(layout, q.shape[0])
-    check_scale(scale)
-    REGISTRY.check_name(backend)
-
-
-def check_qkv(q, k, v) -> None:
-    """What every entry point of the op asks of q ``[B, H, Lq, D]`` and k, v ``[B, Hkv, Lk, D]`` whatever their
-    lengths mean (``window_attention``: the layout's; context parallelism: a rank's rows and keys): tensors of rank 4,
-    a supported dtype and one device, k and v alike, one batch and head dim, ``H % Hkv == 0`` (GQA). ValueError
-    naming the argument."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, rank=4, dtypes=SUPPORTED_DTYPES, shape=" [B, H, L, D]")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k, v: expected dtype {q.dtype} (q's), got k {k.dtype}, v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"k, v: expected device {q.device} (q's), got k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    b, h, _, d = q.shape
-    if k.shape[0] != b:
-        raise ValueError(f"k: expected batch {b} (q's), got {k.shape[0]}")
-    if k.shape[3] != d:
-        raise ValueError(f"k: expected head dim {d} (q's), got {k.shape[3]}")
-    if d == 0:
-        raise ValueError(f"q: expected head dim >= 1, got shape {tuple(q.shape)}")
-    if k.shape[1] == 0 and h != 0:
-        raise ValueError(f"k: expected at least one kv head for {h} query heads, got shape {tuple(k.shape)}")
-    if k.shape[1] and h % k.shape[1] != 0:
-        raise ValueError(f"q: expected a head count that is a multiple of k's {k.shape[1]} (GQA), got {h}")
-
-
-def check_layout_batch(layout, batch: int) -> None:
-    """A layout with per-batch ranges (``layout.batch_size`` set) fits only a batch of that size."""
-    if layout.batch_size is not None and layout.batch_size != batch:
-        raise ValueError(f"layout: expected per-batch ranges for batch {batch}, got {layout.batch_size} (per-batch "
-                         "cu_seqlens, ranges or live_slots give one row per batch element; 1-D ones are shared)")
 
 
 # ---------------------------------------------------------------------- custom op

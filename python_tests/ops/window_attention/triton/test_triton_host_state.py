@@ -11,6 +11,7 @@ import torch
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.ops.window_attention import op
 from kforcing_kernels.ops.window_attention.triton import plan as plan_mod
+from kforcing_kernels.ops.window_attention.triton import plan_device
 from kforcing_kernels.ops.window_attention.triton import steps as steps_mod
 
 triton = pytest.importorskip("triton")
@@ -66,30 +67,30 @@ def test_a_capture_uses_the_warm_up_copies_and_never_uploads(monkeypatch):
     steps = steps_mod.step_plan(layout, plan)
     cpu = torch.device("cpu")
     uploads = []
-    real_upload = plan_mod._upload
-    monkeypatch.setattr(plan_mod, "_upload", lambda *a: uploads.append(a) or real_upload(*a))
-    monkeypatch.setattr(plan_mod, "stream_id", lambda device: 11)  # the warm-up's stream
+    real_upload = plan_device._upload
+    monkeypatch.setattr(plan_device, "_upload", lambda *a: uploads.append(a) or real_upload(*a))
+    monkeypatch.setattr(plan_device, "stream_id", lambda device: 11)  # the warm-up's stream
     warm = plan_mod.device_plan(plan, layout, cpu)
     warm_steps = steps_mod.device_steps(steps, layout, tiles, cpu)
     assert len(uploads) == 1
     # A capture on another stream: the warm-up's copies, no upload, and they stay alive for the process.
-    monkeypatch.setattr(plan_mod, "stream_id", lambda device: 22)
-    monkeypatch.setattr(plan_mod, "_capturing", lambda device: True)
+    monkeypatch.setattr(plan_device, "stream_id", lambda device: 22)
+    monkeypatch.setattr(plan_device, "_capturing", lambda device: True)
     assert plan_mod.device_plan(plan, layout, cpu) is warm
     assert steps_mod.device_steps(steps, layout, tiles, cpu) is warm_steps
     assert len(uploads) == 1
-    assert any(value is warm for value in plan_mod._captured_copies.values())
+    assert any(value is warm for value in plan_device._captured_copies.values())
     # The same for an equal layout made later (copies are keyed by content) even once the layout's store is emptied.
     twin = WindowLayout.kforcing_single(96, 4)
-    plan_mod._latest_copies.clear()
+    plan_device._latest_copies.clear()
     assert plan_mod.device_plan(plan_mod.tile_plan(twin, tiles), twin, cpu) is warm
     # A layout no call has warmed up: refused, naming the capture and the fix, instead of a copy inside the graph.
     cold = WindowLayout.kforcing_single(97, 4)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph.*warm-up"):
         plan_mod.device_plan(plan_mod.tile_plan(cold, tiles), cold, cpu)
     assert len(uploads) == 1
-    for key in [key for key, value in plan_mod._captured_copies.items() if value is warm or value is warm_steps]:
-        del plan_mod._captured_copies[key]
+    for key in [key for key, value in plan_device._captured_copies.items() if value is warm or value is warm_steps]:
+        del plan_device._captured_copies[key]
 
 
 def _launch_record(record):
