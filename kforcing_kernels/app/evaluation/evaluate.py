@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,12 +39,13 @@ import torch.nn.functional as F
 
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
-from ..data import DEFAULT_SOURCE, DataError, sample_crops, tokenizer_sha256
+from ..data import DataError, sample_crops
 from ..files import CheckpointError, check_writable, read_json, write_json
 from ..generation.inference import generate_ar, generate_kforcing
 from ..student import corpus_for, find_kind, kind_of, load_student
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
-from .report import HF_GENERATE, STAGE1_ROW, format_report, judge_description, target_checks, timing_report
+from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
+from .run_folders import ar_teacher_folder, load_judge, recorded_data, same_tokenizer
 
 
 @dataclass(frozen=True)
@@ -200,78 +200,6 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
 # ---------------------------------------------------------------------- the whole run
 
 
-def _same_tokenizer(a, b) -> Optional[bool]:
-    """Whether two tokenizers map text to the same ids; None when either is missing (a model saved without one)."""
-    if a is None or b is None:
-        return None
-    return tokenizer_sha256(a) == tokenizer_sha256(b)
-
-
-def recorded_data(folder: Path, info: dict) -> Optional[str]:
-    """The --data a stage in ``folder`` was trained on (``info``: its model.json), as a path that works from here.
-
-    Runs record it resolved; a run saved before that recorded it as typed, relative to the directory it was started
-    in. That directory is the stage folder less its recorded ``out`` (typed relative the same way), tried first;
-    then this working directory. When neither holds it, a ValueError says where it was looked for and what to do.
-    """
-    data = info.get("data")
-    if data in (None, DEFAULT_SOURCE) or Path(data).is_absolute():
-        return data
-    tried = []
-    out = info.get("train_config", {}).get("out")
-    if out and not Path(out).is_absolute():
-        here, parts = folder.resolve().parts, Path(os.path.normpath(out)).parts
-        if ".." not in parts and here[-len(parts):] == parts:
-            tried.append(Path(*here[:-len(parts)]) / data)  # the directory the stage was trained in
-    tried.append(Path.cwd() / data)
-    for path in tried:
-        if path.exists():
-            return str(path)
-    where = " nor at ".join(repr(str(p)) for p in tried)
-    raise ValueError(f"run: {folder} was trained on the text at {data!r} (a path its model.json records relative to "
-                     f"the directory the run was started in), which is not at {where}; run kforcing-evaluate from the "
-                     "directory the run was trained in, or put the text back there")
-
-
-def ar_teacher_folder(run: Path) -> Path:
-    """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
-    if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
-        return run / "stage0"
-    teacher = read_json(run / "stage1" / "model.json").get("teacher")
-    if teacher is None:
-        return run / "stage0"
-    if find_kind(teacher) is None:  # say what is missing in an HF folder's terms too
-        raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in {run / 'stage1' / 'model.json'}) is "
-                         "not here (no Hugging Face config.json, no stage model): it was moved or deleted, or the run "
-                         "was trained "
-                         "before teachers were recorded as absolute paths (then evaluate it from the directory it was "
-                         "trained in)")
-    return Path(teacher)
-
-
-def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM,
-                                                                                                           str]:
-    """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
-
-    ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
-    """
-    if isinstance(judge, torch.nn.Module):
-        return judge.eval(), "a model given by the caller"
-    folder = Path(judge) if judge is not None else ar_teacher_folder(run)
-    if find_kind(folder) is None:
-        raise ValueError("judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got "
-                         f"{str(folder)!r}")
-    model, info, judge_tokenizer = load_student(folder, device)
-    if _same_tokenizer(judge_tokenizer, tokenizer) is False:
-        raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to "
-                         "it; "
-                         "pass a judge trained on the run's --data and --vocab-size")
-    if info.get("k", 0) != 0:
-        raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in "
-                         f"{str(folder)!r}")
-    return model, judge_description(folder, info, given=judge is not None)
-
-
 def evaluate_pipeline(
     run: str | Path, *,
     batch_sizes: Sequence[int] = DEMO_EVAL.batch_sizes,
@@ -311,7 +239,7 @@ def evaluate_pipeline(
         why = str(exc).removeprefix("source (--data): ")
         raise ValueError(f"run: the text {text_folder} was trained on ({data!r}, recorded in its model.json) cannot be "
                          f"read ({why}); put it back there to evaluate this run") from None
-    if _same_tokenizer(corpus.tokenizer, tokenizer) is False:
+    if same_tokenizer(corpus.tokenizer, tokenizer) is False:
         raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
                          "gives another tokenizer); restore it to evaluate this run")
     if judge_model.config.vocab_size != teacher.config.vocab_size:
@@ -333,7 +261,7 @@ def evaluate_pipeline(
     for folder in stages:
         student, info, student_tokenizer = load_student(folder, device)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
-        if _same_tokenizer(student_tokenizer, tokenizer) is False:
+        if same_tokenizer(student_tokenizer, tokenizer) is False:
             raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one "
                              "pipeline")
         if info.get("teacher_sha256") not in (None, prev_sha):
@@ -430,14 +358,16 @@ def evaluate_pipeline(
 
 @torch.no_grad()
 def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: float, eos_id: int) -> torch.Tensor:
-    """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early stop)."""
+    """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early
+    stop)."""
     return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens,
                           do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=eos_id)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from app/cli.py."""
+    """The ``kforcing-evaluate`` command line; defaults are :data:`DEMO_EVAL`'s, options shared with every CLI from
+    app/cli.py."""
     from ..cli import (
         add_batch_sizes,
         add_device,
@@ -477,7 +407,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     apply_threads(args.threads)
     if args.temperature == 0:
         parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
-    if not (Path(args.run) / "stage0" / "model.json").exists() and not (Path(args.run) / "stage1" / "model.json").exists():
+    if not (Path(args.run) / "stage0" / "model.json").exists() and not (Path(args.run) / "stage1" /
+                                                                         "model.json").exists():
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
     if args.judge is not None and find_kind(args.judge) is None:
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
