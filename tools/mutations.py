@@ -35,11 +35,11 @@ MUTATIONS = [
          old="forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)",
          new="forward_distillation_targets(teacher_logits, noise[..., 0], torch.ones_like(batch.tau))",
          tests=["python_tests/app/training/test_objectives.py"]),
-    dict(id="stage2-second-round-reuses-first-noise", file="kforcing_kernels/app/training/objectives.py",
+    dict(id="stage2-second-round-reuses-first-noise", file="kforcing_kernels/app/training/targets.py",
          old="hidden2 = teacher.double_forward(context_kv, first, z[..., k:], tau,",
          new="hidden2 = teacher.double_forward(context_kv, first, z[..., :k], tau,",
          tests=["python_tests/app/training/test_objectives.py"]),
-    dict(id="noise-inversion-targets-unshifted", file="kforcing_kernels/app/training/objectives.py",
+    dict(id="noise-inversion-targets-unshifted", file="kforcing_kernels/app/training/targets.py",
          old="targets = tokens[:, 1:][:, reads]", new="targets = tokens[:, :-1][:, reads]",
          tests=["python_tests/app/training/test_objectives.py"]),
     # --- evaluation order
