@@ -16,6 +16,7 @@ generation, serving, the Hugging Face recipe and the demo. The library (``layout
         placement stage.py             a stage's set-up: models built and placed, optimizer, checkpointer, resume checks
         loop.py              train(): the steps of one stage and its finish
         objectives.py        batches and losses: AR, forward distillation, self-forcing, noise inversion
+        targets.py           the teachers' targets (Algorithms 2, 3) and noise inversion's, chunked decoding
         context_parallel.py  the loss of a rank's share of a sequence (--context-parallel)
         checkpointer.py      the checkpoint format chosen once from the mesh; the stage's export
         checkpoint.py        whole-model checkpoints, model files (with their provenance), metrics
@@ -28,6 +29,7 @@ generation, serving, the Hugging Face recipe and the demo. The library (``layout
         checks.py            shared checks of generation requests
     evaluation/          ``kforcing-evaluate``
         evaluate.py          per-position NLL, tokens/s, judge perplexity
+        run_folders.py       a run's folders as it reads them: the AR teacher, the recorded text, the judge
         report.py            the evaluation's tables and plot
         noise_diagnosis.py   how a Stage-1 student uses its noise
     hf_recipe/           K-Forcing a Hugging Face causal LM
