@@ -15,7 +15,7 @@ TRITON_CASES = ["python_tests/ops/window_attention/triton/test_triton_interprete
 MUTATIONS = [
     # --- inference positions (survived the suite before issue 17)
     dict(id="prefill-noise-positions+1", file="kforcing_kernels/app/generation/serving.py",
-         old="lengths[:, None] + torch.arange(k)], 1)", new="lengths[:, None] + 1 + torch.arange(k)], 1)",
+         old="lengths[:, None] + torch.arange(k)],", new="lengths[:, None] + 1 + torch.arange(k)],",
          tests=["python_tests/app/generation/test_sharp_behaviour.py",
                 "python_tests/app/generation/test_paged_generation.py"]),
     # AR and k-token decoding share the static step's positions (app/generation/static_step.py).
