@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..layouts import WindowLayout
+from ..ops.common.saved import own_storage
 from ..ops.common.validation import check_scale
 from ..ops.window_attention.backends import get_backend
 from ..ops.window_attention.op import check_layout_batch, check_qkv, query_rows_backend
@@ -171,7 +172,8 @@ class _GatheredAttention(torch.autograd.Function):
         # The rank's rows through a backend's kernels, planned from the sub-layout's own row intervals.
         backend = get_backend(query_rows_backend(q))
         out, lse = backend.forward(q.contiguous(), k_all.contiguous(), v_all.contiguous(), sub, scale)
-        ctx.save_for_backward(q, k, v, out, lse)  # local K/V only: re-gathered in backward
+        # local K/V only (re-gathered in backward), none a view that pins a larger buffer (a fused qkv)
+        ctx.save_for_backward(*(own_storage(t) for t in (q, k, v)), out, lse)
         ctx.meta = (split, rank, group, scale, sub, backend)
         return out
 

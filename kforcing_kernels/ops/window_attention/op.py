@@ -40,6 +40,7 @@ from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
+from ..common.saved import own_storage
 from . import dispatch
 from .backends import REGISTRY, get_backend
 from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
@@ -361,19 +362,10 @@ def _(dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scal
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a compact copy of it when ``t`` is a view into a larger buffer (a model's fused qkv projection,
-    a K/V cache, ...): saving the view would keep that whole buffer alive until the backward, about 3x the bytes
-    the backward reads for a fused qkv; the copy lets it be freed after the forward."""
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 def _setup_context(ctx, inputs, output):
     q, k, v, ranges, geometry, intra_causal, queries_all, scale, backend = inputs
     out, lse = output
-    ctx.save_for_backward(*(_own_storage(t) for t in (q, k, v)), out, lse, *ranges)
+    ctx.save_for_backward(*(own_storage(t) for t in (q, k, v)), out, lse, *ranges)
     ctx.meta = (geometry, intra_causal, queries_all, scale, backend)
     ctx.mark_non_differentiable(lse)
 
@@ -413,7 +405,7 @@ class _EagerWindowAttention(torch.autograd.Function):
         # entry: the validated call's cached resolution (_eager_entry), None on the general path.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # what _forward hands the backend: save these copies
         out, lse = _forward(q, k, v, layout, scale, backend, entry)
-        ctx.save_for_backward(*(_own_storage(t) for t in (q, k, v)), out, lse)
+        ctx.save_for_backward(*(own_storage(t) for t in (q, k, v)), out, lse)
         ctx.meta = (layout, scale, backend, entry)
         ctx.mark_non_differentiable(lse)
         return out, lse
