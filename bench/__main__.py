@@ -15,39 +15,61 @@ import sys
 COMMANDS = {
     "attention": ("attention.sweep", "the attention microbenchmark sweep (--quick for a short one)"),
     "peers": ("attention.peers", "one shape against its peers: dense SDPA, FlexAttention, our backends, the ideal"),
-    "cpu-kernels": ("attention.cpu_kernels",
-                    "the C++ extension's CPU kernels (attention, sampler) against their baselines"),
+    "cpu-kernels": (
+        "attention.cpu_kernels",
+        "the C++ extension's CPU kernels (attention, sampler) against their baselines",
+    ),
     "cpp-ab": ("attention.cpp_ab", "the cpp backend A/B between git commits, at the headline shape"),
     "layout-build": ("attention.layout_build", "mask construction per training step for block-drafter layouts"),
-    "sliding-window": ("attention.sliding_window",
-                       "SingleForward under a sliding window: attended pairs and window_attention time"),
+    "sliding-window": (
+        "attention.sliding_window",
+        "SingleForward under a sliding window: attended pairs and window_attention time",
+    ),
     "eagle3": ("attention.eagle3", "EAGLE-3 training-time test: attention vs causal over L, and mask construction"),
-    "context-parallel": ("attention.context_parallel",
-                         "context parallelism by accounting: per-rank memory, longest sequence, bytes communicated"),
-    "cp-throughput": ("attention.cp_throughput",
-                      "the trainer's --context-parallel end to end: tokens/s with W ranks vs one process"),
+    "context-parallel": (
+        "attention.context_parallel",
+        "context parallelism by accounting: per-rank memory, longest sequence, bytes communicated",
+    ),
+    "cp-throughput": (
+        "attention.cp_throughput",
+        "the trainer's --context-parallel end to end: tokens/s with W ranks vs one process",
+    ),
     "validate": ("attention.schema", "check attention JSON reports against their schema"),
     "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
     "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
-    "memory": ("training.train_memory",
-        "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing"),
-    "memory-model": ("training.memory_model",
-                     "a memory model of one Stage-2 step per part (paper backbone), calibrated on CPU"),
-    "teacher": ("training.teacher_parallel",
-                "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers"),
-    "stage1": ("training.stage1_curve",
-               "the Stage-1 student over steps and model width: noise use and its samples against the teacher's"),
-    "allocation": ("training.demo_allocation",
-                   "the demo's training budget split between stages, variants trained side by side"),
+    "memory": (
+        "training.train_memory",
+        "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing",
+    ),
+    "memory-model": (
+        "training.memory_model",
+        "a memory model of one Stage-2 step per part (paper backbone), calibrated on CPU",
+    ),
+    "teacher": (
+        "training.teacher_parallel",
+        "the frozen teacher replicated or FSDP2-sharded: ms per Stage-2 step and its all-gathers",
+    ),
+    "stage1": (
+        "training.stage1_curve",
+        "the Stage-1 student over steps and model width: noise use and its samples against the teacher's",
+    ),
+    "allocation": (
+        "training.demo_allocation",
+        "the demo's training budget split between stages, variants trained side by side",
+    ),
     "infer": ("inference.serving", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
-    "gpu": ("gpu.triton_gpu",
-            "Triton vs FlexAttention and SDPA on CUDA (TFLOP/s per useful FLOP), the README's GPU table"),
+    "gpu": (
+        "gpu.triton_gpu",
+        "Triton vs FlexAttention and SDPA on CUDA (TFLOP/s per useful FLOP), the README's GPU table",
+    ),
     "profile": ("gpu.triton_profile", "per-kernel GPU time vs host enqueue time of the Triton path"),
     "dispatch-table": ("gpu.dispatch_table", "write the CUDA dispatch table from an A/B report of `gpu`"),
     "bwd-registers": ("gpu.bwd_registers", "which program kind sets the fused backward's register count (AOT, no GPU)"),
     "host-cost": ("gpu.triton_host_cost", "host time per Triton fwd+bwd and per launch, GPU launches stubbed (CPU)"),
-    "batch-invariance": ("gpu.batch_invariance",
-                         "the same bits for a sequence alone and inside a batch: attention, configs, teacher"),
+    "batch-invariance": (
+        "gpu.batch_invariance",
+        "the same bits for a sequence alone and inside a batch: attention, configs, teacher",
+    ),
     "gpu-script": ("gpu.check_scripts", "one script of the GPU check: versions, smoke, int64, sampler"),
     "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 8, <= 4 min); --dry-run on CPU"),
 }
@@ -63,8 +85,11 @@ def build_parser(prog: str = PROG):
     from kforcing_kernels.app.cli import add_command, make_parser
 
     parser = make_parser(prog, __doc__)
-    sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(COMMANDS) + "}",
-                                help="the benchmark to run (`<command> --help` for its options)")
+    sub = parser.add_subparsers(
+        dest="bench_command",
+        metavar="{" + ",".join(COMMANDS) + "}",
+        help="the benchmark to run (`<command> --help` for its options)",
+    )
     for name, (_, help_text) in COMMANDS.items():
         module = _module(name)
         if hasattr(module, "add_arguments"):

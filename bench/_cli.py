@@ -19,17 +19,27 @@ from kforcing_kernels.app.cli import add_device, add_preset, add_threads, non_ne
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--preset`` and ``--override`` of the model benchmarks (train, infer)."""
     add_preset(p, "tiny")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
-                   help="model config override, e.g. n_layer=2 (repeatable)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="model config override, e.g. n_layer=2 (repeatable)",
+    )
 
 
 def add_timing_args(p: argparse.ArgumentParser) -> None:
     """Repetitions of every measurement; None takes the profile's (quick or full) value."""
-    p.add_argument("--warmup", type=non_negative_int, default=None,
-                   help="untimed runs before timing (None: the profile's)")
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=None, help="untimed runs before timing (None: the profile's)"
+    )
     p.add_argument("--reps", type=positive_int, default=None, help="timed runs (None: the profile's)")
-    p.add_argument("--max-seconds", type=positive_float, default=None,
-                   help="stop repeating a measurement after this long, keeping >= 3 runs (None: the profile's)")
+    p.add_argument(
+        "--max-seconds",
+        type=positive_float,
+        default=None,
+        help="stop repeating a measurement after this long, keeping >= 3 runs (None: the profile's)",
+    )
 
 
 def add_progress_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +50,15 @@ def add_progress_args(p: argparse.ArgumentParser) -> None:
 def progress_bar(total: int, desc: str, enabled: bool = True) -> tqdm:
     """A tqdm bar on stderr (count, rate, ETA). Redrawn at most every 10 s when stderr is not a terminal (logs)."""
     live = sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="config", file=sys.stderr, disable=not enabled, dynamic_ncols=live,
-                mininterval=0.1 if live else 10.0)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="config",
+        file=sys.stderr,
+        disable=not enabled,
+        dynamic_ncols=live,
+        mininterval=0.1 if live else 10.0,
+    )
 
 
 def add_run_args(p: argparse.ArgumentParser, out_prefix: str) -> None:

@@ -19,8 +19,9 @@ def pin_threads(n: int | None) -> int:
     return n
 
 
-def measure(fn: Callable[[], object], *, warmup: int = 2, reps: int = 5, max_seconds: float | None = None,
-            min_reps: int = 3) -> dict:
+def measure(
+    fn: Callable[[], object], *, warmup: int = 2, reps: int = 5, max_seconds: float | None = None, min_reps: int = 3
+) -> dict:
     """Run ``fn`` ``warmup`` times, then time up to ``reps`` runs; milliseconds.
 
     ``first_ms`` is the first warm-up call (compilation, caches). With ``max_seconds``
@@ -44,12 +45,18 @@ def measure(fn: Callable[[], object], *, warmup: int = 2, reps: int = 5, max_sec
         times.append((time.perf_counter() - t0) * 1e3)
         if max_seconds is not None and i + 1 >= min_reps and time.perf_counter() - start > max_seconds:
             break
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": len(times),
-            "first_ms": first_ms}
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "max_ms": max(times),
+        "reps": len(times),
+        "first_ms": first_ms,
+    }
 
 
-def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: float | None = None,
-                 min_reps: int = 3) -> dict:
+def measure_many(
+    fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: float | None = None, min_reps: int = 3
+) -> dict:
     """Time several callables round-robin: each round runs every one of them once.
 
     Interleaving puts every method under the same background load, so ratios
@@ -92,8 +99,13 @@ def measure_many(fns: dict, *, warmup: int = 1, reps: int = 5, max_seconds: floa
             break
     for key in live:
         ts = times[key]
-        results[key] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": len(ts),
-                        "first_ms": first.get(key), "times_ms": ts}
+        results[key] = {
+            "median_ms": statistics.median(ts),
+            "min_ms": min(ts),
+            "reps": len(ts),
+            "first_ms": first.get(key),
+            "times_ms": ts,
+        }
     return results
 
 
@@ -118,21 +130,37 @@ def timing_fields(timing, throughput_key: str, work: float) -> dict:
     ``timing`` is the result dict, or the exception the callable raised (an "error" row).
     """
     if isinstance(timing, BaseException):
-        return {"status": "error", "reason": failure_reason(timing), "median_ms": None, "min_ms": None, "reps": 0,
-                throughput_key: None}
-    return {"status": "ok", "reason": None, "median_ms": timing["median_ms"], "min_ms": timing["min_ms"],
-            "reps": timing["reps"], "times_ms": timing["times_ms"], throughput_key: work / (timing["median_ms"] * 1e-3)}
+        return {
+            "status": "error",
+            "reason": failure_reason(timing),
+            "median_ms": None,
+            "min_ms": None,
+            "reps": 0,
+            throughput_key: None,
+        }
+    return {
+        "status": "ok",
+        "reason": None,
+        "median_ms": timing["median_ms"],
+        "min_ms": timing["min_ms"],
+        "reps": timing["reps"],
+        "times_ms": timing["times_ms"],
+        throughput_key: work / (timing["median_ms"] * 1e-3),
+    }
 
 
 def phase_step(fn: Callable[[], object], grad_inputs=None, dout=None) -> Callable[[], None]:
     """Forward under no_grad (``grad_inputs`` None) or forward+backward of ``fn``."""
     if grad_inputs is None:
+
         def step():
             with torch.no_grad():
                 fn()
     else:
+
         def step():
             torch.autograd.grad(fn(), grad_inputs, dout)
+
     return step
 
 
@@ -146,11 +174,18 @@ def busy_cores() -> float | None:
 
 def machine_info() -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
         # Uncommitted changes to the code being measured (others' work in progress counts too).
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "kforcing_kernels", "csrc", "bench"],
-                                    capture_output=True, text=True, check=False).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "kforcing_kernels", "csrc", "bench"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+        )
     except OSError:
         commit, dirty = "", None
     try:

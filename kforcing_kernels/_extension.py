@@ -42,8 +42,9 @@ def _load() -> tuple[Optional[ModuleType], Optional[str]]:
         return None, why
     isa = env.cpp_isa()
     if isa and module.isa() != isa:
-        warnings.warn(f"KFORCING_CPP_ISA={isa} is not supported here; using {module.isa()}", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"KFORCING_CPP_ISA={isa} is not supported here; using {module.isa()}", RuntimeWarning, stacklevel=3
+        )
     return module, None
 
 

@@ -64,8 +64,11 @@ class _Variable:
 
 
 _ENVIRON = os.environ
-_DATA = getattr(_ENVIRON, "_data", None) if all(
-    hasattr(_ENVIRON, attr) for attr in ("_data", "encodekey", "decodevalue")) else None
+_DATA = (
+    getattr(_ENVIRON, "_data", None)
+    if all(hasattr(_ENVIRON, attr) for attr in ("_data", "encodekey", "decodevalue"))
+    else None
+)
 _VARIABLES: dict[str, _Variable] = {}
 
 
@@ -122,5 +125,8 @@ def cache_dir() -> Path:
 
 def distributed_ranks() -> tuple[int, int, int]:
     """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) outside torchrun."""
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK",
-                                                                                                        "0"))
+    return (
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )

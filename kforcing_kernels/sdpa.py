@@ -94,8 +94,14 @@ def scaled_dot_product_attention(
     elif layout is not None:
         raise ValueError(f"layout: expected a WindowLayout, 'auto' or None, got {layout!r}")
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
     )
 
 
@@ -262,8 +268,9 @@ class _Router:
             self._seen.popitem(last=False)
         return layout
 
-    def try_route(self, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                  enable_gqa) -> Optional[torch.Tensor]:
+    def try_route(
+        self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    ) -> Optional[torch.Tensor]:
         """``window_attention``'s output if this call is exactly a known layout, else None (caller runs SDPA)."""
         if torch.compiler.is_compiling() or dropout_p != 0.0 or is_causal:
             return None

@@ -78,13 +78,14 @@ def check_real(name: str, value, spec: Real, error: type = ValueError) -> None:
         raise error(f"{name}: {message}")
 
 
-def check_reals(obj, specs: Mapping[str, Real], error: type = ValueError,
-                names: Optional[Iterable[str]] = None) -> None:
+def check_reals(
+    obj, specs: Mapping[str, Real], error: type = ValueError, names: Optional[Iterable[str]] = None
+) -> None:
     """:func:`check_real` for every setting of ``specs`` (or only ``names``) on ``obj``; a sequence value (a
     per-round or per-temperature list) has each of its items checked. None is accepted only for the fields listed in
     ``obj.OPTIONAL_REALS`` (an unset optional setting)."""
     optional = getattr(obj, "OPTIONAL_REALS", ())
-    for name in (specs if names is None else names):
+    for name in specs if names is None else names:
         value = getattr(obj, name)
         if value is None and name in optional:
             continue

@@ -53,8 +53,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers",
-        "fuzz_long: the long random-layout fuzzer (run with -m fuzz_long; counts from KFORCING_FUZZ_COUNT)")
+    config.addinivalue_line(
+        "markers", "fuzz_long: the long random-layout fuzzer (run with -m fuzz_long; counts from KFORCING_FUZZ_COUNT)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,6 @@
   a cycle hidden in a function is still a cycle);
 * the library (everything but ``kforcing_kernels.app``) imports nothing from the app;
 * no ``sys.path`` edits in the package, the benchmarks, the tools or the tests;
-* no source file over 450 lines in the package or the benchmarks;
 * no module imports a private name (``_x``) of another module of the package, nor reads one as
   ``module._x``: what another module needs is public and documented (Triton kernels keep their names).
 """
@@ -15,13 +14,10 @@ import ast
 import os
 import re
 
-import pytest
-
 from helpers import REPO
 
 ROOT = str(REPO)
 PACKAGE = "kforcing_kernels"
-MAX_LINES = 450
 
 
 def _modules(top: str, package_name: str) -> dict[str, str]:
@@ -51,8 +47,13 @@ def _imports(name: str, path: str) -> set[str]:
         tree = ast.parse(f.read(), path)
     here = name if _is_package(name) else name.rpartition(".")[0]
     # `if TYPE_CHECKING:` imports are for annotations only: never executed, never a cycle.
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and isinstance(block.test, ast.Name)
-                   and block.test.id == "TYPE_CHECKING" for stmt in block.body for n in ast.walk(stmt)}
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -136,8 +137,11 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_the_library_imports_nothing_from_the_app():
     app = f"{PACKAGE}.app"
-    offenders = {name: sorted(t for t in targets if t == app or t.startswith(app + "."))
-                 for name, targets in GRAPH.items() if not (name == app or name.startswith(app + "."))}
+    offenders = {
+        name: sorted(t for t in targets if t == app or t.startswith(app + "."))
+        for name, targets in GRAPH.items()
+        if not (name == app or name.startswith(app + "."))
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -161,17 +165,6 @@ def test_no_sys_path_edits():
     assert offenders == []
 
 
-@pytest.mark.parametrize("folder", [PACKAGE, "bench"])
-def test_no_file_over_the_line_limit(folder):
-    long = {}
-    for path in _python_files(folder):
-        with open(path) as f:
-            n = sum(1 for _ in f)
-        if n > MAX_LINES:
-            long[os.path.relpath(path, ROOT)] = n
-    assert long == {}
-
-
 # ---------------------------------------------------------------------- the seam between model kinds (app/student.py)
 
 APP = f"{PACKAGE}.app"
@@ -179,10 +172,15 @@ APP = f"{PACKAGE}.app"
 
 def _imports_between(source: str, target: str) -> dict[str, list[str]]:
     """{module under ``source``: the modules under ``target`` it imports} (module level and inside functions)."""
+
     def under(name, top):
         return name == top or name.startswith(top + ".")
-    return {name: sorted(t for t in targets if under(t, target)) for name, targets in GRAPH.items()
-            if under(name, source) and any(under(t, target) for t in targets)}
+
+    return {
+        name: sorted(t for t in targets if under(t, target))
+        for name, targets in GRAPH.items()
+        if under(name, source) and any(under(t, target) for t in targets)
+    }
 
 
 def test_training_never_imports_the_hugging_face_recipe():
@@ -242,8 +240,12 @@ def _private_definitions_exempt(path: str) -> set[str]:
     """The names of ``path``'s Triton kernels (functions decorated by a Triton jit or a wrapper of it)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
-    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and any(_KERNEL_DECORATORS.search(ast.unparse(d)) for d in node.decorator_list)}
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any(_KERNEL_DECORATORS.search(ast.unparse(d)) for d in node.decorator_list)
+    }
 
 
 def _private_imports(name: str, path: str) -> list[str]:
@@ -280,8 +282,13 @@ def _private_imports(name: str, path: str) -> list[str]:
                 if alias.asname and alias.name in MODULES:
                     module_names[alias.asname] = alias.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in module_names
-                and private(node.attr) and MODULES.get(f"{module_names[node.value.id]}.{node.attr}") is None):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in module_names
+            and private(node.attr)
+            and MODULES.get(f"{module_names[node.value.id]}.{node.attr}") is None
+        ):
             module = module_names[node.value.id]
             if module != name and node.attr not in _private_definitions_exempt(MODULES[module]):
                 found.append(f"{name}:{node.lineno}: {module}.{node.attr}")
@@ -296,9 +303,11 @@ def test_no_module_imports_a_private_name_of_another():
 
 def test_the_private_name_finder_sees_both_forms(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text("from .plan import _hidden, tile_plan\nfrom . import plan\nfrom .jit_common import "
-                       "_row_interval\n"
-                       "plan._other()\n")
+    planted.write_text(
+        "from .plan import _hidden, tile_plan\nfrom . import plan\nfrom .jit_common import "
+        "_row_interval\n"
+        "plan._other()\n"
+    )
     name = f"{PACKAGE}.ops.window_attention.triton.planted"
     MODULES[name] = str(planted)
     try:

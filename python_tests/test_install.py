@@ -82,8 +82,9 @@ def make_venv(path):
     """
     _ok(_run([sys.executable, "-m", "venv", "--without-pip", path], cwd=os.path.dirname(path), timeout=120))
     python = os.path.join(path, "bin", "python")
-    site = _ok(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    cwd=path)).stdout.strip()
+    site = _ok(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=path)
+    ).stdout.strip()
     with open(os.path.join(site, "_parent_site.pth"), "w") as f:
         f.write("\n".join(_site_dirs()) + "\n")
     return python
@@ -118,15 +119,27 @@ def test_sdist_holds_everything_the_build_needs(sdist):
     assert os.path.basename(sdist) == f"kforcing_kernels-{VERSION}.tar.gz"
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    csrc = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT,
-        "csrc", "*.h"))}
+    csrc = {
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "*.h"))
+    }
     assert any(n.endswith(".h") for n in csrc) and any(n.endswith(".cpp") for n in csrc)
     missing = sorted(f"csrc/{n}" for n in csrc if f"csrc/{n}" not in names)
     assert not missing, f"sdist lacks {missing}"
-    for required in ("LICENSE", "README.md", "CHANGELOG.md", "BENCHMARKS.md", "pyproject.toml", "setup.py",
-                     "third_party/README.md", "kforcing_kernels/__init__.py", "kforcing_kernels/py.typed",
-                     "kforcing_kernels/ops/window_attention/op.py", "kforcing_kernels/ops/sampling/op.py",
-                     "kforcing_kernels/ops/window_attention/dispatch_table.json"):
+    for required in (
+        "LICENSE",
+        "README.md",
+        "CHANGELOG.md",
+        "BENCHMARKS.md",
+        "pyproject.toml",
+        "setup.py",
+        "third_party/README.md",
+        "kforcing_kernels/__init__.py",
+        "kforcing_kernels/py.typed",
+        "kforcing_kernels/ops/window_attention/op.py",
+        "kforcing_kernels/ops/sampling/op.py",
+        "kforcing_kernels/ops/window_attention/dispatch_table.json",
+    ):
         assert required in names, f"sdist lacks {required}"
     binaries = [n for n in names if n.endswith((".so", ".o", ".pyc"))]
     assert not binaries, f"sdist carries build outputs: {binaries}"
@@ -136,9 +149,24 @@ def test_sdist_holds_everything_the_build_needs(sdist):
 def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
     wheels = tmp_path / "wheels"
-    _ok(_run([python, "-m", "pip", "wheel", "--no-cache-dir", "--no-build-isolation", "--no-deps", "-w", str(wheels),
-              sdist],
-             cwd=str(tmp_path), timeout=1500))
+    _ok(
+        _run(
+            [
+                python,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-cache-dir",
+                "--no-build-isolation",
+                "--no-deps",
+                "-w",
+                str(wheels),
+                sdist,
+            ],
+            cwd=str(tmp_path),
+            timeout=1500,
+        )
+    )
     (wheel,) = glob.glob(str(wheels / "*.whl"))
     assert re.search(rf"kforcing_kernels-{re.escape(VERSION)}-cp\d+-cp\d+-linux_\w+\.whl$", wheel), wheel
     with zipfile.ZipFile(wheel) as whl:
@@ -153,8 +181,13 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
     assert b".debug_info" not in so_bytes and b".symtab" not in so_bytes
     assert len(so_bytes) < 4 * 2**20, f"{len(so_bytes) / 2**20:.1f} MB: not a stripped release build"
 
-    _ok(_run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", wheel],
-             cwd=str(tmp_path), timeout=300))
+    _ok(
+        _run(
+            [python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", wheel],
+            cwd=str(tmp_path),
+            timeout=300,
+        )
+    )
     where, version, cpp = installed_state(python, str(tmp_path))
     assert where.startswith(str(tmp_path / "venv")), where
     assert version == VERSION
@@ -164,8 +197,11 @@ def test_sdist_to_wheel_with_extension_installs_and_runs_cpp(sdist, tmp_path):
 @pytest.mark.slow
 def test_isolated_install_fails_loudly_without_torch(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
-    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist],
-                cwd=str(tmp_path), timeout=600)
+    proc = _run(
+        [python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist],
+        cwd=str(tmp_path),
+        timeout=600,
+    )
     output = proc.stdout + proc.stderr
     if "No matching distribution found for setuptools" in output:
         pytest.skip("no package index reachable for pip's isolated build environment")
@@ -179,8 +215,12 @@ def test_isolated_install_fails_loudly_without_torch(sdist, tmp_path):
 @pytest.mark.slow
 def test_isolated_install_without_extension_on_request(sdist, tmp_path):
     python = make_venv(str(tmp_path / "venv"))
-    proc = _run([python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist],
-                cwd=str(tmp_path), timeout=600, KFORCING_BUILD_EXT="0")
+    proc = _run(
+        [python, "-m", "pip", "install", "--no-cache-dir", "--no-deps", "--ignore-installed", sdist],
+        cwd=str(tmp_path),
+        timeout=600,
+        KFORCING_BUILD_EXT="0",
+    )
     if "No matching distribution found for setuptools" in proc.stdout + proc.stderr:
         pytest.skip("no package index reachable for pip's isolated build environment")
     _ok(proc)

@@ -59,9 +59,22 @@ API_0_2 = {
 }
 
 # Module names that existed only inside 0.3's development (the app grouped by job): never released, never aliased.
-UNRELEASED = ("app.trainer", "app.train_config", "app.objectives", "app.parallel", "app.checkpoint", "app.pipeline",
-              "app.inference", "app.paged_cache", "app.serving", "app.evaluate", "app.report", "app.hf_student",
-              "app.hf_files", "app.hf_trainer")
+UNRELEASED = (
+    "app.trainer",
+    "app.train_config",
+    "app.objectives",
+    "app.parallel",
+    "app.checkpoint",
+    "app.pipeline",
+    "app.inference",
+    "app.paged_cache",
+    "app.serving",
+    "app.evaluate",
+    "app.report",
+    "app.hf_student",
+    "app.hf_files",
+    "app.hf_trainer",
+)
 
 
 def _resolve(dotted: str):
@@ -117,14 +130,17 @@ def test_names_that_never_shipped_are_not_aliased(old):
 
 def test_renamed_names_are_not_aliased_on_the_new_modules():
     # data.sample_windows was a 0.2 name of kforcing_kernels.data; kforcing_kernels.app.data never had it.
-    for module, name in (("kforcing_kernels.app.data", "sample_windows"),
-                         ("kforcing_kernels.app.training.objectives", "window_tokens"),
-                         ("kforcing_kernels.app.evaluation.evaluate", "format_table1")):
+    for module, name in (
+        ("kforcing_kernels.app.data", "sample_windows"),
+        ("kforcing_kernels.app.training.objectives", "window_tokens"),
+        ("kforcing_kernels.app.evaluation.evaluate", "format_table1"),
+    ):
         assert not hasattr(importlib.import_module(module), name), (module, name)
 
 
 def test_python_dash_m_of_an_old_name_says_where_it_went():
-    proc = subprocess.run([sys.executable, "-m", "kforcing_kernels.train", "--help"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kforcing_kernels.train", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode != 0
     assert "kforcing_kernels.train moved to kforcing_kernels.app.train" in proc.stderr

@@ -39,7 +39,7 @@ def python_blocks(doc):
                 j += 1
             previous = lines[start - 1].strip() if start > 0 else ""
             match = MARKER.match(previous)
-            blocks.append((start + 1, match[1] if match else None, "\n".join(lines[start + 1:j]) + "\n"))
+            blocks.append((start + 1, match[1] if match else None, "\n".join(lines[start + 1 : j]) + "\n"))
             i = j
         i += 1
     return blocks
@@ -62,10 +62,12 @@ def test_every_marker_is_known_and_sits_on_a_python_block():
                 continue
             match = MARKER.match(line.strip())
             assert match, f"{doc}:{number}: malformed marker {line.strip()!r}"
-            assert match[1] == "needs cuda" or re.fullmatch(r"skip \S.*",
-                                                            match[1]), f"{doc}:{number}: unknown marker {match[1]!r}"
-            assert number < len(lines) and lines[number].strip() == "```python", (f"{doc}:{number}: marker not "
-                                                                                   "right above a ```python block")
+            assert match[1] == "needs cuda" or re.fullmatch(r"skip \S.*", match[1]), (
+                f"{doc}:{number}: unknown marker {match[1]!r}"
+            )
+            assert number < len(lines) and lines[number].strip() == "```python", (
+                f"{doc}:{number}: marker not right above a ```python block"
+            )
 
 
 @pytest.mark.parametrize("doc, line, marker, code", SNIPPETS, ids=[f"{d}:{n}" for d, n, _, _ in SNIPPETS])
@@ -75,8 +77,9 @@ def test_snippet_runs(doc, line, marker, code, tmp_path):
     if marker is not None and marker.startswith("skip "):
         pytest.skip(f"{doc}:{line}: {marker[5:]}")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{doc}:{line} failed\n--- code\n{code}--- stderr\n{proc.stderr[-4000:]}"
 
 
@@ -88,8 +91,9 @@ def _slug(heading):
 
 def test_links_between_and_inside_the_docs_resolve():
     anchors = {
-        doc: {_slug(line.lstrip("#")) for line in open(os.path.join(ROOT, doc),
-                                                       encoding="utf-8") if line.startswith("#")}
+        doc: {
+            _slug(line.lstrip("#")) for line in open(os.path.join(ROOT, doc), encoding="utf-8") if line.startswith("#")
+        }
         for doc in DOCS
     }
     for doc in DOCS:

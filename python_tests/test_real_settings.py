@@ -25,8 +25,11 @@ NOT_FINITE = (math.nan, math.inf, -math.inf)
 def _float_fields(cls) -> list[str]:
     """The fields annotated with a float (``float``, ``Optional[float]``, ``tuple[float, ...]``, the per-round union;
     a per-round step count is an int, checked with the other step counts)."""
-    return [f.name for f in dataclasses.fields(cls)
-            if "float" in str(f.type) or ("PerRound" in str(f.type) and not f.name.startswith("steps_"))]
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if "float" in str(f.type) or ("PerRound" in str(f.type) and not f.name.startswith("steps_"))
+    ]
 
 
 def _bad_values(spec: Real) -> list:

@@ -18,8 +18,9 @@ def _pytest(args, code="", **env):
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(TESTS)]), **env)
     full_env.pop("KFORCING_DISABLE_EXT", None)
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def test_missing_extension_fails_the_session_when_required():
@@ -38,8 +39,17 @@ def test_a_skip_naming_the_extension_becomes_a_failure_when_required(tmp_path):
         "def test_ext():\n    pytest.skip('cpp backend: not built')\n"
         "def test_other():\n    pytest.skip('no GPU')\n"
     )
-    args = ["-q", "-rs", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir", str(tmp_path),
-            str(tmp_path / "test_skips.py")]
+    args = [
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "conftest",
+        "--rootdir",
+        str(tmp_path),
+        str(tmp_path / "test_skips.py"),
+    ]
     required = _pytest(args, KFORCING_REQUIRE_EXT="1")
     assert required.returncode == 1, required.stdout[-2000:]
     assert "1 failed, 1 skipped" in required.stdout, required.stdout[-2000:]

@@ -41,11 +41,17 @@ def test_layout_entry_point_matches_sdpa_with_dense_mask(name):
     batch = layout.batch_size or 2
     q, k, v = make_qkv(layout, batch=batch, heads=4, kv_heads=2)
     dout = torch.randn(batch, 4, layout.n_queries, 16)
-    ours = run_with_grads(lambda q, k, v: scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3,
-                                                                       layout=layout), q, k, v, dout)
+    ours = run_with_grads(
+        lambda q, k, v: scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.3, layout=layout), q, k, v, dout
+    )
     mask = _dense_4d(layout)
-    ref = run_with_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                                                        scale=0.3), q, k, v, dout)
+    ref = run_with_grads(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3),
+        q,
+        k,
+        v,
+        dout,
+    )
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 

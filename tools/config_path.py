@@ -61,8 +61,25 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = str(Path(PACKAGE) / "layouts")  # the package's own text: no download, the same on every machine
-        common = ["--data", data, "--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--device", "cpu",
-                  "--no-progress", "--eval-every", "0", "--eval-batches", "1", "--steps", "2"]
+        common = [
+            "--data",
+            data,
+            "--vocab-size",
+            "300",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "1",
+            "--steps",
+            "2",
+        ]
         train_main(["stage0", "--out", str(work / "s0"), "--preset", "micro", *common])
         train_main(["stage1", "--out", str(work / "s1"), "--teacher", str(work / "s0"), "--k", "1", *common])
         hops = trace(["stage2", "--out", str(work / "s2"), "--teacher", str(work / "s1"), *common])

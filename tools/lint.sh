@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lint and the type check, before the tests (.ci/run): ruff over the tree and mypy over the library, both
+# The lint, the format check and the type check, before the tests (.ci/run): ruff over the tree and mypy, all
 # configured in pyproject.toml ([tool.ruff], [tool.mypy]). Fails on the first tool that reports a finding.
 #   tools/lint.sh                 # with .venv/bin/python when there is one, else python3
 #   PYTHON=/path/to/python tools/lint.sh
@@ -11,5 +11,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 echo "lint: ruff check ."
 "$PYTHON" -m ruff check .
+echo "lint: ruff format --check ."
+"$PYTHON" -m ruff format --check .
 echo "lint: mypy (the library: layouts, ops, model, parallel, integrations)"
 "$PYTHON" -m mypy

@@ -45,8 +45,9 @@ def apply(scratch: Path, mutation: dict) -> str:
     text = path.read_text()
     count = text.count(mutation["old"])
     if count != 1:
-        raise MutationError(f"{mutation['id']}: expected {mutation['old']!r} exactly once in {mutation['file']}, found "
-                            f"{count}")
+        raise MutationError(
+            f"{mutation['id']}: expected {mutation['old']!r} exactly once in {mutation['file']}, found {count}"
+        )
     path.write_text(text.replace(mutation["old"], mutation["new"]))
     return text
 
@@ -65,8 +66,9 @@ def run_tests(scratch: Path, python: str, mutation: dict, timeout: float) -> tup
     env.pop("KFORCING_REQUIRE_EXT", None)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([python, *PYTEST, *mutation["tests"]], cwd=scratch, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [python, *PYTEST, *mutation["tests"]], cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return "timeout", "", time.perf_counter() - t0, ""
     seconds = time.perf_counter() - t0
@@ -79,8 +81,13 @@ def run_tests(scratch: Path, python: str, mutation: dict, timeout: float) -> tup
 
 
 def rebuild(scratch: Path, python: str) -> None:
-    proc = subprocess.run([python, "setup.py", "build_ext", "--inplace"], cwd=scratch, capture_output=True, text=True,
-                          env=dict(os.environ, KFORCING_BUILD_EXT="1"))
+    proc = subprocess.run(
+        [python, "setup.py", "build_ext", "--inplace"],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KFORCING_BUILD_EXT="1"),
+    )
     if proc.returncode != 0:
         raise MutationError(f"extension rebuild failed in {scratch}:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
@@ -157,8 +164,15 @@ def main(argv=None) -> int:
                         p.write_bytes(blob)
             caught = status in ("fail", "timeout")
             ok &= caught and status != "error"
-            rows.append((m["id"], "yes" if caught else ("STALE" if status == "error" else "NO"),
-                         failing or status, seconds, build_s))
+            rows.append(
+                (
+                    m["id"],
+                    "yes" if caught else ("STALE" if status == "error" else "NO"),
+                    failing or status,
+                    seconds,
+                    build_s,
+                )
+            )
             print(f"{m['id']}: {rows[-1][1]} {rows[-1][2]} ({seconds:.0f} s)", flush=True)
             if not caught:
                 print(tail)

@@ -80,8 +80,9 @@ def fit_row_bytes(model: KForcingLM, context_parallel: bool) -> tuple[float, flo
     return a, w, c
 
 
-def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[float, float, float],
-                n_params: int) -> dict:
+def rank_memory(
+    cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[float, float, float], n_params: int
+) -> dict:
     """Per-rank bytes (the largest rank) of one SingleForward training step at context N, window k."""
     a, w, c = per_row
     static = 16 * n_params
@@ -94,11 +95,22 @@ def rank_memory(cfg: ModelConfig, n: int, k: int, world: int, per_row: tuple[flo
         split = balanced_split(WindowLayout.kforcing_single(n, k), world)
         per_rank = [(int((r < n).sum()), int((r >= n).sum())) for r in split.query_rows]
         rows_ctx, rows_win = max(per_rank, key=lambda cw: a * cw[0] + w * cw[1])
-        transient = attention_transient_bytes(split, batch=1, heads=h, kv_heads=h, head_dim=d, elem_bytes=4,
-                                              chunk_rows=GROUP_ROWS)
+        transient = attention_transient_bytes(
+            split, batch=1, heads=h, kv_heads=h, head_dim=d, elem_bytes=4, chunk_rows=GROUP_ROWS
+        )
     act = a * rows_ctx + w * rows_win + c
-    return {"n": n, "k": k, "length": length, "world": world, "rows": rows_ctx + rows_win, "static": static,
-            "activations": act, "attention_transient": transient, "total": static + act + transient, "split": split}
+    return {
+        "n": n,
+        "k": k,
+        "length": length,
+        "world": world,
+        "rows": rows_ctx + rows_win,
+        "static": static,
+        "activations": act,
+        "attention_transient": transient,
+        "total": static + act + transient,
+        "split": split,
+    }
 
 
 def longest(cfg, k, world, per_row, n_params, budget: float, step: int = 256) -> dict:
@@ -115,8 +127,9 @@ def longest(cfg, k, world, per_row, n_params, budget: float, step: int = 256) ->
 def traffic(cfg: ModelConfig, split, world: int) -> dict:
     """Bytes through the busiest rank per training step (all layers, fp32 K/V), for each measure its own busiest
     rank."""
-    per = [layer_traffic(split, r, batch=1, kv_heads=cfg.n_head, head_dim=cfg.head_dim,
-                         elem_bytes=4) for r in range(world)]
+    per = [
+        layer_traffic(split, r, batch=1, kv_heads=cfg.n_head, head_dim=cfg.head_dim, elem_bytes=4) for r in range(world)
+    ]
     return {name: cfg.n_layer * max(getattr(t, name) for t in per) for name in ("actual", "all_gather_once", "ideal")}
 
 
@@ -136,10 +149,14 @@ def time_attention(args: argparse.Namespace) -> dict:
     threads = pin_threads(args.threads)
     heads, head_dim = 8, 64
     report = {"threads": threads, "heads": heads, "head_dim": head_dim, "backend": args.backend, "rows": []}
-    print(f"attention fwd+bwd, B=1 H={heads} D={head_dim} fp32, {threads} threads, backend={args.backend}; "
-          f"min / median ms over {args.reps} interleaved rounds, ratio = median over rounds of rank / whole")
-    print("| layout | N | k | world | rank rows / all | rank pairs / all | ms (whole -> rank 0) | rank / whole "
-          "| comm per layer MiB (actual / ideal) |")
+    print(
+        f"attention fwd+bwd, B=1 H={heads} D={head_dim} fp32, {threads} threads, backend={args.backend}; "
+        f"min / median ms over {args.reps} interleaved rounds, ratio = median over rounds of rank / whole"
+    )
+    print(
+        "| layout | N | k | world | rank rows / all | rank pairs / all | ms (whole -> rank 0) | rank / whole "
+        "| comm per layer MiB (actual / ideal) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in args.n:
         for family, make in TIMED_FAMILIES.items():
@@ -166,15 +183,29 @@ def time_attention(args: argparse.Namespace) -> dict:
                 traffic = layer_traffic(split, 0, batch=1, kv_heads=heads, head_dim=head_dim, elem_bytes=4)
                 rows = split.query_rows[0].numel()
                 pairs = int(split.sub_layout(0).num_pairs())
-                print(f"| {family} | {n} | {args.k} | {w} | {rows} / {layout.n_queries} "
-                      f"| {pairs / layout.num_pairs():.3f} "
-                      f"| {whole['min_ms']:.1f} / {whole['median_ms']:.1f} -> {t['min_ms']:.1f} / {t['median_ms']:.1f} "
-                      f"| {ratio:.2f} | {traffic.actual / 2**20:.2f} / {traffic.ideal / 2**20:.2f} |")
-                report["rows"].append({"layout": family, "n": n, "k": args.k, "world": w, "rank_rows": rows,
-                                       "all_rows": layout.n_queries, "rank_pairs": pairs,
-                                       "all_pairs": layout.num_pairs(), "whole_ms": whole, "rank_ms": t,
-                                       "rank_over_whole": ratio, "comm_bytes_actual": traffic.actual,
-                                       "comm_bytes_ideal": traffic.ideal})
+                print(
+                    f"| {family} | {n} | {args.k} | {w} | {rows} / {layout.n_queries} "
+                    f"| {pairs / layout.num_pairs():.3f} "
+                    f"| {whole['min_ms']:.1f} / {whole['median_ms']:.1f} -> {t['min_ms']:.1f} / {t['median_ms']:.1f} "
+                    f"| {ratio:.2f} | {traffic.actual / 2**20:.2f} / {traffic.ideal / 2**20:.2f} |"
+                )
+                report["rows"].append(
+                    {
+                        "layout": family,
+                        "n": n,
+                        "k": args.k,
+                        "world": w,
+                        "rank_rows": rows,
+                        "all_rows": layout.n_queries,
+                        "rank_pairs": pairs,
+                        "all_pairs": layout.num_pairs(),
+                        "whole_ms": whole,
+                        "rank_ms": t,
+                        "rank_over_whole": ratio,
+                        "comm_bytes_actual": traffic.actual,
+                        "comm_bytes_ideal": traffic.ideal,
+                    }
+                )
     return report
 
 
@@ -183,8 +214,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-gib", type=float, default=80.0, help="per-rank memory budget (GiB), e.g. one H100")
     p.add_argument("--n", type=positive_int, nargs="+", default=[2048, 8192], help="context lengths of the table")
     p.add_argument("--json", help="also write the numbers here")
-    p.add_argument("--time-attention", action="store_true",
-                   help="time rank 0 of 2 and 4 against the whole layout (one attention layer, fwd+bwd) instead")
+    p.add_argument(
+        "--time-attention",
+        action="store_true",
+        help="time rank 0 of 2 and 4 against the whole layout (one attention layer, fwd+bwd) instead",
+    )
     p.add_argument("--backend", default="cpp", help="backend of --time-attention (a row-subset backend)")
     p.add_argument("--reps", type=positive_int, default=5, help="interleaved rounds of --time-attention")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (None: all cores)")
@@ -202,26 +236,39 @@ def execute(args: argparse.Namespace) -> int:
     model = KForcingLM(cfg)
     n_params = model.num_parameters()
     plain, cp1 = fit_row_bytes(model, False), fit_row_bytes(model, True)
-    print(f"paper backbone: {cfg.n_layer} x {cfg.n_embd}, H={cfg.n_head}, D={cfg.head_dim}, V={cfg.vocab_size}, "
-          f"{n_params / 1e6:.1f}M parameters; fp32; k={args.k}; B=1")
+    print(
+        f"paper backbone: {cfg.n_layer} x {cfg.n_embd}, H={cfg.n_head}, D={cfg.head_dim}, V={cfg.vocab_size}, "
+        f"{n_params / 1e6:.1f}M parameters; fp32; k={args.k}; B=1"
+    )
     print("saved activations (measured, bytes): per context row / per window row / constant")
     print(f"  plain model:          {plain[0]:,.0f} / {plain[1]:,.0f} / {plain[2]:,.0f}")
     print(f"  CP path with 1 rank:  {cp1[0]:,.0f} / {cp1[1]:,.0f} / {cp1[2]:,.0f}")
-    report = {"config": cfg.to_dict(), "k": args.k, "budget_gib": args.budget_gib, "per_row_plain": plain,
-              "per_row_cp": cp1, "table": [], "longest": {}}
-    print("\n| N | N(1+k) | CP | rows/rank | params+grads+Adam GiB | activations GiB | attention transient GiB | total "
-          "GiB "
-          "| comm/step GiB | no re-gather GiB | ideal GiB | comm / ideal |")
+    report = {
+        "config": cfg.to_dict(),
+        "k": args.k,
+        "budget_gib": args.budget_gib,
+        "per_row_plain": plain,
+        "per_row_cp": cp1,
+        "table": [],
+        "longest": {},
+    }
+    print(
+        "\n| N | N(1+k) | CP | rows/rank | params+grads+Adam GiB | activations GiB | attention transient GiB | total "
+        "GiB "
+        "| comm/step GiB | no re-gather GiB | ideal GiB | comm / ideal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.n:
         for world in (1, 2):
             m = rank_memory(cfg, n, args.k, world, plain if world == 1 else cp1, n_params)
             t = traffic(cfg, m["split"], world) if world > 1 else {"actual": 0, "all_gather_once": 0, "ideal": 0}
             ratio = f"{t['actual'] / t['ideal']:.2f}" if t["ideal"] else "-"
-            print(f"| {n} | {m['length']} | {world} | {m['rows']} | {m['static'] / GIB:.2f} "
-                  f"| {m['activations'] / GIB:.2f} "
-                  f"| {m['attention_transient'] / GIB:.2f} | {m['total'] / GIB:.2f} | {t['actual'] / GIB:.2f} "
-                  f"| {t['all_gather_once'] / GIB:.2f} | {t['ideal'] / GIB:.2f} | {ratio} |")
+            print(
+                f"| {n} | {m['length']} | {world} | {m['rows']} | {m['static'] / GIB:.2f} "
+                f"| {m['activations'] / GIB:.2f} "
+                f"| {m['attention_transient'] / GIB:.2f} | {m['total'] / GIB:.2f} | {t['actual'] / GIB:.2f} "
+                f"| {t['all_gather_once'] / GIB:.2f} | {t['ideal'] / GIB:.2f} | {ratio} |"
+            )
             report["table"].append({key: v for key, v in m.items() if key != "split"} | {"traffic": t})
     print(f"\nlongest sequence under {args.budget_gib:g} GiB per rank (N a multiple of 256):")
     for world in (1, 2):

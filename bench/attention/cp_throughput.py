@@ -26,12 +26,39 @@ from .._cli import write_json
 
 
 def _train(args, stage: list[str], out: Path, threads: int, world: int = 1) -> None:
-    launcher = [sys.executable, "-m", "kforcing_kernels.app.train"] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-        "-m", "kforcing_kernels.app.train"]
-    cmd = [*launcher, *stage, "--out", str(out), "--threads", str(threads), "--device", "cpu", "--no-progress",
-           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--log-every", "1", "--eval-batches",
-           "1"]
+    launcher = (
+        [sys.executable, "-m", "kforcing_kernels.app.train"]
+        if world == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(world),
+            "-m",
+            "kforcing_kernels.app.train",
+        ]
+    )
+    cmd = [
+        *launcher,
+        *stage,
+        "--out",
+        str(out),
+        "--threads",
+        str(threads),
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--log-every",
+        "1",
+        "--eval-batches",
+        "1",
+    ]
     if world > 1:
         cmd += ["--context-parallel", str(world)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -40,8 +67,11 @@ def _train(args, stage: list[str], out: Path, threads: int, world: int = 1) -> N
 
 def steady_tokens_per_s(run: Path) -> tuple[float, list[float]]:
     """Median ``tokens_per_s`` of a run's logged steps after the first, and all of them."""
-    rates = [m["tokens_per_s"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-             if "tokens_per_s" in m]
+    rates = [
+        m["tokens_per_s"]
+        for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "tokens_per_s" in m
+    ]
     if len(rates) < 2:
         raise RuntimeError(f"{run}: expected >= 2 logged steps, got {len(rates)}")
     return statistics.median(rates[1:]), rates
@@ -66,19 +96,39 @@ def main(argv=None) -> int:
         stage1 += ["--teacher", str(root / "s0")]
         _train(args, stage1, root / "one", args.threads)
         one, one_rates = steady_tokens_per_s(root / "one")
-        rows = [{"world": 1, "threads_per_rank": args.threads, "tokens_per_s": one, "per_rank": one, "vs_one": 1.0,
-                 "rates": one_rates}]
+        rows = [
+            {
+                "world": 1,
+                "threads_per_rank": args.threads,
+                "tokens_per_s": one,
+                "per_rank": one,
+                "vs_one": 1.0,
+                "rates": one_rates,
+            }
+        ]
         for world in args.worlds:
             _train(args, stage1, root / f"cp{world}", args.threads // world, world)
             rate, rates = steady_tokens_per_s(root / f"cp{world}")
-            rows.append({"world": world, "threads_per_rank": args.threads // world, "tokens_per_s": rate,
-                         "per_rank": rate / world, "vs_one": rate / one, "rates": rates})
-    print(f"Stage 1 (noise inversion), N={args.seq_len}, k={args.k}, batch {args.batch_size}, {args.threads} threads "
-          "in all:")
+            rows.append(
+                {
+                    "world": world,
+                    "threads_per_rank": args.threads // world,
+                    "tokens_per_s": rate,
+                    "per_rank": rate / world,
+                    "vs_one": rate / one,
+                    "rates": rates,
+                }
+            )
+    print(
+        f"Stage 1 (noise inversion), N={args.seq_len}, k={args.k}, batch {args.batch_size}, {args.threads} threads "
+        "in all:"
+    )
     print("| world | threads/rank | tokens/s | per rank | vs one process |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['world']} | {r['threads_per_rank']} | {r['tokens_per_s']:.0f} | {r['per_rank']:.0f} | "
-              f"{r['vs_one']:.2f} |")
+        print(
+            f"| {r['world']} | {r['threads_per_rank']} | {r['tokens_per_s']:.0f} | {r['per_rank']:.0f} | "
+            f"{r['vs_one']:.2f} |"
+        )
     if args.json:
         write_json({"settings": vars(args), "rows": rows}, args.json)
     return 0

@@ -108,8 +108,13 @@ def build(path: Path, jobs: int) -> None:
     env = dict(os.environ, MAX_JOBS=str(jobs))
     log = path / "build_ext.log"
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=path, env=env,
-                              stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace"],
+            cwd=path,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode:
         raise SystemExit(f"{path}: build failed (see {log})")
 
@@ -118,20 +123,30 @@ def measure(path: Path, cfg: dict) -> dict:
     """One child process timing every case with ``path``'s package first on sys.path."""
     env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS=str(cfg["threads"]))
     env.pop("KFORCING_BACKEND", None)
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(dict(cfg, root=str(path)))], cwd=path, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(dict(cfg, root=str(path)))],
+        cwd=path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise SystemExit(f"child for {path} failed:\n{done.stderr}")
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--commits", nargs="+", default=[DEFAULT_BASE, "HEAD"],
-                   help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the "
-                        "module docstring)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--commits",
+        nargs="+",
+        default=[DEFAULT_BASE, "HEAD"],
+        help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the "
+        "module docstring)",
+    )
     p.add_argument("--workdir", default="/tmp/kforcing_cpp_ab", help="where the worktrees go")
     p.add_argument("--threads", type=int, default=2, help="torch threads in the children (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")
@@ -152,8 +167,17 @@ def main(argv=None) -> None:
     paths = {side: worktree(c, Path(args.workdir)) for side, c in commits.items()}
     for path in paths.values():
         build(path, args.jobs)
-    cfg = dict(threads=args.threads, iters=args.iters, warmup=args.warmup, layouts=args.layouts.split(","),
-               n=args.n, k=args.k, batch=args.batch_size, heads=args.heads, dim=args.dim)
+    cfg = dict(
+        threads=args.threads,
+        iters=args.iters,
+        warmup=args.warmup,
+        layouts=args.layouts.split(","),
+        n=args.n,
+        k=args.k,
+        batch=args.batch_size,
+        heads=args.heads,
+        dim=args.dim,
+    )
     rounds = {side: [] for side in sides}
     isa = {}
     for r in range(args.rounds):
@@ -161,21 +185,36 @@ def main(argv=None) -> None:
             got = measure(paths[side], cfg)
             isa[side] = got["isa"]
             rounds[side].append(got["ms"])
-            print(f"[cpp_ab] round {r + 1}/{args.rounds} {side}: "
-                  + ", ".join(f"{c} {ms:.2f}" for c, ms in got["ms"].items()), file=sys.stderr)
+            print(
+                f"[cpp_ab] round {r + 1}/{args.rounds} {side}: "
+                + ", ".join(f"{c} {ms:.2f}" for c, ms in got["ms"].items()),
+                file=sys.stderr,
+            )
     cases = list(rounds["A"][0])
     med = {side: {c: statistics.median(x[c] for x in rounds[side]) for c in cases} for side in rounds}
 
-    print(f"cpp backend, B={args.batch_size} H={args.heads} D={args.dim} N={args.n} k={args.k} fp32, "
-          f"{args.threads} threads, ISA {'/'.join(isa[s] for s in sides)}; median of {args.rounds} alternating rounds "
-          f"(each the median of {args.iters} calls)\n")
-    print("| layout | pass | " + " | ".join(f"{s} {commits[s][:10]} (ms)" for s in sides) + " | "
-          + " | ".join(f"{s} / A" for s in sides[1:]) + " |")
+    print(
+        f"cpp backend, B={args.batch_size} H={args.heads} D={args.dim} N={args.n} k={args.k} fp32, "
+        f"{args.threads} threads, ISA {'/'.join(isa[s] for s in sides)}; median of {args.rounds} alternating rounds "
+        f"(each the median of {args.iters} calls)\n"
+    )
+    print(
+        "| layout | pass | "
+        + " | ".join(f"{s} {commits[s][:10]} (ms)" for s in sides)
+        + " | "
+        + " | ".join(f"{s} / A" for s in sides[1:])
+        + " |"
+    )
     print("|---|---|" + "---:|" * (2 * len(sides) - 1))
     for c in cases:
         layout, mode = c.split("/")
-        print(f"| {layout} | {mode} | " + " | ".join(f"{med[s][c]:.2f}" for s in sides) + " | "
-              + " | ".join(f"{med[s][c] / med['A'][c]:.3f}" for s in sides[1:]) + " |")
+        print(
+            f"| {layout} | {mode} | "
+            + " | ".join(f"{med[s][c]:.2f}" for s in sides)
+            + " | "
+            + " | ".join(f"{med[s][c] / med['A'][c]:.3f}" for s in sides[1:])
+            + " |"
+        )
     out = dict(commits=commits, config=cfg, rounds=args.rounds, isa=isa, median_ms=med, per_round_ms=rounds)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -77,8 +77,9 @@ def bench_attention(args) -> dict:
     backends = [name for name in ("composite", "cpp") if backends_available()[name] is None]
     for name in backends:
         fwd[name] = lambda name=name: window_attention(q, k, v, layout, backend=name)
-        step[name] = lambda name=name: torch.autograd.grad(window_attention(q, k, v, layout, backend=name), (q, k, v),
-                                                           dout)
+        step[name] = lambda name=name: torch.autograd.grad(
+            window_attention(q, k, v, layout, backend=name), (q, k, v), dout
+        )
     with torch.no_grad():
         t_fwd = interleaved(fwd, warmup=args.warmup, reps=args.reps)
     t_step = interleaved(step, warmup=args.warmup, reps=args.reps)
@@ -91,8 +92,16 @@ def bench_attention(args) -> dict:
         row["fwd_x_ideal"] = row["fwd_ms"] / ideal_fwd
         row["fwd_bwd_x_ideal"] = row["fwd_bwd_ms"] / ideal_fb
     return {
-        "config": {"layout": args.layout, "n": args.n, "k": args.k, "heads": h, "dim": d, "dtype": args.dtype,
-                   "ideal_multiplier": ideal_mult, "isa": _extension.load().isa() if _extension.load() else None},
+        "config": {
+            "layout": args.layout,
+            "n": args.n,
+            "k": args.k,
+            "heads": h,
+            "dim": d,
+            "dtype": args.dtype,
+            "ideal_multiplier": ideal_mult,
+            "isa": _extension.load().isa() if _extension.load() else None,
+        },
         "rows": rows,
     }
 
@@ -107,8 +116,10 @@ def format_attention(report: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for name, row in report["rows"].items():
-        lines.append(f"| {name} | {row['fwd_ms']:.1f} | {row['fwd_x_ideal']:.2f} | {row['fwd_bwd_ms']:.1f} | "
-                     f"{row['fwd_bwd_x_ideal']:.2f} |")
+        lines.append(
+            f"| {name} | {row['fwd_ms']:.1f} | {row['fwd_x_ideal']:.2f} | {row['fwd_bwd_ms']:.1f} | "
+            f"{row['fwd_bwd_x_ideal']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -156,14 +167,20 @@ def bench_sampler(args) -> dict:
     times = interleaved(methods, warmup=1, reps=args.sampler_reps)
     memory = {name: peak_extra_mib(fn) for name, fn in methods.items()}
     base = times["softmax+cumsum+searchsorted fp32"]["median_ms"]
-    rows = {name: {"ms": t["median_ms"], "speedup_vs_fp32": base / t["median_ms"], "peak_extra_mib": memory[name]}
-            for name, t in times.items()}
+    rows = {
+        name: {"ms": t["median_ms"], "speedup_vs_fp32": base / t["median_ms"], "peak_extra_mib": memory[name]}
+        for name, t in times.items()
+    }
     agree = None
     if "cpp fused (fp64 math)" in methods:
-        agree = float((methods["cpp fused (fp64 math)"]()
-                       == methods["softmax+cumsum+searchsorted fp64"]()).double().mean())
-    return {"config": {"rows": args.rows, "vocab": args.vocab, "tau": tau, "logits_mib": logits.numel() * 4 / 2**20},
-            "rows": rows, "agreement_with_fp64": agree}
+        agree = float(
+            (methods["cpp fused (fp64 math)"]() == methods["softmax+cumsum+searchsorted fp64"]()).double().mean()
+        )
+    return {
+        "config": {"rows": args.rows, "vocab": args.vocab, "tau": tau, "logits_mib": logits.numel() * 4 / 2**20},
+        "rows": rows,
+        "agreement_with_fp64": agree,
+    }
 
 
 def format_sampler(report: dict) -> str:
@@ -195,8 +212,12 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--sampler-reps", type=int, default=3)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu: process CPU time, robust to other jobs on the machine; use with --threads 1")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time, robust to other jobs on the machine; use with --threads 1",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -207,8 +228,10 @@ def main(argv=None):
     threads = pin_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     report = {"machine": machine_info(), "threads": threads, "clock": args.clock}
-    print(f"threads={threads}, clock={args.clock}, torch {torch.__version__}, "
-          f"cpp: {backends_available()['cpp'] or 'available'}")
+    print(
+        f"threads={threads}, clock={args.clock}, torch {torch.__version__}, "
+        f"cpp: {backends_available()['cpp'] or 'available'}"
+    )
     if args.only in (None, "attention"):
         report["attention"] = bench_attention(args)
         print(format_attention(report["attention"]))

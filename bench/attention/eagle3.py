@@ -26,8 +26,10 @@ from .._timing import measure, measure_many, paired_ratio, pin_threads
 
 def specforge_mask_mod(length: int):
     """SpecForge's EAGLE-3 flex ``mask_mod`` (every position valid): causal base, diagonal step blocks."""
+
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) | ((kv_idx >= length) & ((kv_idx - q_idx) % length == 0))
+
     return mask_mod
 
 
@@ -65,18 +67,32 @@ def execute(args: argparse.Namespace) -> int:
         out = window_attention(qq, kk, vv, lay, backend=args.backend)
         torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))
 
-    timing = measure_many({"eagle3": lambda: fwd_bwd(layout, layout.n_keys), "causal": lambda: fwd_bwd(causal, length)},
-                          warmup=1, reps=args.reps)
+    timing = measure_many(
+        {"eagle3": lambda: fwd_bwd(layout, layout.n_keys), "causal": lambda: fwd_bwd(causal, length)},
+        warmup=1,
+        reps=args.reps,
+    )
     ratio = paired_ratio(timing["eagle3"]["times_ms"], timing["causal"]["times_ms"])
     pairs = layout.num_pairs() / causal.num_pairs()
     print(f"EAGLE-3 step {step}, L={length}, B=1 H={h} D={d} fp32, {threads} threads, backend={args.backend}")
-    print(f"  attention fwd+bwd ms (min / median): step {timing['eagle3']['min_ms']:.1f} / "
-          f"{timing['eagle3']['median_ms']:.1f}, causal {timing['causal']['min_ms']:.1f} / "
-          f"{timing['causal']['median_ms']:.1f}; step / causal = {ratio:.2f} (attended pairs {pairs:.3f}x)")
+    print(
+        f"  attention fwd+bwd ms (min / median): step {timing['eagle3']['min_ms']:.1f} / "
+        f"{timing['eagle3']['median_ms']:.1f}, causal {timing['causal']['min_ms']:.1f} / "
+        f"{timing['causal']['median_ms']:.1f}; step / causal = {ratio:.2f} (attended pairs {pairs:.3f}x)"
+    )
 
-    report = {"length": length, "step": step, "threads": threads, "backend": args.backend, "heads": h, "head_dim": d,
-              "eagle3_ms": timing["eagle3"], "causal_ms": timing["causal"], "step_over_causal": ratio,
-              "pairs_over_causal": pairs}
+    report = {
+        "length": length,
+        "step": step,
+        "threads": threads,
+        "backend": args.backend,
+        "heads": h,
+        "head_dim": d,
+        "eagle3_ms": timing["eagle3"],
+        "causal_ms": timing["causal"],
+        "step_over_causal": ratio,
+        "pairs_over_causal": pairs,
+    }
     builds = {"eagle3_ttt": lambda: build_step(length, step)}
     try:
         from torch.nn.attention.flex_attention import create_block_mask

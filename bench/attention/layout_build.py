@@ -73,6 +73,7 @@ def run(args) -> dict:
     n, blocks, block, b = args.n, args.blocks, args.block, args.batch_size
     rows = {}
     for variant, window in (("dflash", None), ("specforge_sliding", args.window)):
+
         def ours_layout(window=window):
             anchors, keep = _draw(gen, b, blocks, n)
             kw = dict(window=window, window_mode="slot") if window else {}
@@ -88,8 +89,14 @@ def run(args) -> dict:
 
         def flex_create(window=window):
             anchors, keep = _draw(gen, b, blocks, n)
-            create_block_mask(_dflash_mask_mod(anchors, keep, n, block, window), b, None, blocks * block,
-                              n + blocks * block, device="cpu")
+            create_block_mask(
+                _dflash_mask_mod(anchors, keep, n, block, window),
+                b,
+                None,
+                blocks * block,
+                n + blocks * block,
+                device="cpu",
+            )
 
         rows[variant] = {
             "layout + row intervals": _median_ms(ours_layout, args.reps),
@@ -98,8 +105,10 @@ def run(args) -> dict:
             "create_block_mask(mask_mod)": _median_ms(flex_create, args.reps),
         }
     if args.existing:
-        for name, make in (("kforcing_single", WindowLayout.kforcing_single), ("kforcing_double",
-                                                                               WindowLayout.kforcing_double)):
+        for name, make in (
+            ("kforcing_single", WindowLayout.kforcing_single),
+            ("kforcing_double", WindowLayout.kforcing_double),
+        ):
             layout = make(n, 4)
             # The builders themselves: the layout's store would answer a second call from its cache.
             rows[f"{name} N={n} k=4"] = {
@@ -115,8 +124,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block", type=positive_int, default=16, help="tokens per block (default 16)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
     p.add_argument("--window", type=positive_int, default=512, help="SpecForge sliding window W (default 512)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (None: all cores; the numbers in BENCHMARKS used 2)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (None: all cores; the numbers in BENCHMARKS used 2)",
+    )
     p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions (default 10)")
     p.add_argument("--existing", action="store_true", help="also time the K-Forcing layouts' intervals + plan")
     p.add_argument("--json", help="write the results here")
@@ -124,8 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def execute(args) -> int:
     rows = run(args)
-    print(f"Mask construction per step, CPU, {args.threads} threads: S={args.n}, {args.blocks} blocks of {args.block}, "
-          f"B={args.batch_size} (median of {args.reps}, ms)\n")
+    print(
+        f"Mask construction per step, CPU, {args.threads} threads: S={args.n}, {args.blocks} blocks of {args.block}, "
+        f"B={args.batch_size} (median of {args.reps}, ms)\n"
+    )
     for variant, times in rows.items():
         print(f"{variant}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
     if args.json:

@@ -82,9 +82,11 @@ def run(args) -> dict:
             fwd = measure(fn, warmup=args.warmup, reps=args.reps)
         row = {"fwd": fwd, "fwd_bwd": None}
         if with_backward:
+
             def step():
                 out = fn()
                 torch.autograd.grad(out, (q, k, v), dout)
+
             row["fwd_bwd"] = measure(step, warmup=args.warmup, reps=args.reps)
         rows[name] = row
 
@@ -116,8 +118,12 @@ def run(args) -> dict:
         time_method(name, fn, bwd)
 
     return {
-        "config": {**vars(args), "threads": threads, "ideal_multiplier": ideal_mult,
-            "num_pairs": int(layout.num_pairs() if isinstance(layout.num_pairs(), int) else layout.num_pairs().sum())},
+        "config": {
+            **vars(args),
+            "threads": threads,
+            "ideal_multiplier": ideal_mult,
+            "num_pairs": int(layout.num_pairs() if isinstance(layout.num_pairs(), int) else layout.num_pairs().sum()),
+        },
         "machine": machine_info(),
         "causal_over_ctx": {"fwd": causal, "fwd_bwd": causal_fb},
         "results": rows,

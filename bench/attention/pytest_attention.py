@@ -61,8 +61,13 @@ def test_attention(benchmark, problem, method, phase):
         # Causal SDPA over N; the ideal is this x |M| / causal(N), recorded in extra_info.
         benchmark.extra_info["ideal_multiplier"] = layout.num_pairs() / ideal_causal_pairs(layout.n_ctx)
         q, k, v = rand(layout.n_ctx), rand(layout.n_ctx), rand(layout.n_ctx)
-        _run(benchmark, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), rand(layout.n_ctx,
-                                                                                                         False), phase)
+        _run(
+            benchmark,
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            (q, k, v),
+            rand(layout.n_ctx, False),
+            phase,
+        )
         return
     if avail[method] is not None:
         pytest.skip(avail[method])

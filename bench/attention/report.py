@@ -42,18 +42,33 @@ def fit_exponents(report: dict) -> list[dict]:
         if len(rows) < 2:
             continue
         ks = [r["k"] for r in rows]
-        medians, mins, units = ([r["median_ms"] for r in rows], [r["min_ms"] for r in rows],
-                                [r["causal_units"] for r in rows])
+        medians, mins, units = (
+            [r["median_ms"] for r in rows],
+            [r["min_ms"] for r in rows],
+            [r["causal_units"] for r in rows],
+        )
         work = [r["num_pairs"] for r in rows]
         spread = max(work) / min(work) >= MIN_WORK_SPREAD
-        fits.append({
-            "layout": layout, "n": n_fit, "d": d, "method": method, "phase": phase, "k": ks, "num_pairs": work,
-            "median_ms": medians, "min_ms": mins, "causal_units": units,
-            "slope_k": _slope(ks, medians), "slope_k_min": _slope(ks, mins), "slope_k_norm": _slope(ks, units),
-            "slope_work": _slope(work, medians) if spread else None, "slope_work_min": _slope(work,
-                                                                                              mins) if spread else None,
-            "slope_work_norm": _slope(work, units) if spread else None,
-        })
+        fits.append(
+            {
+                "layout": layout,
+                "n": n_fit,
+                "d": d,
+                "method": method,
+                "phase": phase,
+                "k": ks,
+                "num_pairs": work,
+                "median_ms": medians,
+                "min_ms": mins,
+                "causal_units": units,
+                "slope_k": _slope(ks, medians),
+                "slope_k_min": _slope(ks, mins),
+                "slope_k_norm": _slope(ks, units),
+                "slope_work": _slope(work, medians) if spread else None,
+                "slope_work_min": _slope(work, mins) if spread else None,
+                "slope_work_norm": _slope(work, units) if spread else None,
+            }
+        )
     return fits
 
 
@@ -89,8 +104,12 @@ def format_report(report: dict) -> str:
         f"{meta['timestamp']}, {meta['wall_s']:.0f} s",
         f"  load average {_load(meta['loadavg_start'])} at start, {_load(meta['loadavg_end'])} at end on "
         f"{meta['cpus']} cores"
-        + ("  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers; "
-           "--threads 1 is steadier **" if _busy(meta) else ""),
+        + (
+            "  ** BUSY MACHINE: absolute times are contended; compare ratios, prefer min-based numbers; "
+            "--threads 1 is steadier **"
+            if _busy(meta)
+            else ""
+        ),
     ]
     by_block = defaultdict(list)
     for row in rows:
@@ -113,52 +132,70 @@ def format_report(report: dict) -> str:
     if builds:
         lines += ["", "mask / plan build, ms median (what each method needs before its first call)"]
         cols = ("dense_sdpa", "flex_blockmask", "flex_create_block_mask")
-        lines.append(f"{'layout':<8}{'N':>6}{'k':>4}{'dense_mask()':>15}{'to_block_mask()':>17}"
-                     f"{'create_block_mask':>19}{'cbm / analytic':>16}")
+        lines.append(
+            f"{'layout':<8}{'N':>6}{'k':>4}{'dense_mask()':>15}{'to_block_mask()':>17}"
+            f"{'create_block_mask':>19}{'cbm / analytic':>16}"
+        )
         index = {(r["layout"], r["n"], r["k"], r["method"]): r for r in builds}
         for key in sorted({(r["layout"], r["n"], r["k"]) for r in builds}, key=lambda t: (t[0], t[1], t[2] or 0)):
             cells = [index.get(key + (c,)) for c in cols]
-            text = [f"{c['median_ms']:.2f}" if c and c["status"] == "ok" else (c["status"] if c else "-")
-                    for c in cells]
-            ratio = (cells[2]["median_ms"] / cells[1]["median_ms"]
-                     if all(c and c["status"] == "ok" for c in cells[1:]) else None)
+            text = [
+                f"{c['median_ms']:.2f}" if c and c["status"] == "ok" else (c["status"] if c else "-") for c in cells
+            ]
+            ratio = (
+                cells[2]["median_ms"] / cells[1]["median_ms"]
+                if all(c and c["status"] == "ok" for c in cells[1:])
+                else None
+            )
             k = "-" if key[2] is None else key[2]
-            lines.append(f"{key[0]:<8}{key[1]:>6}{k:>4}{text[0]:>15}{text[1]:>17}{text[2]:>19}"
-                         f"{(f'{ratio:.1f}x' if ratio else '-'):>16}")
+            lines.append(
+                f"{key[0]:<8}{key[1]:>6}{k:>4}{text[0]:>15}{text[1]:>17}{text[2]:>19}"
+                f"{(f'{ratio:.1f}x' if ratio else '-'):>16}"
+            )
 
     fits = report["fits"]
     if fits:
-        lines += ["",
-                  f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p (an O(|M|) kernel: p_|M| = 1; "
-                  "dense-mask SDPA: ~2)",
-                  "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load "
-                  "drift)"]
+        lines += [
+            "",
+            f"fitted exponents at N={meta['fit_n']}: time ~ k^p and time ~ |M|^p (an O(|M|) kernel: p_|M| = 1; "
+            "dense-mask SDPA: ~2)",
+            "  raw: from median ms; norm: from time / causal attention over N in the same round (cancels load drift)",
+        ]
         lines.append(f"{'':<39}{'---------- raw -----------':>28}{'--------- norm -----------':>28}")
-        lines.append(f"{'layout':<8}{'D':>5}  {'method':<24}"
-                     + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2)
+        lines.append(
+            f"{'layout':<8}{'D':>5}  {'method':<24}" + f"{'p_k fwd':>8}{'f+b':>6}{'p_|M| fwd':>10}{'f+b':>6}" * 2
+        )
         index = {(f["layout"], f["d"], f["method"], f["phase"]): f for f in fits}
 
         def fmt(f, key, width):
             return f"{f[key]:>{width}.2f}" if f and f[key] is not None else f"{'-':>{width}}"
 
-        for layout, d in sorted({(f["layout"], f["d"]) for f in fits}, key=lambda t: (meta["layouts"].index(t[0]),
-                                                                                      t[1])):
+        for layout, d in sorted(
+            {(f["layout"], f["d"]) for f in fits}, key=lambda t: (meta["layouts"].index(t[0]), t[1])
+        ):
             for m in METHODS:
                 fw, fb = index.get((layout, d, m, "fwd")), index.get((layout, d, m, "fwd_bwd"))
                 if fw or fb:
                     cells = "".join(
-                        fmt(fw, f"slope_k{s}", 8) + fmt(fb, f"slope_k{s}", 6) + fmt(fw, f"slope_work{s}", 10) + fmt(fb,
-                            f"slope_work{s}", 6)
+                        fmt(fw, f"slope_k{s}", 8)
+                        + fmt(fb, f"slope_k{s}", 6)
+                        + fmt(fw, f"slope_work{s}", 10)
+                        + fmt(fb, f"slope_work{s}", 6)
                         for s in ("", "_norm")
                     )
                     lines.append(f"{layout:<8}{d:>5}  {m:<24}{cells}")
             best = best_of_ours(fits, layout, d)
             if best:
-                lines.append(f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k "
-                             f"{best['slope_k']:.2f} raw / "
-                             f"{best['slope_k_norm']:.2f} norm"
-                             + (f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}"
-                                if best["slope_work"] is not None else ""))
+                lines.append(
+                    f"{'':<15}best of ours (fastest f+b at the largest k): {best['method']}, p_k "
+                    f"{best['slope_k']:.2f} raw / "
+                    f"{best['slope_k_norm']:.2f} norm"
+                    + (
+                        f", p_|M| {best['slope_work']:.2f} / {best['slope_work_norm']:.2f}"
+                        if best["slope_work"] is not None
+                        else ""
+                    )
+                )
 
     lines += ["", "methods not timed here:"]
     absent = [(m, info["reason"]) for m, info in report["methods"].items() if info["status"] != "measured"]
@@ -186,8 +223,9 @@ def _busy(meta: dict) -> bool:
 
 def best_of_ours(fits: list[dict], layout: str, d: int) -> Optional[dict]:
     """Our fastest backend's fwd+bwd fit (fastest at the largest k), if any was timed."""
-    ours = [f for f in fits
-            if f["layout"] == layout and f["d"] == d and f["method"] in OURS and f["phase"] == "fwd_bwd"]
+    ours = [
+        f for f in fits if f["layout"] == layout and f["d"] == d and f["method"] in OURS and f["phase"] == "fwd_bwd"
+    ]
     return min(ours, key=lambda f: f["median_ms"][-1]) if ours else None
 
 
@@ -199,8 +237,14 @@ def print_report(report: dict) -> None:
 
 
 _COLORS = {
-    "ideal": "black", "dense_sdpa": "tab:red", "flex_blockmask": "tab:purple", "flex_create_block_mask": "tab:pink",
-    "flash_attn_ideal": "tab:gray", "composite": "tab:blue", "cpp": "tab:green", "triton": "tab:orange",
+    "ideal": "black",
+    "dense_sdpa": "tab:red",
+    "flex_blockmask": "tab:purple",
+    "flex_create_block_mask": "tab:pink",
+    "flash_attn_ideal": "tab:gray",
+    "composite": "tab:blue",
+    "cpp": "tab:green",
+    "triton": "tab:orange",
 }
 
 
@@ -246,8 +290,14 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
                 if f is None:
                     continue
                 style = "--" if m == "ideal" else "-"
-                ax.plot(f["k"], f["median_ms"], style, marker="o", color=_COLORS.get(m),
-                        label=f"{m} (p={f['slope_k']:.2f}, norm {f['slope_k_norm']:.2f})")
+                ax.plot(
+                    f["k"],
+                    f["median_ms"],
+                    style,
+                    marker="o",
+                    color=_COLORS.get(m),
+                    label=f"{m} (p={f['slope_k']:.2f}, norm {f['slope_k_norm']:.2f})",
+                )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks(meta["k"], [str(k) for k in meta["k"]])
@@ -257,11 +307,13 @@ def plot_time_vs_k(report: dict, d: int, path: str) -> bool:
             ax.set_ylabel("ms (median)")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
-                 f"H={meta['heads']}, "
-                 f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / "
-                 "same-round causal time",
-                 fontsize=10)
+    fig.suptitle(
+        f"time vs k at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
+        f"H={meta['heads']}, "
+        f"{meta['threads']} threads)\np = fitted log-log slope of these medians; norm = the same for time / "
+        "same-round causal time",
+        fontsize=10,
+    )
     _save(fig, path)
     return True
 
@@ -270,8 +322,15 @@ def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
     """Bars of time / ideal per backend and k at the fit N, one panel per layout and phase."""
     plt = _pyplot()
     meta = report["meta"]
-    rows = [r for r in report["rows"] if r["d"] == d and r["n"] == meta["fit_n"] and r["status"] == "ok"
-            and r["phase"] in PHASES and r["method"] != "ideal"]
+    rows = [
+        r
+        for r in report["rows"]
+        if r["d"] == d
+        and r["n"] == meta["fit_n"]
+        and r["status"] == "ok"
+        and r["phase"] in PHASES
+        and r["method"] != "ideal"
+    ]
     layouts = [lay for lay in meta["layouts"] if any(r["layout"] == lay for r in rows)]
     if not layouts:
         return False
@@ -301,10 +360,13 @@ def plot_ratio_to_ideal(report: dict, d: int, path: str) -> bool:
             ax.grid(True, axis="y", which="both", alpha=0.3)
             if sel:
                 ax.legend(fontsize=7)
-    fig.suptitle(f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
-                 f"H={meta['heads']}, "
-                 f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round "
-                 "ratios)", fontsize=10)
+    fig.suptitle(
+        f"time / ideal at N={meta['fit_n']}, D={d} ({meta['device']}, {meta['dtype']}, B={meta['batch']} "
+        f"H={meta['heads']}, "
+        f"{meta['threads']} threads)\n1 = the non-zero pairs at causal-attention speed (median of per-round "
+        "ratios)",
+        fontsize=10,
+    )
     _save(fig, path)
     return True
 

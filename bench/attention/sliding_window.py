@@ -47,9 +47,17 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch_size, args.heads, full.n_keys, args.head_dim)
     q, k, v = (torch.randn(shape, generator=gen, requires_grad=True) for _ in range(3))
-    results = {"n": args.n, "k": args.k, "window": args.window, "backend": args.backend, "threads": args.threads,
-               "shape": list(shape), "layouts": {}}
+    results = {
+        "n": args.n,
+        "k": args.k,
+        "window": args.window,
+        "backend": args.backend,
+        "threads": args.threads,
+        "shape": list(shape),
+        "layouts": {},
+    }
     for name, layout in layouts.items():
+
         def forward(layout=layout):
             with torch.no_grad():
                 window_attention(q, k, v, layout, backend=args.backend)
@@ -58,13 +66,18 @@ def main(argv=None) -> dict:
             out = window_attention(q, k, v, layout, backend=args.backend)
             torch.autograd.grad(out.sum(), (q, k, v))
 
-        results["layouts"][name] = {"pairs": int(layout.num_pairs()), "forward": _summary(forward, args.reps),
-                                    "forward_backward": _summary(forward_backward, args.reps)}
+        results["layouts"][name] = {
+            "pairs": int(layout.num_pairs()),
+            "forward": _summary(forward, args.reps),
+            "forward_backward": _summary(forward_backward, args.reps),
+        }
         row = results["layouts"][name]
-        print(f"{name:>16}: {row['pairs']:>11,} pairs  fwd {row['forward']['median_ms']:8.1f} ms "
-              f"[{row['forward']['min_ms']:.1f}-{row['forward']['max_ms']:.1f}]  fwd+bwd "
-              f"{row['forward_backward']['median_ms']:8.1f} ms [{row['forward_backward']['min_ms']:.1f}-"
-              f"{row['forward_backward']['max_ms']:.1f}]")
+        print(
+            f"{name:>16}: {row['pairs']:>11,} pairs  fwd {row['forward']['median_ms']:8.1f} ms "
+            f"[{row['forward']['min_ms']:.1f}-{row['forward']['max_ms']:.1f}]  fwd+bwd "
+            f"{row['forward_backward']['median_ms']:8.1f} ms [{row['forward_backward']['min_ms']:.1f}-"
+            f"{row['forward_backward']['max_ms']:.1f}]"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

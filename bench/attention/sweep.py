@@ -62,11 +62,27 @@ FLEX_BLOCK = 128
 # at ~15 bytes per element (torch 2.13, CPU), so cap it to keep a shared machine alive.
 CBM_MAX_ELEMENTS = 3 * 10**8
 
-FULL = {"layouts": list(LAYOUTS), "n": [256, 512, 1024, 2048], "k": [1, 2, 4, 8], "dims": [64, 128], "warmup": 1,
-        "reps": 5, "max_seconds": 10.0, "k_by_layout": {}}
+FULL = {
+    "layouts": list(LAYOUTS),
+    "n": [256, 512, 1024, 2048],
+    "k": [1, 2, 4, 8],
+    "dims": [64, 128],
+    "warmup": 1,
+    "reps": 5,
+    "max_seconds": 10.0,
+    "k_by_layout": {},
+}
 # Quick: the k sweep where the work grows with k (the O(k) vs O(k^2) story), one k elsewhere.
-QUICK = {"layouts": list(LAYOUTS), "n": [256], "k": [1, 2, 4, 8], "dims": [64], "warmup": 1, "reps": 5,
-         "max_seconds": 0.5, "k_by_layout": {"sbd": [4], "ptp": [4], "bd3lm": [4], "single_packed8": [4]}}
+QUICK = {
+    "layouts": list(LAYOUTS),
+    "n": [256],
+    "k": [1, 2, 4, 8],
+    "dims": [64],
+    "warmup": 1,
+    "reps": 5,
+    "max_seconds": 0.5,
+    "k_by_layout": {"sbd": [4], "ptp": [4], "bd3lm": [4], "single_packed8": [4]},
+}
 
 
 # ---------------------------------------------------------------------- availability
@@ -74,8 +90,10 @@ QUICK = {"layouts": list(LAYOUTS), "n": [256], "k": [1, 2, 4, 8], "dims": [64], 
 
 def method_availability(args, device: torch.device, dtype: torch.dtype) -> dict[str, Optional[str]]:
     """``{method: None if it will be timed here, else why not}`` for every method in METHODS."""
-    reasons: dict[str, Optional[str]] = {"ideal": None,
-                                         "dense_sdpa": "skipped (--skip-dense)" if args.skip_dense else None}
+    reasons: dict[str, Optional[str]] = {
+        "ideal": None,
+        "dense_sdpa": "skipped (--skip-dense)" if args.skip_dense else None,
+    }
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
 
@@ -136,19 +154,41 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
     pairs = mean_pairs(layout)
     mult = pairs / ideal_causal_pairs(layout.n_ctx)
     base = {
-        "layout": layout_name, "n": n, "k": k, "d": d, "lq": layout.n_queries, "lk": layout.n_keys,
-        "num_pairs": pairs, "ideal_multiplier": mult,
+        "layout": layout_name,
+        "n": n,
+        "k": k,
+        "d": d,
+        "lq": layout.n_queries,
+        "lk": layout.n_keys,
+        "num_pairs": pairs,
+        "ideal_multiplier": mult,
     }
     rows: list[dict] = []
 
     def add(method, phase, status, timing=None, reason=None, scale=1.0):
-        row = {**base, "method": method, "kind": METHOD_KIND[method], "phase": phase, "status": status,
-               "reason": reason,
-               "median_ms": None, "min_ms": None, "first_ms": None, "reps": 0, "ratio_to_ideal": None,
-               "ratio_to_ideal_min": None, "causal_units": None, "tflops": None}
+        row = {
+            **base,
+            "method": method,
+            "kind": METHOD_KIND[method],
+            "phase": phase,
+            "status": status,
+            "reason": reason,
+            "median_ms": None,
+            "min_ms": None,
+            "first_ms": None,
+            "reps": 0,
+            "ratio_to_ideal": None,
+            "ratio_to_ideal_min": None,
+            "causal_units": None,
+            "tflops": None,
+        }
         if timing is not None:
-            row.update(median_ms=timing["median_ms"] * scale, min_ms=timing["min_ms"] * scale,
-                       first_ms=timing["first_ms"], reps=timing["reps"])
+            row.update(
+                median_ms=timing["median_ms"] * scale,
+                min_ms=timing["min_ms"] * scale,
+                first_ms=timing["first_ms"],
+                reps=timing["reps"],
+            )
             rounds[(method, phase)] = [t * scale for t in timing.get("times_ms", [])]
             if phase in PHASES:
                 row["tflops"] = _useful_tflops(pairs, b, h, d, phase, row["median_ms"])
@@ -181,8 +221,13 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
         from flash_attn import flash_attn_func
 
         fq, fk, fv = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (qc, kc, vc))
-        add_jobs("flash_attn_ideal", lambda: flash_attn_func(fq, fk, fv, causal=True), (fq, fk, fv), dc.transpose(1,
-            2).contiguous(), scale=mult)
+        add_jobs(
+            "flash_attn_ideal",
+            lambda: flash_attn_func(fq, fk, fv, causal=True),
+            (fq, fk, fv),
+            dc.transpose(1, 2).contiguous(),
+            scale=mult,
+        )
 
     q, kk, v = rand(layout.n_queries), rand(layout.n_keys), rand(layout.n_keys)
     dout = rand(layout.n_queries, grad=False)
@@ -208,21 +253,31 @@ def bench_config(layout_name: str, n: int, k: Optional[int], d: int, layout, arg
         add_jobs("flex_blockmask", lambda: compiled(fq, fk, fv, block_mask=analytic), grads, dout, bwd_reason=no_bwd)
         elements = layout.n_queries * layout.n_keys * (layout.batch_size or 1)
         if elements > args.cbm_max_elements:
-            why = (f"create_block_mask would evaluate mask_mod over {layout.n_queries}x{layout.n_keys} elements "
-                   f"(> --cbm-max-elements {args.cbm_max_elements:.0e}, ~15 B each on CPU)")
+            why = (
+                f"create_block_mask would evaluate mask_mod over {layout.n_queries}x{layout.n_keys} elements "
+                f"(> --cbm-max-elements {args.cbm_max_elements:.0e}, ~15 B each on CPU)"
+            )
             for phase in ("build",) + PHASES:
                 add("flex_create_block_mask", phase, "skipped", reason=why)
         else:
             mask_mod = layout.mask_mod(device)
 
             def build():
-                return create_block_mask(mask_mod, layout.batch_size, None, layout.n_queries, layout.n_keys,
-                                         device=device, BLOCK_SIZE=FLEX_BLOCK)
+                return create_block_mask(
+                    mask_mod,
+                    layout.batch_size,
+                    None,
+                    layout.n_queries,
+                    layout.n_keys,
+                    device=device,
+                    BLOCK_SIZE=FLEX_BLOCK,
+                )
 
             time_build("flex_create_block_mask", build)
             swept = build()
-            add_jobs("flex_create_block_mask", lambda: compiled(fq, fk, fv, block_mask=swept), grads, dout,
-                     bwd_reason=no_bwd)
+            add_jobs(
+                "flex_create_block_mask", lambda: compiled(fq, fk, fv, block_mask=swept), grads, dout, bwd_reason=no_bwd
+            )
 
     for name in OURS:
         if avail[name] is None:
@@ -281,10 +336,25 @@ def run_sweep(args) -> dict:
     dtype = getattr(torch, args.dtype)
     avail = method_availability(args, device, dtype)
     meta = {
-        **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "dtype": args.dtype, "batch": args.batch_size, "heads": args.heads, "threads": threads, "warmup": args.warmup,
-        "reps": args.reps, "max_seconds": args.max_seconds, "layouts": args.layouts, "n": args.n, "k": args.k,
-        "dims": args.dims, "k_by_layout": args.k_by_layout, "fit_n": fit_n(args.n), "loadavg_start": busy_cores(),
+        **machine_info(),
+        "schema": SCHEMA_ID,
+        "command": args.command,
+        "quick": args.quick,
+        "device": str(device),
+        "dtype": args.dtype,
+        "batch": args.batch_size,
+        "heads": args.heads,
+        "threads": threads,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "max_seconds": args.max_seconds,
+        "layouts": args.layouts,
+        "n": args.n,
+        "k": args.k,
+        "dims": args.dims,
+        "k_by_layout": args.k_by_layout,
+        "fit_n": fit_n(args.n),
+        "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
     rows = []
@@ -299,14 +369,21 @@ def run_sweep(args) -> dict:
                 for row in bench_config(name, n, k, d, layout, args, avail, device, dtype):
                     rows.append({**stamp, **row})
                 if args.verbose:
-                    bar.write(f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} "
-                              f"{time.perf_counter() - t0:6.1f} s", file=sys.stderr)
+                    bar.write(
+                        f"  {name:<7} N={n:<5} k={k if k is not None else '-':<2} D={d:<4} "
+                        f"{time.perf_counter() - t0:6.1f} s",
+                        file=sys.stderr,
+                    )
                 bar.update()
     meta["wall_s"] = time.perf_counter() - start
     meta["loadavg_end"] = busy_cores()
     methods = {
-        m: {"kind": METHOD_KIND[m], "status": "measured" if avail[m] is None else "unavailable", "reason": avail[m],
-            "description": METHOD_DESCRIPTION[m]}
+        m: {
+            "kind": METHOD_KIND[m],
+            "status": "measured" if avail[m] is None else "unavailable",
+            "reason": avail[m],
+            "description": METHOD_DESCRIPTION[m],
+        }
         for m in METHODS
     }
     from .report import fit_exponents
@@ -322,8 +399,9 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small sweep, under 2 minutes on 2 cores: {QUICK}")
-    p.add_argument("--layouts", default=None,
-                   help=f"comma-separated subset of {','.join(LAYOUTS)} (None: the profile's)")
+    p.add_argument(
+        "--layouts", default=None, help=f"comma-separated subset of {','.join(LAYOUTS)} (None: the profile's)"
+    )
     p.add_argument("--n", default=None, help="comma-separated context lengths N (None: the profile's)")
     p.add_argument("--k", default=None, help="comma-separated window sizes k, block size for sbd (None: the profile's)")
     p.add_argument("--dims", default=None, help="comma-separated head dims D (None: the profile's)")
@@ -336,8 +414,12 @@ def add_arguments(p) -> None:
     add_timing_args(p)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
-    p.add_argument("--cbm-max-elements", type=float, default=CBM_MAX_ELEMENTS,
-                   help="skip create_block_mask above this many mask elements")
+    p.add_argument(
+        "--cbm-max-elements",
+        type=float,
+        default=CBM_MAX_ELEMENTS,
+        help="skip create_block_mask above this many mask elements",
+    )
     p.add_argument("--out", default=None, help="output folder (None: runs/bench-<UTC time>)")
     p.add_argument("--no-plots", action="store_true", help="write no plots")
     add_progress_args(p)

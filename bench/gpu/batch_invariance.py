@@ -66,8 +66,10 @@ AUTOTUNE_ENV = "KFORCING_TRITON_AUTOTUNE"
 # Absolute slack over 2x the reference's own error in the same dtype (as bench/gpu/gpu_check.sh's smoke).
 ERROR_FLOOR = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
 # Sizes per device: the issue's shapes on CUDA; small ones on CPU (the whole run takes ~20 s on 2 cores).
-DEFAULTS = {"cuda": {"n": 1024, "k": 4, "dims": [64, 128], "heads": 4},
-            "cpu": {"n": 48, "k": 4, "dims": [32, 64], "heads": 2}}
+DEFAULTS = {
+    "cuda": {"n": 1024, "k": 4, "dims": [64, 128], "heads": 4},
+    "cpu": {"n": 48, "k": 4, "dims": [32, 64], "heads": 2},
+}
 
 
 class Report:
@@ -121,14 +123,20 @@ def versions() -> dict:
 
 def settings(device: torch.device) -> dict:
     """The numerics switches that decide which matmul kernels run."""
-    found = {"threads": torch.get_num_threads(), "mkldnn": torch.backends.mkldnn.is_available(),
-             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    found = {
+        "threads": torch.get_num_threads(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
     if device.type == "cuda":
         matmul = torch.backends.cuda.matmul
-        found.update(device_name=torch.cuda.get_device_name(device), allow_tf32=matmul.allow_tf32,
-                     allow_bf16_reduced_precision_reduction=matmul.allow_bf16_reduced_precision_reduction,
-                     allow_fp16_reduced_precision_reduction=matmul.allow_fp16_reduced_precision_reduction,
-                     cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        found.update(
+            device_name=torch.cuda.get_device_name(device),
+            allow_tf32=matmul.allow_tf32,
+            allow_bf16_reduced_precision_reduction=matmul.allow_bf16_reduced_precision_reduction,
+            allow_fp16_reduced_precision_reduction=matmul.allow_fp16_reduced_precision_reduction,
+            cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        )
     return found
 
 
@@ -176,9 +184,21 @@ def oracle_check(backend: str, layout: WindowLayout, one: list[torch.Tensor], al
     return {"pass": ok, "err": err, "bound": bound}
 
 
-def attention_case(report: Report, backend: str, name: str, layout: WindowLayout, *, dim: int, heads: int,
-                   dtype: torch.dtype, device: torch.device, batch_sizes: list[int], seed: int, config: str,
-                   extra: Optional[dict] = None) -> bool:
+def attention_case(
+    report: Report,
+    backend: str,
+    name: str,
+    layout: WindowLayout,
+    *,
+    dim: int,
+    heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    batch_sizes: list[int],
+    seed: int,
+    config: str,
+    extra: Optional[dict] = None,
+) -> bool:
     """One layout and head dim: the oracle check of the batch-1 result, then one record per (batch, position)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -188,28 +208,65 @@ def attention_case(report: Report, backend: str, name: str, layout: WindowLayout
     lq, lk = layout.n_queries, layout.n_keys
     one = [rand(1, lq), rand(1, lk), rand(1, lk), rand(1, lq)]  # q, k, v, dout of the sequence under test
     alone = run_attention(backend, layout, *one)
-    base = {"backend": backend, "config": config, "layout": name, "n": layout.n_ctx, "dim": dim, "heads": heads,
-            "dtype": str(dtype).replace("torch.", ""), "device": str(device), **(extra or {})}
+    base = {
+        "backend": backend,
+        "config": config,
+        "layout": name,
+        "n": layout.n_ctx,
+        "dim": dim,
+        "heads": heads,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        **(extra or {}),
+    }
     ok = report.add({"check": "attention_vs_reference", **base, **oracle_check(backend, layout, one, alone)})["pass"]
     for batch in batch_sizes:
         for pos in positions(batch):
             others = [rand(batch - 1, lq), rand(batch - 1, lk), rand(batch - 1, lk), rand(batch - 1, lq)]
             batched = [torch.cat([o[:pos], t, o[pos:]]) for o, t in zip(others, one)]
             got = run_attention(backend, layout, *batched)
-            diffs = {out: max_abs_diff(g[pos:pos + 1], a) for out, g, a in zip(OUTPUTS, got, alone)}
-            unequal = [out for out, g, a in zip(OUTPUTS, got, alone) if not torch.equal(g[pos:pos + 1], a)]
+            diffs = {out: max_abs_diff(g[pos : pos + 1], a) for out, g, a in zip(OUTPUTS, got, alone)}
+            unequal = [out for out, g, a in zip(OUTPUTS, got, alone) if not torch.equal(g[pos : pos + 1], a)]
             shapes = {"q": list(batched[0].shape), "k": list(batched[1].shape), "lse": list(got[1].shape)}
-            ok &= report.add({"check": "attention", **base, "batch": batch, "position": pos, "pass": not unequal,
-                              "unequal": unequal, "max_abs_diff": diffs, "shapes": shapes})["pass"]
+            ok &= report.add(
+                {
+                    "check": "attention",
+                    **base,
+                    "batch": batch,
+                    "position": pos,
+                    "pass": not unequal,
+                    "unequal": unequal,
+                    "max_abs_diff": diffs,
+                    "shapes": shapes,
+                }
+            )["pass"]
     return ok
 
 
-def attention_checks(report: Report, args, backend: str, dtype: torch.dtype, config: str = "dispatcher default",
-                     extra: Optional[dict] = None) -> None:
+def attention_checks(
+    report: Report,
+    args,
+    backend: str,
+    dtype: torch.dtype,
+    config: str = "dispatcher default",
+    extra: Optional[dict] = None,
+) -> None:
     for dim in args.dims:
         for name, layout in layouts(args.n, args.k, getattr(args, "layouts", LAYOUTS)).items():
-            attention_case(report, backend, name, layout, dim=dim, heads=args.heads, dtype=dtype, device=args.device,
-                           batch_sizes=args.batch_sizes, seed=args.seed, config=config, extra=extra)
+            attention_case(
+                report,
+                backend,
+                name,
+                layout,
+                dim=dim,
+                heads=args.heads,
+                dtype=dtype,
+                device=args.device,
+                batch_sizes=args.batch_sizes,
+                seed=args.seed,
+                config=config,
+                extra=extra,
+            )
 
 
 # ---------------------------------------------------------------------- triton configs
@@ -256,7 +313,7 @@ def forced_config(kernel: str, tile_set: str, head_dim: int, index: int) -> Iter
     original = table[key]
     if not 0 <= index < len(original):
         raise ValueError(f"index: expected 0..{len(original) - 1} for {kernel} {key}, got {index}")
-    table[key] = [original[index]] + original[:index] + original[index + 1:]
+    table[key] = [original[index]] + original[:index] + original[index + 1 :]
     try:
         with autotune_off():
             yield original[index]
@@ -298,8 +355,9 @@ def config_checks(report: Report, args, dtype: torch.dtype) -> None:
     launch = triton_launch()
     for dim in args.dims:
         for name, layout in layouts(args.n, args.k, getattr(args, "layouts", LAYOUTS)).items():
-            case = dict(dim=dim, heads=args.heads, dtype=dtype, device=args.device, batch_sizes=args.batch_sizes,
-                        seed=args.seed)
+            case = dict(
+                dim=dim, heads=args.heads, dtype=dtype, device=args.device, batch_sizes=args.batch_sizes, seed=args.seed
+            )
             with autotune_off(), recorded_launches() as launched:
                 attention_case(report, "triton", name, layout, config="autotune off, first entries", **case)
             for kernel, tile_set, head_dim in launched:
@@ -307,9 +365,23 @@ def config_checks(report: Report, args, dtype: torch.dtype) -> None:
                     if index == 0:
                         continue  # the run above
                     with forced_config(kernel, tile_set, head_dim, index):
-                        attention_case(report, "triton", name, layout, config=f"{kernel} {tile_set} #{index}",
-                                       extra={"forced": {"kernel": kernel, "tile_set": tile_set, "index": index,
-                                                         "num_warps": warps, "num_stages": stages}}, **case)
+                        attention_case(
+                            report,
+                            "triton",
+                            name,
+                            layout,
+                            config=f"{kernel} {tile_set} #{index}",
+                            extra={
+                                "forced": {
+                                    "kernel": kernel,
+                                    "tile_set": tile_set,
+                                    "index": index,
+                                    "num_warps": warps,
+                                    "num_stages": stages,
+                                }
+                            },
+                            **case,
+                        )
 
 
 # ---------------------------------------------------------------------- command line
@@ -317,21 +389,33 @@ def config_checks(report: Report, args, dtype: torch.dtype) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(p)
-    p.add_argument("--backend", choices=("triton", "cpp", "composite", "reference"), default=None,
-                   help="window_attention backend (None: the dispatcher's for the device and dtype)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="q/k/v dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS),
-                   help="which checks (configs: CUDA and the triton backend only)")
+    p.add_argument(
+        "--backend",
+        choices=("triton", "cpp", "composite", "reference"),
+        default=None,
+        help="window_attention backend (None: the dispatcher's for the device and dtype)",
+    )
+    p.add_argument(
+        "--dtype", choices=("auto", *DTYPES), default="auto", help="q/k/v dtype (auto: bf16 on CUDA, fp32 on CPU)"
+    )
+    p.add_argument(
+        "--checks",
+        nargs="+",
+        choices=CHECKS,
+        default=list(CHECKS),
+        help="which checks (configs: CUDA and the triton backend only)",
+    )
     add_batch_sizes(p, [2, 4, 8, 16], help="batch sizes the sequence is placed in")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="attention layouts")
     p.add_argument("--n", type=positive_int, default=None, help="context length N (None: 1024 on CUDA, 48 on CPU)")
     p.add_argument("--k", type=positive_int, default=None, help="window k (None: 4)")
-    p.add_argument("--dims", type=positive_int, nargs="+", default=None,
-                   help="head dims (None: 64 128 on CUDA, 32 64 on CPU)")
+    p.add_argument(
+        "--dims", type=positive_int, nargs="+", default=None, help="head dims (None: 64 128 on CUDA, 32 64 on CPU)"
+    )
     p.add_argument("--heads", type=positive_int, default=None, help="heads (None: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--teacher-n", type=positive_int, default=None,
-                   help="teacher context length (None: 256 on CUDA, 32 on CPU)")
+    p.add_argument(
+        "--teacher-n", type=positive_int, default=None, help="teacher context length (None: 256 on CUDA, 32 on CPU)"
+    )
     p.add_argument("--teacher-k", type=positive_int, default=4, help="teacher window k")
     add_seed(p)
     add_threads(p)
@@ -356,11 +440,22 @@ def execute(args) -> int:
     device = args.device
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = args.backend or default_backend(device, dtype, args.dims[0])
-    meta = {"argv": sys.argv, "device": str(device),
-            "backend": backend, "dtype": str(dtype).replace("torch.", ""), "n": args.n, "k": args.k, "dims": args.dims,
-            "heads": args.heads, "batch_sizes": args.batch_sizes, "checks": args.checks,
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(),
-            "settings": settings(device), "autotune_env": os.environ.get(AUTOTUNE_ENV)}
+    meta = {
+        "argv": sys.argv,
+        "device": str(device),
+        "backend": backend,
+        "dtype": str(dtype).replace("torch.", ""),
+        "n": args.n,
+        "k": args.k,
+        "dims": args.dims,
+        "heads": args.heads,
+        "batch_sizes": args.batch_sizes,
+        "checks": args.checks,
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": versions(),
+        "settings": settings(device),
+        "autotune_env": os.environ.get(AUTOTUNE_ENV),
+    }
     report = Report(args.json, meta, quiet=args.quiet)
     report.write()
     if "attention" in args.checks:
@@ -368,21 +463,32 @@ def execute(args) -> int:
         if backend == "triton":
             meta["autotuner_choices"] = autotuner_choices()
     if "teacher" in args.checks:
-        teacher.teacher_checks(report, device=device, dtype=dtype, n=args.teacher_n, k=args.teacher_k,
-                               batch_sizes=args.batch_sizes, seed=args.seed)
+        teacher.teacher_checks(
+            report,
+            device=device,
+            dtype=dtype,
+            n=args.teacher_n,
+            k=args.teacher_k,
+            batch_sizes=args.batch_sizes,
+            seed=args.seed,
+        )
     if "configs" in args.checks:
         if backend == "triton" and (device.type == "cuda" or env.triton_interpret()):
             if device.type != "cuda":
-                meta["configs_note"] = ("Triton's interpreter runs every launch with one fixed config: the sweep's "
-                                        "machinery is exercised, not the configs")
+                meta["configs_note"] = (
+                    "Triton's interpreter runs every launch with one fixed config: the sweep's "
+                    "machinery is exercised, not the configs"
+                )
             config_checks(report, args, dtype)
         else:
             meta["configs_skipped"] = f"needs the triton backend on CUDA (here: {backend} on {device})"
     report.data["complete"] = True
     report.write()
     failed = report.failures()
-    print(f"batch invariance: {len(report.data['checks'])} checks, {len(failed)} failing; "
-          f"summary {json.dumps(report.data['summary'])}")
+    print(
+        f"batch invariance: {len(report.data['checks'])} checks, {len(failed)} failing; "
+        f"summary {json.dumps(report.data['summary'])}"
+    )
     return 1 if failed else 0
 
 

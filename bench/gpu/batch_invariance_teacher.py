@@ -57,8 +57,9 @@ def positions(batch: int) -> list[int]:
 def teacher_model(device: torch.device, n: int, seed: int) -> KForcingLM:
     """Random-weight teacher: 4 x 512, head dim 64 on CUDA (the triton backend's D); the tiny preset on CPU."""
     if device.type == "cuda":
-        cfg = ModelConfig(vocab_size=8192, n_layer=4, n_head=8, n_embd=512, seq_len=n, noise_features=64,
-                          tau_features=8)
+        cfg = ModelConfig(
+            vocab_size=8192, n_layer=4, n_head=8, n_embd=512, seq_len=n, noise_features=64, tau_features=8
+        )
     else:
         cfg = ModelConfig(seq_len=n)
     model = KForcingLM(cfg)
@@ -82,9 +83,12 @@ def targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.T
         logits, _ = model.single_forward(tokens, z[..., :k], tau)
         ar_logits = model(tokens)
         second_stage = self_forcing_targets(model, tokens, z, tau)
-    return {"single_logits": logits, "single_inverse_cdf": inverse_cdf_sample(logits, u, tau[:, None,
-                                                                                             None].expand(u.shape)),
-            "self_forcing": second_stage, "ar_inverse_cdf": forward_distillation_targets(ar_logits, u[..., 0], tau)}
+    return {
+        "single_logits": logits,
+        "single_inverse_cdf": inverse_cdf_sample(logits, u, tau[:, None, None].expand(u.shape)),
+        "self_forcing": second_stage,
+        "ar_inverse_cdf": forward_distillation_targets(ar_logits, u[..., 0], tau),
+    }
 
 
 @contextlib.contextmanager
@@ -94,7 +98,7 @@ def tau_mlp_per_row(model: KForcingLM):
 
     def per_row(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([torch.nn.Sequential.forward(mlp, rows[i:i + 1]) for i in range(rows.shape[0])])
+        out = torch.cat([torch.nn.Sequential.forward(mlp, rows[i : i + 1]) for i in range(rows.shape[0])])
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     mlp.forward = per_row
@@ -114,25 +118,30 @@ def run_mode(mode: str, model: KForcingLM, inputs: list, autocast) -> dict[str, 
 
 def per_sample_targets(model: KForcingLM, tokens, z, u, tau, autocast) -> dict[str, torch.Tensor]:
     """The batch-invariant mode: :func:`targets` of each sequence alone, concatenated."""
-    parts = [targets(model, tokens[i:i + 1], z[i:i + 1], u[i:i + 1], tau[i:i + 1],
-                     autocast) for i in range(tokens.shape[0])]
+    parts = [
+        targets(model, tokens[i : i + 1], z[i : i + 1], u[i : i + 1], tau[i : i + 1], autocast)
+        for i in range(tokens.shape[0])
+    ]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
-def random_inputs(cfg: ModelConfig, batch: int, n: int, k: int, gen: torch.Generator,
-                  device: torch.device) -> list[torch.Tensor]:
+def random_inputs(
+    cfg: ModelConfig, batch: int, n: int, k: int, gen: torch.Generator, device: torch.device
+) -> list[torch.Tensor]:
     """[tokens [B, N], z [B, N, 2k], u [B, N, k], tau [B]] drawn on ``device``."""
-    return [torch.randint(0, cfg.vocab_size, (batch, n), generator=gen, device=device),
-            torch.rand(batch, n, 2 * k, generator=gen, device=device), torch.rand(batch, n, k, generator=gen,
-                                                                                  device=device),
-            0.7 + 0.6 * torch.rand(batch, generator=gen, device=device)]
+    return [
+        torch.randint(0, cfg.vocab_size, (batch, n), generator=gen, device=device),
+        torch.rand(batch, n, 2 * k, generator=gen, device=device),
+        torch.rand(batch, n, k, generator=gen, device=device),
+        0.7 + 0.6 * torch.rand(batch, generator=gen, device=device),
+    ]
 
 
 def compare(alone: dict, got: dict, pos: int) -> tuple[bool, dict, dict]:
     """(all equal, per-target detail, max abs logit diff) of the sequence at ``pos`` of ``got`` vs ``alone``."""
     detail, ok = {}, True
     for name, want in alone.items():
-        have = got[name][pos:pos + 1]
+        have = got[name][pos : pos + 1]
         equal = torch.equal(have, want)
         ok &= equal
         if name in TOKEN_TARGETS:
@@ -149,8 +158,15 @@ def leaf_calls(model: torch.nn.Module, run: Callable[[], object]) -> list[tuple]
     def hook(name):
         def record(module, inputs, output):
             first = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
-            calls.append((name, type(module).__name__, None if first is None else first.detach().clone(),
-                          output.detach().clone() if torch.is_tensor(output) else None))
+            calls.append(
+                (
+                    name,
+                    type(module).__name__,
+                    None if first is None else first.detach().clone(),
+                    output.detach().clone() if torch.is_tensor(output) else None,
+                )
+            )
+
         return record
 
     handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules() if not any(m.children())]
@@ -172,6 +188,7 @@ def first_divergent_module(model, one: list, batched: list, pos: int, autocast) 
         def run():
             with autocast():
                 model.single_forward(inputs[0], inputs[1][..., :k], inputs[3])
+
         return run
 
     alone, in_batch = leaf_calls(model, single(one)), leaf_calls(model, single(batched))
@@ -186,19 +203,27 @@ def first_divergent_module(model, one: list, batched: list, pos: int, autocast) 
         seen[name] += 1
         if out_a is None or out_b is None or out_b.shape[0] != batch or out_a.shape[0] != 1:
             continue
-        mine = out_b[pos:pos + 1]
+        mine = out_b[pos : pos + 1]
         if mine.shape != out_a.shape or torch.equal(mine, out_a):
             continue
-        input_equal = (in_a is not None and in_b is not None and in_b.shape[0] == batch
-                       and torch.equal(in_b[pos:pos + 1], in_a))
-        found = {"module": name, "type": kind, "input_equal": input_equal,
-                 "max_abs_diff": (mine.double() - out_a.double()).abs().max().item()}
+        input_equal = (
+            in_a is not None and in_b is not None and in_b.shape[0] == batch and torch.equal(in_b[pos : pos + 1], in_a)
+        )
+        found = {
+            "module": name,
+            "type": kind,
+            "input_equal": input_equal,
+            "max_abs_diff": (mine.double() - out_a.double()).abs().max().item(),
+        }
         if in_a is not None and in_b is not None:
             found["rows_alone"], found["rows_batched"] = in_a.numel() // in_a.shape[-1], in_b.numel() // in_b.shape[-1]
-        found["cause"] = (f"{kind} gives other bits for the same input when it computes {found.get('rows_batched')} "
-                          "rows "
-                          f"instead of {found.get('rows_alone')} (a kernel chosen by matrix size)" if input_equal else
-                          "its input already differed: an op outside the leaf modules before it changed first")
+        found["cause"] = (
+            f"{kind} gives other bits for the same input when it computes {found.get('rows_batched')} "
+            "rows "
+            f"instead of {found.get('rows_alone')} (a kernel chosen by matrix size)"
+            if input_equal
+            else "its input already differed: an op outside the leaf modules before it changed first"
+        )
         return found
     return None
 
@@ -221,8 +246,11 @@ def oracle_check(model: KForcingLM, one: list, alone: dict, autocast, dtype: tor
             ref_same = same.single_forward(one[0], one[1][..., :k], one[3])[0]
     err = (alone["single_logits"].double() - want).abs().max().item()
     bound = 2 * (ref_same.double() - want).abs().max().item() + LOGIT_FLOOR[dtype]
-    return {"pass": bool(torch.isfinite(alone["single_logits"]).all()) and err <= bound,
-            "err": {"single_logits": err}, "bound": {"single_logits": bound}}
+    return {
+        "pass": bool(torch.isfinite(alone["single_logits"]).all()) and err <= bound,
+        "err": {"single_logits": err},
+        "bound": {"single_logits": bound},
+    }
 
 
 def _seconds(run: Callable[[], object], device: torch.device, reps: int = 3) -> float:
@@ -242,12 +270,16 @@ def _seconds(run: Callable[[], object], device: torch.device, reps: int = 3) -> 
 def throughput(model, inputs: list, autocast, device: torch.device) -> dict:
     """Seconds for all targets of one batch in each mode (best of 3), and the per-sample mode's slowdown."""
     seconds = {mode: _seconds(lambda mode=mode: run_mode(mode, model, inputs, autocast), device) for mode in MODES}
-    return {"batch": inputs[0].shape[0], **{f"{mode}_s": s for mode, s in seconds.items()},
-            "per_sample_slowdown": seconds["per_sample"] / seconds["batched"]}
+    return {
+        "batch": inputs[0].shape[0],
+        **{f"{mode}_s": s for mode, s in seconds.items()},
+        "per_sample_slowdown": seconds["per_sample"] / seconds["batched"],
+    }
 
 
-def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optional[int], k: int,
-                   batch_sizes: list[int], seed: int) -> None:
+def teacher_checks(
+    report, *, device: torch.device, dtype: torch.dtype, n: Optional[int], k: int, batch_sizes: list[int], seed: int
+) -> None:
     """Records ``teacher_vs_reference`` (the batch-1 logits), then ``teacher`` per (mode, batch, position)."""
 
     n = n or (256 if device.type == "cuda" else 32)
@@ -257,9 +289,14 @@ def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optio
     one = random_inputs(model.config, 1, n, k, gen, device)
     alone = targets(model, *one, autocast)
     precision = "fp32" if dtype == torch.float32 else f"{str(dtype).replace('torch.', '')} autocast"
-    base = {"n": n, "k": k, "precision": precision, "device": str(device),
-            "model": {f: getattr(model.config, f) for f in ("vocab_size", "n_layer", "n_head", "n_embd")},
-            "attention_backend": model.config.attention_backend or "dispatcher default"}
+    base = {
+        "n": n,
+        "k": k,
+        "precision": precision,
+        "device": str(device),
+        "model": {f: getattr(model.config, f) for f in ("vocab_size", "n_layer", "n_head", "n_embd")},
+        "attention_backend": model.config.attention_backend or "dispatcher default",
+    }
     report.add({"check": "teacher_vs_reference", **base, **oracle_check(model, one, alone, autocast, dtype)})
     for batch in batch_sizes:
         others = random_inputs(model.config, batch - 1, n, k, gen, device)
@@ -267,8 +304,17 @@ def teacher_checks(report, *, device: torch.device, dtype: torch.dtype, n: Optio
             batched = [torch.cat([o[:pos], t, o[pos:]]) for o, t in zip(others, one)]
             for mode in MODES:
                 ok, detail, logit_diff = compare(alone, run_mode(mode, model, batched, autocast), pos)
-                record = {"check": "teacher", **base, "mode": mode, "batch": batch, "position": pos, "pass": ok,
-                          "observation": mode != "per_sample", "targets": detail, "max_abs_diff": logit_diff}
+                record = {
+                    "check": "teacher",
+                    **base,
+                    "mode": mode,
+                    "batch": batch,
+                    "position": pos,
+                    "pass": ok,
+                    "observation": mode != "per_sample",
+                    "targets": detail,
+                    "max_abs_diff": logit_diff,
+                }
                 if mode != "per_sample" and not ok:
                     with tau_mlp_per_row(model) if mode == "batched_tau_per_row" else contextlib.nullcontext():
                         record["first_divergent_module"] = first_divergent_module(model, one, batched, pos, autocast)
@@ -291,9 +337,11 @@ def summarize(checks: list[dict]) -> dict:
             named = (c.get("first_divergent_module") or {}).get("module")
             if named:
                 modules[named] = modules.get(named, 0) + 1
-        found[mode] = {"invariant": all(c["pass"] for c in records), "records": len(records),
-                       "max_logit_diff": max((c["max_abs_diff"]["single_logits"] for c in records), default=0.0),
-                       "tokens_differing": sum(t.get("tokens_differing",
-                                                     0) for c in records for t in c["targets"].values()),
-                       "first_divergent_modules": modules}
+        found[mode] = {
+            "invariant": all(c["pass"] for c in records),
+            "records": len(records),
+            "max_logit_diff": max((c["max_abs_diff"]["single_logits"] for c in records), default=0.0),
+            "tokens_differing": sum(t.get("tokens_differing", 0) for c in records for t in c["targets"].values()),
+            "first_divergent_modules": modules,
+        }
     return found

@@ -47,8 +47,15 @@ CALL_LIMITS_S = {1: 480, 2: 240}  # the planned calls: what their steps' budgets
 DRY_CAP_S = 300  # per step in the dry run (the Triton interpreter on 2 busy cores)
 MIN_STEP_S = 20  # a step with less time left than this is skipped
 # Switches a step must not inherit (the variants set their own; the dry run sets TRITON_INTERPRET itself).
-CLEARED_ENV = ("TRITON_INTERPRET", "KFORCING_BACKEND", "KFORCING_TRITON_TILES", "KFORCING_TRITON_KERNELS",
-               "KFORCING_TRITON_PREFETCH", "KFORCING_FLEX_BACKEND", "KFORCING_DISPATCH_TABLE")
+CLEARED_ENV = (
+    "TRITON_INTERPRET",
+    "KFORCING_BACKEND",
+    "KFORCING_TRITON_TILES",
+    "KFORCING_TRITON_KERNELS",
+    "KFORCING_TRITON_PREFETCH",
+    "KFORCING_FLEX_BACKEND",
+    "KFORCING_DISPATCH_TABLE",
+)
 
 
 # ---------------------------------------------------------------------- commands
@@ -69,7 +76,7 @@ def expand(argv: tuple[str, ...], work: str, root: str = ROOT) -> list[str]:
         while "{test:" in a:
             start = a.index("{test:")
             end = a.index("}", start)
-            a = a[:start] + find_test(a[start + 6:end], root) + a[end + 1:]
+            a = a[:start] + find_test(a[start + 6 : end], root) + a[end + 1 :]
         out.append(a.replace("{work}", work))
     return out
 
@@ -191,8 +198,9 @@ class _Tee:
 def _gpu_state(say) -> None:
     if shutil.which("nvidia-smi"):
         query = "name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used,utilization.gpu"
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv"], capture_output=True, text=True, timeout=20
+        )
         say(out.stdout.strip())
 
 
@@ -205,9 +213,11 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
     deadline = None if dry or budget_s is None else time.monotonic() + budget_s
     env = _child_env(dry)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    say(f"gpu-check {label}: {len(steps)} step(s), planned {sum(s.budget_s for s in steps)} s"
+    say(
+        f"gpu-check {label}: {len(steps)} step(s), planned {sum(s.budget_s for s in steps)} s"
         f"{'' if deadline is None else f', deadline {budget_s:.0f} s'}{', DRY RUN (CPU)' if dry else ''}; "
-        f"root {ROOT} at {commit or '(not a git checkout)'}; work {work}; python {sys.executable}")
+        f"root {ROOT} at {commit or '(not a git checkout)'}; work {work}; python {sys.executable}"
+    )
     if not dry:
         _gpu_state(say)
     summary, banked, failed = [], 0.0, 0
@@ -226,8 +236,10 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
         if deadline is not None:
             cap = min(cap, deadline - time.monotonic())
         log_path = os.path.join(work, f"{step.name}.log")
-        say(f"==================== [{step.name}] call {step.call}, budget {step.budget_s} s, cap {cap:.0f} s, "
-            f"elapsed {time.monotonic() - started:.0f} s" + "".join(f"; {n}" for n in notes))
+        say(
+            f"==================== [{step.name}] call {step.call}, budget {step.budget_s} s, cap {cap:.0f} s, "
+            f"elapsed {time.monotonic() - started:.0f} s" + "".join(f"; {n}" for n in notes)
+        )
         if cap < MIN_STEP_S:
             say(f"[{step.name}] SKIPPED: {cap:.0f} s left")
             summary.append({"step": step.name, "rc": None, "seconds": 0, "skipped": "no time left", "notes": notes})
@@ -240,8 +252,9 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
         say(f"[{step.name}] rc={rc}{' (TIMED OUT)' if rc == 124 else ''}, {seconds:.0f} s")
         if not dry:
             banked = max(0.0, step.budget_s + banked - seconds)
-        summary.append({"step": step.name, "rc": rc, "seconds": round(seconds, 1), "budget_s": step.budget_s,
-                        "notes": notes})
+        summary.append(
+            {"step": step.name, "rc": rc, "seconds": round(seconds, 1), "budget_s": step.budget_s, "notes": notes}
+        )
         failed = failed or rc != 0
         with open(os.path.join(work, f"summary_{label}.json"), "w") as f:
             json.dump({"label": label, "dry_run": dry, "commit": commit, "steps": summary}, f, indent=1)
@@ -258,16 +271,28 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--call", type=int, choices=sorted(CALL_LIMITS_S), default=1, help="which planned call to run")
-    p.add_argument("--only", nargs="+", metavar="STEP", default=None,
-                   help="run only these steps (of any call, extras included), in plan order")
-    p.add_argument("--dry-run", action="store_true",
-                   help="every step of every call and the extras on CPU with its dry_argv (tiny shapes, fp32, the "
-                        "Triton interpreter); exit 1 if any fails")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="STEP",
+        default=None,
+        help="run only these steps (of any call, extras included), in plan order",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every step of every call and the extras on CPU with its dry_argv (tiny shapes, fp32, the "
+        "Triton interpreter); exit 1 if any fails",
+    )
     p.add_argument("--list", action="store_true", help="print the plan and exit")
     p.add_argument("--out", default=None, help="where the log and the tarball go (default: $OUT, else ./gpu-out)")
     p.add_argument("--work", default=None, help="the steps' files (default: a new temporary folder)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="the call's deadline in seconds (default: the sum of its steps' budgets)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the call's deadline in seconds (default: the sum of its steps' budgets)",
+    )
 
 
 def print_plan() -> None:
@@ -277,8 +302,9 @@ def print_plan() -> None:
         limit = CALL_LIMITS_S.get(call)
         print(f"{name}: {total} s planned" + (f" (limit {limit} s)" if limit else ""))
         for s in steps_of(call):
-            flags = (" [PLACEHOLDER]" if s.placeholder else "") + (f" [pending: {' '.join(s.pending)}]" if s.pending
-                                                                  else "")
+            flags = (" [PLACEHOLDER]" if s.placeholder else "") + (
+                f" [pending: {' '.join(s.pending)}]" if s.pending else ""
+            )
             print(f"  {s.name:17s} {s.budget_s:4d} s  python {' '.join(s.argv)}{flags}")
             print(f"  {'':17s}         {s.note}")
 
@@ -305,8 +331,8 @@ def execute(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench gpu-check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return execute(p.parse_args(argv))
-

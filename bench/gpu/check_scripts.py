@@ -44,17 +44,29 @@ def versions(dry: bool) -> int:
             if name in required:
                 missing.append(name)
     if missing:
-        print(f"REQUIRED PACKAGES MISSING: {', '.join(missing)}. The check installs nothing (no network); "
-              "the steps that need them fail.")
+        print(
+            f"REQUIRED PACKAGES MISSING: {', '.join(missing)}. The check installs nothing (no network); "
+            "the steps that need them fail."
+        )
     import torch
 
-    print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
-          "cuda available:", torch.cuda.is_available())
+    print(
+        "torch",
+        torch.__version__,
+        "cuda",
+        torch.version.cuda,
+        "cudnn",
+        torch.backends.cudnn.version(),
+        "cuda available:",
+        torch.cuda.is_available(),
+    )
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info()
-        print(f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
-              f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free), {torch.cuda.device_count()} device(s)")
+        print(
+            f"device 0: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+            f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free), {torch.cuda.device_count()} device(s)"
+        )
     try:
         import triton
 
@@ -117,10 +129,16 @@ def smoke(dry: bool) -> int:
             ours = run(q, k, v, layout, dout, backend, grads)
             sync()
             first_s = time.perf_counter() - t0
-            ref64 = run(*(t.detach().double().requires_grad_(grads) for t in (q, k, v)), layout, dout.double(),
-                        "reference", grads)
-            ref_lp = run(*(t.detach().clone().requires_grad_(grads) for t in (q, k, v)), layout, dout, "reference",
-                         grads)
+            ref64 = run(
+                *(t.detach().double().requires_grad_(grads) for t in (q, k, v)),
+                layout,
+                dout.double(),
+                "reference",
+                grads,
+            )
+            ref_lp = run(
+                *(t.detach().clone().requires_grad_(grads) for t in (q, k, v)), layout, dout, "reference", grads
+            )
             repeat_ok = True
             for _ in range(1 if dry else 3):
                 again = run(q, k, v, layout, dout, backend, grads)
@@ -143,19 +161,24 @@ def smoke(dry: bool) -> int:
             ok &= good
             parts.append(f"{what} {err:.1e}/{torch_err:.1e}{'' if finite else ' NONFINITE'}{'' if good else ' BAD'}")
         failures += not ok
-        print(f"{label}: first call {first_s:5.1f}s | max err ours/torch-same-dtype vs fp64: {', '.join(parts)} | "
-              f"bitwise repeatable: {repeat_ok} | {'OK' if ok else 'FAIL'}", flush=True)
+        print(
+            f"{label}: first call {first_s:5.1f}s | max err ours/torch-same-dtype vs fp64: {', '.join(parts)} | "
+            f"bitwise repeatable: {repeat_ok} | {'OK' if ok else 'FAIL'}",
+            flush=True,
+        )
 
     if dry:  # the same calls on fewer, smaller cases: each interpreted fwd + bwd takes seconds
-        cases = [("single N=4 k=4", WindowLayout.kforcing_single(4, 4)),
-                 ("double N=2 k=12 (tiles)", WindowLayout.kforcing_double(2, 12))]
+        cases = [
+            ("single N=4 k=4", WindowLayout.kforcing_single(4, 4)),
+            ("double N=2 k=12 (tiles)", WindowLayout.kforcing_double(2, 12)),
+        ]
         big, big_name, dims, tile_cases = WindowLayout.kforcing_single(8, 4), "single N=8 k=4 H=2", (64,), cases[:1]
     else:
         cases = [
-            ("single N=256 k=4", WindowLayout.kforcing_single(256, 4)),         # slot mode (w <= 16)
-            ("double N=128 k=4", WindowLayout.kforcing_double(128, 4)),         # slot mode, two streams
+            ("single N=256 k=4", WindowLayout.kforcing_single(256, 4)),  # slot mode (w <= 16)
+            ("double N=128 k=4", WindowLayout.kforcing_double(128, 4)),  # slot mode, two streams
             ("double N=64 k=12 (tiles)", WindowLayout.kforcing_double(64, 12)),  # w = 24: tile mode with streams
-            ("sbd N=300 b=7", WindowLayout.sbd(300, 7)),                        # full intra, short last window
+            ("sbd N=300 b=7", WindowLayout.sbd(300, 7)),  # full intra, short last window
         ]
         big, big_name = WindowLayout.kforcing_single(1024, 4), "single N=1024 k=4 H=16"
         dims, tile_cases = (128, 64), cases[:3]
@@ -201,8 +224,10 @@ def int64_offsets(dry: bool) -> int:
     # Peak: q, k, v, out, dout, dq, dk, dv (bf16), the fp32 slot partial, lse/delta.
     need = 8 * elems * 2 + batch * heads * window_rows * d * 4 + 2 * batch * heads * layout.n_queries * 4
     free = need * 2 + 2**32 if dry else torch.cuda.mem_get_info()[0]
-    print(f"B={batch} H={heads} L={layout.n_queries} D={d}: {elems} elements per tensor (2^31 = {2**31}); "
-          f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    print(
+        f"B={batch} H={heads} L={layout.n_queries} D={d}: {elems} elements per tensor (2^31 = {2**31}); "
+        f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    )
     if free < need * 1.1 + 2 * 2**30:
         print("int64 offsets: SKIPPED (not enough free GPU memory)")
         return 0
@@ -220,16 +245,16 @@ def int64_offsets(dry: bool) -> int:
         torch.cuda.synchronize()
 
     def reference(b, precision):
-        qr, kr, vr = (t[b:b + 1].detach().to(precision).requires_grad_(True) for t in (q, k, v))
+        qr, kr, vr = (t[b : b + 1].detach().to(precision).requires_grad_(True) for t in (q, k, v))
         ro, rl = window_attention(qr, kr, vr, layout, backend="reference", return_lse=True)
-        return (ro, rl, *torch.autograd.grad(ro, (qr, kr, vr), dout[b:b + 1].to(precision)))
+        return (ro, rl, *torch.autograd.grad(ro, (qr, kr, vr), dout[b : b + 1].to(precision)))
 
     bad = 0
     for b in (0, batch - 1):
         ref64, ref_lp = reference(b, torch.float64), reference(b, dtype)
         parts = []
         for what, a, r, c in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref64, ref_lp):
-            a = a[b:b + 1]
+            a = a[b : b + 1]
             err = (a.double() - r).abs().max().item()
             torch_err = (c.double() - r).abs().max().item()
             good = bool(torch.isfinite(a).all()) and err <= 2 * torch_err + (1e-3 if dry else 8e-3)
@@ -251,7 +276,7 @@ def sampler(dry: bool) -> int:
     print(f"sampler backend on {dev.type}:", sampling.sampler_backend(dev))
     g = torch.Generator(device=dev).manual_seed(0)
     fails = 0
-    for vocab in ((7, 300) if dry else (7, 2500, 152064)):
+    for vocab in (7, 300) if dry else (7, 2500, 152064):
         for dtype in (torch.float32, torch.bfloat16):
             for tau in (0.3, 1.0):
                 logits = (torch.randn(rows, vocab, device=dev, generator=g) * 3).to(dtype)
@@ -265,8 +290,10 @@ def sampler(dry: bool) -> int:
                 round_trip = int((sampling.inverse_cdf_sample(logits, z_back, tau) != got).sum())
                 # A lone mismatch can be a 1-ulp float64 difference at a bin edge; more than 2 of 256 is a bug.
                 fails += mismatch > 2 or round_trip > 2
-                print(f"V={vocab:6d} {str(dtype)[6:]:8s} tau={tau}: {mismatch}/{rows} differ from the torch float64 "
-                      f"reference, {round_trip}/{rows} noise-inversion round trips fail")
+                print(
+                    f"V={vocab:6d} {str(dtype)[6:]:8s} tau={tau}: {mismatch}/{rows} differ from the torch float64 "
+                    f"reference, {round_trip}/{rows} noise-inversion round trips fail"
+                )
     if not dry:
         torch.cuda.synchronize()
     print("sampler:", "FAIL" if fails else "OK")
@@ -286,4 +313,3 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     return SCRIPTS[args.script](args.dry_run)
-

@@ -26,21 +26,33 @@ CANDIDATES = dispatch.BENCH_METHOD  # backend -> the bench method that measures 
 def rows_from_report(report: dict, command: str) -> list[dict]:
     """The table rows a triton_gpu report decides (see the module docstring)."""
     machine = report["machine"]
-    provenance = {"gpu": machine.get("cuda") or report["capability"], "torch": machine["torch"],
-                  "triton": machine.get("triton") or "none", "date": machine["timestamp"],
-                  "command": f"{command} ({report['command']})" if command else report["command"]}
+    provenance = {
+        "gpu": machine.get("cuda") or report["capability"],
+        "torch": machine["torch"],
+        "triton": machine.get("triton") or "none",
+        "date": machine["timestamp"],
+        "command": f"{command} ({report['command']})" if command else report["command"],
+    }
     if machine.get("git_commit"):
         provenance["commit"] = machine["git_commit"] + ("-dirty" if machine.get("git_dirty") else "")
     dtype = "float32" if report["config"].get("dry_run") else "bfloat16"
     by_key: dict = {}
     for r in report["rows"]:
-        times = {backend: r["results"][method]["fwd_bwd_ms"] for backend, method in CANDIDATES.items()
-                 if r["results"].get(method, {}).get("fwd_bwd_ms")}
+        times = {
+            backend: r["results"][method]["fwd_bwd_ms"]
+            for backend, method in CANDIDATES.items()
+            if r["results"].get(method, {}).get("fwd_bwd_ms")
+        }
         if len(times) < 2:
             continue  # one side missing (failed, or a CPU dry run's flex without backward): decides nothing
         layout = LAYOUTS[r["layout"]](r["n"], r["k"])
-        key = (report["capability"], dtype, r["dim"], dispatch.length_bucket(layout.n_ctx),
-               dispatch.layout_family(layout))
+        key = (
+            report["capability"],
+            dtype,
+            r["dim"],
+            dispatch.length_bucket(layout.n_ctx),
+            dispatch.layout_family(layout),
+        )
         winner = min(times, key=times.get)
         entry = by_key.setdefault(key, {"winners": set(), "fwd_bwd_ms": {}})
         entry["winners"].add(winner)
@@ -49,10 +61,23 @@ def rows_from_report(report: dict, command: str) -> list[dict]:
     rows = []
     for (cap, dt, dim, bucket, family), entry in by_key.items():
         backend = entry["winners"].pop() if len(entry["winners"]) == 1 else "triton"
-        ms = {method: min(v for k, v in entry["fwd_bwd_ms"].items() if k.startswith(method + " "))
-              for method in CANDIDATES.values()}
-        rows.append({"capability": cap, "dtype": dt, "head_dim": dim, "length_bucket": bucket, "family": family,
-                     "backend": backend, "fwd_bwd_ms": ms, "measured": entry["fwd_bwd_ms"], "provenance": provenance})
+        ms = {
+            method: min(v for k, v in entry["fwd_bwd_ms"].items() if k.startswith(method + " "))
+            for method in CANDIDATES.values()
+        }
+        rows.append(
+            {
+                "capability": cap,
+                "dtype": dt,
+                "head_dim": dim,
+                "length_bucket": bucket,
+                "family": family,
+                "backend": backend,
+                "fwd_bwd_ms": ms,
+                "measured": entry["fwd_bwd_ms"],
+                "provenance": provenance,
+            }
+        )
     return rows
 
 
@@ -73,7 +98,9 @@ def main(argv=None) -> int:
         table = dispatch.empty_table()
     path = dispatch.write(dispatch.merge(table, rows), out)
     for row in rows:
-        print(f"dispatch table: sm {row['capability']} {row['dtype']} D={row['head_dim']} N<={row['length_bucket']} "
-              f"{row['family']}: {row['backend']} (fwd+bwd ms {row['fwd_bwd_ms']})")
+        print(
+            f"dispatch table: sm {row['capability']} {row['dtype']} D={row['head_dim']} N<={row['length_bucket']} "
+            f"{row['family']}: {row['backend']} (fwd+bwd ms {row['fwd_bwd_ms']})"
+        )
     print(f"dispatch table: {len(rows)} row(s) written to {path}")
     return 0

@@ -84,11 +84,14 @@ def variant_problem(assignments: dict) -> str | None:
                     flex.kernel_options()
                 except ValueError as exc:
                     return str(exc)
-            if value == "FLASH" and (importlib.util.find_spec("flash_attn") is None
-                                     or importlib.util.find_spec("flash_attn.cute") is None):
-                return ("KFORCING_FLEX_BACKEND=FLASH needs the flash-attn-4 package (flash_attn.cute), "
-                        "not installed here")
+            if value == "FLASH" and (
+                importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None
+            ):
+                return (
+                    "KFORCING_FLEX_BACKEND=FLASH needs the flash-attn-4 package (flash_attn.cute), not installed here"
+                )
             if not torch.cuda.is_available():
-                return (f"KFORCING_FLEX_BACKEND={value}: FlexAttention's kernel choice applies to compiled CUDA "
-                        "runs only")
+                return (
+                    f"KFORCING_FLEX_BACKEND={value}: FlexAttention's kernel choice applies to compiled CUDA runs only"
+                )
     return None

@@ -22,20 +22,32 @@ def rows(args, time_ms) -> list[dict]:
             tau = 0.8
             methods = {
                 "triton": lambda logits=logits, z=z, tau=tau: sampling.inverse_cdf_sample(logits, z, tau),
-                "softmax+cumsum+searchsorted fp32": lambda logits=logits, z=z,
-                tau=tau: softmax_cumsum_searchsorted(logits, z, tau, torch.float32),
-                "softmax+cumsum+searchsorted fp64": lambda logits=logits, z=z,
-                tau=tau: softmax_cumsum_searchsorted(logits, z, tau, torch.float64),
+                "softmax+cumsum+searchsorted fp32": lambda logits=logits, z=z, tau=tau: softmax_cumsum_searchsorted(
+                    logits, z, tau, torch.float32
+                ),
+                "softmax+cumsum+searchsorted fp64": lambda logits=logits, z=z, tau=tau: softmax_cumsum_searchsorted(
+                    logits, z, tau, torch.float64
+                ),
             }
             times = {name: time_ms(fn) for name, fn in methods.items()}
-            agree = float((methods["triton"]() == sampling.inverse_cdf_sample_reference(logits, z,
-                                                                                        tau)).double().mean())
+            agree = float(
+                (methods["triton"]() == sampling.inverse_cdf_sample_reference(logits, z, tau)).double().mean()
+            )
             read_gb = logits.numel() * logits.element_size() / 1e9
-            row = {"vocab": vocab, "rows": n_rows, "backend": sampling.sampler_backend("cuda"), "ms": times,
-                   "logits_read_gb_per_s": {name: read_gb / (ms / 1e3) for name, ms in times.items()},
-                   "agreement_with_fp64_reference": agree}
+            row = {
+                "vocab": vocab,
+                "rows": n_rows,
+                "backend": sampling.sampler_backend("cuda"),
+                "ms": times,
+                "logits_read_gb_per_s": {name: read_gb / (ms / 1e3) for name, ms in times.items()},
+                "agreement_with_fp64_reference": agree,
+            }
             rows.append(row)
-            print(f"sampler V={vocab} rows={n_rows}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items())
-                  + f" | triton x{times['softmax+cumsum+searchsorted fp32'] / times['triton']:.1f} vs fp32; "
-                  f"agrees with fp64 on {agree:.4f}", flush=True)
+            print(
+                f"sampler V={vocab} rows={n_rows}: "
+                + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items())
+                + f" | triton x{times['softmax+cumsum+searchsorted fp32'] / times['triton']:.1f} vs fp32; "
+                f"agrees with fp64 on {agree:.4f}",
+                flush=True,
+            )
     return rows

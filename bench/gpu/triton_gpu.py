@@ -133,8 +133,10 @@ def _use_wide_dkdv(spec: str | None) -> None:
     want = _WIDE_DKDV_DEFAULT[0]
     if spec is not None:
         keys, step, configs = spec.split(":")
-        want = (dataclasses.replace(want[0], block_n_dkdv=int(keys), block_m_dkdv=int(step)),
-                [tuple(int(x) for x in c.split(".")) for c in configs.split(",")])
+        want = (
+            dataclasses.replace(want[0], block_n_dkdv=int(keys), block_m_dkdv=int(step)),
+            [tuple(int(x) for x in c.split(".")) for c in configs.split(",")],
+        )
     if (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)]) != want:
         tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)] = want[0], list(want[1])
         tk._tuned.clear()  # autotuners are keyed by the tile set's name, not its tiles
@@ -157,12 +159,20 @@ def _methods(layout, q, kk, v, args, extras):
     pairs = int(layout.num_pairs())
     out = {}
     for spec in args.wide_dkdv if "triton" in args.methods else ():
-        out[f"triton[dkdv {spec}]"] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
-                                       functools.partial(_setting, "wide", wide_dkdv=spec))
+        out[f"triton[dkdv {spec}]"] = (
+            lambda: window_attention(q, kk, v, layout, backend="triton"),
+            (q, kk, v),
+            pairs,
+            functools.partial(_setting, "wide", wide_dkdv=spec),
+        )
     for tiles in args.triton_tiles if "triton" in args.methods else ():
         name = "triton" if tiles == "auto" else f"triton[{tiles}]"
-        out[name] = (lambda: window_attention(q, kk, v, layout, backend="triton"), (q, kk, v), pairs,
-                     functools.partial(_setting, tiles, wide_dkdv=None if args.wide_dkdv else False))
+        out[name] = (
+            lambda: window_attention(q, kk, v, layout, backend="triton"),
+            (q, kk, v),
+            pairs,
+            functools.partial(_setting, tiles, wide_dkdv=None if args.wide_dkdv else False),
+        )
     for vname, assignments in getattr(args, "variant_list", ()):
         backend = variant_backend(assignments)
         if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
@@ -170,8 +180,12 @@ def _methods(layout, q, kk, v, args, extras):
         if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
             continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
-        out[f"{backend}[{vname}]"] = (lambda backend=backend: window_attention(q, kk, v, layout, backend=backend),
-                                      (q, kk, v), pairs, functools.partial(_setting, extra=assignments))
+        out[f"{backend}[{vname}]"] = (
+            lambda backend=backend: window_attention(q, kk, v, layout, backend=backend),
+            (q, kk, v),
+            pairs,
+            functools.partial(_setting, extra=assignments),
+        )
     if "flex" in args.methods:
         from kforcing_kernels.ops.window_attention import flex as flex_backend
 
@@ -181,8 +195,10 @@ def _methods(layout, q, kk, v, args, extras):
     if "flex_backend" in args.methods:
         out["flex_backend"] = (lambda: window_attention(q, kk, v, layout, backend="flex"), (q, kk, v), pairs)
     lc = equivalent_causal_length(pairs)
-    qc, kc, vc = (torch.randn(q.shape[0], q.shape[1], lc, q.shape[3], device=q.device, dtype=q.dtype)
-                  .requires_grad_(True) for _ in range(3))
+    qc, kc, vc = (
+        torch.randn(q.shape[0], q.shape[1], lc, q.shape[3], device=q.device, dtype=q.dtype).requires_grad_(True)
+        for _ in range(3)
+    )
     causal_pairs = lc * (lc + 1) // 2
     if "sdpa_flash_causal" in args.methods:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -226,8 +242,13 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
             if dev.type == "cpu" and name in NO_CPU_BACKWARD:  # forward only: FlexAttention has no CPU backward
                 with torch.no_grad():
                     fwd_ms = timer(fwd)
-                rows[name] = {"fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_ms": None,
-                              "fwd_bwd_tflops": None, "note": "forward only: FlexAttention has no CPU backward"}
+                rows[name] = {
+                    "fwd_ms": fwd_ms,
+                    "fwd_tflops": flops / fwd_ms / 1e9,
+                    "fwd_bwd_ms": None,
+                    "fwd_bwd_tflops": None,
+                    "note": "forward only: FlexAttention has no CPU backward",
+                }
                 continue
             dout = torch.randn_like(fwd())
 
@@ -241,12 +262,18 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             torch.cuda.empty_cache()
             continue
-        rows[name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms, "fwd_tflops": flops / fwd_ms / 1e9,
-                      "fwd_bwd_tflops": FWD_BWD_FACTOR * flops / fb_ms / 1e9}
+        rows[name] = {
+            "fwd_ms": fwd_ms,
+            "fwd_bwd_ms": fb_ms,
+            "fwd_tflops": flops / fwd_ms / 1e9,
+            "fwd_bwd_tflops": FWD_BWD_FACTOR * flops / fb_ms / 1e9,
+        }
         if getattr(args, "warm", False):  # first calls: compile + autotune; no timings worth keeping
             rows[name] = {"first_calls_s": time.perf_counter() - started}
-            print(f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s",
-                  flush=True)
+            print(
+                f"warm: {name} {layout_name} N={n} k={k} D={d}: first calls {rows[name]['first_calls_s']:.1f} s",
+                flush=True,
+            )
     stack.close()
     ratios = {}
     if "triton" in rows:
@@ -254,10 +281,22 @@ def bench_one(layout_name, n, k, d, args, extras) -> dict:
             if other != "triton":
                 for phase in ("fwd", "fwd_bwd"):
                     if rows[other].get(f"{phase}_tflops") and rows["triton"].get(f"{phase}_tflops"):
-                        ratios[f"{phase}_vs_{other}"] = (rows["triton"][f"{phase}_tflops"]
-                                                         / rows[other][f"{phase}_tflops"])
-    return {"layout": layout_name, "n": n, "k": k, "dim": d, "batch": b, "heads": h, "pairs": int(layout.num_pairs()),
-            "causal_equivalent_len": lc, "results": rows, "errors": errors, "ratios": ratios}
+                        ratios[f"{phase}_vs_{other}"] = (
+                            rows["triton"][f"{phase}_tflops"] / rows[other][f"{phase}_tflops"]
+                        )
+    return {
+        "layout": layout_name,
+        "n": n,
+        "k": k,
+        "dim": d,
+        "batch": b,
+        "heads": h,
+        "pairs": int(layout.num_pairs()),
+        "causal_equivalent_len": lc,
+        "results": rows,
+        "errors": errors,
+        "ratios": ratios,
+    }
 
 
 def format_row(r: dict) -> str:
@@ -299,36 +338,68 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--triton-tiles", nargs="+", choices=("auto", *TILE_SETS), default=["auto"],
-                   help="tile sets to run triton with (auto: the dispatcher's choice)")
-    p.add_argument("--wide-dkdv", nargs="*", default=[], metavar="KEYS:STEP:W.S,...",
-                   help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
-                        "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2")
-    p.add_argument("--variants", default=None, metavar="FILE",
-                   help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... "
-                        "(bench/gpu/gpu_variants.txt); "
-                        "a variant this checkout cannot run (unknown variable or tile set) is skipped with the reason")
-    p.add_argument("--warm", action="store_true",
-                   help="call every method once (forward, forward + backward) to compile and autotune; time nothing "
-                        "(bench/gpu/gpu_check.sh's first step: later steps reuse the disk caches)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="CPU, tiny shapes, fp32, each method called once "
-                        "(bench/gpu/gpu_check.sh --dry-run; no numbers)")
-    p.add_argument("--slot-window-max", type=int, default=None,
-                   help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
-                        "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)")
+    p.add_argument(
+        "--triton-tiles",
+        nargs="+",
+        choices=("auto", *TILE_SETS),
+        default=["auto"],
+        help="tile sets to run triton with (auto: the dispatcher's choice)",
+    )
+    p.add_argument(
+        "--wide-dkdv",
+        nargs="*",
+        default=[],
+        metavar="KEYS:STEP:W.S,...",
+        help="extra triton runs with the wide D=128 set's dK/dV tiles replaced (keys per program, "
+        "query rows per step, autotuned warps.stages), e.g. 64:32:8.1,8.2",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        metavar="FILE",
+        help="extra triton runs, one per line of FILE: NAME KFORCING_VAR=VALUE ... "
+        "(bench/gpu/gpu_variants.txt); "
+        "a variant this checkout cannot run (unknown variable or tile set) is skipped with the reason",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="call every method once (forward, forward + backward) to compile and autotune; time nothing "
+        "(bench/gpu/gpu_check.sh's first step: later steps reuse the disk caches)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, fp32, each method called once (bench/gpu/gpu_check.sh --dry-run; no numbers)",
+    )
+    p.add_argument(
+        "--slot-window-max",
+        type=int,
+        default=None,
+        help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
+        "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)",
+    )
     p.add_argument("--dense-max-elems", type=int, default=2**30, help="skip dense_sdpa above Lq*Lk mask elements")
     p.add_argument("--train-step", action="store_true", help="time the self-forcing training step instead")
     p.add_argument("--train-preset", default="paper", help="model preset for --train-step (paper: 12 layers, 768)")
     p.add_argument("--train-ours", default="triton", help="our backend for --train-step")
-    p.add_argument("--train-variants", nargs="+", choices=TRAIN_VARIANTS, default=list(TRAIN_VARIANTS),
-                   help="--train-step variants: dense-mask SDPA, ours, "
-                        "attention replaced by a zero-cost op (the limit)")
+    p.add_argument(
+        "--train-variants",
+        nargs="+",
+        choices=TRAIN_VARIANTS,
+        default=list(TRAIN_VARIANTS),
+        help="--train-step variants: dense-mask SDPA, ours, attention replaced by a zero-cost op (the limit)",
+    )
     p.add_argument("--sampler", action="store_true", help="time the Triton sampler instead")
     p.add_argument("--sampler-vocab", type=int, nargs="+", default=[32000, 152064])
     p.add_argument("--sampler-rows", type=int, nargs="+", default=[256, 4096])
-    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
-                   help="print a markdown table of the rows in these --json reports, measure nothing")
+    p.add_argument(
+        "--render",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print a markdown table of the rows in these --json reports, measure nothing",
+    )
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
@@ -344,9 +415,11 @@ def main(argv=None) -> int:
         for layout_name, n, k, d in shapes(args):
             layout = LAYOUTS[layout_name](n, k)
             fwd, fb = useful_flops(layout, args.batch, args.heads, d)
-            print(f"{layout_name} N={n} k={k} D={d}: |M|={int(layout.num_pairs())} "
-                  f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, "
-                  f"fwd+bwd {fb / 1e9:.2f} GFLOP")
+            print(
+                f"{layout_name} N={n} k={k} D={d}: |M|={int(layout.num_pairs())} "
+                f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, "
+                f"fwd+bwd {fb / 1e9:.2f} GFLOP"
+            )
         return 0
     args.variant_list = []
     if args.variants:
@@ -371,9 +444,14 @@ def main(argv=None) -> int:
         from kforcing_kernels.ops.window_attention.triton import plan as tile_plan
 
         tile_plan.SLOT_WINDOW_MAX = args.slot_window_max  # read when a plan is built; set before the first
-    report = {"machine": machine_info(), "config": vars(args), "rows": [], "started": time.time(),
-              "capability": capability(args.device),
-              "command": "python -m bench gpu " + " ".join(sys.argv[1:] if argv is None else argv)}
+    report = {
+        "machine": machine_info(),
+        "config": vars(args),
+        "rows": [],
+        "started": time.time(),
+        "capability": capability(args.device),
+        "command": "python -m bench gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     if args.sampler:
         report["sampler"] = sampler_gpu.rows(args, time_ms)
         if args.json:
@@ -383,8 +461,12 @@ def main(argv=None) -> int:
         report["train_step"] = train_step(args)
         if args.json:
             write_json(report, args.json, indent=2)
-        failed = [(r["teacher_k"], key) for r in report["train_step"] for key, value in r.items()
-                  if key.endswith("_ms") and isinstance(value, str)]
+        failed = [
+            (r["teacher_k"], key)
+            for r in report["train_step"]
+            for key, value in r.items()
+            if key.endswith("_ms") and isinstance(value, str)
+        ]
         if args.dry_run and failed:
             print(f"dry run: train-step variants failed: {failed}")
             return 1

@@ -65,7 +65,7 @@ def measure(launch, layout, batch: int, heads: int, dim: int, dtype: torch.dtype
     q = torch.randn(batch, heads, layout.n_queries, dim, generator=gen).to(dtype)
     k, v = (torch.randn(batch, heads, layout.n_keys, dim, generator=gen).to(dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    scale = dim ** -0.5
+    scale = dim**-0.5
 
     def step():
         out, lse = launch.attention_forward(q, k, v, layout, scale)
@@ -118,10 +118,15 @@ def measure(launch, layout, batch: int, heads: int, dim: int, dtype: torch.dtype
     per_step_wall = statistics.median(w for w, _ in inside) / 1e3
     per_step_cpu = statistics.median(c for _, c in inside) / 1e3
     n = max(1, launches)
-    return {"step_us": statistics.median(wall) / 1e3, "step_cpu_us": statistics.median(cpu) / 1e3,
-            "launches_per_step": launches, "first_call_s": first_s,
-            "us_per_launch": per_step_wall / n, "cpu_us_per_launch": per_step_cpu / n,
-            "per_kernel_cpu_us": {name: statistics.median(ts) / 1e3 for name, ts in per_kernel.items()}}
+    return {
+        "step_us": statistics.median(wall) / 1e3,
+        "step_cpu_us": statistics.median(cpu) / 1e3,
+        "launches_per_step": launches,
+        "first_call_s": first_s,
+        "us_per_launch": per_step_wall / n,
+        "cpu_us_per_launch": per_step_cpu / n,
+        "per_kernel_cpu_us": {name: statistics.median(ts) / 1e3 for name, ts in per_kernel.items()},
+    }
 
 
 class TrivialAttention(torch.autograd.Function):
@@ -168,8 +173,9 @@ def measure_op(layout, batch: int, heads: int, dim: int, dtype: torch.dtype, rou
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, layout.n_queries, dim, generator=gen).to(dtype).requires_grad_(True)
-    k, v = (torch.randn(batch, heads, layout.n_keys, dim, generator=gen).to(dtype).requires_grad_(True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(batch, heads, layout.n_keys, dim, generator=gen).to(dtype).requires_grad_(True) for _ in range(2)
+    )
     dout = torch.randn_like(q)
     inputs = (q, k, v)
 
@@ -191,16 +197,23 @@ def measure_op(layout, batch: int, heads: int, dim: int, dtype: torch.dtype, rou
                 fn()
             times[name].append((time.thread_time_ns() - c0) / 10 / 1e3)
     ratios = [a / b for a, b in zip(times["op"], times["trivial"])]
-    return {"op_cpu_us": statistics.median(times["op"]), "trivial_cpu_us": statistics.median(times["trivial"]),
-            "op_vs_trivial": statistics.median(ratios), "op_cpu_us_min": min(times["op"]),
-            "trivial_cpu_us_min": min(times["trivial"]), "rounds": len(ratios)}
+    return {
+        "op_cpu_us": statistics.median(times["op"]),
+        "trivial_cpu_us": statistics.median(times["trivial"]),
+        "op_vs_trivial": statistics.median(ratios),
+        "op_cpu_us_min": min(times["op"]),
+        "trivial_cpu_us_min": min(times["trivial"]),
+        "rounds": len(ratios),
+    }
 
 
 def format_op(result: dict) -> str:
-    return (f"  window_attention(backend='triton') + autograd.grad: {result['op_cpu_us']:.0f} us CPU (best round "
-            f"{result['op_cpu_us_min']:.0f}) vs a trivial autograd.Function {result['trivial_cpu_us']:.0f} us "
-            f"(best {result['trivial_cpu_us_min']:.0f}): {result['op_vs_trivial']:.2f}x (median of "
-            f"{result['rounds']} interleaved rounds)")
+    return (
+        f"  window_attention(backend='triton') + autograd.grad: {result['op_cpu_us']:.0f} us CPU (best round "
+        f"{result['op_cpu_us_min']:.0f}) vs a trivial autograd.Function {result['trivial_cpu_us']:.0f} us "
+        f"(best {result['trivial_cpu_us_min']:.0f}): {result['op_vs_trivial']:.2f}x (median of "
+        f"{result['rounds']} interleaved rounds)"
+    )
 
 
 def run(args) -> dict:
@@ -230,10 +243,16 @@ def run(args) -> dict:
                     result = measure(launch, layout, args.batch_size, args.heads, args.dim, dtype, args.reps, driver)
                     if args.op:
                         with triton_op_on_cpu():
-                            result["op"] = measure_op(layout, args.batch_size, args.heads, args.dim, dtype,
-                                                      args.reps // 10)
-                    modes.append({"autotune": autotune == "1",
-                                  "direct_launch": None if direct is None else direct == "1", **result})
+                            result["op"] = measure_op(
+                                layout, args.batch_size, args.heads, args.dim, dtype, args.reps // 10
+                            )
+                    modes.append(
+                        {
+                            "autotune": autotune == "1",
+                            "direct_launch": None if direct is None else direct == "1",
+                            **result,
+                        }
+                    )
                     if not args.quiet:
                         print(format_mode(modes[-1]), flush=True)
                         if args.op:
@@ -244,19 +263,34 @@ def run(args) -> dict:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    return {"config": {"layout": args.layout, "n": args.n, "k": args.k, "batch": args.batch_size, "heads": args.heads,
-                       "dim": args.dim, "dtype": args.dtype, "reps": args.reps, "target": f"sm_{args.capability}",
-                       "triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version(),
-                       "launch_has_direct_switch": has_switch},
-            "modes": modes}
+    return {
+        "config": {
+            "layout": args.layout,
+            "n": args.n,
+            "k": args.k,
+            "batch": args.batch_size,
+            "heads": args.heads,
+            "dim": args.dim,
+            "dtype": args.dtype,
+            "reps": args.reps,
+            "target": f"sm_{args.capability}",
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "launch_has_direct_switch": has_switch,
+        },
+        "modes": modes,
+    }
 
 
 def format_mode(mode: dict) -> str:
     direct = {None: "n/a (no switch)", True: "on", False: "off"}[mode["direct_launch"]]
     kernels = ", ".join(f"{name} {us:.1f}" for name, us in mode["per_kernel_cpu_us"].items())
-    return (f"autotune {'on' if mode['autotune'] else 'off'}, direct launch {direct}: fwd+bwd {mode['step_us']:.0f} us "
-            f"wall / {mode['step_cpu_us']:.0f} us CPU, {mode['launches_per_step']} launches; per launch "
-            f"{mode['us_per_launch']:.1f} us wall / {mode['cpu_us_per_launch']:.1f} us CPU (CPU per kernel: {kernels})")
+    return (
+        f"autotune {'on' if mode['autotune'] else 'off'}, direct launch {direct}: fwd+bwd {mode['step_us']:.0f} us "
+        f"wall / {mode['step_cpu_us']:.0f} us CPU, {mode['launches_per_step']} launches; per launch "
+        f"{mode['us_per_launch']:.1f} us wall / {mode['cpu_us_per_launch']:.1f} us CPU (CPU per kernel: {kernels})"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -270,11 +304,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=2000, help="timed calls per median")
     p.add_argument("--capability", type=int, default=90, help="compile target, e.g. 90 (sm_90a) or 80")
     p.add_argument("--autotune", choices=("1", "0", "both"), default="both", help="KFORCING_TRITON_AUTOTUNE")
-    p.add_argument("--direct", choices=("1", "0", "both"), default="both",
-                   help=f"{DIRECT_ENV} (ignored when launch.py has no such switch)")
-    p.add_argument("--op", type=int, choices=(0, 1), default=1,
-                   help="also time window_attention(backend='triton') + autograd.grad against a trivial "
-                        "autograd.Function on the same tensors (1: yes)")
+    p.add_argument(
+        "--direct",
+        choices=("1", "0", "both"),
+        default="both",
+        help=f"{DIRECT_ENV} (ignored when launch.py has no such switch)",
+    )
+    p.add_argument(
+        "--op",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="also time window_attention(backend='triton') + autograd.grad against a trivial "
+        "autograd.Function on the same tensors (1: yes)",
+    )
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no per-mode lines")
 

@@ -32,8 +32,13 @@ from .._cli import write_json
 from ..attention import peers as attention
 
 # Kernel-name fragments -> part, first match wins (names from triton/jit_*.py and inductor's flex templates).
-PARTS = (("_delta", "delta"), ("_bwd_kernel", "bwd_fused"), ("_fwd", "fwd"), ("flex_attention_backward", "flex_bwd"),
-         ("flex_attention", "flex_fwd"))
+PARTS = (
+    ("_delta", "delta"),
+    ("_bwd_kernel", "bwd_fused"),
+    ("_fwd", "fwd"),
+    ("flex_attention_backward", "flex_bwd"),
+    ("flex_attention", "flex_fwd"),
+)
 
 
 def part_of(kernel_name: str) -> str:
@@ -43,8 +48,18 @@ def part_of(kernel_name: str) -> str:
     return "other"
 
 
-def profile_one(layout_name: str, n: int, k: int, d: int, batch: int, heads: int, reps: int,
-                method: str = "triton", assignments: dict | None = None, dry_run: bool = False) -> dict:
+def profile_one(
+    layout_name: str,
+    n: int,
+    k: int,
+    d: int,
+    batch: int,
+    heads: int,
+    reps: int,
+    method: str = "triton",
+    assignments: dict | None = None,
+    dry_run: bool = False,
+) -> dict:
     from .gpu_variants import _triton_env
 
     layout = attention.LAYOUTS[layout_name](n, k)
@@ -92,9 +107,21 @@ def profile_one(layout_name: str, n: int, k: int, d: int, batch: int, heads: int
     parts: dict[str, float] = collections.defaultdict(float)
     for name, ms in kernels.items():
         parts[part_of(name)] += ms
-    return {"layout": layout_name, "n": n, "k": k, "dim": d, "batch": batch, "heads": heads, "method": method,
-            "variant": assignments or {}, "wall_ms": wall_ms, "enqueue_ms": enqueue_ms,
-            "kernel_sum_ms": sum(kernels.values()), "parts_ms": dict(parts), "kernels_ms": kernels}
+    return {
+        "layout": layout_name,
+        "n": n,
+        "k": k,
+        "dim": d,
+        "batch": batch,
+        "heads": heads,
+        "method": method,
+        "variant": assignments or {},
+        "wall_ms": wall_ms,
+        "enqueue_ms": enqueue_ms,
+        "kernel_sum_ms": sum(kernels.values()),
+        "parts_ms": dict(parts),
+        "kernels_ms": kernels,
+    }
 
 
 def main(argv=None) -> int:
@@ -107,9 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--methods", nargs="+", choices=("triton", "flex_backend"), default=["triton"])
-    p.add_argument("--variants", default=None, metavar="FILE",
-                   help="also profile every triton variant of FILE (bench/gpu/gpu_variants.txt); unknown ones are "
-                        "skipped")
+    p.add_argument(
+        "--variants",
+        default=None,
+        metavar="FILE",
+        help="also profile every triton variant of FILE (bench/gpu/gpu_variants.txt); unknown ones are skipped",
+    )
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes (no numbers)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -124,7 +154,7 @@ def main(argv=None) -> int:
     from .gpu_variants import _repeats_the_default, read_variants, variant_backend, variant_problem
 
     runs = [(m, m, None) for m in args.methods]
-    for name, assignments in (read_variants(args.variants) if args.variants else ()):
+    for name, assignments in read_variants(args.variants) if args.variants else ():
         problem = variant_problem(assignments)
         if problem:
             print(f"variant {name}: SKIPPED, {problem}")
@@ -143,19 +173,32 @@ def main(argv=None) -> int:
                         if assignments and _repeats_the_default(assignments, d, layout.n_queries, device):
                             continue  # the dispatcher's own tile set here: the default's run profiles it
                         try:
-                            r = profile_one(layout_name, n, k, d, args.batch, args.heads, args.reps, method,
-                                            assignments, args.dry_run)
+                            r = profile_one(
+                                layout_name,
+                                n,
+                                k,
+                                d,
+                                args.batch,
+                                args.heads,
+                                args.reps,
+                                method,
+                                assignments,
+                                args.dry_run,
+                            )
                         except Exception as exc:  # noqa: BLE001 - report, profile the others
                             failures += 1
                             print(f"{label} {layout_name} N={n} k={k} D={d}: FAILED {type(exc).__name__}: {exc}")
                             continue
                         r["label"] = label
                         rows.append(r)
-                        parts = ", ".join(f"{part} {ms:.3f}" for part, ms in sorted(r["parts_ms"].items(),
-                                                                                    key=lambda x: -x[1]))
-                        print(f"{label} {layout_name} N={n} k={k} D={d} B={args.batch} H={args.heads}: wall "
-                              f"{r['wall_ms']:.3f} ms, host enqueue {r['enqueue_ms']:.3f} ms, kernels "
-                              f"{r['kernel_sum_ms']:.3f} ms ({parts})")
+                        parts = ", ".join(
+                            f"{part} {ms:.3f}" for part, ms in sorted(r["parts_ms"].items(), key=lambda x: -x[1])
+                        )
+                        print(
+                            f"{label} {layout_name} N={n} k={k} D={d} B={args.batch} H={args.heads}: wall "
+                            f"{r['wall_ms']:.3f} ms, host enqueue {r['enqueue_ms']:.3f} ms, kernels "
+                            f"{r['kernel_sum_ms']:.3f} ms ({parts})"
+                        )
                         for name, ms in list(r["kernels_ms"].items())[:8]:
                             print(f"    {ms:8.3f} ms  {name[:90]}")
                         if args.json:

@@ -53,8 +53,15 @@ class _StubUtils:
         pass
 
     def get_device_properties(self, device):
-        return {"max_shared_mem": self.max_shared, "multiprocessor_count": 132, "max_num_regs": 65536,
-                "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+        return {
+            "max_shared_mem": self.max_shared,
+            "multiprocessor_count": 132,
+            "max_num_regs": 65536,
+            "warpSize": 32,
+            "sm_clock_rate": 1980000,
+            "mem_clock_rate": 2619000,
+            "mem_bus_width": 5120,
+        }
 
 
 class _StubBenchmarker:

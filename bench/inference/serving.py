@@ -65,15 +65,46 @@ from .._cli import (
 from .._timing import busy_cores, commit_label, failure_reason, machine_info, pin_threads, row_stamp
 
 SCHEMA_ID = "kforcing-bench/inference/v1"
-FULL = {"k": [1, 2, 4], "batch": [4, 16, 128], "prompt_len": [64, 512], "new_tokens": 256, "reps": 3, "warmup": 1,
-        "max_seconds": 60.0}
-DEFAULT = {"k": [1, 2, 4], "batch": [4, 16], "prompt_len": [64], "new_tokens": 64, "reps": 3, "warmup": 1,
-           "max_seconds": 10.0}
-QUICK = {"k": [2, 4], "batch": [2, 4], "prompt_len": [8], "new_tokens": 8, "reps": 2, "warmup": 1, "max_seconds": 1.0,
-         "preset": "micro"}
+FULL = {
+    "k": [1, 2, 4],
+    "batch": [4, 16, 128],
+    "prompt_len": [64, 512],
+    "new_tokens": 256,
+    "reps": 3,
+    "warmup": 1,
+    "max_seconds": 60.0,
+}
+DEFAULT = {
+    "k": [1, 2, 4],
+    "batch": [4, 16],
+    "prompt_len": [64],
+    "new_tokens": 64,
+    "reps": 3,
+    "warmup": 1,
+    "max_seconds": 10.0,
+}
+QUICK = {
+    "k": [2, 4],
+    "batch": [2, 4],
+    "prompt_len": [8],
+    "new_tokens": 8,
+    "reps": 2,
+    "warmup": 1,
+    "max_seconds": 1.0,
+    "preset": "micro",
+}
 # K-Forcing's Table 1: 64-token prompts completed to 1,024 tokens, batch 4 / 16 / 128, paper backbone, bf16.
-PAPER = {"k": [2, 4], "batch": [4, 16, 128], "prompt_len": [64], "new_tokens": 960, "reps": 3, "warmup": 1,
-         "max_seconds": None, "preset": "paper", "dtype": "bfloat16"}
+PAPER = {
+    "k": [2, 4],
+    "batch": [4, 16, 128],
+    "prompt_len": [64],
+    "new_tokens": 960,
+    "reps": 3,
+    "warmup": 1,
+    "max_seconds": None,
+    "preset": "paper",
+    "dtype": "bfloat16",
+}
 HOST_COST = {"k": [4], "batch": [4], "prompt_len": [16], "new_tokens": 64, "reps": 5, "warmup": 1, "max_seconds": None}
 COMPILE = {"eager": False, "compile": True, "cudagraph": "cudagraph"}
 CACHES = ("contiguous", "paged")
@@ -126,17 +157,32 @@ def _timed(fn, warmup: int, reps: int, max_seconds, device: torch.device) -> dic
         if max_seconds is not None and r + 1 >= min(3, reps) and time.perf_counter() - start > max_seconds:
             break
     median = statistics.median(times)
-    return {"median_ms": median, "min_ms": min(times), "reps": len(times), "times_ms": times, "first_ms": first,
-            "compile_s": None if first is None else max(0.0, first - median) * 1e-3, "peak_bytes": peak}
+    return {
+        "median_ms": median,
+        "min_ms": min(times),
+        "reps": len(times),
+        "times_ms": times,
+        "first_ms": first,
+        "compile_s": None if first is None else max(0.0, first - median) * 1e-3,
+        "peak_bytes": peak,
+    }
 
 
 def hf_baseline(cfg, dtype: torch.dtype, device: torch.device):
     """A GPT-2 of the backbone's sizes (layers, width, heads, MLP ratio, vocabulary) from its config, random weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=max(1024, cfg.seq_len), n_embd=cfg.n_embd,
-                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.mlp_ratio * cfg.n_embd,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    hf_cfg = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=max(1024, cfg.seq_len),
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=cfg.mlp_ratio * cfg.n_embd,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype).eval()
 
@@ -145,9 +191,17 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int, compile_: bool):
     """``generate`` with a static cache, greedy, exactly ``new_tokens`` (EOS disabled); compiled by generate
     itself (on CUDA, with a static cache) unless ``compile_`` is False."""
     with torch.no_grad():
-        return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                              eos_token_id=None, pad_token_id=0, disable_compile=not compile_)
+        return model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            eos_token_id=None,
+            pad_token_id=0,
+            disable_compile=not compile_,
+        )
 
 
 def run(args) -> dict:
@@ -159,19 +213,37 @@ def run(args) -> dict:
     device = torch.device(args.device)
     backend = args.backend or default_backend(device)
     paged_backend = backend if backend in ("reference", "composite", "cpp") else default_paged_backend(device)
-    cfg = PRESETS[args.preset](seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend,
-                               **args.overrides)
+    cfg = PRESETS[args.preset](
+        seq_len=max(args.prompt_len) + args.new_tokens, attention_backend=backend, **args.overrides
+    )
     torch.manual_seed(0)
     model = KForcingLM(cfg).to(device=device, dtype=DTYPES[args.dtype]).eval()  # weights and KV cache
     elt = model.wte.weight.element_size()
     compile_step = COMPILE[args.compile]
     meta = {
-        **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "threads": threads, "backend": backend, "paged_backend": paged_backend, "page_size": PAGE_SIZE,
-        "preset": args.preset, "dtype": args.dtype, "model": cfg.to_dict(), "k": args.k, "batch": args.batch_sizes,
+        **machine_info(),
+        "schema": SCHEMA_ID,
+        "command": args.command,
+        "quick": args.quick,
+        "device": str(device),
+        "threads": threads,
+        "backend": backend,
+        "paged_backend": paged_backend,
+        "page_size": PAGE_SIZE,
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "model": cfg.to_dict(),
+        "k": args.k,
+        "batch": args.batch_sizes,
         "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
-        "caches": args.cache, "compile": args.compile, "hf": args.hf, "loadavg_start": busy_cores(),
+        "new_tokens": args.new_tokens,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "max_seconds": args.max_seconds,
+        "caches": args.cache,
+        "compile": args.compile,
+        "hf": args.hf,
+        "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
     report = {"schema": SCHEMA_ID, "meta": meta, "rows": []}
@@ -190,26 +262,63 @@ def run(args) -> dict:
         runs = {}
         for cache in args.cache:
             runs[("ar", None, cache)] = lambda cache=cache, prompts=prompts: generate_ar(
-                model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1), cache=cache,
-                page_size=PAGE_SIZE, compile_step=compile_step)
+                model,
+                prompts,
+                t,
+                temperature=1.0,
+                generator=torch.Generator().manual_seed(1),
+                cache=cache,
+                page_size=PAGE_SIZE,
+                compile_step=compile_step,
+            )
             for k in args.k:
                 runs[("kforcing", k, cache)] = lambda k=k, cache=cache, prompts=prompts: generate_kforcing(
-                    model, prompts, k, t, generator=torch.Generator().manual_seed(1), cache=cache, page_size=PAGE_SIZE,
-                    compile_step=compile_step)
+                    model,
+                    prompts,
+                    k,
+                    t,
+                    generator=torch.Generator().manual_seed(1),
+                    cache=cache,
+                    page_size=PAGE_SIZE,
+                    compile_step=compile_step,
+                )
         if hf_model is not None:
             runs[("hf_generate", None, "static")] = lambda prompts=prompts: hf_generate(
-                hf_model, prompts, t, args.hf == "compile")
+                hf_model, prompts, t, args.hf == "compile"
+            )
         for (method, k, cache), fn in runs.items():
-            row = {**stamp, "batch": b, "prompt_len": p_len, "method": method, "k": k, "cache": cache,
-                   "compile": args.compile, "forward_passes": t if k is None else -(-t // k), "new_tokens": t,
-                   **(kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt) if method != "hf_generate"
-                      else {"kv_bytes_per_step": None, "cache_bytes": None})}
+            row = {
+                **stamp,
+                "batch": b,
+                "prompt_len": p_len,
+                "method": method,
+                "k": k,
+                "cache": cache,
+                "compile": args.compile,
+                "forward_passes": t if k is None else -(-t // k),
+                "new_tokens": t,
+                **(
+                    kv_traffic(cfg, b, p_len, t, k, cache, paged_backend, elt)
+                    if method != "hf_generate"
+                    else {"kv_bytes_per_step": None, "cache_bytes": None}
+                ),
+            }
             reps = args.hf_reps if method == "hf_generate" and args.hf_reps else args.reps
             try:
                 timing = _timed(fn, args.warmup, reps, args.max_seconds, device)
             except Exception as exc:  # noqa: BLE001 - an error row, the run goes on
-                row.update(status="error", reason=failure_reason(exc), median_ms=None, min_ms=None, reps=0,
-                           tokens_per_s=None, peak_bytes=None, compile_s=None, speedup_vs_ar=None, paged_speedup=None)
+                row.update(
+                    status="error",
+                    reason=failure_reason(exc),
+                    median_ms=None,
+                    min_ms=None,
+                    reps=0,
+                    tokens_per_s=None,
+                    peak_bytes=None,
+                    compile_s=None,
+                    speedup_vs_ar=None,
+                    paged_speedup=None,
+                )
             else:
                 row.update(status="ok", reason=None, tokens_per_s=b * t / (timing["median_ms"] * 1e-3), **timing)
                 _ratios(row, rows)
@@ -227,14 +336,24 @@ def run(args) -> dict:
 def _ratios(row: dict, rows: list) -> None:
     """speedup_vs_ar: the AR row of the same cache (for HF: the paged one) over this row's median time; paged_speedup:
     the contiguous twin's over the paged row's (medians; the rows are timed one after the other)."""
+
     def same(o):
         return o["batch"] == row["batch"] and o["prompt_len"] == row["prompt_len"] and o["status"] == "ok"
 
     ar_cache = "paged" if row["method"] == "hf_generate" else row["cache"]
-    ar = row if row["method"] == "ar" else next(
-        (o for o in rows if same(o) and o["method"] == "ar" and o["cache"] == ar_cache), None)
-    twin = next((o for o in rows if same(o) and o["method"] == row["method"] and o["k"] == row["k"]
-                 and o["cache"] == "contiguous"), None)
+    ar = (
+        row
+        if row["method"] == "ar"
+        else next((o for o in rows if same(o) and o["method"] == "ar" and o["cache"] == ar_cache), None)
+    )
+    twin = next(
+        (
+            o
+            for o in rows
+            if same(o) and o["method"] == row["method"] and o["k"] == row["k"] and o["cache"] == "contiguous"
+        ),
+        None,
+    )
     row["speedup_vs_ar"] = ar["median_ms"] / row["median_ms"] if ar else None
     row["paged_speedup"] = twin["median_ms"] / row["median_ms"] if twin and row["cache"] == "paged" else None
 
@@ -265,26 +384,62 @@ def host_cost(args) -> dict:
 
     threads = pin_threads(args.threads or 1)
     b, p_len, t, k = args.batch_sizes[0], args.prompt_len[0], args.new_tokens, args.k[0]
-    cfg = ModelConfig(vocab_size=64, n_layer=12, n_head=2, n_embd=16, seq_len=p_len + t, noise_features=8,
-                      tau_features=4, attention_backend="cpp")
+    cfg = ModelConfig(
+        vocab_size=64,
+        n_layer=12,
+        n_head=2,
+        n_embd=16,
+        seq_len=p_len + t,
+        noise_features=8,
+        tau_features=4,
+        attention_backend="cpp",
+    )
     torch.manual_seed(0)
     model = KForcingLM(cfg).eval()
     prompts = torch.randint(0, cfg.vocab_size, (b, p_len), generator=torch.Generator().manual_seed(0))
-    meta = {**machine_info(), "schema": SCHEMA_ID + "/host-cost", "command": args.command, "threads": threads,
-            "model": cfg.to_dict(), "batch": b, "prompt_len": p_len, "new_tokens": t, "k": k, "reps": args.reps,
-            "package": os.path.dirname(__import__("kforcing_kernels").__file__), "loadavg_start": busy_cores()}
+    meta = {
+        **machine_info(),
+        "schema": SCHEMA_ID + "/host-cost",
+        "command": args.command,
+        "threads": threads,
+        "model": cfg.to_dict(),
+        "batch": b,
+        "prompt_len": p_len,
+        "new_tokens": t,
+        "k": k,
+        "reps": args.reps,
+        "package": os.path.dirname(__import__("kforcing_kernels").__file__),
+        "loadavg_start": busy_cores(),
+    }
     rows = []
     for cache in args.cache:
         for method, kk in (("ar", None), ("kforcing", k)):
             passes = t if kk is None else -(-t // kk)
             if kk is None:
+
                 def fn(cache=cache):
-                    return generate_ar(model, prompts, t, temperature=1.0, generator=torch.Generator().manual_seed(1),
-                                       cache=cache, page_size=PAGE_SIZE)
+                    return generate_ar(
+                        model,
+                        prompts,
+                        t,
+                        temperature=1.0,
+                        generator=torch.Generator().manual_seed(1),
+                        cache=cache,
+                        page_size=PAGE_SIZE,
+                    )
             else:
+
                 def fn(cache=cache):
-                    return generate_kforcing(model, prompts, k, t, generator=torch.Generator().manual_seed(1),
-                                             cache=cache, page_size=PAGE_SIZE)
+                    return generate_kforcing(
+                        model,
+                        prompts,
+                        k,
+                        t,
+                        generator=torch.Generator().manual_seed(1),
+                        cache=cache,
+                        page_size=PAGE_SIZE,
+                    )
+
             for _ in range(args.warmup):
                 fn()
             wall, cpu = [], []
@@ -306,27 +461,40 @@ def host_cost(args) -> dict:
                 sys.setprofile(None)
             with _OpCounter() as ops:
                 fn()
-            rows.append({"method": method, "k": kk, "cache": cache, "forward_passes": passes,
-                         "host_ms_per_pass": min(wall), "cpu_ms_per_pass": min(cpu),
-                         "python_calls_per_pass": round(calls[0] / passes),
-                         "aten_ops_per_pass": round(ops.count / passes),
-                         "wall_ms_per_pass_all": wall})
+            rows.append(
+                {
+                    "method": method,
+                    "k": kk,
+                    "cache": cache,
+                    "forward_passes": passes,
+                    "host_ms_per_pass": min(wall),
+                    "cpu_ms_per_pass": min(cpu),
+                    "python_calls_per_pass": round(calls[0] / passes),
+                    "aten_ops_per_pass": round(ops.count / passes),
+                    "wall_ms_per_pass_all": wall,
+                }
+            )
     meta["loadavg_end"] = busy_cores()
     return {"schema": SCHEMA_ID + "/host-cost", "meta": meta, "rows": rows}
 
 
 def format_host_cost(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"host cost per forward pass: {meta['command']}",
-             f"  package {meta['package']}, commit {commit_label(meta)}; 12 layers, width 16, "
-             f"batch {meta['batch']}, prompt "
-             f"{meta['prompt_len']}, {meta['new_tokens']} new tokens, cpp, fp32, eager, {meta['threads']} thread(s); "
-             f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores", "",
-             f"{'method':<15}{'cache':<11}{'passes':>7}{'host ms':>9}{'cpu ms':>8}{'py calls':>10}{'aten ops':>10}"]
+    lines = [
+        f"host cost per forward pass: {meta['command']}",
+        f"  package {meta['package']}, commit {commit_label(meta)}; 12 layers, width 16, "
+        f"batch {meta['batch']}, prompt "
+        f"{meta['prompt_len']}, {meta['new_tokens']} new tokens, cpp, fp32, eager, {meta['threads']} thread(s); "
+        f"load average {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} on {meta['cpus']} cores",
+        "",
+        f"{'method':<15}{'cache':<11}{'passes':>7}{'host ms':>9}{'cpu ms':>8}{'py calls':>10}{'aten ops':>10}",
+    ]
     for r in report["rows"]:
         label = "AR" if r["method"] == "ar" else f"K-Forcing k={r['k']}"
-        lines.append(f"{label:<15}{r['cache']:<11}{r['forward_passes']:>7}{r['host_ms_per_pass']:>9.2f}"
-                     f"{r['cpu_ms_per_pass']:>8.2f}{r['python_calls_per_pass']:>10}{r['aten_ops_per_pass']:>10}")
+        lines.append(
+            f"{label:<15}{r['cache']:<11}{r['forward_passes']:>7}{r['host_ms_per_pass']:>9.2f}"
+            f"{r['cpu_ms_per_pass']:>8.2f}{r['python_calls_per_pass']:>10}{r['aten_ops_per_pass']:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -363,9 +531,11 @@ def format_report(report: dict) -> str:
         paged = "" if r["paged_speedup"] is None else f"{r['paged_speedup']:.2f}x"
         vs_ar = "-" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}x"
         compile_s = "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}"
-        lines.append(f"{head}{r['median_ms']:>9.0f}{r['tokens_per_s']:>10.0f}{vs_ar:>7}{paged:>16}"
-                     f"{_mib(r['kv_bytes_per_step']):>12}{_mib(r['cache_bytes']):>10}{_mib(r['peak_bytes']):>9}"
-                     f"{compile_s:>10}")
+        lines.append(
+            f"{head}{r['median_ms']:>9.0f}{r['tokens_per_s']:>10.0f}{vs_ar:>7}{paged:>16}"
+            f"{_mib(r['kv_bytes_per_step']):>12}{_mib(r['cache_bytes']):>10}{_mib(r['peak_bytes']):>9}"
+            f"{compile_s:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -373,26 +543,45 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", "--small", dest="quick", action="store_true", help=f"a run of seconds on CPU: {QUICK}")
     p.add_argument("--full", action="store_true", help=f"the issue's grid (long on CPU): {FULL}")
     p.add_argument("--paper", action="store_true", help=f"K-Forcing's Table 1 protocol (a GPU run): {PAPER}")
-    p.add_argument("--compile", choices=tuple(COMPILE), default="eager",
-                   help="the decode step: eager, torch.compile(fullgraph) ('reduce-overhead' on CUDA), or a CUDA graph")
-    p.add_argument("--hf", choices=("eager", "compile"), default=None,
-                   help="add the Hugging Face generate baseline (static cache) as a row: eager, or compiled by "
-                        "generate itself (CUDA; minutes of compiling per batch size)")
-    p.add_argument("--hf-reps", type=positive_int, default=None,
-                   help="timed runs of the HF row (None: --reps); its eager generate is far slower per token")
-    p.add_argument("--host-cost", action="store_true",
-                   help=f"host ms, Python calls and aten ops per forward pass instead (CPU, eager, compute ~0): "
-                        f"{HOST_COST}")
+    p.add_argument(
+        "--compile",
+        choices=tuple(COMPILE),
+        default="eager",
+        help="the decode step: eager, torch.compile(fullgraph) ('reduce-overhead' on CUDA), or a CUDA graph",
+    )
+    p.add_argument(
+        "--hf",
+        choices=("eager", "compile"),
+        default=None,
+        help="add the Hugging Face generate baseline (static cache) as a row: eager, or compiled by "
+        "generate itself (CUDA; minutes of compiling per batch size)",
+    )
+    p.add_argument(
+        "--hf-reps",
+        type=positive_int,
+        default=None,
+        help="timed runs of the HF row (None: --reps); its eager generate is far slower per token",
+    )
+    p.add_argument(
+        "--host-cost",
+        action="store_true",
+        help=f"host ms, Python calls and aten ops per forward pass instead (CPU, eager, compute ~0): {HOST_COST}",
+    )
     p.add_argument("--cache", default=None, help=f"comma-separated caches to time (None: {','.join(CACHES)})")
     p.add_argument("--k", type=int_list, default=None, help="comma-separated K-Forcing k values (None: the profile's)")
     add_batch_sizes(p, None, help="batch sizes to time (None: the profile's)")
-    p.add_argument("--prompt-len", type=int_list, default=None,
-                   help="comma-separated prompt lengths (None: the profile's)")
+    p.add_argument(
+        "--prompt-len", type=int_list, default=None, help="comma-separated prompt lengths (None: the profile's)"
+    )
     add_new_tokens(p, None, help_extra=" (None: the profile's)")
     add_model_args(p)
     p.add_argument("--backend", default=None, help="attention backend (None: default_backend for the device)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="model weights and KV cache (the paper's serving table: bfloat16 on a GPU)")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="model weights and KV cache (the paper's serving table: bfloat16 on a GPU)",
+    )
     add_run_args(p, "bench-infer-")
 
 
@@ -403,8 +592,17 @@ def finish_args(p, args, argv, prog):
         p.error(f"argument --compile: cudagraph needs --device cuda, got {args.device}")
     if args.host_cost and (args.full or args.paper):
         p.error("argument --host-cost: not allowed with --full or --paper (it times its own small model)")
-    profile = (HOST_COST if args.host_cost else QUICK if args.quick else FULL if args.full else PAPER if args.paper
-               else DEFAULT)
+    profile = (
+        HOST_COST
+        if args.host_cost
+        else QUICK
+        if args.quick
+        else FULL
+        if args.full
+        else PAPER
+        if args.paper
+        else DEFAULT
+    )
     for key in ("preset", "dtype"):  # a profile's model unless given on the command line
         given = argv if argv is not None else sys.argv[1:]
         if key in profile and not any(a == f"--{key}" or a.startswith(f"--{key}=") for a in given):

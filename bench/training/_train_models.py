@@ -20,15 +20,45 @@ import torch
 # Llama configs (tied embeddings, no dropout). Parameters of the HF model, noise embedding not included:
 #   100m: 32000 x 768 embedding (24,576,000, tied head) + 12 x 7,079,424 per layer + 768 final norm = 109,529,856
 #    25m: 16000 x 512 embedding (8,192,000, tied head) + 6 x 3,212,288 per layer + 512 final norm = 27,466,240
-_LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0,
-              max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+_LLAMA = dict(
+    model_type="llama",
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_dropout=0.0,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 HF_LLAMA = {
-    "tiny": dict(_LLAMA, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "25m": dict(_LLAMA, vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                num_attention_heads=8, num_key_value_heads=8),
-    "100m": dict(_LLAMA, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=12),
+    "tiny": dict(
+        _LLAMA,
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    ),
+    "25m": dict(
+        _LLAMA,
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
+    "100m": dict(
+        _LLAMA,
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+    ),
 }
 
 
@@ -36,11 +66,16 @@ def add_model_arguments(p, preset: str, hf_llama: str | None = None) -> None:
     from kforcing_kernels.app.cli import add_preset
 
     add_preset(p, preset, help="native model size of teacher and student (unless --hf-llama or --model-config)")
-    p.add_argument("--hf-llama", choices=sorted(HF_LLAMA), default=hf_llama,
-                   help="a Hugging Face Llama of this built-in config instead of the native model (see "
-                        "bench/training/_train_models.py)")
-    p.add_argument("--model-config", default=None,
-                   help="a Hugging Face model from this transformers config JSON instead")
+    p.add_argument(
+        "--hf-llama",
+        choices=sorted(HF_LLAMA),
+        default=hf_llama,
+        help="a Hugging Face Llama of this built-in config instead of the native model (see "
+        "bench/training/_train_models.py)",
+    )
+    p.add_argument(
+        "--model-config", default=None, help="a Hugging Face model from this transformers config JSON instead"
+    )
 
 
 def model_name(args) -> str:

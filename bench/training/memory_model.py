@@ -77,14 +77,23 @@ def _saved_bytes(cfg, n: int, k: int, b: int, zero_attention: bool, dtype: torch
     return saved.total
 
 
-def calibrate(n_embd: int, n_head: int, dtype: torch.dtype = torch.bfloat16, n: int = 16, k: int = 8,
-              mlp_ratio: int = 4) -> Calibration:
+def calibrate(
+    n_embd: int, n_head: int, dtype: torch.dtype = torch.bfloat16, n: int = 16, k: int = 8, mlp_ratio: int = 4
+) -> Calibration:
     """Per-row saved bytes of the backbone's layers, measured on CPU at width ``n_embd`` (a small vocabulary)."""
     from kforcing_kernels.model import ModelConfig
 
     def cfg(layers):
-        return ModelConfig(vocab_size=256, n_layer=layers, n_head=n_head, n_embd=n_embd, mlp_ratio=mlp_ratio,
-                           seq_len=n, noise_features=128, tau_features=16)
+        return ModelConfig(
+            vocab_size=256,
+            n_layer=layers,
+            n_head=n_head,
+            n_embd=n_embd,
+            mlp_ratio=mlp_ratio,
+            seq_len=n,
+            noise_features=128,
+            tau_features=16,
+        )
 
     # Two row counts and two depths: the slopes are per row and per layer; what does not grow with the rows
     # (autocast's low-precision weight copies, saved by the products) is left out and counted with the weights.
@@ -105,15 +114,34 @@ def parameter_count(*, n_layer: int, n_embd: int, n_head: int, vocab: int, mlp_r
     """Parameters of the native model (tied head, the paper's noise features), counted on the meta device."""
     from kforcing_kernels.model import KForcingLM, ModelConfig
 
-    cfg = ModelConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mlp_ratio=mlp_ratio,
-                      noise_features=128, tau_features=16)
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        mlp_ratio=mlp_ratio,
+        noise_features=128,
+        tau_features=16,
+    )
     with torch.device("meta"):
         return KForcingLM(cfg).num_parameters()
 
 
-def predict(*, n_layer: int, n_embd: int, n_head: int, vocab: int, n: int, batch: int, teacher_k: int, ac: bool,
-            calibration: Calibration, dtype: torch.dtype = torch.bfloat16, mlp_ratio: int = 4,
-            chunk_rows: Optional[int] = None) -> dict:
+def predict(
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    vocab: int,
+    n: int,
+    batch: int,
+    teacher_k: int,
+    ac: bool,
+    calibration: Calibration,
+    dtype: torch.dtype = torch.bfloat16,
+    mlp_ratio: int = 4,
+    chunk_rows: Optional[int] = None,
+) -> dict:
     """Bytes per part (:data:`PARTS`) and ``peak`` of one Stage-2 step; see the module docstring."""
     from kforcing_kernels.app.training.linear_ce import chunk_rows_for
 
@@ -137,8 +165,11 @@ def predict(*, n_layer: int, n_embd: int, n_head: int, vocab: int, n: int, batch
         "activations": activations,
         "attention": attention,
         "loss": window_rows * c * 4 + vocab * c * 4 + chunk * vocab * (4 + e),
-        "teacher": (2 * n_layer * batch * n * c * e + calibration.layer_row * 2 * batch * n * teacher_k
-                    + chunk * vocab * (4 + e)),
+        "teacher": (
+            2 * n_layer * batch * n * c * e
+            + calibration.layer_row * 2 * batch * n * teacher_k
+            + chunk * vocab * (4 + e)
+        ),
         "backward": layer_saved + attention_saved,
     }
     student = parts["activations"] + parts["attention"] + parts["loss"] + parts["backward"]
@@ -148,14 +179,18 @@ def predict(*, n_layer: int, n_embd: int, n_head: int, vocab: int, n: int, batch
     return parts
 
 
-def predicted_saved_bytes(*, n_layer: int, n_embd: int, vocab: int, n: int, batch: int, teacher_k: int,
-                          calibration: Calibration) -> float:
+def predicted_saved_bytes(
+    *, n_layer: int, n_embd: int, vocab: int, n: int, batch: int, teacher_k: int, calibration: Calibration
+) -> float:
     """What autograd saves in one Stage-2 ``compute_loss`` (no AC, fp32): the student's layers, attention, and the
     chunked loss's two gradients; the model's prediction that the tests compare with a measurement."""
     k = 2 * teacher_k
     rows = batch * n * (1 + k)
-    return (rows * (n_layer * (calibration.layer_row + calibration.attention_row) + calibration.base_row)
-            + batch * n * k * n_embd * 4 + vocab * n_embd * 4)
+    return (
+        rows * (n_layer * (calibration.layer_row + calibration.attention_row) + calibration.base_row)
+        + batch * n * k * n_embd * 4
+        + vocab * n_embd * 4
+    )
 
 
 def add_arguments(p) -> None:
@@ -166,8 +201,12 @@ def add_arguments(p) -> None:
     p.add_argument("--n-embd", type=positive_int, default=768, help="model width")
     p.add_argument("--n-head", type=positive_int, default=12, help="attention heads")
     p.add_argument("--vocab", type=positive_int, default=50258, help="vocabulary size")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="bfloat16: bf16 autocast (the GPU step); float32: the CPU step")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="bfloat16: bf16 autocast (the GPU step); float32: the CPU step",
+    )
     p.add_argument("--gpu-gb", type=float, default=80.0, help="the device memory to check the peak against (GB)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
 
@@ -175,21 +214,38 @@ def add_arguments(p) -> None:
 def execute(args) -> int:
     dtype = getattr(torch, args.dtype)
     cal = calibrate(args.n_embd, args.n_head, dtype)
-    print(f"calibration ({args.dtype}, width {args.n_embd}, {args.n_head} heads, measured on CPU): saved bytes per row "
-          f"per layer {cal.layer_row:.0f} + attention {cal.attention_row:.0f}; outside the layers {cal.base_row:.0f}")
-    print(f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch_size}, "
-          f"k {args.k}->{2 * args.k}; GiB\n")
+    print(
+        f"calibration ({args.dtype}, width {args.n_embd}, {args.n_head} heads, measured on CPU): saved bytes per row "
+        f"per layer {cal.layer_row:.0f} + attention {cal.attention_row:.0f}; outside the layers {cal.base_row:.0f}"
+    )
+    print(
+        f"Stage-2 step, {args.n_layer} x {args.n_embd}, vocab {args.vocab}, B={args.batch_size}, "
+        f"k {args.k}->{2 * args.k}; GiB\n"
+    )
     print("| N | AC | " + " | ".join(PARTS) + f" | peak | fits {args.gpu_gb:g} GB | unchunked loss would add |")
     print("|---|---|" + "---|" * (len(PARTS) + 3))
     rows = []
     for n in args.seq_len:
         for ac in (False, True):
-            parts = predict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab=args.vocab, n=n,
-                            batch=args.batch_size, teacher_k=args.k, ac=ac, calibration=cal, dtype=dtype)
+            parts = predict(
+                n_layer=args.n_layer,
+                n_embd=args.n_embd,
+                n_head=args.n_head,
+                vocab=args.vocab,
+                n=n,
+                batch=args.batch_size,
+                teacher_k=args.k,
+                ac=ac,
+                calibration=cal,
+                dtype=dtype,
+            )
             fits = parts["peak"] <= args.gpu_gb * 1e9
             rows.append({"n": n, "ac": ac, "fits": fits, **parts})
-            print(f"| {n} | {'on' if ac else 'off'} | " + " | ".join(f"{parts[p] / GIB:.1f}" for p in PARTS)
-                  + f" | {parts['peak'] / GIB:.1f} | {'yes' if fits else 'no'} | {parts['unchunked_loss'] / GIB:.1f} |")
+            print(
+                f"| {n} | {'on' if ac else 'off'} | "
+                + " | ".join(f"{parts[p] / GIB:.1f}" for p in PARTS)
+                + f" | {parts['peak'] / GIB:.1f} | {'yes' if fits else 'no'} | {parts['unchunked_loss'] / GIB:.1f} |"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"calibration": dataclasses.asdict(cal), "rows": rows}, f, indent=1)

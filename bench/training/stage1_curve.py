@@ -62,8 +62,14 @@ def add_arguments(p) -> None:
 
 def _train(argv: list[str], threads) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "kforcing_kernels.app.train", *argv, *(["--threads", str(threads)] if threads else []),
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kforcing_kernels.app.train",
+        *argv,
+        *(["--threads", str(threads)] if threads else []),
+        "--no-progress",
+    ]
     print("+", " ".join(cmd[1:]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
@@ -97,18 +103,29 @@ def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int,
     student, sinfo, _ = load_any_model(stage1)
     teacher.eval(), student.eval()
     corpus = corpus_for(str(stage0), recorded_data(stage0, tinfo), teacher.config.vocab_size)
-    d = diagnose(teacher, student, corpus.val, tau=0.8, order=sinfo.get("cdf_order", "vocab"), batches=batches,
-                 seq_len=tinfo["train_config"]["seq_len"])
+    d = diagnose(
+        teacher,
+        student,
+        corpus.val,
+        tau=0.8,
+        order=sinfo.get("cdf_order", "vocab"),
+        batches=batches,
+        seq_len=tinfo["train_config"]["seq_len"],
+    )
     narrow = [r["accuracy"] for r in d["accuracy_by_width"][:2]]
-    row = {"parameters": sum(p.numel() for p in student.parameters()),
-           "val_loss": _last_val_loss(stage1),
-           "teacher_entropy": d["teacher entropy"], "nats_of_u_used": d["teacher entropy"] - d["student nll"],
-           "noise_sensitivity": d["noise_sensitivity"]["student"],
-           "teacher_noise_sensitivity": d["noise_sensitivity"]["teacher 1 - sum p^2"],
-           "accuracy_narrow_intervals": narrow,
-           "distinct_tokens_u_sweep": d["u_sweep"]["distinct tokens per context (student)"],
-           "teacher_distinct_tokens_u_sweep": d["u_sweep"]["distinct tokens per context (teacher)"],
-           "next_token_nll_tau1": d["next_token_nll_tau1"], "samples": {}}
+    row = {
+        "parameters": sum(p.numel() for p in student.parameters()),
+        "val_loss": _last_val_loss(stage1),
+        "teacher_entropy": d["teacher entropy"],
+        "nats_of_u_used": d["teacher entropy"] - d["student nll"],
+        "noise_sensitivity": d["noise_sensitivity"]["student"],
+        "teacher_noise_sensitivity": d["noise_sensitivity"]["teacher 1 - sum p^2"],
+        "accuracy_narrow_intervals": narrow,
+        "distinct_tokens_u_sweep": d["u_sweep"]["distinct tokens per context (student)"],
+        "teacher_distinct_tokens_u_sweep": d["u_sweep"]["distinct tokens per context (teacher)"],
+        "next_token_nll_tau1": d["next_token_nll_tau1"],
+        "samples": {},
+    }
     for tau in taus:
         b = decode_bracket(teacher, student, corpus.val, corpus.eos_id, tau=tau, new_tokens=new_tokens)
         row["samples"][str(tau)] = {name: {"ppl": q["ppl"], "distinct4": q["distinct4"]} for name, q in b.items()}
@@ -132,26 +149,40 @@ def _last_val_loss(folder: Path):
 
 def format_table(rows: list[dict]) -> str:
     taus = sorted({t for r in rows for t in r["samples"]}, key=float)
-    head = ["width (params)", "Stage-1 steps", "val loss", "nats of u used", "noise sens. (teacher)",
-            "acc. intervals <0.01 / 0.01-0.05"]
+    head = [
+        "width (params)",
+        "Stage-1 steps",
+        "val loss",
+        "nats of u used",
+        "noise sens. (teacher)",
+        "acc. intervals <0.01 / 0.01-0.05",
+    ]
     for t in taus:
         head += [f"tau {t}: argmax PPL (x AR), distinct-4", f"tau {t}: residual", f"tau {t}: AR PPL, distinct-4"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         narrow = " / ".join("-" if a is None else f"{a:.3f}" for a in r["accuracy_narrow_intervals"])
-        cells = [f"{r['width']} ({r['parameters'] / 1e6:.2f}M)", str(r["steps"]),
-                 "-" if r["val_loss"] is None else f"{r['val_loss']:.2f}",
-                 f"{r['nats_of_u_used']:.2f} of {r['teacher_entropy']:.2f}",
-                 f"{r['noise_sensitivity']:.3f} ({r['teacher_noise_sensitivity']:.3f})", narrow]
+        cells = [
+            f"{r['width']} ({r['parameters'] / 1e6:.2f}M)",
+            str(r["steps"]),
+            "-" if r["val_loss"] is None else f"{r['val_loss']:.2f}",
+            f"{r['nats_of_u_used']:.2f} of {r['teacher_entropy']:.2f}",
+            f"{r['noise_sensitivity']:.3f} ({r['teacher_noise_sensitivity']:.3f})",
+            narrow,
+        ]
         for t in taus:
             s = r["samples"].get(t)
             if s is None:  # a row measured at other temperatures
                 cells += ["-", "-", "-"]
                 continue
             ar = s["AR teacher"]
-            cells.append(" | ".join(f"{s[k]['ppl'] / ar['ppl']:.2f}x, {s[k]['distinct4']:.3f}"
-                                    for k in ("student, argmax", "student, residual"))
-                         + f" | {ar['ppl']:.2f}, {ar['distinct4']:.3f}")
+            cells.append(
+                " | ".join(
+                    f"{s[k]['ppl'] / ar['ppl']:.2f}x, {s[k]['distinct4']:.3f}"
+                    for k in ("student, argmax", "student, residual")
+                )
+                + f" | {ar['ppl']:.2f}, {ar['distinct4']:.3f}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -171,26 +202,59 @@ def execute(args) -> int:
     report = json.loads(report_path.read_text()) if report_path.exists() else {"schema": SCHEMA_ID, "rows": []}
     # Everything that changes a row's numbers, recorded in the row: a row is reused only when all of it matches (a
     # rerun with other --taus, --batches or --new-tokens measures again and replaces the row).
-    measure = {"taus": [float(t) for t in args.taus], "batches": args.batches, "new_tokens": args.new_tokens,
-               "lr_stage0": pipe.lr_stage0, "lr_distill": pipe.lr_distill,
-               "batch_size_distill": pipe.batch_size_distill}
+    measure = {
+        "taus": [float(t) for t in args.taus],
+        "batches": args.batches,
+        "new_tokens": args.new_tokens,
+        "lr_stage0": pipe.lr_stage0,
+        "lr_distill": pipe.lr_distill,
+        "batch_size_distill": pipe.batch_size_distill,
+    }
     wanted_rows = []
     for width in args.widths:
         stage0 = out / f"w{width}" / f"stage0_{stage0_steps}"
         if not _finished(stage0, {"steps": stage0_steps, "lr": pipe.lr_stage0, "model_overrides": {"n_embd": width}}):
-            _train(["stage0", "--out", str(stage0), "--steps", str(stage0_steps), "--lr", str(pipe.lr_stage0),
-                    "--n-embd", str(width), "--overwrite"], args.threads)
+            _train(
+                [
+                    "stage0",
+                    "--out",
+                    str(stage0),
+                    "--steps",
+                    str(stage0_steps),
+                    "--lr",
+                    str(pipe.lr_stage0),
+                    "--n-embd",
+                    str(width),
+                    "--overwrite",
+                ],
+                args.threads,
+            )
         for steps in args.steps:
             key = dict(width=width, steps=steps, stage0_steps=stage0_steps, settings=measure)
             wanted_rows.append(key)
             if any(_row_key(r) == key for r in report["rows"]):
                 continue
             stage1 = stage0.parent / f"s1_{steps}_from{stage0_steps}"
-            if not _finished(stage1, {"steps": steps, "lr": pipe.lr_distill, "batch_size": pipe.batch_size_distill},
-                             teacher=stage0):
-                _train(["stage1", "--teacher", str(stage0), "--out", str(stage1), "--steps", str(steps),
-                        "--lr", str(pipe.lr_distill), "--batch-size", str(pipe.batch_size_distill), "--overwrite"],
-                       args.threads)
+            if not _finished(
+                stage1, {"steps": steps, "lr": pipe.lr_distill, "batch_size": pipe.batch_size_distill}, teacher=stage0
+            ):
+                _train(
+                    [
+                        "stage1",
+                        "--teacher",
+                        str(stage0),
+                        "--out",
+                        str(stage1),
+                        "--steps",
+                        str(steps),
+                        "--lr",
+                        str(pipe.lr_distill),
+                        "--batch-size",
+                        str(pipe.batch_size_distill),
+                        "--overwrite",
+                    ],
+                    args.threads,
+                )
             row = dict(key, **measure_student(stage0, stage1, args.taus, args.batches, args.new_tokens))
             same_point = (width, steps, stage0_steps)  # a row of the same point measured otherwise is replaced
             report["rows"] = [r for r in report["rows"] if (r["width"], r["steps"], r["stage0_steps"]) != same_point]

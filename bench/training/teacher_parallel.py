@@ -58,8 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed calls of each callable first")
     add_threads(p)
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
-    p.add_argument("--worker-out", default=None,
-                   help="internal: run as a torchrun worker and write rank 0's numbers here")
+    p.add_argument(
+        "--worker-out", default=None, help="internal: run as a torchrun worker and write rank 0's numbers here"
+    )
 
 
 def _setup(args, mode: str, device: torch.device):
@@ -86,8 +87,15 @@ def measure(args, device: torch.device) -> dict:
         comm.watch_teacher(teacher)
     vocab = pairs["replicate"][1].config.vocab_size
     stream = torch.randint(0, vocab, (64 * args.seq_len,), generator=torch.Generator().manual_seed(1))
-    data = make_batch(Objective.SELF_FORCING, stream, args.batch_per_rank, args.seq_len, args.k, (0.5, 1.0),
-                      torch.Generator().manual_seed(2 + dist.get_rank())).to(device)
+    data = make_batch(
+        Objective.SELF_FORCING,
+        stream,
+        args.batch_per_rank,
+        args.seq_len,
+        args.k,
+        (0.5, 1.0),
+        torch.Generator().manual_seed(2 + dist.get_rank()),
+    ).to(device)
 
     def step(teacher, student, optimizer):
         optimizer.zero_grad(set_to_none=True)
@@ -109,21 +117,39 @@ def measure(args, device: torch.device) -> dict:
         comm.reset()
         with comm:
             loss = step(teacher, student, optimizer)
-        rows.append({"teacher_parallel": mode, "step": _summary(times[f"step/{mode}"]),
-                     "teacher": _summary(times[f"teacher/{mode}"]),
-                     "teacher_bytes": tensor_bytes(teacher.parameters()),
-                     "teacher_all_gather_bytes": comm.teacher_gathered,
-                     "student_all_gather_bytes": comm.gathered, "loss": float(loss.detach())})
+        rows.append(
+            {
+                "teacher_parallel": mode,
+                "step": _summary(times[f"step/{mode}"]),
+                "teacher": _summary(times[f"teacher/{mode}"]),
+                "teacher_bytes": tensor_bytes(teacher.parameters()),
+                "teacher_all_gather_bytes": comm.teacher_gathered,
+                "student_all_gather_bytes": comm.gathered,
+                "loss": float(loss.detach()),
+            }
+        )
     n_teacher = sum(p.numel() for p in pairs["replicate"][0].parameters())
-    return {"schema": SCHEMA_ID, "model": model_name(args), "teacher_parameters": n_teacher,
-            "world": dist.get_world_size(),
-            "seq_len": args.seq_len, "k": args.k, "batch_per_rank": args.batch_per_rank,
-            "threads": torch.get_num_threads(), "rows": rows}
+    return {
+        "schema": SCHEMA_ID,
+        "model": model_name(args),
+        "teacher_parameters": n_teacher,
+        "world": dist.get_world_size(),
+        "seq_len": args.seq_len,
+        "k": args.k,
+        "batch_per_rank": args.batch_per_rank,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
 
 
 def _summary(t: dict) -> dict:
-    return {"median_ms": t["median_ms"], "min_ms": t["min_ms"], "max_ms": max(t["times_ms"]), "reps": t["reps"],
-            "times_ms": t["times_ms"]}
+    return {
+        "median_ms": t["median_ms"],
+        "min_ms": t["min_ms"],
+        "max_ms": max(t["times_ms"]),
+        "reps": t["reps"],
+        "times_ms": t["times_ms"],
+    }
 
 
 def _worker(args) -> None:
@@ -140,12 +166,31 @@ def _worker(args) -> None:
 
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.world), "-m",
-               "bench",
-               "teacher", "--worker-out", folder, *model_argv(args),
-               *([] if args.hf_llama or args.model_config else ["--native"]),
-               "--seq-len", str(args.seq_len), "--k", str(args.k),
-               "--batch-per-rank", str(args.batch_per_rank), "--reps", str(args.reps), "--warmup", str(args.warmup)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.world),
+            "-m",
+            "bench",
+            "teacher",
+            "--worker-out",
+            folder,
+            *model_argv(args),
+            *([] if args.hf_llama or args.model_config else ["--native"]),
+            "--seq-len",
+            str(args.seq_len),
+            "--k",
+            str(args.k),
+            "--batch-per-rank",
+            str(args.batch_per_rank),
+            "--reps",
+            str(args.reps),
+            "--warmup",
+            str(args.warmup),
+        ]
         cmd += ["--threads", str(args.threads)] if args.threads else []
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)}
         result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True)
@@ -156,18 +201,24 @@ def run(args) -> dict:
 
 def format_report(report: dict) -> str:
     w = report["world"]
-    lines = [f"{report['model']} ({report['teacher_parameters']:,} parameters, teacher = student), stage 2 step, "
-             f"N={report['seq_len']}, k={report['k']}, {report['batch_per_rank']} sequence(s) per rank, W={w} (gloo, "
-             f"{report['threads']} thread(s) per rank), fp32, student FSDP2; ms: median (min-max) of "
-             f"{report['rows'][0]['step']['reps']} rounds on rank 0", "",
-             "| teacher | step ms | teacher passes ms | teacher MiB per rank | teacher all-gather MiB per step | "
-             "on the wire per rank |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{report['model']} ({report['teacher_parameters']:,} parameters, teacher = student), stage 2 step, "
+        f"N={report['seq_len']}, k={report['k']}, {report['batch_per_rank']} sequence(s) per rank, W={w} (gloo, "
+        f"{report['threads']} thread(s) per rank), fp32, student FSDP2; ms: median (min-max) of "
+        f"{report['rows'][0]['step']['reps']} rounds on rank 0",
+        "",
+        "| teacher | step ms | teacher passes ms | teacher MiB per rank | teacher all-gather MiB per step | "
+        "on the wire per rank |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
         s, t = r["step"], r["teacher"]
-        lines.append(f"| {r['teacher_parallel']} | {s['median_ms']:.0f} ({s['min_ms']:.0f}-{s['max_ms']:.0f}) | "
-                     f"{t['median_ms']:.0f} ({t['min_ms']:.0f}-{t['max_ms']:.0f}) | {r['teacher_bytes'] / MIB:.1f} | "
-                     f"{r['teacher_all_gather_bytes'] / MIB:.1f} | "
-                     f"{r['teacher_all_gather_bytes'] * (w - 1) / w / MIB:.1f} |")
+        lines.append(
+            f"| {r['teacher_parallel']} | {s['median_ms']:.0f} ({s['min_ms']:.0f}-{s['max_ms']:.0f}) | "
+            f"{t['median_ms']:.0f} ({t['min_ms']:.0f}-{t['max_ms']:.0f}) | {r['teacher_bytes'] / MIB:.1f} | "
+            f"{r['teacher_all_gather_bytes'] / MIB:.1f} | "
+            f"{r['teacher_all_gather_bytes'] * (w - 1) / w / MIB:.1f} |"
+        )
     return "\n".join(lines)
 
 

@@ -73,21 +73,31 @@ def _choice_list(choices):
 
 def add_arguments(p) -> None:
     add_model_arguments(p, "paper")
-    p.add_argument("--seq-len", type=positive_int, default=128,
-                   help="context length N (the student attends over N(1+k) tokens)")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=128, help="context length N (the student attends over N(1+k) tokens)"
+    )
     p.add_argument("--k", type=positive_int, default=2, help="student window (stage 2: twice the teacher's; even)")
     p.add_argument("--batch-per-rank", type=positive_int, default=1, help="sequences per rank (the micro-batch)")
-    p.add_argument("--worlds", type=int_list, default="1,2",
-                   help="world sizes (comma-separated); one torchrun launch each")
-    p.add_argument("--teacher-parallel", type=_choice_list(TEACHER_MODES), default="replicate",
-                   help="teacher placements to measure (comma-separated: replicate,fsdp), as the trainer's "
-                        "--teacher-parallel")
-    p.add_argument("--ac", type=_choice_list(("off", "on")), default="off,on",
-                   help="activation checkpointing settings (comma-separated)")
+    p.add_argument(
+        "--worlds", type=int_list, default="1,2", help="world sizes (comma-separated); one torchrun launch each"
+    )
+    p.add_argument(
+        "--teacher-parallel",
+        type=_choice_list(TEACHER_MODES),
+        default="replicate",
+        help="teacher placements to measure (comma-separated: replicate,fsdp), as the trainer's --teacher-parallel",
+    )
+    p.add_argument(
+        "--ac",
+        type=_choice_list(("off", "on")),
+        default="off,on",
+        help="activation checkpointing settings (comma-separated)",
+    )
     add_threads(p)
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
-    p.add_argument("--worker-out", default=None,
-                   help="internal: run as a torchrun worker and write this rank's numbers here")
+    p.add_argument(
+        "--worker-out", default=None, help="internal: run as a torchrun worker and write this rank's numbers here"
+    )
 
 
 class _SavedTensors:
@@ -95,8 +105,11 @@ class _SavedTensors:
 
     def __init__(self, model, checkpointed: bool):
         self.model, self.storages, self.block_inputs = model, {}, {}
-        self.hooks = [layer.register_forward_pre_hook(self._block_input, with_kwargs=True)
-                      for layer in decoder_layers(model)] if checkpointed else []
+        self.hooks = (
+            [layer.register_forward_pre_hook(self._block_input, with_kwargs=True) for layer in decoder_layers(model)]
+            if checkpointed
+            else []
+        )
 
     def _block_input(self, module, args, kwargs):
         # the hidden state and RoPE tables (HF: position_embeddings, masks) a checkpointed layer keeps for its recompute
@@ -121,8 +134,15 @@ class _SavedTensors:
         return sum({**self.storages, **self.block_inputs}.values())
 
 
-def measure(spec, seq_len: int, k: int, batch: int, checkpointed: bool, device: torch.device,
-            teacher_parallel: str = "replicate") -> dict:
+def measure(
+    spec,
+    seq_len: int,
+    k: int,
+    batch: int,
+    checkpointed: bool,
+    device: torch.device,
+    teacher_parallel: str = "replicate",
+) -> dict:
     """One Stage-2 FSDP2 step on this rank (a process group must exist); the bytes it holds and moves.
 
     ``spec``: the model options (``preset``, ``hf_llama``, ``model_config``; see bench/training/_train_models.py)."""
@@ -138,8 +158,15 @@ def measure(spec, seq_len: int, k: int, batch: int, checkpointed: bool, device: 
     parallelize(student, dims, activation_checkpointing=checkpointed)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
     stream = torch.randint(0, student.config.vocab_size, (64 * seq_len,), generator=torch.Generator().manual_seed(1))
-    data = make_batch(Objective.SELF_FORCING, stream, batch, seq_len, k, (0.5, 1.0),
-                      torch.Generator().manual_seed(2 + dist.get_rank())).to(device)
+    data = make_batch(
+        Objective.SELF_FORCING,
+        stream,
+        batch,
+        seq_len,
+        k,
+        (0.5, 1.0),
+        torch.Generator().manual_seed(2 + dist.get_rank()),
+    ).to(device)
     saved = _SavedTensors(student, checkpointed)
     comm = Collectives()
     comm.watch_teacher(teacher)
@@ -153,17 +180,29 @@ def measure(spec, seq_len: int, k: int, batch: int, checkpointed: bool, device: 
     rss, peak_rss = rss_bytes()
     world = dist.get_world_size()
     return {
-        "world": world, "rank": dist.get_rank(), "activation_checkpointing": checkpointed, "model": model_name(spec),
-        "teacher_parallel": teacher_parallel, "seq_len": seq_len, "k": k, "batch_per_rank": batch,
-        "parameters": n_params, "teacher_parameters": n_teacher,
+        "world": world,
+        "rank": dist.get_rank(),
+        "activation_checkpointing": checkpointed,
+        "model": model_name(spec),
+        "teacher_parallel": teacher_parallel,
+        "seq_len": seq_len,
+        "k": k,
+        "batch_per_rank": batch,
+        "parameters": n_params,
+        "teacher_parameters": n_teacher,
         "param_bytes": tensor_bytes(student.parameters()),
         "grad_bytes": tensor_bytes(p.grad for p in student.parameters()),
         "optimizer_bytes": tensor_bytes(v for state in optimizer.state.values() for v in state.values()),
-        "activation_bytes": saved.total, "teacher_bytes": tensor_bytes(teacher.parameters()),
-        "all_gather_forward_bytes": forward[0], "all_gather_backward_bytes": comm.gathered,
-        "reduce_scatter_bytes": comm.scattered + forward[1], "teacher_all_gather_bytes": forward[2],
-        "ideal_comm_bytes_per_rank": 3 * (world - 1) * n_params * 4 // world, "loss": float(loss.detach()),
-        "rss_bytes": rss, "peak_rss_bytes": peak_rss,
+        "activation_bytes": saved.total,
+        "teacher_bytes": tensor_bytes(teacher.parameters()),
+        "all_gather_forward_bytes": forward[0],
+        "all_gather_backward_bytes": comm.gathered,
+        "reduce_scatter_bytes": comm.scattered + forward[1],
+        "teacher_all_gather_bytes": forward[2],
+        "ideal_comm_bytes_per_rank": 3 * (world - 1) * n_params * 4 // world,
+        "loss": float(loss.detach()),
+        "rss_bytes": rss,
+        "peak_rss_bytes": peak_rss,
     }
 
 
@@ -171,8 +210,15 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    row = measure(args, args.seq_len, args.k, args.batch_per_rank, args.ac == ["on"], torch.device("cpu"),
-                  args.teacher_parallel[0])
+    row = measure(
+        args,
+        args.seq_len,
+        args.k,
+        args.batch_per_rank,
+        args.ac == ["on"],
+        torch.device("cpu"),
+        args.teacher_parallel[0],
+    )
     Path(args.worker_out, f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     dist.destroy_process_group()
 
@@ -184,46 +230,78 @@ def run(args) -> list[dict]:
         for teacher in args.teacher_parallel:
             for ac in args.ac:
                 with tempfile.TemporaryDirectory() as folder:
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(world), "-m",
-                           "bench", "memory", "--worker-out", folder, *model_argv(args), "--seq-len", str(args.seq_len),
-                           "--k", str(args.k), "--batch-per-rank", str(args.batch_per_rank), "--teacher-parallel",
-                           teacher, "--ac", ac] + (["--threads", str(args.threads)] if args.threads else [])
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc_per_node",
+                        str(world),
+                        "-m",
+                        "bench",
+                        "memory",
+                        "--worker-out",
+                        folder,
+                        *model_argv(args),
+                        "--seq-len",
+                        str(args.seq_len),
+                        "--k",
+                        str(args.k),
+                        "--batch-per-rank",
+                        str(args.batch_per_rank),
+                        "--teacher-parallel",
+                        teacher,
+                        "--ac",
+                        ac,
+                    ] + (["--threads", str(args.threads)] if args.threads else [])
                     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)}
-                    result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                                            text=True)
+                    result = subprocess.run(
+                        cmd, env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True
+                    )
                     if result.returncode:
-                        raise SystemExit(f"world {world}, teacher {teacher}, AC {ac}: torchrun "
-                                         f"failed\n{result.stderr[-4000:]}")
+                        raise SystemExit(
+                            f"world {world}, teacher {teacher}, AC {ac}: torchrun failed\n{result.stderr[-4000:]}"
+                        )
                     rows += [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
     return rows
 
 
 def format_report(rows: list[dict]) -> str:
     first = rows[0]
-    lines = [f"{first['model']} ({first['parameters']:,} parameters), stage 2 step, N={first['seq_len']}, "
-             f"k={first['k']}, {first['batch_per_rank']} sequence(s) per rank, fp32; MiB per rank (rank 0; peak RSS: "
-             "the largest rank's)", "",
-             "| W | teacher | AC | params | grads | AdamW | activations | sum | teacher | teacher all-gather | "
-             "all-gather fwd / bwd | reduce-scatter | on the wire per rank (ZeRO-3 model) | peak RSS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{first['model']} ({first['parameters']:,} parameters), stage 2 step, N={first['seq_len']}, "
+        f"k={first['k']}, {first['batch_per_rank']} sequence(s) per rank, fp32; MiB per rank (rank 0; peak RSS: "
+        "the largest rank's)",
+        "",
+        "| W | teacher | AC | params | grads | AdamW | activations | sum | teacher | teacher all-gather | "
+        "all-gather fwd / bwd | reduce-scatter | on the wire per rank (ZeRO-3 model) | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["rank"]:
             continue
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
-        wire = ((r["all_gather_forward_bytes"] + r["all_gather_backward_bytes"] + r["reduce_scatter_bytes"])
-                * (r["world"] - 1) // r["world"])
-        peak = max(o["peak_rss_bytes"] for o in rows if (o["world"], o["teacher_parallel"],
-                                                         o["activation_checkpointing"])
-                   == (r["world"], r["teacher_parallel"], r["activation_checkpointing"]))
-        lines.append(f"| {r['world']} | {r['teacher_parallel']} | {'on' if r['activation_checkpointing'] else 'off'} | "
-                     f"{r['param_bytes'] / MIB:.1f} | {r['grad_bytes'] / MIB:.1f} | {r['optimizer_bytes'] / MIB:.1f} | "
-                     f"{r['activation_bytes'] / MIB:.1f} | {(state + r['activation_bytes']) / MIB:.1f} | "
-                     f"{r['teacher_bytes'] / MIB:.1f} | {r['teacher_all_gather_bytes'] / MIB:.1f} | "
-                     f"{r['all_gather_forward_bytes'] / MIB:.1f} / {r['all_gather_backward_bytes'] / MIB:.1f} | "
-                     f"{r['reduce_scatter_bytes'] / MIB:.1f} | "
-                     f"{wire / MIB:.1f} ({r['ideal_comm_bytes_per_rank'] / MIB:.1f}) | "
-                     f"{peak / MIB:.0f} |")
+        wire = (
+            (r["all_gather_forward_bytes"] + r["all_gather_backward_bytes"] + r["reduce_scatter_bytes"])
+            * (r["world"] - 1)
+            // r["world"]
+        )
+        peak = max(
+            o["peak_rss_bytes"]
+            for o in rows
+            if (o["world"], o["teacher_parallel"], o["activation_checkpointing"])
+            == (r["world"], r["teacher_parallel"], r["activation_checkpointing"])
+        )
+        lines.append(
+            f"| {r['world']} | {r['teacher_parallel']} | {'on' if r['activation_checkpointing'] else 'off'} | "
+            f"{r['param_bytes'] / MIB:.1f} | {r['grad_bytes'] / MIB:.1f} | {r['optimizer_bytes'] / MIB:.1f} | "
+            f"{r['activation_bytes'] / MIB:.1f} | {(state + r['activation_bytes']) / MIB:.1f} | "
+            f"{r['teacher_bytes'] / MIB:.1f} | {r['teacher_all_gather_bytes'] / MIB:.1f} | "
+            f"{r['all_gather_forward_bytes'] / MIB:.1f} / {r['all_gather_backward_bytes'] / MIB:.1f} | "
+            f"{r['reduce_scatter_bytes'] / MIB:.1f} | "
+            f"{wire / MIB:.1f} ({r['ideal_comm_bytes_per_rank'] / MIB:.1f}) | "
+            f"{peak / MIB:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -141,11 +141,23 @@ def run(args) -> dict:
     cfg = teacher.config
     del teacher, student
     meta = {
-        **machine_info(), "schema": SCHEMA_ID, "command": args.command, "quick": args.quick, "device": str(device),
-        "threads": threads, "preset": args.preset, "model": cfg.to_dict(), "seq_len": args.seq_len,
+        **machine_info(),
+        "schema": SCHEMA_ID,
+        "command": args.command,
+        "quick": args.quick,
+        "device": str(device),
+        "threads": threads,
+        "preset": args.preset,
+        "model": cfg.to_dict(),
+        "seq_len": args.seq_len,
         "batch": args.batch_size,
-        "k": args.k, "variants": variants, "warmup": args.warmup, "reps": args.reps, "max_seconds": args.max_seconds,
-        "activation_checkpointing": args.ac, "chunked_loss": not args.unchunked_loss,
+        "k": args.k,
+        "variants": variants,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "max_seconds": args.max_seconds,
+        "activation_checkpointing": args.ac,
+        "chunked_loss": not args.unchunked_loss,
         "loadavg_start": busy_cores(),
     }
     stamp = row_stamp(meta)
@@ -171,8 +183,16 @@ def run(args) -> dict:
             models[label] = (teacher, student)
         timings = measure_many(steps, warmup=args.warmup, reps=args.reps, max_seconds=args.max_seconds)
         for label, timing in timings.items():
-            row = {**stamp, "teacher_k": k, "student_k": 2 * k, "n": n, "batch": b, "variant": label,
-                   "backend": variants[label], "loss": losses[label]}
+            row = {
+                **stamp,
+                "teacher_k": k,
+                "student_k": 2 * k,
+                "n": n,
+                "batch": b,
+                "variant": label,
+                "backend": variants[label],
+                "loss": losses[label],
+            }
             row.update(timing_fields(timing, "context_tokens_per_s", b * n))
             if row["status"] == "ok" and not args.no_memory:
                 row.update(step_memory(*models[label], batch, device, chunked))
@@ -228,16 +248,21 @@ def format_report(report: dict) -> str:
         lines.append(f"step time ~ k^p, {label}: p = {slope:.2f}")
     memory = [r for r in report["rows"] if "saved_mib" in r]
     if memory:
-        lines += ["", "memory of one step (loss + backward), MiB: saved = autograd's saved tensors; tracked peak = "
-                  "live storages the step makes (gradients included); CUDA: max_memory_allocated above the start",
-                  f"{'stage':<10}{'variant':<8}{'saved':>10}{'tracked peak':>14}{'grads':>10}{'CUDA peak':>12}"
-                  f"{'peak RSS':>10}"]
+        lines += [
+            "",
+            "memory of one step (loss + backward), MiB: saved = autograd's saved tensors; tracked peak = "
+            "live storages the step makes (gradients included); CUDA: max_memory_allocated above the start",
+            f"{'stage':<10}{'variant':<8}{'saved':>10}{'tracked peak':>14}{'grads':>10}{'CUDA peak':>12}"
+            f"{'peak RSS':>10}",
+        ]
         for r in memory:
             cuda = f"{r['cuda_peak_mib']:.0f}" if "cuda_peak_mib" in r else "-"
             rss = f"{r['process_peak_rss_mib']:.0f}" if "process_peak_rss_mib" in r else "-"
             stage = f"{r['teacher_k']}->{r['student_k']}"
-            lines.append(f"{stage:<10}{r['variant']:<8}{r['saved_mib']:>10.0f}{r['tracked_peak_mib']:>14.0f}"
-                         f"{r['grads_mib']:>10.0f}{cuda:>12}{rss:>10}")
+            lines.append(
+                f"{stage:<10}{r['variant']:<8}{r['saved_mib']:>10.0f}{r['tracked_peak_mib']:>14.0f}"
+                f"{r['grads_mib']:>10.0f}{cuda:>12}{rss:>10}"
+            )
     for r in report["rows"]:
         if r["status"] != "ok":
             lines.append(f"k={r['teacher_k']} {r['variant']}: {r['status']}: {r['reason']}")
@@ -246,15 +271,19 @@ def format_report(report: dict) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"small run: {QUICK}")
-    p.add_argument("--k", default=None,
-                   help="comma-separated teacher window sizes k, the student gets 2k (None: the profile's)")
+    p.add_argument(
+        "--k", default=None, help="comma-separated teacher window sizes k, the student gets 2k (None: the profile's)"
+    )
     p.add_argument("--seq-len", type=positive_int, default=None, help="context length N (None: the profile's)")
     add_batch_size(p, None, help="sequences per step (None: the profile's)")
     add_model_args(p)
     p.add_argument("--ours", default=None, help="our backend (None: default_backend for the device)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on the student's blocks (the trainer's)")
-    p.add_argument("--unchunked-loss", action="store_true",
-                   help="the loss and teacher targets with every row's [rows, V] logits at once (before issue 45)")
+    p.add_argument(
+        "--unchunked-loss",
+        action="store_true",
+        help="the loss and teacher targets with every row's [rows, V] logits at once (before issue 45)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the extra step that measures memory")
     add_run_args(p, "bench-train-")
 

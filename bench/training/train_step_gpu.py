@@ -70,16 +70,19 @@ def rows(args, time_ms) -> list[dict]:
     amp_dtype = getattr(torch, getattr(args, "train_dtype", "bfloat16"))
     rows = []
     for k in args.k:
-        ns = argparse.Namespace(preset=args.train_preset, seq_len=args.n[0],
-                                overrides=getattr(args, "train_overrides", {}), device=device)
+        ns = argparse.Namespace(
+            preset=args.train_preset, seq_len=args.n[0], overrides=getattr(args, "train_overrides", {}), device=device
+        )
         gen = torch.Generator().manual_seed(k)
         teacher, _, _ = build_models(ns, None, None)
         cfg = teacher.config
         state = {"teacher": teacher.state_dict(), "student": teacher.state_dict()}
         del teacher
-        batch = Batch(tokens=torch.randint(0, cfg.vocab_size, (args.batch, args.n[0]), generator=gen),
-                      noise=torch.rand(args.batch, args.n[0], 2 * k, generator=gen),
-                      tau=0.5 + 0.5 * torch.rand(args.batch, generator=gen)).to(device)
+        batch = Batch(
+            tokens=torch.randint(0, cfg.vocab_size, (args.batch, args.n[0]), generator=gen),
+            noise=torch.rand(args.batch, args.n[0], 2 * k, generator=gen),
+            tau=0.5 + 0.5 * torch.rand(args.batch, generator=gen),
+        ).to(device)
         times = {}
         for label in args.train_variants:
             backend = {"dense": "reference", "ours": args.train_ours, "zero": "reference"}[label]
@@ -87,8 +90,11 @@ def rows(args, time_ms) -> list[dict]:
             step = make_step(teacher, student, optimizer, batch, k)
 
             def amp_step(step=step, label=label):
-                with torch.autocast(device.type, dtype=amp_dtype), _dense_sdpa_model(label == "dense"), \
-                        (_zero_cost_attention() if label == "zero" else contextlib.nullcontext()):
+                with (
+                    torch.autocast(device.type, dtype=amp_dtype),
+                    _dense_sdpa_model(label == "dense"),
+                    _zero_cost_attention() if label == "zero" else contextlib.nullcontext(),
+                ):
                     step()
 
             try:
@@ -98,20 +104,36 @@ def rows(args, time_ms) -> list[dict]:
             del teacher, student, optimizer, step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        row = {"preset": args.train_preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n": args.n[0],
-               "batch": args.batch, "teacher_k": k, "student_k": 2 * k, "ours": args.train_ours,
-               **{f"{label}_ms": times[label] for label in args.train_variants}}
+        row = {
+            "preset": args.train_preset,
+            "n_layer": cfg.n_layer,
+            "n_embd": cfg.n_embd,
+            "n": args.n[0],
+            "batch": args.batch,
+            "teacher_k": k,
+            "student_k": 2 * k,
+            "ours": args.train_ours,
+            **{f"{label}_ms": times[label] for label in args.train_variants},
+        }
+
         def timed(*labels, times=times):
             return all(isinstance(times.get(x), float) for x in labels)
 
         row["speedup"] = times["dense"] / times["ours"] if timed("dense", "ours") else None
         row["ours_vs_zero"] = times["ours"] / times["zero"] if timed("ours", "zero") else None
         rows.append(row)
-        cells = ", ".join(f"{label} {times[label]:.1f} ms" if timed(label) else f"{label} {times[label]}"
-                          for label in args.train_variants)
-        ratios = "".join(f", {name} {row[key]:.2f}x" for name, key in
-                         (("ours vs dense: speed-up", "speedup"), ("ours / zero-cost attention", "ours_vs_zero"))
-                         if row[key] is not None)
-        print(f"train step {args.train_preset} ({cfg.n_layer} layers, width {cfg.n_embd}) N={args.n[0]} B={args.batch} "
-              f"k {k}->{2 * k}: {cells}{ratios}", flush=True)
+        cells = ", ".join(
+            f"{label} {times[label]:.1f} ms" if timed(label) else f"{label} {times[label]}"
+            for label in args.train_variants
+        )
+        ratios = "".join(
+            f", {name} {row[key]:.2f}x"
+            for name, key in (("ours vs dense: speed-up", "speedup"), ("ours / zero-cost attention", "ours_vs_zero"))
+            if row[key] is not None
+        )
+        print(
+            f"train step {args.train_preset} ({cfg.n_layer} layers, width {cfg.n_embd}) N={args.n[0]} B={args.batch} "
+            f"k {k}->{2 * k}: {cells}{ratios}",
+            flush=True,
+        )
     return rows

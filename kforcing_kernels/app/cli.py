@@ -85,8 +85,11 @@ def _float_list(text: str) -> list:
     return [float(item) for item in items]
 
 
-positive_float_list = checked(_float_list, lambda v: all(x > 0 and math.isfinite(x) for x in v),
-                              "comma-separated positive numbers, e.g. 0.5,0.8 (none: an empty list)")
+positive_float_list = checked(
+    _float_list,
+    lambda v: all(x > 0 and math.isfinite(x) for x in v),
+    "comma-separated positive numbers, e.g. 0.5,0.8 (none: an empty list)",
+)
 
 
 def resolve_device(name: str) -> str:
@@ -102,14 +105,17 @@ def resolve_device(name: str) -> str:
         raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {name!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = ("this torch is built without CUDA" if torch.version.cuda is None and getattr(torch.version, "hip",
-                                                                                                None) is None
-                   else "torch sees no CUDA device")
+            why = (
+                "this torch is built without CUDA"
+                if torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+                else "torch sees no CUDA device"
+            )
             raise argparse.ArgumentTypeError(f"{name!r} is not available: {why}; use cpu or auto")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{name!r} is not available: torch sees {count} CUDA device(s) "
-                                             f"(cuda:0..cuda:{count - 1})")
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not available: torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+            )
     elif device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
@@ -125,13 +131,21 @@ resolve_device.__name__ = "device"
 
 def add_device(p: argparse.ArgumentParser) -> None:
     # argparse runs string defaults through ``type``: args.device is always resolved ("cpu", "cuda", ...).
-    p.add_argument("--device", type=resolve_device, default=DEFAULT_DEVICE,
-                   help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--device",
+        type=resolve_device,
+        default=DEFAULT_DEVICE,
+        help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
+    )
 
 
 def add_temperature(p: argparse.ArgumentParser, *, help_extra: str = "") -> None:
-    p.add_argument("--temperature", type=non_negative_float, default=DEFAULT_TEMPERATURE,
-                   help="sampling temperature tau" + help_extra)
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=DEFAULT_TEMPERATURE,
+        help="sampling temperature tau" + help_extra,
+    )
 
 
 def add_seed(p: argparse.ArgumentParser) -> None:
@@ -142,8 +156,9 @@ def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; None: torch's own choice")
 
 
-def add_new_tokens(p: argparse.ArgumentParser, default: Optional[int] = DEFAULT_NEW_TOKENS,
-                   help_extra: str = "") -> None:
+def add_new_tokens(
+    p: argparse.ArgumentParser, default: Optional[int] = DEFAULT_NEW_TOKENS, help_extra: str = ""
+) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=default, help="tokens generated per prompt" + help_extra)
 
 

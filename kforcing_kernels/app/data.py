@@ -39,10 +39,34 @@ EOS = "<|eos|>"
 # text encode as ordinary tokens (1 encoded them as the separator).
 FORMAT_VERSION = 2
 # Directories of the standard library that are not representative source.
-_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",
-                "pydoc_data"}
-_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java", ".json",
-                  ".html", ".tex", ".csv"}
+_STDLIB_SKIP = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "encodings",
+    "pydoc_data",
+}
+_TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".c",
+    ".h",
+    ".cpp",
+    ".js",
+    ".ts",
+    ".rs",
+    ".go",
+    ".java",
+    ".json",
+    ".html",
+    ".tex",
+    ".csv",
+}
 # Files larger than this are mostly data tables, not text.
 _MAX_FILE_BYTES = 512 * 1024
 
@@ -71,8 +95,9 @@ def stdlib_documents() -> list[tuple[str, str]]:
             continue
         docs.append((str(rel), path.read_text(encoding="utf-8", errors="replace")))
     if not docs:
-        raise RuntimeError(f"source: the standard library at {root} has no .py sources; pass your own text with --data "
-                           "PATH")
+        raise RuntimeError(
+            f"source: the standard library at {root} has no .py sources; pass your own text with --data PATH"
+        )
     return docs
 
 
@@ -90,11 +115,15 @@ def file_documents(source: str) -> list[tuple[str, str]]:
             raise DataError(f"source (--data): no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) under {source!r}")
         docs = [(str(p.relative_to(path)), _read_text(p)) for p in files]
     elif not path.exists():
-        raise DataError(f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (no "
-                        "such file or directory)")
+        raise DataError(
+            f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} (no "
+            "such file or directory)"
+        )
     else:
-        raise DataError(f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} "
-                        "(not a regular file)")
+        raise DataError(
+            f"source (--data): expected {DEFAULT_SOURCE!r}, a text file or a directory, got {source!r} "
+            "(not a regular file)"
+        )
     docs = [(name, text) for name, text in docs if text.strip()]
     if not docs:
         what = "the file" if path.is_file() else "every text file under it"
@@ -135,8 +164,9 @@ def split_documents(docs: Sequence[tuple[str, str]], val_fraction: float) -> tup
     return [t for (_, t), v in zip(docs, is_val) if not v], [t for (_, t), v in zip(docs, is_val) if v]
 
 
-def token_streams(tok, eos: int, train_texts: list[str], val_texts: list[str], val_fraction: float) -> tuple[np.ndarray,
-    np.ndarray]:
+def token_streams(
+    tok, eos: int, train_texts: list[str], val_texts: list[str], val_fraction: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Each split's documents encoded by ``tok`` (a ``tokenizers.Tokenizer``, no special tokens added), each
     followed by the separator ``eos``; a single document holds out its tail."""
     dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
@@ -200,8 +230,10 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     return literal_specials(tok)
@@ -264,22 +296,29 @@ def load_corpus(
             sample.append(text)
             size += len(text)
         if verbose:
-            print(f"[data] training a {vocab_size}-token BPE tokenizer on {size / 1e6:.1f} MB of {len(docs)} documents",
-                  flush=True)
+            print(
+                f"[data] training a {vocab_size}-token BPE tokenizer on {size / 1e6:.1f} MB of {len(docs)} documents",
+                flush=True,
+            )
         tok = _train_tokenizer(sample, vocab_size)
         eos = tok.token_to_id(EOS)
 
         train, val = token_streams(tok, eos, train_texts, val_texts, val_fraction)
         if tok.get_vocab_size() < vocab_size:
-            raise DataError(f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token "
-                            "vocabulary "
-                            f"(the tokenizer stopped at {tok.get_vocab_size()}); give more text or a --vocab-size <= "
-                            f"{tok.get_vocab_size()}")
+            raise DataError(
+                f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token "
+                "vocabulary "
+                f"(the tokenizer stopped at {tok.get_vocab_size()}); give more text or a --vocab-size <= "
+                f"{tok.get_vocab_size()}"
+            )
         write_text(paths["tokenizer.json"], tok.to_str(pretty=True))
         atomic_write_file(paths["train.npy"], lambda f: np.save(f, train))
         atomic_write_file(paths["val.npy"], lambda f: np.save(f, val))
-        meta = {"source": source or DEFAULT_SOURCE, "documents": [len(train_texts), len(val_texts)],
-                "vocab_size": tok.get_vocab_size()}
+        meta = {
+            "source": source or DEFAULT_SOURCE,
+            "documents": [len(train_texts), len(val_texts)],
+            "vocab_size": tok.get_vocab_size(),
+        }
         write_json(paths["meta.json"], meta)  # written last: marks the entry complete
 
     try:
@@ -287,17 +326,27 @@ def load_corpus(
     except Exception as exc:  # OSError, ValueError, KeyError, and tokenizers' bare Exception
         # A damaged cache entry (disk trouble, a hand edit): rebuild it from the documents, once.
         if _rebuilt:
-            raise DataError(f"cache: {folder} is unreadable even after rebuilding it ({exc}); set $KFORCING_CACHE "
-                            "elsewhere") from exc
+            raise DataError(
+                f"cache: {folder} is unreadable even after rebuilding it ({exc}); set $KFORCING_CACHE elsewhere"
+            ) from exc
         if verbose:
             print(f"[data] cache entry {folder} is unreadable ({exc}); rebuilding it", flush=True)
         paths["meta.json"].unlink(missing_ok=True)
-        return load_corpus(source, vocab_size=vocab_size, val_fraction=val_fraction,
-                           tokenizer_train_bytes=tokenizer_train_bytes, cache_dir=cache_dir, verbose=verbose,
-                           _rebuilt=True)
+        return load_corpus(
+            source,
+            vocab_size=vocab_size,
+            val_fraction=val_fraction,
+            tokenizer_train_bytes=tokenizer_train_bytes,
+            cache_dir=cache_dir,
+            verbose=verbose,
+            _rebuilt=True,
+        )
     if verbose:
-        print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, vocab {tok.get_vocab_size()}, "
-              f"cache {folder}", flush=True)
+        print(
+            f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, vocab {tok.get_vocab_size()}, "
+            f"cache {folder}",
+            flush=True,
+        )
     return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]), content)
 
 

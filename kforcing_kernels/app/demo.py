@@ -52,8 +52,14 @@ _TRAIN = TrainConfig()
 # perplexity at distinct-4 0.69; 400 / 200: 1.29x, 0.78; 600 / 160: 1.54x, 0.83 (BENCHMARKS.md, issue 39 part 2).
 DEMO = dict(
     train=_TRAIN,
-    pipeline=PipelineConfig(steps_stage0=600, steps_stage1=400, steps_stage2=(150, 200), lr_stage0=2e-3,
-                            lr_distill=2e-3, batch_size_distill=8),
+    pipeline=PipelineConfig(
+        steps_stage0=600,
+        steps_stage1=400,
+        steps_stage2=(150, 200),
+        lr_stage0=2e-3,
+        lr_distill=2e-3,
+        batch_size_distill=8,
+    ),
     eval=DEMO_EVAL,
 )
 # --long: about an hour on two idle CPU cores, a few minutes on a GPU. A stronger teacher
@@ -62,14 +68,23 @@ DEMO = dict(
 # 2400-3000 (6000 were no better), so the extra time goes to the round that still learns.
 LONG = dict(
     train=_TRAIN,
-    pipeline=PipelineConfig(steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 2400), lr_stage0=2e-3,
-                            lr_distill=2e-3),
+    pipeline=PipelineConfig(
+        steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 2400), lr_stage0=2e-3, lr_distill=2e-3
+    ),
     eval=DEMO_EVAL,
 )
 # --quick: the same pipeline in a minute or two; the numbers only show that it runs.
 QUICK = dict(
-    train=TrainConfig(preset="tiny", vocab_size=1024, seq_len=32, batch_size=8, warmup_steps=5, log_every=5,
-                      ckpt_every=50, eval_batches=2),
+    train=TrainConfig(
+        preset="tiny",
+        vocab_size=1024,
+        seq_len=32,
+        batch_size=8,
+        warmup_steps=5,
+        log_every=5,
+        ckpt_every=50,
+        eval_batches=2,
+    ),
     pipeline=PipelineConfig(steps_stage0=60, steps_stage1=20, steps_stage2=20, lr_stage0=2e-3, lr_distill=1e-3),
     eval=dataclasses.replace(DEMO_EVAL, new_tokens=32, reps=1, nll_batches=2, nll_batch_size=8),
 )
@@ -81,15 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli import add_device, add_temperature, add_threads, make_parser
 
     parser = make_parser("kforcing-demo", __doc__.split("\n\n")[0])
-    parser.add_argument("--out",
+    parser.add_argument(
+        "--out",
         help="output folder (None: runs/demo-<date>-<time>); its finished stages are reused when trained with this "
-             "preset's settings")
+        "preset's settings",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a much shorter run that only shows the pipeline works")
-    size.add_argument("--long", action="store_true",
-                      help="more training, most of it in the k=4 round (about an hour on 2 idle CPU cores)")
-    parser.add_argument("--judge",
-                        help="an AR stage folder that scores every method (None: this run's Stage-0 teacher)")
+    size.add_argument(
+        "--long",
+        action="store_true",
+        help="more training, most of it in the k=4 round (about an hour on 2 idle CPU cores)",
+    )
+    parser.add_argument(
+        "--judge", help="an AR stage folder that scores every method (None: this run's Stage-0 teacher)"
+    )
     add_temperature(parser, help_extra=" of the evaluation (the demo's tables)")
     add_threads(parser)
     add_device(parser)
@@ -113,8 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[demo] output folder: {out.resolve()}", flush=True)
-    print(f"[demo] torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, preset {name}",
-          flush=True)
+    print(
+        f"[demo] torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, preset {name}",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     base = dataclasses.replace(preset["train"], device=args.device, progress=None)
@@ -128,13 +151,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"[demo] training done in {t_train:.0f}s; evaluating", flush=True)
 
     settings = dataclasses.asdict(dataclasses.replace(preset["eval"], temperature=args.temperature))
-    summary = evaluate_pipeline(out, device=args.device, judge=args.judge, log=lambda s: print(s, flush=True),
-                                **settings)
+    summary = evaluate_pipeline(
+        out, device=args.device, judge=args.judge, log=lambda s: print(s, flush=True), **settings
+    )
     summary["training"] = training
-    summary["seconds"] = {"training": t_train, "evaluation": time.perf_counter() - t0 - t_train,
-                          "total": time.perf_counter() - t0}
-    summary["config"] = {"preset": name, "train": dataclasses.asdict(base), "pipeline": dataclasses.asdict(pipe),
-                         "eval": settings}
+    summary["seconds"] = {
+        "training": t_train,
+        "evaluation": time.perf_counter() - t0 - t_train,
+        "total": time.perf_counter() - t0,
+    }
+    summary["config"] = {
+        "preset": name,
+        "train": dataclasses.asdict(base),
+        "pipeline": dataclasses.asdict(pipe),
+        "eval": settings,
+    }
 
     text = format_report(summary)
     write_text(out / "tables.md", text)
@@ -147,8 +178,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for method, sample in summary["samples"].items():
         print(f"--- {method} ---\n{sample}\n")
     print(f"[demo] {summary['seconds']['total']:.0f}s in total ({t_train:.0f}s training)")
-    print(f"[demo] wrote {out / 'summary.json'}, {out / 'tables.md'}"
-          + (f", {out / 'plot.png'}" if why_not is None else f" (no plot: {why_not})"))
+    print(
+        f"[demo] wrote {out / 'summary.json'}, {out / 'tables.md'}"
+        + (f", {out / 'plot.png'}" if why_not is None else f" (no plot: {why_not})")
+    )
 
 
 if __name__ == "__main__":

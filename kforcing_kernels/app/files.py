@@ -66,8 +66,9 @@ def _require_same_file(tmp: Path, created: os.stat_result) -> None:
     by someone who can write the folder is not renamed into place."""
     now = os.lstat(tmp)
     if (now.st_dev, now.st_ino) != (created.st_dev, created.st_ino) or not stat.S_ISREG(now.st_mode):
-        raise OSError(errno.EEXIST,
-                      f"the temporary {tmp.name} was replaced while it was written; not renaming it into place")
+        raise OSError(
+            errno.EEXIST, f"the temporary {tmp.name} was replaced while it was written; not renaming it into place"
+        )
 
 
 def check_writable(path: str | Path, option: str) -> None:
@@ -187,8 +188,9 @@ def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint") \
-            from None
+        raise CheckpointError(
+            f"{path}: corrupt JSON ({exc}); delete it to fall back to an earlier checkpoint"
+        ) from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(obj, dict):
@@ -233,8 +235,9 @@ def load_tensors(json_path: Path, record) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: missing (referenced by {json_path.name})")
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise CheckpointError(f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} "
-                              f"(from {json_path.name})")
+        raise CheckpointError(
+            f"{path}: truncated or corrupt: {size} bytes, expected {record['bytes']} (from {json_path.name})"
+        )
     if sha256_file(path) != record["sha256"]:
         raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {json_path.name}")
     try:
@@ -302,18 +305,22 @@ class RunLock:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, flags, 0o666)
             except OSError as exc:
-                raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check "
-                                      f"{self.option}") from None
+                raise CheckpointError(
+                    f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise CheckpointError(f"out: {self.folder} is in use by another run (it holds {path}); wait for "
-                                          "that run "
-                                          f"to end or choose another {self.option}") from None
-                raise CheckpointError(f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check "
-                                      f"{self.option}") from None
+                    raise CheckpointError(
+                        f"out: {self.folder} is in use by another run (it holds {path}); wait for "
+                        "that run "
+                        f"to end or choose another {self.option}"
+                    ) from None
+                raise CheckpointError(
+                    f"out: cannot lock {self.folder} ({path}: {exc.strerror or exc}); check {self.option}"
+                ) from None
             if self._still_at_path(fd, path):
                 self._fd = fd
                 return self

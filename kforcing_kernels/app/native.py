@@ -67,20 +67,67 @@ class NativeKind(ModelKind):
 
     static_step = True  # generation takes compile_step (app/generation/static_step.py)
 
-    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size,
-                          k_train, return_logits, compile_step=False):
+    def generate_kforcing(
+        self,
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        *,
+        k,
+        max_new_tokens,
+        cache,
+        page_size,
+        k_train,
+        return_logits,
+        compile_step=False,
+    ):
         from .generation.inference import cached_kforcing
 
-        return cached_kforcing(model, tokens, lengths, noise, temperature, k=k, max_new_tokens=max_new_tokens,
-                               cache=cache, page_size=page_size, k_train=k_train, return_logits=return_logits,
-                               compile_step=compile_step)
+        return cached_kforcing(
+            model,
+            tokens,
+            lengths,
+            noise,
+            temperature,
+            k=k,
+            max_new_tokens=max_new_tokens,
+            cache=cache,
+            page_size=page_size,
+            k_train=k_train,
+            return_logits=return_logits,
+            compile_step=compile_step,
+        )
 
-    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size,
-                    return_logits, compile_step=False):
+    def generate_ar(
+        self,
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        *,
+        max_new_tokens,
+        cache,
+        page_size,
+        return_logits,
+        compile_step=False,
+    ):
         from .generation.inference import cached_ar
 
-        return cached_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens, cache=cache,
-                         page_size=page_size, return_logits=return_logits, compile_step=compile_step)
+        return cached_ar(
+            model,
+            tokens,
+            lengths,
+            noise,
+            temperature,
+            max_new_tokens=max_new_tokens,
+            cache=cache,
+            page_size=page_size,
+            return_logits=return_logits,
+            compile_step=compile_step,
+        )
 
 
 KIND = NativeKind()

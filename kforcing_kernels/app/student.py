@@ -46,22 +46,35 @@ class Student(Protocol):
     k_train: Optional[int]  # the window it was trained with (0: AR), None when unknown
     noise_encoder: nn.Module
 
-    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau=1.0, cu_seqlens=None,
-                context_parallel: Optional["ContextParallel"] = None) -> Any:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau=1.0,
+        cu_seqlens=None,
+        context_parallel: Optional["ContextParallel"] = None,
+    ) -> Any:
         """AR logits ``[B, N, V]`` (noise None), SingleForward logits ``[B, N, k, V]``, or with ``context_parallel``
         this rank's share ``(logits [B, R, V], rows [R])``."""
 
-    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau=1.0,
-                       cu_seqlens=None) -> tuple[torch.Tensor, Any]:
+    def single_forward(
+        self, tokens: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None
+    ) -> tuple[torch.Tensor, Any]:
         """SingleForward (eq. 18): ``(logits [B, N, k, V], the context's cache that double_forward reuses)``."""
 
-    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau=1.0,
-                       cu_seqlens=None) -> torch.Tensor:
+    def double_forward(
+        self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau=1.0, cu_seqlens=None
+    ) -> torch.Tensor:
         """DoubleForward (eq. 19) on the cache of :meth:`single_forward`: logits ``[B, N, k, V]``."""
 
-    def context_parallel_forward(self, cp: "ContextParallel", tokens: torch.Tensor,
-                                 noise: Optional[torch.Tensor] = None, tau=1.0,
-                                 cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_parallel_forward(
+        self,
+        cp: "ContextParallel",
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau=1.0,
+        cu_seqlens=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the AR forward or the SingleForward: ``(logits [B, R, V], rows int64 [R])``."""
 
     def embed_noise(self, noise: torch.Tensor, tau) -> torch.Tensor:
@@ -143,8 +156,9 @@ class ModelKind(ABC):
     def with_decode(self, model: Student, rule: str) -> None:
         """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
         if rule not in self.decode_rules:
-            raise ValueError(f"decode: {rule} decoding is not available for {self.summary}; use one of "
-                             f"{self.decode_rules}")
+            raise ValueError(
+                f"decode: {rule} decoding is not available for {self.summary}; use one of {self.decode_rules}"
+            )
 
     # -------------------------------------------------------------- text and generation
 
@@ -153,17 +167,39 @@ class ModelKind(ABC):
         """The text of a stage whose teacher is the folder ``teacher`` of this kind (None: a stage0 without one)."""
 
     @abstractmethod
-    def generate_kforcing(self, model: Student, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
-                          temperature, *, k: int, max_new_tokens: int, cache: str, page_size: int,
-                          k_train: Optional[int], return_logits: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def generate_kforcing(
+        self,
+        model: Student,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        noise: torch.Tensor,
+        temperature,
+        *,
+        k: int,
+        max_new_tokens: int,
+        cache: str,
+        page_size: int,
+        k_train: Optional[int],
+        return_logits: bool,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Algorithm 1 over the kind's KV cache, arguments checked by ``generation/inference.py``: right-padded
         ``tokens [B, P]``, ``lengths [B]``, ``noise [B, ceil(T / k), k]`` -> ``(tokens [B, T], logits [B, T, V])``
         (logits may be None without ``return_logits``)."""
 
     @abstractmethod
-    def generate_ar(self, model: Student, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, temperature,
-                    *, max_new_tokens: int, cache: str, page_size: int,
-                    return_logits: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def generate_ar(
+        self,
+        model: Student,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        noise: torch.Tensor,
+        temperature,
+        *,
+        max_new_tokens: int,
+        cache: str,
+        page_size: int,
+        return_logits: bool,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """AR decoding over the kind's KV cache: ``noise [B, T]`` -> ``(tokens [B, T], logits [B, T, V])``."""
 
     def reference_generator(self, folder, device) -> Optional[nn.Module]:

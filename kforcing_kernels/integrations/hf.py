@@ -95,9 +95,19 @@ SOFTCAP_ADVICE = (
 )
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "register", "kforcing_attention_forward", "kforcing_mask", "additive_mask", "crop_cache",
-    "NoiseEmbedding", "kforcing_position_ids", "double_forward_position_ids", "sbd_position_ids",
-    "single_forward_inputs", "double_forward_inputs", "sbd_inputs",
+    "ATTN_IMPLEMENTATION",
+    "register",
+    "kforcing_attention_forward",
+    "kforcing_mask",
+    "additive_mask",
+    "crop_cache",
+    "NoiseEmbedding",
+    "kforcing_position_ids",
+    "double_forward_position_ids",
+    "sbd_position_ids",
+    "single_forward_inputs",
+    "double_forward_inputs",
+    "sbd_inputs",
 ]
 
 
@@ -125,16 +135,18 @@ def kforcing_attention_forward(
     query, key, value = _autocast_inputs(query, key, value)
     if torch.is_autocast_enabled(query.device.type):
         with torch.autocast(query.device.type, enabled=False):
-            return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout,
-                              kforcing_backend, **kwargs)
+            return _attention(
+                module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend, **kwargs
+            )
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise ValueError(
             f"key, value: expected dtype {query.dtype} (query's) with attn_implementation='kforcing', got key "
             f"{key.dtype}, value {value.dtype}; outside torch.autocast nothing is cast (sdpa refuses the mix too): "
             "run the model in one dtype or under torch.autocast"
         )
-    return _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
-                      **kwargs)
+    return _attention(
+        module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend, **kwargs
+    )
 
 
 def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -146,12 +158,15 @@ def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return tuple(t if t.dtype == dtype or t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend,
-               **kwargs) -> tuple[torch.Tensor, None]:
+def _attention(
+    module, query, key, value, attention_mask, scaling, dropout, kforcing_layout, kforcing_backend, **kwargs
+) -> tuple[torch.Tensor, None]:
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}"
-                             + (SOFTCAP_ADVICE if name == "softcap" else ""))
+            raise ValueError(
+                f"{name}: not supported by attn_implementation='kforcing', got {kwargs[name]!r}"
+                + (SOFTCAP_ADVICE if name == "softcap" else "")
+            )
     batch, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     compiling = torch.compiler.is_compiling()
     window = sliding_window_of(module, kwargs)
@@ -172,18 +187,22 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 "that hides keys (under torch.compile, pass no attention_mask)"
             )
         if dropout:
-            raise ValueError("dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or "
-                             f"attention_dropout=0), got {dropout}")
+            raise ValueError(
+                "dropout: window_attention has no attention dropout, expected 0.0 (model.eval() or "
+                f"attention_dropout=0), got {dropout}"
+            )
         # context parallelism: this rank's rows (hf_masks.rank_rows_attention)
         if isinstance(kforcing_layout, RankRows):
             out = rank_rows_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend, flash)
             return out.transpose(1, 2).contiguous(), None
         if not isinstance(kforcing_layout, WindowLayout):
-            raise ValueError("kforcing_layout: expected a WindowLayout (or a RankRows), got "
-                             f"{type(kforcing_layout).__name__}")
+            raise ValueError(
+                f"kforcing_layout: expected a WindowLayout (or a RankRows), got {type(kforcing_layout).__name__}"
+            )
         if lq != kforcing_layout.n_queries:
-            raise ValueError(f"kforcing_layout: expected {kforcing_layout.n_queries} input tokens (layout.n_queries), "
-                             f"got {lq}")
+            raise ValueError(
+                f"kforcing_layout: expected {kforcing_layout.n_queries} input tokens (layout.n_queries), got {lq}"
+            )
         if lk != kforcing_layout.n_keys:
             raise ValueError(
                 f"kforcing_layout: expected {kforcing_layout.n_keys} keys (layout.n_keys = cached + input tokens), got "
@@ -205,8 +224,11 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 docs = documents_from_positions(kwargs["position_ids"][:, :n_ctx], batch, n_ctx)
                 check_layout_documents(kforcing_layout, docs, "position_ids")
         # This layer's window (Gemma's local layers; None on global ones) in position space, as inference has it.
-        if compiling and window is not None and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout,
-                                                                                                       window)):
+        if (
+            compiling
+            and window is not None
+            and not window_hides_nothing(kforcing_layout, check_window(kforcing_layout, window))
+        ):
             out = _traced_sliding_attention(query, key, value, kforcing_layout, window, scaling, kforcing_backend)
         else:
             sliding = sliding_layout(kforcing_layout, window, kwargs.get("position_ids"))
@@ -219,8 +241,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
         # The builder materialised the whole mask (padding, offset keys, extra rules): windows and documents
         # are in it already, so only flash kwargs it cannot know about are refused.
         if cu is not None:
-            raise ValueError("cu_seq_lens_q: packed flash kwargs together with an attention_mask (padding) are not "
-                             "supported")
+            raise ValueError(
+                "cu_seq_lens_q: packed flash kwargs together with an attention_mask (padding) are not supported"
+            )
         layout = None
         if not compiling and lq == lk and attention_mask.dtype == torch.bool:
             layout = interval_layout_from_mask(attention_mask, batch)
@@ -228,8 +251,15 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
             out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
         else:
             out = scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-                layout="auto", backend=kforcing_backend,
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=gqa,
+                layout="auto",
+                backend=kforcing_backend,
             )
         return out.transpose(1, 2).contiguous(), None
 
@@ -243,17 +273,25 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, kfor
                 out = window_attention(query, key, value, layout, scale=scaling, backend=kforcing_backend)
                 return out.transpose(1, 2).contiguous(), None
         elif compiling or lq != lk or dropout:
-            mask: Optional[torch.Tensor] = structure_mask(lq, lk, positions, cu, window, query.device,
-                                                          use_positions=positions is not None)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                 enable_gqa=gqa)
+            mask: Optional[torch.Tensor] = structure_mask(
+                lq, lk, positions, cu, window, query.device, use_positions=positions is not None
+            )
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+            )
             return out.transpose(1, 2).contiguous(), None
     mask = None
     if causal and 1 < lq < lk:  # a chunk after a cache: query i is token lk - lq + i
         mask = torch.arange(lk, device=query.device) <= torch.arange(lk - lq, lk, device=query.device)[:, None]
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=bool(causal and lq == lk and lq > 1),
-        scale=scaling, enable_gqa=gqa,
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=bool(causal and lq == lk and lq > 1),
+        scale=scaling,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -267,8 +305,9 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
     by eager calls only.
     """
     ranges, geometry, intra_causal, queries_all = window_op.layout_args(layout)
-    context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, queries_all, ranges[1], layout.context_lo,
-                                                      layout.context_hi, window)
+    context_lo, context_hi, slide_lo = sliding_bounds(
+        layout.n_ctx, queries_all, ranges[1], layout.context_lo, layout.context_hi, window
+    )
     ranges = list(ranges)
     if queries_all:
         ranges[2], ranges[3] = context_lo, context_hi
@@ -276,8 +315,9 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
         ranges[5] = slide_lo
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
     name = backend or window_op.default_backend_for(query.device, query.dtype, query.shape[-1], layout)
-    out, _ = torch.ops.kforcing_kernels.window_attention(query, key, value, ranges, geometry, intra_causal, queries_all,
-                                                         scale, name)
+    out, _ = torch.ops.kforcing_kernels.window_attention(
+        query, key, value, ranges, geometry, intra_causal, queries_all, scale, name
+    )
     return out
 
 

@@ -38,8 +38,16 @@ from ..layouts import WindowLayout
 from ..parallel.context_parallel import RankRows
 
 __all__ = [
-    "sliding_window_of", "flash_documents", "documents_from_positions", "structure_layout", "structure_mask",
-    "interval_layout_from_mask", "check_layout_documents", "sliding_layout", "additive_mask", "rank_rows_attention",
+    "sliding_window_of",
+    "flash_documents",
+    "documents_from_positions",
+    "structure_layout",
+    "structure_mask",
+    "interval_layout_from_mask",
+    "check_layout_documents",
+    "sliding_layout",
+    "additive_mask",
+    "rank_rows_attention",
 ]
 
 
@@ -84,8 +92,9 @@ def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torc
     for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point or cu.numel() < 2:
             got = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got "
-                             f"{got}")
+            raise ValueError(
+                f"{name}: expected a 1-D integer tensor [num_docs + 1] (with the other cu_seq_lens), got {got}"
+            )
     assert isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)  # checked in the loop above
     if lq != lk:
         raise ValueError(
@@ -95,17 +104,20 @@ def flash_documents(kwargs: dict, batch: int, lq: int, lk: int) -> Optional[torc
     if batch != 1:
         raise ValueError(f"cu_seq_lens_q: packed documents come as one row (batch size 1), got batch size {batch}")
     if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seq_lens_k: expected the shape of cu_seq_lens_q {tuple(cu_q.shape)}, got "
-                         f"{tuple(cu_k.shape)}")
+        raise ValueError(
+            f"cu_seq_lens_k: expected the shape of cu_seq_lens_q {tuple(cu_q.shape)}, got {tuple(cu_k.shape)}"
+        )
     if torch.compiler.is_compiling():
         return cu_q  # values are checked in eager mode only (reading them would break the graph)
     cu = cu_q.detach().to("cpu", torch.int64)
     if not torch.equal(cu, cu_k.detach().to("cpu", torch.int64)):
-        raise ValueError(f"cu_seq_lens_k: expected equal to cu_seq_lens_q without a cache, got {cu_k.tolist()} vs "
-                         f"{cu.tolist()}")
+        raise ValueError(
+            f"cu_seq_lens_k: expected equal to cu_seq_lens_q without a cache, got {cu_k.tolist()} vs {cu.tolist()}"
+        )
     if int(cu[0]) != 0 or int(cu[-1]) != lq or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seq_lens_q: expected non-decreasing offsets from 0 to {lq} (the packed length), got "
-                         f"{cu.tolist()}")
+        raise ValueError(
+            f"cu_seq_lens_q: expected non-decreasing offsets from 0 to {lq} (the packed length), got {cu.tolist()}"
+        )
     longest = int((cu[1:] - cu[:-1]).max())
     for name in ("max_length_q", "max_length_k"):
         value = kwargs.get(name)
@@ -166,8 +178,9 @@ def _structure_layout(n: int, docs: Optional[tuple], window: Optional[int]) -> W
     return WindowLayout(n, 0, 1, [], [], context_lo=torch.maximum(lo, rows - window + 1), context_hi=hi)
 
 
-def structure_mask(lq: int, lk: int, position_ids, cu: Optional[torch.Tensor], window: Optional[int],
-                   device, use_positions: bool) -> torch.Tensor:
+def structure_mask(
+    lq: int, lk: int, position_ids, cu: Optional[torch.Tensor], window: Optional[int], device, use_positions: bool
+) -> torch.Tensor:
     """bool [B|1, 1, Lq, Lk]: the rows of :func:`structure_layout` built with tensor ops only (for compiled code).
 
     Keys are the cached tokens then this call's (query i is key ``lk - lq + i``); documents come from
@@ -284,8 +297,11 @@ def _check_window_positions(layout: WindowLayout, position_ids) -> None:
         if last[0] is key[0] and last[1] is key[1] and last[2] == key[2]:
             return
     lq, start = layout.n_queries, layout.n_keys - layout.n_queries  # query row r is key start + r
-    pos = torch.arange(start,
-                       layout.n_keys)[None] if position_ids is None else position_ids.detach().cpu().to(torch.int64)
+    pos = (
+        torch.arange(start, layout.n_keys)[None]
+        if position_ids is None
+        else position_ids.detach().cpu().to(torch.int64)
+    )
     if pos.dim() != 2 or pos.shape[-1] != lq:
         raise ValueError(f"position_ids: expected [B, {lq}] (one per input token), got {tuple(pos.shape)}")
     slots = layout.window_token_keys  # [M, w], -1 past a short last window
@@ -301,7 +317,8 @@ def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, sl
         raise ValueError(
             "position_ids: with the model's sliding window, attn_implementation='kforcing' reads a kforcing_layout in "
             "position space: positions consecutive within each document and window slot o at the position of the last "
-            f"context token the window sees + 1 + o (layouts/positions.py, e.g. kforcing_position_ids); {what}")
+            f"context token the window sees + 1 + o (layouts/positions.py, e.g. kforcing_position_ids); {what}"
+        )
 
     if layout.queries == "all":  # context rows are queries: their positions are known
         iv = layout.row_intervals()[0, : layout.n_ctx, 0]  # [C, 2]
@@ -311,8 +328,10 @@ def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, sl
         lo, hi, rows = lo[seen], hi[seen], rows[seen]
         if bool(((pos[rows] - pos[lo]) != (rows - lo)).any() or ((pos[hi - 1] - pos[lo]) != (hi - 1 - lo)).any()):
             bad = int(rows[((pos[rows] - pos[lo]) != (rows - lo)) | ((pos[hi - 1] - pos[lo]) != (hi - 1 - lo))][0])
-            refuse(f"context row {bad} at position {int(pos[bad])} sees keys [{int(iv[bad, 0])}, {int(iv[bad, 1])}) "
-                   "whose positions are not consecutive up to it")
+            refuse(
+                f"context row {bad} at position {int(pos[bad])} sees keys [{int(iv[bad, 0])}, {int(iv[bad, 1])}) "
+                "whose positions are not consecutive up to it"
+            )
     if not layout.num_windows:
         return
     valid = slots >= 0
@@ -325,16 +344,21 @@ def _check_row_positions(layout: WindowLayout, pos: torch.Tensor, start: int, sl
     if layout.queries == "all":
         lo, hi = layout.prefix_lo.reshape(-1), layout.prefix_hi.reshape(-1)
         seen = hi > lo
-        late = seen & ((pos[(hi - 1).clamp(min=0)] + 1 != first[:, 0])
-                       | (pos[(hi - 1).clamp(min=0)] - pos[lo.clamp(max=max(layout.n_ctx - 1, 0))] != hi - 1 - lo))
+        late = seen & (
+            (pos[(hi - 1).clamp(min=0)] + 1 != first[:, 0])
+            | (pos[(hi - 1).clamp(min=0)] - pos[lo.clamp(max=max(layout.n_ctx - 1, 0))] != hi - 1 - lo)
+        )
         if bool(late.any()):
             m = int(torch.nonzero(late)[0])
-            refuse(f"window {m} at position {int(first[m, 0])} sees context [{int(lo[m])}, {int(hi[m])}) whose last "
-                   f"token is at position {int(pos[hi[m] - 1])}")
+            refuse(
+                f"window {m} at position {int(first[m, 0])} sees context [{int(lo[m])}, {int(hi[m])}) whose last "
+                f"token is at position {int(pos[hi[m] - 1])}"
+            )
 
 
-def additive_mask(layout: WindowLayout, batch: Optional[int] = None,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def additive_mask(
+    layout: WindowLayout, batch: Optional[int] = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The layout as the additive 4-D float mask HF ``attn_implementation="eager"`` adds to its scores.
 
     Returns ``[B|1, 1, Lq, Lk]`` (``batch`` expands a shared layout): 0 where a query sees a key and
@@ -350,9 +374,16 @@ def additive_mask(layout: WindowLayout, batch: Optional[int] = None,
     return torch.where(dense, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype))
 
 
-def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: RankRows,
-                        window: Optional[int], scaling: Optional[float], backend: Optional[str],
-                        flash: bool) -> torch.Tensor:
+def rank_rows_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: RankRows,
+    window: Optional[int],
+    scaling: Optional[float],
+    backend: Optional[str],
+    flash: bool,
+) -> torch.Tensor:
     """Attention of this rank's rows under context parallelism (``kforcing_layout`` a ``RankRows``): ``[B, H, R, D]``.
 
     query ``[B, H, R, D]`` holds the rank's query rows (``rows.query_rows``), key/value ``[B, Hkv, K_r, D]`` its keys
@@ -362,30 +393,39 @@ def rank_rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     the key gather stay the split's, the rank's sub-layout is the windowed layout restricted to its rows.
     """
     if torch.compiler.is_compiling():
-        raise ValueError("kforcing_layout: a RankRows (context parallelism) runs eagerly; torch.compile is not "
-                         "supported with it")
+        raise ValueError(
+            "kforcing_layout: a RankRows (context parallelism) runs eagerly; torch.compile is not supported with it"
+        )
     if backend is not None:
-        raise ValueError("kforcing_backend: a RankRows kforcing_layout (context parallelism) runs the row-subset "
-                         "kernels "
-                         f"of op.query_rows_backend; expected None, got {backend!r}")
+        raise ValueError(
+            "kforcing_backend: a RankRows kforcing_layout (context parallelism) runs the row-subset "
+            "kernels "
+            f"of op.query_rows_backend; expected None, got {backend!r}"
+        )
     if flash:
-        raise ValueError("cu_seq_lens_q: flash kwargs with a RankRows kforcing_layout (context parallelism); build the "
-                         "split's layout with cu_seqlens= instead")
+        raise ValueError(
+            "cu_seq_lens_q: flash kwargs with a RankRows kforcing_layout (context parallelism); build the "
+            "split's layout with cu_seqlens= instead"
+        )
     n_rows, n_keys = int(rows.query_rows.numel()), int(rows.key_rows.numel())
     if query.shape[2] != n_rows:
-        raise ValueError(f"kforcing_layout: expected {n_rows} input tokens (this rank's rows, RankRows.query_rows), "
-                         f"got {query.shape[2]}")
+        raise ValueError(
+            f"kforcing_layout: expected {n_rows} input tokens (this rank's rows, RankRows.query_rows), "
+            f"got {query.shape[2]}"
+        )
     if key.shape[2] != n_keys:
-        raise ValueError(f"kforcing_layout: expected {n_keys} keys (this rank's keys, RankRows.key_rows; context "
-                         f"parallelism runs without a cache), got {key.shape[2]}")
+        raise ValueError(
+            f"kforcing_layout: expected {n_keys} keys (this rank's keys, RankRows.key_rows; context "
+            f"parallelism runs without a cache), got {key.shape[2]}"
+        )
     if window is not None:
         layout = rows.split.layout
         try:
             windowed = layout.with_sliding_window(window)
         except ValueError as exc:
-            raise ValueError(f"sliding_window: the model's window ({window}) with this context-parallel split's "
-                             "layout: "
-                             f"{exc}") from None
+            raise ValueError(
+                f"sliding_window: the model's window ({window}) with this context-parallel split's layout: {exc}"
+            ) from None
         if windowed is not layout:  # same rows and keys: only the rows' intervals shrink
             rows = RankRows(dataclasses.replace(rows.split, layout=windowed), rows.rank, rows.group)
     return rows.attend(query, key, value, scaling)

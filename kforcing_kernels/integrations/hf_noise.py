@@ -35,8 +35,11 @@ class NoiseEmbedding(NoiseEncoder):
 
     def __init__(self, hidden_size: int, noise_features: int = 32, tau_features: int = 8):
         torch.nn.Module.__init__(self)
-        for name, value in (("hidden_size", hidden_size), ("noise_features", noise_features), ("tau_features",
-                                                                                               tau_features)):
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("noise_features", noise_features),
+            ("tau_features", tau_features),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.hidden_size, self.noise_features, self.tau_features_count = hidden_size, noise_features, tau_features
@@ -44,8 +47,11 @@ class NoiseEmbedding(NoiseEncoder):
 
     def settings(self) -> dict:
         """What rebuilds this module: ``NoiseEmbedding(**settings())``."""
-        return {"hidden_size": self.hidden_size, "noise_features": self.noise_features,
-                "tau_features": self.tau_features_count}
+        return {
+            "hidden_size": self.hidden_size,
+            "noise_features": self.noise_features,
+            "tau_features": self.tau_features_count,
+        }
 
     def forward(self, u: torch.Tensor, tau: Optional[torch.Tensor] = None) -> torch.Tensor:
         """u ``[B, ...]`` in [0, 1), tau scalar, ``[1]`` or ``[B]`` (> 0) -> ``[B, ..., hidden_size]``."""
@@ -56,8 +62,9 @@ class NoiseEmbedding(NoiseEncoder):
             raise ValueError(f"tau: expected shape [{u.shape[0]}] or [1], got {tuple(tau.shape)}")
         return super().forward(u, tau.view(-1, *([1] * (u.dim() - 1))))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         old_keys = [key for key in state_dict if key.startswith(prefix + "mlp.")]
         version = local_metadata.get("version")
         if old_keys or (version is not None and version < NOISE_EMBEDDING_FORMAT):
@@ -66,6 +73,8 @@ class NoiseEmbedding(NoiseEncoder):
                 "pi*1..n_freqs, "
                 f"keys {prefix}mlp.*); format {NOISE_EMBEDDING_FORMAT} has the native noise encoder's features and "
                 "layers, "
-                "so they cannot be loaded or converted; train the noise embedding again")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+                "so they cannot be loaded or converted; train the noise embedding again"
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )

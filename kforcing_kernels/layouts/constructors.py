@@ -91,21 +91,40 @@ def bd3lm(cls: "type[WindowLayout]", n_ctx: int, block: int, *, cu_seqlens=None)
     return _blockwise(cls, n_ctx, block, cu_seqlens, context_block=block)
 
 
-def _blockwise(cls: "type[WindowLayout]", n_ctx: int, block: int, cu_seqlens,
-               context_block: Optional[int]) -> "WindowLayout":
+def _blockwise(
+    cls: "type[WindowLayout]", n_ctx: int, block: int, cu_seqlens, context_block: Optional[int]
+) -> "WindowLayout":
     docs = parse_cu_seqlens(cu_seqlens, n_ctx)
     check_block_aligned("cu_seqlens", docs, block, n_ctx)
     m = -(-n_ctx // block)
     hi = torch.arange(m) * block
-    lo = stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs,
-        PerBatch)) if docs else torch.zeros_like(hi)
+    lo = (
+        stack_rows([document_bounds(cu, n_ctx)[0][hi] for cu in docs], isinstance(docs, PerBatch))
+        if docs
+        else torch.zeros_like(hi)
+    )
     hi = hi.expand_as(lo).clone()
-    return cls(n_ctx, m, block, lo, hi, last_window_size=n_ctx - (m - 1) * block, intra="full", queries="all",
-               **_context_ranges(n_ctx, cu_seqlens, context_block))
+    return cls(
+        n_ctx,
+        m,
+        block,
+        lo,
+        hi,
+        last_window_size=n_ctx - (m - 1) * block,
+        intra="full",
+        queries="all",
+        **_context_ranges(n_ctx, cu_seqlens, context_block),
+    )
 
 
-def ptp(cls: "type[WindowLayout]", n_ctx: int, starts: IntsLike, completion_len: int,
-        doc_starts: Optional[IntsLike] = None, doc_ends: Optional[IntsLike] = None) -> "WindowLayout":
+def ptp(
+    cls: "type[WindowLayout]",
+    n_ctx: int,
+    starts: IntsLike,
+    completion_len: int,
+    doc_starts: Optional[IntsLike] = None,
+    doc_ends: Optional[IntsLike] = None,
+) -> "WindowLayout":
     """Parallel Token Prediction completion pass.
 
     Keys ``[ctx (S, cached) | completion 0 (L) | completion 1 (L) | ...]``, queries the
@@ -157,8 +176,9 @@ def jacobi(cls: "type[WindowLayout]", n_prompt, n_noisy=None, *, num_blocks=None
             raise ValueError("n_noisy: give n_noisy, or num_blocks and block_size")
         counts, sizes = _per_sample("num_blocks", num_blocks), _per_sample("block_size", block_size)
         if counts.dim() and sizes.dim() and counts.shape != sizes.shape:
-            raise ValueError(f"block_size: expected the shape of num_blocks {tuple(counts.shape)}, got "
-                             f"{tuple(sizes.shape)}")
+            raise ValueError(
+                f"block_size: expected the shape of num_blocks {tuple(counts.shape)}, got {tuple(sizes.shape)}"
+            )
         noisy = counts * sizes
     elif num_blocks is not None or block_size is not None:
         raise ValueError("num_blocks: give n_noisy or num_blocks and block_size, not both")
@@ -169,21 +189,41 @@ def jacobi(cls: "type[WindowLayout]", n_prompt, n_noisy=None, *, num_blocks=None
         p, t = int(prompt), int(noisy)
         return cls(p + t, 1, t, [0], [p], intra="causal", queries="all")
     if prompt.dim() and noisy.dim() and prompt.shape != noisy.shape:
-        raise ValueError(f"n_noisy: expected one value per sample like n_prompt {tuple(prompt.shape)}, got "
-                         f"{tuple(noisy.shape)}")
+        raise ValueError(
+            f"n_noisy: expected one value per sample like n_prompt {tuple(prompt.shape)}, got {tuple(noisy.shape)}"
+        )
     b = (prompt if prompt.dim() else noisy).shape[0]
     prompt, noisy = prompt.expand(b).clone(), noisy.expand(b).clone()
     c, t = int((prompt + noisy).max()), int(noisy.max())
     pos = torch.arange(c)
     inside = pos[None] < (prompt + noisy)[:, None]  # [B, C]: prompt + clean tokens; the rest is padding
     context_hi = torch.where(inside, pos[None] + 1, 0)
-    return cls(c, 1, t, torch.zeros(b, 1, dtype=torch.int64), prompt[:, None], intra="causal", queries="all",
-               context_lo=torch.zeros_like(context_hi), context_hi=context_hi, live_slots=noisy[:, None])
+    return cls(
+        c,
+        1,
+        t,
+        torch.zeros(b, 1, dtype=torch.int64),
+        prompt[:, None],
+        intra="causal",
+        queries="all",
+        context_lo=torch.zeros_like(context_hi),
+        context_hi=context_hi,
+        live_slots=noisy[:, None],
+    )
 
 
-def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, block: int, *, keep=None,
-                  intra: Optional[str] = None, window: Optional[int] = None, window_mode: str = "block",
-                  cu_seqlens=None) -> "WindowLayout":
+def anchor_blocks(
+    cls: "type[WindowLayout]",
+    n_ctx: int,
+    anchors: IntsLike,
+    block: int,
+    *,
+    keep=None,
+    intra: Optional[str] = None,
+    window: Optional[int] = None,
+    window_mode: str = "block",
+    cu_seqlens=None,
+) -> "WindowLayout":
     """Anchor blocks: DFlash-style block-draft training (SpecForge, vLLM speculators).
 
     Keys ``[context (S) | block_0 | ... | block_{n-1}]`` (``block`` tokens each), queries the
@@ -259,8 +299,10 @@ def anchor_blocks(cls: "type[WindowLayout]", n_ctx: int, anchors: IntsLike, bloc
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"keep: expected a bool sequence, got {type(keep).__name__} ({exc})") from None
         if kept.dtype != torch.bool or kept.dim() not in (1, 2) or kept.shape[-1] != a.shape[-1]:
-            raise ValueError(f"keep: expected bool [{a.shape[-1]}] or [B, {a.shape[-1]}] (one per block), "
-                             f"got dtype {kept.dtype} shape {tuple(kept.shape)}")
+            raise ValueError(
+                f"keep: expected bool [{a.shape[-1]}] or [B, {a.shape[-1]}] (one per block), "
+                f"got dtype {kept.dtype} shape {tuple(kept.shape)}"
+            )
         if kept.dim() == 2 and a.dim() == 2 and kept.shape[0] != a.shape[0]:
             raise ValueError(f"keep: expected {a.shape[0]} rows (anchors'), got {kept.shape[0]}")
         live = kept.to(torch.int64) * block
@@ -310,8 +352,16 @@ def _context_ranges(n: int, cu_seqlens, block: Optional[int]) -> dict:
     return dict(context_lo=stack_rows(los, per_batch), context_hi=stack_rows(his, per_batch))
 
 
-def eagle3_ttt(cls: "type[WindowLayout]", length: int, step: int, *, valid_lengths=None, drop_per_step: int = 0,
-               cu_seqlens=None, window: Optional[int] = None):
+def eagle3_ttt(
+    cls: "type[WindowLayout]",
+    length: int,
+    step: int,
+    *,
+    valid_lengths=None,
+    drop_per_step: int = 0,
+    cu_seqlens=None,
+    window: Optional[int] = None,
+):
     """One step of EAGLE-3's training-time test (SpecForge, vLLM speculators): its ``length`` query rows only.
 
     Keys ``[base (L) | step 1 (L) | ... | step j (L)]`` (``(j + 1) * L``, ``j = step``): the draft's

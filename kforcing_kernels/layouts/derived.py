@@ -46,8 +46,16 @@ _interned: "collections.OrderedDict[tuple, WindowLayout]" = collections.OrderedD
 _lock = threading.Lock()
 
 
-def content_key(n_ctx: int, num_windows: int, window_size: int, last_window_size: int, intra: str, queries: str,
-                n_streams: int, ranges: Sequence[Optional[torch.Tensor]]) -> tuple:
+def content_key(
+    n_ctx: int,
+    num_windows: int,
+    window_size: int,
+    last_window_size: int,
+    intra: str,
+    queries: str,
+    n_streams: int,
+    ranges: Sequence[Optional[torch.Tensor]],
+) -> tuple:
     """The hashable identity of a layout's content. ``ranges``: int64 CPU tensors (None: a default range)
     ``(prefix_lo, prefix_hi, context_lo, context_hi, live_slots, prefix_slide_lo, prefix_slide_hi)``, kept as
     ``(shape, bytes)``."""

@@ -52,8 +52,16 @@ def positive_int(name: str, value) -> int:
     return v
 
 
-def check_spans(prefix: str, lo: torch.Tensor, hi: torch.Tensor, n_ctx: int, what: str, *,
-                lo_name: Optional[str] = None, hi_name: Optional[str] = None) -> None:
+def check_spans(
+    prefix: str,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    n_ctx: int,
+    what: str,
+    *,
+    lo_name: Optional[str] = None,
+    hi_name: Optional[str] = None,
+) -> None:
     """``0 <= lo <= hi <= n_ctx`` for every ``what`` (the errors name ``{prefix}_lo``/``_hi`` or the given names)."""
     lo_name, hi_name = lo_name or f"{prefix}_lo", hi_name or f"{prefix}_hi"
     if lo.numel() and int(lo.min()) < 0:
@@ -62,8 +70,9 @@ def check_spans(prefix: str, lo: torch.Tensor, hi: torch.Tensor, n_ctx: int, wha
         raise ValueError(f"{hi_name}: expected values <= n_ctx={n_ctx}, got max {int(hi.max())}")
     if bool((lo > hi).any()):
         bad = int(torch.nonzero(lo > hi)[0, -1])
-        raise ValueError(f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > "
-                         f"{hi_name}")
+        raise ValueError(
+            f"{lo_name}: expected {lo_name} <= {hi_name} for every {what}, {what} {bad} has {lo_name} > {hi_name}"
+        )
 
 
 def _one(name: str, cu: IntsLike, n: int) -> torch.Tensor:
@@ -90,7 +99,8 @@ def parse_cu_seqlens(cu_seqlens, n: int, name: str = "cu_seqlens") -> Optional[l
     if cu_seqlens is None:
         return None
     per_batch = (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 2) or (
-        isinstance(cu_seqlens, (list, tuple)) and len(cu_seqlens) > 0
+        isinstance(cu_seqlens, (list, tuple))
+        and len(cu_seqlens) > 0
         and all(isinstance(x, (list, tuple, torch.Tensor)) for x in cu_seqlens)
     )
     if not per_batch:

@@ -63,7 +63,11 @@ def to_block_mask(layout: "WindowLayout", block_size: int = 128, device: Union[s
     kv_num, kv_idx = to_indices(partial)
     full_num, full_idx = to_indices(tile_full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx,
-        BLOCK_SIZE=block_size, mask_mod=layout.mask_mod(device),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block_size,
+        mask_mod=layout.mask_mod(device),
         seq_lengths=(layout.n_queries, layout.n_keys),
     )

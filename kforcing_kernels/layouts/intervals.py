@@ -83,7 +83,7 @@ def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
             start = keys[m_of, j * s]
             iv[:, key_of, 1 + j, 0] = torch.where(seen > 0, start, 0)
             iv[:, key_of, 1 + j, 1] = torch.where(seen > 0, start + seen, 0)
-    return iv[:, layout.query_offset:].contiguous()
+    return iv[:, layout.query_offset :].contiguous()
 
 
 # Query rows per tile of the C++ (cpp backend) kernels: 64 rows x 256-key chunks was the
@@ -143,8 +143,9 @@ CPU_DIRECT_WINDOW_MAX = 16
 SUBSET_MERGE_SLACK = 0.1
 
 
-def subset_query_tiles(layout: "WindowLayout", rows: torch.Tensor,
-                       tile_rows: int = CPU_TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def subset_query_tiles(
+    layout: "WindowLayout", rows: torch.Tensor, tile_rows: int = CPU_TILE_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_order int32 [R], tile_begin int32 [T + 1])``: C++ query tiles of the parent rows ``rows``
     (int64 [R], strictly increasing), as indices into ``rows``.
 
@@ -193,6 +194,7 @@ def merge_subset_pieces(counts: list, kinds: list, los: list, his: list, tile_ro
     A piece is cut at ``tile_rows``; a cut joins the current tile while the tile stays within ``tile_rows``
     rows of one kind and the merge visits at most ``SUBSET_MERGE_SLACK`` more key area (rows x union span,
     per interval) than the two apart."""
+
     def area(n, lo, hi):
         return sum(n * (end - start) for start, end in zip(lo, hi) if end > start)
 
@@ -234,17 +236,23 @@ def subset_query_runs(layout, tile_rows: int) -> tuple[torch.Tensor, torch.Tenso
     seen = iv[..., 1] > iv[..., 0]
     lo = torch.where(seen, iv[..., 0], torch.iinfo(torch.int64).max).amin(0)  # [R, J] over the batch
     hi = torch.where(seen, iv[..., 1], -1).amax(0)
-    cuts = [(p0, min(b, p0 + tile_rows)) for a, b in zip(run_start[:-1], run_start[1:])
-            for p0 in range(a, b, tile_rows)]
-    lens = merge_subset_pieces([p1 - p0 for p0, p1 in cuts], [bool(is_ctx[p0]) for p0, _ in cuts],
-                               [lo[p0:p1].amin(0).tolist() for p0, p1 in cuts],
-                               [hi[p0:p1].amax(0).tolist() for p0, p1 in cuts], tile_rows)
+    cuts = [
+        (p0, min(b, p0 + tile_rows)) for a, b in zip(run_start[:-1], run_start[1:]) for p0 in range(a, b, tile_rows)
+    ]
+    lens = merge_subset_pieces(
+        [p1 - p0 for p0, p1 in cuts],
+        [bool(is_ctx[p0]) for p0, _ in cuts],
+        [lo[p0:p1].amin(0).tolist() for p0, p1 in cuts],
+        [hi[p0:p1].amax(0).tolist() for p0, p1 in cuts],
+        tile_rows,
+    )
     q_len = torch.tensor(lens, dtype=torch.int64)
     return torch.cumsum(q_len, 0) - q_len, q_len
 
 
-def tile_area(iv: torch.Tensor, row_order: torch.Tensor, tile_begin: torch.Tensor, *,
-              direct_windows: bool = False) -> torch.Tensor:
+def tile_area(
+    iv: torch.Tensor, row_order: torch.Tensor, tile_begin: torch.Tensor, *, direct_windows: bool = False
+) -> torch.Tensor:
     """int64 [B']: the key area the C++ kernels visit with these query tiles: per tile and interval, (rows of
     the tile seeing the interval) x (the union span of their intervals), the unit their plan costs
     (``waste = tile_area / num_pairs``). ``direct_windows`` (windows of at most ``CPU_DIRECT_WINDOW_MAX``
@@ -312,8 +320,15 @@ def reduce_over_tiles(iv: torch.Tensor, tile_of_row: torch.Tensor, n_tiles: int)
     any_seen = khi >= 0
     has_full = all_seen & (fhi > flo)
     zero = torch.zeros_like(klo)
-    return torch.stack([torch.where(any_seen, klo, zero), torch.where(any_seen, khi, zero),
-                        torch.where(has_full, flo, zero), torch.where(has_full, fhi, zero)], -1)
+    return torch.stack(
+        [
+            torch.where(any_seen, klo, zero),
+            torch.where(any_seen, khi, zero),
+            torch.where(has_full, flo, zero),
+            torch.where(has_full, fhi, zero),
+        ],
+        -1,
+    )
 
 
 def pairs_per_row(iv: torch.Tensor) -> torch.Tensor:

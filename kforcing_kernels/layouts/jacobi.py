@@ -45,8 +45,10 @@ def stream_order(prompt_lens, num_blocks, block_sizes) -> torch.Tensor:
     block sizes T_b >= 1. Stream order per sample: ``[prompt | clean_0 .. clean_{N-1} | pad]``
     (C = max(P_b + N_b T_b)) then ``[noisy_0 .. noisy_{N-1} | pad]`` (max(N_b T_b) slots).
     """
-    sizes = [_ints(n, v).numel()
-             for n, v in (("prompt_lens", prompt_lens), ("num_blocks", num_blocks), ("block_sizes", block_sizes))]
+    sizes = [
+        _ints(n, v).numel()
+        for n, v in (("prompt_lens", prompt_lens), ("num_blocks", num_blocks), ("block_sizes", block_sizes))
+    ]
     b = max(sizes)
     p = _per_sample("prompt_lens", prompt_lens, b)
     n = _per_sample("num_blocks", num_blocks, b)
@@ -62,8 +64,8 @@ def stream_order(prompt_lens, num_blocks, block_sizes) -> torch.Tensor:
         # offset of noisy_j's token r after the prompt
         blk = torch.arange(ni)[:, None] * (2 * ti) + torch.arange(ti)[None]
         order[i, :pi] = torch.arange(pi)
-        order[i, pi:pi + ni * ti] = (pi + ti + blk).flatten()  # clean_j follows noisy_j
-        order[i, c:c + ni * ti] = (pi + blk).flatten()
+        order[i, pi : pi + ni * ti] = (pi + ti + blk).flatten()  # clean_j follows noisy_j
+        order[i, c : c + ni * ti] = (pi + blk).flatten()
     return order
 
 

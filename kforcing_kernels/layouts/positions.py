@@ -57,14 +57,20 @@ def as_cu_seqlens(cu_seqlens, n: int, batch: Optional[int] = None):
     """
     if cu_seqlens is None:
         return None
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 or (
-            isinstance(cu_seqlens, (list, tuple)) and all(not isinstance(x, (list, tuple,
-                                                                             torch.Tensor)) for x in cu_seqlens)):
+    if (
+        isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dim() == 1
+        or (
+            isinstance(cu_seqlens, (list, tuple))
+            and all(not isinstance(x, (list, tuple, torch.Tensor)) for x in cu_seqlens)
+        )
+    ):
         return torch.as_tensor(cu_seqlens).detach().cpu().to(torch.int64)
     rows = [torch.as_tensor(row).detach().cpu().to(torch.int64) for row in cu_seqlens]
     if batch is not None and len(rows) != batch:
-        raise ValueError(f"cu_seqlens: expected one row per batch element ({batch} rows) or a shared 1-D [D+1], "
-                         f"got {len(rows)} rows")
+        raise ValueError(
+            f"cu_seqlens: expected one row per batch element ({batch} rows) or a shared 1-D [D+1], got {len(rows)} rows"
+        )
     return rows
 
 

@@ -24,8 +24,19 @@ if TYPE_CHECKING:
     from .window_layout import WindowLayout
 
 # What a subset reads from its parent unchanged: the key storage geometry (queries are its own rows).
-_PARENT_GEOMETRY = ("n_ctx", "num_windows", "window_size", "last_window_size", "n_streams", "slots_per_stream",
-                    "intra", "queries", "query_offset", "n_window_tokens", "window_token_keys")
+_PARENT_GEOMETRY = (
+    "n_ctx",
+    "num_windows",
+    "window_size",
+    "last_window_size",
+    "n_streams",
+    "slots_per_stream",
+    "intra",
+    "queries",
+    "query_offset",
+    "n_window_tokens",
+    "window_token_keys",
+)
 
 
 class QueryRowsLayout:
@@ -46,8 +57,10 @@ class QueryRowsLayout:
             raise ValueError(f"rows: expected query rows in [0, {n}) (parent.n_queries), got {bad}")
         if r.numel() > 1 and bool((r[1:] <= r[:-1]).any()):
             at = int(torch.nonzero(r[1:] <= r[:-1])[0, 0])
-            raise ValueError(f"rows: expected strictly increasing rows (sorted, no repeats), got {int(r[at])} "
-                             f"then {int(r[at + 1])} at index {at + 1}")
+            raise ValueError(
+                f"rows: expected strictly increasing rows (sorted, no repeats), got {int(r[at])} "
+                f"then {int(r[at + 1])} at index {at + 1}"
+            )
         self.parent = parent
         self._rows = r
         self._iv: Optional[torch.Tensor] = None
@@ -98,8 +111,9 @@ class QueryRowsLayout:
     @property
     def row_intervals_int32(self) -> torch.Tensor:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
-        return self.derived("layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:,
-            self._rows].contiguous())
+        return self.derived(
+            "layout.row_intervals_int32", lambda: self.parent.row_intervals_int32[:, self._rows].contiguous()
+        )
 
     @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:

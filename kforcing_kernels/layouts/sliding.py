@@ -66,8 +66,10 @@ def check_window(layout: "WindowLayout", window) -> int:
             f"expected a window >= {layout.window_size}"
         )
     if layout.has_sliding_context:
-        raise ValueError("layout: expected a layout without prefix_slide_lo/hi (its own sliding bounds) to intersect "
-                         "with a model's sliding window")
+        raise ValueError(
+            "layout: expected a layout without prefix_slide_lo/hi (its own sliding bounds) to intersect "
+            "with a model's sliding window"
+        )
     return window
 
 
@@ -77,18 +79,34 @@ def window_hides_nothing(layout: "WindowLayout", window: int) -> bool:
 
 
 def _intersect(layout: "WindowLayout", window: int) -> "WindowLayout":
-    context_lo, context_hi, slide_lo = sliding_bounds(layout.n_ctx, layout.queries == "all", layout.prefix_hi,
-                                                      layout.context_lo, layout.context_hi, window)
+    context_lo, context_hi, slide_lo = sliding_bounds(
+        layout.n_ctx, layout.queries == "all", layout.prefix_hi, layout.context_lo, layout.context_hi, window
+    )
     return type(layout)(
-        layout.n_ctx, layout.num_windows, layout.window_size, layout.prefix_lo, layout.prefix_hi,
-        last_window_size=layout.last_window_size, intra=layout.intra, queries=layout.queries,
-        n_streams=layout.n_streams, context_lo=context_lo, context_hi=context_hi, live_slots=layout.live_slots,
+        layout.n_ctx,
+        layout.num_windows,
+        layout.window_size,
+        layout.prefix_lo,
+        layout.prefix_hi,
+        last_window_size=layout.last_window_size,
+        intra=layout.intra,
+        queries=layout.queries,
+        n_streams=layout.n_streams,
+        context_lo=context_lo,
+        context_hi=context_hi,
+        live_slots=layout.live_slots,
         prefix_slide_lo=slide_lo if layout.num_windows else None,
     )
 
 
-def sliding_bounds(n_ctx: int, queries_all: bool, prefix_hi: torch.Tensor, context_lo: Optional[torch.Tensor],
-                   context_hi: Optional[torch.Tensor], window: int):
+def sliding_bounds(
+    n_ctx: int,
+    queries_all: bool,
+    prefix_hi: torch.Tensor,
+    context_lo: Optional[torch.Tensor],
+    context_hi: Optional[torch.Tensor],
+    window: int,
+):
     """The range numbers of the intersection: ``(context_lo, context_hi, prefix_slide_lo)``.
 
     The one place the rule is written; tensor ops only, so compiled callers (``integrations/hf.py`` under

@@ -118,8 +118,10 @@ class WindowLayout:
         if n_streams < 1 or window_size % n_streams != 0:
             raise ValueError(f"n_streams: expected a divisor of window_size={window_size}, got {n_streams}")
         if n_streams > 1 and num_windows and last != window_size:
-            raise ValueError(f"last_window_size: stream-major storage (n_streams={n_streams}) needs equal windows, got "
-                             f"{last} != {window_size}")
+            raise ValueError(
+                f"last_window_size: stream-major storage (n_streams={n_streams}) needs equal windows, got "
+                f"{last} != {window_size}"
+            )
         if n_ctx + num_windows == 0:
             raise ValueError("n_ctx: a layout needs at least one token (n_ctx=0 and num_windows=0)")
         if queries == "windows" and num_windows == 0:
@@ -138,8 +140,9 @@ class WindowLayout:
             clo = _ranges("context_lo", context_lo, n_ctx, "context tokens")
             chi = _ranges("context_hi", context_hi, n_ctx, "context tokens")
             if clo.shape != chi.shape:
-                raise ValueError(f"context_hi: expected the shape of context_lo {tuple(clo.shape)}, got "
-                                 f"{tuple(chi.shape)}")
+                raise ValueError(
+                    f"context_hi: expected the shape of context_lo {tuple(clo.shape)}, got {tuple(chi.shape)}"
+                )
             check_spans("context", clo, chi, n_ctx, "context row")
         live = None
         if live_slots is not None:
@@ -147,8 +150,10 @@ class WindowLayout:
             if live.numel() and int(live.min()) < 0:
                 raise ValueError(f"live_slots: expected values >= 0, got min {int(live.min())}")
 
-        slides = [None if value is None else _ranges(name, value, num_windows, "windows")
-                  for name, value in (("prefix_slide_lo", prefix_slide_lo), ("prefix_slide_hi", prefix_slide_hi))]
+        slides = [
+            None if value is None else _ranges(name, value, num_windows, "windows")
+            for name, value in (("prefix_slide_lo", prefix_slide_lo), ("prefix_slide_hi", prefix_slide_hi))
+        ]
 
         batches = {t.shape[0] for t in (lo, clo, live, *slides) if t is not None and t.dim() == 2}
         if len(batches) > 1:
@@ -214,8 +219,15 @@ class WindowLayout:
         """The layout's own int64 CPU range tensors, not copies (read them, never write them), in the order
         ``(prefix_lo, prefix_hi, context_lo, context_hi, live_slots, prefix_slide_lo, prefix_slide_hi)``;
         None where a range is the default. What the custom op carries and the content key hashes."""
-        return (self._prefix_lo, self._prefix_hi, self._context_lo, self._context_hi, self._live,
-                self._prefix_slide_lo, self._prefix_slide_hi)
+        return (
+            self._prefix_lo,
+            self._prefix_hi,
+            self._context_lo,
+            self._context_hi,
+            self._live,
+            self._prefix_slide_lo,
+            self._prefix_slide_hi,
+        )
 
     @property
     def has_sliding_context(self) -> bool:
@@ -310,8 +322,15 @@ class WindowLayout:
         Kept on the layout itself, not in its store: the store is found by this key (derived.py)."""
         if self._key is None:
             self._key = _derived_store.content_key(
-                self.n_ctx, self.num_windows, self.window_size, self.last_window_size, self.intra, self.queries,
-                self.n_streams, self.range_tensors())
+                self.n_ctx,
+                self.num_windows,
+                self.window_size,
+                self.last_window_size,
+                self.intra,
+                self.queries,
+                self.n_streams,
+                self.range_tensors(),
+            )
         return self._key
 
     def derived(self, name: Hashable, build: Callable[[], _T]) -> _T:
@@ -330,6 +349,7 @@ class WindowLayout:
         b = as_int("b", b)
         if not 0 <= b < self._range_batch:
             raise ValueError(f"b: expected a batch index in [0, {self._range_batch}), got {b}")
+
         def row(t: torch.Tensor) -> torch.Tensor:
             return t[b] if t.dim() == 2 else t
 
@@ -337,10 +357,20 @@ class WindowLayout:
             return None if t is None else row(t)
 
         return WindowLayout(
-            self.n_ctx, self.num_windows, self.window_size, row(self._prefix_lo), row(self._prefix_hi),
-            last_window_size=self.last_window_size, intra=self.intra, queries=self.queries, n_streams=self.n_streams,
-            context_lo=pick(self._context_lo), context_hi=pick(self._context_hi), live_slots=pick(self._live),
-            prefix_slide_lo=pick(self._prefix_slide_lo), prefix_slide_hi=pick(self._prefix_slide_hi),
+            self.n_ctx,
+            self.num_windows,
+            self.window_size,
+            row(self._prefix_lo),
+            row(self._prefix_hi),
+            last_window_size=self.last_window_size,
+            intra=self.intra,
+            queries=self.queries,
+            n_streams=self.n_streams,
+            context_lo=pick(self._context_lo),
+            context_hi=pick(self._context_hi),
+            live_slots=pick(self._live),
+            prefix_slide_lo=pick(self._prefix_slide_lo),
+            prefix_slide_hi=pick(self._prefix_slide_hi),
         )
 
     def with_sliding_window(self, window: int) -> "WindowLayout":
@@ -380,8 +410,9 @@ class WindowLayout:
         """int32 contiguous copy of :meth:`row_intervals` (what the kernels read)."""
         if self.n_keys >= 2**31:
             raise ValueError(f"layout: expected fewer than 2^31 keys, got {self.n_keys}")
-        return self.derived("layout.row_intervals_int32",
-                            lambda: self.row_intervals(copy=False).to(torch.int32).contiguous())
+        return self.derived(
+            "layout.row_intervals_int32", lambda: self.row_intervals(copy=False).to(torch.int32).contiguous()
+        )
 
     @property
     def cpu_query_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:

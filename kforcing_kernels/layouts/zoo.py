@@ -36,8 +36,9 @@ def small() -> dict[str, WindowLayout]:
         "ptp_per_batch": WindowLayout.ptp(16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]]),
         "jacobi": WindowLayout.jacobi(6, 10),
         "jacobi_long_window": WindowLayout.jacobi(40, 150),  # one window cut into several row tiles
-        "general_streams_full": WindowLayout(10, 4, 6, [0, 2, 5, 10], [3, 2, 9, 10], intra="full", queries="windows",
-                                             n_streams=3),
+        "general_streams_full": WindowLayout(
+            10, 4, 6, [0, 2, 5, 10], [3, 2, 9, 10], intra="full", queries="windows", n_streams=3
+        ),
         # packed documents, block-causal contexts, BD3-LM, blank slots
         "causal_packed": WindowLayout.causal(19, cu_seqlens=[0, 5, 5, 12, 19]),
         "causal_block_packed": WindowLayout.causal(21, block=4, cu_seqlens=[0, 9, 21]),
@@ -49,15 +50,18 @@ def small() -> dict[str, WindowLayout]:
         "bd3lm": WindowLayout.bd3lm(16, 4),
         "bd3lm_packed_large_block": WindowLayout.bd3lm(72, 36, cu_seqlens=[0, 36, 72]),
         "ptp_doc_ends": WindowLayout.ptp(20, [5, 12, 20], 6, [0, 4, 12], doc_ends=[8, 12, 20]),
-        "ptp_doc_ends_per_batch": WindowLayout.ptp(16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]], doc_ends=[[5, 16], [9,
-                                                                                                                   4]]),
+        "ptp_doc_ends_per_batch": WindowLayout.ptp(
+            16, [[3, 16], [9, 1]], 5, [[0, 2], [4, 0]], doc_ends=[[5, 16], [9, 4]]
+        ),
         "blank_full_windows": WindowLayout(8, 3, 40, [0, 2, 4], [3, 8, 8], intra="full", live_slots=[40, 7, 0]),
         # Block drafters: DFlash anchor blocks (per batch, dropped blocks), SpecForge's per-slot sliding
         # window over packed documents, speculators' block window with causal blocks.
         "anchor_blocks_per_batch": WindowLayout.anchor_blocks(
-            20, [[0, 7, 19, 12], [20, 3, 3, 9]], 4, keep=[[True, True, False, True], [True, True, True, False]]),
+            20, [[0, 7, 19, 12], [20, 3, 3, 9]], 4, keep=[[True, True, False, True], [True, True, True, False]]
+        ),
         "anchor_blocks_sliding_slot": WindowLayout.anchor_blocks(
-            24, [5, 17, 23], 5, window=4, window_mode="slot", cu_seqlens=[0, 10, 24]),
+            24, [5, 17, 23], 5, window=4, window_mode="slot", cu_seqlens=[0, 10, 24]
+        ),
         "anchor_blocks_window_causal": WindowLayout.anchor_blocks(24, [[5, 17], [23, 2]], 3, intra="causal", window=6),
         "jacobi_batched": WindowLayout.jacobi([3, 6], num_blocks=[2, 1], block_size=[4, 3]),
     }

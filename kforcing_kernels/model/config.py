@@ -41,8 +41,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_reals(self, self.REAL_SETTINGS)
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "seq_len", "noise_features",
-                     "tau_features"):
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "mlp_ratio",
+            "seq_len",
+            "noise_features",
+            "tau_features",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -60,15 +68,23 @@ class ModelConfig:
     @classmethod
     def paper_backbone(cls, vocab_size: int = 50258, seq_len: int = 1024, **overrides) -> "ModelConfig":
         """12 layers, width 768, 12 heads (~100M parameters with a GPT-2 vocabulary), as in the paper."""
-        base = dict(vocab_size=vocab_size, n_layer=12, n_head=12, n_embd=768, seq_len=seq_len, noise_features=128,
-                    tau_features=16)
+        base = dict(
+            vocab_size=vocab_size,
+            n_layer=12,
+            n_head=12,
+            n_embd=768,
+            seq_len=seq_len,
+            noise_features=128,
+            tau_features=16,
+        )
         return cls(**{**base, **overrides})  # overrides may change the backbone's sizes (bench --override n_layer=1)
 
     @classmethod
     def micro(cls, **overrides) -> "ModelConfig":
         """A few thousand parameters: for tests that must run in seconds."""
-        base: dict[str, Any] = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8,
-                                    tau_features=4)
+        base: dict[str, Any] = dict(
+            vocab_size=64, n_layer=2, n_head=2, n_embd=16, seq_len=16, noise_features=8, tau_features=4
+        )
         base.update(overrides)
         return cls(**base)
 

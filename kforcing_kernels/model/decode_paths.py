@@ -50,10 +50,28 @@ class PagedPast:
         if not self.checked:
             if self.backend is None:
                 raise ValueError("PagedPast.backend: an unchecked call (checked=False) needs a resolved backend name")
-            return paged_attention_unchecked(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
-                                             1.0 / math.sqrt(q.shape[-1]), self.backend)
-        return paged_attention(q, k, v, self.k_pages, self.v_pages, self.block_table, self.context_lens,
-                               backend=self.backend, check_table=self.check_table)
+            return paged_attention_unchecked(
+                q,
+                k,
+                v,
+                self.k_pages,
+                self.v_pages,
+                self.block_table,
+                self.context_lens,
+                1.0 / math.sqrt(q.shape[-1]),
+                self.backend,
+            )
+        return paged_attention(
+            q,
+            k,
+            v,
+            self.k_pages,
+            self.v_pages,
+            self.block_table,
+            self.context_lens,
+            backend=self.backend,
+            check_table=self.check_table,
+        )
 
 
 class DirectBlock(NamedTuple):

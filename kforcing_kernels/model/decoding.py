@@ -35,11 +35,12 @@ def residual_noise(z: torch.Tensor) -> torch.Tensor:
     """``frac(RESIDUAL_SCALE * z)`` of uniforms z in [0, 1), in z's dtype: uniform again, and about independent
     of any function of z that varies on scales much wider than ``1 / RESIDUAL_SCALE``."""
     r = torch.frac(z.to(torch.float64) * RESIDUAL_SCALE)
-    return r.clamp(max=1.0 - 2.0 ** -24).to(z.dtype if z.dtype.is_floating_point else torch.float32)
+    return r.clamp(max=1.0 - 2.0**-24).to(z.dtype if z.dtype.is_floating_point else torch.float32)
 
 
-def decode_slots(logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax", *,
-                 sampler: Optional[str] = None) -> torch.Tensor:
+def decode_slots(
+    logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax", *, sampler: Optional[str] = None
+) -> torch.Tensor:
     """Tokens int64 ``[...]`` of slot logits ``[..., V]`` driven by their noise ``[...]`` under ``rule``
     (:data:`DECODE_RULES`).
 
@@ -51,8 +52,9 @@ def decode_slots(logits: torch.Tensor, noise: torch.Tensor, rule: str = "argmax"
     if rule != "residual":
         raise ValueError(f"rule: expected one of {DECODE_RULES}, got {rule!r}")
     if noise.shape != logits.shape[:-1]:
-        raise ValueError(f"noise: expected shape {tuple(logits.shape[:-1])} (the logits' [..., V] less V), got "
-                         f"{tuple(noise.shape)}")
+        raise ValueError(
+            f"noise: expected shape {tuple(logits.shape[:-1])} (the logits' [..., V] less V), got {tuple(noise.shape)}"
+        )
     if sampler is not None:
         one = torch.ones((), dtype=torch.float64, device=logits.device)
         return inverse_cdf_sample_unchecked(logits.float(), residual_noise(noise), one, sampler)

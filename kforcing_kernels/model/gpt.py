@@ -133,8 +133,18 @@ class Block(nn.Module):
         """This block's parameters for the direct decode path (:func:`direct_block`), read once (views: in-place
         updates of the weights show through; a replaced parameter does not)."""
         a, m = self.attn, self.mlp
-        return DirectBlock(self.norm1.weight, self.norm1.eps, a.qkv.weight.t(), a.proj.weight.t(), self.norm2.weight,
-                           self.norm2.eps, m.fc.weight.t(), m.proj.weight.t(), a.n_head, a.head_dim)
+        return DirectBlock(
+            self.norm1.weight,
+            self.norm1.eps,
+            a.qkv.weight.t(),
+            a.proj.weight.t(),
+            self.norm2.weight,
+            self.norm2.eps,
+            m.fc.weight.t(),
+            m.proj.weight.t(),
+            a.n_head,
+            a.head_dim,
+        )
 
 
 class NoiseEncoder(nn.Module):
@@ -165,12 +175,14 @@ class NoiseEncoder(nn.Module):
         """The layers for width ``n_embd``; also what the Hugging Face ``NoiseEmbedding`` builds
         (integrations/hf_noise.py)."""
         half = noise_features // 2 or 1
-        self.register_buffer("freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half),
-                             persistent=False)
+        self.register_buffer(
+            "freqs", 1000.0 * torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False
+        )
         tau_half = tau_features // 2 or 1
         # Periods from 16 down to 1 tau units: features vary smoothly, not wrap, over tau's range.
-        self.register_buffer("tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half),
-                             persistent=False)
+        self.register_buffer(
+            "tau_freqs", 2 * math.pi * torch.logspace(-math.log10(16.0), 0.0, tau_half), persistent=False
+        )
         c = n_embd
         self.z_in = nn.Linear(2 * half, c)
         self.tau_mlp = nn.Sequential(nn.Linear(2 + 2 * tau_half, c), nn.SiLU(), nn.Linear(c, 2 * c))
@@ -295,8 +307,9 @@ class KForcingLM(nn.Module):
         tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
         if tau.dim() == 1:
             if tau.shape[0] != noise.shape[0]:
-                raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got "
-                                 f"{tuple(tau.shape)}")
+                raise ValueError(
+                    f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}"
+                )
             tau = tau.view(-1, *([1] * (noise.dim() - 1)))
         elif tau.dim() != 0:
             raise ValueError(f"tau: expected a scalar or shape [B], got {tuple(tau.shape)}")
@@ -304,15 +317,23 @@ class KForcingLM(nn.Module):
 
     # -------------------------------------------------------------- the three training-time forwards
 
-    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None, return_hidden: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        context_parallel: Optional[ContextParallel] = None,
+        return_hidden: bool = False,
+    ):
         """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
 
         With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
         ``return_hidden``: the final hidden states (``[..., C]``, the head's input) in place of the logits."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens,
-                                                 return_hidden=return_hidden)
+            return self.context_parallel_forward(
+                context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden
+            )
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
         return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, return_hidden=return_hidden)[0]
@@ -331,7 +352,11 @@ class KForcingLM(nn.Module):
         return h if return_hidden else self.head(h)
 
     def single_forward(
-        self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
+        self,
+        tokens: torch.Tensor,
+        noise: torch.Tensor,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
         return_hidden: bool = False,
     ) -> tuple[torch.Tensor, list[KV]]:
         """SingleForward (paper eq. 18): k tokens after every context position in one call.
@@ -358,9 +383,15 @@ class KForcingLM(nn.Module):
         out = h[:, n:] if return_hidden else self.head(h[:, n:])
         return out.view(b, n, k, -1), [(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kvs]
 
-    def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
-                                 tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_parallel_forward(
+        self,
+        cp: ContextParallel,
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of :meth:`ar_forward` (``noise`` None) or :meth:`single_forward`, under context parallelism.
 
         Every rank of ``cp``'s group passes the same full inputs (token ids and noise: a few bytes per
@@ -385,15 +416,21 @@ class KForcingLM(nn.Module):
         shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
         rows = shard.query_rows.to(tokens.device)
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        x = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows],
-                                                                           tau)], 1)
+        x = torch.cat(
+            [self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1
+        )
         h, _ = self.trunk(x, single_positions(n, k, tokens.device, cu)[..., rows], shard)
-        h = h[:, context_rows.numel():]
+        h = h[:, context_rows.numel() :]
         return (h if return_hidden else self.head(h)), window_rows.cpu()
 
     def double_forward(
-        self, context_kv: Sequence[KV], first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
-        cu_seqlens=None, return_hidden: bool = False,
+        self,
+        context_kv: Sequence[KV],
+        first: torch.Tensor,
+        noise: torch.Tensor,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """DoubleForward (paper eq. 19): the second round, conditioned on the first round's tokens.
 
@@ -419,7 +456,7 @@ class KForcingLM(nn.Module):
         cu = as_cu_seqlens(cu_seqlens, n, b)
         layout = WindowLayout.kforcing_double(n, k, cu_seqlens=cu)
         h, _ = self.trunk(x, double_positions(n, k, first.device, cu), layout, past=context_kv)
-        out = h[:, n * k:] if return_hidden else self.head(h[:, n * k:])
+        out = h[:, n * k :] if return_hidden else self.head(h[:, n * k :])
         return out.reshape(b, n, k, -1)
 
 
@@ -427,5 +464,6 @@ def _check_tokens(tokens: torch.Tensor, cfg: ModelConfig) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens: expected an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens))}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
-        raise ValueError(f"tokens: expected ids in [0, {cfg.vocab_size}), got [{int(tokens.min())}, "
-                         f"{int(tokens.max())}]")
+        raise ValueError(
+            f"tokens: expected ids in [0, {cfg.vocab_size}), got [{int(tokens.min())}, {int(tokens.max())}]"
+        )

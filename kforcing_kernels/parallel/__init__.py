@@ -1,10 +1,10 @@
 """Training beyond one device on PyTorch's own distributed engine (library side; the trainer wires it).
 
-    balance.py           RowSplit / balanced_split: the query rows of one sequence over a CP group,
-                         balanced by attended pairs (num_pairs) and rows
-    context_parallel.py  ContextParallel, context_parallel_attention: all-gathered K/V forward,
-                         reduce-scattered dK/dV backward, each rank's rows via window_attention
-    cost.py              bytes a CP step communicates and keeps per rank (accounting for bench/)
+balance.py           RowSplit / balanced_split: the query rows of one sequence over a CP group,
+                     balanced by attended pairs (num_pairs) and rows
+context_parallel.py  ContextParallel, context_parallel_attention: all-gathered K/V forward,
+                     reduce-scattered dK/dV backward, each rank's rows via window_attention
+cost.py              bytes a CP step communicates and keeps per rank (accounting for bench/)
 """
 
 from .balance import RowSplit, balanced_split

@@ -104,8 +104,9 @@ def balanced_split(layout: WindowLayout, world: int, *, tolerance: float = 0.05)
         blocks *= 2
     owner = best[1]
     query_rows = tuple(torch.nonzero(owner == r).flatten() for r in range(world))
-    return RowSplit(layout, query_rows, _key_rows(layout, query_rows, world),
-                    tuple(int(cost[rows].sum()) for rows in query_rows))
+    return RowSplit(
+        layout, query_rows, _key_rows(layout, query_rows, world), tuple(int(cost[rows].sum()) for rows in query_rows)
+    )
 
 
 def _deal(cost: torch.Tensor, size: int, world: int) -> torch.Tensor:

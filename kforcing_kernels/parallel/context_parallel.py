@@ -85,8 +85,16 @@ class RankRows:
         return context_parallel_attention(q, k, v, self.split, self.rank, self.group, scale=scale)
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: RowSplit, rank: int,
-                               group=None, *, scale: Optional[float] = None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: RowSplit,
+    rank: int,
+    group=None,
+    *,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Window attention of this rank's rows over the whole sequence's keys.
 
     Args:
@@ -108,8 +116,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     check_qkv(q, k, v)
     check_layout_batch(split.layout, q.shape[0])
     if q.shape[2] != split.query_rows[rank].numel():
-        raise ValueError(f"q: expected {split.query_rows[rank].numel()} rows (split.query_rows[{rank}]), got "
-                         f"{q.shape[2]}")
+        raise ValueError(
+            f"q: expected {split.query_rows[rank].numel()} rows (split.query_rows[{rank}]), got {q.shape[2]}"
+        )
     if k.shape[2] != split.key_rows[rank].numel():
         raise ValueError(f"k: expected {split.key_rows[rank].numel()} keys (split.key_rows[{rank}]), got {k.shape[2]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)
@@ -135,7 +144,7 @@ def gather_keys(k: torch.Tensor, v: torch.Tensor, split: RowSplit, group=None) -
     autograd)."""
     world, pad = split.world, split.max_keys
     local = k.new_zeros(2, *k.shape[:2], pad, k.shape[3])
-    local[0, :, :, :k.shape[2]], local[1, :, :, :k.shape[2]] = k, v
+    local[0, :, :, : k.shape[2]], local[1, :, :, : k.shape[2]] = k, v
     if world == 1:
         gathered = local[None]
     else:
@@ -182,7 +191,8 @@ class _GatheredAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         split, rank, group, scale, sub, backend = ctx.meta
         k_all, v_all = gather_keys(k, v, split, group)
-        dq, dk_all, dv_all = backend.backward(dout.contiguous(), q.contiguous(), k_all.contiguous(), v_all.contiguous(),
-                                              out, lse, sub, scale)
+        dq, dk_all, dv_all = backend.backward(
+            dout.contiguous(), q.contiguous(), k_all.contiguous(), v_all.contiguous(), out, lse, sub, scale
+        )
         dk, dv = scatter_key_grads(dk_all, dv_all, split, rank, group)
         return dq, dk, dv, None, None, None, None

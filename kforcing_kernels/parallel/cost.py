@@ -37,8 +37,9 @@ def needed_keys(split: RowSplit, rank: int) -> torch.Tensor:
     return torch.cumsum(delta, 0)[:-1] > 0
 
 
-def layer_traffic(split: RowSplit, rank: int, *, batch: int, kv_heads: int, head_dim: int,
-                  elem_bytes: int) -> LayerTraffic:
+def layer_traffic(
+    split: RowSplit, rank: int, *, batch: int, kv_heads: int, head_dim: int, elem_bytes: int
+) -> LayerTraffic:
     """Bytes through ``rank`` for one attention layer of one training step (forward and backward)."""
     per_key = 2 * batch * kv_heads * head_dim * elem_bytes  # K and V (or dK and dV) of one key
     shard = split.max_keys * per_key
@@ -49,8 +50,9 @@ def layer_traffic(split: RowSplit, rank: int, *, batch: int, kv_heads: int, head
     return LayerTraffic(actual=3 * ring, all_gather_once=2 * ring, ideal=2 * foreign * per_key)
 
 
-def attention_transient_bytes(split: RowSplit, *, batch: int, heads: int, kv_heads: int, head_dim: int,
-                              elem_bytes: int, chunk_rows: int) -> int:
+def attention_transient_bytes(
+    split: RowSplit, *, batch: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int, chunk_rows: int
+) -> int:
     """Peak bytes one CP attention backward adds on a rank on top of saved activations (the larger of
     forward and backward), by accounting: gathered + reordered K/V (2 x 2 full-length), full-length dK/dV
     in fp32 and their padded scatter buffers (2 x 2), dq, and one row chunk's fp32 score-sized tensors

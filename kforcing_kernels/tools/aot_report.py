@@ -91,8 +91,9 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return (self.error is None and self.spills == 0
-                and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch])
+        return (
+            self.error is None and self.spills == 0 and self.shared + self.static_shared <= SHARED_LIMIT[self.job.arch]
+        )
 
     def hopper_problems(self) -> list[str]:
         """Why this config is not Hopper-grade (wgmma and a pipelined main loop), empty if it is."""
@@ -105,9 +106,11 @@ class Row:
             problems.append("main loop not pipelined (depth 0)" if self.depth == 0 else "no main loop with a dot")
         stalled = self.stalled_loops
         if stalled:
-            problems.append(f"main loop{'s' if len(stalled) > 1 else ''} {', '.join(str(i + 1) for i in stalled)} of "
-                            f"{len(self.top_waits)} stall{'' if len(stalled) > 1 else 's'} "
-                            f"(async_wait num = 0 at the top, {self.job.num_stages} stages)")
+            problems.append(
+                f"main loop{'s' if len(stalled) > 1 else ''} {', '.join(str(i + 1) for i in stalled)} of "
+                f"{len(self.top_waits)} stall{'' if len(stalled) > 1 else 's'} "
+                f"(async_wait num = 0 at the top, {self.job.num_stages} stages)"
+            )
         return problems
 
 
@@ -198,8 +201,15 @@ def _constexprs(kernel: str, head_dim: int, tile_set: str = "base") -> dict:
     if kernel == "delta":
         return dict(BLOCK_M=configs.DELTA_BLOCK, HEAD_DIM=head_dim)
     if kernel == "bwd":
-        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-                    BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=head_dim, INSTRUMENT=False)
+        return dict(
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_M_STEP=tiles.dkdv_step_rows,
+            BLOCK_N_DKDV=tiles.block_n_dkdv,
+            BLOCK_T=tiles.block_t,
+            HEAD_DIM=head_dim,
+            INSTRUMENT=False,
+        )
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, INSTRUMENT=False)
 
 
@@ -219,7 +229,8 @@ def compile_one(job: Job, fn=None) -> Row:
     signature, attrs = (_paged_signature if job.kernel == PAGED else _signature)(fn, job.dtype, constexprs)
     try:
         compiled = triton.compile(
-            ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", job.arch, 32),
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", job.arch, 32),
             options=dict(num_warps=job.num_warps, num_stages=job.num_stages),
         )
     except Exception as exc:  # a config that does not compile is reported, not hidden
@@ -228,8 +239,12 @@ def compile_one(job: Job, fn=None) -> Row:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        dump = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
-                              capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     match = _RESOURCES.search(dump)
     if match is None:
         return Row(job, 0, 0, 0, 0, 0, error=f"cannot parse cuobjdump output: {dump[:200]!r}")
@@ -237,9 +252,19 @@ def compile_one(job: Job, fn=None) -> Row:
     text = compiled.asm["ttgir"]
     wgmma, dots = ttgir.dot_counts(text)
     main = ttgir.main_loops(text)
-    return Row(job, reg, stack, local, int(compiled.metadata.shared), static_shared, wgmma=wgmma, dots=dots,
-               depth=ttgir.main_loop_depth(text), top_waits=tuple(loop.top_wait for loop in main),
-               buffers=tuple(loop.buffers for loop in main))
+    return Row(
+        job,
+        reg,
+        stack,
+        local,
+        int(compiled.metadata.shared),
+        static_shared,
+        wgmma=wgmma,
+        dots=dots,
+        depth=ttgir.main_loop_depth(text),
+        top_waits=tuple(loop.top_wait for loop in main),
+        buffers=tuple(loop.buffers for loop in main),
+    )
 
 
 def jobs(scope: str, head_dims=None, kernels_subset=None, dtypes=DTYPES, archs=TARGETS) -> list[Job]:
@@ -299,16 +324,41 @@ def hopper_failures(rows: list[Row], count: bool = False):
     from ..ops.window_attention.triton import configs
 
     main = set(main_kernels())
-    checked = [r for r in rows if r.job.arch >= 90 and r.job.default and r.job.kernel in main
-               and r.job.head_dim in HOPPER_HEAD_DIMS
-               and configs.dispatched_by_default(r.job.tile_set, r.job.head_dim, r.job.arch // 10)]
+    checked = [
+        r
+        for r in rows
+        if r.job.arch >= 90
+        and r.job.default
+        and r.job.kernel in main
+        and r.job.head_dim in HOPPER_HEAD_DIMS
+        and configs.dispatched_by_default(r.job.tile_set, r.job.head_dim, r.job.arch // 10)
+    ]
     failures = [(r, r.hopper_problems()) for r in checked if r.hopper_problems()]
     return (failures, len(checked)) if count else failures
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("target", "kernel", "tiles", "D", "dtype", "warps", "stages", "regs", "spill B", "smem B", "smem limit",
-              "wgmma", "dots", "depth", "top wait", "bufs", "stalls", "chosen", "status")
+    header = (
+        "target",
+        "kernel",
+        "tiles",
+        "D",
+        "dtype",
+        "warps",
+        "stages",
+        "regs",
+        "spill B",
+        "smem B",
+        "smem limit",
+        "wgmma",
+        "dots",
+        "depth",
+        "top wait",
+        "bufs",
+        "stalls",
+        "chosen",
+        "status",
+    )
     lines = [header]
 
     def per_loop(values) -> str:
@@ -318,12 +368,29 @@ def format_table(rows: list[Row]) -> str:
         j = r.job
         status = r.error or ("ok" if r.ok else ("SPILLS" if r.spills else "SMEM OVERFLOW"))
         stalled = ",".join(str(i + 1) for i in r.stalled_loops) or "-"
-        lines.append((f"sm_{j.arch}{'a' if j.arch >= 90 else ''}", j.kernel, j.tile_set, str(j.head_dim), j.dtype,
-                      str(j.num_warps), str(j.num_stages),
-                      str(r.registers), str(r.spills), str(r.shared + r.static_shared), str(SHARED_LIMIT[j.arch]),
-                      str(r.wgmma), str(r.dots), "-" if r.depth is None else str(r.depth),
-                      per_loop(r.top_waits), per_loop(r.buffers), stalled,
-                      "default" if j.default else ("yes" if j.chosen else "no"), status))
+        lines.append(
+            (
+                f"sm_{j.arch}{'a' if j.arch >= 90 else ''}",
+                j.kernel,
+                j.tile_set,
+                str(j.head_dim),
+                j.dtype,
+                str(j.num_warps),
+                str(j.num_stages),
+                str(r.registers),
+                str(r.spills),
+                str(r.shared + r.static_shared),
+                str(SHARED_LIMIT[j.arch]),
+                str(r.wgmma),
+                str(r.dots),
+                "-" if r.depth is None else str(r.depth),
+                per_loop(r.top_waits),
+                per_loop(r.buffers),
+                stalled,
+                "default" if j.default else ("yes" if j.chosen else "no"),
+                status,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
     out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -339,9 +406,13 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", nargs="*", help="subset of kernels")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="parallel compiles")
-    parser.add_argument("--require-hopper", action=argparse.BooleanOptionalAction, default=None,
-                        help="fail when a default sm_90a config of a main kernel has no wgmma, no pipelined main "
-                             "loop or a main loop that stalls (default: on with --defaults)")
+    parser.add_argument(
+        "--require-hopper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fail when a default sm_90a config of a main kernel has no wgmma, no pipelined main "
+        "loop or a main loop that stalls (default: on with --defaults)",
+    )
     args = parser.parse_args(argv)
     missing = tools_missing()
     if missing:
@@ -357,13 +428,17 @@ def main(argv=None) -> int:
     require_hopper = args.require_hopper if args.require_hopper is not None else args.scope == "defaults"
     failures, checked = hopper_failures(rows, count=True) if require_hopper else ([], 0)
     if require_hopper:
-        print(f"Hopper check (main kernels {', '.join(main_kernels())}; default configs of the sets sm_90a dispatches, "
-              f"D in {HOPPER_HEAD_DIMS}): {checked - len(failures)} of {checked} have wgmma and pipelined main loops "
-              f"that do not stall")
+        print(
+            f"Hopper check (main kernels {', '.join(main_kernels())}; default configs of the sets sm_90a dispatches, "
+            f"D in {HOPPER_HEAD_DIMS}): {checked - len(failures)} of {checked} have wgmma and pipelined main loops "
+            f"that do not stall"
+        )
         for r, problems in failures:
             j = r.job
-            print(f"  NOT HOPPER-GRADE: {j.kernel} {j.tile_set} D={j.head_dim} {j.dtype} "
-                  f"({j.num_warps} warps, {j.num_stages} stages): {'; '.join(problems)}")
+            print(
+                f"  NOT HOPPER-GRADE: {j.kernel} {j.tile_set} D={j.head_dim} {j.dtype} "
+                f"({j.num_warps} warps, {j.num_stages} stages): {'; '.join(problems)}"
+            )
     return 1 if bad or failures else 0
 
 

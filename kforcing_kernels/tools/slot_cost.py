@@ -45,10 +45,16 @@ def row(name: str, n: int, k: int, d: int, heads: int, tiles: tp.Tiles, tflops: 
     products_tile = int(tile.tile_products().sum())
     extra_flops = (products_tile - products_slot) * heads * 4 * tiles.block_m * tiles.block_n * d
     return {
-        "layout": name, "n": n, "k": k, "products_slot": products_slot, "products_tile": products_tile,
+        "layout": name,
+        "n": n,
+        "k": k,
+        "products_slot": products_slot,
+        "products_tile": products_tile,
         "extra_pct": 100.0 * (products_tile - products_slot) / products_slot,
-        "partial_mib_fwd": fwd_bytes / 2**20, "partial_mib_bwd": bwd_bytes / 2**20,
-        "extra_mma_us": extra_flops / (tflops * 1e12) * 1e6, "partial_us": fwd_bytes / (tbps * 1e12) * 1e6,
+        "partial_mib_fwd": fwd_bytes / 2**20,
+        "partial_mib_bwd": bwd_bytes / 2**20,
+        "extra_mma_us": extra_flops / (tflops * 1e12) * 1e6,
+        "partial_us": fwd_bytes / (tbps * 1e12) * 1e6,
         "main_fwd_us": products_slot * heads * 4 * tiles.block_m * tiles.block_n * d / (tflops * 1e12) * 1e6,
     }
 
@@ -67,16 +73,20 @@ def main(argv=None) -> int:
 
     tiles = TILE_SETS["base"][args.dim]
     print(f"D={args.dim}, B=1, H={args.heads}, tiles {tiles}; times at {args.tflops:.0f} TFLOP/s, {args.tbps} TB/s")
-    print("| layout | N | k | fwd tile products slot / tile mode | extra | fp32 partial MiB fwd / bwd "
-          "| tile mode extra MMA us | slot partial traffic us | main fwd MMA us |")
+    print(
+        "| layout | N | k | fwd tile products slot / tile mode | extra | fp32 partial MiB fwd / bwd "
+        "| tile mode extra MMA us | slot partial traffic us | main fwd MMA us |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.layouts:
         for n in args.n:
             for k in args.k:
                 r = row(name, n, k, args.dim, args.heads, tiles, args.tflops, args.tbps)
-                print(f"| {name} | {n} | {k} | {r['products_slot']} / {r['products_tile']} | {r['extra_pct']:.1f}% "
-                      f"| {r['partial_mib_fwd']:.0f} / {r['partial_mib_bwd']:.0f} | {r['extra_mma_us']:.1f} "
-                      f"| {r['partial_us']:.1f} | {r['main_fwd_us']:.0f} |")
+                print(
+                    f"| {name} | {n} | {k} | {r['products_slot']} / {r['products_tile']} | {r['extra_pct']:.1f}% "
+                    f"| {r['partial_mib_fwd']:.0f} / {r['partial_mib_bwd']:.0f} | {r['extra_mma_us']:.1f} "
+                    f"| {r['partial_us']:.1f} | {r['main_fwd_us']:.0f} |"
+                )
     return 0
 
 

@@ -108,8 +108,9 @@ def loops(ttgir: str) -> list[Loop]:
     for loop in found:
         body = range(loop.start + 1, loop.end)
         loop.dots = sum(1 for i in body if _WGMMA.search(lines[i]) or _DOT.search(lines[i]))
-        nested = [(other.start, other.end) for other in found if other.parent is not None and
-                  found[other.parent] is loop]
+        nested = [
+            (other.start, other.end) for other in found if other.parent is not None and found[other.parent] is loop
+        ]
         direct = [i for i in body if not any(s <= i <= e for s, e in nested)]
         waits = [int(m.group(1)) for m in (_ASYNC_WAIT.search(lines[i]) for i in direct) if m]
         loop.top_wait = waits[0] if waits else None

@@ -46,8 +46,19 @@ BUILDERS = {
 }
 # Where each shared option must be present (command path as all_parsers names it, after the builder's key).
 REQUIRED = {
-    "--device": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate", "demo",
-                 "bench attention", "bench train", "bench infer", "bench/attention/peers.py"],
+    "--device": [
+        "train stage0",
+        "train stage1",
+        "train stage2",
+        "train pipeline",
+        "generate",
+        "evaluate",
+        "demo",
+        "bench attention",
+        "bench train",
+        "bench infer",
+        "bench/attention/peers.py",
+    ],
     "--temperature": ["generate", "evaluate", "demo"],
     "--seed": ["train stage0", "train stage1", "train stage2", "train pipeline", "generate", "evaluate"],
     "--threads": ["train stage0", "generate", "evaluate", "demo", "bench attention", "bench train", "bench infer"],
@@ -86,8 +97,9 @@ def test_shared_option_same_name_type_default(parsers, flag):
             if flag in action.option_strings:
                 seen.append(name)
                 assert action.dest == dest, f"{name} {flag}: dest {action.dest!r}, expected {dest!r}"
-                assert action.type is typ, (f"{name} {flag}: type {action.type!r}, "
-                                            f"expected cli_common's {typ.__name__!r}")
+                assert action.type is typ, (
+                    f"{name} {flag}: type {action.type!r}, expected cli_common's {typ.__name__!r}"
+                )
                 if default is not None or flag in ("--threads",):
                     assert action.default == default, f"{name} {flag}: default {action.default!r}, expected {default!r}"
             # The same dest under another flag would be the same thing with two names.
@@ -184,10 +196,12 @@ def test_bench_is_one_cli_with_every_module_reachable():
     for module in modules:
         importlib.import_module(f"bench.{module}")
     for name in ("peers", "gpu", "infer"):
-        proc = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), \
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {name}"), (
             proc.stdout[:300] + proc.stderr[-2000:]
+        )
 
 
 def test_the_wheel_does_not_ship_the_benchmarks():
@@ -203,9 +217,37 @@ def test_bench_sweep_shows_progress_without_verbose(tmp_path, capsys):
 
     threads = torch.get_num_threads()
     try:
-        main(["attention", "--layouts", "single", "--n", "16", "--k", "1,2", "--dims", "8", "--heads", "1",
-              "--warmup", "0", "--reps", "1", "--max-seconds", "0.01", "--no-flex", "--backends", "composite",
-              "--threads", "1", "--no-plots", "--device", "cpu", "--out", str(tmp_path)])
+        main(
+            [
+                "attention",
+                "--layouts",
+                "single",
+                "--n",
+                "16",
+                "--k",
+                "1,2",
+                "--dims",
+                "8",
+                "--heads",
+                "1",
+                "--warmup",
+                "0",
+                "--reps",
+                "1",
+                "--max-seconds",
+                "0.01",
+                "--no-flex",
+                "--backends",
+                "composite",
+                "--threads",
+                "1",
+                "--no-plots",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err

@@ -21,8 +21,15 @@ def _hf_student():
     import kforcing_kernels.integrations.hf  # noqa: F401  (registers "kforcing")
     from kforcing_kernels.app.hf_recipe.student import HFStudent
 
-    config = transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return HFStudent(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing"))
 
 
@@ -135,10 +142,18 @@ def test_both_models_take_the_protocols_arguments():
     pytest.importorskip("transformers")
     from kforcing_kernels.app.hf_recipe.student import HFStudent
 
-    for name in ("forward", "single_forward", "double_forward", "context_parallel_forward", "embed_noise",
-                 "reset_noise_encoder", "decoder_layers", "tied_keys"):
+    for name in (
+        "forward",
+        "single_forward",
+        "double_forward",
+        "context_parallel_forward",
+        "embed_noise",
+        "reset_noise_encoder",
+        "decoder_layers",
+        "tied_keys",
+    ):
         want = list(inspect.signature(getattr(Student, name)).parameters)
         for cls in (KForcingLM, HFStudent):
             params = inspect.signature(getattr(cls, name)).parameters
-            assert list(params)[:len(want)] == want, (cls.__name__, name)
-            assert all(p.default is not p.empty for p in list(params.values())[len(want):]), (cls.__name__, name)
+            assert list(params)[: len(want)] == want, (cls.__name__, name)
+            assert all(p.default is not p.empty for p in list(params.values())[len(want) :]), (cls.__name__, name)

@@ -24,8 +24,27 @@ def quick_run(tmp_path_factory):
     """``python -m bench attention --quick`` on a tiny shape, from the repo root, in a fresh process."""
     out = tmp_path_factory.mktemp("bench")
     cmd = [
-        sys.executable, "-m", "bench", "attention", "--quick", "--layouts", "single,jacobi", "--n", "64", "--k", "1,2",
-        "--dims", "16", "--heads", "2", "--threads", "1", "--reps", "2", "--out", str(out),
+        sys.executable,
+        "-m",
+        "bench",
+        "attention",
+        "--quick",
+        "--layouts",
+        "single,jacobi",
+        "--n",
+        "64",
+        "--k",
+        "1,2",
+        "--dims",
+        "16",
+        "--heads",
+        "2",
+        "--threads",
+        "1",
+        "--reps",
+        "2",
+        "--out",
+        str(out),
     ]
     env = {**os.environ, "PYTHONPATH": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -84,8 +103,9 @@ def test_quick_writes_csv_plots_and_table(quick_run):
 def test_check_report_rejects_incomplete_reports(quick_run):
     report, _, _ = quick_run
     missing_row = copy.deepcopy(report)
-    missing_row["rows"] = [r for r in missing_row["rows"]
-                           if not (r["method"] == "composite" and r["phase"] == "fwd_bwd" and r["k"] == 2)]
+    missing_row["rows"] = [
+        r for r in missing_row["rows"] if not (r["method"] == "composite" and r["phase"] == "fwd_bwd" and r["k"] == 2)
+    ]
     assert any("no fwd_bwd row for measured method composite" in e for e in check_report(missing_row))
 
     no_reason = copy.deepcopy(report)
@@ -104,13 +124,19 @@ def test_check_report_rejects_incomplete_reports(quick_run):
 
 
 def test_validate_schema_subset():
-    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
-              "properties": {"a": {"type": "integer", "minimum": 1}, "b": {"type": ["string", "null"], "enum": ["x",
-                                                                                                                None]}}}
+    schema = {
+        "type": "object",
+        "required": ["a"],
+        "additionalProperties": False,
+        "properties": {"a": {"type": "integer", "minimum": 1}, "b": {"type": ["string", "null"], "enum": ["x", None]}},
+    }
     assert validate_schema({"a": 1, "b": None}, schema) == []
     assert validate_schema({"a": True}, schema) == ["$.a: expected integer, got bool"]
     assert validate_schema({"a": 0, "b": "y", "c": 1}, schema) == [
-        "$.a: expected >= 1, got 0", "$.b: expected one of ['x', None], got 'y'", "$: unexpected key 'c'"]
+        "$.a: expected >= 1, got 0",
+        "$.b: expected one of ['x', None], got 'y'",
+        "$: unexpected key 'c'",
+    ]
     assert validate_schema({}, schema) == ["$: missing required key 'a'"]
 
 
@@ -118,9 +144,21 @@ def _synthetic(times_of_k, pairs_of_k):
     rows = []
     for k in (1, 2, 4, 8):
         t = times_of_k(k)
-        rows.append({"layout": "single", "n": 1024, "k": k, "d": 64, "method": "dense_sdpa", "phase": "fwd",
-                     "status": "ok",
-                     "median_ms": t, "min_ms": 0.9 * t, "causal_units": t / (7.0 + k), "num_pairs": pairs_of_k(k)})
+        rows.append(
+            {
+                "layout": "single",
+                "n": 1024,
+                "k": k,
+                "d": 64,
+                "method": "dense_sdpa",
+                "phase": "fwd",
+                "status": "ok",
+                "median_ms": t,
+                "min_ms": 0.9 * t,
+                "causal_units": t / (7.0 + k),
+                "num_pairs": pairs_of_k(k),
+            }
+        )
     return {"meta": {"fit_n": 1024}, "rows": rows}
 
 

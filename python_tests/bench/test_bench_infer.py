@@ -20,8 +20,20 @@ def _keep_thread_count():
     torch.set_num_threads(threads)
 
 
-SMALL = ["--quick", "--threads", "1", "--no-progress", "--batch-sizes", "2", "--new-tokens", "4", "--warmup", "1",
-         "--reps", "1"]
+SMALL = [
+    "--quick",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--batch-sizes",
+    "2",
+    "--new-tokens",
+    "4",
+    "--warmup",
+    "1",
+    "--reps",
+    "1",
+]
 
 
 def test_quick_run_writes_each_row_as_it_finishes(tmp_path, monkeypatch, capsys):
@@ -36,9 +48,15 @@ def test_quick_run_writes_each_row_as_it_finishes(tmp_path, monkeypatch, capsys)
     report = inference.main(SMALL + ["--hf", "eager", "--hf-reps", "1", "--out", str(tmp_path)])
     rows = report["rows"]
     methods = [(r["method"], r["k"], r["cache"]) for r in rows]
-    assert methods == [("ar", None, "contiguous"), ("kforcing", 2, "contiguous"), ("kforcing", 4, "contiguous"),
-                       ("ar", None, "paged"), ("kforcing", 2, "paged"), ("kforcing", 4, "paged"),
-                       ("hf_generate", None, "static")]
+    assert methods == [
+        ("ar", None, "contiguous"),
+        ("kforcing", 2, "contiguous"),
+        ("kforcing", 4, "contiguous"),
+        ("ar", None, "paged"),
+        ("kforcing", 2, "paged"),
+        ("kforcing", 4, "paged"),
+        ("hf_generate", None, "static"),
+    ]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows), rows
     assert written[: len(rows)] == list(range(1, len(rows) + 1))  # one write per finished row
     assert all(r["peak_bytes"] is None and r["compile_s"] >= 0 and r["reps"] == 1 for r in rows)  # CPU: no stats
@@ -70,8 +88,24 @@ def test_compile_flag(tmp_path, monkeypatch):
 
 
 def test_host_cost_mode(tmp_path, capsys):
-    report = inference.main(["--host-cost", "--threads", "1", "--new-tokens", "8", "--reps", "1", "--warmup", "0",
-                             "--cache", "paged", "--no-progress", "--out", str(tmp_path)])
+    report = inference.main(
+        [
+            "--host-cost",
+            "--threads",
+            "1",
+            "--new-tokens",
+            "8",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--cache",
+            "paged",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = report["rows"]
     assert [(r["method"], r["k"], r["forward_passes"]) for r in rows] == [("ar", None, 8), ("kforcing", 4, 2)]
     assert all(r["host_ms_per_pass"] > 0 and r["python_calls_per_pass"] > 0 for r in rows)

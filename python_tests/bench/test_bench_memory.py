@@ -12,8 +12,9 @@ from bench.training.train_memory import format_report, measure
 from kforcing_kernels.app.training.parallel import setup_parallel
 from kforcing_kernels.model import ModelConfig
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 
 
 def _spec(preset="micro", hf_llama=None, model_config=None):
@@ -53,8 +54,9 @@ def test_one_rank_hf_llama_counts_match_the_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = tmp_path / "llama.json"
     config.write_text(json.dumps(HF_LLAMA["tiny"]))
-    rows = _one_rank(_spec(model_config=str(config)), [(False, "replicate"), (True, "replicate"), (False, "fsdp")],
-                     seq_len=8)
+    rows = _one_rank(
+        _spec(model_config=str(config)), [(False, "replicate"), (True, "replicate"), (False, "fsdp")], seq_len=8
+    )
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**HF_LLAMA["tiny"]))
     n_hf = sum(p.numel() for p in hf.parameters())  # the tied head counted once
     n_tensors_hf = len(list(hf.parameters()))
@@ -96,11 +98,25 @@ def test_two_ranks_shard_the_student_and_the_teacher():
     pytest.importorskip("transformers")
     from bench.training.train_memory import run
 
-    args = types.SimpleNamespace(preset="micro", hf_llama="tiny", model_config=None, worlds=[2], seq_len=8, k=2,
-                                 batch_per_rank=1, teacher_parallel=["replicate", "fsdp"], ac=["off"], threads=1)
+    args = types.SimpleNamespace(
+        preset="micro",
+        hf_llama="tiny",
+        model_config=None,
+        worlds=[2],
+        seq_len=8,
+        k=2,
+        batch_per_rank=1,
+        teacher_parallel=["replicate", "fsdp"],
+        ac=["off"],
+        threads=1,
+    )
     rows = run(args)
-    assert [(r["teacher_parallel"], r["rank"]) for r in rows] == [("replicate", 0), ("replicate", 1), ("fsdp", 0),
-                                                                  ("fsdp", 1)]
+    assert [(r["teacher_parallel"], r["rank"]) for r in rows] == [
+        ("replicate", 0),
+        ("replicate", 1),
+        ("fsdp", 0),
+        ("fsdp", 1),
+    ]
     n = rows[0]["parameters"]
     for row in rows:
         assert row["param_bytes"] == row["grad_bytes"] == 4 * n // 2

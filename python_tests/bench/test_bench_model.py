@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-pytest.importorskip("kforcing_kernels.model",
-                    reason="the reference model (kforcing_kernels.model) is not in this checkout")
+pytest.importorskip(
+    "kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout"
+)
 
 from bench.inference import serving as inference
 from bench.training import train_step
@@ -44,13 +45,19 @@ def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
 
 
 def test_inference_bench_rows(tmp_path, capsys):
-    report = inference.main(TINY + ["--k", "1,2", "--batch-sizes", "2,3", "--prompt-len", "5", "--new-tokens", "4",
-                                    "--out", str(tmp_path)])
+    report = inference.main(
+        TINY + ["--k", "1,2", "--batch-sizes", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)]
+    )
     rows = report["rows"]
-    expected = [(b, m, k, c) for b in (2, 3) for c in ("contiguous", "paged") for m, k in (("ar", None), ("kforcing",
-        1), ("kforcing", 2))]
-    assert sorted((r["batch"], r["method"], r["k"] or 0, r["cache"]) for r in rows) == sorted((b, m, k or 0, c) for b,
-                                                                                              m, k, c in expected)
+    expected = [
+        (b, m, k, c)
+        for b in (2, 3)
+        for c in ("contiguous", "paged")
+        for m, k in (("ar", None), ("kforcing", 1), ("kforcing", 2))
+    ]
+    assert sorted((r["batch"], r["method"], r["k"] or 0, r["cache"]) for r in rows) == sorted(
+        (b, m, k or 0, c) for b, m, k, c in expected
+    )
     assert [r["forward_passes"] for r in rows[:3]] == [4, 4, 2]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["method"] == "ar")
@@ -58,8 +65,11 @@ def test_inference_bench_rows(tmp_path, capsys):
     # Both caches are read in place by the static decode step (issue 50): the same K/V bytes per step.
     for r in rows:
         if r["cache"] == "paged":
-            twin = next(o for o in rows if (o["batch"], o["method"], o["k"], o["cache"]) == (r["batch"], r["method"],
-                                                                                             r["k"], "contiguous"))
+            twin = next(
+                o
+                for o in rows
+                if (o["batch"], o["method"], o["k"], o["cache"]) == (r["batch"], r["method"], r["k"], "contiguous")
+            )
             assert r["kv_bytes_per_step"] == twin["kv_bytes_per_step"]
     assert (tmp_path / "inference.json").exists() and (tmp_path / "inference.csv").exists()
     assert "K-Forcing k=2" in capsys.readouterr().out
@@ -67,8 +77,24 @@ def test_inference_bench_rows(tmp_path, capsys):
 
 def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
     """--dtype sets the weights and so the KV caches (the paper's serving table runs bf16)."""
-    report = inference.main(TINY + ["--k", "2", "--batch-sizes", "2", "--prompt-len", "5", "--new-tokens", "4",
-                                    "--dtype", "bfloat16", "--out", str(tmp_path), "--no-progress"])
+    report = inference.main(
+        TINY
+        + [
+            "--k",
+            "2",
+            "--batch-sizes",
+            "2",
+            "--prompt-len",
+            "5",
+            "--new-tokens",
+            "4",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert report["meta"]["dtype"] == "bfloat16"
     assert len(report["rows"]) == 4 and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in report["rows"])
     # 2 bytes per element: the cache holds half the bytes of the same shapes in float32.
@@ -94,8 +120,10 @@ def test_gpu_check_serving_step_follows_the_papers_protocol(tmp_path):
     serving = next(s for s in check.STEPS if s.name == "serving")
     argv = check.expand(serving.argv, str(tmp_path))
     assert argv[:4] == ["-m", "bench", "infer", "--paper"]
-    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
-            mock.patch.object(torch.cuda, "device_count", lambda: 1):  # parsing checks the device exists
+    with (
+        mock.patch.object(torch.cuda, "is_available", lambda: True),
+        mock.patch.object(torch.cuda, "device_count", lambda: 1),
+    ):  # parsing checks the device exists
         args = inference.parse_args(argv[3:])
     assert (args.preset, args.dtype, args.k, args.batch_sizes) == ("paper", "bfloat16", [2, 4], [4, 16, 128])
     assert [p + args.new_tokens for p in args.prompt_len] == [1024] and args.prompt_len == [64]

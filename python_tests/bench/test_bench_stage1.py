@@ -12,8 +12,9 @@ from bench.training.stage1_curve import execute, format_table, measure_student
 
 @pytest.mark.slow
 def test_the_curve_trains_measures_and_resumes(tmp_path, capsys):
-    args = types.SimpleNamespace(out=str(tmp_path), widths=[32], steps=[6], stage0_steps=6, taus=[0.5, 1.0], batches=1,
-                                 new_tokens=4, threads=2)
+    args = types.SimpleNamespace(
+        out=str(tmp_path), widths=[32], steps=[6], stage0_steps=6, taus=[0.5, 1.0], batches=1, new_tokens=4, threads=2
+    )
     assert execute(args) == 0
     report = json.loads((tmp_path / "stage1_curve.json").read_text())
     (row,) = report["rows"]
@@ -36,6 +37,7 @@ def test_the_curve_trains_measures_and_resumes(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- what is reused (issue 46), without training
+
 
 class _FakeRuns:
     """bench.stage1_curve's training and measuring replaced: ``_train`` writes a stage's files as the CLI would
@@ -60,19 +62,32 @@ class _FakeRuns:
             else:
                 cfg["batch_size"] = int(opts["--batch-size"])
             teacher = json.loads((Path(opts["--teacher"]) / "model.json").read_text()) if "--teacher" in opts else None
-            info = {"train_config": cfg, "tensors": {"sha256": f"sha{next(counter)}"},
-                    "teacher_sha256": teacher and teacher["tensors"]["sha256"]}
+            info = {
+                "train_config": cfg,
+                "tensors": {"sha256": f"sha{next(counter)}"},
+                "teacher_sha256": teacher and teacher["tensors"]["sha256"],
+            }
             (out / "model.json").write_text(json.dumps(info))
             self.trained.append((argv[0], out.name))
 
         def measure(stage0, stage1, taus, batches, new_tokens):
             self.measured.append(stage1.name)
-            return {"parameters": 1, "val_loss": 1.0, "teacher_entropy": 2.0, "nats_of_u_used": 1.0,
-                    "noise_sensitivity": 0.1, "teacher_noise_sensitivity": 0.2, "accuracy_narrow_intervals": [0.5,
-                                                                                                              None],
-                    "samples": {str(t): {name: {"ppl": 2.0, "distinct4": 0.5}
-                                         for name in ("AR teacher", "student, argmax",
-                                                      "student, residual")} for t in taus}}
+            return {
+                "parameters": 1,
+                "val_loss": 1.0,
+                "teacher_entropy": 2.0,
+                "nats_of_u_used": 1.0,
+                "noise_sensitivity": 0.1,
+                "teacher_noise_sensitivity": 0.2,
+                "accuracy_narrow_intervals": [0.5, None],
+                "samples": {
+                    str(t): {
+                        name: {"ppl": 2.0, "distinct4": 0.5}
+                        for name in ("AR teacher", "student, argmax", "student, residual")
+                    }
+                    for t in taus
+                },
+            }
 
         monkeypatch.setattr(stage1_curve, "_train", train)
         monkeypatch.setattr(stage1_curve, "measure_student", measure)
@@ -84,8 +99,16 @@ class _FakeRuns:
 
 
 def _args(tmp_path, **changes):
-    base = dict(out=str(tmp_path), widths=[32], steps=[6], stage0_steps=6, taus=[0.5, 1.0], batches=1, new_tokens=4,
-                threads=None)
+    base = dict(
+        out=str(tmp_path),
+        widths=[32],
+        steps=[6],
+        stage0_steps=6,
+        taus=[0.5, 1.0],
+        batches=1,
+        new_tokens=4,
+        threads=None,
+    )
     return types.SimpleNamespace(**{**base, **changes})
 
 
@@ -101,8 +124,9 @@ def test_a_reused_row_matches_every_setting_that_changes_it(tmp_path, monkeypatc
         assert execute(_args(tmp_path, **change)) == 0, change
         assert runs.take() == ([], ["s1_6_from6"]), change
         report = json.loads((tmp_path / "stage1_curve.json").read_text())
-        assert len(report["rows"]) == 1 and report["rows"][0]["settings"]["taus"] == [float(t) for t in
-                                                                                       change.get("taus", [0.5, 1.0])]
+        assert len(report["rows"]) == 1 and report["rows"][0]["settings"]["taus"] == [
+            float(t) for t in change.get("taus", [0.5, 1.0])
+        ]
     table = capsys.readouterr().out
     assert "tau 0.8" in table  # printed from the rows of each command, without a KeyError on mixed taus
 

@@ -10,12 +10,14 @@ from bench.training.teacher_parallel import format_report, measure
 from kforcing_kernels.app.training.parallel import setup_parallel
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 def test_one_rank_replicated_and_sharded_teachers_agree():
     pytest.importorskip("transformers")
-    args = types.SimpleNamespace(preset="micro", hf_llama="tiny", model_config=None, seq_len=8, k=2, batch_per_rank=1,
-                                 reps=2, warmup=1)
+    args = types.SimpleNamespace(
+        preset="micro", hf_llama="tiny", model_config=None, seq_len=8, k=2, batch_per_rank=1, reps=2, warmup=1
+    )
     dims = setup_parallel("cpu", parallel="fsdp")  # a one-rank process group
     try:
         report = measure(args, torch.device("cpu"))

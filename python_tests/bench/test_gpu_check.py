@@ -21,8 +21,19 @@ from helpers import REPO
 
 ROOT = str(REPO)
 PLANNED_S = {  # the per-step budgets (s), from the H200 run's measured times (bench/gpu/check.py's docstring)
-    1: {"versions": 15, "warm": 90, "smoke": 50, "pytest_gpu": 90, "int64_offsets": 15, "batch_invariance": 35,
-        "ab": 45, "profile": 50, "dispatch_table": 10, "train_n1024": 40, "train_n4096": 40},
+    1: {
+        "versions": 15,
+        "warm": 90,
+        "smoke": 50,
+        "pytest_gpu": 90,
+        "int64_offsets": 15,
+        "batch_invariance": 35,
+        "ab": 45,
+        "profile": 50,
+        "dispatch_table": 10,
+        "train_n1024": 40,
+        "train_n4096": 40,
+    },
     2: {"serving": 150, "table_d64": 45, "table_d128": 45},
 }
 
@@ -81,9 +92,14 @@ def test_a_pending_argument_is_appended_only_where_the_module_takes_it(tmp_path)
 
 
 def test_the_shell_wrapper_runs_the_python_check():
-    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "gpu_check.sh"), "--list"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, PYTHON=sys.executable))
+    result = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu", "gpu_check.sh"), "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "call 1: 480 s planned" in result.stdout and "call 2: 240 s planned" in result.stdout
 
@@ -93,14 +109,21 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     for var in ("KFORCING_BACKEND", "TRITON_INTERPRET"):
         env.pop(var, None)
     work, out = tmp_path / "work", tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "bench", "gpu-check", "--dry-run", "--work", str(work), "--out",
-                             str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "gpu-check", "--dry-run", "--work", str(work), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     log = result.stdout + result.stderr
     summary = log.split("==================== summary")[-1]
     assert result.returncode == 0, summary + log[-6000:]
     report = json.loads((work / "summary_dry.json").read_text())
     assert [r["step"] for r in report["steps"]] == [s.name for s in check.STEPS if s.call == 1] + [
-        s.name for s in check.STEPS if s.call != 1]
+        s.name for s in check.STEPS if s.call != 1
+    ]
     assert all(r["rc"] == 0 for r in report["steps"]), report
     # Two files come back per call: the runner's log and the tarball of the work folder.
     assert sorted(os.listdir(out)) == ["gpu_check_dry.log", "gpu_check_dry.tar.gz"]
@@ -126,9 +149,11 @@ def test_variant_lines_are_checked_and_unknown_switches_skipped(tmp_path):
     from bench.gpu import gpu_variants
 
     path = tmp_path / "variants.txt"
-    path.write_text("# comment\nwide KFORCING_TRITON_TILES=wide  # trailing\nghost KFORCING_NOT_A_SWITCH=1\n"
-                    "split KFORCING_TRITON_KERNELS=split\n"
-                    "newtiles KFORCING_TRITON_TILES=no_such_set\nflash KFORCING_FLEX_BACKEND=NOT_A_KERNEL\n")
+    path.write_text(
+        "# comment\nwide KFORCING_TRITON_TILES=wide  # trailing\nghost KFORCING_NOT_A_SWITCH=1\n"
+        "split KFORCING_TRITON_KERNELS=split\n"
+        "newtiles KFORCING_TRITON_TILES=no_such_set\nflash KFORCING_FLEX_BACKEND=NOT_A_KERNEL\n"
+    )
     variants = dict(gpu_variants.read_variants(str(path)))
     assert variants["wide"] == {"KFORCING_TRITON_TILES": "wide"}
     assert gpu_variants.variant_problem(variants["wide"]) is None
@@ -159,5 +184,6 @@ def test_a_forced_tile_set_equal_to_the_dispatchers_choice_is_not_timed_twice():
     assert not gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 128, 1000, cpu)
     assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 64, 1000, cpu)  # no D=64 tiles: base
     assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "hopper128"}, 128, 1000, cpu)  # base again
-    assert not gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "base", "KFORCING_FLEX_BACKEND": "TRITON"},
-                                               64, 1000, cpu)
+    assert not gpu_variants._repeats_the_default(
+        {"KFORCING_TRITON_TILES": "base", "KFORCING_FLEX_BACKEND": "TRITON"}, 64, 1000, cpu
+    )

@@ -15,18 +15,23 @@ from kforcing_kernels.tools.memory import SavedTensors
 def test_prediction_matches_measured_saved_bytes(n_layer, n, teacher_k, batch):
     width, heads, vocab = 32, 2, 300
     cal = memory_model.calibrate(width, heads, torch.float32, n=8, k=4)
-    cfg = ModelConfig(vocab_size=vocab, n_layer=n_layer, n_head=heads, n_embd=width, seq_len=n, noise_features=128,
-                      tau_features=16)
+    cfg = ModelConfig(
+        vocab_size=vocab, n_layer=n_layer, n_head=heads, n_embd=width, seq_len=n, noise_features=128, tau_features=16
+    )
     torch.manual_seed(0)
     student, teacher = KForcingLM(cfg), KForcingLM(cfg).eval()
     gen = torch.Generator().manual_seed(0)
-    data = Batch(torch.randint(0, vocab, (batch, n), generator=gen), torch.rand(batch, n, 2 * teacher_k, generator=gen),
-                 torch.full((batch,), 0.9))
+    data = Batch(
+        torch.randint(0, vocab, (batch, n), generator=gen),
+        torch.rand(batch, n, 2 * teacher_k, generator=gen),
+        torch.full((batch,), 0.9),
+    )
     saved = SavedTensors(exclude=student.parameters())
     with saved.context():
         compute_loss(Objective.SELF_FORCING, student, data, teacher)
-    predicted = memory_model.predicted_saved_bytes(n_layer=n_layer, n_embd=width, vocab=vocab, n=n, batch=batch,
-                                                   teacher_k=teacher_k, calibration=cal)
+    predicted = memory_model.predicted_saved_bytes(
+        n_layer=n_layer, n_embd=width, vocab=vocab, n=n, batch=batch, teacher_k=teacher_k, calibration=cal
+    )
     assert abs(predicted - saved.total) <= 0.02 * saved.total, (predicted, saved.total)
 
 
@@ -47,8 +52,22 @@ def test_bench_train_with_ac_reports_memory(tmp_path, capsys):
     """bench train --ac: the same loss as without it, and the memory fields of every variant (CPU)."""
     from bench.training import train_step
 
-    base = ["--preset", "micro", "--k", "1", "--seq-len", "16", "--batch-size", "1", "--reps", "1", "--warmup", "0",
-            "--threads", "1"]
+    base = [
+        "--preset",
+        "micro",
+        "--k",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "1",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+    ]
     plain = train_step.main(base + ["--out", str(tmp_path / "plain")])
     ac = train_step.main(base + ["--ac", "--out", str(tmp_path / "ac")])
     unchunked = train_step.main(base + ["--unchunked-loss", "--out", str(tmp_path / "unchunked")])

@@ -3,8 +3,9 @@
 import torch
 
 
-def make_qkv(layout, *, batch=1, heads=2, kv_heads=None, head_dim=16, dtype=torch.float32, scale_std=1.0,
-             requires_grad=True):
+def make_qkv(
+    layout, *, batch=1, heads=2, kv_heads=None, head_dim=16, dtype=torch.float32, scale_std=1.0, requires_grad=True
+):
     """Random q [B, H, Lq, D], k/v [B, Hkv, Lk, D] matching ``layout``."""
     kv_heads = kv_heads or heads
     q = torch.randn(batch, heads, layout.n_queries, head_dim, dtype=torch.float64) * scale_std
@@ -30,14 +31,16 @@ def compare_with_reference(layout, backend, *, dtype=torch.float32, heads=4, kv_
     q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     dout = torch.randn(batch, heads, layout.n_queries, head_dim, dtype=torch.float64)
     ours = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend=backend), q, k, v, dout)
-    ref64 = run_with_grads(lambda q, k, v: window_attention(q, k, v, layout, backend="reference"),
-                           *(t.double() for t in (q, k, v)), dout)
+    ref64 = run_with_grads(
+        lambda q, k, v: window_attention(q, k, v, layout, backend="reference"), *(t.double() for t in (q, k, v)), dout
+    )
     # PyTorch's own error at this precision: SDPA with the dense mask, differentiated by autograd.
     from kforcing_kernels.ops.window_attention import reference
 
     scale = q.shape[-1] ** -0.5
-    ref_lp = run_with_grads(lambda q, k, v: reference.attention(q, k, v, layout, scale, with_lse=False)[0], q, k, v,
-                            dout)
+    ref_lp = run_with_grads(
+        lambda q, k, v: reference.attention(q, k, v, layout, scale, with_lse=False)[0], q, k, v, dout
+    )
     return ours, ref64, ref_lp
 
 

@@ -11,8 +11,16 @@ import transformers  # noqa: E402
 import kforcing_kernels.integrations.hf  # noqa: E402,F401  (registers "kforcing")
 
 VOCAB, HIDDEN = 48, 32
-_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
 
 
 def llama(**extra):
@@ -32,13 +40,28 @@ def phi3(**extra):
 
 
 def gpt2(**extra):
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **extra)
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **extra,
+    )
 
 
 def qwen2_moe(**extra):
-    return transformers.Qwen2MoeConfig(**_COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                       num_experts=2, num_experts_per_tok=1, **extra)
+    return transformers.Qwen2MoeConfig(
+        **_COMMON,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        **extra,
+    )
 
 
 def gemma3(**extra):

@@ -24,8 +24,9 @@ EMBED_SCALE = 30.0
 def sharp_model(backend=None) -> KForcingLM:
     """fp32, eval mode; 2 layers, 2 heads of dim 16, vocab 48."""
     gen = torch.Generator().manual_seed(1234)
-    cfg = ModelConfig.micro(vocab_size=VOCAB, n_embd=32, n_head=2, n_layer=2, seq_len=64, noise_features=16,
-                            attention_backend=backend)
+    cfg = ModelConfig.micro(
+        vocab_size=VOCAB, n_embd=32, n_head=2, n_layer=2, seq_len=64, noise_features=16, attention_backend=backend
+    )
     model = KForcingLM(cfg)
     model.reset_parameters(gen)
     c = cfg.n_embd
@@ -47,7 +48,7 @@ def attention_entropy(model: KForcingLM, tokens: torch.Tensor) -> float:
     q, k, _ = block.attn.qkv(x).view(b, n, 3, cfg.n_head, cfg.head_dim).permute(2, 0, 3, 1, 4)
     cos, sin = rope_cos_sin(torch.arange(n), cfg.head_dim, cfg.rope_base)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim ** 0.5
+    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim**0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     p = scores.softmax(-1)
-    return float(-(p * p.clamp_min(1e-30).log()).sum(-1)[..., n // 2:].mean())
+    return float(-(p * p.clamp_min(1e-30).log()).sum(-1)[..., n // 2 :].mean())

@@ -14,14 +14,24 @@ from kforcing_kernels.app.training.config import TrainConfig
 VOCAB = 300
 
 
-
 def torchrun(nproc: int, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc ARGS`` from the repository root, one thread per rank, this
     checkout and python_tests/ importable; with ``check``, a failed launch fails the test with its output's tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "python_tests"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *map(str,
-                                                                                                               args)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "python_tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *map(str, args),
+    ]
     result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
@@ -45,8 +55,21 @@ def write_json_package(folder: Path, one_document_per_line: bool = False) -> Pat
 
 def micro_config(out, corpus_dir, **kw) -> TrainConfig:
     """A few steps of the micro preset on ``corpus_dir``; keywords override the defaults."""
-    base = dict(stage="stage0", out=str(out), data=str(corpus_dir), vocab_size=VOCAB, preset="micro", seq_len=16,
-                steps=6,
-                batch_size=4, warmup_steps=2, log_every=1, ckpt_every=100, eval_batches=1, progress=False, lr=3e-3)
+    base = dict(
+        stage="stage0",
+        out=str(out),
+        data=str(corpus_dir),
+        vocab_size=VOCAB,
+        preset="micro",
+        seq_len=16,
+        steps=6,
+        batch_size=4,
+        warmup_steps=2,
+        log_every=1,
+        ckpt_every=100,
+        eval_batches=1,
+        progress=False,
+        lr=3e-3,
+    )
     base.update(kw)
     return TrainConfig(**base)

@@ -28,22 +28,38 @@ VOCAB, HIDDEN = 48, 32
 
 def llama_config():
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
 
 
 def qwen2_config():
     return transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
 
 
 def gpt2_config():
     return transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
 
 
@@ -97,8 +113,9 @@ def test_single_forward_matches_eager_with_dense_mask(make_config):
 
     layout = batch.pop("kforcing_layout")
     batch["inputs_embeds"] = kf_hf.single_forward_inputs(eager_model, ids, noise, noise_embedding, tau)["inputs_embeds"]
-    theirs = logits_and_grads(eager_model, noise_embedding.parameters(), attention_mask=additive_mask(layout, 2),
-                              **batch)
+    theirs = logits_and_grads(
+        eager_model, noise_embedding.parameters(), attention_mask=additive_mask(layout, 2), **batch
+    )
     assert_same_logits_and_grads(ours, theirs)
 
 
@@ -138,8 +155,9 @@ def test_without_a_layout_attention_is_causal_like_sdpa():
     ours_model, sdpa_model = twin_models(llama_config(), "kforcing", "sdpa")
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(ours_model(input_ids=ids).logits, sdpa_model(input_ids=ids).logits, atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            ours_model(input_ids=ids).logits, sdpa_model(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
         # A chunk after a cache (bottom-right causal), then one decoding step.
         outs = []
         for model in (ours_model, sdpa_model):
@@ -158,8 +176,9 @@ def test_without_a_layout_attention_is_causal_like_sdpa():
 def test_dense_4d_masks_are_routed_by_exact_match(monkeypatch):
     routed = []
     original = kforcing_kernels.sdpa.window_attention
-    monkeypatch.setattr(kforcing_kernels.sdpa, "window_attention", lambda *a, **kw: routed.append(a[3]) or original(*a,
-        **kw))
+    monkeypatch.setattr(
+        kforcing_kernels.sdpa, "window_attention", lambda *a, **kw: routed.append(a[3]) or original(*a, **kw)
+    )
     layout = WindowLayout.kforcing_single(6, 2)
     ours_model, sdpa_model = twin_models(llama_config(), "kforcing", "sdpa")
     embeds = torch.randn(2, layout.n_queries, HIDDEN)
@@ -210,8 +229,13 @@ def test_position_ids_and_noise_embedding():
     with pytest.raises(ValueError, match="tau"):
         embed(u)
     with pytest.raises(ValueError, match="noise"):
-        kf_hf.single_forward_inputs(twin_models(llama_config(), "kforcing")[0], torch.zeros(2, 5, dtype=torch.long),
-                                    u[:, :4], embed, torch.ones(2))
+        kf_hf.single_forward_inputs(
+            twin_models(llama_config(), "kforcing")[0],
+            torch.zeros(2, 5, dtype=torch.long),
+            u[:, :4],
+            embed,
+            torch.ones(2),
+        )
 
 
 def test_transformers_is_imported_only_by_the_integration():
@@ -228,8 +252,9 @@ def test_transformers_is_imported_only_by_the_integration():
     )
     root = str(REPO)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -20,7 +20,11 @@ from helpers import hf_helpers as H  # noqa: E402
 from kforcing_kernels import WindowLayout  # noqa: E402
 
 FAMILIES = {
-    "llama": H.llama, "qwen2": H.qwen2, "mistral": H.mistral, "phi3": H.phi3, "gpt2": H.gpt2,
+    "llama": H.llama,
+    "qwen2": H.qwen2,
+    "mistral": H.mistral,
+    "phi3": H.phi3,
+    "gpt2": H.gpt2,
     "gemma": lambda: transformers.GemmaConfig(**{**H._COMMON, "head_dim": 8}),
     # Alternating local/global layers; the window (32) is longer than these sequences: windows are test_hf_sliding.py's.
     "gemma3": lambda: H.gemma3(sliding_window=32, layer_types=["sliding_attention", "full_attention"]),

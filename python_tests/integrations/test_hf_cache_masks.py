@@ -48,13 +48,16 @@ def test_additive_mask_is_what_hf_eager_needs():
     assert kf_hf.additive_mask(layout, dtype=torch.bfloat16).dtype == torch.bfloat16
     with torch.no_grad():
         want = ours(input_ids=ids, position_ids=positions, kforcing_layout=layout).logits
-        torch.testing.assert_close(eager(input_ids=ids, position_ids=positions, attention_mask=mask).logits, want,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            eager(input_ids=ids, position_ids=positions, attention_mask=mask).logits, want, atol=1e-5, rtol=1e-5
+        )
         # Why the rule exists: eager adds the boolean mask (0/1) to the scores and attends everywhere.
-        wrong = eager(input_ids=ids, position_ids=positions, attention_mask=layout.dense_mask()[None, None].expand(2, 1,
-            -1, -1))
+        wrong = eager(
+            input_ids=ids, position_ids=positions, attention_mask=layout.dense_mask()[None, None].expand(2, 1, -1, -1)
+        )
         assert not torch.allclose(wrong.logits, want, atol=1e-3)
         # "kforcing" (and sdpa) take the boolean form too.
-        routed = ours(input_ids=ids, position_ids=positions, attention_mask=layout.dense_mask()[None, None].expand(2, 1,
-            -1, -1))
+        routed = ours(
+            input_ids=ids, position_ids=positions, attention_mask=layout.dense_mask()[None, None].expand(2, 1, -1, -1)
+        )
         torch.testing.assert_close(routed.logits, want, atol=1e-5, rtol=1e-5)

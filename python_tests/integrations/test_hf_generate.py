@@ -23,15 +23,32 @@ VOCAB = 48
 
 def llama_config(**extra):
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2, **extra,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        **extra,
     )
 
 
 def mistral_sliding_config():
     return transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, pad_token_id=0, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+        pad_token_id=0,
+        eos_token_id=1,
     )
 
 
@@ -48,8 +65,14 @@ def twins(config):
 def generate(model, ids, mask=None, **kwargs):
     torch.manual_seed(0)
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids) if mask is None else mask, max_new_tokens=8, do_sample=False,
-        output_logits=True, return_dict_in_generate=True, min_new_tokens=8, **kwargs,
+        ids,
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
+        max_new_tokens=8,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        min_new_tokens=8,
+        **kwargs,
     )
     return out.sequences, torch.stack(out.logits)
 
@@ -83,8 +106,9 @@ def test_generate_with_left_padding_matches_sdpa(llama_twins, cache):
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0  # row 0 is left padded
-    assert_same_generation(generate(ours, ids, mask, cache_implementation=cache), generate(sdpa, ids, mask,
-                                                                                           cache_implementation=cache))
+    assert_same_generation(
+        generate(ours, ids, mask, cache_implementation=cache), generate(sdpa, ids, mask, cache_implementation=cache)
+    )
 
 
 def test_static_cache_attends_only_filled_slots(llama_twins, prompts):
@@ -120,8 +144,9 @@ def test_offloaded_caches_match_sdpa_or_fail_alike(llama_twins, prompts, cache):
 
 
 @pytest.mark.skipif(
-    not any(importlib.util.find_spec(m) for m in ("optimum.quanto", "hqq")) if importlib.util.find_spec("optimum") else
-    importlib.util.find_spec("hqq") is None,
+    not any(importlib.util.find_spec(m) for m in ("optimum.quanto", "hqq"))
+    if importlib.util.find_spec("optimum")
+    else importlib.util.find_spec("hqq") is None,
     reason="no KV-cache quantization backend (optimum-quanto or hqq) installed",
 )
 def test_quantized_cache_matches_sdpa(llama_twins, prompts):

@@ -56,8 +56,9 @@ def test_flash_kwargs_become_documents(family):
     del batch["position_ids"]
     got = H.logits_and_grads(ours, use_cache=False, **batch)
     mask = kf_hf.additive_mask(WindowLayout.causal(12, cu_seqlens=[0, 5, 9, 12]), batch=1)
-    H.assert_same_logits_and_grads(got, H.logits_and_grads(eager, input_ids=batch["input_ids"], attention_mask=mask,
-                                                           use_cache=False))
+    H.assert_same_logits_and_grads(
+        got, H.logits_and_grads(eager, input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)
+    )
 
 
 def test_flash_kwargs_that_cannot_be_honoured_are_refused():
@@ -70,16 +71,30 @@ def test_flash_kwargs_that_cannot_be_honoured_are_refused():
         with pytest.raises(ValueError, match="cu_seq_lens_k: expected equal to cu_seq_lens_q"):
             model(**{**batch, "cu_seq_lens_k": torch.tensor([0, 6, 9, 12], dtype=torch.int32)}, use_cache=False)
         with pytest.raises(ValueError, match="cu_seq_lens_q: expected non-decreasing offsets from 0 to 12"):
-            model(**{**batch, "cu_seq_lens_q": torch.tensor([0, 5, 13], dtype=torch.int32),
-                     "cu_seq_lens_k": torch.tensor([0, 5, 13], dtype=torch.int32)}, use_cache=False)
+            model(
+                **{
+                    **batch,
+                    "cu_seq_lens_q": torch.tensor([0, 5, 13], dtype=torch.int32),
+                    "cu_seq_lens_k": torch.tensor([0, 5, 13], dtype=torch.int32),
+                },
+                use_cache=False,
+            )
         with pytest.raises(ValueError, match="cu_seq_lens_q: packed documents come as one row"):
-            model(input_ids=ids.expand(2, -1), cu_seq_lens_q=batch["cu_seq_lens_q"],
-                  cu_seq_lens_k=batch["cu_seq_lens_k"], use_cache=False)
+            model(
+                input_ids=ids.expand(2, -1),
+                cu_seq_lens_q=batch["cu_seq_lens_q"],
+                cu_seq_lens_k=batch["cu_seq_lens_k"],
+                use_cache=False,
+            )
         cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
         with pytest.raises(ValueError, match="cu_seq_lens_q: packed flash kwargs need the keys to be exactly"):
-            model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True,
-                  cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32), cu_seq_lens_k=torch.tensor([0, 8],
-                                                                                                    dtype=torch.int32))
+            model(
+                input_ids=ids[:, 4:],
+                past_key_values=cache,
+                use_cache=True,
+                cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32),
+                cu_seq_lens_k=torch.tensor([0, 8], dtype=torch.int32),
+            )
 
 
 def test_layout_with_packed_positions_composes_or_is_refused():
@@ -96,8 +111,10 @@ def test_layout_with_packed_positions_composes_or_is_refused():
     plain["inputs_embeds"] = kf_hf.single_forward_inputs(eager, ids, noise, emb, tau)["inputs_embeds"]
     want = H.logits_and_grads(eager, attention_mask=kf_hf.additive_mask(per_document, batch=1), **plain)
     H.assert_same_logits_and_grads(got, want)
-    with torch.no_grad(), pytest.raises(ValueError,
-                                        match="position_ids pack several documents.*cu_seqlens=\\[0, 4, 7\\]"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match="position_ids pack several documents.*cu_seqlens=\\[0, 4, 7\\]"),
+    ):
         ours(**batch)  # the layout of single_forward_inputs spans the whole row
 
 
@@ -114,8 +131,13 @@ def test_layout_with_flash_kwargs_composes_or_is_refused():
             ours(**batch, kforcing_layout=WindowLayout.causal(12), use_cache=False)
         with pytest.raises(ValueError, match="cu_seq_lens_q: flash kwargs describe rows of plain tokens"):
             layout = WindowLayout.kforcing_single(4, 2)
-            ours(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
-                 cu_seq_lens_k=batch["cu_seq_lens_k"], kforcing_layout=layout, use_cache=False)
+            ours(
+                input_ids=batch["input_ids"],
+                cu_seq_lens_q=batch["cu_seq_lens_q"],
+                cu_seq_lens_k=batch["cu_seq_lens_k"],
+                kforcing_layout=layout,
+                use_cache=False,
+            )
 
 
 def test_position_ids_edited_in_place_are_checked_again():

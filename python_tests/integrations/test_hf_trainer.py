@@ -21,8 +21,14 @@ N, K, SAMPLES, LR = 6, 2, 4, 1e-2
 
 def dataset():
     gen = torch.Generator().manual_seed(11)
-    return [{"input_ids": torch.randint(0, H.VOCAB, (N,), generator=gen), "noise": torch.rand(N, K, generator=gen),
-             "targets": torch.randint(0, H.VOCAB, (N, K), generator=gen)} for _ in range(SAMPLES)]
+    return [
+        {
+            "input_ids": torch.randint(0, H.VOCAB, (N,), generator=gen),
+            "noise": torch.rand(N, K, generator=gen),
+            "targets": torch.randint(0, H.VOCAB, (N, K), generator=gen),
+        }
+        for _ in range(SAMPLES)
+    ]
 
 
 def single_forward_loss(model, inputs, dense: bool = False):
@@ -53,10 +59,23 @@ def models():
 
 def trainer(model, tmp_path, steps, optim="adamw_torch"):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=SAMPLES, learning_rate=LR,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim=optim,
-        report_to="none", save_strategy="no", logging_steps=1,
-        use_cpu=True, remove_unused_columns=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=SAMPLES,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        optim=optim,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
     )
     return KForcingTrainer(model=model, args=args, train_dataset=dataset())
 
@@ -77,8 +96,9 @@ def test_one_trainer_step_equals_a_hand_written_sdpa_step(tmp_path):
     before = models()[1].state_dict()
     for name, p in trained.items():
         torch.testing.assert_close(p.detach(), by_hand[name].detach(), atol=1e-6, rtol=1e-5, msg=name)
-    assert all(not torch.equal(trained[name].detach(),
-                               before[name]) for name in trained if name.endswith("proj.weight"))
+    assert all(
+        not torch.equal(trained[name].detach(), before[name]) for name in trained if name.endswith("proj.weight")
+    )
 
 
 def test_trainer_lowers_the_loss(tmp_path):

@@ -21,15 +21,24 @@ def _dense(layout):
     return m[:, None] if m.dim() == 3 else m[None, None]
 
 
-@pytest.mark.parametrize("intra, window, mode", [("full", None, "block"), ("causal", None, "block"),
-                                                 ("full", 3, "block"), ("causal", 4, "slot"), ("full", 1, "slot")])
+@pytest.mark.parametrize(
+    "intra, window, mode",
+    [
+        ("full", None, "block"),
+        ("causal", None, "block"),
+        ("full", 3, "block"),
+        ("causal", 4, "slot"),
+        ("full", 1, "slot"),
+    ],
+)
 @pytest.mark.parametrize("packed", [False, True])
 def test_anchor_blocks_equal_the_dflash_definition(intra, window, mode, packed):
     anchors = [[0, 11, 6, 12], [3, 3, 9, 1]]  # 0, the last context token, S itself, repeats
     keep = [[True, True, False, True], [True, False, True, True]]
     cu = [[0, 5, 12], [0, 2, 9, 12]] if packed else None
-    layout = WindowLayout.anchor_blocks(12, anchors, 3, keep=keep, intra=intra, window=window, window_mode=mode,
-                                        cu_seqlens=cu)
+    layout = WindowLayout.anchor_blocks(
+        12, anchors, 3, keep=keep, intra=intra, window=window, window_mode=mode, cu_seqlens=cu
+    )
     want = dflash_elementwise(12, anchors, 3, keep, intra, window, mode, cu)
     assert torch.equal(_dense(layout), want)
     assert layout.queries == "windows" and layout.n_keys == 12 + 12
@@ -87,16 +96,18 @@ def test_sliding_layouts_round_trip_through_the_custom_op_and_compile():
     q = torch.randn(2, 2, layout.n_queries, 8, requires_grad=True)
     kv = torch.randn(2, 2, layout.n_keys, 8, requires_grad=True)
     eager = window_attention(q, kv, kv, layout, backend="composite")
-    compiled = torch.compile(lambda a, b: window_attention(a, b, b, layout, backend="composite"), fullgraph=True,
-                             backend="aot_eager")
+    compiled = torch.compile(
+        lambda a, b: window_attention(a, b, b, layout, backend="composite"), fullgraph=True, backend="aot_eager"
+    )
     torch.testing.assert_close(compiled(q, kv), eager)
     unslid = WindowLayout.anchor_blocks(12, [[3, 11], [7, 5]], 4, intra="causal")
     assert layout.cache_key != unslid.cache_key  # the slide is part of the layout's identity
     assert layout.batch_element(1).prefix_slide_lo.tolist() == [5, 3]
 
 
-@pytest.mark.parametrize("prompts, counts, sizes", [([3, 6], [2, 1], [4, 3]), ([2], [3], [2]), ([1, 4, 2], [1, 2, 3],
-                                                                                                [3, 1, 2])])
+@pytest.mark.parametrize(
+    "prompts, counts, sizes", [([3, 6], [2, 1], [4, 3]), ([2], [3], [2]), ([1, 4, 2], [1, 2, 3], [3, 1, 2])]
+)
 def test_batched_jacobi_equals_per_sample_jacobi(prompts, counts, sizes):
     layout = WindowLayout.jacobi(prompts, num_blocks=counts, block_size=sizes)
     noisy = [n * t for n, t in zip(counts, sizes)]
@@ -162,10 +173,15 @@ def test_unbatched_jacobi_is_unchanged():
 # ---------------------------------------------------------------------- issue 40, item 3
 
 
-@pytest.mark.parametrize("length, message", [
-    (6, "length: expected at least 7"), (-1, "length: expected at least 7"), (7.0, "length: expected an int"),
-    (True, "length: expected an int"),
-])
+@pytest.mark.parametrize(
+    "length, message",
+    [
+        (6, "length: expected at least 7"),
+        (-1, "length: expected at least 7"),
+        (7.0, "length: expected an int"),
+        (True, "length: expected an int"),
+    ],
+)
 def test_from_streams_refuses_a_length_that_cannot_hold_the_order(length, message):
     """These raised IndexError / RuntimeError / TypeError from inside the scatter."""
     order = stream_order(3, 2, 1)  # [prompt 3 | noisy, clean | noisy, clean]: interleaved positions 0..6

@@ -68,9 +68,17 @@ def _expected(case) -> torch.Tensor:
     valid = case.get("valid_lengths")
     docs = case.get("cu_seqlens")
     batch = len(valid) if isinstance(valid, list) else (len(docs) if docs and isinstance(docs[0], list) else None)
-    masks = [semantic_mask(length, step, valid[b] if isinstance(valid, list) else valid, case.get("drop_per_step", 0),
-                           docs[b] if docs and isinstance(docs[0], list) else docs, case.get("window"))
-             for b in range(batch or 1)]
+    masks = [
+        semantic_mask(
+            length,
+            step,
+            valid[b] if isinstance(valid, list) else valid,
+            case.get("drop_per_step", 0),
+            docs[b] if docs and isinstance(docs[0], list) else docs,
+            case.get("window"),
+        )
+        for b in range(batch or 1)
+    ]
     return torch.stack(masks) if batch else masks[0]
 
 
@@ -118,8 +126,11 @@ def _dense_attention(q, k, v, mask, scale):
 
 def _backends():
     # triton: test_triton_interpreter_cases.py::test_row_subsets_match_the_fp64_reference[eagle3-*]
-    return [pytest.param(b, marks=pytest.mark.skipif(b == "cpp" and CPP is not None, reason=f"cpp: {CPP}"))
-            for b in ROW_SUBSET_BACKENDS if b != "triton"]
+    return [
+        pytest.param(b, marks=pytest.mark.skipif(b == "cpp" and CPP is not None, reason=f"cpp: {CPP}"))
+        for b in ROW_SUBSET_BACKENDS
+        if b != "triton"
+    ]
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -135,7 +146,7 @@ def test_attention_matches_the_dense_softmax_in_fp64(backend, name):
     v = torch.randn(b, 2, layout.n_keys, 16, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(q.shape, dtype=torch.float64, generator=g)
     got = window_attention(q, k, v, layout, backend=backend)
-    want = _dense_attention(q, k, v, mask, 16 ** -0.5)
+    want = _dense_attention(q, k, v, mask, 16**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     got_grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
     want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v))
@@ -143,16 +154,19 @@ def test_attention_matches_the_dense_softmax_in_fp64(backend, name):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10, msg=label)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(length=0, step=1), "^length: "),
-    (dict(length=4, step=0), "^step: "),
-    (dict(length=4, step=1, valid_lengths=[5]), "^valid_lengths: "),
-    (dict(length=4, step=1, valid_lengths=[0]), "^valid_lengths: "),
-    (dict(length=4, step=1, drop_per_step=-1), "^drop_per_step: "),
-    (dict(length=4, step=1, window=0), "^window: "),
-    (dict(length=4, step=1, cu_seqlens=[0, 3]), "^cu_seqlens: "),
-    (dict(length=4, step=1, valid_lengths=[4, 4, 4], cu_seqlens=[[0, 4], [0, 2, 4]]), "^valid_lengths: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(length=0, step=1), "^length: "),
+        (dict(length=4, step=0), "^step: "),
+        (dict(length=4, step=1, valid_lengths=[5]), "^valid_lengths: "),
+        (dict(length=4, step=1, valid_lengths=[0]), "^valid_lengths: "),
+        (dict(length=4, step=1, drop_per_step=-1), "^drop_per_step: "),
+        (dict(length=4, step=1, window=0), "^window: "),
+        (dict(length=4, step=1, cu_seqlens=[0, 3]), "^cu_seqlens: "),
+        (dict(length=4, step=1, valid_lengths=[4, 4, 4], cu_seqlens=[[0, 4], [0, 2, 4]]), "^valid_lengths: "),
+    ],
+)
 def test_invalid_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WindowLayout.eagle3_ttt(kwargs.pop("length"), kwargs.pop("step"), **kwargs)

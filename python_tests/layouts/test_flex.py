@@ -32,14 +32,16 @@ def test_eager_flex_with_our_block_mask_equals_reference(name):
     layout = LAYOUTS[name]
     q, k, v = _inputs(layout)
     got = flex_attention(q, k, v, block_mask=layout.to_block_mask(block_size=16), enable_gqa=True, scale=0.25)
-    torch.testing.assert_close(got, window_attention(q, k, v, layout, backend="reference", scale=0.25), atol=2e-6,
-                               rtol=2e-6)
+    torch.testing.assert_close(
+        got, window_attention(q, k, v, layout, backend="reference", scale=0.25), atol=2e-6, rtol=2e-6
+    )
 
 
 def test_mask_mod_builds_an_equivalent_block_mask():
     layout = LAYOUTS["ptp_per_batch"]
-    built = create_block_mask(layout.mask_mod(), B=2, H=None, Q_LEN=layout.n_queries, KV_LEN=layout.n_keys,
-                              device="cpu", BLOCK_SIZE=16)
+    built = create_block_mask(
+        layout.mask_mod(), B=2, H=None, Q_LEN=layout.n_queries, KV_LEN=layout.n_keys, device="cpu", BLOCK_SIZE=16
+    )
     ours = layout.to_block_mask(block_size=16)
     assert torch.equal(built.to_dense(), ours.to_dense())
     q, k, v = _inputs(layout)
@@ -58,7 +60,12 @@ def test_compiled_flex_honours_the_analytic_block_indices():
     dropped = block_mask.kv_num_blocks.clone()
     dropped[..., -1] -= 1  # forget the last visited tile of the last query row block
     corrupted = BlockMask.from_kv_blocks(
-        dropped, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-        BLOCK_SIZE=16, mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths,
+        dropped,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+        BLOCK_SIZE=16,
+        mask_mod=block_mask.mask_mod,
+        seq_lengths=block_mask.seq_lengths,
     )
     assert not torch.allclose(compiled(q, k, v, block_mask=corrupted, enable_gqa=True), want, atol=1e-3)

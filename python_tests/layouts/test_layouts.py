@@ -99,7 +99,7 @@ def test_block_counts_match_dense_mask(layout, bq, bk):
     nq, nk = -(-lq // bq), -(-lk // bk)
     tile_any, tile_full = layout.block_counts(bq, bk)
     for i, j in itertools.product(range(nq), range(nk)):
-        tile = dense[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        tile = dense[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
         assert bool(tile_any[0, i, j]) == bool(tile.any())
         assert bool(tile_full[0, i, j]) == bool(tile.all())
 
@@ -137,10 +137,22 @@ def test_to_block_mask_covers_exactly_the_visible_blocks(layout):
         (dict(n_ctx=4, num_windows=2, window_size=2, prefix_lo=[0, 0], prefix_hi=[1, 1], intra="banded"), "intra"),
         (dict(n_ctx=4, num_windows=2, window_size=2, prefix_lo=[0, 0], prefix_hi=[1, 1], queries="ctx"), "queries"),
         (dict(n_ctx=4, num_windows=2, window_size=4, prefix_lo=[0, 0], prefix_hi=[1, 1], n_streams=3), "n_streams"),
-        (dict(n_ctx=4, num_windows=2, window_size=4, prefix_lo=[0, 0], prefix_hi=[1, 1], last_window_size=5),
-         "last_window_size"),
-        (dict(n_ctx=4, num_windows=2, window_size=4, prefix_lo=[0, 0], prefix_hi=[1, 1], last_window_size=2,
-              n_streams=2), "last_window_size"),
+        (
+            dict(n_ctx=4, num_windows=2, window_size=4, prefix_lo=[0, 0], prefix_hi=[1, 1], last_window_size=5),
+            "last_window_size",
+        ),
+        (
+            dict(
+                n_ctx=4,
+                num_windows=2,
+                window_size=4,
+                prefix_lo=[0, 0],
+                prefix_hi=[1, 1],
+                last_window_size=2,
+                n_streams=2,
+            ),
+            "last_window_size",
+        ),
         (dict(n_ctx=0, num_windows=0, window_size=1, prefix_lo=[], prefix_hi=[]), "n_ctx"),
         (dict(n_ctx=3, num_windows=0, window_size=1, prefix_lo=[], prefix_hi=[], queries="windows"), "num_windows"),
     ],

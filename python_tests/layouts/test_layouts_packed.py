@@ -38,8 +38,18 @@ def test_causal_packed_and_block_causal(cu, block):
     assert torch.equal(got, causal_packed_elementwise(7, cu, block))
 
 
-@pytest.mark.parametrize("n,block,cu", [(8, 2, [0, 8]), (8, 2, [0, 4, 8]), (12, 3, [0, 3, 9, 12]), (6, 1, [0, 1, 2, 6]),
-                                         (10, 3, [0, 10]), (11, 3, [0, 6, 11]), (7, 4, [0, 4, 7])])
+@pytest.mark.parametrize(
+    "n,block,cu",
+    [
+        (8, 2, [0, 8]),
+        (8, 2, [0, 4, 8]),
+        (12, 3, [0, 3, 9, 12]),
+        (6, 1, [0, 1, 2, 6]),
+        (10, 3, [0, 10]),
+        (11, 3, [0, 6, 11]),
+        (7, 4, [0, 4, 7]),
+    ],
+)
 def test_sbd_packed(n, block, cu):
     """The sequence end need not be a multiple of block (the last block is shorter, as unpacked)."""
     assert torch.equal(WindowLayout.sbd(n, block, cu_seqlens=cu).dense_mask(), sbd_packed_elementwise(n, block, cu))
@@ -93,9 +103,11 @@ def test_per_batch_cu_seqlens_stack_per_element():
 
 
 def test_num_pairs_counts_the_mask_with_documents_and_blanks():
-    for layout in (WindowLayout.kforcing_single(7, 3, cu_seqlens=[0, 2, 7]), WindowLayout.bd3lm(8, 2, cu_seqlens=[0, 4,
-                                                                                                                  8]),
-                   WindowLayout.ptp(6, [2, 4], 3, [0, 0], doc_ends=[3, 6])):
+    for layout in (
+        WindowLayout.kforcing_single(7, 3, cu_seqlens=[0, 2, 7]),
+        WindowLayout.bd3lm(8, 2, cu_seqlens=[0, 4, 8]),
+        WindowLayout.ptp(6, [2, 4], 3, [0, 0], doc_ends=[3, 6]),
+    ):
         assert layout.num_pairs() == int(layout.dense_mask().sum())
 
 
@@ -161,8 +173,9 @@ def test_per_batch_cu_seqlens_with_one_row_is_a_batch_of_one(name):
                 window_attention(q, k, k, one, backend="reference")
             window_attention(q, k, k, shared, backend="reference")  # shared: any batch
         q, k = torch.randn(1, 1, one.n_queries, 8), torch.randn(1, 1, one.n_keys, 8)
-        assert torch.equal(window_attention(q, k, k, one, backend="reference"),
-                           window_attention(q, k, k, shared, backend="reference"))
+        assert torch.equal(
+            window_attention(q, k, k, one, backend="reference"), window_attention(q, k, k, shared, backend="reference")
+        )
 
 
 def test_ptp_negative_starts_names_starts():

@@ -17,8 +17,13 @@ ZOO = zoo.small()
 def _subsets(n: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     random_half = torch.randperm(n, generator=g)[: max(1, n // 2)].sort().values
-    return [torch.arange(n), random_half, torch.arange(n - 1, n), torch.arange(0, n, 3), torch.zeros(0,
-                                                                                                     dtype=torch.int64)]
+    return [
+        torch.arange(n),
+        random_half,
+        torch.arange(n - 1, n),
+        torch.arange(0, n, 3),
+        torch.zeros(0, dtype=torch.int64),
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -53,14 +58,17 @@ def test_sub_layout_of_a_sub_layout_is_relative_to_it():
     assert inner.rows.tolist() == [3, 7, 19] and inner.parent is layout
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([3, 1], "strictly increasing"),
-    ([2, 2], "strictly increasing"),
-    ([0, 50], "parent.n_queries"),
-    ([-1], "parent.n_queries"),
-    ([0.5], "integers"),
-    ([[0, 1]], "shape"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([3, 1], "strictly increasing"),
+        ([2, 2], "strictly increasing"),
+        ([0, 50], "parent.n_queries"),
+        ([-1], "parent.n_queries"),
+        ([0.5], "integers"),
+        ([[0, 1]], "shape"),
+    ],
+)
 def test_invalid_rows_are_refused_naming_the_argument(rows, message):
     with pytest.raises(ValueError, match=r"^rows: .*" + message):
         WindowLayout.causal(10).restrict_rows(rows)
@@ -73,8 +81,18 @@ def test_rows_are_owned_by_the_sub_layout():
     assert sub.rows.tolist() == [1, 4, 6]
 
 
-@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "double_packed", "single_packed_per_batch",
-                                  "anchor_blocks_sliding_slot", "blank_full_windows", "more_rows_than_a_chunk"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "single_k3_odd",
+        "double_k2",
+        "double_packed",
+        "single_packed_per_batch",
+        "anchor_blocks_sliding_slot",
+        "blank_full_windows",
+        "more_rows_than_a_chunk",
+    ],
+)
 def test_window_attention_on_sub_layout_matches_parent_rows(name):
     # more_rows_than_a_chunk: half of 280 rows is more than ops/window_attention/composite/query_rows.py's GROUP_ROWS
     layout = WindowLayout.kforcing_single(70, 3) if name == "more_rows_than_a_chunk" else ZOO[name]

@@ -40,19 +40,37 @@ def windowed(mask, query_pos, key_pos, window):
 CU = [0, 7, 9, 16]
 CASES = {
     # name: (layout, paper mask, query positions, key positions)
-    "single": lambda: (WindowLayout.kforcing_single(16, 4), P.kforcing_single_elementwise(16, 4),
-                       single_positions(16, 4), single_positions(16, 4)),
-    "single_packed": lambda: (WindowLayout.kforcing_single(16, 3, cu_seqlens=CU),
-                              P.kforcing_single_packed_elementwise(16, 3, CU),
-                              single_positions(16, 3, CU), single_positions(16, 3, CU)),
-    "double": lambda: (WindowLayout.kforcing_double(12, 2), P.kforcing_double_elementwise(12, 2),
-                       double_positions(12, 2)[1], sum(double_positions(12, 2), [])),
-    "double_packed": lambda: (WindowLayout.kforcing_double(16, 2, cu_seqlens=CU),
-                              P.kforcing_double_packed_elementwise(16, 2, CU),
-                              double_positions(16, 2, CU)[1], sum(double_positions(16, 2, CU), [])),
+    "single": lambda: (
+        WindowLayout.kforcing_single(16, 4),
+        P.kforcing_single_elementwise(16, 4),
+        single_positions(16, 4),
+        single_positions(16, 4),
+    ),
+    "single_packed": lambda: (
+        WindowLayout.kforcing_single(16, 3, cu_seqlens=CU),
+        P.kforcing_single_packed_elementwise(16, 3, CU),
+        single_positions(16, 3, CU),
+        single_positions(16, 3, CU),
+    ),
+    "double": lambda: (
+        WindowLayout.kforcing_double(12, 2),
+        P.kforcing_double_elementwise(12, 2),
+        double_positions(12, 2)[1],
+        sum(double_positions(12, 2), []),
+    ),
+    "double_packed": lambda: (
+        WindowLayout.kforcing_double(16, 2, cu_seqlens=CU),
+        P.kforcing_double_packed_elementwise(16, 2, CU),
+        double_positions(16, 2, CU)[1],
+        sum(double_positions(16, 2, CU), []),
+    ),
     "sbd": lambda: (WindowLayout.sbd(14, 3), P.sbd_elementwise(14, 3), list(range(14)) * 2, list(range(14)) * 2),
-    "causal_packed": lambda: (WindowLayout.causal(16, cu_seqlens=CU), P.causal_packed_elementwise(16, CU),
-                              doc_positions(16, CU), doc_positions(16, CU)),
+    "causal_packed": lambda: (
+        WindowLayout.causal(16, cu_seqlens=CU),
+        P.causal_packed_elementwise(16, CU),
+        doc_positions(16, CU),
+        doc_positions(16, CU),
+    ),
 }
 
 
@@ -84,7 +102,7 @@ def test_boundary_key_exactly_w_minus_1_back_is_seen_and_w_back_is_not():
     row = n + 15 * k + 2
     assert mask[row, 11] and not mask[row, 10] and mask[row, 15] and not mask[row, 16]
     # ... and its own earlier slots (positions 16, 17) stay in sight.
-    assert mask[row, n + 15 * k: n + 15 * k + 3].all() and not mask[row, n + 15 * k + 3]
+    assert mask[row, n + 15 * k : n + 15 * k + 3].all() and not mask[row, n + 15 * k + 3]
     # Slot 0 of the same window (position 16): keys 9..15.
     assert mask[n + 15 * k, :n].nonzero().flatten().tolist() == list(range(9, 16))
 
@@ -118,8 +136,9 @@ def test_backends_run_the_sliding_layout_like_a_dense_softmax(backend):
             pytest.skip(f"C++ extension: {reason}")
     layout = WindowLayout.kforcing_single(24, 4).with_sliding_window(8)
     gen = torch.Generator().manual_seed(0)
-    q, kk, v = (torch.randn(2, 4, layout.n_keys, 16, generator=gen, dtype=torch.float64,
-                            requires_grad=True) for _ in range(3))
+    q, kk, v = (
+        torch.randn(2, 4, layout.n_keys, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
     out = window_attention(q, kk, v, layout, backend=backend)
     mask = windowed(P.kforcing_single_elementwise(24, 4), single_positions(24, 4), single_positions(24, 4), 8)
     scores = (q @ kk.transpose(-1, -2)) / 4.0

@@ -99,8 +99,9 @@ def test_generation_decodes_by_the_models_rule_in_every_cache(residual_model, k)
     new_tokens = 6
     noise = torch.rand(2, math.ceil(new_tokens / k), k, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
     paged = generate_kforcing(residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise)
-    contiguous = generate_kforcing(residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise,
-                                   cache="contiguous")
+    contiguous = generate_kforcing(
+        residual_model, prompts, k, new_tokens, temperature=0.8, noise=noise, cache="contiguous"
+    )
     assert paged.tolist() == contiguous.tolist()
     # Uncached: SingleForward over the whole context, the last window decoded by the residual rule.
     for b, p in enumerate(prompts):

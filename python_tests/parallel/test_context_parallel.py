@@ -98,8 +98,9 @@ def test_one_rank_model_and_loss_match_the_plain_ones():
     torch.manual_seed(0)
     model = KForcingLM(ModelConfig.micro())
     cp = ContextParallel(0, 1)
-    batch = make_batch(Objective.AR, torch.randint(0, 64, (400,)), 4, 12, 1, (0.5, 1.0),
-                       torch.Generator().manual_seed(1), separator=3)
+    batch = make_batch(
+        Objective.AR, torch.randint(0, 64, (400,)), 4, 12, 1, (0.5, 1.0), torch.Generator().manual_seed(1), separator=3
+    )
     share, loss, per_pos = context_parallel_loss(Objective.AR, model, batch, None, cp)
     want, want_pos = compute_loss(Objective.AR, model, batch)
     torch.testing.assert_close(loss, want.detach())
@@ -196,8 +197,9 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
         dq = b * h * rows * d * 4
         scores = 3 * b * h * min(chunk_rows, rows) * n * 4
         expected = gathered_kv + gather_buffers + dkdv + scatter + dq + scores
-        got = attention_transient_bytes(split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem,
-                                        chunk_rows=chunk_rows)
+        got = attention_transient_bytes(
+            split, batch=b, heads=h, kv_heads=hkv, head_dim=d, elem_bytes=elem, chunk_rows=chunk_rows
+        )
         assert got == expected, (world, got, expected)
 
 
@@ -206,8 +208,11 @@ def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_pat
     metrics.jsonl; a world size that does not divide the cores is refused by name."""
     from bench.attention import cp_throughput
 
-    lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}, {"step": 2, "val_loss": 2.9},
-             *({"step": s, "loss": 2.0, "tokens_per_s": r} for s, r in ((2, 300.0), (3, 100.0), (4, 200.0)))]
+    lines = [
+        {"step": 1, "loss": 3.0, "tokens_per_s": 10.0},
+        {"step": 2, "val_loss": 2.9},
+        *({"step": s, "loss": 2.0, "tokens_per_s": r} for s, r in ((2, 300.0), (3, 100.0), (4, 200.0))),
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in lines) + "\n")
     assert cp_throughput.steady_tokens_per_s(tmp_path) == (200.0, [10.0, 300.0, 100.0, 200.0])
     (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")
@@ -249,8 +254,11 @@ def test_cp_attention_refuses_what_window_attention_refuses_by_name(backend, mon
                 attend(q, k, v)
             if message.startswith("^layout"):  # the same words as the op on the whole sequence
                 with pytest.raises(ValueError, match=message):
-                    window_attention(torch.randn(q.shape[0], 2, layout.n_queries, 4),
-                                     *[torch.randn(q.shape[0], 2, layout.n_keys, 4)] * 2, layout)
+                    window_attention(
+                        torch.randn(q.shape[0], 2, layout.n_queries, 4),
+                        *[torch.randn(q.shape[0], 2, layout.n_keys, 4)] * 2,
+                        layout,
+                    )
     with pytest.raises(ValueError, match="^scale: "):
         rows.attend(*qkv(), scale=float("nan"))
     out = rows.attend(*qkv())  # the right batch runs
@@ -282,7 +290,8 @@ def test_a_pipeline_refuses_a_distillation_batch_its_later_stages_would_refuse_b
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = TrainConfig(device="cpu", batch_size=4, context_parallel=2)  # dp = 2
-    with pytest.raises(ConfigError,
-                       match=r"^batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = 2 x 1"):
+    with pytest.raises(
+        ConfigError, match=r"^batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = 2 x 1"
+    ):
         run_pipeline(PipelineConfig(out=str(tmp_path / "run"), batch_size_distill=3), base)
     assert not (tmp_path / "run").exists()

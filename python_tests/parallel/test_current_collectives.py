@@ -14,8 +14,9 @@ import torch.distributed as dist
 from kforcing_kernels.app.training.parallel import data_parallel, setup_parallel
 from kforcing_kernels.parallel import context_parallel
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ ranks give every rank the single-process logits at its rows and, summed over the
 The trainer's ``--context-parallel 2`` on an HF student (DDP and FSDP2) is held by test_train_mesh.py.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,13 +25,14 @@ CONFIGS = {
     "llama_gqa": lambda **kw: H.llama(**kw),
     "gpt2": lambda **kw: H.gpt2(bos_token_id=0, eos_token_id=0, **kw),
     "mistral_sliding": lambda **kw: H.mistral(**{"sliding_window": 5, **kw}),
-    "gemma3_alternating": lambda **kw: H.gemma3(**{"sliding_window": 4, "layer_types": ["sliding_attention",
-                                                                                        "full_attention"], **kw}),
+    "gemma3_alternating": lambda **kw: H.gemma3(
+        **{"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], **kw}
+    ),
 }
 
 
 def _student(name, **extra):
-    hf, = H.twin_models(CONFIGS[name](**extra), "kforcing")
+    (hf,) = H.twin_models(CONFIGS[name](**extra), "kforcing")
     torch.manual_seed(1)
     model = HFStudent(hf)
     model.reset_noise_encoder()
@@ -41,8 +41,11 @@ def _student(name, **extra):
 
 def _inputs(b=2, n=11, k=3):
     gen = torch.Generator().manual_seed(4)
-    return (torch.randint(0, H.VOCAB, (b, n), generator=gen), torch.rand(b, n, k, generator=gen), torch.tensor([0.8,
-                                                                                                                1.2]))
+    return (
+        torch.randint(0, H.VOCAB, (b, n), generator=gen),
+        torch.rand(b, n, k, generator=gen),
+        torch.tensor([0.8, 1.2]),
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -92,8 +95,9 @@ def test_rank_rows_refusals_name_their_argument():
         attn(None, q, k, k, None, kforcing_layout=shard, sliding_window=1)  # shorter than the layout's windows (2)
 
 
-GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                          reason="torch.distributed with gloo is not available")
+GLOO = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 
 
 @GLOO
@@ -107,5 +111,3 @@ def test_hf_context_parallel_matches_one_process_gloo():
         for case in ("ar", "forward", "self_forcing"):
             for packed in ("", "_packed"):
                 assert out.count(f" loss {name} {case}{packed}: ok") == 2, (name, case + packed, out[-3000:])
-
-

@@ -37,18 +37,25 @@ def check(name, layout, heads, kv_heads, cp, device):
     ref.backward(dout)
     split = cp.split(layout)
     rows, keys = split.query_rows[cp.rank].to(device), split.key_rows[cp.rank].to(device)
-    mine = [q[:, :, rows].clone().requires_grad_(), k[:, :, keys].clone().requires_grad_(), v[:, :,
-        keys].clone().requires_grad_()]
+    mine = [
+        q[:, :, rows].clone().requires_grad_(),
+        k[:, :, keys].clone().requires_grad_(),
+        v[:, :, keys].clone().requires_grad_(),
+    ]
     out = context_parallel_attention(*mine, split, cp.rank, cp.group)
     out.backward(dout[:, :, rows])
     torch.testing.assert_close(out, ref[:, :, rows].detach(), rtol=1e-10, atol=1e-10, msg=f"{name}: out")
-    for label, got, want in (("dq", mine[0].grad, full[0].grad[:, :, rows]), ("dk", mine[1].grad, full[1].grad[:, :,
-                                                                                                               keys]),
-                             ("dv", mine[2].grad, full[2].grad[:, :, keys])):
+    for label, got, want in (
+        ("dq", mine[0].grad, full[0].grad[:, :, rows]),
+        ("dk", mine[1].grad, full[1].grad[:, :, keys]),
+        ("dv", mine[2].grad, full[2].grad[:, :, keys]),
+    ):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{name}: {label}")
     assert split.imbalance() <= 0.05 or layout.n_queries < 64, (name, split.pairs)
-    print(f"rank {cp.rank} {name}: ok (pairs {list(split.pairs)}, rows {[r.numel() for r in split.query_rows]})",
-          flush=True)
+    print(
+        f"rank {cp.rank} {name}: ok (pairs {list(split.pairs)}, rows {[r.numel() for r in split.query_rows]})",
+        flush=True,
+    )
 
 
 def main():
@@ -65,7 +72,6 @@ def main():
     dist.destroy_process_group()
 
 
-
 def check_model(cp, device):
     """The model's CP forward (AR, SingleForward with packed documents) == its single-process forward, and the
     parameter gradients summed over the group == the single-process ones."""
@@ -76,12 +82,15 @@ def check_model(cp, device):
     b, n, k = 2, 13, 3
     tokens = torch.randint(0, 64, (b, n), device=device)
     noise, tau = torch.rand(b, n, k, dtype=torch.float64, device=device), torch.tensor([0.7, 1.2], device=device)
-    cases = {"ar_packed": ((tokens,), dict(cu_seqlens=[[0, 5, 13], [0, 13]]), lambda out: out),
-             "single_packed": ((tokens, noise, tau), dict(cu_seqlens=[0, 4, 9, 13]), lambda out: out.flatten(1, 2))}
+    cases = {
+        "ar_packed": ((tokens,), dict(cu_seqlens=[[0, 5, 13], [0, 13]]), lambda out: out),
+        "single_packed": ((tokens, noise, tau), dict(cu_seqlens=[0, 4, 9, 13]), lambda out: out.flatten(1, 2)),
+    }
     for name, (args, kwargs, flat) in cases.items():
         full = flat(model(*args, **kwargs))
-        weight = torch.randn(full.shape, dtype=full.dtype, device=device,
-                             generator=torch.Generator(device).manual_seed(3))
+        weight = torch.randn(
+            full.shape, dtype=full.dtype, device=device, generator=torch.Generator(device).manual_seed(3)
+        )
         model.zero_grad(set_to_none=True)
         (full * weight).sum().backward()
         grad_of = lambda p: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # noqa: E731 (AR: no noise encoder)

@@ -31,7 +31,7 @@ CONFIGS = {
 
 
 def student(name, dtype, seed=0, k_train=None):
-    hf, = H.twin_models(CONFIGS[name](), "kforcing", seed=seed)
+    (hf,) = H.twin_models(CONFIGS[name](), "kforcing", seed=seed)
     model = HFStudent(hf, k_train=k_train)
     torch.manual_seed(seed + 100)
     model.reset_noise_encoder()
@@ -48,8 +48,12 @@ def check_forward(cp, tag):
     tokens = torch.randint(0, H.VOCAB, (b, n), generator=gen)
     noise = torch.rand(b, n, k, dtype=torch.float64, generator=gen)
     tau = torch.tensor([0.7, 1.3])
-    cases = {"ar": ((tokens,), None), "ar_packed": ((tokens,), [[0, 5, 13], [0, 13]]),
-             "single": ((tokens, noise, tau), None), "single_packed": ((tokens, noise, tau), [0, 4, 9, 13])}
+    cases = {
+        "ar": ((tokens,), None),
+        "ar_packed": ((tokens,), [[0, 5, 13], [0, 13]]),
+        "single": ((tokens, noise, tau), None),
+        "single_packed": ((tokens, noise, tau), [0, 4, 9, 13]),
+    }
     for name in CONFIGS:
         model = student(name, torch.float64)
         tol = 1e-5 if name.startswith("gemma3") else 1e-8  # Gemma's RMSNorm computes in fp32 even in an fp64 model
@@ -63,12 +67,14 @@ def check_forward(cp, tag):
             model.zero_grad(set_to_none=True)
             logits, rows = model(*args, cu_seqlens=cu, context_parallel=cp)
             assert rows.dtype == torch.int64 and logits.shape[1] == rows.numel() > 0, (case, rows)
-            torch.testing.assert_close(logits, full[:, rows].detach(), rtol=1e-9, atol=1e-9,
-                                       msg=f"{tag} {name} {case}: logits")
+            torch.testing.assert_close(
+                logits, full[:, rows].detach(), rtol=1e-9, atol=1e-9, msg=f"{tag} {name} {case}: logits"
+            )
             (logits * weight[:, rows]).sum().backward()
             for p_name, got in grads(model).items():
-                torch.testing.assert_close(cp.all_reduce(got), want[p_name], rtol=tol, atol=tol / 10,
-                                           msg=f"{tag} {name} {case}: grad {p_name}")
+                torch.testing.assert_close(
+                    cp.all_reduce(got), want[p_name], rtol=tol, atol=tol / 10, msg=f"{tag} {name} {case}: grad {p_name}"
+                )
             print(f"rank {cp.rank} {tag} {name} {case}: ok ({rows.numel()} rows)", flush=True)
 
 
@@ -84,8 +90,11 @@ def check_loss(cp):
         cases = {
             "ar": (Objective.AR, Batch(tokens), None),
             "forward": (Objective.FORWARD, Batch(tokens[:, :n], torch.rand(b, n, 1, generator=gen), tau), ar_teacher),
-            "self_forcing": (Objective.SELF_FORCING, Batch(tokens[:, :n], torch.rand(b, n, 2 * k, generator=gen), tau),
-                             pflm_teacher),
+            "self_forcing": (
+                Objective.SELF_FORCING,
+                Batch(tokens[:, :n], torch.rand(b, n, 2 * k, generator=gen), tau),
+                pflm_teacher,
+            ),
         }
         for case, (objective, batch, teacher) in list(cases.items()):
             cases[case + "_packed"] = (objective, Batch(batch.tokens, batch.noise, batch.tau, separator=sep), teacher)
@@ -98,11 +107,19 @@ def check_loss(cp):
             model.zero_grad(set_to_none=True)
             backward, group_loss, _ = context_parallel_loss(objective, model, batch, teacher, cp)
             backward.backward()
-            assert abs(float(group_loss) - float(loss)) <= 1e-5 * abs(float(loss)), (case, float(group_loss),
-                                                                                     float(loss))
+            assert abs(float(group_loss) - float(loss)) <= 1e-5 * abs(float(loss)), (
+                case,
+                float(group_loss),
+                float(loss),
+            )
             for p_name, got in grads(model).items():  # DDP over the group's ranks: the mean of their gradients
-                torch.testing.assert_close(cp.all_reduce(got) / cp.world, want[p_name], rtol=1e-4, atol=1e-7,
-                                           msg=f"loss {name} {case}: grad {p_name}")
+                torch.testing.assert_close(
+                    cp.all_reduce(got) / cp.world,
+                    want[p_name],
+                    rtol=1e-4,
+                    atol=1e-7,
+                    msg=f"loss {name} {case}: grad {p_name}",
+                )
             assert any(float(g.abs().max()) > 0 for g in want.values())
             print(f"rank {cp.rank} loss {name} {case}: ok ({float(loss):.5f})", flush=True)
 

@@ -14,9 +14,11 @@ from kforcing_kernels.app.training.loop import train
 
 def main(root: Path, device: str) -> None:
     native, hf = stage2_config(root, device), stage2_config(root, device, teacher=str(root / "h1"))
+
     def run(base, name, **kw):
-        return train(dataclasses.replace(base, out=str(root / name), dump_grads=str(root / f"{name}.safetensors"),
-                                         **kw))
+        return train(
+            dataclasses.replace(base, out=str(root / name), dump_grads=str(root / f"{name}.safetensors"), **kw)
+        )
 
     run(native, "fsdp_cp", parallel="fsdp", context_parallel=2)  # a 2 x 2 mesh: FSDP2 over all four, CP groups of two
     run(native, "teacher_fsdp", teacher_parallel="fsdp")  # DDP student, sharded teacher

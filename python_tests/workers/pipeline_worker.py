@@ -10,7 +10,7 @@ rather than ``main()``, which destroys it; the test's second launch runs the CLI
 * ``ROOT/locked`` (its lock held by the test) and a missing ``--model-config``: every rank writes the error it got to
   ``ROOT/<name>.rank<r>.txt``;
 * ``killed``: the ``ddp`` case, rank 0 killed (SIGKILL) right after stage1's first checkpoint. Last: the launch ends
-there. """
+there."""
 
 from __future__ import annotations
 
@@ -28,20 +28,60 @@ from kforcing_kernels.app.training.pipeline import run_pipeline
 HF_FSDP = True  # a Hugging Face model under --parallel fsdp
 
 # Three stages (0, 1, 2 with k=2) of a few steps, checkpoints at step 2 (stage1's is where ``killed`` dies).
-SMALL = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "4", "--k-final", "2", "--steps-stage0", "4",
-         "--steps-stage1", "3",
-         "--steps-stage2", "3", "--warmup-steps", "1", "--log-every", "1", "--ckpt-every", "2", "--eval-batches", "1",
-         "--no-progress", "--device", "cpu"]
-MODELS = {"native": ["--preset", "micro"], "hf": ["--model-config", "{root}/llama.json"],
-          "missing": ["--model-config", "{root}/missing.json"]}  # refused before any stage
-CASES = {"ddp": ("native", "ddp"), "fsdp": ("native", "fsdp"), "hf": ("hf", "ddp"), **({"hf_fsdp": ("hf",
-    "fsdp")} if HF_FSDP else {})}
+SMALL = [
+    "--vocab-size",
+    "300",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--k-final",
+    "2",
+    "--steps-stage0",
+    "4",
+    "--steps-stage1",
+    "3",
+    "--steps-stage2",
+    "3",
+    "--warmup-steps",
+    "1",
+    "--log-every",
+    "1",
+    "--ckpt-every",
+    "2",
+    "--eval-batches",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
+MODELS = {
+    "native": ["--preset", "micro"],
+    "hf": ["--model-config", "{root}/llama.json"],
+    "missing": ["--model-config", "{root}/missing.json"],
+}  # refused before any stage
+CASES = {
+    "ddp": ("native", "ddp"),
+    "fsdp": ("native", "fsdp"),
+    "hf": ("hf", "ddp"),
+    **({"hf_fsdp": ("hf", "fsdp")} if HF_FSDP else {}),
+}
 
 
 def pipeline_argv(root: Path, out: str, model: str, parallel: str, *extra: str) -> list[str]:
     """``pipeline ...`` as the CLI takes it: ``model`` (native or hf) into ``root/out``."""
-    return ["pipeline", "--out", str(root / out), "--data", str(root / "corpus"), "--parallel", parallel,
-            *(a.format(root=root) for a in MODELS[model]), *SMALL, *extra]
+    return [
+        "pipeline",
+        "--out",
+        str(root / out),
+        "--data",
+        str(root / "corpus"),
+        "--parallel",
+        parallel,
+        *(a.format(root=root) for a in MODELS[model]),
+        *SMALL,
+        *extra,
+    ]
 
 
 def run(argv: list[str]) -> dict:

@@ -75,16 +75,18 @@ DEMO_EVAL = EvalSettings()
 # run).
 # Its timings are a measurement all the same: 32 new tokens and 9 timed runs per method (one run of 8 tokens gave k = 4
 # "speedups" from 0.77x to 59x across models of one size); summary["timing"] reports the spread of the runs.
-QUICK_EVAL = EvalSettings(batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1,
-                          nll_batch_size=2)
+QUICK_EVAL = EvalSettings(
+    batch_sizes=(2,), prompt_len=8, new_tokens=32, taus=(0.5, 1.0), reps=9, nll_batches=1, nll_batch_size=2
+)
 
 
 # ---------------------------------------------------------------------- NLL
 
 
 @torch.no_grad()
-def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int,
-                      seed: int = 0) -> float:
+def ar_validation_nll(
+    model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int, seed: int = 0
+) -> float:
     """Mean next-token NLL of an AR model on held-out windows (the reference row of Table 2)."""
     gen = torch.Generator().manual_seed(seed)
     device = model.wte.weight.device
@@ -97,8 +99,16 @@ def ar_validation_nll(model: KForcingLM, val: torch.Tensor, *, batches: int, bat
 
 @torch.no_grad()
 def per_position_nll(
-    student: KForcingLM, teacher: KForcingLM, teacher_k: int, val: torch.Tensor, *,
-    batches: int, batch_size: int, seq_len: int, tau: float, seed: int = 0,
+    student: KForcingLM,
+    teacher: KForcingLM,
+    teacher_k: int,
+    val: torch.Tensor,
+    *,
+    batches: int,
+    batch_size: int,
+    seq_len: int,
+    tau: float,
+    seed: int = 0,
 ) -> dict:
     """``{"k", "nll": [k], "agreement": [k]}`` of a student PFLM(k) against its teacher's targets.
 
@@ -132,13 +142,14 @@ def distinct_n(rows: Sequence[Sequence[int]], n: int) -> float:
     """Unique n-grams / all n-grams over token rows (n-grams do not cross rows); 0.0 when there are none."""
     if n < 1:
         raise ValueError(f"n: expected a positive integer, got {n}")
-    grams = [tuple(row[i:i + n]) for row in rows for i in range(len(row) - n + 1)]
+    grams = [tuple(row[i : i + n]) for row in rows for i in range(len(row) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
 @torch.no_grad()
-def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor,
-                eos_id: Optional[int] = None) -> dict:
+def judge_score(
+    judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None
+) -> dict:
     """The judge's NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
 
     Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct2", "distinct4": unique/total
@@ -150,7 +161,7 @@ def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Ten
     p = prompts.shape[1]
     seq = torch.cat([prompts, completions], 1)
     logp = torch.log_softmax(judge(seq[:, :-1]).float(), -1)  # [B, P+T-1, V]
-    token_logp = logp[:, p - 1:].gather(-1, seq[:, p:, None])[..., 0]  # [B, T]
+    token_logp = logp[:, p - 1 :].gather(-1, seq[:, p:, None])[..., 0]  # [B, T]
     keep = torch.ones_like(completions, dtype=torch.bool)
     if eos_id is not None:
         is_eos = completions == eos_id
@@ -159,8 +170,13 @@ def judge_score(judge: KForcingLM, prompts: torch.Tensor, completions: torch.Ten
     n = int(keep.sum())
     nll = float(-(token_logp * keep).sum() / max(n, 1))
     rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(completions.tolist(), keep.tolist())]
-    return {"nll": nll, "ppl": math.exp(nll), "distinct2": distinct_n(rows, 2), "distinct4": distinct_n(rows, 4),
-            "tokens": n}
+    return {
+        "nll": nll,
+        "ppl": math.exp(nll),
+        "distinct2": distinct_n(rows, 2),
+        "distinct4": distinct_n(rows, 4),
+        "tokens": n,
+    }
 
 
 # ---------------------------------------------------------------------- throughput
@@ -171,16 +187,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str,
-                                                                                                       list[float]]:
+def interleaved_timings(
+    fns: dict[str, Callable[[], object]], reps: int, device: torch.device
+) -> dict[str, list[float]]:
     """One warm-up call each, then ``reps`` rounds calling every fn once per round; seconds per call.
 
     A tqdm bar (calls done/total, rate, ETA) on a terminal; it updates between timed calls, never inside one.
     """
     from tqdm import tqdm
 
-    bar = tqdm(total=len(fns) * (reps + 1), desc="[eval] timed generations", unit="call", file=sys.stderr,
-               disable=not sys.stderr.isatty(), leave=False)
+    bar = tqdm(
+        total=len(fns) * (reps + 1),
+        desc="[eval] timed generations",
+        unit="call",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
     for fn in fns.values():
         fn()
         bar.update()
@@ -201,7 +224,8 @@ def interleaved_timings(fns: dict[str, Callable[[], object]], reps: int, device:
 
 
 def evaluate_pipeline(
-    run: str | Path, *,
+    run: str | Path,
+    *,
     batch_sizes: Sequence[int] = DEMO_EVAL.batch_sizes,
     ks: Sequence[int] = DEMO_EVAL.ks,
     prompt_len: int = DEMO_EVAL.prompt_len,
@@ -237,39 +261,73 @@ def evaluate_pipeline(
         corpus = corpus_for(str(ar_folder), data, teacher.config.vocab_size)
     except DataError as exc:  # the message of --data, an option evaluate does not have: say what this run needs
         why = str(exc).removeprefix("source (--data): ")
-        raise ValueError(f"run: the text {text_folder} was trained on ({data!r}, recorded in its model.json) cannot be "
-                         f"read ({why}); put it back there to evaluate this run") from None
+        raise ValueError(
+            f"run: the text {text_folder} was trained on ({data!r}, recorded in its model.json) cannot be "
+            f"read ({why}); put it back there to evaluate this run"
+        ) from None
     if same_tokenizer(corpus.tokenizer, tokenizer) is False:
-        raise ValueError(f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
-                         "gives another tokenizer); restore it to evaluate this run")
+        raise ValueError(
+            f"run: the text of its --data {tinfo['data']!r} changed since {ar_folder} was trained (it now "
+            "gives another tokenizer); restore it to evaluate this run"
+        )
     if judge_model.config.vocab_size != teacher.config.vocab_size:
-        raise ValueError(f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's "
-                         f"({teacher.config.vocab_size})")
+        raise ValueError(
+            f"judge: its vocabulary ({judge_model.config.vocab_size}) is not the run's ({teacher.config.vocab_size})"
+        )
     stages = [run / "stage1"] + sorted(run.glob("stage2_k*"), key=lambda p: int(p.name.split("_k")[1]))
     seq_len = tinfo["train_config"]["seq_len"]
-    summary: dict = {"run": str(run), "temperature": temperature, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                     "batch_sizes": list(batch_sizes), "device": device, "threads": torch.get_num_threads(),
-                     "seed": seed, "judge": judge_text, "reps": reps}
+    summary: dict = {
+        "run": str(run),
+        "temperature": temperature,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "batch_sizes": list(batch_sizes),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "seed": seed,
+        "judge": judge_text,
+        "reps": reps,
+    }
 
     # Table 2: per-position NLL of every student against its own teacher's targets.
     log("[eval] per-position validation NLL")
-    nll_rows = [{"model": "AR teacher (next token, data)", "k": 0,
-                 "nll": [ar_validation_nll(teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size,
-                                           seq_len=seq_len, seed=seed)],
-                 "agreement": None}]
+    nll_rows = [
+        {
+            "model": "AR teacher (next token, data)",
+            "k": 0,
+            "nll": [
+                ar_validation_nll(
+                    teacher, corpus.val, batches=nll_batches, batch_size=nll_batch_size, seq_len=seq_len, seed=seed
+                )
+            ],
+            "agreement": None,
+        }
+    ]
     models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
         student, info, student_tokenizer = load_student(folder, device)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if same_tokenizer(student_tokenizer, tokenizer) is False:
-            raise ValueError(f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one "
-                             "pipeline")
+            raise ValueError(
+                f"run: {folder} has another tokenizer than {run / 'stage0'}; its stages are not one pipeline"
+            )
         if info.get("teacher_sha256") not in (None, prev_sha):
-            raise ValueError(f"run: {folder} was distilled from another teacher than the {prev_folder} in this folder "
-                             "(retrained since?); retrain the later stages (`kforcing-train pipeline --overwrite`)")
+            raise ValueError(
+                f"run: {folder} was distilled from another teacher than the {prev_folder} in this folder "
+                "(retrained since?); retrain the later stages (`kforcing-train pipeline --overwrite`)"
+            )
         prev_folder, prev_sha = folder, info["tensors"]["sha256"]
-        row = per_position_nll(student, prev, info["teacher_k"], corpus.val, batches=nll_batches,
-                               batch_size=nll_batch_size, seq_len=seq_len, tau=temperature, seed=seed)
+        row = per_position_nll(
+            student,
+            prev,
+            info["teacher_k"],
+            corpus.val,
+            batches=nll_batches,
+            batch_size=nll_batch_size,
+            seq_len=seq_len,
+            tau=temperature,
+            seed=seed,
+        )
         nll_rows.append({"model": f"PFLM(k={info['k']}) [{folder.name}]", **row})
         models[info["k"]] = student
         prev = student
@@ -286,12 +344,16 @@ def evaluate_pipeline(
     noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
 
     def generators(prompts: torch.Tensor, tau: float, b: int, outputs: dict) -> dict:
-        fns = {"AR": lambda: outputs.__setitem__("AR", generate_ar(teacher, prompts, new_tokens, temperature=tau,
-                                                                   noise=noise_ar[:b]))}
+        fns = {
+            "AR": lambda: outputs.__setitem__(
+                "AR", generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise_ar[:b])
+            )
+        }
         for k in ks:
-            fns[f"K-Forcing k={k}"] = (lambda k=k: outputs.__setitem__(
-                f"K-Forcing k={k}", generate_kforcing(pflm, prompts, k, new_tokens, temperature=tau,
-                                                      noise=noise_kf[k][:b])))
+            fns[f"K-Forcing k={k}"] = lambda k=k: outputs.__setitem__(
+                f"K-Forcing k={k}",
+                generate_kforcing(pflm, prompts, k, new_tokens, temperature=tau, noise=noise_kf[k][:b]),
+            )
         return fns
 
     throughput: dict[str, dict[int, float]] = {"AR": {}, **{f"K-Forcing k={k}": {} for k in ks}}
@@ -302,38 +364,48 @@ def evaluate_pipeline(
         log(f"[eval] throughput at batch {b}")
         fns = generators(prompts_all[:b].to(device), temperature, b, outputs)
         if hf_model is not None:
-            fns[HF_GENERATE] = lambda b=b: _hf_generate(hf_model, prompts_all[:b].to(device), new_tokens, temperature,
-                                                        corpus.eos_id)
+            fns[HF_GENERATE] = lambda b=b: _hf_generate(
+                hf_model, prompts_all[:b].to(device), new_tokens, temperature, corpus.eos_id
+            )
         times = interleaved_timings(fns, reps, torch.device(device))
         for name, ts in times.items():
             throughput.setdefault(name, {})[b] = b * new_tokens / statistics.median(ts)
-            timing.setdefault(name, {})[str(b)] = {"runs": len(ts), "median_s": statistics.median(ts), "min_s": min(ts),
-                                                   "max_s": max(ts),
-                                                   "spread": (max(ts) - min(ts)) / statistics.median(ts)}
+            timing.setdefault(name, {})[str(b)] = {
+                "runs": len(ts),
+                "median_s": statistics.median(ts),
+                "min_s": min(ts),
+                "max_s": max(ts),
+                "spread": (max(ts) - min(ts)) / statistics.median(ts),
+            }
     hf_throughput = throughput.pop(HF_GENERATE, None)
     prompts_dev = prompts_all.to(device)
     # The "K-Forcing k=1" row decodes the FINAL PFLM one token per step; the Stage-1 student's own samples
     # (what forward distillation produced, before self-forcing) get a row of their own, untimed.
     stage1_name = STAGE1_ROW if final_k > 1 else None
     if stage1_name:
-        outputs[stage1_name] = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=temperature,
-                                                 noise=noise_kf[1])
+        outputs[stage1_name] = generate_kforcing(
+            models[1], prompts_dev, 1, new_tokens, temperature=temperature, noise=noise_kf[1]
+        )
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
-    reference = sample_crops(corpus.val, max(batch_sizes), prompt_len + new_tokens,
-                             torch.Generator().manual_seed(seed + 2))
-    quality["data (held-out text)"] = judge_score(judge_model, reference[:, :prompt_len].to(device), reference[:,
-        prompt_len:], corpus.eos_id)
+    reference = sample_crops(
+        corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2)
+    )
+    quality["data (held-out text)"] = judge_score(
+        judge_model, reference[:, :prompt_len].to(device), reference[:, prompt_len:], corpus.eos_id
+    )
     summary["throughput"] = {name: {str(b): v for b, v in row.items()} for name, row in throughput.items()}
     summary["speedup"] = {name: {str(b): row[b] / throughput["AR"][b] for b in row} for name, row in throughput.items()}
     # Seconds per timed run: median, min, max and spread ((max - min) / median) over the ``reps`` runs, per batch size.
     summary["timing"] = timing
     if hf_throughput is not None:  # HF's generate beside the package's AR: the speedup an HF user sees
         summary["hf_generate"] = {str(b): v for b, v in hf_throughput.items()}
-        summary["speedup_vs_hf_generate"] = {name: {str(b): row[b] / hf_throughput[b] for b in row}
-                                             for name, row in throughput.items()}
+        summary["speedup_vs_hf_generate"] = {
+            name: {str(b): row[b] / hf_throughput[b] for b in row} for name, row in throughput.items()
+        }
     summary["quality"] = quality
-    summary["samples"] = {name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name,
-                          out in outputs.items()}
+    summary["samples"] = {
+        name: corpus.decode(torch.cat([prompts_all[0], out[0].cpu()]).tolist()) for name, out in outputs.items()
+    }
 
     # The temperature sweep: same prompts and noise, every method at every tau, one judge.
     log(f"[eval] quality over tau in {list(taus)}")
@@ -346,8 +418,9 @@ def evaluate_pipeline(
         if stage1_name:  # kept apart from the timed methods' rows (tau_sweep holds exactly those)
             out1 = generate_kforcing(models[1], prompts_dev, 1, new_tokens, temperature=tau, noise=noise_kf[1])
             stage1_sweep[str(tau)] = judge_score(judge_model, prompts_dev, out1, corpus.eos_id)
-        sweep[str(tau)] = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name,
-                           out in outs.items()}
+        sweep[str(tau)] = {
+            name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outs.items()
+        }
     summary["tau_sweep"] = sweep
     if stage1_sweep:
         summary["tau_sweep_stage1"] = {"name": stage1_name, "scores": stage1_sweep}
@@ -360,9 +433,17 @@ def evaluate_pipeline(
 def _hf_generate(model, prompts: torch.Tensor, new_tokens: int, temperature: float, eos_id: int) -> torch.Tensor:
     """``new_tokens`` sampled tokens per prompt with transformers' ``generate`` (KV cache, no top-k/top-p, no early
     stop)."""
-    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens,
-                          do_sample=True, temperature=temperature, top_k=0, top_p=1.0, pad_token_id=eos_id)
+    return model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=eos_id,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,10 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=positive_int, default=d.prompt_len, help="held-out tokens per prompt")
     add_new_tokens(parser, d.new_tokens)
     add_temperature(parser, help_extra=" of the tables (K-Forcing needs > 0)")
-    parser.add_argument("--taus", type=positive_float_list, default=",".join(map(str, d.taus)),
-                        help="temperatures of the quality sweep, comma-separated (none: skip it)")
-    parser.add_argument("--reps", type=positive_int, default=d.reps,
-                        help="timed runs per method (median), after one warm-up")
+    parser.add_argument(
+        "--taus",
+        type=positive_float_list,
+        default=",".join(map(str, d.taus)),
+        help="temperatures of the quality sweep, comma-separated (none: skip it)",
+    )
+    parser.add_argument(
+        "--reps", type=positive_int, default=d.reps, help="timed runs per method (median), after one warm-up"
+    )
     add_seed(parser)
     parser.add_argument("--judge", help="an AR stage folder that scores all methods (None: the run's stage0)")
     add_device(parser)
@@ -407,8 +493,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     apply_threads(args.threads)
     if args.temperature == 0:
         parser.error("argument --temperature: expected a positive number (K-Forcing samples at tau > 0), got 0")
-    if not (Path(args.run) / "stage0" / "model.json").exists() and not (Path(args.run) / "stage1" /
-                                                                         "model.json").exists():
+    if (
+        not (Path(args.run) / "stage0" / "model.json").exists()
+        and not (Path(args.run) / "stage1" / "model.json").exists()
+    ):
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
     if args.judge is not None and find_kind(args.judge) is None:
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
@@ -418,10 +506,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except CheckpointError as exc:
             parser.error(f"argument {exc}")
     try:
-        summary = evaluate_pipeline(args.run, batch_sizes=args.batch_sizes, prompt_len=args.prompt_len,
-                                    new_tokens=args.new_tokens,
-                                    temperature=args.temperature, taus=args.taus, reps=args.reps, seed=args.seed,
-                                    judge=args.judge, device=args.device)
+        summary = evaluate_pipeline(
+            args.run,
+            batch_sizes=args.batch_sizes,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            temperature=args.temperature,
+            taus=args.taus,
+            reps=args.reps,
+            seed=args.seed,
+            judge=args.judge,
+            device=args.device,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     print(format_report(summary))

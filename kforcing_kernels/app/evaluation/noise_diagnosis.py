@@ -53,8 +53,9 @@ def noise_sensitivity(tokens_a: torch.Tensor, tokens_b: torch.Tensor) -> float:
     For exact samples of a distribution p this estimates ``1 - sum p^2`` (:func:`collision_complement`).
     """
     if tokens_a.shape != tokens_b.shape:
-        raise ValueError(f"tokens_b: expected the shape of tokens_a {tuple(tokens_a.shape)}, got "
-                         f"{tuple(tokens_b.shape)}")
+        raise ValueError(
+            f"tokens_b: expected the shape of tokens_a {tuple(tokens_a.shape)}, got {tuple(tokens_b.shape)}"
+        )
     if tokens_a.numel() == 0:
         raise ValueError("tokens_a: expected at least one position, got none")
     return float((tokens_a != tokens_b).double().mean())
@@ -90,9 +91,22 @@ def accuracy_by_width(widths: torch.Tensor, correct: torch.Tensor, edges: Sequen
 
 
 @torch.no_grad()
-def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, batches: int = 4, batch_size: int = 16,
-             seq_len: int = 128, sweep_contexts: int = 16, sweep_points: int = 128, sweep_len: int = 32,
-             lm_draws: int = 8, seed: int = 0) -> dict:
+def diagnose(
+    teacher,
+    student,
+    val: torch.Tensor,
+    *,
+    tau: float,
+    order: str,
+    batches: int = 4,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    sweep_contexts: int = 16,
+    sweep_points: int = 128,
+    sweep_len: int = 32,
+    lm_draws: int = 8,
+    seed: int = 0,
+) -> dict:
     """All the numbers of the module docstring for one (AR teacher, PFLM(1) student) pair at temperature ``tau``.
 
     ``order``: the vocabulary order of the CDF the student was trained with (:data:`CDF_ORDERS`).
@@ -100,8 +114,13 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
     gen = torch.Generator().manual_seed(seed)
     other = [o for o in CDF_ORDERS if o != order]
     sens, tsens, collision, pmax, entropy, nll, n = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0
-    agree = {"targets (training construction)": 0.0, "targets at tau=1": 0.0, "targets at 1-u": 0.0,
-             **{f"targets in {o} order": 0.0 for o in other}, "teacher's mode (argmax)": 0.0}
+    agree = {
+        "targets (training construction)": 0.0,
+        "targets at tau=1": 0.0,
+        "targets at 1-u": 0.0,
+        **{f"targets in {o} order": 0.0 for o in other},
+        "teacher's mode (argmax)": 0.0,
+    }
     widths, correct = [], []
     for _ in range(batches):
         ctx = sample_crops(val, batch_size, seq_len, gen)
@@ -122,24 +141,35 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
         entropy += float(-(probs * torch.log_softmax(logits / tau, -1)).sum(-1).mean())
         nll += float(torch.nn.functional.cross_entropy(student_logits.flatten(0, 1), t1.flatten()))
         agree["targets (training construction)"] += float((s1 == t1).double().mean())
-        agree["targets at tau=1"] += float((s1 == forward_distillation_targets(logits, z1[..., 0],
-            torch.ones_like(taus), order=order)).double().mean())
-        agree["targets at 1-u"] += float((s1 == forward_distillation_targets(logits, (1 - z1[...,
-            0]).clamp(max=1 - 2 ** -24), taus, order=order)).double().mean())
+        agree["targets at tau=1"] += float(
+            (s1 == forward_distillation_targets(logits, z1[..., 0], torch.ones_like(taus), order=order)).double().mean()
+        )
+        agree["targets at 1-u"] += float(
+            (s1 == forward_distillation_targets(logits, (1 - z1[..., 0]).clamp(max=1 - 2**-24), taus, order=order))
+            .double()
+            .mean()
+        )
         for o in other:
-            agree[f"targets in {o} order"] += float((s1 == forward_distillation_targets(logits, z1[..., 0], taus,
-                                                                                        order=o)).double().mean())
+            agree[f"targets in {o} order"] += float(
+                (s1 == forward_distillation_targets(logits, z1[..., 0], taus, order=o)).double().mean()
+            )
         agree["teacher's mode (argmax)"] += float((s1 == logits.argmax(-1)).double().mean())
         widths.append(probs.gather(-1, t1[..., None])[..., 0])
         correct.append(s1 == t1)
         n += 1
-    out = {"tau": tau, "order": order, "positions": batches * batch_size * seq_len,
-           "noise_sensitivity": {"student": sens / n, "teacher targets": tsens / n,
-                                 "teacher 1 - sum p^2": collision / n},
-           "teacher mean p_max": pmax / n, "teacher entropy": entropy / n, "student nll": nll / n,
-           "agreement": {k: v / n for k, v in agree.items()},
-           "accuracy_by_width": accuracy_by_width(torch.cat([w.reshape(-1) for w in widths]),
-                                                  torch.cat([c.reshape(-1) for c in correct]))}
+    out = {
+        "tau": tau,
+        "order": order,
+        "positions": batches * batch_size * seq_len,
+        "noise_sensitivity": {"student": sens / n, "teacher targets": tsens / n, "teacher 1 - sum p^2": collision / n},
+        "teacher mean p_max": pmax / n,
+        "teacher entropy": entropy / n,
+        "student nll": nll / n,
+        "agreement": {k: v / n for k, v in agree.items()},
+        "accuracy_by_width": accuracy_by_width(
+            torch.cat([w.reshape(-1) for w in widths]), torch.cat([c.reshape(-1) for c in correct])
+        ),
+    }
 
     # The student as a language model: its posterior averaged over u (a mixture over u draws) scored on the
     # real next token at tau = 1, against the teacher's own next-token NLL. A student whose u-averaged
@@ -151,12 +181,19 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
         ctx, nxt = x[:, :-1], x[:, 1:]
         ones = torch.ones(batch_size)
         lm_teacher += float(torch.nn.functional.cross_entropy(teacher(ctx).float().flatten(0, 1), nxt.flatten()))
-        mix = torch.stack([torch.softmax(student(ctx, torch.rand(batch_size, seq_len, 1, generator=gen), ones)[..., 0,
-            :].float(), -1)
-                           for _ in range(lm_draws)]).mean(0)  # [B, N, V]
+        mix = torch.stack(
+            [
+                torch.softmax(
+                    student(ctx, torch.rand(batch_size, seq_len, 1, generator=gen), ones)[..., 0, :].float(), -1
+                )
+                for _ in range(lm_draws)
+            ]
+        ).mean(0)  # [B, N, V]
         lm_student += float(-mix.gather(-1, nxt[..., None]).clamp_min(1e-12).log().mean())
-    out["next_token_nll_tau1"] = {"teacher": lm_teacher / batches,
-                                  f"student (posterior averaged over {lm_draws} u)": lm_student / batches}
+    out["next_token_nll_tau1"] = {
+        "teacher": lm_teacher / batches,
+        f"student (posterior averaged over {lm_draws} u)": lm_student / batches,
+    }
 
     # The u sweep: the last position of short windows, every grid point of u as one more row of a batch.
     ctx = sample_crops(val, sweep_contexts, sweep_len, gen)
@@ -165,13 +202,15 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
     z = torch.rand(rows.shape[0], sweep_len, 1, generator=gen)
     z[:, -1, 0] = grid.repeat(sweep_contexts)
     taus = torch.full((rows.shape[0],), tau)
-    st = torch.cat([student(r, q, t)[:, -1, 0].argmax(-1) for r, q, t in zip(rows.split(256), z.split(256),
-                                                                             taus.split(256))])
+    st = torch.cat(
+        [student(r, q, t)[:, -1, 0].argmax(-1) for r, q, t in zip(rows.split(256), z.split(256), taus.split(256))]
+    )
     logits = teacher(ctx).float()[:, -1].repeat_interleave(sweep_points, 0)  # [C * G, V]
     tt = forward_distillation_targets(logits[:, None], z[:, -1], taus, order=order)[:, 0]
     st, tt = st.view(sweep_contexts, sweep_points), tt.view(sweep_contexts, sweep_points)
     out["u_sweep"] = {
-        "points": sweep_points, "contexts": sweep_contexts,
+        "points": sweep_points,
+        "contexts": sweep_contexts,
         "distinct tokens per context (student)": sum(len(set(r)) for r in st.tolist()) / sweep_contexts,
         "distinct tokens per context (teacher)": sum(len(set(r)) for r in tt.tolist()) / sweep_contexts,
         "token changes along u (student)": float((st[:, 1:] != st[:, :-1]).double().sum(1).mean()),
@@ -182,9 +221,10 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
     u = torch.rand(512, generator=gen) * 0.9
     enc = student.noise_encoder
     base = enc(u, torch.full_like(u, tau)).float()
-    out["encoder_cosine"] = {str(d): float(torch.cosine_similarity(base, enc(u + d, torch.full_like(u, tau)).float(),
-                                                                   -1).mean())
-                             for d in (0.001, 0.01, 0.05, 0.1, 0.3)}
+    out["encoder_cosine"] = {
+        str(d): float(torch.cosine_similarity(base, enc(u + d, torch.full_like(u, tau)).float(), -1).mean())
+        for d in (0.001, 0.01, 0.05, 0.1, 0.3)
+    }
 
     # Cached generation must decode what SingleForward trained: the first generated token at the same u and tau.
     from ..generation.inference import generate_kforcing
@@ -200,8 +240,18 @@ def diagnose(teacher, student, val: torch.Tensor, *, tau: float, order: str, bat
 
 
 @torch.no_grad()
-def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, batch: int = 128, prompt_len: int = 16,
-                   new_tokens: int = 48, seed: int = 1) -> dict:
+def decode_bracket(
+    teacher,
+    student,
+    val: torch.Tensor,
+    eos_id,
+    *,
+    tau: float,
+    batch: int = 128,
+    prompt_len: int = 16,
+    new_tokens: int = 48,
+    seed: int = 1,
+) -> dict:
     """Judge (= teacher) perplexity and distinct-4 of the student's own k=1 samples, decoded two ways, against the
     teacher's.
 
@@ -219,8 +269,11 @@ def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, b
     prompts = sample_crops(val, batch, prompt_len, gen)
     noise = torch.rand(batch, new_tokens, generator=gen)
     taus = torch.full((batch,), tau)
-    out = {"AR teacher": judge_score(teacher, prompts, generate_ar(teacher, prompts, new_tokens, temperature=tau,
-                                                                   noise=noise), eos_id)}
+    out = {
+        "AR teacher": judge_score(
+            teacher, prompts, generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise), eos_id
+        )
+    }
     for rule in ("argmax", "residual"):
         seq = prompts
         for s in range(new_tokens):
@@ -235,53 +288,73 @@ def decode_bracket(teacher, student, val: torch.Tensor, eos_id, *, tau: float, b
 
 def format_diagnosis(d: dict) -> str:
     s = d["noise_sensitivity"]
-    lines = [f"tau {d['tau']}, CDF order {d['order']}, {d['positions']} positions",
-             f"noise sensitivity: student {s['student']:.3f} | teacher targets {s['teacher targets']:.3f} | "
-             f"teacher 1 - sum p^2 {s['teacher 1 - sum p^2']:.3f} (teacher mean p_max {d['teacher mean p_max']:.3f})",
-             f"student NLL of its targets {d['student nll']:.3f} nats vs the teacher's entropy "
-             f"{d['teacher entropy']:.3f} (a student that ignored u would match the entropy: it uses >= "
-             f"{d['teacher entropy'] - d['student nll']:.3f} nats of u)",
-             "student argmax agreement with:"]
+    lines = [
+        f"tau {d['tau']}, CDF order {d['order']}, {d['positions']} positions",
+        f"noise sensitivity: student {s['student']:.3f} | teacher targets {s['teacher targets']:.3f} | "
+        f"teacher 1 - sum p^2 {s['teacher 1 - sum p^2']:.3f} (teacher mean p_max {d['teacher mean p_max']:.3f})",
+        f"student NLL of its targets {d['student nll']:.3f} nats vs the teacher's entropy "
+        f"{d['teacher entropy']:.3f} (a student that ignored u would match the entropy: it uses >= "
+        f"{d['teacher entropy'] - d['student nll']:.3f} nats of u)",
+        "student argmax agreement with:",
+    ]
     lines += [f"  {k:34s} {v:.3f}" for k, v in d["agreement"].items()]
     lm = list(d["next_token_nll_tau1"].items())
     lines.append(f"next-token NLL of real text at tau=1: {lm[0][0]} {lm[0][1]:.3f}, {lm[1][0]} {lm[1][1]:.3f}")
     lines.append("accuracy by CDF interval width (target probability at tau):")
-    lines += [f"  [{r['lo']:.2f}, {r['hi']:.2f}{']' if r['hi'] == 1.0 else ')'}  n={r['count']:6d}  "
-              f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f')}" for r in d["accuracy_by_width"]]
+    lines += [
+        f"  [{r['lo']:.2f}, {r['hi']:.2f}{']' if r['hi'] == 1.0 else ')'}  n={r['count']:6d}  "
+        f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f')}"
+        for r in d["accuracy_by_width"]
+    ]
     u = d["u_sweep"]
-    lines.append(f"u sweep ({u['points']} points, last position of {u['contexts']} windows): distinct tokens student "
-                 f"{u['distinct tokens per context (student)']:.1f} / teacher "
-                 f"{u['distinct tokens per context (teacher)']:.1f}; "
-                 f"changes along u student {u['token changes along u (student)']:.1f} / teacher "
-                 f"{u['token changes along u (teacher)']:.1f}; "
-                 f"agreement {u['agreement']:.3f}")
-    lines.append("noise encoder cosine(enc(u), enc(u + d)): " + ", ".join(f"d={k}: {v:.3f}" for k,
-                                                                          v in d["encoder_cosine"].items()))
+    lines.append(
+        f"u sweep ({u['points']} points, last position of {u['contexts']} windows): distinct tokens student "
+        f"{u['distinct tokens per context (student)']:.1f} / teacher "
+        f"{u['distinct tokens per context (teacher)']:.1f}; "
+        f"changes along u student {u['token changes along u (student)']:.1f} / teacher "
+        f"{u['token changes along u (teacher)']:.1f}; "
+        f"agreement {u['agreement']:.3f}"
+    )
+    lines.append(
+        "noise encoder cosine(enc(u), enc(u + d)): "
+        + ", ".join(f"d={k}: {v:.3f}" for k, v in d["encoder_cosine"].items())
+    )
     lines.append(f"cached generation's first token == SingleForward argmax: {d['generation_matches_single_forward']}")
     if "decode_bracket" in d:
         ar = d["decode_bracket"]["AR teacher"]["ppl"]
-        lines.append("k=1 samples (128 x 48 tokens), judge PPL (x teacher's), distinct-4: " + "; ".join(
-            f"{name} {q['ppl']:.2f} ({q['ppl'] / ar:.2f}x), {q['distinct4']:.3f}" for name,
-            q in d["decode_bracket"].items()))
+        lines.append(
+            "k=1 samples (128 x 48 tokens), judge PPL (x teacher's), distinct-4: "
+            + "; ".join(
+                f"{name} {q['ppl']:.2f} ({q['ppl'] / ar:.2f}x), {q['distinct4']:.3f}"
+                for name, q in d["decode_bracket"].items()
+            )
+        )
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from ..cli import add_temperature, make_parser
 
-    parser = make_parser("python -m kforcing_kernels.app.evaluation.noise_diagnosis",
-                         "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.")
+    parser = make_parser(
+        "python -m kforcing_kernels.app.evaluation.noise_diagnosis",
+        "Noise sensitivity, interval-width accuracy and consistency checks of a Stage-1 student.",
+    )
     parser.add_argument("run", help="a pipeline folder holding stage0 (the AR teacher) and stage1")
     parser.add_argument("--student", help="the PFLM(1) folder (None: RUN/stage1)")
     add_temperature(parser)
-    parser.add_argument("--order", choices=CDF_ORDERS, default=None,
-                        help="the CDF vocabulary order the student was trained with (None: the one its model.json "
-                             "records)")
+    parser.add_argument(
+        "--order",
+        choices=CDF_ORDERS,
+        default=None,
+        help="the CDF vocabulary order the student was trained with (None: the one its model.json records)",
+    )
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--generate", action="store_true",
-                        help="also judge 128 k=1 samples decoded by argmax and by the "
-                        "residual rule (decode_bracket; minutes on a CPU)")
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="also judge 128 k=1 samples decoded by argmax and by the residual rule (decode_bracket; minutes on a CPU)",
+    )
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args(argv)
     run = Path(args.run)
@@ -296,11 +369,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         corpus = corpus_for(str(run / "stage0"), recorded_data(run / "stage0", tinfo), teacher.config.vocab_size)
     except ValueError as exc:
         parser.error(str(exc))
-    d = diagnose(teacher.eval(), student.eval(), corpus.val, tau=args.temperature, order=order, batches=args.batches,
-                 seq_len=tinfo["train_config"]["seq_len"], seed=args.seed)
+    d = diagnose(
+        teacher.eval(),
+        student.eval(),
+        corpus.val,
+        tau=args.temperature,
+        order=order,
+        batches=args.batches,
+        seq_len=tinfo["train_config"]["seq_len"],
+        seed=args.seed,
+    )
     if args.generate:
-        d["decode_bracket"] = decode_bracket(teacher.eval(), student.eval(), corpus.val, corpus.eos_id,
-                                             tau=args.temperature)
+        d["decode_bracket"] = decode_bracket(
+            teacher.eval(), student.eval(), corpus.val, corpus.eos_id, tau=args.temperature
+        )
     print(format_diagnosis(d))
     if args.json:
         Path(args.json).write_text(json.dumps(d, indent=1))

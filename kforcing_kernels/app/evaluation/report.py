@@ -21,8 +21,12 @@ def _ratio(q: dict, ar: dict) -> str:
 def format_table1(summary: dict) -> str:
     """Throughput, speed-up and judge-scored quality at the main tau (markdown)."""
     bs = summary["batch_sizes"]
-    head = ("| method | k | " + " | ".join(f"tok/s @ B={b}" for b in bs) + " | "
-            + " | ".join(f"speedup @ B={b}" for b in bs))
+    head = (
+        "| method | k | "
+        + " | ".join(f"tok/s @ B={b}" for b in bs)
+        + " | "
+        + " | ".join(f"speedup @ B={b}" for b in bs)
+    )
     head += " | judge NLL | judge PPL | PPL / AR | distinct-4 |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ar = summary["quality"]["AR"]
@@ -30,16 +34,22 @@ def format_table1(summary: dict) -> str:
         k = "1" if name == "AR" else name.split("=")[1]
         q = summary["quality"][name]
         cells = [f"{row[str(b)]:,.0f}" for b in bs] + [f"{summary['speedup'][name][str(b)]:.2f}x" for b in bs]
-        lines.append(f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} "
-                                                                f"| {q['distinct4']:.3f} |")
+        lines.append(
+            f"| {name} | {k} | " + " | ".join(cells) + f" | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} "
+            f"| {q['distinct4']:.3f} |"
+        )
     ref = summary["quality"]["data (held-out text)"]
     blank = " | ".join("-" for _ in bs)
     for name, q in summary["quality"].items():  # untimed rows (the Stage-1 student's own samples)
         if name not in summary["throughput"] and name != "data (held-out text)":
-            lines.append(f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | "
-                         f"{q['distinct4']:.3f} |")
-    lines.append(f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | "
-                 f"{_ratio(ref, ar)} | {ref['distinct4']:.3f} |")
+            lines.append(
+                f"| {name} | 1 | {blank} | {blank} | {q['nll']:.3f} | {q['ppl']:.2f} | {_ratio(q, ar)} | "
+                f"{q['distinct4']:.3f} |"
+            )
+    lines.append(
+        f"| data (held-out text) | - | {blank} | {blank} | {ref['nll']:.3f} | {ref['ppl']:.2f} | "
+        f"{_ratio(ref, ar)} | {ref['distinct4']:.3f} |"
+    )
     return "\n".join(lines)
 
 
@@ -56,8 +66,11 @@ def format_tau_table(summary: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     stage1 = summary.get("tau_sweep_stage1")
     if stage1:
-        cells = [f"{stage1['scores'][t]['ppl']:.2f} ({_ratio(stage1['scores'][t], summary['tau_sweep'][t]['AR'])}), "
-                 f"{stage1['scores'][t]['distinct4']:.3f}" for t in taus]
+        cells = [
+            f"{stage1['scores'][t]['ppl']:.2f} ({_ratio(stage1['scores'][t], summary['tau_sweep'][t]['AR'])}), "
+            f"{stage1['scores'][t]['distinct4']:.3f}"
+            for t in taus
+        ]
         lines.append(f"| {stage1['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -84,26 +97,47 @@ def target_checks(summary: dict) -> list[dict]:
     if STAGE1_ROW in quality:
         stage1 = quality[STAGE1_ROW]
         r = stage1["ppl"] / ar["ppl"]
-        checks.append({"target": f"Stage-1 student: judge PPL {lo}-{hi}x AR at tau {summary['temperature']}",
-                       "value": f"{r:.2f}x", "met": lo <= r <= hi})
-        checks.append(_share_check(f"Stage-1 student: distinct-4 >= {STAGE1_DISTINCT4_SHARE}x AR's",
-                                   stage1["distinct4"], ar["distinct4"], STAGE1_DISTINCT4_SHARE))
+        checks.append(
+            {
+                "target": f"Stage-1 student: judge PPL {lo}-{hi}x AR at tau {summary['temperature']}",
+                "value": f"{r:.2f}x",
+                "met": lo <= r <= hi,
+            }
+        )
+        checks.append(
+            _share_check(
+                f"Stage-1 student: distinct-4 >= {STAGE1_DISTINCT4_SHARE}x AR's",
+                stage1["distinct4"],
+                ar["distinct4"],
+                STAGE1_DISTINCT4_SHARE,
+            )
+        )
         sweep = (summary.get("tau_sweep_stage1") or {}).get("scores")
         if sweep:
             ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in sweep}
-            checks.append({"target": f"Stage-1 student: PPL follows tau ({lo}-{hi}x AR at tau "
-                                     + " / ".join(ratios) + ")",
-                           "value": " / ".join(f"{r:.2f}x" for r in ratios.values()),
-                           "met": all(lo <= r <= hi for r in ratios.values())})
+            checks.append(
+                {
+                    "target": f"Stage-1 student: PPL follows tau ({lo}-{hi}x AR at tau " + " / ".join(ratios) + ")",
+                    "value": " / ".join(f"{r:.2f}x" for r in ratios.values()),
+                    "met": all(lo <= r <= hi for r in ratios.values()),
+                }
+            )
     final = f"K-Forcing k={summary['final_k']}"
     if final in quality and summary["final_k"] > 1:
         r = quality[final]["ppl"] / ar["ppl"]
-        checks.append({"target": f"{final}: judge PPL <= {FINAL_PPL_MAX}x AR", "value": f"{r:.2f}x",
-                       "met": r <= FINAL_PPL_MAX})
+        checks.append(
+            {"target": f"{final}: judge PPL <= {FINAL_PPL_MAX}x AR", "value": f"{r:.2f}x", "met": r <= FINAL_PPL_MAX}
+        )
         data = quality.get("data (held-out text)")
         if data:
-            checks.append(_share_check(f"{final}: distinct-4 >= {FINAL_DISTINCT4_SHARE}x the held-out text's",
-                                       quality[final]["distinct4"], data["distinct4"], FINAL_DISTINCT4_SHARE))
+            checks.append(
+                _share_check(
+                    f"{final}: distinct-4 >= {FINAL_DISTINCT4_SHARE}x the held-out text's",
+                    quality[final]["distinct4"],
+                    data["distinct4"],
+                    FINAL_DISTINCT4_SHARE,
+                )
+            )
     return checks
 
 
@@ -121,8 +155,9 @@ def format_targets(summary: dict) -> str:
     if not checks:
         return ""
     lines = ["| sampling target | this run | met |", "|---|---|---|"]
-    lines += [f"| {c['target']} | {c['value']} | {'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |"
-              for c in checks]
+    lines += [
+        f"| {c['target']} | {c['value']} | {'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |" for c in checks
+    ]
     return "\n".join(lines)
 
 
@@ -130,36 +165,42 @@ def format_report(summary: dict) -> str:
     """All tables with captions that say what is measured (markdown): what the demo and ``evaluate RUN`` print."""
     bs = summary["batch_sizes"]
     judge = summary.get("judge", "the run's Stage-0 AR teacher")
-    caption1 = (f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
-                f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, "
-                f"median of {summary.get('reps', '?')} timed runs "
-                f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row "
-                "(untimed) is the Stage-1 "
-                f"student's own samples, one token per step. Quality of the {max(bs)} completions of the "
-                f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated "
-                "tokens "
-                "given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. "
-                "Judge-scored, "
-                "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
-                "repetitive text can score a low perplexity). Which way is bad: a student that samples like its "
-                "teacher "
-                "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
-                "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
-                "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
-                "real data, not a target (the judge is the teacher, so its own samples score lower). "
-                f"The PFLMs decode by {summary.get('decode', 'argmax')} (model/decoding.py); an argmax PFLM collapses "
-                "until it resolves its noise to the width of the teacher's CDF intervals, which takes far more Stage-1 "
-                "steps than the default demo's (BENCHMARKS.md, \"Stage 1: the fixes tried, and the budget the targets "
-                "need\").")
-    caption_tau = (f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; "
-                   "the "
-                   "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned "
-                   "on tau); a "
-                   "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its "
-                   "noise.")
-    caption2 = ("Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and "
-                "how often "
-                "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text.")
+    caption1 = (
+        f"Generation: prompts of {summary['prompt_len']} held-out tokens, {summary['new_tokens']} new tokens, "
+        f"tau={summary['temperature']}, KV cache, {summary['threads']} threads, "
+        f"median of {summary.get('reps', '?')} timed runs "
+        f"after one warm-up. K-Forcing k uses the final PFLM(k={summary['final_k']}); the Stage-1 row "
+        "(untimed) is the Stage-1 "
+        f"student's own samples, one token per step. Quality of the {max(bs)} completions of the "
+        f"largest batch, all scored by one fixed judge, {judge}: its mean NLL and perplexity of the generated "
+        "tokens "
+        "given the prompt (cut at the first EOS), and that perplexity over the AR teacher's at the same tau. "
+        "Judge-scored, "
+        "NOT the paper's GPT-2-large Gen-PPL. distinct-4 = unique 4-grams / all 4-grams (low = repetitive; "
+        "repetitive text can score a low perplexity). Which way is bad: a student that samples like its "
+        "teacher "
+        "has PPL / AR near 1.00x AND distinct-4 near the AR row's. Far BELOW 1.00x is not better than the "
+        "teacher: with a lower distinct-4 it is mode collapse (the student emits the teacher's likely tokens, "
+        "not its samples); far ABOVE 1.00x is text the teacher finds unlikely. The held-out text row is "
+        "real data, not a target (the judge is the teacher, so its own samples score lower). "
+        f"The PFLMs decode by {summary.get('decode', 'argmax')} (model/decoding.py); an argmax PFLM collapses "
+        "until it resolves its noise to the width of the teacher's CDF intervals, which takes far more Stage-1 "
+        "steps than the default demo's (BENCHMARKS.md, \"Stage 1: the fixes tried, and the budget the targets "
+        'need").'
+    )
+    caption_tau = (
+        f"Temperature sweep: the same {max(bs)} prompts and noise at each tau, scored by the same judge; "
+        "the "
+        "student's perplexity should rise with tau like the AR teacher's (the noise encoder is conditioned "
+        "on tau); a "
+        "ratio that falls as tau rises (flat student perplexity) means the student ignores tau and its "
+        "noise."
+    )
+    caption2 = (
+        "Per-position validation NLL of each student against its own teacher's targets (paper Table 2), and "
+        "how often "
+        "the student's argmax equals the target; the AR row is the teacher's next-token NLL on held-out text."
+    )
     parts = [format_table1(summary), caption1]
     if summary.get("tau_sweep"):
         parts += [format_tau_table(summary), caption_tau]
@@ -170,8 +211,9 @@ def format_report(summary: dict) -> str:
             "row says NO: a PFLM(1) decoded by argmax emits its teacher's mode until it resolves its noise to the "
             "width "
             "of the teacher's CDF intervals, and the measured curve over Stage-1 steps and model width "
-            "(`python -m bench stage1`; BENCHMARKS.md, \"Stage 1 over steps and width\") puts that far past the "
-            "default demo's budget.")
+            '(`python -m bench stage1`; BENCHMARKS.md, "Stage 1 over steps and width") puts that far past the '
+            "default demo's budget."
+        )
         parts += [targets, caption_targets]
     parts += [format_nll_table(summary), caption2]
     return "\n\n".join(parts) + "\n"
@@ -180,8 +222,13 @@ def format_report(summary: dict) -> str:
 def format_nll_table(summary: dict) -> str:
     rows = summary["per_position_nll"]
     kmax = max(r["k"] for r in rows)
-    head = "| model | " + " | ".join(f"NLL j={j}" for j in range(1,
-        kmax + 1)) + " | " + " | ".join(f"agree j={j}" for j in range(1, kmax + 1)) + " |"
+    head = (
+        "| model | "
+        + " | ".join(f"NLL j={j}" for j in range(1, kmax + 1))
+        + " | "
+        + " | ".join(f"agree j={j}" for j in range(1, kmax + 1))
+        + " |"
+    )
     lines = [head, "|" + "---|" * (2 * kmax + 1)]
     for r in rows:
         nll = [f"{v:.3f}" for v in r["nll"]] + ["-"] * (kmax - len(r["nll"]))
@@ -196,15 +243,22 @@ def timing_report(summary: dict) -> str:
     lines = []
     for name, per_batch in summary.get("timing", {}).items():
         for b, t in per_batch.items():
-            lines.append(f"  {name:<22} batch {b}: {t['runs']} runs, median {t['median_s'] * 1e3:.1f} ms "
-                         f"(min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}, spread {100 * t['spread']:.0f}%)")
+            lines.append(
+                f"  {name:<22} batch {b}: {t['runs']} runs, median {t['median_s'] * 1e3:.1f} ms "
+                f"(min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}, spread {100 * t['spread']:.0f}%)"
+            )
     text = "Timed runs (seconds per generation of the whole batch):\n" + "\n".join(lines) if lines else ""
     if "hf_generate" in summary:
-        rows = [f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
-                for name, per_batch in summary["speedup_vs_hf_generate"].items()]
-        text += (f"\nAgainst {HF_GENERATE} (" + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b,
-                                                          v in summary["hf_generate"].items())
-                 + "), the baseline an HF user runs:\n" + "\n".join(rows))
+        rows = [
+            f"  {name:<22} " + ", ".join(f"batch {b}: {v:.2f}x" for b, v in per_batch.items())
+            for name, per_batch in summary["speedup_vs_hf_generate"].items()
+        ]
+        text += (
+            f"\nAgainst {HF_GENERATE} ("
+            + ", ".join(f"batch {b}: {v:.0f} tokens/s" for b, v in summary["hf_generate"].items())
+            + "), the baseline an HF user runs:\n"
+            + "\n".join(rows)
+        )
     return text
 
 
@@ -231,8 +285,12 @@ def plot_summary(summary: dict, path: str | Path) -> Optional[str]:
         ax2.annotate(f" {summary['quality'][n]['distinct4']:.2f}", (k, p))
     ax2.axhline(summary["quality"]["AR"]["ppl"], color="gray", linestyle="--", label="AR teacher samples")
     ax2.axhline(summary["quality"]["data (held-out text)"]["ppl"], color="green", linestyle=":", label="held-out text")
-    ax2.set(xlabel="k (tokens per forward)", ylabel="perplexity under the judge", xticks=ks,
-            title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL")
+    ax2.set(
+        xlabel="k (tokens per forward)",
+        ylabel="perplexity under the judge",
+        xticks=ks,
+        title=f"Quality (tau={summary['temperature']}); not GPT-2 Gen-PPL",
+    )
     ax2.legend()
     fig.tight_layout()
     atomic_write_file(path, lambda f: fig.savefig(f, dpi=120, format="png"))
@@ -253,4 +311,3 @@ def judge_description(folder: Path, info: dict, given: bool) -> str:
     steps = (info.get("train_config") or {}).get("steps")
     what = "a separately trained AR model" if given else "the run's Stage-0 AR teacher"
     return f"{what} ({folder}, {steps} steps)" if steps is not None else f"{what} ({folder})"
-

@@ -42,16 +42,18 @@ def recorded_data(folder: Path, info: dict) -> Optional[str]:
     out = info.get("train_config", {}).get("out")
     if out and not Path(out).is_absolute():
         here, parts = folder.resolve().parts, Path(os.path.normpath(out)).parts
-        if ".." not in parts and here[-len(parts):] == parts:
-            tried.append(Path(*here[:-len(parts)]) / data)  # the directory the stage was trained in
+        if ".." not in parts and here[-len(parts) :] == parts:
+            tried.append(Path(*here[: -len(parts)]) / data)  # the directory the stage was trained in
     tried.append(Path.cwd() / data)
     for path in tried:
         if path.exists():
             return str(path)
     where = " nor at ".join(repr(str(p)) for p in tried)
-    raise ValueError(f"run: {folder} was trained on the text at {data!r} (a path its model.json records relative to "
-                     f"the directory the run was started in), which is not at {where}; run kforcing-evaluate from the "
-                     "directory the run was trained in, or put the text back there")
+    raise ValueError(
+        f"run: {folder} was trained on the text at {data!r} (a path its model.json records relative to "
+        f"the directory the run was started in), which is not at {where}; run kforcing-evaluate from the "
+        "directory the run was trained in, or put the text back there"
+    )
 
 
 def ar_teacher_folder(run: Path) -> Path:
@@ -62,15 +64,18 @@ def ar_teacher_folder(run: Path) -> Path:
     if teacher is None:
         return run / "stage0"
     if find_kind(teacher) is None:  # say what is missing in an HF folder's terms too
-        raise ValueError(f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in "
-                         f"{run / 'stage1' / 'model.json'}) is not here (no Hugging Face config.json, no stage model): "
-                         "it was moved or deleted, or the run was trained before teachers were recorded as absolute "
-                         "paths (then evaluate it from the directory it was trained in)")
+        raise ValueError(
+            f"run: its AR teacher {teacher!r} (stage1's teacher, recorded in "
+            f"{run / 'stage1' / 'model.json'}) is not here (no Hugging Face config.json, no stage model): "
+            "it was moved or deleted, or the run was trained before teachers were recorded as absolute "
+            "paths (then evaluate it from the directory it was trained in)"
+        )
     return Path(teacher)
 
 
-def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None) -> tuple[KForcingLM,
-                                                                                                           str]:
+def load_judge(
+    run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None
+) -> tuple[KForcingLM, str]:
     """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
 
     ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
@@ -79,14 +84,19 @@ def load_judge(run: Path, judge: Union[str, Path, KForcingLM, None], device: str
         return judge.eval(), "a model given by the caller"
     folder = Path(judge) if judge is not None else ar_teacher_folder(run)
     if find_kind(folder) is None:
-        raise ValueError("judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got "
-                         f"{str(folder)!r}")
+        raise ValueError(
+            "judge: expected an AR stage folder holding model.json (or a Hugging Face model folder), got "
+            f"{str(folder)!r}"
+        )
     model, info, judge_tokenizer = load_student(folder, device)
     if same_tokenizer(judge_tokenizer, tokenizer) is False:
-        raise ValueError(f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to "
-                         "it; "
-                         "pass a judge trained on the run's --data and --vocab-size")
+        raise ValueError(
+            f"judge: the tokenizer of {str(folder)!r} is not the run's: the same ids mean other text to "
+            "it; "
+            "pass a judge trained on the run's --data and --vocab-size"
+        )
     if info.get("k", 0) != 0:
-        raise ValueError(f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in "
-                         f"{str(folder)!r}")
+        raise ValueError(
+            f"judge: expected an AR model (a stage0 folder), got a PFLM with k={info['k']} in {str(folder)!r}"
+        )
     return model, judge_description(folder, info, given=judge is not None)

@@ -14,14 +14,18 @@ from ...types import Temperature
 
 def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: bool) -> None:
     """tau: a real number or a [B] tensor, finite, > 0 (>= 0 for AR, where a scalar 0 is greedy)."""
-    what = ("a finite number >= 0 (0 = greedy)" if allow_zero
-            else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)")
+    what = (
+        "a finite number >= 0 (0 = greedy)"
+        if allow_zero
+        else "a finite number > 0 (K-Forcing decodes by argmax; tau only conditions the noise)"
+    )
     if isinstance(temperature, torch.Tensor):
         if temperature.dtype == torch.bool or temperature.is_complex():
             raise ValueError(f"temperature: expected a real tensor, got dtype {temperature.dtype}")
         if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != batch):
-            raise ValueError(f"temperature: expected a scalar or shape [{batch}] (one per prompt), got "
-                             f"{tuple(temperature.shape)}")
+            raise ValueError(
+                f"temperature: expected a scalar or shape [{batch}] (one per prompt), got {tuple(temperature.shape)}"
+            )
         values = temperature.detach().double().cpu().flatten()
     elif isinstance(temperature, Real) and not isinstance(temperature, bool):
         values = torch.tensor([float(temperature)], dtype=torch.float64)
@@ -50,8 +54,10 @@ def check_generator(generator: Optional[torch.Generator]) -> Optional[torch.Gene
 def check_noise(noise: torch.Tensor, name: str = "noise") -> None:
     """Uniform noise: a floating tensor with every value in [0, 1) (NaN refused), as the sampler requires."""
     if not isinstance(noise, torch.Tensor) or not noise.dtype.is_floating_point:
-        raise ValueError(f"{name}: expected a floating tensor of uniforms in [0, 1), "
-                         f"got {getattr(noise, 'dtype', type(noise).__name__)}")
+        raise ValueError(
+            f"{name}: expected a floating tensor of uniforms in [0, 1), "
+            f"got {getattr(noise, 'dtype', type(noise).__name__)}"
+        )
     outside = ~((noise >= 0) & (noise < 1))
     if bool(outside.any()):
         raise ValueError(f"{name}: expected values in [0, 1), got {noise[outside].flatten()[0].item()}")
@@ -75,6 +81,8 @@ def check_ar(model) -> None:
     next-token logits without noise are not what it was trained to give. A model without ``k_train`` is not checked."""
     k_train = getattr(model, "k_train", None)
     if k_train:
-        raise ValueError(f"model: this model was trained with K-Forcing (k_train={k_train}); AR decoding would read it "
-                         f"without its noise window: use generate_kforcing (1 <= k <= {k_train}), or an AR (stage0) "
-                         "model")
+        raise ValueError(
+            f"model: this model was trained with K-Forcing (k_train={k_train}); AR decoding would read it "
+            f"without its noise window: use generate_kforcing (1 <= k <= {k_train}), or an AR (stage0) "
+            "model"
+        )

@@ -77,8 +77,8 @@ class KVCache:
         if bool((self.lengths == self.lengths[0]).all()):
             start = int(self.lengths[0])
             for layer, (k, v) in enumerate(kvs):
-                self.k[layer][:, start:start + count] = k[:, :, :count].transpose(1, 2)
-                self.v[layer][:, start:start + count] = v[:, :, :count].transpose(1, 2)
+                self.k[layer][:, start : start + count] = k[:, :, :count].transpose(1, 2)
+                self.v[layer][:, start : start + count] = v[:, :, :count].transpose(1, 2)
         else:
             device = self.k[0].device
             rows = torch.arange(len(self.lengths), device=device)[:, None]  # [B, 1]
@@ -95,8 +95,10 @@ def _compile_kwargs(model, compile_step) -> dict:
         return {}
     check_compile_step(compile_step, model.wte.weight.device if hasattr(model, "wte") else torch.device("cpu"))
     if not getattr(kind_of(model), "static_step", False):
-        raise ValueError(f"compile_step: the {type(model).__name__} model decodes with its own KV cache; "
-                         f"compile_step applies to the package's caches (a native model), got {compile_step!r}")
+        raise ValueError(
+            f"compile_step: the {type(model).__name__} model decodes with its own KV cache; "
+            f"compile_step applies to the package's caches (a native model), got {compile_step!r}"
+        )
     return {"compile_step": compile_step}
 
 
@@ -104,8 +106,10 @@ def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: i
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size):
-        raise ValueError(f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, "
-                         f"{int(tokens.max())}]")
+        raise ValueError(
+            f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, "
+            f"{int(tokens.max())}]"
+        )
     if cache not in CACHES:
         raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
 
@@ -114,14 +118,32 @@ def _model_dtype(model: KForcingLM) -> torch.dtype:
     return model.wte.weight.dtype
 
 
-def _run_paged(model, requests: list[Request], k: Optional[int], page_size: int, return_logits: bool,
-               k_train: Optional[int] = None, compile_step: Union[bool, str] = False):
+def _run_paged(
+    model,
+    requests: list[Request],
+    k: Optional[int],
+    page_size: int,
+    return_logits: bool,
+    k_train: Optional[int] = None,
+    compile_step: Union[bool, str] = False,
+):
     """All requests join at once; returns (tokens [B, T], logits [B, T, V] or None)."""
     page_size = _check_page_size(page_size)
-    num_pages = sum(math.ceil((r.prompt.numel() if isinstance(r.prompt, torch.Tensor) else len(r.prompt)) / page_size)
-                    + math.ceil(r.max_new_tokens / page_size) + 1 for r in requests)
-    gen = PagedGenerator(model, k, page_size=page_size, num_pages=num_pages, keep_logits=return_logits, k_train=k_train,
-                         compile_step=compile_step)
+    num_pages = sum(
+        math.ceil((r.prompt.numel() if isinstance(r.prompt, torch.Tensor) else len(r.prompt)) / page_size)
+        + math.ceil(r.max_new_tokens / page_size)
+        + 1
+        for r in requests
+    )
+    gen = PagedGenerator(
+        model,
+        k,
+        page_size=page_size,
+        num_pages=num_pages,
+        keep_logits=return_logits,
+        k_train=k_train,
+        compile_step=compile_step,
+    )
     while not all(r.done for r in requests):
         gen.step(requests)
     out = torch.tensor([r.tokens for r in requests], dtype=torch.int64, device=model.wte.weight.device)
@@ -185,29 +207,55 @@ def generate_kforcing(
     check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
     if noise is None:
-        noise = torch.rand((b, steps, k), generator=check_generator(generator),
-                           device=generator.device if generator else "cpu")
+        noise = torch.rand(
+            (b, steps, k), generator=check_generator(generator), device=generator.device if generator else "cpu"
+        )
     check_noise(noise)
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
     extra = _compile_kwargs(model, compile_step)
-    out, logits = kind_of(model).generate_kforcing(model, tokens, lengths, noise, temperature, k=k,
-                                                  max_new_tokens=max_new_tokens, cache=cache, page_size=page_size,
-                                                  k_train=k_train, return_logits=return_logits, **extra)
+    out, logits = kind_of(model).generate_kforcing(
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
+        page_size=page_size,
+        k_train=k_train,
+        return_logits=return_logits,
+        **extra,
+    )
     return (out, logits) if return_logits else out
 
 
-def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
-                    temperature: Temperature, *, k: int, max_new_tokens: int, cache: str, page_size: int,
-                    k_train: Optional[int], return_logits: bool, compile_step: Union[bool, str] = False):
+def cached_kforcing(
+    model: KForcingLM,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor,
+    temperature: Temperature,
+    *,
+    k: int,
+    max_new_tokens: int,
+    cache: str,
+    page_size: int,
+    k_train: Optional[int],
+    return_logits: bool,
+    compile_step: Union[bool, str] = False,
+):
     """:func:`generate_kforcing`'s loop over the package's own KV caches (the native kind's, app/native.py), arguments
     checked: ``(tokens [B, T], logits [B, T, V] or None without return_logits)``."""
     (b, p_max), device, steps = tokens.shape, tokens.device, noise.shape[1]
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
-        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i,
-                    row in enumerate(_rows(tokens, lengths))]
+        requests = [
+            Request(row, max_new_tokens, noise=noise[i], temperature=taus[i])
+            for i, row in enumerate(_rows(tokens, lengths))
+        ]
         return _run_paged(model, requests, k, page_size, return_logits, k_train, compile_step)
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
@@ -229,8 +277,8 @@ def cached_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tens
     step = StaticDecodeStep(model, k, kv.k, kv.v, kv.capacity, compile_step=compile_step, kv=kv.kv)
     state = step.state(kv.lengths, kv.block_table(), temperature)
     for s in range(1, steps):
-        new, logits = step(state, out[:, (s - 1) * k: s * k], noise[:, s])
-        out[:, s * k:(s + 1) * k] = new
+        new, logits = step(state, out[:, (s - 1) * k : s * k], noise[:, s])
+        out[:, s * k : (s + 1) * k] = new
         if return_logits:
             all_logits.append(logits.clone() if compile_step else logits)
     return out[:, :max_new_tokens], torch.cat(all_logits, 1)[:, :max_new_tokens] if return_logits else None
@@ -266,27 +314,50 @@ def generate_ar(
     b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=True)
     if noise is None:
-        noise = torch.rand((b, max_new_tokens), generator=check_generator(generator),
-                           device=generator.device if generator else "cpu")
+        noise = torch.rand(
+            (b, max_new_tokens), generator=check_generator(generator), device=generator.device if generator else "cpu"
+        )
     check_noise(noise)  # the same checks as the paged cache's requests
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
     extra = _compile_kwargs(model, compile_step)
-    out, logits = kind_of(model).generate_ar(model, tokens, lengths, noise, temperature, max_new_tokens=max_new_tokens,
-                                            cache=cache, page_size=page_size, return_logits=return_logits, **extra)
+    out, logits = kind_of(model).generate_ar(
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
+        page_size=page_size,
+        return_logits=return_logits,
+        **extra,
+    )
     return (out, logits) if return_logits else out
 
 
-def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
-              temperature: Temperature, *, max_new_tokens: int, cache: str, page_size: int, return_logits: bool,
-              compile_step: Union[bool, str] = False):
+def cached_ar(
+    model: KForcingLM,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor,
+    temperature: Temperature,
+    *,
+    max_new_tokens: int,
+    cache: str,
+    page_size: int,
+    return_logits: bool,
+    compile_step: Union[bool, str] = False,
+):
     """:func:`generate_ar`'s loop over the package's own KV caches (the native kind's), arguments checked."""
     (b, p_max), device, greedy = tokens.shape, tokens.device, is_greedy(temperature)
     if cache == "paged":
         taus = torch.as_tensor(temperature, dtype=torch.float64).expand(b).tolist()
-        requests = [Request(row, max_new_tokens, noise=noise[i], temperature=taus[i]) for i,
-                    row in enumerate(_rows(tokens, lengths))]
+        requests = [
+            Request(row, max_new_tokens, noise=noise[i], temperature=taus[i])
+            for i, row in enumerate(_rows(tokens, lengths))
+        ]
         return _run_paged(model, requests, None, page_size, return_logits, compile_step=compile_step)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
@@ -303,7 +374,7 @@ def cached_ar(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, no
     step = StaticDecodeStep(model, None, kv.k, kv.v, kv.capacity, compile_step=compile_step, kv=kv.kv)
     state = step.state(kv.lengths, kv.block_table(), 0.0 if greedy else temperature)
     for s in range(1, max_new_tokens):
-        new, logits = step(state, out[:, s - 1: s], noise[:, s])
+        new, logits = step(state, out[:, s - 1 : s], noise[:, s])
         out[:, s] = new[:, 0]
         if return_logits:
             all_logits.append(logits[:, 0].clone() if compile_step else logits[:, 0])
@@ -320,15 +391,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("kforcing-generate", "Generate from a trained stage (AR or K-Forcing).")
     parser.add_argument("model", help="a stage folder written by kforcing_kernels.app.train (holds model.safetensors)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    parser.add_argument("--k", type=int, default=None,
-                        help="tokens per step (None: the model's k_train; AR models ignore it)")
+    parser.add_argument(
+        "--k", type=int, default=None, help="tokens per step (None: the model's k_train; AR models ignore it)"
+    )
     add_new_tokens(parser)
     add_temperature(parser, help_extra="; 0: greedy (AR models only)")
     add_seed(parser)
     add_device(parser)
     add_threads(parser)
-    parser.add_argument("--out", default=None,
-                        help="also write the generations to this JSON Lines file (prompt, completion, token ids)")
+    parser.add_argument(
+        "--out", default=None, help="also write the generations to this JSON Lines file (prompt, completion, token ids)"
+    )
     return parser
 
 

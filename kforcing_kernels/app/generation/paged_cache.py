@@ -46,17 +46,30 @@ class PagedKVCache:
     """
 
     def __init__(
-        self, n_layer: int, n_kv_heads: int, head_dim: int, *, num_pages: Optional[int] = None,
-        capacity: Optional[int] = None, page_size: int = 16, dtype: torch.dtype = torch.float32,
+        self,
+        n_layer: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        num_pages: Optional[int] = None,
+        capacity: Optional[int] = None,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        for name, value in (("n_layer", n_layer), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("page_size",
-                                                                                                       page_size)):
+        for name, value in (
+            ("n_layer", n_layer),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+            ("page_size", page_size),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if (num_pages is None) == (capacity is None):
-            raise ValueError(f"num_pages: give exactly one of num_pages or capacity, got num_pages={num_pages!r}, "
-                             f"capacity={capacity!r}")
+            raise ValueError(
+                f"num_pages: give exactly one of num_pages or capacity, got num_pages={num_pages!r}, "
+                f"capacity={capacity!r}"
+            )
         if capacity is not None:
             if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
                 raise ValueError(f"capacity: expected a positive int (tokens), got {capacity!r}")
@@ -81,13 +94,22 @@ class PagedKVCache:
         self.version = 0  # bumped whenever a table entry changes: a device copy of rows of the table is then stale
 
     @classmethod
-    def for_model(cls, model: KForcingLM, *, page_size: int = 16, num_pages: Optional[int] = None,
-                  capacity: Optional[int] = None) -> "PagedKVCache":
+    def for_model(
+        cls, model: KForcingLM, *, page_size: int = 16, num_pages: Optional[int] = None, capacity: Optional[int] = None
+    ) -> "PagedKVCache":
         """A pool shaped for ``model`` (its dtype and device)."""
         cfg = model.config
         w = model.wte.weight
-        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, num_pages=num_pages, capacity=capacity,
-                   page_size=page_size, dtype=w.dtype, device=w.device)
+        return cls(
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.head_dim,
+            num_pages=num_pages,
+            capacity=capacity,
+            page_size=page_size,
+            dtype=w.dtype,
+            device=w.device,
+        )
 
     # -------------------------------------------------------------- rows
 
@@ -147,16 +169,20 @@ class PagedKVCache:
         table (it is the cache's own, so one check per step suffices).
         """
         table, lens = self.block_table(rows), self.lengths(rows)
-        return [PagedPast(k, v, table, lens, backend=backend, check_table=layer == 0)
-                for layer, (k, v) in enumerate(zip(self.k, self.v))]
+        return [
+            PagedPast(k, v, table, lens, backend=backend, check_table=layer == 0)
+            for layer, (k, v) in enumerate(zip(self.k, self.v))
+        ]
 
     # -------------------------------------------------------------- writes
 
     def reserve(self, rows: Sequence[int], counts: Sequence[int]) -> None:
         """Make room for ``counts[i]`` more tokens in ``rows[i]``: all or nothing (:class:`PagePoolFull`)."""
         self._check_rows(rows)
-        need = [max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r])) for r, c in zip(rows,
-            counts)]
+        need = [
+            max(0, math.ceil((int(self._lens[r]) + c) / self.page_size) - len(self._pages[r]))
+            for r, c in zip(rows, counts)
+        ]
         if sum(need) > len(self._free):
             raise PagePoolFull(
                 f"page pool full: {sum(need)} more pages of {self.page_size} tokens needed for {len(rows)} rows, "
@@ -167,7 +193,7 @@ class PagedKVCache:
                 have = len(self._pages[r])
                 new = [self._free.pop() for _ in range(n)]
                 self._pages[r].extend(new)
-                self._table[r, have:have + n] = torch.tensor(new, dtype=torch.int32)
+                self._table[r, have : have + n] = torch.tensor(new, dtype=torch.int32)
                 self._npages[r] = have + n
                 self.version += 1
 
@@ -192,13 +218,15 @@ class PagedKVCache:
         """int32 ``[B, num_pages]`` (CPU): the rows' full table rows (-1 past their pages)."""
         return self._table[index]
 
-    def append(self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               counts: Sequence[int]) -> None:
+    def append(
+        self, rows: Sequence[int], kvs: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: Sequence[int]
+    ) -> None:
         """Write tokens ``[0, counts[i])`` of batch row i of each layer's ``(k, v)`` ``[B, Hkv, >= max(counts), D]``
         at ``rows[i]``'s current length, in place; lengths grow by ``counts``."""
         if len(set(rows)) != len(rows):
-            raise ValueError("rows: expected distinct rows (a repeated row would write twice into the same slots), "
-                             f"got {list(rows)}")
+            raise ValueError(
+                f"rows: expected distinct rows (a repeated row would write twice into the same slots), got {list(rows)}"
+            )
         counts = [int(c) for c in counts]
         if len(counts) != len(rows) or any(c < 0 for c in counts):
             raise ValueError(f"counts: expected {len(rows)} non-negative ints (one per row), got {counts}")
@@ -209,8 +237,10 @@ class PagedKVCache:
             return
         k0 = kvs[0][0]
         if k0.shape[0] != len(rows) or k0.shape[2] < width or k0.shape[1:2] + k0.shape[3:] != self.k[0].shape[2:]:
-            raise ValueError(f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages "
-                             f"{tuple(self.k[0].shape)}, got {tuple(k0.shape)}")
+            raise ValueError(
+                f"kvs: expected [B={len(rows)}, Hkv, >= {width}, D] matching the pages "
+                f"{tuple(self.k[0].shape)}, got {tuple(k0.shape)}"
+            )
         self.reserve(rows, counts)
         idx = torch.tensor(list(rows), dtype=torch.int64)
         cnt = torch.tensor(counts, dtype=torch.int64)

@@ -15,7 +15,6 @@ import torch
 Prompts = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]], Sequence[torch.Tensor]]
 
 
-
 def _is_token(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.dim() == 0 and not x.dtype.is_floating_point and x.dtype != torch.bool and not x.is_complex()
@@ -36,8 +35,10 @@ def _prompt_row(i: int, p) -> torch.Tensor:
             raise ValueError(f"prompts: prompt {i}: expected integer token ids, got {list(p)!r}")
         t = _id_tensor(i, p)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex() or t.dim() > 1:
-        raise ValueError(f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, "
-                         f"shape {tuple(t.shape)}")
+        raise ValueError(
+            f"prompts: prompt {i}: expected a 1-D sequence of integer token ids, got dtype {t.dtype}, "
+            f"shape {tuple(t.shape)}"
+        )
     if t.numel() == 0:
         raise ValueError(f"prompts: prompt {i} is empty; every prompt needs at least one token")
     return t.flatten().to(torch.int64)
@@ -56,13 +57,16 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
         if prompts.dim() == 1:
             prompts = prompts[None]
         if prompts.dim() != 2 or prompts.shape[0] == 0 or prompts.shape[1] == 0:
-            raise ValueError("prompts: expected a [B, P] tensor with B, P >= 1 (or a 1-D prompt), got shape "
-                             f"{tuple(prompts.shape)}")
-        return prompts.to(device=device, dtype=torch.int64), torch.full((prompts.shape[0],), prompts.shape[1],
-                                                                        dtype=torch.int64)
+            raise ValueError(
+                f"prompts: expected a [B, P] tensor with B, P >= 1 (or a 1-D prompt), got shape {tuple(prompts.shape)}"
+            )
+        return prompts.to(device=device, dtype=torch.int64), torch.full(
+            (prompts.shape[0],), prompts.shape[1], dtype=torch.int64
+        )
     if isinstance(prompts, (str, bytes)):
-        raise ValueError("prompts: expected token ids (encode text with the tokenizer first), got "
-                         f"{type(prompts).__name__}")
+        raise ValueError(
+            f"prompts: expected token ids (encode text with the tokenizer first), got {type(prompts).__name__}"
+        )
     if not isinstance(prompts, Iterable):
         raise ValueError(f"prompts: expected a [B, P] tensor or sequences of token ids, got {type(prompts).__name__}")
     items = list(prompts)
@@ -71,8 +75,9 @@ def pad_prompts(prompts: Prompts, pad_id: int = 0, device=None) -> tuple[torch.T
     if all(_is_token(x) for x in items):
         rows = [_id_tensor(0, items)]  # a flat list of ids is one prompt
     elif any(_is_token(x) for x in items):
-        raise ValueError("prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids "
-                         "and sequences")
+        raise ValueError(
+            "prompts: expected one flat list of ids (one prompt) or a list of prompts, got a mix of ids and sequences"
+        )
     else:
         rows = [_prompt_row(i, p) for i, p in enumerate(items)]
     lengths = torch.tensor([r.numel() for r in rows], dtype=torch.int64)

@@ -47,8 +47,9 @@ def window_layout(n_ctx: int, lengths: torch.Tensor, window: int, queries: str) 
     return WindowLayout(n_ctx, 1, window, torch.zeros_like(hi), hi, intra="causal", queries=queries)
 
 
-def prefill_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor,
-                     tau: torch.Tensor) -> tuple[torch.Tensor, list]:
+def prefill_kforcing(
+    model: KForcingLM, tokens: torch.Tensor, lengths: torch.Tensor, noise: torch.Tensor, tau: torch.Tensor
+) -> tuple[torch.Tensor, list]:
     """K-Forcing's first forward over ``[padded prompts (P_max) | k noise tokens]`` (both caches use it).
 
     tokens int64 ``[B, P_max]`` (right-padded), lengths ``[B]`` (CPU), noise ``[B, k]``, tau ``[B]`` fp32 ->
@@ -57,8 +58,9 @@ def prefill_kforcing(model: KForcingLM, tokens: torch.Tensor, lengths: torch.Ten
     """
     b, p_max = tokens.shape
     k = noise.shape[1]
-    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)],
-                          1).to(tokens.device)
+    positions = torch.cat([torch.arange(p_max).expand(b, p_max), lengths[:, None] + torch.arange(k)], 1).to(
+        tokens.device
+    )
     x = torch.cat([model.wte(tokens), model.embed_noise(noise, tau)], 1)  # [B, P_max + k, C]
     return model.trunk(x, positions, window_layout(p_max, lengths, k, "all"))
 
@@ -109,8 +111,16 @@ class _Batch:
     every pass's tokens on the device (copied to the requests' ``tokens`` when read or at the end).
     """
 
-    def __init__(self, reqs: list[Request], index: torch.Tensor, state, prev: torch.Tensor, noise: torch.Tensor,
-                 left: list[int], version: int):
+    def __init__(
+        self,
+        reqs: list[Request],
+        index: torch.Tensor,
+        state,
+        prev: torch.Tensor,
+        noise: torch.Tensor,
+        left: list[int],
+        version: int,
+    ):
         self.reqs, self.index, self.state, self.prev, self.noise = reqs, index, state, prev, noise
         self.rows = tuple(r.row for r in reqs)
         self.left = left  # passes each request runs in this batch before it is finished by its count
@@ -122,7 +132,7 @@ class _Batch:
 
     def sync(self) -> None:
         if self.synced < len(self.chunks):
-            for row, ids in zip(self.host, torch.cat(self.chunks[self.synced:], 1).tolist()):
+            for row, ids in zip(self.host, torch.cat(self.chunks[self.synced :], 1).tolist()):
                 row.extend(ids)
             self.synced = len(self.chunks)
 
@@ -132,7 +142,7 @@ def _flush(r: Request) -> None:
     batch, i, start = r._pending
     batch.sync()
     count = batch.chunks[0].shape[1] if batch.chunks else 0
-    ids = batch.host[i][start * count: batch.t * count]
+    ids = batch.host[i][start * count : batch.t * count]
     r._tokens.extend(ids[: r.max_new_tokens - len(r._tokens)])
     r._pending = [batch, i, batch.t] if r.row is not None else None
 
@@ -148,9 +158,18 @@ class PagedGenerator:
         k_train: the window the model was trained with (default ``model.k_train``), as ``generate_kforcing`` takes it.
     """
 
-    def __init__(self, model: KForcingLM, k: Optional[int] = None, *, cache: Optional[PagedKVCache] = None,
-                 page_size: int = 16, num_pages: Optional[int] = None, keep_logits: bool = False,
-                 k_train: Optional[int] = None, compile_step: Union[bool, str] = False):
+    def __init__(
+        self,
+        model: KForcingLM,
+        k: Optional[int] = None,
+        *,
+        cache: Optional[PagedKVCache] = None,
+        page_size: int = 16,
+        num_pages: Optional[int] = None,
+        keep_logits: bool = False,
+        k_train: Optional[int] = None,
+        compile_step: Union[bool, str] = False,
+    ):
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
@@ -244,8 +263,9 @@ class PagedGenerator:
         if prompt.numel() == 0 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
             raise ValueError(f"prompt: expected a non-empty sequence of token ids, got {r.prompt!r}")
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.model.config.vocab_size:
-            raise ValueError(f"prompt: expected token ids in [0, {self.model.config.vocab_size}), "
-                             f"got {prompt.tolist()}")
+            raise ValueError(
+                f"prompt: expected token ids in [0, {self.model.config.vocab_size}), got {prompt.tolist()}"
+            )
         if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive int, got {r.max_new_tokens!r}")
         check_temperature(r.temperature, allow_zero=self.k is None)
@@ -360,7 +380,7 @@ class PagedGenerator:
                 new = r.tokens[-take:]
                 if r.eos_id in new:
                     cut = new.index(r.eos_id) + 1
-                    del r._tokens[len(r._tokens) - take + cut:]
+                    del r._tokens[len(r._tokens) - take + cut :]
                     if self.keep_logits:
                         r.logits[-1] = r.logits[-1][:cut]
                     r.done = True
@@ -375,14 +395,21 @@ class PagedGenerator:
         Requests of an earlier batch keep their tokens there until read (``Request.tokens`` copies them)."""
         count = 1 if self.k is None else self.k
         if self._step_fn is None:
-            self._step_fn = StaticDecodeStep(self.model, self.k, self.cache.k, self.cache.v, self.cache.page_size,
-                                             compile_step=self.compile_step, kv=self.cache.kv)
+            self._step_fn = StaticDecodeStep(
+                self.model,
+                self.k,
+                self.cache.k,
+                self.cache.v,
+                self.cache.page_size,
+                compile_step=self.compile_step,
+                kv=self.cache.kv,
+            )
         index = torch.tensor([r.row for r in reqs], dtype=torch.int64)
         start = [len(r.tokens) for r in reqs]
         left = [math.ceil((r.max_new_tokens - n) / count) for r, n in zip(reqs, start)]
         passes = min(left)
         first = [r.steps for r in reqs]  # the noise of pass s of request r: r.noise[r.steps + s]
-        noise = torch.stack([r.noise[f: f + passes] for r, f in zip(reqs, first)]).to(self.device)
+        noise = torch.stack([r.noise[f : f + passes] for r, f in zip(reqs, first)]).to(self.device)
         prev = torch.tensor([r.tokens[-count:] for r in reqs], dtype=torch.int64, device=self.device)
         temperature = [0.0 if self.k is None and float(r.temperature) == 0 else float(r.temperature) for r in reqs]
         state = self._step_fn.state(self.cache._lens[index], self.cache.table_rows(index), temperature)

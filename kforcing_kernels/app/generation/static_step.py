@@ -91,17 +91,27 @@ class StaticDecodeStep:
             the pools (both caches allocate so): each step then writes every layer's K/V in one ``index_copy_``.
     """
 
-    def __init__(self, model: KForcingLM, k: Optional[int], k_pools: Sequence[torch.Tensor],
-                 v_pools: Sequence[torch.Tensor], page_size: int, *, compile_step: Union[bool, str] = False,
-                 kv: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        model: KForcingLM,
+        k: Optional[int],
+        k_pools: Sequence[torch.Tensor],
+        v_pools: Sequence[torch.Tensor],
+        page_size: int,
+        *,
+        compile_step: Union[bool, str] = False,
+        kv: Optional[torch.Tensor] = None,
+    ):
         self.model, self.k = model, k
         self.device = model.wte.weight.device
         self.compile_step = check_compile_step(compile_step, self.device)
         self.count = 1 if k is None else k  # context tokens appended per pass
         self.width = 1 if k is None else 2 * k  # the window's tokens
         self.k_pools, self.v_pools, self.page_size = list(k_pools), list(v_pools), page_size
-        if kv is not None and not all(kv[i, 0].data_ptr() == kp.data_ptr() and kv[i, 1].data_ptr() == vp.data_ptr()
-                                      for i, (kp, vp) in enumerate(zip(self.k_pools, self.v_pools))):
+        if kv is not None and not all(
+            kv[i, 0].data_ptr() == kp.data_ptr() and kv[i, 1].data_ptr() == vp.data_ptr()
+            for i, (kp, vp) in enumerate(zip(self.k_pools, self.v_pools))
+        ):
             raise ValueError("kv: expected the tensor whose [layer, 0] / [layer, 1] are k_pools / v_pools")
         self.kv = kv
         self.heads, self.head_dim = k_pools[0].shape[2], k_pools[0].shape[3]
@@ -138,9 +148,19 @@ class StaticDecodeStep:
         if self.compile_step is True:
             for t in (lens, table):
                 torch._dynamo.mark_static_address(t, guard=False)
-        views = [PagedPast(kp, vp, table, lens, backend=self.attention, check_table=False, checked=False,
-                           direct=None if self.direct is None else self.direct[layer])
-                 for layer, (kp, vp) in enumerate(zip(self.k_pools, self.v_pools))]
+        views = [
+            PagedPast(
+                kp,
+                vp,
+                table,
+                lens,
+                backend=self.attention,
+                check_table=False,
+                checked=False,
+                direct=None if self.direct is None else self.direct[layer],
+            )
+            for layer, (kp, vp) in enumerate(zip(self.k_pools, self.v_pools))
+        ]
         return DecodeState(lens, table, tau, greedy, mode, views)
 
     # -------------------------------------------------------------- the step
@@ -155,8 +175,20 @@ class StaticDecodeStep:
             return self._replay(state, prev, z)
         if self.compile_step is True:
             start = time.perf_counter()
-            out = _compiled(self.device)(self.model, self.spec(state.mode), prev, z, state.lens, state.table,
-                                         state.tau, state.greedy, self.offsets, self.k_pools, self.v_pools, self.kv)
+            out = _compiled(self.device)(
+                self.model,
+                self.spec(state.mode),
+                prev,
+                z,
+                state.lens,
+                state.table,
+                state.tau,
+                state.greedy,
+                self.offsets,
+                self.k_pools,
+                self.v_pools,
+                self.kv,
+            )
             if state.calls == 0:  # compiles (or finds the graph compiled for an earlier batch of this shape)
                 self.compile_seconds += time.perf_counter() - start
             state.calls += 1
@@ -166,12 +198,35 @@ class StaticDecodeStep:
 
     def spec(self, mode: Optional[str]) -> "_Spec":
         """The step's constants (what a compiled step specialises on)."""
-        return _Spec(self.k, self.count, self.page_size, self.heads, self.head_dim, self.rule, self.attention,
-                     self.sampler, mode, self.direct is not None)
+        return _Spec(
+            self.k,
+            self.count,
+            self.page_size,
+            self.heads,
+            self.head_dim,
+            self.rule,
+            self.attention,
+            self.sampler,
+            mode,
+            self.direct is not None,
+        )
 
     def _body(self, prev, z, lens, table, tau, greedy, mode, views):
-        return _step_body(self.model, self.spec(mode), prev, z, lens, table, tau, greedy, self.offsets,
-                          self.k_pools, self.v_pools, self.kv, views)
+        return _step_body(
+            self.model,
+            self.spec(mode),
+            prev,
+            z,
+            lens,
+            table,
+            tau,
+            greedy,
+            self.offsets,
+            self.k_pools,
+            self.v_pools,
+            self.kv,
+            views,
+        )
 
     # -------------------------------------------------------------- CUDA graph
 
@@ -200,7 +255,6 @@ class StaticDecodeStep:
         return outputs
 
 
-
 class _Spec(NamedTuple):
     """The constants of a step (a compiled step specialises on them: one graph per spec and batch shape)."""
 
@@ -221,8 +275,10 @@ def _step_body(model, spec: _Spec, prev, z, lens, table, tau, greedy, offsets, k
     k, count = spec.k, spec.count
     if views is None:  # compiled: the views are made inside the graph (plain tensors in, no guards on objects)
         direct = [block.direct_weights() for block in model.blocks] if spec.direct else [None] * len(k_pools)
-        views = [PagedPast(kp, vp, table, lens, backend=spec.attention, check_table=False, checked=False,
-                           direct=d) for kp, vp, d in zip(k_pools, v_pools, direct)]
+        views = [
+            PagedPast(kp, vp, table, lens, backend=spec.attention, check_table=False, checked=False, direct=d)
+            for kp, vp, d in zip(k_pools, v_pools, direct)
+        ]
     positions = lens[:, None] + offsets  # [B, W]
     if k is None:
         x = model.wte(prev)  # [B, 1, C]
@@ -236,7 +292,8 @@ def _step_body(model, spec: _Spec, prev, z, lens, table, tau, greedy, offsets, k
     if kv is not None:  # all layers at once: [2L, B, H, W, D] -> [2L, B * count, H, D] into [2L, pages * slots, H, D]
         new = torch.stack([t for pair in kvs for t in pair])[:, :, :, :count].transpose(2, 3)
         kv.view(2 * len(kvs), -1, spec.heads, spec.head_dim).index_copy_(
-            1, slots, new.reshape(2 * len(kvs), -1, spec.heads, spec.head_dim))
+            1, slots, new.reshape(2 * len(kvs), -1, spec.heads, spec.head_dim)
+        )
     else:
         for pool_k, pool_v, (kk, vv) in zip(k_pools, v_pools, kvs):
             for pool, new in ((pool_k, kk), (pool_v, vv)):

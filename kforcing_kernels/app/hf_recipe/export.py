@@ -29,8 +29,11 @@ def _saved_tensor_shapes(checkpoint: Path) -> dict[str, tuple]:
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    return {name.removeprefix("model."): tuple(meta.size) for name, meta in metadata.items()
-            if name.startswith("model.") and hasattr(meta, "size")}
+    return {
+        name.removeprefix("model."): tuple(meta.size)
+        for name, meta in metadata.items()
+        if name.startswith("model.") and hasattr(meta, "size")
+    }
 
 
 def export_sharded(checkpoint: Path, out: Path, manifest: dict, record: dict, tokenizer: Optional[Path]) -> None:
@@ -45,17 +48,23 @@ def export_sharded(checkpoint: Path, out: Path, manifest: dict, record: dict, to
     try:
         config = tf.AutoConfig.for_model(**values)
     except (ValueError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"{checkpoint / 'manifest.json'}: its model_config is not a config this transformers "
-                              f"builds ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(
+            f"{checkpoint / 'manifest.json'}: its model_config is not a config this transformers "
+            f"builds ({type(exc).__name__}: {exc})"
+        ) from None
     # The noise embedding's feature counts are read off its saved layers (DCP metadata): z_in takes
     # 2 * (noise_features // 2) features, tau_mlp.0 2 + 2 * (tau_features // 2).
     shapes = _saved_tensor_shapes(checkpoint)
     try:
-        noise = NoiseEmbedding(config.hidden_size, noise_features=shapes["noise_encoder.z_in.weight"][1],
-                               tau_features=shapes["noise_encoder.tau_mlp.0.weight"][1] - 2)
+        noise = NoiseEmbedding(
+            config.hidden_size,
+            noise_features=shapes["noise_encoder.z_in.weight"][1],
+            tau_features=shapes["noise_encoder.tau_mlp.0.weight"][1] - 2,
+        )
     except KeyError as exc:
-        raise CheckpointError(f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's "
-                              "checkpoint") from None
+        raise CheckpointError(
+            f"{checkpoint}: no noise embedding tensor {exc} in this Hugging Face student's checkpoint"
+        ) from None
     hf_tokenizer = _hf_tokenizer(checkpoint, manifest, tokenizer)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing", dtype=torch.float32)
     student = HFStudent(model.float(), noise, k_train=manifest["info"].get("k"))
@@ -80,8 +89,10 @@ def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
         source, what = Path(given), "--tokenizer"
     elif teacher:  # a distilled stage: the teacher's tokenizer, as the trainer used (eos token and all)
         if not (is_hf_source(teacher) or is_hf_stage(teacher)):
-            raise CheckpointError(f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not "
-                                  "here (moved or deleted); pass --tokenizer, a folder holding that tokenizer")
+            raise CheckpointError(
+                f"tokenizer: the run's teacher {teacher}, whose tokenizer the stage saves, is not "
+                "here (moved or deleted); pass --tokenizer, a folder holding that tokenizer"
+            )
         source, what = Path(teacher), f"the run's teacher {teacher}"
     elif is_hf_stage(run):  # a finished Stage 0: the stage folder holds its tokenizer already
         source, what = run, f"the run folder {run}"
@@ -97,12 +108,16 @@ def _hf_tokenizer(checkpoint: Path, manifest: dict, given: Optional[Path]):
         else:
             raise OSError("not found")
     except Exception as exc:  # OSError, ValueError, and the plain Exception tokenizers raises for a malformed file
-        raise CheckpointError(f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, "
-                              "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json") from None
+        raise CheckpointError(
+            f"tokenizer: cannot load a tokenizer from {what} ({source}: {exc}); pass --tokenizer, "
+            "the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json"
+        ) from None
     want = info.get("tokenizer_sha256")
     if want is not None and not _same_tokenizer(backend, want):
-        raise CheckpointError(f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass "
-                              "--tokenizer, the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json")
+        raise CheckpointError(
+            f"tokenizer: {what} ({source}) is not the tokenizer this run was trained with; pass "
+            "--tokenizer, the run's Hugging Face tokenizer folder (its teacher's) or tokenizer.json"
+        )
     return tok
 
 

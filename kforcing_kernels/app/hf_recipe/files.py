@@ -74,8 +74,16 @@ NOISE_FILE = "noise_embedding.safetensors"
 # Besides the weights, what decides which model a plain HF folder is and which ids its text becomes: a changed
 # config.json (rope_theta, ...) or tokenizer file (other merges, same size) is another teacher.
 CONFIG_FILE = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
+)
 
 
 # ---------------------------------------------------------------------- what a folder holds
@@ -128,19 +136,26 @@ def check_hf_source(folder, option: str = "--model") -> None:
     try:
         values = json.loads(config.read_text())
     except OSError as exc:
-        raise CheckpointError(f"{name}: cannot read {config} ({exc.strerror or exc}); {option} expects a Hugging Face "
-                              "model "
-                              "folder (config.json, weights, tokenizer)") from None
+        raise CheckpointError(
+            f"{name}: cannot read {config} ({exc.strerror or exc}); {option} expects a Hugging Face "
+            "model "
+            "folder (config.json, weights, tokenizer)"
+        ) from None
     except ValueError as exc:
-        raise CheckpointError(f"{name}: {config} is not valid JSON ({exc}); "
-                              f"restore the folder's config.json ({option})") from None
+        raise CheckpointError(
+            f"{name}: {config} is not valid JSON ({exc}); restore the folder's config.json ({option})"
+        ) from None
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
-        raise CheckpointError(f"{name}: {config} is not a transformers config (a JSON object with a \"model_type\"); "
-                              f"restore the folder's config.json ({option})")
+        raise CheckpointError(
+            f'{name}: {config} is not a transformers config (a JSON object with a "model_type"); '
+            f"restore the folder's config.json ({option})"
+        )
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise CheckpointError(f"{name}: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save "
-                              "the "
-                              f"model's tokenizer into it (tokenizer.save_pretrained) ({option})")
+        raise CheckpointError(
+            f"{name}: {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save "
+            "the "
+            f"model's tokenizer into it (tokenizer.save_pretrained) ({option})"
+        )
 
 
 def read_model_config(path):
@@ -150,16 +165,21 @@ def read_model_config(path):
     try:
         values = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"model_config: cannot read a transformers config from {str(path)!r} ({exc}) "
-                              "(--model-config)") from None
+        raise CheckpointError(
+            f"model_config: cannot read a transformers config from {str(path)!r} ({exc}) (--model-config)"
+        ) from None
     if not isinstance(values, dict):
-        raise CheckpointError(f"model_config: {str(path)!r} holds a JSON {type(values).__name__}, expected an object "
-                              "(a "
-                              "transformers config, e.g. config.to_json_string()) (--model-config)")
+        raise CheckpointError(
+            f"model_config: {str(path)!r} holds a JSON {type(values).__name__}, expected an object "
+            "(a "
+            "transformers config, e.g. config.to_json_string()) (--model-config)"
+        )
     if not isinstance(values.get("model_type"), str):
-        raise CheckpointError(f"model_config: {str(path)!r} has no \"model_type\" (e.g. \"llama\"), so transformers "
-                              "cannot "
-                              "tell which model it configures (--model-config)")
+        raise CheckpointError(
+            f'model_config: {str(path)!r} has no "model_type" (e.g. "llama"), so transformers '
+            "cannot "
+            "tell which model it configures (--model-config)"
+        )
     bad = _bad_real(values)
     if bad:
         raise CheckpointError(f"model_config: {str(path)!r}: {bad} (--model-config)")
@@ -172,8 +192,9 @@ def read_model_config(path):
             model = tf.AutoModelForCausalLM.from_config(config)
             model(torch.zeros(1, 2, dtype=torch.long))
     except Exception as exc:  # noqa: BLE001 (see above)
-        raise CheckpointError(f"model_config: transformers rejects {str(path)!r} ({type(exc).__name__}: {exc}) "
-                              "(--model-config)") from None
+        raise CheckpointError(
+            f"model_config: transformers rejects {str(path)!r} ({type(exc).__name__}: {exc}) (--model-config)"
+        ) from None
     return config
 
 
@@ -189,8 +210,9 @@ def _bad_real(values: dict, prefix: str = "") -> Optional[str]:
                 return found
         elif isinstance(value, float) and not math.isfinite(value):
             return f"{name}: expected a finite number, got {value!r}"
-        elif _must_be_positive(key) and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and not value > 0:
+        elif (
+            _must_be_positive(key) and isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0
+        ):
             return f"{name}: expected a positive number, got {value!r}"
     return None
 
@@ -232,22 +254,25 @@ def build_like(student: "HFStudent") -> "HFStudent":
     from ...integrations.hf_noise import NoiseEmbedding
     from .student import HFStudent
 
-    model = import_transformers().AutoModelForCausalLM.from_config(student.config, attn_implementation="kforcing",
-                                                                   dtype=torch.float32)
+    model = import_transformers().AutoModelForCausalLM.from_config(
+        student.config, attn_implementation="kforcing", dtype=torch.float32
+    )
     return HFStudent(model.float(), NoiseEmbedding(**student.noise_encoder.settings()), k_train=student.k_train)
 
 
 def _from_pretrained(folder, device):
     tf = import_transformers()
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="kforcing",
-                                                        dtype=torch.float32)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            str(folder), attn_implementation="kforcing", dtype=torch.float32
+        )
         tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: cannot load the Hugging Face model or tokenizer ({exc})") from None
     if not getattr(tokenizer, "is_fast", False):
-        raise CheckpointError(f"{folder}: the tokenizer is not a fast (tokenizers-backed) one; save it with "
-                              "tokenizer.json")
+        raise CheckpointError(
+            f"{folder}: the tokenizer is not a fast (tokenizers-backed) one; save it with tokenizer.json"
+        )
     return model, tokenizer
 
 
@@ -275,14 +300,17 @@ def load_hf_stage(folder, device="cpu"):
     json_path = folder / "model.json"
     info = read_json(json_path, {"k": int, "hf_format": int, "noise_embedding": dict, "files": dict})
     if info["hf_format"] != HF_FORMAT:
-        raise CheckpointError(f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected "
-                              f"{HF_FORMAT}")
+        raise CheckpointError(
+            f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected {HF_FORMAT}"
+        )
     noise = info["noise_embedding"]
     if noise.get("format") != NOISE_EMBEDDING_FORMAT:
-        raise CheckpointError(f"{json_path}: its noise embedding is format {noise.get('format')!r}, saved before the "
-                              "noise features "
-                              f"became the native encoder's (format {NOISE_EMBEDDING_FORMAT}); it cannot be loaded "
-                              "rightly: retrain this stage")
+        raise CheckpointError(
+            f"{json_path}: its noise embedding is format {noise.get('format')!r}, saved before the "
+            "noise features "
+            f"became the native encoder's (format {NOISE_EMBEDDING_FORMAT}); it cannot be loaded "
+            "rightly: retrain this stage"
+        )
     for name, record in info["files"].items():
         path = folder / name
         if not path.exists():
@@ -294,8 +322,9 @@ def load_hf_stage(folder, device="cpu"):
     try:
         embedding.load_state_dict(load_tensors(json_path, noise["tensors"]))
     except (RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{folder / NOISE_FILE}: does not match the noise embedding of {json_path.name} "
-                              f"({exc})") from None
+        raise CheckpointError(
+            f"{folder / NOISE_FILE}: does not match the noise embedding of {json_path.name} ({exc})"
+        ) from None
     student = HFStudent(model, embedding, k_train=info["k"])
     student.hf_tokenizer = tokenizer
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
@@ -336,13 +365,27 @@ def save_hf_stage(folder, student: "HFStudent", info: dict, tokenizer) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     from ...integrations.hf_noise import NOISE_EMBEDDING_FORMAT
 
-    noise = {"format": NOISE_EMBEDDING_FORMAT, "settings": student.noise_encoder.settings(),
-             "tensors": save_tensors(folder / NOISE_FILE, student.noise_encoder.state_dict())}
-    weights = {"file": "model.safetensors" if "model.safetensors" in files else "*", "bytes": 0,
-               "sha256": hf_weights_sha256(folder)}
-    write_json(folder / "model.json", {**info, "hf_format": HF_FORMAT,
-                                       "model_config": json.loads(student.config.to_json_string()),
-                                       "noise_embedding": noise, "files": files, "tensors": weights})
+    noise = {
+        "format": NOISE_EMBEDDING_FORMAT,
+        "settings": student.noise_encoder.settings(),
+        "tensors": save_tensors(folder / NOISE_FILE, student.noise_encoder.state_dict()),
+    }
+    weights = {
+        "file": "model.safetensors" if "model.safetensors" in files else "*",
+        "bytes": 0,
+        "sha256": hf_weights_sha256(folder),
+    }
+    write_json(
+        folder / "model.json",
+        {
+            **info,
+            "hf_format": HF_FORMAT,
+            "model_config": json.loads(student.config.to_json_string()),
+            "noise_embedding": noise,
+            "files": files,
+            "tensors": weights,
+        },
+    )
 
 
 # ---------------------------------------------------------------------- text
@@ -352,13 +395,16 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
     """``--data`` encoded with an HF (fast) tokenizer: the split and stream layout of ``load_corpus``, cached."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise DataError("source (--data): the model's tokenizer has no eos_token, so documents cannot be separated; "
-                        "set one (tokenizer.eos_token) in the model folder")
+        raise DataError(
+            "source (--data): the model's tokenizer has no eos_token, so documents cannot be separated; "
+            "set one (tokenizer.eos_token) in the model folder"
+        )
     backend = literal_specials(tokenizer.backend_tokenizer)
     docs = load_documents(source)
     content = documents_sha256(docs)
-    key = hashlib.sha256(json.dumps([FORMAT_VERSION, "hf", tokenizer_sha256(backend), eos, val_fraction]).encode()
-                         + content.encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([FORMAT_VERSION, "hf", tokenizer_sha256(backend), eos, val_fraction]).encode() + content.encode()
+    ).hexdigest()[:16]
     cache = default_cache_dir() / f"hf-corpus-{key}"
     meta_path = cache / "meta.json"
     if not meta_path.exists():
@@ -371,8 +417,11 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
     train = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
     val = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
     if verbose:
-        print(f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, the model's tokenizer, cache "
-              f"{cache}", flush=True)
+        print(
+            f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, the model's tokenizer, cache "
+            f"{cache}",
+            flush=True,
+        )
     corpus = Corpus(train, val, backend, eos, meta["source"], tuple(meta["documents"]), content)
     corpus.hf_tokenizer = tokenizer
     return corpus

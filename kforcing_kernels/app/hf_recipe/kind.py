@@ -44,8 +44,10 @@ class HFKind(ModelKind):
     def earlier_identity_note(self, folder, recorded: str) -> Optional[str]:
         if files.is_hf_source(folder) and recorded == files.hf_weights_sha256(folder):
             # Saved before a --model folder's identity covered its config.json and tokenizer files.
-            return ("the --model folder's config.json and tokenizer files were recorded; its weights are the same, "
-                    "reusing it without checking that config.json and the tokenizer did not change")
+            return (
+                "the --model folder's config.json and tokenizer files were recorded; its weights are the same, "
+                "reusing it without checking that config.json and the tokenizer did not change"
+            )
         return None
 
     def source_option(self, folder) -> Optional[str]:
@@ -79,29 +81,42 @@ class HFKind(ModelKind):
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
         return files.hf_corpus(teacher, data, verbose=verbose)
 
-    def generate_kforcing(self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size,
-                          k_train, return_logits):
+    def generate_kforcing(
+        self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size, k_train, return_logits
+    ):
         from .student import generate_grouped
 
         steps = noise.shape[1]
         taus = torch.as_tensor(temperature, dtype=torch.float32, device=tokens.device).expand(tokens.shape[0])
-        return generate_grouped(lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths,
-                                max_new_tokens, noise, taus)
+        return generate_grouped(
+            lambda p, z, t: model.generate_kforcing(p, k, steps, t, z), tokens, lengths, max_new_tokens, noise, taus
+        )
 
-    def generate_ar(self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size,
-                    return_logits):
+    def generate_ar(
+        self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size, return_logits
+    ):
         from ..generation.checks import is_greedy
         from .student import generate_grouped
 
         greedy = is_greedy(temperature)
         taus = torch.as_tensor(temperature, dtype=torch.float32, device=tokens.device).expand(tokens.shape[0])
-        return generate_grouped(lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy), tokens, lengths,
-                                max_new_tokens, noise, taus)
+        return generate_grouped(
+            lambda p, z, t: model.generate_ar(p, max_new_tokens, t, z, greedy),
+            tokens,
+            lengths,
+            max_new_tokens,
+            noise,
+            taus,
+        )
 
     def reference_generator(self, folder, device):
         """The AR teacher as an HF user runs it: ``from_pretrained(attn_implementation="sdpa")``."""
-        return files.import_transformers().AutoModelForCausalLM.from_pretrained(
-            str(folder), attn_implementation="sdpa", dtype=torch.float32).to(device).eval()
+        return (
+            files.import_transformers()
+            .AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa", dtype=torch.float32)
+            .to(device)
+            .eval()
+        )
 
     def sliding_window(self, cfg) -> Optional[int]:
         """The window of ``--model-config`` or of the ``--model`` folder's config (None when transformers cannot read

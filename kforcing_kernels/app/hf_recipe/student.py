@@ -69,15 +69,18 @@ class HFStudent(nn.Module):
 
     kind = "hf"  # its ModelKind in app/student.py's registry: app/hf_recipe/kind.py
 
-    def __init__(self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None,
-                 k_train: Optional[int] = None):
+    def __init__(
+        self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None
+    ):
         super().__init__()
         impl = getattr(hf_model.config, "_attn_implementation", None)
         if impl != kf_hf.ATTN_IMPLEMENTATION:
             raise ValueError(f"hf_model: expected attn_implementation='kforcing' (layouts are its masks), got {impl!r}")
         if getattr(hf_model.config, "attn_logit_softcapping", None) is not None:  # refused here, before any training
-            raise ValueError(f"attn_logit_softcapping: not supported by attn_implementation='kforcing', got "
-                             f"{hf_model.config.attn_logit_softcapping!r}" + kf_hf.SOFTCAP_ADVICE)
+            raise ValueError(
+                f"attn_logit_softcapping: not supported by attn_implementation='kforcing', got "
+                f"{hf_model.config.attn_logit_softcapping!r}" + kf_hf.SOFTCAP_ADVICE
+            )
         self.hf = hf_model.eval()
         hidden = self.wte.weight.shape[1]
         self.noise_encoder = noise_encoder if noise_encoder is not None else NoiseEmbedding(hidden)
@@ -109,8 +112,10 @@ class HFStudent(nn.Module):
         inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
         layers = [m for m in layers if id(m) not in inner]
         if not layers:
-            raise ValueError(f"model: cannot find the decoder layers of {type(self.hf).__name__} (no module of a "
-                             f"class in its _no_split_modules {sorted(names)})")
+            raise ValueError(
+                f"model: cannot find the decoder layers of {type(self.hf).__name__} (no module of a "
+                f"class in its _no_split_modules {sorted(names)})"
+            )
         return layers
 
     def tied_keys(self) -> list[str]:
@@ -128,10 +133,13 @@ class HFStudent(nn.Module):
         then the loss takes the logits."""
         head = self.hf.get_output_embeddings()
         config = self.hf.config
-        plain = (isinstance(head, nn.Linear) and getattr(config, "final_logit_softcapping", None) is None
-                 and getattr(config, "logit_scale", None) in (None, 1, 1.0)
-                 and getattr(config, "logits_scaling", None) in (None, 1, 1.0)
-                 and self._base() is not None)
+        plain = (
+            isinstance(head, nn.Linear)
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logit_scale", None) in (None, 1, 1.0)
+            and getattr(config, "logits_scaling", None) in (None, 1, 1.0)
+            and self._base() is not None
+        )
         return head if plain else None
 
     def _base(self) -> Optional[nn.Module]:
@@ -148,11 +156,23 @@ class HFStudent(nn.Module):
 
     # -------------------------------------------------------------- the three training-time forwards
 
-    def _run(self, embeds: torch.Tensor, positions: torch.Tensor, layout: WindowLayout, keep: int = 0, cache=None,
-             use_cache: bool = False, hidden: bool = False):
+    def _run(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        layout: WindowLayout,
+        keep: int = 0,
+        cache=None,
+        use_cache: bool = False,
+        hidden: bool = False,
+    ):
         b, length = embeds.shape[:2]
-        kwargs = {"inputs_embeds": embeds, "position_ids": positions.expand(b, length), "kforcing_layout": layout,
-                  "use_cache": use_cache or cache is not None}
+        kwargs = {
+            "inputs_embeds": embeds,
+            "position_ids": positions.expand(b, length),
+            "kforcing_layout": layout,
+            "use_cache": use_cache or cache is not None,
+        }
         if kwargs["use_cache"]:
             # A full cache on every layer: a sliding layer's own cache (DynamicSlidingWindowLayer) drops keys beyond
             # the window and cannot be cropped back past it, while the layouts index the whole context; the
@@ -174,23 +194,33 @@ class HFStudent(nn.Module):
         """noise ``[B, *S]`` in [0, 1), tau scalar or ``[B]`` -> embeddings ``[B, *S, C]`` in the model's dtype."""
         tau = torch.as_tensor(tau, dtype=torch.float32, device=noise.device)
         if tau.dim() > 1 or (tau.dim() == 1 and tau.shape[0] != noise.shape[0]):
-            raise ValueError(f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got "
-                             f"{tuple(tau.shape)}")
+            raise ValueError(
+                f"tau: expected a scalar or shape [{noise.shape[0]}] (one per sample), got {tuple(tau.shape)}"
+            )
         return self.noise_encoder(noise, tau).to(self.wte.weight.dtype)
 
-    def forward(self, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None, tau: Temperature = 1.0,
-                cu_seqlens=None, context_parallel: Optional[ContextParallel] = None, return_hidden: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        context_parallel: Optional[ContextParallel] = None,
+        return_hidden: bool = False,
+    ):
         """AR logits ``[B, N, V]`` when ``noise`` is None, else SingleForward logits ``[B, N, k, V]``.
 
         With ``context_parallel``: this rank's share, ``(logits, rows)`` (:meth:`context_parallel_forward`).
         ``return_hidden``: the final hidden states ``[..., C]`` in place of the logits (see :meth:`output_head`)."""
         if context_parallel is not None:
-            return self.context_parallel_forward(context_parallel, tokens, noise, tau, cu_seqlens,
-                                                 return_hidden=return_hidden)
+            return self.context_parallel_forward(
+                context_parallel, tokens, noise, tau, cu_seqlens, return_hidden=return_hidden
+            )
         if noise is None:
             return self.ar_forward(tokens, cu_seqlens=cu_seqlens, return_hidden=return_hidden)
-        return self.single_forward(tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False,
-                                   return_hidden=return_hidden)[0]
+        return self.single_forward(
+            tokens, noise, tau, cu_seqlens=cu_seqlens, keep_cache=False, return_hidden=return_hidden
+        )[0]
 
     def ar_forward(self, tokens: torch.Tensor, cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
         """tokens ``[B, N]`` -> next-token logits ``[B, N, V]``; ``cu_seqlens`` packs documents (as KForcingLM)."""
@@ -200,8 +230,15 @@ class HFStudent(nn.Module):
         layout = WindowLayout.causal(n, cu_seqlens=cu)
         return self._run(self.wte(tokens), context_positions(n, cu, tokens.device), layout, hidden=return_hidden)[0]
 
-    def single_forward(self, tokens: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0, cu_seqlens=None,
-                       keep_cache: bool = True, return_hidden: bool = False):
+    def single_forward(
+        self,
+        tokens: torch.Tensor,
+        noise: torch.Tensor,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        keep_cache: bool = True,
+        return_hidden: bool = False,
+    ):
         """SingleForward: ``(logits [B, N, k, V], the context cache (N tokens) or None)``; arguments as KForcingLM's."""
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
@@ -210,14 +247,25 @@ class HFStudent(nn.Module):
         k = noise.shape[2]
         cu = as_cu_seqlens(cu_seqlens, n, b)
         embeds = torch.cat([self.wte(tokens), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1)
-        logits, cache = self._run(embeds, single_positions(n, k, tokens.device, cu), WindowLayout.kforcing_single(n, k,
-            cu_seqlens=cu),
-                                  keep=n * k, use_cache=keep_cache, hidden=return_hidden)
+        logits, cache = self._run(
+            embeds,
+            single_positions(n, k, tokens.device, cu),
+            WindowLayout.kforcing_single(n, k, cu_seqlens=cu),
+            keep=n * k,
+            use_cache=keep_cache,
+            hidden=return_hidden,
+        )
         return logits.reshape(b, n, k, -1), (None if cache is None else crop_cache(cache, n))
 
-    def context_parallel_forward(self, cp: ContextParallel, tokens: torch.Tensor, noise: Optional[torch.Tensor] = None,
-                                 tau: Temperature = 1.0, cu_seqlens=None, return_hidden: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_parallel_forward(
+        self,
+        cp: ContextParallel,
+        tokens: torch.Tensor,
+        noise: Optional[torch.Tensor] = None,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of :meth:`ar_forward` (``noise`` None) or of the SingleForward, as ``KForcingLM``'s.
 
         Every rank of ``cp``'s group passes the same full inputs; the HF model runs on this rank's rows of the
@@ -227,16 +275,21 @@ class HFStudent(nn.Module):
         (``logits[:, i] == forward(tokens, noise, tau).flatten(1, 2)[:, rows[i]]``).
         """
         if not isinstance(cp, ContextParallel):
-            raise ValueError("context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got "
-                             f"{type(cp).__name__}")
+            raise ValueError(
+                f"context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got {type(cp).__name__}"
+            )
         self._check_tokens("tokens", tokens)
         b, n = tokens.shape
         cu = as_cu_seqlens(cu_seqlens, n, b)
         if noise is None:
             shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
             rows = shard.query_rows.to(tokens.device)
-            logits, _ = self._run(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard,
-                                  hidden=return_hidden)
+            logits, _ = self._run(
+                self.wte(tokens[:, rows]),
+                context_positions(n, cu, tokens.device)[..., rows],
+                shard,
+                hidden=return_hidden,
+            )
             return logits, shard.query_rows
         if noise.dim() != 3 or noise.shape[:2] != (b, n):
             raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
@@ -244,15 +297,28 @@ class HFStudent(nn.Module):
         shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
         rows = shard.query_rows.to(tokens.device)
         context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        embeds = torch.cat([self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows],
-                                                                                tau)], 1)
+        embeds = torch.cat(
+            [self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1
+        )
         windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
-        logits, _ = self._run(embeds, single_positions(n, k, tokens.device, cu)[..., rows], shard, keep=max(windows, 1),
-                              hidden=return_hidden)
-        return logits[:, logits.shape[1] - windows:], window_rows.cpu()
+        logits, _ = self._run(
+            embeds,
+            single_positions(n, k, tokens.device, cu)[..., rows],
+            shard,
+            keep=max(windows, 1),
+            hidden=return_hidden,
+        )
+        return logits[:, logits.shape[1] - windows :], window_rows.cpu()
 
-    def double_forward(self, context_kv, first: torch.Tensor, noise: torch.Tensor, tau: Temperature = 1.0,
-                       cu_seqlens=None, return_hidden: bool = False) -> torch.Tensor:
+    def double_forward(
+        self,
+        context_kv,
+        first: torch.Tensor,
+        noise: torch.Tensor,
+        tau: Temperature = 1.0,
+        cu_seqlens=None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
         """DoubleForward on the context cache of :meth:`single_forward` (cropped back to N afterwards): ``[B, N, k, V]``
         (hidden states ``[B, N, k, C]`` with ``return_hidden``)."""
         self._check_tokens("first", first)
@@ -262,11 +328,17 @@ class HFStudent(nn.Module):
         if context_kv is None or context_kv.get_seq_length() != n:
             raise ValueError(f"context_kv: expected the cache of single_forward over N={n} context tokens")
         cu = as_cu_seqlens(cu_seqlens, n, b)
-        embeds = torch.cat([self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)],
-                           1)
-        logits, _ = self._run(embeds, double_positions(n, k, first.device, cu), WindowLayout.kforcing_double(n, k,
-            cu_seqlens=cu),
-                              keep=n * k, cache=context_kv, hidden=return_hidden)
+        embeds = torch.cat(
+            [self.wte(first).reshape(b, n * k, -1), self.embed_noise(noise, tau).reshape(b, n * k, -1)], 1
+        )
+        logits, _ = self._run(
+            embeds,
+            double_positions(n, k, first.device, cu),
+            WindowLayout.kforcing_double(n, k, cu_seqlens=cu),
+            keep=n * k,
+            cache=context_kv,
+            hidden=return_hidden,
+        )
         crop_cache(context_kv, n)
         return logits.reshape(b, n, k, -1)
 
@@ -309,21 +381,24 @@ class HFStudent(nn.Module):
         """AR decoding for prompts of one length: prompt ``[B, P]``, noise ``[B, T]`` -> (tokens ``[B, T]``, logits
         ``[B, T, V]``)."""
         b, p = prompt.shape
-        logits, cache = self._run(self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p),
-                                  keep=1, use_cache=True)
+        logits, cache = self._run(
+            self.wte(prompt), torch.arange(p, device=prompt.device), WindowLayout.causal(p), keep=1, use_cache=True
+        )
         outs, all_logits = [], []
         for s in range(new_tokens):
             last = logits[:, -1]
             outs.append(last.argmax(-1) if greedy else inverse_cdf_sample(last, noise[:, s], temperature))
             all_logits.append(last)
             if s + 1 < new_tokens:
-                logits, cache = self._window_call(self.wte(outs[-1][:, None]), cache.get_seq_length(), 1, "windows", 1,
-                                                  cache)
+                logits, cache = self._window_call(
+                    self.wte(outs[-1][:, None]), cache.get_seq_length(), 1, "windows", 1, cache
+                )
         return torch.stack(outs, 1), torch.stack(all_logits, 1)
 
 
-def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: int, *per_row) -> tuple[torch.Tensor,
-                                                                                                      torch.Tensor]:
+def generate_grouped(
+    run, tokens: torch.Tensor, lengths: torch.Tensor, width: int, *per_row
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``run(prompt [G, P], *rows of per_row)`` for each group of prompts of one length P, results put back in order.
 
     tokens ``[B, P_max]`` right-padded, lengths ``[B]``; each ``per_row`` tensor has B rows (or is None).
@@ -335,7 +410,8 @@ def generate_grouped(run, tokens: torch.Tensor, lengths: torch.Tensor, width: in
         got, got_logits = run(tokens[rows, :length], *(None if t is None else t[rows] for t in per_row))
         if out is None:
             out = torch.empty(tokens.shape[0], width, dtype=torch.int64, device=tokens.device)
-            logits = torch.empty(tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype,
-                                 device=tokens.device)
+            logits = torch.empty(
+                tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype, device=tokens.device
+            )
         out[rows], logits[rows] = got[:, :width], got_logits[:, :width]
     return out, logits

@@ -48,8 +48,10 @@ def _objective(stage: str, student, teacher) -> Objective:
         raise ValueError(f"stage: expected one of {STAGES} (stage 0 is plain next-token training), got {stage!r}")
     for name, model in (("model", student), ("teacher", teacher)):
         if model is not None and not isinstance(model, HFStudent):
-            raise ValueError(f"{name}: expected an HFStudent (HFStudent(AutoModelForCausalLM.from_pretrained(..., "
-                             f"attn_implementation='kforcing'))), got {type(model).__name__}")
+            raise ValueError(
+                f"{name}: expected an HFStudent (HFStudent(AutoModelForCausalLM.from_pretrained(..., "
+                f"attn_implementation='kforcing'))), got {type(model).__name__}"
+            )
     if teacher is None:
         raise ValueError(f"teacher: {stage} distils a teacher (Stage 1: the AR model; Stage 2: the PFLM(k)), got None")
     return Objective.of(stage)
@@ -59,24 +61,33 @@ def _batch(input_ids: torch.Tensor, noise: torch.Tensor, tau, separator: Optiona
     tau = torch.as_tensor(tau, dtype=torch.float32, device=input_ids.device)
     tau = tau.expand(input_ids.shape[0]) if tau.dim() == 0 else tau
     if tau.shape != input_ids.shape[:1]:
-        raise ValueError(f"tau: expected a scalar or one temperature per sequence [{input_ids.shape[0]}], got "
-                         f"{tuple(tau.shape)}")
+        raise ValueError(
+            f"tau: expected a scalar or one temperature per sequence [{input_ids.shape[0]}], got {tuple(tau.shape)}"
+        )
     return Batch(input_ids, noise, tau, separator=separator)
 
 
-def kforcing_targets(stage: str, teacher: HFStudent, input_ids: torch.Tensor, noise: torch.Tensor, tau,
-                     separator: Optional[int] = None) -> torch.Tensor:
+def kforcing_targets(
+    stage: str, teacher: HFStudent, input_ids: torch.Tensor, noise: torch.Tensor, tau, separator: Optional[int] = None
+) -> torch.Tensor:
     """The teacher's targets ``[B, N, k]`` for context ``input_ids [B, N]`` and ``noise [B, N, k]`` (see the module
     docstring).
 
     ``tau``: a scalar or ``[B]`` (> 0); ``separator``: the EOS id of packed documents (attention stays in each), or
-    None. """
+    None."""
     objective = _objective(stage, None, teacher)
     return student_inputs(objective, _batch(input_ids, noise, tau, separator), teacher, None)[2]
 
 
-def kforcing_loss(stage: str, student: HFStudent, teacher: HFStudent, input_ids: torch.Tensor, noise: torch.Tensor, tau,
-                  separator: Optional[int] = None) -> torch.Tensor:
+def kforcing_loss(
+    stage: str,
+    student: HFStudent,
+    teacher: HFStudent,
+    input_ids: torch.Tensor,
+    noise: torch.Tensor,
+    tau,
+    separator: Optional[int] = None,
+) -> torch.Tensor:
     """Mean cross-entropy of the student's SingleForward (``[B, N, k, V]``) against :func:`kforcing_targets`; with
     ``separator``, over the predictions whose target lies inside their document (the CLI's ``--packed-docs``)."""
     objective = _objective(stage, student, teacher)
@@ -99,12 +110,14 @@ def save_pflm(student: HFStudent, folder, tokenizer=None, k: Optional[int] = Non
         raise ValueError(f"student: expected an HFStudent, got {type(student).__name__}")
     tokenizer = tokenizer if tokenizer is not None else getattr(student, "hf_tokenizer", None)
     if tokenizer is None:
-        raise ValueError("tokenizer: a stage folder holds its tokenizer (generation and the CLI read it); pass the "
-                         "model's tokenizer")
+        raise ValueError(
+            "tokenizer: a stage folder holds its tokenizer (generation and the CLI read it); pass the model's tokenizer"
+        )
     k = student.k_train if k is None else k
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError("k: expected the window the model was trained for (an int >= 1; k_train is "
-                         f"{student.k_train!r}), got {k!r}")
+        raise ValueError(
+            f"k: expected the window the model was trained for (an int >= 1; k_train is {student.k_train!r}), got {k!r}"
+        )
     save_hf_stage(folder, student, {"kind": "pflm", "k": k}, tokenizer)
 
 
@@ -126,14 +139,18 @@ class KForcingTrainer(transformers.Trainer):
         # makes anything (its output folder included).
         bound = inspect.signature(transformers.Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
         if bound.get("processing_class") is None and getattr(bound.get("model"), "hf_tokenizer", None) is None:
-            raise ValueError("processing_class: expected the model's tokenizer (KForcingTrainer(..., processing_class="
-                             "AutoTokenizer.from_pretrained(path))): every checkpoint and save_model writes a stage "
-                             "folder, which holds its tokenizer; got None, and the model carries none (hf_tokenizer)")
+            raise ValueError(
+                "processing_class: expected the model's tokenizer (KForcingTrainer(..., processing_class="
+                "AutoTokenizer.from_pretrained(path))): every checkpoint and save_model writes a stage "
+                "folder, which holds its tokenizer; got None, and the model carries none (hf_tokenizer)"
+            )
         super().__init__(*args, **kwargs)
         _objective(stage, self.model, teacher)
         if stage == "stage2" and not (isinstance(teacher.k_train, int) and teacher.k_train >= 1):
-            raise ValueError(f"teacher: stage2 needs a PFLM teacher with its k_train set (load_pflm of a stage "
-                             f"folder), got k_train={teacher.k_train!r}")
+            raise ValueError(
+                f"teacher: stage2 needs a PFLM teacher with its k_train set (load_pflm of a stage "
+                f"folder), got k_train={teacher.k_train!r}"
+            )
         self.teacher, self.stage, self.separator = teacher.requires_grad_(False).eval(), stage, separator
         self.model.k_train = 1 if stage == "stage1" else 2 * teacher.k_train
 
@@ -141,18 +158,23 @@ class KForcingTrainer(transformers.Trainer):
         ids = inputs["input_ids"]
         if next(self.teacher.parameters()).device != ids.device:
             self.teacher.to(ids.device)
-        loss = kforcing_loss(self.stage, model, self.teacher, ids, inputs["noise"], inputs.get("tau", 1.0),
-                             self.separator)
+        loss = kforcing_loss(
+            self.stage, model, self.teacher, ids, inputs["noise"], inputs.get("tau", 1.0), self.separator
+        )
         return (loss, None) if return_outputs else loss
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Trainer would load model.safetensors (the backbone's keys, not the wrapper's) with strict=False: nothing.
-        _load_stage_into(self.accelerator.unwrap_model(model if model is not None else self.model),
-                         resume_from_checkpoint, "resume_from_checkpoint")
+        _load_stage_into(
+            self.accelerator.unwrap_model(model if model is not None else self.model),
+            resume_from_checkpoint,
+            "resume_from_checkpoint",
+        )
 
     def _load_best_model(self):
-        _load_stage_into(self.accelerator.unwrap_model(self.model), self.state.best_model_checkpoint,
-                         "load_best_model_at_end")
+        _load_stage_into(
+            self.accelerator.unwrap_model(self.model), self.state.best_model_checkpoint, "load_best_model_at_end"
+        )
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -167,8 +189,9 @@ def _load_stage_into(student: HFStudent, folder, option: str) -> None:
     except ValueError as exc:  # CheckpointError: the folder is missing, damaged or not a stage folder
         raise ValueError(f"{option}: {exc}") from None
     if info["k"] != student.k_train:
-        raise ValueError(f"{option}: {folder} holds a PFLM trained for k={info['k']}, this trainer trains "
-                         f"k={student.k_train}")
+        raise ValueError(
+            f"{option}: {folder} holds a PFLM trained for k={info['k']}, this trainer trains k={student.k_train}"
+        )
     try:
         student.load_state_dict(saved.state_dict())
     except RuntimeError as exc:

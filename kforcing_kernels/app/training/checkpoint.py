@@ -66,8 +66,9 @@ def _load_model_tensors(model, tensors: dict[str, torch.Tensor], where: Path) ->
     tied = set(_tied_keys(model))
     missing = [k for k in result.missing_keys if k not in tied]
     if missing or result.unexpected_keys:
-        raise CheckpointError(f"{where}: tensors do not match the model (missing {missing}, unexpected "
-                              f"{result.unexpected_keys})")
+        raise CheckpointError(
+            f"{where}: tensors do not match the model (missing {missing}, unexpected {result.unexpected_keys})"
+        )
 
 
 def _model_from_config(json_path: Path, config: dict):
@@ -109,9 +110,11 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu"):
     recorded = info.get("tokenizer_sha256")  # absent in models saved before it was recorded: not checked
     if tokenizer is not None and recorded is not None:
         if tokenizer_sha256(tokenizer) != recorded:
-            raise CheckpointError(f"{tok_path}: not the tokenizer this model was trained with (its SHA-256 differs "
-                                  "from "
-                                  f"{json_path.name}'s tokenizer_sha256); put the run's own tokenizer.json back")
+            raise CheckpointError(
+                f"{tok_path}: not the tokenizer this model was trained with (its SHA-256 differs "
+                "from "
+                f"{json_path.name}'s tokenizer_sha256); put the run's own tokenizer.json back"
+            )
     return model.to(device).eval(), info, tokenizer
 
 
@@ -147,8 +150,9 @@ def latest_checkpoint(out: str | Path) -> Optional[Path]:
 
 def config_dict(model) -> dict:
     """The model's config as JSON gives it back (native ``ModelConfig`` or a Hugging Face config)."""
-    return json.loads(model.config.to_json_string()) if hasattr(model.config,
-                                                                "to_json_string") else model.config.to_dict()
+    return (
+        json.loads(model.config.to_json_string()) if hasattr(model.config, "to_json_string") else model.config.to_dict()
+    )
 
 
 def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:
@@ -165,9 +169,12 @@ def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict
         for key, value in state.items():
             tensors[f"optim/{pid}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
     meta = {
-        "format": CHECKPOINT_FORMAT, "step": step, "train_config": train_config,
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "train_config": train_config,
         "model_config": config_dict(model),
-        "info": info, "param_groups": opt["param_groups"],
+        "info": info,
+        "param_groups": opt["param_groups"],
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
     tensor_path, json_path = ckpt / f"{stem}.safetensors", ckpt / f"{stem}.json"
@@ -184,16 +191,25 @@ def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict
     return json_path
 
 
-_CHECKPOINT_KEYS = {"format": int, "step": int, "train_config": dict, "model_config": dict, "info": dict,
-                    "param_groups": list, "scaler": (dict, type(None)), "tensors": dict}
+_CHECKPOINT_KEYS = {
+    "format": int,
+    "step": int,
+    "train_config": dict,
+    "model_config": dict,
+    "info": dict,
+    "param_groups": list,
+    "scaler": (dict, type(None)),
+    "tensors": dict,
+}
 
 
 def read_checkpoint_meta(json_path: Path) -> dict:
     """A checkpoint's JSON, checked for format and structure."""
     meta = read_json(json_path, {"format": int})
     if meta["format"] != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{json_path}: unknown checkpoint format {meta['format']!r}, "
-                              f"expected {CHECKPOINT_FORMAT}")
+        raise CheckpointError(
+            f"{json_path}: unknown checkpoint format {meta['format']!r}, expected {CHECKPOINT_FORMAT}"
+        )
     return read_json(json_path, _CHECKPOINT_KEYS)
 
 

@@ -54,8 +54,10 @@ class Checkpointer:
         if is_sharded(path) != self.sharded:  # the settings check names --parallel first; this is the same refusal
             from .config import ConfigError
 
-            raise ConfigError(f"parallel: {path} is {'a sharded' if is_sharded(path) else 'a whole-model'} checkpoint; "
-                              f"resume it with --parallel {'fsdp' if is_sharded(path) else 'ddp'}")
+            raise ConfigError(
+                f"parallel: {path} is {'a sharded' if is_sharded(path) else 'a whole-model'} checkpoint; "
+                f"resume it with --parallel {'fsdp' if is_sharded(path) else 'ddp'}"
+            )
         return (load_sharded_checkpoint if self.sharded else load_checkpoint)(path, model, optimizer, scaler)["step"]
 
     def export(self, student, record: dict, corpus=None) -> None:

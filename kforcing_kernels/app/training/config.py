@@ -99,14 +99,46 @@ class TrainConfig:
     teacher_parallel: str = "replicate"
 
     # Fields that change what a step computes; a resumed run must agree on them.
-    RESUME_KEYS = ("stage", "teacher", "data", "vocab_size", "preset", "model_overrides", "seq_len", "steps",
-                   "batch_size",
-                   "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                   "tau_min", "tau_max", "supervision", "decode", "k", "packed_docs", "seed", "precision", "parallel",
-                   "model", "model_config")
+    RESUME_KEYS = (
+        "stage",
+        "teacher",
+        "data",
+        "vocab_size",
+        "preset",
+        "model_overrides",
+        "seq_len",
+        "steps",
+        "batch_size",
+        "grad_accum",
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "grad_clip",
+        "tau_min",
+        "tau_max",
+        "supervision",
+        "decode",
+        "k",
+        "packed_docs",
+        "seed",
+        "precision",
+        "parallel",
+        "model",
+        "model_config",
+    )
     # Resume keys added after runs were saved without them: the value those runs used.
-    RESUME_DEFAULTS = {"packed_docs": False, "supervision": "forward", "decode": "argmax", "k": 1, "parallel": "ddp",
-                       "model": None, "model_config": None}
+    RESUME_DEFAULTS = {
+        "packed_docs": False,
+        "supervision": "forward",
+        "decode": "argmax",
+        "k": 1,
+        "parallel": "ddp",
+        "model": None,
+        "model_config": None,
+    }
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,8 +156,12 @@ def changed_settings(saved: dict, cfg: TrainConfig, ignore: tuple[str, ...] = ()
         if key in ignore:
             continue
         used, wanted = saved.get(key, TrainConfig.RESUME_DEFAULTS.get(key)), getattr(cfg, key)
-        if key in ("teacher", "data", "model",
-                   "model_config") and used is not None and wanted is not None and DEFAULT_SOURCE not in (used, wanted):
+        if (
+            key in ("teacher", "data", "model", "model_config")
+            and used is not None
+            and wanted is not None
+            and DEFAULT_SOURCE not in (used, wanted)
+        ):
             same = Path(used).resolve() == Path(wanted).resolve()
         elif key in _LEGACY and _LEGACY[key](saved, used, wanted):
             same = True
@@ -157,8 +193,11 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     # Paths are recorded resolved, so a run folder works from any directory (kforcing-evaluate RUN, a later stage's
     # --teacher): --data as typed was relative to the directory the run was started in. The built-in corpus stays a
     # name.
-    changes = {key: str(Path(value).resolve()) for key in ("data", "teacher", "model", "model_config")
-               if (value := getattr(cfg, key)) is not None and not (key == "data" and value == DEFAULT_SOURCE)}
+    changes = {
+        key: str(Path(value).resolve())
+        for key in ("data", "teacher", "model", "model_config")
+        if (value := getattr(cfg, key)) is not None and not (key == "data" and value == DEFAULT_SOURCE)
+    }
     if not stage_kind(cfg).sized_by_preset:
         changes["preset"] = None
     if cfg.stage == "stage2":
@@ -172,8 +211,11 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
 # option each belongs to. A run saved before these were recorded has none of them: it is accepted with a
 # warning (the settings, vocabulary size and teacher path are still compared), since nothing can tell.
 PROVENANCE = {"data_sha256": "--data", "tokenizer_sha256": "--data", "teacher_sha256": "--teacher"}
-_PROVENANCE_WHAT = {"data_sha256": "the text of --data", "tokenizer_sha256": "the tokenizer of --data",
-                    "teacher_sha256": "the teacher's model file (--teacher)"}
+_PROVENANCE_WHAT = {
+    "data_sha256": "the text of --data",
+    "tokenizer_sha256": "the tokenizer of --data",
+    "teacher_sha256": "the teacher's model file (--teacher)",
+}
 
 
 def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], list[str]]:
@@ -188,8 +230,9 @@ def changed_provenance(saved: dict, now: dict) -> tuple[list[tuple[str, str]], l
         if saved.get(key) is None:
             unknown.append(key)
         elif saved[key] != value:
-            changed.append((key,
-                            f"{_PROVENANCE_WHAT[key]} changed (sha256 {saved[key][:12]}... then, {value[:12]}... now)"))
+            changed.append(
+                (key, f"{_PROVENANCE_WHAT[key]} changed (sha256 {saved[key][:12]}... then, {value[:12]}... now)")
+            )
     return changed, unknown
 
 
@@ -214,8 +257,17 @@ def check_out_folder(out, option: str = "--out") -> None:
 
 
 # Settings the CLI takes as positive / non-negative ints; the Python API (train(TrainConfig(...))) is checked alike.
-_POSITIVE_INTS = ("vocab_size", "seq_len", "steps", "batch_size", "grad_accum", "log_every", "ckpt_every",
-                  "keep_checkpoints", "eval_batches")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "seq_len",
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "log_every",
+    "ckpt_every",
+    "keep_checkpoints",
+    "eval_batches",
+)
 _NON_NEGATIVE_INTS = ("warmup_steps", "eval_every")
 # Model settings a native run may override: fields of ModelConfig (the CLI sets n_layer, n_head, n_embd).
 MODEL_OVERRIDES = tuple(f.name for f in dataclasses.fields(ModelConfig))
@@ -275,14 +327,18 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     check_reals(cfg, FLOAT_SETTINGS, ConfigError)
     unknown = sorted(set(cfg.model_overrides) - set(MODEL_OVERRIDES))
     if unknown:
-        raise ConfigError(f"model_overrides: {', '.join(unknown)} is not a model setting (ModelConfig's fields: "
-                          f"{', '.join(MODEL_OVERRIDES)})")
+        raise ConfigError(
+            f"model_overrides: {', '.join(unknown)} is not a model setting (ModelConfig's fields: "
+            f"{', '.join(MODEL_OVERRIDES)})"
+        )
     check_device(cfg.device)
     if cfg.stage != "stage0" and not cfg.teacher:
         raise ConfigError(f"teacher: {cfg.stage} needs --teacher (the previous stage's folder)")
     if cfg.teacher and Path(cfg.teacher).resolve() == Path(cfg.out).resolve():
-        raise ConfigError(f"out: {cfg.out!r} is the teacher's folder (--teacher); a stage writes its own folder "
-                          "(the teacher would be replaced, or removed by --overwrite)")
+        raise ConfigError(
+            f"out: {cfg.out!r} is the teacher's folder (--teacher); a stage writes its own folder "
+            "(the teacher would be replaced, or removed by --overwrite)"
+        )
     _validate_hf(cfg)
     if cfg.stage != "stage0" and not (Path(cfg.teacher) / "model.json").exists() and not cfg.model:
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
@@ -296,34 +352,42 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     if cfg.decode not in DECODE_RULES:
         raise ConfigError(f"decode: expected one of {DECODE_RULES}, got {cfg.decode!r}")
     if cfg.decode != "argmax" and cfg.stage != "stage1":
-        raise ConfigError("decode: the decoding rule is chosen in stage1 (stage2 students inherit their teacher's), "
-                          f"got stage {cfg.stage!r}")
+        raise ConfigError(
+            "decode: the decoding rule is chosen in stage1 (stage2 students inherit their teacher's), "
+            f"got stage {cfg.stage!r}"
+        )
     if cfg.supervision not in SUPERVISIONS:
         raise ConfigError(f"supervision: expected one of {SUPERVISIONS}, got {cfg.supervision!r}")
     if cfg.supervision == "noise_inversion" and cfg.stage != "stage1":
         raise ConfigError(f"supervision: noise_inversion distils the AR teacher (stage1), got stage {cfg.stage!r}")
     if cfg.k != 1 and not (cfg.stage == "stage1" and cfg.supervision == "noise_inversion"):
-        raise ConfigError("k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 "
-                          f"doubles its teacher's), got {cfg.k}")
+        raise ConfigError(
+            "k: only stage1 with noise_inversion sets the window (forward distillation has k=1, stage2 "
+            f"doubles its teacher's), got {cfg.k}"
+        )
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {PRECISIONS}, got {cfg.precision!r}")
     if cfg.parallel not in PARALLEL_MODES:
         raise ConfigError(f"parallel: expected one of {PARALLEL_MODES}, got {cfg.parallel!r}")
     if cfg.parallel == "fsdp" and cfg.precision == "fp16":
-        raise ConfigError("precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use "
-                          "--precision bf16")
+        raise ConfigError(
+            "precision: --parallel fsdp trains in fp32 or bf16 (FSDP2 has no loss scaling here); use --precision bf16"
+        )
     if not 0 < cfg.tau_min <= cfg.tau_max:
         raise ConfigError(f"tau_min: expected 0 < tau_min <= tau_max={cfg.tau_max}, got {cfg.tau_min}")
     if not _is_int(cfg.context_parallel) or cfg.context_parallel < 1 or world % cfg.context_parallel:
-        raise ConfigError(f"context_parallel: expected a divisor of the world size {world}, got "
-                          f"{cfg.context_parallel!r}")
+        raise ConfigError(
+            f"context_parallel: expected a divisor of the world size {world}, got {cfg.context_parallel!r}"
+        )
     if cfg.teacher_parallel not in TEACHER_MODES:
         raise ConfigError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {cfg.teacher_parallel!r}")
     dp = world // cfg.context_parallel  # the ranks of a CP group share their sequences
     if cfg.batch_size % (dp * cfg.grad_accum):
-        raise ConfigError(f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
-                          f"{cfg.grad_accum} "
-                          f"(world size {world} / context_parallel {cfg.context_parallel}), got {cfg.batch_size}")
+        raise ConfigError(
+            f"batch_size: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
+            f"{cfg.grad_accum} "
+            f"(world size {world} / context_parallel {cfg.context_parallel}), got {cfg.batch_size}"
+        )
     if cfg.stop_at is not None and not 0 < cfg.stop_at <= cfg.steps:
         raise ConfigError(f"stop_at: expected a step in [1, steps={cfg.steps}], got {cfg.stop_at}")
     check_out_folder(cfg.out)
@@ -334,30 +398,40 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
 def _validate_hf(cfg: TrainConfig) -> None:
     """--model / --model-config: which stages take them and what they exclude."""
     if cfg.model and cfg.model_config:
-        raise ConfigError("model_config: --model (a pretrained folder) and --model-config (a random initialisation) "
-                          "are two "
-                          "sources of the model; pass one")
+        raise ConfigError(
+            "model_config: --model (a pretrained folder) and --model-config (a random initialisation) "
+            "are two "
+            "sources of the model; pass one"
+        )
     if cfg.model_config:
         if cfg.stage != "stage0":
-            raise ConfigError("model_config: only stage0 builds a model from --model-config (later stages inherit "
-                              "their "
-                              f"teacher's), got stage {cfg.stage!r}")
+            raise ConfigError(
+                "model_config: only stage0 builds a model from --model-config (later stages inherit "
+                "their "
+                f"teacher's), got stage {cfg.stage!r}"
+            )
         if not Path(cfg.model_config).is_file():
             raise ConfigError(f"model_config: no transformers config file at {cfg.model_config!r}")
     if cfg.model:
         if cfg.stage != "stage1":
-            raise ConfigError("model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model "
-                              "PATH` or "
-                              f"`pipeline --model PATH`), got stage {cfg.stage!r}")
+            raise ConfigError(
+                "model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model "
+                "PATH` or "
+                f"`pipeline --model PATH`), got stage {cfg.stage!r}"
+            )
         if not (Path(cfg.model) / "config.json").exists():
-            raise ConfigError("model: expected a local Hugging Face model folder (config.json, weights, tokenizer), "
-                              f"got {cfg.model!r}")
+            raise ConfigError(
+                "model: expected a local Hugging Face model folder (config.json, weights, tokenizer), "
+                f"got {cfg.model!r}"
+            )
         if cfg.teacher and Path(cfg.teacher).resolve() != Path(cfg.model).resolve():
             raise ConfigError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
     if (cfg.model or cfg.model_config) and cfg.model_overrides:
         option = "--model" if cfg.model else "--model-config"
-        raise ConfigError(f"model_overrides: {option} gives the model; --"
-                          f"{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} size the native model only")
+        raise ConfigError(
+            f"model_overrides: {option} gives the model; --"
+            f"{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} size the native model only"
+        )
 
 
 # ---------------------------------------------------------------------- the output folder and the data
@@ -382,16 +456,23 @@ def prepare_out(cfg: TrainConfig, main: bool, log) -> None:
             clean_run_folder(out, log)
         if latest_checkpoint(out) is None:
             found = existing_run(out)
-            where = (f"the run in {out} ({', '.join(found)}) stopped before its first checkpoint" if found
-                     else f"there is no run in {out}")
-            raise ConfigError(f"resume: no checkpoint to continue from: {where}; start again with --overwrite "
-                              "(or without --resume), or check --out")
+            where = (
+                f"the run in {out} ({', '.join(found)}) stopped before its first checkpoint"
+                if found
+                else f"there is no run in {out}"
+            )
+            raise ConfigError(
+                f"resume: no checkpoint to continue from: {where}; start again with --overwrite "
+                "(or without --resume), or check --out"
+            )
         return
     found = existing_run(out)
     if found and not cfg.overwrite:
         kind = "a finished run" if "model.json" in found else "a partial run"
-        raise ConfigError(f"out: {out} already holds {kind} ({', '.join(found)}); pass --resume to continue it, "
-                          "--overwrite to replace it, or choose another --out")
+        raise ConfigError(
+            f"out: {out} already holds {kind} ({', '.join(found)}); pass --resume to continue it, "
+            "--overwrite to replace it, or choose another --out"
+        )
     if found and main:
         log(f"--overwrite: removing the previous run's files in {out}: {', '.join(found)}")
         for name in RUN_FILES:
@@ -447,4 +528,5 @@ def check_splits(cfg: TrainConfig, corpus, objective, k: int) -> None:
             raise ConfigError(
                 f"data: the {name} split of --data {cfg.data!r} has {stream.numel()} tokens, fewer than one sequence "
                 f"({need} tokens at --seq-len {cfg.seq_len}); give more text (the validation split is about 2% of the "
-                f"documents, or the tail of a single file) or a smaller --seq-len")
+                f"documents, or the tail of a single file) or a smaller --seq-len"
+            )

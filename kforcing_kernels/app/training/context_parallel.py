@@ -26,8 +26,9 @@ from ...parallel import ContextParallel
 from .objectives import Batch, Objective, document_mask, require_inputs, student_inputs
 
 
-def context_parallel_loss(objective: Objective | str, model, batch: Batch, teacher, cp: ContextParallel, *,
-                          k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def context_parallel_loss(
+    objective: Objective | str, model, batch: Batch, teacher, cp: ContextParallel, *, k: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(backward loss, group loss, per-position group loss [k])`` of this rank's rows.
 
     The group loss (detached) equals :func:`~kforcing_kernels.app.training.objectives.compute_loss` on the whole

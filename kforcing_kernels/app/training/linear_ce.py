@@ -68,10 +68,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         top = torch.where(top > 0, top, torch.ones_like(top))
         scale = (row_weights / top).to(torch.float32)  # the products see weights <= 1 (see the module docstring)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                       if ctx.needs_input_grad[1] else None)
-        grad_bias = (torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-                     if bias is not None and ctx.needs_input_grad[2] else None)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        grad_bias = (
+            torch.zeros(vocab, dtype=torch.float32, device=weight.device)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, rows, chunk_rows):
                 end = min(rows, start + chunk_rows)
@@ -109,8 +113,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_per_row):
         if ctx.spent:
-            raise RuntimeError("LinearCrossEntropy: backward through the same loss twice (retain_graph) is not "
-                               "supported: its saved gradients are scaled in place")
+            raise RuntimeError(
+                "LinearCrossEntropy: backward through the same loss twice (retain_graph) is not "
+                "supported: its saved gradients are scaled in place"
+            )
         ctx.spent = True
         grad_hidden, grad_weight, grad_bias, top = ctx.saved_tensors
         factor = (grad_loss * top).to(torch.float32)
@@ -122,9 +128,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         targets: torch.Tensor, row_weights: torch.Tensor,
-                         chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_rows: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_r row_weights[r] * CE_r, CE [R] fp32 detached)``, ``CE_r = CE(hidden[r] @ weight.T + bias, targets[r])``.
 
     Args:
@@ -139,19 +150,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     reduction="none") * row_weights).sum()`` and its gradients within fp32 rounding, without holding ``[R, V]``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden, weight: expected [R, C] and [V, C], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden, weight: expected [R, C] and [V, C], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected None or shape [{weight.shape[0]}], got {tuple(bias.shape)}")
     if targets.shape != hidden.shape[:1] or targets.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"targets: expected int64/int32 [{hidden.shape[0]}], got {targets.dtype} "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"targets: expected int64/int32 [{hidden.shape[0]}], got {targets.dtype} {tuple(targets.shape)}"
+        )
     if row_weights.shape != hidden.shape[:1]:
         raise ValueError(f"row_weights: expected shape [{hidden.shape[0]}], got {tuple(row_weights.shape)}")
     if chunk_rows is None:
         chunk_rows = chunk_rows_for(weight.shape[0])
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive int, got {chunk_rows!r}")
-    loss, per_row = LinearCrossEntropy.apply(hidden, weight, bias, targets.long(), row_weights.detach(),
-                                             chunk_rows, _compute_dtype(hidden, weight))
+    loss, per_row = LinearCrossEntropy.apply(
+        hidden, weight, bias, targets.long(), row_weights.detach(), chunk_rows, _compute_dtype(hidden, weight)
+    )
     return loss, per_row

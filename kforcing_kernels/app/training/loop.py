@@ -107,10 +107,15 @@ class NonFiniteLoss(RuntimeError):
 
 def _non_finite_message(loss: float, step: int, out: Path) -> str:
     ckpt = latest_checkpoint(out)
-    kept = (f"its newest checkpoint, {ckpt.stem}, holds the last good state" if ckpt is not None
-            else "no checkpoint was written yet")
-    return (f"loss: step {step} gave a non-finite loss ({loss}); the run stopped before the optimizer step, so nothing "
-            f"from it was saved ({out}: {kept}). Lower --lr, keep --grad-clip small or train in --precision fp32")
+    kept = (
+        f"its newest checkpoint, {ckpt.stem}, holds the last good state"
+        if ckpt is not None
+        else "no checkpoint was written yet"
+    )
+    return (
+        f"loss: step {step} gave a non-finite loss ({loss}); the run stopped before the optimizer step, so nothing "
+        f"from it was saved ({out}: {kept}). Lower --lr, keep --grad-clip small or train in --precision fp32"
+    )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -125,9 +130,12 @@ def train(cfg: TrainConfig) -> dict:
     validate_config(cfg, env.distributed_ranks()[0])
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
-    dims = setup_parallel(cfg.device, cfg.context_parallel,
-                          cfg.parallel,
-                          group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"))
+    dims = setup_parallel(
+        cfg.device,
+        cfg.context_parallel,
+        cfg.parallel,
+        group=cfg.parallel == "fsdp" or (cfg.teacher_parallel == "fsdp" and cfg.stage != "stage0"),
+    )
     out = Path(cfg.out)
     try:
         before = folder_before_start(out) if dims.main else None
@@ -150,9 +158,12 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
         finished = read_json(out / "model.json")
         require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
-        require_same_provenance(finished, {"data_sha256": data_sha256(cfg.data),
-                                           "teacher_sha256": teacher_sha256(cfg.teacher)},
-                                 f"the finished run in {out}", log)
+        require_same_provenance(
+            finished,
+            {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+            f"the finished run in {out}",
+            log,
+        )
         log(f"{out} is complete (model.json exists); nothing to resume")
         return finished.get("summary", {})
     stage = set_up(cfg, dims, out, log)
@@ -174,8 +185,16 @@ def threads_line(dims: ParallelDims) -> str:
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:
-    return evaluate_loss(stage.student, stage.teacher, stage.objective, stage.k, stage.cfg, stage.corpus,
-                         stage.dims.device, stage.autocast)
+    return evaluate_loss(
+        stage.student,
+        stage.teacher,
+        stage.objective,
+        stage.k,
+        stage.cfg,
+        stage.corpus,
+        stage.dims.device,
+        stage.autocast,
+    )
 
 
 def _step_loss(stage: Stage, part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,8 +214,15 @@ def _run_steps(stage: Stage) -> float:
     separator = stage.corpus.eos_id if cfg.packed_docs else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     live = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    bar = tqdm(total=cfg.steps, initial=stage.start, desc=f"[{cfg.stage}]", disable=not (dims.main and live),
-               file=sys.stderr, dynamic_ncols=True, mininterval=0.2)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=stage.start,
+        desc=f"[{cfg.stage}]",
+        disable=not (dims.main and live),
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.2,
+    )
     lines = ProgressLines(stage.start, stop)  # without a live bar: plain progress lines, about ten and every 30 s
     t_start, last_loss = time.perf_counter(), float("nan")
     for step in range(stage.start, stop):
@@ -204,9 +230,16 @@ def _run_steps(stage: Stage) -> float:
         lr = learning_rate(cfg, step)
         for group in stage.optimizer.param_groups:
             group["lr"] = lr
-        batch = make_batch(stage.objective, stage.corpus.train, cfg.batch_size, cfg.seq_len, stage.k, (cfg.tau_min,
-                                                                                                       cfg.tau_max),
-                           step_generator(cfg.seed, step), separator).shard(dims.dp_rank, dims.dp)
+        batch = make_batch(
+            stage.objective,
+            stage.corpus.train,
+            cfg.batch_size,
+            cfg.seq_len,
+            stage.k,
+            (cfg.tau_min, cfg.tau_max),
+            step_generator(cfg.seed, step),
+            separator,
+        ).shard(dims.dp_rank, dims.dp)
         loss_sum, pos_sum = 0.0, 0.0
         for micro in range(cfg.grad_accum):
             part = batch.shard(micro, cfg.grad_accum).to(dims.device)
@@ -238,18 +271,32 @@ def _run_steps(stage: Stage) -> float:
             bar.set_postfix_str(f"loss {last_loss:.4f} {tok_s:,.0f} tok/s", refresh=False)
             bar.update(1)
             if not live and lines.due(done):
-                stage.log(f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s "
-                          f"({time.perf_counter() - t_start:.0f}s)")
+                stage.log(
+                    f"step {done}/{cfg.steps} loss {last_loss:.4f} {tok_s:,.0f} tok/s "
+                    f"({time.perf_counter() - t_start:.0f}s)"
+                )
             if done % cfg.log_every == 0 or done == stop:
-                append_jsonl(out / "metrics.jsonl", {
-                    "step": done, "loss": last_loss, "loss_pos": stats[1:].tolist(), "lr": lr,
-                    "grad_norm": float(grad_norm), "tokens_per_s": tok_s, "elapsed_s": time.perf_counter() - t_start,
-                })
+                append_jsonl(
+                    out / "metrics.jsonl",
+                    {
+                        "step": done,
+                        "loss": last_loss,
+                        "loss_pos": stats[1:].tolist(),
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens_per_s": tok_s,
+                        "elapsed_s": time.perf_counter() - t_start,
+                    },
+                )
         # The checkpoint comes before the evaluation: an evaluation error never costs trained steps.
         if done % cfg.ckpt_every == 0 or done == stop:
             stage.checkpointer.save(done, stage.student, stage.optimizer, stage.scaler, cfg.to_dict(), stage.model_info)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps \
-                and (dims.main or stage.everyone_evaluates):
+        if (
+            cfg.eval_every
+            and done % cfg.eval_every == 0
+            and done != cfg.steps
+            and (dims.main or stage.everyone_evaluates)
+        ):
             val = _evaluate(stage)
             if dims.main:
                 append_jsonl(out / "metrics.jsonl", {"step": done, "val_loss": val[0], "val_loss_pos": val[1]})
@@ -280,23 +327,37 @@ def _finish(stage: Stage, last_loss: float, t_start: float) -> dict:
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
             summary["final_loss"] = losses[-1] if losses else last_loss
         summary.update(val_loss=vals[-1]["val_loss"], val_loss_pos=vals[-1]["val_loss_pos"])
-        record = {**stage.model_info, "stage": cfg.stage, "data": cfg.data, "train_config": cfg.to_dict(),
-                  "summary": summary}
+        record = {
+            **stage.model_info,
+            "stage": cfg.stage,
+            "data": cfg.data,
+            "train_config": cfg.to_dict(),
+            "summary": summary,
+        }
     stage.checkpointer.export(stage.student, record, stage.corpus)  # a collective under FSDP2: rank 0 writes
     dims.barrier()
     return summary
 
 
 @torch.no_grad()
-def evaluate_loss(student, teacher, objective: Objective, k: int, cfg: TrainConfig, corpus: Corpus, device, autocast
-                  ) -> tuple[float, list[float]]:
+def evaluate_loss(
+    student, teacher, objective: Objective, k: int, cfg: TrainConfig, corpus: Corpus, device, autocast
+) -> tuple[float, list[float]]:
     """Training objective on fixed validation batches (same batches every time)."""
     was_training = student.training
     student.eval()
     total, per_pos = 0.0, 0.0
     for i in range(cfg.eval_batches):
-        batch = make_batch(objective, corpus.val, cfg.batch_size, cfg.seq_len, k, (cfg.tau_min, cfg.tau_max),
-                           step_generator(cfg.seed, i, salt=1), corpus.eos_id if cfg.packed_docs else None).to(device)
+        batch = make_batch(
+            objective,
+            corpus.val,
+            cfg.batch_size,
+            cfg.seq_len,
+            k,
+            (cfg.tau_min, cfg.tau_max),
+            step_generator(cfg.seed, i, salt=1),
+            corpus.eos_id if cfg.packed_docs else None,
+        ).to(device)
         with autocast():
             loss, pos = compute_loss(objective, student, batch, teacher, k=k)
         total, per_pos = total + float(loss), per_pos + pos.float()

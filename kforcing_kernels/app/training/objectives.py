@@ -98,12 +98,16 @@ class Batch:
         size = self.tokens.shape[0] // count
         part = slice(index * size, (index + 1) * size)
         seed = None if self.seed is None else (self.seed * 1009 + index + 1) % 2**62
-        return Batch(*(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed,
-                     self.separator)
+        return Batch(
+            *(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed, self.separator
+        )
 
     def to(self, device) -> "Batch":
-        return Batch(*(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)), self.seed,
-                     self.separator)
+        return Batch(
+            *(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)),
+            self.seed,
+            self.separator,
+        )
 
     def cu_seqlens(self, tokens: torch.Tensor):
         """The documents of ``tokens`` (a prefix of every row of this batch): one ``[D_b + 1]`` per row, or None
@@ -116,8 +120,16 @@ def crop_tokens(objective: Objective, seq_len: int, k: int) -> int:
     return {Objective.AR: seq_len + 1, Objective.NOISE_INVERSION: seq_len + k}.get(objective, seq_len)
 
 
-def make_batch(objective: Objective, stream: torch.Tensor, batch_size: int, seq_len: int, k: int,
-               tau_range: tuple[float, float], generator: torch.Generator, separator: Optional[int] = None) -> Batch:
+def make_batch(
+    objective: Objective,
+    stream: torch.Tensor,
+    batch_size: int,
+    seq_len: int,
+    k: int,
+    tau_range: tuple[float, float],
+    generator: torch.Generator,
+    separator: Optional[int] = None,
+) -> Batch:
     """The global batch of one step: windows of the token stream ``[T]``, and for distillation noise and temperatures.
 
     ``k`` is the student's window (1 for FORWARD, twice the teacher's for SELF_FORCING).
@@ -179,8 +191,9 @@ def require_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
     if objective in (Objective.FORWARD, Objective.SELF_FORCING) and batch.noise is None:
         raise ValueError(f"batch.noise: objective {objective.value} needs noise [B, N, k], got None")
     if objective is Objective.FORWARD and batch.noise.shape[-1] != 1:
-        raise ValueError("batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got "
-                         f"{tuple(batch.noise.shape)}")
+        raise ValueError(
+            f"batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got {tuple(batch.noise.shape)}"
+        )
     if objective is Objective.SELF_FORCING and batch.noise.shape[-1] % 2:
         raise ValueError(f"batch.noise: self-forcing needs 2k noises per window, got {batch.noise.shape[-1]}")
     if objective is Objective.NOISE_INVERSION:
@@ -191,19 +204,35 @@ def require_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
 
 
 @torch.no_grad()
-def student_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int], *, chunked: bool = True,
-                   chunk_rows: Optional[int] = None):
+def student_inputs(
+    objective: Objective,
+    batch: Batch,
+    teacher,
+    k: Optional[int],
+    *,
+    chunked: bool = True,
+    chunk_rows: Optional[int] = None,
+):
     """``(context [B, N], noise [B, N, k], targets [B, N, k], cu_seqlens or None)`` of a distillation objective:
     what the student's SingleForward reads and the teacher's targets for it. ``chunked``: the teacher's logits are
     made and decoded chunk by chunk of ``chunk_rows`` rows (the same targets; see :func:`self_forcing_targets`)."""
     context, noise = batch.tokens, batch.noise
-    cu = batch.cu_seqlens(context[:, :batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context)
+    cu = batch.cu_seqlens(
+        context[:, : batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context
+    )
     packed = batch.separator is not None
     if objective is Objective.NOISE_INVERSION:
         generator = torch.Generator(device=context.device).manual_seed(batch.seed)
-        context, noise, targets = noise_inversion_supervision(teacher, batch.tokens, k, batch.tau, generator,
-                                                              cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]),
-                                                              chunked=chunked, chunk_rows=chunk_rows)
+        context, noise, targets = noise_inversion_supervision(
+            teacher,
+            batch.tokens,
+            k,
+            batch.tau,
+            generator,
+            cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]),
+            chunked=chunked,
+            chunk_rows=chunk_rows,
+        )
     elif objective is Objective.FORWARD:
         head = teacher_head(teacher) if chunked else None
         kwargs = {"cu_seqlens": cu} if packed else {}
@@ -213,16 +242,28 @@ def student_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
         else:
             hidden = teacher(context, return_hidden=True, **kwargs)  # [B, N, C]
             taus = batch.tau[:, None].expand(context.shape)
-            targets = decode_chunks(head, hidden, lambda logits, z, t: forward_targets(logits, z, t, STAGE1_CDF_ORDER),
-                                    noise[..., 0], taus, chunk_rows=chunk_rows)[..., None]  # [B, N, 1]
+            targets = decode_chunks(
+                head,
+                hidden,
+                lambda logits, z, t: forward_targets(logits, z, t, STAGE1_CDF_ORDER),
+                noise[..., 0],
+                taus,
+                chunk_rows=chunk_rows,
+            )[..., None]  # [B, N, 1]
     else:
-        targets = self_forcing_targets(teacher, context, noise, batch.tau, cu_seqlens=cu, chunked=chunked,
-                                       chunk_rows=chunk_rows)  # [B, N, 2k]
+        targets = self_forcing_targets(
+            teacher, context, noise, batch.tau, cu_seqlens=cu, chunked=chunked, chunk_rows=chunk_rows
+        )  # [B, N, 2k]
     return context, noise, targets, cu
 
 
-def _chunked_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, keep: Optional[torch.Tensor],
-                  chunk_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunked_loss(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    keep: Optional[torch.Tensor],
+    chunk_rows: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, per-prediction CE ``targets.shape`` fp32 detached) of ``hidden [*S, C]`` through ``head``, chunked.
 
     The loss is the mean over the predictions (``keep`` None), or over those ``keep`` holds (bool ``targets.shape``),
@@ -232,13 +273,22 @@ def _chunked_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, 
         weights = torch.full((rows,), 1.0 / max(rows, 1), dtype=torch.float32, device=targets.device)
     else:
         weights = keep.flatten().to(torch.float32) / keep.sum().clamp(min=1).to(torch.float32)
-    loss, per_row = linear_cross_entropy(hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None),
-                                         targets.flatten(), weights, chunk_rows)
+    loss, per_row = linear_cross_entropy(
+        hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None), targets.flatten(), weights, chunk_rows
+    )
     return loss, per_row.view(targets.shape)
 
 
-def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, *, k: Optional[int] = None,
-                 chunked: bool = True, chunk_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_loss(
+    objective: Objective | str,
+    model,
+    batch: Batch,
+    teacher=None,
+    *,
+    k: Optional[int] = None,
+    chunked: bool = True,
+    chunk_rows: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-position mean loss ``[k]``, detached) of ``model`` on one (micro-)batch.
 
     ``objective`` selects what is computed (see :class:`Objective`); ``teacher`` is the
@@ -270,8 +320,9 @@ def compute_loss(objective: Objective | str, model, batch: Batch, teacher=None, 
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten())
             return loss, loss.detach()[None]
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
-        loss, _ = _masked_mean(per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1],
-                                                                               1))
+        loss, _ = _masked_mean(
+            per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1)
+        )
         return loss, loss.detach()[None]
     context, noise, targets, cu = student_inputs(objective, batch, teacher, k, chunked=chunked, chunk_rows=chunk_rows)
     if head is not None:

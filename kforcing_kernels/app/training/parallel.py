@@ -134,9 +134,11 @@ def resolve_device(device: str) -> torch.device:
         torch.cuda.set_device(dev)
     elif dev.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         # Every rank of this node would take the same GPU: NCCL refuses that, or the ranks share one GPU's memory.
-        raise ValueError(f"device: {device!r} puts all {os.environ['LOCAL_WORLD_SIZE']} torchrun processes of this "
-                         "node on "
-                         "one GPU; pass 'cuda' (each rank takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"device: {device!r} puts all {os.environ['LOCAL_WORLD_SIZE']} torchrun processes of this "
+            "node on "
+            "one GPU; pass 'cuda' (each rank takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES"
+        )
     return dev
 
 
@@ -220,8 +222,9 @@ def mixed_precision(device: torch.device, amp: Optional[torch.dtype]):
     return MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods: tuple[str, ...] = (),
-                 reshard_root: bool = False) -> None:
+def _fully_shard(
+    model, dims: ParallelDims, amp: Optional[torch.dtype], methods: tuple[str, ...] = (), reshard_root: bool = False
+) -> None:
     """FSDP2 per decoder layer, then the root. ``reshard_root``: free the root's gathered parameters after each forward
     too (FSDP2 keeps a root's until the backward, which a frozen model never runs: they would stay gathered)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -237,8 +240,14 @@ def _fully_shard(model, dims: ParallelDims, amp: Optional[torch.dtype], methods:
         register_fsdp_forward_method(model, name)
 
 
-def parallelize(model, dims: ParallelDims, *, activation_checkpointing: bool = False, compile: bool = False,
-                amp: Optional[torch.dtype] = None):
+def parallelize(
+    model,
+    dims: ParallelDims,
+    *,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    amp: Optional[torch.dtype] = None,
+):
     """Spread the student over the ranks (in place, before the optimizer is built); returns the module a step calls.
 
     Activation checkpointing, then ``torch.compile``, per decoder layer, then FSDP2 (``dims.shard``) or DDP
@@ -264,8 +273,11 @@ def data_parallel(model: nn.Module, dims: ParallelDims) -> nn.parallel.Distribut
     import inspect
 
     ddp = nn.parallel.DistributedDataParallel
-    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
-               else {"broadcast_buffers": False})
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
     return ddp(model, device_ids=[dims.device.index] if dims.device.type == "cuda" else None, **no_sync)
 
 
@@ -277,8 +289,9 @@ def place_teacher(teacher, dims: ParallelDims, mode: str, amp: Optional[torch.dt
         raise ValueError(f"teacher_parallel: expected one of {TEACHER_MODES}, got {mode!r}")
     if mode == "fsdp":
         if dims.mesh is None:
-            raise ValueError("teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one "
-                             "process)")
+            raise ValueError(
+                "teacher_parallel: 'fsdp' needs a process group (torchrun, or --parallel fsdp in one process)"
+            )
         _fully_shard(teacher, dims, amp, methods=("single_forward", "double_forward"), reshard_root=True)
 
 

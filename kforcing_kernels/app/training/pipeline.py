@@ -75,28 +75,45 @@ class PipelineConfig:
     def num_rounds(self) -> int:
         """Self-forcing rounds: k = 2, 4, ..., k_final."""
         if not isinstance(self.k_final, int) or self.k_final < 1 or self.k_final & (self.k_final - 1):
-            raise ConfigError("k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got "
-                              f"{self.k_final!r}")
+            raise ConfigError(
+                f"k_final: expected a power of two >= 1 (windows double: 1 -> 2 -> 4 ...), got {self.k_final!r}"
+            )
         return self.k_final.bit_length() - 1
 
     def round_steps(self) -> list[int]:
         """Steps of each self-forcing round, in order (k=2 first)."""
-        return [int(v) for v in _per_round(self.steps_stage2, self.num_rounds(), "steps_stage2", "--steps-stage2",
-                                           lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                                           "positive integers")]
+        return [
+            int(v)
+            for v in _per_round(
+                self.steps_stage2,
+                self.num_rounds(),
+                "steps_stage2",
+                "--steps-stage2",
+                lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                "positive integers",
+            )
+        ]
 
     def round_lrs(self) -> list[float]:
         """Learning rate of each self-forcing round, in order (k=2 first)."""
         value = self.lr_distill if self.lr_stage2 is None else self.lr_stage2
-        return [float(v) for v in _per_round(value, self.num_rounds(), "lr_stage2", "--lr-stage2",
-                                             lambda v: isinstance(v, (int, float)) and not isinstance(v,
-                                                 bool) and 0 < v < math.inf,
-                                             "positive numbers")]
+        return [
+            float(v)
+            for v in _per_round(
+                value,
+                self.num_rounds(),
+                "lr_stage2",
+                "--lr-stage2",
+                lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+                "positive numbers",
+            )
+        ]
 
     def stage_folders(self) -> list[tuple[str, Path]]:
         out = Path(self.out)
         return [("stage0", out / "stage0"), ("stage1", out / "stage1")] + [
-            ("stage2", out / f"stage2_k{2 ** (r + 1)}") for r in range(self.num_rounds())]
+            ("stage2", out / f"stage2_k{2 ** (r + 1)}") for r in range(self.num_rounds())
+        ]
 
 
 def _per_round(value, rounds: int, name: str, option: str, accept, expected: str) -> list:
@@ -106,10 +123,12 @@ def _per_round(value, rounds: int, name: str, option: str, accept, expected: str
     if len(values) == 1:
         return values * rounds
     if len(values) != rounds:
-        raise ConfigError(f"{name} ({option}): expected one value or one per self-forcing round "
-                          f"({rounds} for k_final={2 ** rounds}: "
-                          f"k={', '.join(str(2 ** (r + 1)) for r in range(rounds))}), "
-                          f"got {len(values)} ({','.join(str(v) for v in values)})")
+        raise ConfigError(
+            f"{name} ({option}): expected one value or one per self-forcing round "
+            f"({rounds} for k_final={2**rounds}: "
+            f"k={', '.join(str(2 ** (r + 1)) for r in range(rounds))}), "
+            f"got {len(values)} ({','.join(str(v) for v in values)})"
+        )
     return values
 
 
@@ -121,18 +140,21 @@ def per_round_type(cast, expected: str):
         try:
             values = tuple(cast(part) for part in text.split(","))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got "
-                                             f"{text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}"
+            ) from None
         if not all(0 < v < math.inf for v in values):
-            raise argparse.ArgumentTypeError(f"expected {expected}, comma-separated (one per self-forcing round), got "
-                                             f"{text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {expected}, comma-separated (one per self-forcing round), got {text!r}"
+            )
         return values
 
     return parse
 
 
-_RETRAIN = ("choose another output folder (--out), or retrain every stage of this one "
-            "(`kforcing-train pipeline --overwrite`)")
+_RETRAIN = (
+    "choose another output folder (--out), or retrain every stage of this one (`kforcing-train pipeline --overwrite`)"
+)
 
 
 def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_hash) -> None:
@@ -143,12 +165,15 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
     # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working
     # directory.
     for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
-        raise ConfigError(f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks "
-                          "for "
-                          f"{wanted!r}; {_RETRAIN}")
+        raise ConfigError(
+            f"{key}: {folder} holds a finished {folder.name} trained with {key}={used!r}, this run asks "
+            "for "
+            f"{wanted!r}; {_RETRAIN}"
+        )
     # Its identity, not its path: a teacher retrained in place is another teacher.
-    changed, unknown = changed_provenance(finished, {"data_sha256": data_hash(),
-                                                     "teacher_sha256": teacher_sha256(cfg.teacher)})
+    changed, unknown = changed_provenance(
+        finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)}
+    )
     kind = find_kind(cfg.teacher)
     note = kind.earlier_identity_note(cfg.teacher, finished.get("teacher_sha256")) if kind is not None else None
     if note is not None:
@@ -159,15 +184,22 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
     source_option = kind.source_option(cfg.teacher) if kind is not None else None
     for key, what in changed:
         if key == "teacher_sha256" and source_option is not None:  # a source folder (--model), not a stage of this run
-            raise ConfigError(f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the "
-                              f"{source_option} folder {cfg.teacher} changed since it was trained "
-                              f"({kind.source_files}: {what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}")
-        raise ConfigError(f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was "
-                          "trained "
-                          f"({PROVENANCE[key]}); {_RETRAIN}")
+            raise ConfigError(
+                f"{source_option.lstrip('-')}: {folder} holds a finished {folder.name}, but the "
+                f"{source_option} folder {cfg.teacher} changed since it was trained "
+                f"({kind.source_files}: {what.split('(', 1)[1].rstrip(')')}); {_RETRAIN}"
+            )
+        raise ConfigError(
+            f"{key.split('_')[0]}: {folder} holds a finished {folder.name}, but {what} since it was "
+            "trained "
+            f"({PROVENANCE[key]}); {_RETRAIN}"
+        )
     if unknown:
-        print(f"[pipeline] warning: {folder} was saved before {', '.join(unknown)} were recorded; reusing it without "
-              f"checking that {' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change", file=sys.stderr)
+        print(
+            f"[pipeline] warning: {folder} was saved before {', '.join(unknown)} were recorded; reusing it without "
+            f"checking that {' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change",
+            file=sys.stderr,
+        )
 
 
 def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Callable[[dict], object]] = None):
@@ -231,9 +263,11 @@ def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
     if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(accum, int) and accum >= 1:
         dp = world // cp
         if batch % (dp * accum):
-            raise ConfigError(f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
-                              f"{accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and every "
-                              "stage2 train with it; nothing was trained)")
+            raise ConfigError(
+                f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
+                f"{accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and every "
+                "stage2 train with it; nothing was trained)"
+            )
 
 
 def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) -> None:
@@ -244,7 +278,7 @@ def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) 
     from ...layouts import WindowLayout
 
     for r in range(pipe.num_rounds() + 1):
-        k = 2 ** r
+        k = 2**r
         stage = "stage1" if k == 1 else f"stage2_k{k}"
         layouts = [WindowLayout.kforcing_single(base.seq_len, k)]
         if k > 1:
@@ -253,9 +287,11 @@ def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) 
             try:
                 layout.with_sliding_window(window)
             except ValueError as exc:
-                raise ConfigError(f"k_final: the model's sliding window ({window} positions) cannot hold the windows "
-                                  f"of {stage} (k={k}): {exc}; use --k-final <= {window} or a model with a longer "
-                                  "sliding_window (nothing was trained)") from None
+                raise ConfigError(
+                    f"k_final: the model's sliding window ({window} positions) cannot hold the windows "
+                    f"of {stage} (k={k}): {exc}; use --k-final <= {window} or a model with a longer "
+                    "sliding_window (nothing was trained)"
+                ) from None
 
 
 def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list) -> dict:
@@ -268,7 +304,12 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
             teacher = Path(base.model).resolve()
             continue
         cfg = dataclasses.replace(
-            base, stage=stage, out=str(folder), teacher=str(teacher) if teacher else None, steps=n_steps, lr=lr,
+            base,
+            stage=stage,
+            out=str(folder),
+            teacher=str(teacher) if teacher else None,
+            steps=n_steps,
+            lr=lr,
             batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
             model=base.model if stage == "stage1" else None,
             model_config=base.model_config if stage == "stage0" else None,

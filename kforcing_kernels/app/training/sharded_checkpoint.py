@@ -46,8 +46,17 @@ from .parallel import broadcast_value
 SHARDED_FORMAT = "kforcing-dcp/1"
 SHARDED_SUFFIX = ".dcp"
 MANIFEST = "manifest.json"
-_MANIFEST_KEYS = {"format": str, "step": int, "world_size": int, "train_config": dict, "model_config": dict,
-                  "info": dict, "scaler": (dict, type(None)), "rng": list, "files": dict}
+_MANIFEST_KEYS = {
+    "format": str,
+    "step": int,
+    "world_size": int,
+    "train_config": dict,
+    "model_config": dict,
+    "info": dict,
+    "scaler": (dict, type(None)),
+    "rng": list,
+    "files": dict,
+}
 
 
 def is_sharded(path: Path) -> bool:
@@ -76,8 +85,11 @@ def _all_gather_objects(value) -> list:
 
 
 def _file_records(folder: Path) -> dict:
-    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(folder.iterdir())
-            if p.is_file() and p.name != MANIFEST}
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
 
 
 def _fsync_file(path: Path) -> None:
@@ -91,8 +103,9 @@ def _fsync_file(path: Path) -> None:
 # ---------------------------------------------------------------------- save
 
 
-def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict,
-                            keep: int) -> Path:
+def save_sharded_checkpoint(
+    out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int
+) -> Path:
     """Every rank: write the sharded checkpoint of ``step`` (see the module docstring); keep the newest ``keep``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -117,11 +130,21 @@ def save_sharded_checkpoint(out, step: int, model, optimizer, scaler, train_conf
         rngs = _all_gather_objects(_rng_state())  # also: every rank's files are written (DCP fsyncs them)
         if rank == 0:
             try:
-                _publish(tmp, final, keep, {
-                    "format": SHARDED_FORMAT, "step": step, "world_size": world, "train_config": train_config,
-                    "model_config": config_dict(model), "info": info,
-                    "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rngs,
-                })
+                _publish(
+                    tmp,
+                    final,
+                    keep,
+                    {
+                        "format": SHARDED_FORMAT,
+                        "step": step,
+                        "world_size": world,
+                        "train_config": train_config,
+                        "model_config": config_dict(model),
+                        "info": info,
+                        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                        "rng": rngs,
+                    },
+                )
             except (OSError, CheckpointError) as exc:
                 error = f"{final}: cannot write ({getattr(exc, 'strerror', None) or exc})"
         error = broadcast_value(error)  # rank 0's outcome, on every rank: all raise or none
@@ -157,8 +180,9 @@ def read_sharded_meta(folder: Path) -> dict:
         raise CheckpointError(f"{folder}: not a sharded checkpoint folder")
     manifest = read_json(folder / MANIFEST, {"format": str})
     if manifest["format"] != SHARDED_FORMAT:
-        raise CheckpointError(f"{folder / MANIFEST}: unknown checkpoint format {manifest['format']!r}, expected "
-                              f"{SHARDED_FORMAT}")
+        raise CheckpointError(
+            f"{folder / MANIFEST}: unknown checkpoint format {manifest['format']!r}, expected {SHARDED_FORMAT}"
+        )
     return read_json(folder / MANIFEST, _MANIFEST_KEYS)
 
 
@@ -175,8 +199,9 @@ def verify_sharded(folder: Path) -> dict:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
         if path.stat().st_size != record.get("bytes"):
-            raise CheckpointError(f"{path}: truncated or corrupt: {path.stat().st_size} bytes, expected "
-                                  f"{record.get('bytes')}")
+            raise CheckpointError(
+                f"{path}: truncated or corrupt: {path.stat().st_size} bytes, expected {record.get('bytes')}"
+            )
         if sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: corrupt: SHA-256 does not match {MANIFEST}")
     return manifest
@@ -200,8 +225,10 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
                 saved = {**saved, "decode": "argmax"}
             if saved != current:
                 changed = sorted(k for k, v in current.items() if saved.get(k) != v)
-                raise CheckpointError(f"{folder}: saved for another model (config differs in {', '.join(changed)}); "
-                                      "resume with the run's own model (--preset, --n-layer, ...) or start again")
+                raise CheckpointError(
+                    f"{folder}: saved for another model (config differs in {', '.join(changed)}); "
+                    "resume with the run's own model (--preset, --n-layer, ...) or start again"
+                )
         except CheckpointError as exc:
             error = str(exc)
     manifest, error = broadcast_value((manifest, error))
@@ -231,9 +258,11 @@ def check_export_out(checkpoint: Path, out: Path) -> None:
     check_out_folder(out, "--out")
     run = Path(checkpoint).parent.parent
     if out.resolve() == run.resolve():
-        raise ConfigError(f"out: {str(out)!r} is the run folder of {str(checkpoint)!r}; exporting there would replace "
-                          "the "
-                          "run's own model.safetensors and model.json: choose another --out")
+        raise ConfigError(
+            f"out: {str(out)!r} is the run folder of {str(checkpoint)!r}; exporting there would replace "
+            "the "
+            "run's own model.safetensors and model.json: choose another --out"
+        )
 
 
 def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
@@ -254,8 +283,14 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
     cfg = manifest["train_config"]
-    record = {**manifest["info"], "stage": cfg.get("stage"), "data": cfg.get("data"), "train_config": cfg,
-              "exported_from": str(checkpoint), "step": manifest["step"]}
+    record = {
+        **manifest["info"],
+        "stage": cfg.get("stage"),
+        "data": cfg.get("data"),
+        "train_config": cfg,
+        "exported_from": str(checkpoint),
+        "step": manifest["step"],
+    }
     kind = kind_of_config(manifest["model_config"])
     if kind is not None:  # another kind's model (a Hugging Face student): exported as its stage folder, by its kind
         kind.export_sharded(checkpoint, out, manifest, record, tokenizer)
@@ -277,29 +312,36 @@ def main(argv=None) -> None:
     from ..cli import make_parser
 
     # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
-    parser = make_parser("python -m kforcing_kernels.app.training.sharded_checkpoint",
-                         "Export a sharded (--parallel fsdp) checkpoint whole: a plain model.safetensors, or for a "
-                         "Hugging Face student its stage folder (save_pretrained + noise embedding).")
+    parser = make_parser(
+        "python -m kforcing_kernels.app.training.sharded_checkpoint",
+        "Export a sharded (--parallel fsdp) checkpoint whole: a plain model.safetensors, or for a "
+        "Hugging Face student its stage folder (save_pretrained + noise embedding).",
+    )
     parser.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX.dcp folder, or a run folder (its newest)")
     parser.add_argument("--out", required=True, help="folder for model.safetensors, model.json and the tokenizer")
-    parser.add_argument("--tokenizer", default=None,
-                        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer "
-                             "folder (default: the run folder's tokenizer.json; a Hugging Face student: its "
-                             "teacher's folder)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the run's tokenizer: its tokenizer.json, or for a Hugging Face student a tokenizer "
+        "folder (default: the run folder's tokenizer.json; a Hugging Face student: its "
+        "teacher's folder)",
+    )
     args = parser.parse_args(argv)
     from .config import ConfigError
 
     source = Path(args.checkpoint)
     try:  # before looking for the checkpoint: a wrong --out is the first thing to say
-        check_export_out(source if is_sharded(source) else checkpoint_dir(source) / f"step{SHARDED_SUFFIX}",
-                         Path(args.out))
+        check_export_out(
+            source if is_sharded(source) else checkpoint_dir(source) / f"step{SHARDED_SUFFIX}", Path(args.out)
+        )
     except ConfigError as exc:
         parser.error(f"argument --out: {str(exc).removeprefix('out: ')}")
     if not is_sharded(source):
         found = sorted(checkpoint_dir(source).glob(f"step_*{SHARDED_SUFFIX}"))
         if not found:
-            parser.error(f"checkpoint: no sharded checkpoint in {source} "
-                         f"(expected {checkpoint_dir(source)}/step_*.dcp)")
+            parser.error(
+                f"checkpoint: no sharded checkpoint in {source} (expected {checkpoint_dir(source)}/step_*.dcp)"
+            )
         source = found[-1]
     try:
         print(export_model(source, args.out, args.tokenizer))
@@ -309,4 +351,3 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -43,17 +43,17 @@ def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-
 def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus, log) -> None:
     """The student learns the teacher's token ids: the tokenizer of --data must be the teacher's."""
     if teacher_tokenizer is None:
         log(f"warning: {cfg.teacher} has no tokenizer.json; only its vocabulary size can be checked against --data")
         return
     if tokenizer_sha256(teacher_tokenizer) != corpus.tokenizer_sha256:
-        raise ConfigError(f"teacher: the tokenizer of --teacher {cfg.teacher} is not the one --data {cfg.data!r} "
-                          f"(--vocab-size {cfg.vocab_size}) gives: the same ids would mean other text; distil on the "
-                          "teacher's --data and --vocab-size, or train a teacher on this --data")
-
+        raise ConfigError(
+            f"teacher: the tokenizer of --teacher {cfg.teacher} is not the one --data {cfg.data!r} "
+            f"(--vocab-size {cfg.vocab_size}) gives: the same ids would mean other text; distil on the "
+            "teacher's --data and --vocab-size, or train a teacher on this --data"
+        )
 
 
 def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
@@ -68,8 +68,9 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
     if cfg.stage == "stage1":
         if tinfo["k"] != 0:
-            raise ConfigError(f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from "
-                              f"{cfg.teacher}")
+            raise ConfigError(
+                f"teacher: stage1 distils an AR teacher (stage0), got a PFLM with k={tinfo['k']} from {cfg.teacher}"
+            )
         student = copy.deepcopy(teacher).cpu()
         student.reset_noise_encoder(init)  # the backbone is the teacher's; the noise encoder is new
         if cfg.decode != "argmax":  # how the PFLM decodes, saved in its model config (model/decoding.py)
@@ -80,18 +81,25 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
         k = cfg.k
     else:
         if tinfo["k"] == 0:
-            raise ConfigError("teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in "
-                              f"{cfg.teacher}")
+            raise ConfigError(
+                f"teacher: stage2 needs a PFLM teacher (stage1 or stage2), got the AR model in {cfg.teacher}"
+            )
         student = copy.deepcopy(teacher).cpu()
         k = 2 * tinfo["k"]
     student.requires_grad_(True)
-    info = {"kind": "pflm", "k": k, "teacher": str(Path(cfg.teacher).resolve()), "teacher_k": tinfo["k"],
-            "supervision": cfg.supervision, **_text_provenance(corpus), "teacher_sha256": tinfo["tensors"]["sha256"]}
+    info = {
+        "kind": "pflm",
+        "k": k,
+        "teacher": str(Path(cfg.teacher).resolve()),
+        "teacher_k": tinfo["k"],
+        "supervision": cfg.supervision,
+        **_text_provenance(corpus),
+        "teacher_sha256": tinfo["tensors"]["sha256"],
+    }
     # which inverse-CDF construction the student learned (app/evaluation/noise_diagnosis.py reads it)
     if cfg.stage == "stage1":
         info["cdf_order"] = STAGE1_CDF_ORDER
     return student, teacher, k, info
-
 
 
 def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
@@ -102,32 +110,37 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torc
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True if fused_ok else None)
 
 
-
 def require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
     """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
     for key, used, wanted in changed_settings(saved, cfg):
-        flag = (" (twice the k of --teacher)" if key == "k" and cfg.stage == "stage2"
-                else f" (--{key.replace('_', '-')})" if key in TrainConfig.RESUME_DEFAULTS else "")
+        flag = (
+            " (twice the k of --teacher)"
+            if key == "k" and cfg.stage == "stage2"
+            else f" (--{key.replace('_', '-')})"
+            if key in TrainConfig.RESUME_DEFAULTS
+            else ""
+        )
         raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
-
 
 
 def _text_provenance(corpus: Corpus) -> dict:
     return {"data_sha256": corpus.data_sha256, "tokenizer_sha256": corpus.tokenizer_sha256}
 
 
-
 def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
     """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
     changed, unknown = changed_provenance(saved, now)
     for key, what in changed:
-        raise ConfigError(f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or "
-                          "start "
-                          f"again with --overwrite (or another --out) ({PROVENANCE[key]})")
+        raise ConfigError(
+            f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or "
+            "start "
+            f"again with --overwrite (or another --out) ({PROVENANCE[key]})"
+        )
     if unknown:
-        log(f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
-            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since")
-
+        log(
+            f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
+            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since"
+        )
 
 
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
@@ -135,11 +148,13 @@ def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     ckpt = latest_checkpoint(out)
     meta = read_meta(ckpt)
     require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
-    require_same_provenance(meta["info"], {"data_sha256": data_sha256(cfg.data),
-                                           "teacher_sha256": teacher_sha256(cfg.teacher)},
-                             f"the run in {out}", log)
+    require_same_provenance(
+        meta["info"],
+        {"data_sha256": data_sha256(cfg.data), "teacher_sha256": teacher_sha256(cfg.teacher)},
+        f"the run in {out}",
+        log,
+    )
     return ckpt, meta
-
 
 
 def lock_out(out: Path, dims: ParallelDims) -> Optional[RunLock]:
@@ -158,7 +173,6 @@ def lock_out(out: Path, dims: ParallelDims) -> Optional[RunLock]:
     if error is not None:
         raise error
     return lock
-
 
 
 @dataclass
@@ -188,7 +202,6 @@ class Stage:
         return self.dims.shard or (self.teacher is not None and self.cfg.teacher_parallel == "fsdp")
 
 
-
 def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
     """The run folder, data, models (parallelized), optimizer and checkpointer of a stage; restores a checkpoint."""
     prepare_out(cfg, dims.main, log)
@@ -207,8 +220,9 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
 
     objective = Objective.of(cfg.stage, cfg.supervision)
     if ckpt_meta is not None:  # the same text could still be tokenized otherwise (another tokenizers version)
-        require_same_provenance(ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}",
-                                log)
+        require_same_provenance(
+            ckpt_meta["info"], {"tokenizer_sha256": corpus.tokenizer_sha256}, f"the run in {out}", log
+        )
     student, teacher, k, model_info = _build(cfg, dims, corpus, log)
     _check_vocab(cfg, student, corpus)
     check_splits(cfg, corpus, objective, k)
@@ -216,8 +230,9 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
     amp = _amp_dtype(cfg.precision, dims.device)
     if teacher is not None:
         place_teacher(teacher, dims, cfg.teacher_parallel, amp)
-    model = parallelize(student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                        amp=amp)
+    model = parallelize(
+        student, dims, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, amp=amp
+    )
     optimizer = _optimizer(student, cfg, fused_ok=dims.device.type == "cuda")
     scaler = torch.amp.GradScaler(dims.device.type, enabled=amp == torch.float16)
     checkpointer = Checkpointer(out, dims, cfg.keep_checkpoints)
@@ -231,8 +246,24 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
         write_json(out / "train_config.json", cfg.to_dict())
         write_text(out / "tokenizer.json", corpus.tokenizer.to_str(pretty=True))
     autocast = (lambda: torch.autocast(dims.device.type, dtype=amp)) if amp is not None else nullcontext
-    return Stage(cfg, dims, out, log, corpus, objective, k, student, model, teacher, model_info, optimizer, scaler,
-                  checkpointer, autocast, start)
+    return Stage(
+        cfg,
+        dims,
+        out,
+        log,
+        corpus,
+        objective,
+        k,
+        student,
+        model,
+        teacher,
+        model_info,
+        optimizer,
+        scaler,
+        checkpointer,
+        autocast,
+        start,
+    )
 
 
 def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
@@ -241,10 +272,14 @@ def _check_vocab(cfg: TrainConfig, student, corpus: Corpus) -> None:
     if kind_of(student).tokenizer_from_model and cfg.stage != "stage0":
         top = max(int(corpus.train.max()), int(corpus.val.max()))
         if top >= vocab:
-            raise ConfigError(f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the "
-                              f"model's {vocab} embeddings")
+            raise ConfigError(
+                f"vocab_size: the tokenizer of {cfg.teacher} gives id {top} on --data, outside the "
+                f"model's {vocab} embeddings"
+            )
     elif vocab != corpus.vocab_size:
         what = f"--model-config {cfg.model_config!r}" if cfg.model_config else "the model"
-        raise ConfigError(f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of "
-                          f"{cfg.data!r} (--vocab-size "
-                          f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal")
+        raise ConfigError(
+            f"vocab_size: {what} has {student.config.vocab_size} tokens but the tokenizer of "
+            f"{cfg.data!r} (--vocab-size "
+            f"{cfg.vocab_size}) has {corpus.vocab_size}; make them equal"
+        )

@@ -32,8 +32,9 @@ CDF_ORDERS = ("probability", "vocab")
 STAGE1_CDF_ORDER = "vocab"
 
 
-def forward_distillation_targets(teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor,
-                                 order: str = STAGE1_CDF_ORDER) -> torch.Tensor:
+def forward_distillation_targets(
+    teacher_logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor, order: str = STAGE1_CDF_ORDER
+) -> torch.Tensor:
     """Stage-1 targets: inverse-CDF of ``softmax(logits / tau)`` at z (Algorithm 2, lines 5-6).
 
     teacher_logits ``[B, N, V]``, z ``[B, N]`` uniform, tau ``[B]`` -> token ids ``[B, N]``.
@@ -83,8 +84,9 @@ def chunk_bounds(rows: int, step: int, smallest: int = MIN_TEACHER_CHUNK) -> lis
     return bounds
 
 
-def decode_chunks(head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch.Tensor,
-                  chunk_rows: Optional[int] = None) -> torch.Tensor:
+def decode_chunks(
+    head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch.Tensor, chunk_rows: Optional[int] = None
+) -> torch.Tensor:
     """Tokens int64 ``hidden.shape[:-1]`` of ``decode(head(rows) [c, V], *per_row[rows] [c])`` over chunks of rows.
 
     hidden ``[*S, C]``; every ``per_row`` tensor has shape ``S``. ``decode`` must be row-wise (argmax, the inverse-CDF
@@ -103,8 +105,16 @@ def decode_chunks(head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch
 
 
 @torch.no_grad()
-def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: torch.Tensor, cu_seqlens=None, *,
-                         chunked: bool = True, chunk_rows: Optional[int] = None) -> torch.Tensor:
+def self_forcing_targets(
+    teacher,
+    context: torch.Tensor,
+    z: torch.Tensor,
+    tau: torch.Tensor,
+    cu_seqlens=None,
+    *,
+    chunked: bool = True,
+    chunk_rows: Optional[int] = None,
+) -> torch.Tensor:
     """Stage-2 targets: two teacher rounds (Algorithm 3, lines 4-9).
 
     context ``[B, N]``, z ``[B, N, 2k]``, tau ``[B]`` -> ``[B, N, 2k]``: round one decodes
@@ -138,8 +148,15 @@ def self_forcing_targets(teacher, context: torch.Tensor, z: torch.Tensor, tau: t
 
 
 def noise_inversion_supervision(
-    teacher, tokens: torch.Tensor, k: int, tau: torch.Tensor, generator: torch.Generator, cu_seqlens=None, *,
-    chunked: bool = True, chunk_rows: Optional[int] = None,
+    teacher,
+    tokens: torch.Tensor,
+    k: int,
+    tau: torch.Tensor,
+    generator: torch.Generator,
+    cu_seqlens=None,
+    *,
+    chunked: bool = True,
+    chunk_rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The PTP baseline (paper Section 3.2.1): real tokens as targets, their noise recovered from the AR teacher.
 
@@ -169,8 +186,9 @@ def noise_inversion_supervision(
     flat_z = z.view(rows)
     for start, end in chunk_bounds(rows, step):
         part = slice(start, end)
-        flat_z[part] = noise_inversion(head(flat_hidden[part]), targets.reshape(rows)[part], taus.reshape(rows)[part],
-                                       u=u.reshape(rows)[part])
+        flat_z[part] = noise_inversion(
+            head(flat_hidden[part]), targets.reshape(rows)[part], taus.reshape(rows)[part], u=u.reshape(rows)[part]
+        )
     return tokens[:, :n], z, targets
 
 

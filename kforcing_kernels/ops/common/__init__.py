@@ -1,7 +1,7 @@
 """What more than one op shares (fla's ``ops/common``); a piece that serves one op stays in that op's folder.
 
-    registry.py     BackendSpec / OpRegistry: each op's backends declared as data, loaded lazily, absent with a reason
-    validation.py   argument checks every op words the same way (check_scale, check_tensor, ATTENTION_DTYPES)
-    dtypes.py       acc_dtype: the accumulation / LSE dtype of an input dtype
-    triton_env.py   whether the Triton backends can run here (CUDA, or the interpreter under TRITON_INTERPRET=1)
+registry.py     BackendSpec / OpRegistry: each op's backends declared as data, loaded lazily, absent with a reason
+validation.py   argument checks every op words the same way (check_scale, check_tensor, ATTENTION_DTYPES)
+dtypes.py       acc_dtype: the accumulation / LSE dtype of an input dtype
+triton_env.py   whether the Triton backends can run here (CUDA, or the interpreter under TRITON_INTERPRET=1)
 """

@@ -50,16 +50,23 @@ class OpRegistry:
         override_name: what the forced name is called in errors (the environment variable).
     """
 
-    def __init__(self, op: str, backends: tuple[BackendSpec, ...], preference: Mapping[str, tuple[str, ...]],
-                 fallback: str, override: Optional[Callable[[], Optional[str]]] = None,
-                 override_name: str = "backend override"):
+    def __init__(
+        self,
+        op: str,
+        backends: tuple[BackendSpec, ...],
+        preference: Mapping[str, tuple[str, ...]],
+        fallback: str,
+        override: Optional[Callable[[], Optional[str]]] = None,
+        override_name: str = "backend override",
+    ):
         self.op = op
         self.specs = {spec.name: spec for spec in backends}
         self.names = tuple(self.specs)
         unknown = {n for names in preference.values() for n in names} - set(self.specs)
         if unknown or fallback not in self.specs:
-            raise ValueError(f"{op}: preference/fallback name unknown backends "
-                             f"{sorted(unknown | ({fallback} - set(self.specs)))}")
+            raise ValueError(
+                f"{op}: preference/fallback name unknown backends {sorted(unknown | ({fallback} - set(self.specs)))}"
+            )
         self.preference = dict(preference)
         self.fallback = fallback
         self.override = override

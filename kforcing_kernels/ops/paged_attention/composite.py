@@ -25,8 +25,9 @@ def available() -> Optional[str]:
     return None
 
 
-def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float,
-            static: bool = False) -> torch.Tensor:
+def forward(
+    q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float, static: bool = False
+) -> torch.Tensor:
     """See :func:`kforcing_kernels.ops.paged_attention.paged_attention`; context_lens int64 on CPU.
 
     ``static``: context_lens may sit on q's device and every column of ``block_table`` is read (masked past each

@@ -18,8 +18,10 @@ def available() -> Optional[str]:
     if reason is not None:
         return reason
     if not hasattr(_extension.load(), "paged_attention_forward"):
-        return ("kforcing_kernels._C was built without paged_attention_forward "
-                "(rebuild: python setup.py build_ext --inplace)")
+        return (
+            "kforcing_kernels._C was built without paged_attention_forward "
+            "(rebuild: python setup.py build_ext --inplace)"
+        )
     return None
 
 
@@ -28,6 +30,12 @@ def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale:
     if q.device.type != "cpu":
         raise ValueError(f"q: backend 'cpp' takes CPU tensors, got device {q.device}")
     return _extension.require().paged_attention_forward(
-        q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages.contiguous(), v_pages.contiguous(),
-        block_table.contiguous(), context_lens.contiguous(), float(scale),
+        q.contiguous(),
+        k_new.contiguous(),
+        v_new.contiguous(),
+        k_pages.contiguous(),
+        v_pages.contiguous(),
+        block_table.contiguous(),
+        context_lens.contiguous(),
+        float(scale),
     )

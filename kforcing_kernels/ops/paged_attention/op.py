@@ -95,8 +95,9 @@ def paged_attention(
 # ---------------------------------------------------------------------- the decode step's call (no checks)
 
 
-def paged_attention_unchecked(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float,
-                              backend: str) -> torch.Tensor:
+def paged_attention_unchecked(
+    q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float, backend: str
+) -> torch.Tensor:
     """:func:`paged_attention` for a static decode step: no value check, no host sync, no copy of the lengths.
 
     The caller guarantees what :func:`paged_attention` would check: shapes and dtypes as documented there,
@@ -109,8 +110,9 @@ def paged_attention_unchecked(q, k_new, v_new, k_pages, v_pages, block_table, co
     the custom op ``kforcing_kernels::paged_attention`` (opaque to the graph, fullgraph-safe).
     """
     if torch.compiler.is_compiling():
-        return torch.ops.kforcing_kernels.paged_attention(q, k_new, v_new, k_pages, v_pages, block_table, context_lens,
-                                                          float(scale), backend)
+        return torch.ops.kforcing_kernels.paged_attention(
+            q, k_new, v_new, k_pages, v_pages, block_table, context_lens, float(scale), backend
+        )
     return _unchecked_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend)
 
 
@@ -132,19 +134,44 @@ def _resolve_unchecked(backend: str):
         kernel = module._extension.load().paged_attention_forward
 
         def cpp(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale):
-            return kernel(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages.contiguous(),
-                          v_pages.contiguous(), block_table.contiguous(), context_lens.contiguous(), scale)
+            return kernel(
+                q.contiguous(),
+                k_new.contiguous(),
+                v_new.contiguous(),
+                k_pages.contiguous(),
+                v_pages.contiguous(),
+                block_table.contiguous(),
+                context_lens.contiguous(),
+                scale,
+            )
 
         return cpp
     return module.forward
 
 
 @torch.library.custom_op("kforcing_kernels::paged_attention", mutates_args=())
-def _paged_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
-                        v_pages: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                        backend: str) -> torch.Tensor:
-    return _unchecked_forward(q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages, v_pages, block_table,
-                              context_lens, scale, backend).contiguous()
+def _paged_attention_op(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:
+    return _unchecked_forward(
+        q.contiguous(),
+        k_new.contiguous(),
+        v_new.contiguous(),
+        k_pages,
+        v_pages,
+        block_table,
+        context_lens,
+        scale,
+        backend,
+    ).contiguous()
 
 
 @_paged_attention_op.register_fake
@@ -155,8 +182,9 @@ def _(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backe
 # ---------------------------------------------------------------------- validation
 
 
-def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend,
-              check_table=True) -> torch.Tensor:
+def _validate(
+    q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale, backend, check_table=True
+) -> torch.Tensor:
     """Checks every argument; returns context_lens as int64 [B] on CPU."""
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pages", k_pages), ("v_pages", v_pages)):
         check_tensor(name, t, rank=4, dtypes=SUPPORTED_DTYPES)
@@ -180,8 +208,10 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
     if page_size < 1:
         raise ValueError(f"k_pages: expected page_size >= 1, got shape {tuple(k_pages.shape)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table: expected an int32 (or int64) tensor, "
-                         f"got {getattr(block_table, 'dtype', type(block_table).__name__)}")
+        raise ValueError(
+            f"block_table: expected an int32 (or int64) tensor, "
+            f"got {getattr(block_table, 'dtype', type(block_table).__name__)}"
+        )
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table: expected shape [B={b}, max_pages], got {tuple(block_table.shape)}")
     if block_table.device != q.device:
@@ -201,8 +231,9 @@ def _validate(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scal
         bad = used & ((ids < 0) | (ids >= num_pages))
         if bool(bad.any()):
             i, j = (int(x) for x in torch.nonzero(bad)[0])
-            raise ValueError(f"block_table: request {i} page {j} is {int(ids[i, j])}, outside the pool of {num_pages} "
-                             "pages")
+            raise ValueError(
+                f"block_table: request {i} page {j} is {int(ids[i, j])}, outside the pool of {num_pages} pages"
+            )
     check_scale(scale)
     REGISTRY.check_name(backend)
     return lens

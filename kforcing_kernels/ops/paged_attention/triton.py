@@ -25,13 +25,20 @@ def available() -> Optional[str]:
 def forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float):
     on_cpu = q.device.type == "cpu"
     if on_cpu != triton_env.interpret_requested():
-        raise ValueError("q: backend 'triton' takes CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), got "
-                         f"device {q.device}")
+        raise ValueError(
+            f"q: backend 'triton' takes CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), got device {q.device}"
+        )
     allowed = (torch.float32, torch.float16) if on_cpu else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
         raise ValueError(f"q: backend 'triton' takes dtype in {allowed} here, got {q.dtype}")
     kernels = importlib.import_module(_KERNELS)
     return kernels.paged_forward(
-        q.contiguous(), k_new.contiguous(), v_new.contiguous(), k_pages.contiguous(), v_pages.contiguous(),
-        block_table.contiguous(), context_lens.to(q.device), scale,
+        q.contiguous(),
+        k_new.contiguous(),
+        v_new.contiguous(),
+        k_pages.contiguous(),
+        v_pages.contiguous(),
+        block_table.contiguous(),
+        context_lens.to(q.device),
+        scale,
     )

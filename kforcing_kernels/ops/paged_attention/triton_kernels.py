@@ -23,10 +23,24 @@ def interpreting() -> bool:
 
 @triton.jit
 def _paged_fwd_kernel(
-    Q, KNew, VNew, KPages, VPages, Table, Lens, Out,
+    Q,
+    KNew,
+    VNew,
+    KPages,
+    VPages,
+    Table,
+    Lens,
+    Out,
     qk_scale,  # softmax scale * log2(e)
-    H, HKV: tl.constexpr, W, D: tl.constexpr, PAGE, MAX_PAGES,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    H,
+    HKV: tl.constexpr,
+    W,
+    D: tl.constexpr,
+    PAGE,
+    MAX_PAGES,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // H
@@ -36,8 +50,9 @@ def _paged_fwd_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < W
     dim_ok = dims < D
-    q = tl.load(Q + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                other=0.0)
+    q = tl.load(
+        Q + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -74,8 +89,11 @@ def _paged_fwd_kernel(
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
     l_sum = tl.where(row_ok, l_sum, 1.0)
     out = acc / l_sum[:, None]
-    tl.store(Out + ((b * H + h) * W + rows[:, None]) * D + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:,
-        None] & dim_ok[None, :])
+    tl.store(
+        Out + ((b * H + h) * W + rows[:, None]) * D + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 def paged_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, scale: float) -> torch.Tensor:
@@ -85,8 +103,23 @@ def paged_forward(q, k_new, v_new, k_pages, v_pages, block_table, context_lens, 
     block_m = max(16, triton.next_power_of_2(w))
     block_d = max(16, triton.next_power_of_2(d))
     _paged_fwd_kernel[(b * h,)](
-        q, k_new, v_new, k_pages, v_pages, block_table.to(torch.int32), context_lens.to(torch.int32), out,
-        float(scale) * LOG2E, h, k_new.shape[1], w, d, k_pages.shape[1], block_table.shape[1],
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        q,
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        block_table.to(torch.int32),
+        context_lens.to(torch.int32),
+        out,
+        float(scale) * LOG2E,
+        h,
+        k_new.shape[1],
+        w,
+        d,
+        k_pages.shape[1],
+        block_table.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d,
     )
     return out

@@ -53,11 +53,13 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
     if logits.shape[-1] < 1:
         raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     if not isinstance(other, torch.Tensor):
-        raise ValueError(f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got "
-                         f"{type(other).__name__}")
+        raise ValueError(
+            f"{other_name}: expected a tensor of shape {tuple(logits.shape[:-1])}, got {type(other).__name__}"
+        )
     if other.shape != logits.shape[:-1]:
-        raise ValueError(f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got "
-                         f"{tuple(other.shape)}")
+        raise ValueError(
+            f"{other_name}: expected shape {tuple(logits.shape[:-1])} (logits without V), got {tuple(other.shape)}"
+        )
     if other.device != logits.device:
         raise ValueError(f"{other_name}: expected device {logits.device} (logits'), got {other.device}")
     if other_name == "z":
@@ -71,8 +73,9 @@ def _check(logits: torch.Tensor, other: torch.Tensor, other_name: str, temperatu
             raise ValueError(f"{other_name}: expected an integer dtype, got {other.dtype}")
         outside = (other < 0) | (other >= logits.shape[-1])
         if bool(outside.any()):
-            raise ValueError(f"{other_name}: expected ids in [0, {logits.shape[-1]}), got "
-                             f"{other[outside].flatten()[0].item()}")
+            raise ValueError(
+                f"{other_name}: expected ids in [0, {logits.shape[-1]}), got {other[outside].flatten()[0].item()}"
+            )
     if isinstance(temperature, torch.Tensor):
         if temperature.dtype == torch.bool or temperature.is_complex():
             raise ValueError(f"temperature: expected a real tensor, got {temperature.dtype}")
@@ -115,8 +118,9 @@ def inverse_cdf_sample(logits: torch.Tensor, z: torch.Tensor, temperature: Tempe
     return REGISTRY.get(sampler_backend(logits.device)).inverse_cdf_sample(logits, z, tau)
 
 
-def inverse_cdf_sample_unchecked(logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor,
-                                 backend: str) -> torch.Tensor:
+def inverse_cdf_sample_unchecked(
+    logits: torch.Tensor, z: torch.Tensor, tau: torch.Tensor, backend: str
+) -> torch.Tensor:
     """:func:`inverse_cdf_sample` for a static decode step: no argument check and no host sync.
 
     The caller guarantees z in [0, 1) of shape ``logits.shape[:-1]``, ``tau`` a tensor (scalar or that shape)
@@ -149,8 +153,10 @@ def _(logits, z, tau, backend):
 
 
 def noise_inversion_reference(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0,
-    generator: Optional[torch.Generator] = None
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: Temperature = 1.0,
+    generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Torch version of :func:`noise_inversion` (float64, materialises the CDF: the ``reference`` backend)."""
     tau = _check(logits, tokens, "tokens", temperature)
@@ -163,8 +169,11 @@ def _uniform(tokens: torch.Tensor, device: torch.device, generator: Optional[tor
 
 
 def noise_inversion(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0,
-    generator: Optional[torch.Generator] = None, u: Optional[torch.Tensor] = None,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: Temperature = 1.0,
+    generator: Optional[torch.Generator] = None,
+    u: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """z uniform inside each token's CDF bin ``[F(t-1), F(t))`` (the PTP baseline), float32 ``[...]``.
 
@@ -185,14 +194,24 @@ def noise_inversion(
     tau = _check(logits, tokens, "tokens", temperature)
     if u is None:
         u = _uniform(tokens, logits.device, generator)
-    elif (not isinstance(u, torch.Tensor) or u.shape != tokens.shape or u.dtype != torch.float32
-          or u.device != logits.device):
-        raise ValueError(f"u: expected float32 {tuple(tokens.shape)} on {logits.device}, got "
-                         f"{getattr(u, 'dtype', type(u))} {tuple(getattr(u, 'shape', ()))}")
+    elif (
+        not isinstance(u, torch.Tensor)
+        or u.shape != tokens.shape
+        or u.dtype != torch.float32
+        or u.device != logits.device
+    ):
+        raise ValueError(
+            f"u: expected float32 {tuple(tokens.shape)} on {logits.device}, got "
+            f"{getattr(u, 'dtype', type(u))} {tuple(getattr(u, 'shape', ()))}"
+        )
     return REGISTRY.get(sampler_backend(logits.device)).noise_inversion(logits, tokens, tau, u)
 
 
 __all__ = [
-    "inverse_cdf_sample", "inverse_cdf_sample_reference", "inverse_cdf_sample_unchecked",
-    "noise_inversion", "noise_inversion_reference", "sampler_backend",
+    "inverse_cdf_sample",
+    "inverse_cdf_sample_reference",
+    "inverse_cdf_sample_unchecked",
+    "noise_inversion",
+    "noise_inversion_reference",
+    "sampler_backend",
 ]

@@ -16,5 +16,12 @@ What the ops share (registry, argument checks, acc_dtype, the Triton availabilit
 from .backends import BACKENDS, backend_limits, backends_available, default_backend, get_backend
 from .op import SUPPORTED_DTYPES, window_attention
 
-__all__ = ["window_attention", "BACKENDS", "backends_available", "backend_limits", "default_backend", "get_backend",
-           "SUPPORTED_DTYPES"]
+__all__ = [
+    "window_attention",
+    "BACKENDS",
+    "backends_available",
+    "backend_limits",
+    "default_backend",
+    "get_backend",
+    "SUPPORTED_DTYPES",
+]

@@ -50,10 +50,15 @@ REGISTRY = OpRegistry(
         BackendSpec("reference", f"{_HERE}.reference", ("*",), "dense mask + attention math: the oracle, O(k^2)"),
         BackendSpec("composite", f"{_HERE}.composite", ("*",), "standard attention calls merged by log-sum-exp"),
         BackendSpec("cpp", f"{_HERE}.cpp", ("cpu",), "the compiled CPU kernels of kforcing_kernels._C"),
-        BackendSpec("triton", f"{_HERE}.triton", ("cuda",),
-                    "fused Triton kernels (CPU tensors only in the interpreter)"),
-        BackendSpec("flex", f"{_HERE}.flex", ("cuda", "cpu"),
-                    "compiled FlexAttention over the analytic BlockMask (CPU: eager forward only)"),
+        BackendSpec(
+            "triton", f"{_HERE}.triton", ("cuda",), "fused Triton kernels (CPU tensors only in the interpreter)"
+        ),
+        BackendSpec(
+            "flex",
+            f"{_HERE}.flex",
+            ("cuda", "cpu"),
+            "compiled FlexAttention over the analytic BlockMask (CPU: eager forward only)",
+        ),
     ),
     preference={"cuda": ("triton", "composite"), "cpu": ("cpp", "composite")},
     fallback="composite",

@@ -56,5 +56,7 @@ def check_qkv(q, k, v) -> None:
 def check_layout_batch(layout, batch: int) -> None:
     """A layout with per-batch ranges (``layout.batch_size`` set) fits only a batch of that size."""
     if layout.batch_size is not None and layout.batch_size != batch:
-        raise ValueError(f"layout: expected per-batch ranges for batch {batch}, got {layout.batch_size} (per-batch "
-                         "cu_seqlens, ranges or live_slots give one row per batch element; 1-D ones are shared)")
+        raise ValueError(
+            f"layout: expected per-batch ranges for batch {batch}, got {layout.batch_size} (per-batch "
+            "cu_seqlens, ranges or live_slots give one row per batch element; 1-D ones are shared)"
+        )

@@ -41,8 +41,14 @@ def _layout_args(layout: Union[WindowLayout, QueryRowsLayout]):
     # (both derived once per layout, in layouts/intervals.py); the geometry gives the sizes.
     # A row subset brings its own rows' intervals and tiles and its parent's geometry.
     return (
-        layout.row_intervals_int32, *layout.cpu_query_tiles, layout.n_ctx, layout.num_windows, layout.window_size,
-        layout.last_window_size, layout.n_streams, layout.queries == "all",
+        layout.row_intervals_int32,
+        *layout.cpu_query_tiles,
+        layout.n_ctx,
+        layout.num_windows,
+        layout.window_size,
+        layout.last_window_size,
+        layout.n_streams,
+        layout.queries == "all",
     )
 
 
@@ -57,8 +63,9 @@ def forward(q, k, v, layout: Union[WindowLayout, QueryRowsLayout], scale: float)
 
     ``layout`` may be a row subset (``QueryRowsLayout``): the same kernels over its rows' tiles."""
     if layout.n_queries == 0:  # a subset of no rows: nothing for the kernels to tile
-        return q.new_zeros(q.shape), q.new_zeros(q.shape[:3],
-                                                 dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return q.new_zeros(q.shape), q.new_zeros(
+            q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
+        )
     return _extension.require().attention_forward(q, k, v, *_layout_args(layout), float(scale), _n_rows(layout))
 
 
@@ -66,8 +73,9 @@ def backward(dout, q, k, v, out, lse, layout: Union[WindowLayout, QueryRowsLayou
     """Gradients (dq, dk, dv) given the forward's ``out`` and ``lse``."""
     if layout.n_queries == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    return _extension.require().attention_backward(dout, q, k, v, out, lse, *_layout_args(layout), float(scale),
-                                                _n_rows(layout))
+    return _extension.require().attention_backward(
+        dout, q, k, v, out, lse, *_layout_args(layout), float(scale), _n_rows(layout)
+    )
 
 
 def preferred() -> bool:

@@ -83,7 +83,7 @@ def validate(table: dict, where: str = "dispatch table") -> dict:
     field. A row that could never match an input (a capability or dtype spelt otherwise than the op looks them up)
     is refused here: ignored, it would drop the measured choice without a word."""
     if not isinstance(table, dict) or table.get("format") != FORMAT:
-        raise ValueError(f"{where}: expected a JSON object with \"format\": {FORMAT}")
+        raise ValueError(f'{where}: expected a JSON object with "format": {FORMAT}')
     rows = table.get("rows")
     if not isinstance(rows, list):
         raise ValueError(f"{where}: rows: expected a list")
@@ -105,8 +105,10 @@ def _validate_row(row, where: str) -> None:
         raise ValueError(f"{where}: missing {missing}")
     capability = row["capability"]
     if not isinstance(capability, str) or not _CAPABILITY.fullmatch(capability):
-        raise ValueError(f"{where}.capability: expected \"major.minor\" as a string (e.g. \"9.0\", as "
-                         f"torch.cuda.get_device_capability gives it, joined by a dot), got {capability!r}")
+        raise ValueError(
+            f'{where}.capability: expected "major.minor" as a string (e.g. "9.0", as '
+            f"torch.cuda.get_device_capability gives it, joined by a dot), got {capability!r}"
+        )
     if row["dtype"] not in DTYPES:
         raise ValueError(f"{where}.dtype: expected one of {DTYPES} (torch's dtype names), got {row['dtype']!r}")
     if row["family"] not in FAMILIES:
@@ -117,12 +119,16 @@ def _validate_row(row, where: str) -> None:
     if not _is_int(row["head_dim"]) or row["head_dim"] < 1:
         raise ValueError(f"{where}.head_dim: expected a positive int, got {row['head_dim']!r}")
     times = row["fwd_bwd_ms"]
-    if not isinstance(times, dict) or not all(isinstance(ms, (int, float)) and not isinstance(ms, bool)
-                                              and math.isfinite(ms) and ms > 0 for ms in times.values()):
+    if not isinstance(times, dict) or not all(
+        isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
+        for ms in times.values()
+    ):
         raise ValueError(f"{where}.fwd_bwd_ms: expected an object of positive milliseconds by method, got {times!r}")
     if row["backend"] not in _measured_backends(row):
-        raise ValueError(f"{where}.backend: {row['backend']!r} is not among its measurements {sorted(times)} "
-                         f"(a backend of {sorted(BENCH_METHOD)} measured as {BENCH_METHOD})")
+        raise ValueError(
+            f"{where}.backend: {row['backend']!r} is not among its measurements {sorted(times)} "
+            f"(a backend of {sorted(BENCH_METHOD)} measured as {BENCH_METHOD})"
+        )
     provenance = row["provenance"]
     absent = [key for key in PROVENANCE_KEYS if not isinstance(provenance, dict) or not provenance.get(key)]
     if absent:
@@ -166,8 +172,10 @@ def load(path=None) -> dict:
     try:
         table = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"dispatch table {where}: not valid JSON ({exc}); write it again from the GPU check's "
-                         "measurements (bench/gpu/dispatch_table.py), or name another table") from None
+        raise ValueError(
+            f"dispatch table {where}: not valid JSON ({exc}); write it again from the GPU check's "
+            "measurements (bench/gpu/dispatch_table.py), or name another table"
+        ) from None
     return validate(table, f"dispatch table {where}")
 
 
@@ -199,8 +207,7 @@ def choose(rows, capability: str, dtype: str, head_dim, n_ctx, family: str) -> O
     """The backend of the row matching the inputs, or None. ``rows``: dicts or ``(capability, dtype, head_dim,
     length_bucket, family, backend)`` tuples; ``head_dim`` / ``n_ctx`` may be SymInts (compared only)."""
     for row in rows:
-        cap, dt, dim, bucket, fam, backend = (row if isinstance(row, tuple) else
-                                              (*row_key(row), row["backend"]))
+        cap, dt, dim, bucket, fam, backend = row if isinstance(row, tuple) else (*row_key(row), row["backend"])
         if cap == capability and dt == dtype and fam == family and head_dim == dim and in_bucket(n_ctx, bucket):
             return backend
     return None
@@ -222,9 +229,11 @@ def measured_rows(device_index: int, dtype: torch.dtype, usable) -> tuple:
     rows = _cache.get(key)
     if rows is None:
         capability, names = capability_of(device_index), usable()
-        rows = tuple((*row_key(row), row["backend"]) for row in load(path)["rows"]
-                     if row["capability"] == capability and row["dtype"] == dtype_name(dtype)
-                     and row["backend"] in names)
+        rows = tuple(
+            (*row_key(row), row["backend"])
+            for row in load(path)["rows"]
+            if row["capability"] == capability and row["dtype"] == dtype_name(dtype) and row["backend"] in names
+        )
         _cache[key] = rows
     return rows
 

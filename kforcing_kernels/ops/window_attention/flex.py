@@ -56,8 +56,10 @@ def available() -> Optional[str]:
 
 def limits() -> Optional[str]:
     """What this backend cannot do although it is usable (``backend_limits()``)."""
-    return ("no backward on CPU tensors: FlexAttention implements it on CUDA only (CPU: eager forward; "
-            "a backward through it raises naming backend 'flex')")
+    return (
+        "no backward on CPU tensors: FlexAttention implements it on CUDA only (CPU: eager forward; "
+        "a backward through it raises naming backend 'flex')"
+    )
 
 
 def supports(dtype: torch.dtype, head_dim: Optional[int]) -> bool:
@@ -82,8 +84,9 @@ def block_mask(layout: WindowLayout, device: torch.device):
     """The layout's analytic BlockMask on ``device`` (``BLOCK_SIZE`` tiles), built once per layout content and
     device."""
     device = torch.device(device)
-    return layout.derived(("flex_block_mask", BLOCK_SIZE, str(device)),
-                          lambda: layout.to_block_mask(BLOCK_SIZE, device=device))
+    return layout.derived(
+        ("flex_block_mask", BLOCK_SIZE, str(device)), lambda: layout.to_block_mask(BLOCK_SIZE, device=device)
+    )
 
 
 def _compiled_flex(compile_backend: str):
@@ -178,7 +181,8 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     if not has_own_backward(q):
         raise RuntimeError(
             f"backend 'flex': FlexAttention has no backward on {q.device.type} tensors (torch implements it on CUDA "
-            "only); use backend='triton' on CUDA or 'cpp' / 'composite' / 'reference' on CPU for gradients")
+            "only); use backend='triton' on CUDA or 'cpp' / 'composite' / 'reference' on CPU for gradients"
+        )
     with torch.enable_grad():
         lq, lk, lv = (t.detach().requires_grad_(True) for t in (q, k, v))
         again, _ = _call(lq, lk, lv, layout, scale, with_lse=True)  # the forward's own graph: no second compile

@@ -64,8 +64,9 @@ def attend(
     """
     if _use_flash_cpu(q) and not force_math:
         mask = None if allowed is None else _additive_mask(allowed, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                              scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
         lse = lse.to(acc_dtype(q.dtype)).contiguous()
         if allowed is not None:
             empty = ~allowed.any(-1)  # [B|1, 1, Lq]
@@ -96,10 +97,12 @@ def attend_backward(
     (each rounding to bf16 would add up over the pieces). On CPU the tiled backward (bits independent
     of the thread count, module docstring); ``force_math`` or another device: the plain matmul path."""
     if q.device.type == "cpu" and not force_math:
-        return _attend_tiled_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
-                                      acc_grads=acc_grads)
-    return _attend_math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
-                                 acc_grads=acc_grads)
+        return _attend_tiled_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed, acc_grads=acc_grads
+        )
+    return _attend_math_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed, acc_grads=acc_grads
+    )
 
 
 # ---------------------------------------------------------------------- portable path
@@ -120,8 +123,6 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     # [B, H, L, D] -> [B, Hkv, g, L, D] so that query head h uses kv head h // g.
     b, h, length, d = x.shape
     return x.view(b, h // groups, groups, length, d)
-
-
 
 
 def _attend_math(q, k, v, *, causal, scale, allowed):
@@ -236,7 +237,7 @@ def _attend_tiled_backward(dout, q, k, v, out, lse, *, causal, scale, allowed, a
             p.view(b, hkv, g, r, span).masked_fill_(~vis[:, :, None], 0.0)
         elif causal and khi > r0:  # only the diagonal block holds keys past a row: mask it alone
             hidden = torch.arange(r0, khi, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
-            p.view(b * hkv, g, r, span)[..., r0 - klo:].masked_fill_(hidden, 0.0)
+            p.view(b * hkv, g, r, span)[..., r0 - klo :].masked_fill_(hidden, 0.0)
         ds = torch.bmm(doc, vc.transpose(1, 2)).sub_(_tile_rows(delta[..., None], r0, r1)).mul_(p)
         dq[:, :, :, r0:r1] = torch.bmm(ds, kc).mul_(scale).view(b, hkv, g, r, d)
         dk[:, klo:khi] += torch.bmm(ds.transpose(1, 2), qc).mul_(scale)

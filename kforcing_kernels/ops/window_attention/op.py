@@ -50,17 +50,38 @@ from .checks import validate
 
 
 @overload
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
-                     scale: Optional[float] = ..., backend: Optional[str] = ...,
-                     return_lse: Literal[False] = ...) -> torch.Tensor: ...
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Union[WindowLayout, QueryRowsLayout],
+    *,
+    scale: Optional[float] = ...,
+    backend: Optional[str] = ...,
+    return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
-                     scale: Optional[float] = ..., backend: Optional[str] = ...,
-                     return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Union[WindowLayout, QueryRowsLayout],
+    *,
+    scale: Optional[float] = ...,
+    backend: Optional[str] = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Union[WindowLayout, QueryRowsLayout], *,
-                     scale: Optional[float] = ..., backend: Optional[str] = ...,
-                     return_lse: bool = ...) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: Union[WindowLayout, QueryRowsLayout],
+    *,
+    scale: Optional[float] = ...,
+    backend: Optional[str] = ...,
+    return_lse: bool = ...,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def window_attention(
@@ -130,13 +151,17 @@ def query_rows_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
     if backend is not None:
         REGISTRY.check_name(backend)
         if backend not in ROW_SUBSET_BACKENDS:
-            raise ValueError(f"backend: {backend!r} cannot run a QueryRowsLayout (a row subset of a layout); "
-                             f"expected one of {ROW_SUBSET_BACKENDS}")
+            raise ValueError(
+                f"backend: {backend!r} cannot run a QueryRowsLayout (a row subset of a layout); "
+                f"expected one of {ROW_SUBSET_BACKENDS}"
+            )
         return backend
     forced = env.backend_override()
     if forced is not None and forced not in ROW_SUBSET_BACKENDS:  # the switch is honoured or refused, never ignored
-        raise ValueError(f"KFORCING_BACKEND: {forced!r} cannot run a QueryRowsLayout (a row subset of a layout); "
-                         f"expected one of {ROW_SUBSET_BACKENDS}, or pass backend=")
+        raise ValueError(
+            f"KFORCING_BACKEND: {forced!r} cannot run a QueryRowsLayout (a row subset of a layout); "
+            f"expected one of {ROW_SUBSET_BACKENDS}, or pass backend="
+        )
     for name, dims in _default_choices(q.device.type, q.dtype):
         if name in ROW_SUBSET_BACKENDS and (dims is None or q.shape[-1] in dims):
             return name
@@ -204,12 +229,33 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
         return None
     if backend is not None and type(backend) is not str:
         return None
-    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (
+        torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
         return None
-    key = (layout, scale, backend, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-           v.device, q.stride(), k.stride(), v.stride(), env.backend_override(), env.dispatch_table_path(),
-           env.triton_interpret_value(), env.extension_disabled())
+    key = (
+        layout,
+        scale,
+        backend,
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        env.backend_override(),
+        env.dispatch_table_path(),
+        env.triton_interpret_value(),
+        env.extension_disabled(),
+    )
     entry = _eager_cache.get(key)
     if entry is not None:
         return entry
@@ -255,8 +301,9 @@ def default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layo
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         capability, dtype_name = _measured_keys(index, dtype)
-        measured = dispatch.choose(_measured_rows(index, dtype), capability, dtype_name, head_dim,
-                                   layout.n_ctx, dispatch.layout_family(layout))
+        measured = dispatch.choose(
+            _measured_rows(index, dtype), capability, dtype_name, head_dim, layout.n_ctx, dispatch.layout_family(layout)
+        )
         if measured is not None:
             return measured
     return pick(_default_choices(device.type, dtype), head_dim)
@@ -268,7 +315,8 @@ def _measured_rows(device_index: int, dtype: torch.dtype) -> tuple:
     if env.backend_override():
         return ()
     return dispatch.measured_rows(
-        device_index, dtype, lambda: {name for name in REGISTRY.names if REGISTRY.load(name)[1] is None})
+        device_index, dtype, lambda: {name for name in REGISTRY.names if REGISTRY.load(name)[1] is None}
+    )
 
 
 @torch.compiler.assume_constant_result
@@ -311,17 +359,38 @@ def layout_from_args(ranges, geometry, intra_causal, queries_all) -> WindowLayou
         tensors.append(None if optional and t.dim() == 1 and t.numel() == 0 else t)
     prefix_lo, prefix_hi, context_lo, context_hi, live, slide_lo, slide_hi = tensors
     assert prefix_lo is not None and prefix_hi is not None  # never optional above
-    return canonical(content_key(n_ctx, m, w, last, intra, queries, streams, tensors), lambda: WindowLayout(
-        n_ctx, m, w, prefix_lo, prefix_hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
-        context_lo=context_lo, context_hi=context_hi, live_slots=live, prefix_slide_lo=slide_lo,
-        prefix_slide_hi=slide_hi,
-    ))
+    return canonical(
+        content_key(n_ctx, m, w, last, intra, queries, streams, tensors),
+        lambda: WindowLayout(
+            n_ctx,
+            m,
+            w,
+            prefix_lo,
+            prefix_hi,
+            last_window_size=last,
+            intra=intra,
+            queries=queries,
+            n_streams=streams,
+            context_lo=context_lo,
+            context_hi=context_hi,
+            live_slots=live,
+            prefix_slide_lo=slide_lo,
+            prefix_slide_hi=slide_hi,
+        ),
+    )
 
 
 @torch.library.custom_op("kforcing_kernels::window_attention", mutates_args=())
 def _window_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[torch.Tensor],
-    geometry: list[int], intra_causal: bool, queries_all: bool, scale: float, backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranges: list[torch.Tensor],
+    geometry: list[int],
+    intra_causal: bool,
+    queries_all: bool,
+    scale: float,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, layout_from_args(ranges, geometry, intra_causal, queries_all), scale, backend)
 
@@ -342,19 +411,38 @@ def _(q, k, v, ranges, geometry, intra_causal, queries_all, scale, backend):
 
 @torch.library.custom_op("kforcing_kernels::window_attention_backward", mutates_args=())
 def _window_attention_backward_op(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    ranges: list[torch.Tensor], geometry: list[int], intra_causal: bool, queries_all: bool,
-    scale: float, backend: str,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ranges: list[torch.Tensor],
+    geometry: list[int],
+    intra_causal: bool,
+    queries_all: bool,
+    scale: float,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_body(dout, q, k, v, out, lse, layout_from_args(ranges, geometry, intra_causal, queries_all),
-                          scale, backend)
+    return _backward_body(
+        dout, q, k, v, out, lse, layout_from_args(ranges, geometry, intra_causal, queries_all), scale, backend
+    )
 
 
-def _backward_body(dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str,
-                   entry: Optional[_EagerEntry] = None):
+def _backward_body(
+    dout, q, k, v, out, lse, layout: WindowLayout, scale: float, backend: str, entry: Optional[_EagerEntry] = None
+):
     backward = get_backend(backend).backward if entry is None else entry.backward
-    return backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-                    lse.contiguous(), layout, scale)
+    return backward(
+        dout.contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out.contiguous(),
+        lse.contiguous(),
+        layout,
+        scale,
+    )
 
 
 @_window_attention_backward_op.register_fake
@@ -415,12 +503,15 @@ class _EagerWindowAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, backend, entry = ctx.meta
         if torch.is_grad_enabled() and isinstance(layout, QueryRowsLayout):
-            raise RuntimeError(f"double backward is not supported by window_attention (backend {backend!r}) on a "
-                               "QueryRowsLayout: its backward is itself not differentiable")
+            raise RuntimeError(
+                f"double backward is not supported by window_attention (backend {backend!r}) on a "
+                "QueryRowsLayout: its backward is itself not differentiable"
+            )
         if torch.is_grad_enabled():  # create_graph=True: the backward op, whose own backward says it is unsupported
             ranges, geometry, intra_causal, queries_all = layout_args(layout)
             grads = torch.ops.kforcing_kernels.window_attention_backward(
-                dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend)
+                dout, q, k, v, out, lse, ranges, geometry, intra_causal, queries_all, scale, backend
+            )
         else:  # autograd gives dout the shape, dtype and device of out: the forward's checks still hold
             grads = _backward_body(dout, q, k, v, out, lse, layout, scale, backend, entry)
         return (*grads, None, None, None, None)

@@ -49,8 +49,9 @@ def backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     """Gradients (dq, dk, dv) from the forward's ``out`` and ``lse``."""
     if masked_keys.has_nonfinite(k, v):
         return masked_keys.backward(dout, q, k, v, layout, scale)
-    return attend_backward(dout, q, k, v, out, lse, causal=False, scale=scale, allowed=_allowed(layout, q.device),
-                           force_math=True)
+    return attend_backward(
+        dout, q, k, v, out, lse, causal=False, scale=scale, allowed=_allowed(layout, q.device), force_math=True
+    )
 
 
 def attention(q, k, v, layout: WindowLayout, scale: float, *, with_lse: bool = True):

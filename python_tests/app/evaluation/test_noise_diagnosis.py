@@ -87,8 +87,11 @@ def test_both_cdf_orders_sample_the_tempered_teacher_and_differ_per_noise():
     assert got == [int(ids[0]), int(ids[0]), int(ids[1]), int(ids[2]), int(ids[5])]
     # vocab order is the sampler's own convention (token-id order).
     from kforcing_kernels.ops.sampling import inverse_cdf_sample
-    assert torch.equal(forward_distillation_targets(logits.expand(1, n, v), z, tau, order="vocab"),
-                       inverse_cdf_sample(logits.expand(1, n, v), z, 0.8))
+
+    assert torch.equal(
+        forward_distillation_targets(logits.expand(1, n, v), z, tau, order="vocab"),
+        inverse_cdf_sample(logits.expand(1, n, v), z, 0.8),
+    )
     with pytest.raises(ValueError, match="order: expected one of"):
         forward_distillation_targets(logits.expand(1, 1, v), z[:, :1], tau, order="sorted")
 
@@ -97,19 +100,29 @@ def test_the_report_says_which_way_a_deviation_from_the_teacher_is_bad():
     from kforcing_kernels.app.evaluation.report import format_report
 
     q = {"nll": 3.0, "ppl": 20.0, "distinct2": 0.9, "distinct4": 0.97, "tokens": 100}
-    summary = {"batch_sizes": [4], "prompt_len": 16, "new_tokens": 48, "temperature": 0.8, "threads": 2, "reps": 1,
-               "final_k": 1, "throughput": {"AR": {"4": 100.0}, "K-Forcing k=1": {"4": 90.0}},
-               "speedup": {"AR": {"4": 1.0}, "K-Forcing k=1": {"4": 0.9}},
-               "quality": {"AR": q, "K-Forcing k=1": {**q, "ppl": 8.0, "distinct4": 0.45}, "data (held-out text)": q},
-               "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}]}
+    summary = {
+        "batch_sizes": [4],
+        "prompt_len": 16,
+        "new_tokens": 48,
+        "temperature": 0.8,
+        "threads": 2,
+        "reps": 1,
+        "final_k": 1,
+        "throughput": {"AR": {"4": 100.0}, "K-Forcing k=1": {"4": 90.0}},
+        "speedup": {"AR": {"4": 1.0}, "K-Forcing k=1": {"4": 0.9}},
+        "quality": {"AR": q, "K-Forcing k=1": {**q, "ppl": 8.0, "distinct4": 0.45}, "data (held-out text)": q},
+        "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}],
+    }
     text = format_report(summary)
     assert "| K-Forcing k=1 | 1 |" in text and "0.40x" in text
     assert "Far BELOW 1.00x is not better than the teacher" in text and "mode collapse" in text
     # The Stage-1 student's own (untimed) row: in Table 1 with "-" throughput, and in the tau sweep.
     summary["quality"]["Stage-1 PFLM(1), k=1"] = {**q, "ppl": 12.0, "distinct4": 0.65}
     summary["tau_sweep"] = {"0.8": {"AR": q, "K-Forcing k=1": summary["quality"]["K-Forcing k=1"]}}
-    summary["tau_sweep_stage1"] = {"name": "Stage-1 PFLM(1), k=1", "scores": {"0.8": {**q, "ppl": 12.0,
-                                                                                      "distinct4": 0.65}}}
+    summary["tau_sweep_stage1"] = {
+        "name": "Stage-1 PFLM(1), k=1",
+        "scores": {"0.8": {**q, "ppl": 12.0, "distinct4": 0.65}},
+    }
     text = format_report(summary)
     assert "| Stage-1 PFLM(1), k=1 | 1 | - | - | 3.000 | 12.00 | 0.60x | 0.650 |" in text
     assert "| Stage-1 PFLM(1), k=1 | 12.00 (0.60x), 0.650 |" in text
@@ -121,15 +134,29 @@ def test_the_report_checks_the_sampling_targets_on_its_own_numbers():
     def q(ppl, d4):
         return {"nll": 3.0, "ppl": ppl, "distinct2": 0.5, "distinct4": d4, "tokens": 100}
 
-    summary = {"batch_sizes": [4], "prompt_len": 16, "new_tokens": 48, "temperature": 0.8, "threads": 2, "reps": 1,
-               "final_k": 4, "throughput": {"AR": {"4": 100.0}, "K-Forcing k=4": {"4": 300.0}},
-               "speedup": {"AR": {"4": 1.0}, "K-Forcing k=4": {"4": 3.0}},
-               "quality": {"AR": q(20.0, 0.90), "K-Forcing k=4": q(30.0, 0.76), "Stage-1 PFLM(1), k=1": q(16.0, 0.81),
-                           "data (held-out text)": q(40.0, 0.84)},
-               "tau_sweep": {"0.5": {"AR": q(10.0, 0.8)}, "0.8": {"AR": q(20.0, 0.9)}, "1.0": {"AR": q(40.0, 0.95)}},
-               "tau_sweep_stage1": {"name": "Stage-1 PFLM(1), k=1",
-                                    "scores": {"0.5": q(8.0, 0.7), "0.8": q(16.0, 0.81), "1.0": q(50.0, 0.9)}},
-               "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}]}
+    summary = {
+        "batch_sizes": [4],
+        "prompt_len": 16,
+        "new_tokens": 48,
+        "temperature": 0.8,
+        "threads": 2,
+        "reps": 1,
+        "final_k": 4,
+        "throughput": {"AR": {"4": 100.0}, "K-Forcing k=4": {"4": 300.0}},
+        "speedup": {"AR": {"4": 1.0}, "K-Forcing k=4": {"4": 3.0}},
+        "quality": {
+            "AR": q(20.0, 0.90),
+            "K-Forcing k=4": q(30.0, 0.76),
+            "Stage-1 PFLM(1), k=1": q(16.0, 0.81),
+            "data (held-out text)": q(40.0, 0.84),
+        },
+        "tau_sweep": {"0.5": {"AR": q(10.0, 0.8)}, "0.8": {"AR": q(20.0, 0.9)}, "1.0": {"AR": q(40.0, 0.95)}},
+        "tau_sweep_stage1": {
+            "name": "Stage-1 PFLM(1), k=1",
+            "scores": {"0.5": q(8.0, 0.7), "0.8": q(16.0, 0.81), "1.0": q(50.0, 0.9)},
+        },
+        "per_position_nll": [{"model": "AR", "k": 0, "nll": [3.0], "agreement": None}],
+    }
     # 16/20 = 0.80x (the band's edge), 0.81/0.90 = 0.90x (the share's edge), tau ratios 0.8 / 0.8 / 1.25: all inside;
     # k=4 at 30/20 = 1.5x (the limit), 0.76/0.84 = 0.905x of the held-out text's.
     checks = target_checks(summary)
@@ -153,8 +180,11 @@ def test_a_distinct4_target_without_4grams_is_undecided_not_an_error():
     from kforcing_kernels.app.evaluation.report import format_targets, target_checks
 
     q = {"nll": 3.0, "ppl": 20.0, "distinct2": 0.5, "distinct4": 0.0, "tokens": 4}  # 2 new tokens: no 4-gram
-    summary = {"temperature": 0.8, "final_k": 2, "quality": {"AR": q, "K-Forcing k=2": q, "Stage-1 PFLM(1), k=1": q,
-                                                                "data (held-out text)": q}}
+    summary = {
+        "temperature": 0.8,
+        "final_k": 2,
+        "quality": {"AR": q, "K-Forcing k=2": q, "Stage-1 PFLM(1), k=1": q, "data (held-out text)": q},
+    }
     checks = target_checks(summary)
     assert [c["met"] for c in checks] == [True, None, True, None]
     assert "| Stage-1 student: distinct-4 >= 0.9x AR's | 0.000 (reference 0.000) | - |" in format_targets(summary)

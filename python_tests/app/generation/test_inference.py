@@ -53,7 +53,7 @@ def test_each_request_is_independent_of_the_batch(model, prompts):
     noise = torch.rand(len(prompts), 3, 2, dtype=torch.float64)
     batched = generate_kforcing(model, prompts, 2, 6, noise=noise)
     for b, p in enumerate(prompts):
-        alone = generate_kforcing(model, [p], 2, 6, noise=noise[b: b + 1])
+        alone = generate_kforcing(model, [p], 2, 6, noise=noise[b : b + 1])
         assert alone[0].tolist() == batched[b].tolist()
 
 
@@ -66,7 +66,7 @@ def test_cached_ar_equals_uncached(model, prompts):
         for s in range(new_tokens):
             logits = model(seq[None])[0, -1]
             seq = torch.cat([seq, inverse_cdf_sample(logits, noise[b, s], tau)[None]])
-        assert out[b].tolist() == seq[p.numel():].tolist()
+        assert out[b].tolist() == seq[p.numel() :].tolist()
 
 
 def test_generator_makes_runs_reproducible(model, prompts):
@@ -98,8 +98,9 @@ def test_bad_inputs_raise_clear_errors(model, prompts):
 # ---------------------------------------------------------------------- issue 12 items 5 and 17: refuse nonsense
 
 
-@pytest.mark.parametrize("tau", [0, 0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, float("nan"), 1.0]), True,
-                                 "1"])
+@pytest.mark.parametrize(
+    "tau", [0, 0.0, -1.0, float("nan"), float("inf"), torch.tensor([1.0, float("nan"), 1.0]), True, "1"]
+)
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_kforcing_refuses_bad_temperature(model, prompts, tau, cache):
     with pytest.raises(ValueError, match="temperature: expected a finite number > 0"):
@@ -156,15 +157,18 @@ def test_a_flat_list_is_one_prompt(model, fn):
     assert tokens.tolist() == [flat] and lengths.tolist() == [4]
 
 
-@pytest.mark.parametrize("bad, match", [
-    ([], "prompts: expected at least one prompt, got an empty batch"),
-    (torch.zeros(0, 3, dtype=torch.int64), "prompts: expected a"),
-    ([5, [6, 7]], "prompts: expected one flat list of ids .* a mix"),
-    ([[1.5, 2]], "prompts: prompt 0: expected integer token ids"),
-    ([[1, 2], [3, True]], "prompts: prompt 1: expected integer token ids"),
-    (torch.tensor([[1.0, 2.0]]), "prompts: expected integer token ids"),
-    ("hello", "prompts: expected token ids"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([], "prompts: expected at least one prompt, got an empty batch"),
+        (torch.zeros(0, 3, dtype=torch.int64), "prompts: expected a"),
+        ([5, [6, 7]], "prompts: expected one flat list of ids .* a mix"),
+        ([[1.5, 2]], "prompts: prompt 0: expected integer token ids"),
+        ([[1, 2], [3, True]], "prompts: prompt 1: expected integer token ids"),
+        (torch.tensor([[1.0, 2.0]]), "prompts: expected integer token ids"),
+        ("hello", "prompts: expected token ids"),
+    ],
+)
 def test_bad_prompt_batches(model, bad, match):
     with pytest.raises(ValueError, match=match):
         generate_ar(model, bad, 2)
@@ -215,8 +219,11 @@ def test_cli_unwritable_out_is_a_clear_error(stage, tmp_path, capsys, where):
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    out = {"under_a_file": blocker / "gen.jsonl", "missing_dir": tmp_path / "nope" / "gen.jsonl",
-           "a_directory": tmp_path}[where]
+    out = {
+        "under_a_file": blocker / "gen.jsonl",
+        "missing_dir": tmp_path / "nope" / "gen.jsonl",
+        "a_directory": tmp_path,
+    }[where]
     with pytest.raises(SystemExit):
         main([str(stage), "--prompt", "def", "--new-tokens", "2", "--out", str(out)])
     assert "argument --out:" in capsys.readouterr().err

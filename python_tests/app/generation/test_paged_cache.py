@@ -28,10 +28,12 @@ def test_append_writes_each_row_at_its_length_and_allocates_on_demand():
     second = kv(2, 4, seed=1)
     cache.append([b, a], second, [4, 1])  # b grows across a page boundary
     assert cache.lengths([a, b]).tolist() == [6, 6]
-    torch.testing.assert_close(read_back(cache, a), torch.cat([first[0][0][0, :, :5], second[0][0][1, :, :1]], 1),
-                               rtol=0, atol=0)
-    torch.testing.assert_close(read_back(cache, b), torch.cat([first[0][0][1, :, :2], second[0][0][0, :, :4]], 1),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        read_back(cache, a), torch.cat([first[0][0][0, :, :5], second[0][0][1, :, :1]], 1), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        read_back(cache, b), torch.cat([first[0][0][1, :, :2], second[0][0][0, :, :4]], 1), rtol=0, atol=0
+    )
     table = cache.block_table([a, b])
     assert table.dtype == torch.int32 and table.shape == (2, 2)
     assert table[0].tolist() == cache.pages_of(a) and table[1].tolist() == cache.pages_of(b)

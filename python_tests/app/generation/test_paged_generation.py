@@ -31,10 +31,12 @@ def prompts():
 def test_kforcing_paged_equals_contiguous(model, prompts, k, page_size):
     t = 10
     noise = torch.rand(len(prompts), math.ceil(t / k), k, dtype=torch.float64)
-    ref, ref_logits = generate_kforcing(model, prompts, k, t, temperature=0.8, noise=noise, cache="contiguous",
-                                        return_logits=True)
-    out, logits = generate_kforcing(model, prompts, k, t, temperature=0.8, noise=noise, cache="paged",
-                                    page_size=page_size, return_logits=True)
+    ref, ref_logits = generate_kforcing(
+        model, prompts, k, t, temperature=0.8, noise=noise, cache="contiguous", return_logits=True
+    )
+    out, logits = generate_kforcing(
+        model, prompts, k, t, temperature=0.8, noise=noise, cache="paged", page_size=page_size, return_logits=True
+    )
     assert out.tolist() == ref.tolist()
     assert logits.shape == (len(prompts), t, CFG.vocab_size)
     torch.testing.assert_close(logits, ref_logits, atol=1e-12, rtol=0)
@@ -45,10 +47,12 @@ def test_ar_paged_equals_contiguous(model, prompts, page_size):
     t = 9
     noise = torch.rand(len(prompts), t, dtype=torch.float64)
     tau = torch.tensor([0.5, 1.0, 1.5, 0.9])
-    ref, ref_logits = generate_ar(model, prompts, t, temperature=tau, noise=noise, cache="contiguous",
-                                  return_logits=True)
-    out, logits = generate_ar(model, prompts, t, temperature=tau, noise=noise, cache="paged", page_size=page_size,
-                              return_logits=True)
+    ref, ref_logits = generate_ar(
+        model, prompts, t, temperature=tau, noise=noise, cache="contiguous", return_logits=True
+    )
+    out, logits = generate_ar(
+        model, prompts, t, temperature=tau, noise=noise, cache="paged", page_size=page_size, return_logits=True
+    )
     assert out.tolist() == ref.tolist()
     torch.testing.assert_close(logits, ref_logits, atol=1e-12, rtol=0)
     greedy = generate_ar(model, prompts, t, temperature=0, cache="contiguous")
@@ -263,8 +267,14 @@ def _random_serving_run(model, k, seed: int, counts: dict) -> None:
         if action == 0 or not (pending or active):
             n, t = 1 + rand(9), 1 + rand(7)
             shape = (t,) if k is None else (math.ceil(t / k), k)
-            pending.append(Request(torch.randint(0, CFG.vocab_size, (n,), generator=rng), t,
-                                   noise=torch.rand(shape, generator=rng, dtype=torch.float64), temperature=0.9))
+            pending.append(
+                Request(
+                    torch.randint(0, CFG.vocab_size, (n,), generator=rng),
+                    t,
+                    noise=torch.rand(shape, generator=rng, dtype=torch.float64),
+                    temperature=0.9,
+                )
+            )
         elif action == 1 and active:
             r = active.pop(rand(len(active)))
             gen.cancel(r)
@@ -303,9 +313,11 @@ def _random_serving_run(model, k, seed: int, counts: dict) -> None:
             counts["finished"] += 1
             prompt = r.prompt.tolist()
             if k is None:
-                ref = generate_ar(model, [r.prompt], r.max_new_tokens, temperature=0.9, noise=r.noise[None],
-                                  cache="contiguous")[0]
+                ref = generate_ar(
+                    model, [r.prompt], r.max_new_tokens, temperature=0.9, noise=r.noise[None], cache="contiguous"
+                )[0]
             else:
-                ref = generate_kforcing(model, [r.prompt], k, r.max_new_tokens, temperature=0.9, noise=r.noise[None],
-                                        cache="contiguous")[0]
+                ref = generate_kforcing(
+                    model, [r.prompt], k, r.max_new_tokens, temperature=0.9, noise=r.noise[None], cache="contiguous"
+                )[0]
             assert r.tokens == ref.tolist(), prompt

@@ -140,21 +140,39 @@ def test_ar_noise_is_checked_on_both_caches_greedy_or_not(ar_model, bad, tau):
 
 
 def test_integer_temperature_tensors_run_alike_on_both_caches(ar_model):
-    got = [generate_ar(ar_model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1, 2]), cache=cache,
-                       generator=torch.Generator().manual_seed(0)) for cache in ("contiguous", "paged")]
-    want = generate_ar(ar_model, [[1, 2, 3], [4, 5]], 3, temperature=torch.tensor([1.0, 2.0]), cache="contiguous",
-                       generator=torch.Generator().manual_seed(0))
+    got = [
+        generate_ar(
+            ar_model,
+            [[1, 2, 3], [4, 5]],
+            3,
+            temperature=torch.tensor([1, 2]),
+            cache=cache,
+            generator=torch.Generator().manual_seed(0),
+        )
+        for cache in ("contiguous", "paged")
+    ]
+    want = generate_ar(
+        ar_model,
+        [[1, 2, 3], [4, 5]],
+        3,
+        temperature=torch.tensor([1.0, 2.0]),
+        cache="contiguous",
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], want)
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda m, ar: generate_kforcing(m, [[1, 2]], 2, 4, noise=[[[0.1, 0.2]] * 2]), "noise"),
-    (lambda m, ar: generate_ar(ar, [[1, 2]], 2, noise=[[0.1, 0.2]]), "noise"),
-    (lambda m, ar: generate_kforcing(m, None, 2, 4), "prompts"),
-    (lambda m, ar: generate_ar(ar, 7, 2), "prompts"),
-    (lambda m, ar: generate_ar(ar, [[1, 2]], 2, generator=5), "generator"),
-    (lambda m, ar: generate_ar(ar, [[1, 2**70]], 2), "prompts"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda m, ar: generate_kforcing(m, [[1, 2]], 2, 4, noise=[[[0.1, 0.2]] * 2]), "noise"),
+        (lambda m, ar: generate_ar(ar, [[1, 2]], 2, noise=[[0.1, 0.2]]), "noise"),
+        (lambda m, ar: generate_kforcing(m, None, 2, 4), "prompts"),
+        (lambda m, ar: generate_ar(ar, 7, 2), "prompts"),
+        (lambda m, ar: generate_ar(ar, [[1, 2]], 2, generator=5), "generator"),
+        (lambda m, ar: generate_ar(ar, [[1, 2**70]], 2), "prompts"),
+    ],
+)
 def test_arguments_of_the_wrong_type_are_refused_by_name(model, ar_model, call, name):
     with pytest.raises(ValueError, match=f"^{name}: (prompt 0: )?expected"):
         call(model, ar_model)
@@ -167,13 +185,13 @@ def test_a_request_prompt_must_be_one_dimensional(model):
     assert gen.cache.free_pages == 8
 
 
-
 def test_ar_decoding_refuses_a_k_forcing_model(model, ar_model):
     """generate_ar and an AR PagedGenerator on a K-Forcing model (k_train=2) would decode it without its noise
     window: refused by name on both caches; the AR model with the same weights runs."""
     for cache in ("contiguous", "paged"):
-        with pytest.raises(ValueError,
-                           match=r"^model: this model was trained with K-Forcing \(k_train=2\).*generate_kforcing"):
+        with pytest.raises(
+            ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\).*generate_kforcing"
+        ):
             generate_ar(model, [[1, 2]], 3, cache=cache)
     with pytest.raises(ValueError, match=r"^model: this model was trained with K-Forcing \(k_train=2\)"):
         PagedGenerator(model, None, num_pages=8)

@@ -46,7 +46,7 @@ def shifted_positions(model, monkeypatch, *, prefill_noise: int = 0, decode: int
     def patched(x, positions, layout, past=None):
         positions = positions.clone()
         if past is None:
-            positions[..., positions.shape[-1] - k:] += prefill_noise
+            positions[..., positions.shape[-1] - k :] += prefill_noise
         else:
             positions += decode
         return trunk(x, positions, layout, past=past)
@@ -83,10 +83,12 @@ def run_ar(model, noise, cache="paged"):
 
 
 def recompute_ar(model, out):
-    return torch.stack([
-        torch.stack([model(torch.tensor(prompt + out[b, :s].tolist())[None])[0, -1] for s in range(T)])
-        for b, prompt in enumerate(PROMPTS)
-    ])
+    return torch.stack(
+        [
+            torch.stack([model(torch.tensor(prompt + out[b, :s].tolist())[None])[0, -1] for s in range(T)])
+            for b, prompt in enumerate(PROMPTS)
+        ]
+    )
 
 
 def kforcing_noise():

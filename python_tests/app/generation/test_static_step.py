@@ -81,9 +81,11 @@ def test_an_eager_step_has_no_host_sync_and_no_host_data(model, k):
     for func, args, kwargs in seen.ops:  # no copy between devices (a CUDA step: no host-to-device upload)
         if "_to_copy" in str(func):
             assert "device" not in kwargs or kwargs["device"] == args[0].device, (func, kwargs)
-    assert tokens.shape == (3, 1 if k is None else k) and state.lens.tolist() == [5 + (1 if k is None else k),
-                                                                                   2 + (1 if k is None else k),
-                                                                                   7 + (1 if k is None else k)]
+    assert tokens.shape == (3, 1 if k is None else k) and state.lens.tolist() == [
+        5 + (1 if k is None else k),
+        2 + (1 if k is None else k),
+        7 + (1 if k is None else k),
+    ]
 
 
 @pytest.mark.parametrize("k", [None, 2])
@@ -179,5 +181,7 @@ def test_the_steps_custom_ops_pass_opcheck(backend):
     ref = paged_op.paged_attention(q, k, v, k_pages, v_pages, table, lens, scale=0.35, backend="reference")
     torch.testing.assert_close(torch.ops.kforcing_kernels.paged_attention(*args), ref, atol=1e-5, rtol=1e-5)
     logits, z = torch.randn(3, 10, generator=gen), torch.rand(3, generator=gen)
-    torch.library.opcheck(torch.ops.kforcing_kernels.inverse_cdf_sample.default,
-                          (logits, z, torch.full((3,), 0.8, dtype=torch.float64), "cpp"))
+    torch.library.opcheck(
+        torch.ops.kforcing_kernels.inverse_cdf_sample.default,
+        (logits, z, torch.full((3,), 0.8, dtype=torch.float64), "cpp"),
+    )

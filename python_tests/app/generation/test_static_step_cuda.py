@@ -29,8 +29,9 @@ def run(model, k, cache, compile_step, t=12):
         noise = torch.rand(len(prompts), t, generator=gen)
         return generate_ar(model, prompts, t, noise=noise, cache=cache, return_logits=True, compile_step=compile_step)
     noise = torch.rand(len(prompts), math.ceil(t / k), k, generator=gen)
-    return generate_kforcing(model, prompts, k, t, noise=noise, cache=cache, return_logits=True,
-                             compile_step=compile_step)
+    return generate_kforcing(
+        model, prompts, k, t, noise=noise, cache=cache, return_logits=True, compile_step=compile_step
+    )
 
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])

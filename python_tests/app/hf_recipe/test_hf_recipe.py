@@ -37,8 +37,15 @@ FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config
 
 
 def tiny_config(family: str, vocab: int = VOCAB):
-    return FAMILIES[family](vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return FAMILIES[family](
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
 
 
 def tiny_student(family: str, seed: int = 0, vocab: int = 48) -> HFStudent:
@@ -54,9 +61,9 @@ def root(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         # A "pretrained" Qwen2 folder as a user has one: weights, config and a fast tokenizer with an EOS.
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(str(root / "corpus"),
-                                                                                      vocab_size=VOCAB).tokenizer,
-                                                         eos_token=EOS)
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=load_corpus(str(root / "corpus"), vocab_size=VOCAB).tokenizer, eos_token=EOS
+        )
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2")).save_pretrained(root / "qwen2")
         tokenizer.save_pretrained(root / "qwen2")
@@ -64,8 +71,26 @@ def root(tmp_path_factory):
         yield root
 
 
-SMALL = ["--seq-len", "16", "--batch-size", "4", "--steps-stage1", "2", "--steps-stage2", "2", "--warmup-steps", "1",
-         "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu"]
+SMALL = [
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--steps-stage1",
+    "2",
+    "--steps-stage2",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--eval-batches",
+    "1",
+    "--packed-docs",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 
 def source_args(root, family):
@@ -82,8 +107,19 @@ def run(request, root):
     out = root / f"run_{family}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
-        train_cli.main(["pipeline", "--out", str(out), "--data", str(root / "corpus"), *source_args(root, family),
-                        *SMALL, "--evaluate", "quick"])
+        train_cli.main(
+            [
+                "pipeline",
+                "--out",
+                str(out),
+                "--data",
+                str(root / "corpus"),
+                *source_args(root, family),
+                *SMALL,
+                "--evaluate",
+                "quick",
+            ]
+        )
         yield family, out
 
 
@@ -102,8 +138,9 @@ def test_one_command_k_forces_the_model_end_to_end(run, capsys):
     assert all(text for text in summary["samples"].values())
     # Generation from the CLI, with the stage's own tokenizer.
     capsys.readouterr()
-    inference.main([str(out / "stage2_k4"), "--prompt", "def dumps(", "--new-tokens", "8", "--threads", "1", "--device",
-                    "cpu"])
+    inference.main(
+        [str(out / "stage2_k4"), "--prompt", "def dumps(", "--new-tokens", "8", "--threads", "1", "--device", "cpu"]
+    )
     assert capsys.readouterr().out.startswith("def dumps(")
 
 
@@ -136,8 +173,10 @@ def test_hf_stages_record_no_preset_and_reuse_stages_saved_with_one(run, root, c
     record("stage2_k4", k=2)
     with pytest.raises(SystemExit):
         train_cli.main(argv)
-    assert ("k: " + str(copy / "stage2_k4") + " holds a finished stage2_k4 trained with k=2, this run asks for 4"
-            in capsys.readouterr().err)
+    assert (
+        "k: " + str(copy / "stage2_k4") + " holds a finished stage2_k4 trained with k=2, this run asks for 4"
+        in capsys.readouterr().err
+    )
 
 
 def test_the_stage_folder_loads_with_from_pretrained(run):
@@ -155,7 +194,7 @@ def test_the_stage_folder_loads_with_from_pretrained(run):
     state = student.state_dict()
     for key in student.tied_keys():
         state.pop(key)
-    assert {k[len("model/"):] for k in saved if k.startswith("model/")} == set(state)
+    assert {k[len("model/") :] for k in saved if k.startswith("model/")} == set(state)
     assert all(torch.equal(saved[f"model/{k}"], v) for k, v in state.items())
 
 
@@ -182,10 +221,22 @@ def test_a_damaged_or_old_stage_folder_is_refused(run, tmp_path):
 def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
     """fp32, and bf16 autocast (fp32 weights and AdamW state; CPU autocast is deterministic) alike."""
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
-    cfg = TrainConfig(stage="stage1", model=str(root / "qwen2"), out=str(tmp_path / "whole"), data=str(root / "corpus"),
-                      seq_len=16,
-                      batch_size=4, steps=4, warmup_steps=1, log_every=1, eval_batches=1, progress=False,
-                      packed_docs=True, device="cpu", precision=precision)
+    cfg = TrainConfig(
+        stage="stage1",
+        model=str(root / "qwen2"),
+        out=str(tmp_path / "whole"),
+        data=str(root / "corpus"),
+        seq_len=16,
+        batch_size=4,
+        steps=4,
+        warmup_steps=1,
+        log_every=1,
+        eval_batches=1,
+        progress=False,
+        packed_docs=True,
+        device="cpu",
+        precision=precision,
+    )
     torch.set_num_threads(1)
     train(cfg)
     parts = dataclasses.replace(cfg, out=str(tmp_path / "parts"), stop_at=2)
@@ -207,38 +258,62 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["pipeline", "--model", "M", "--preset", "micro"],
-     "argument --preset: sizes the native model; --model gives the model"),
-    (["pipeline", "--model-config", "C.json", "--n-layer", "2"],
-     "argument --n-layer: sizes the native model; --model-config"),
-    (["stage1"], "argument --teacher: stage1 needs --teacher .* or --model"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["pipeline", "--model", "M", "--preset", "micro"],
+            "argument --preset: sizes the native model; --model gives the model",
+        ),
+        (
+            ["pipeline", "--model-config", "C.json", "--n-layer", "2"],
+            "argument --n-layer: sizes the native model; --model-config",
+        ),
+        (["stage1"], "argument --teacher: stage1 needs --teacher .* or --model"),
+    ],
+)
 def test_cli_refusals_name_the_setting(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_cli.main([argv[0], "--out", str(tmp_path / "out"), *argv[1:]])
     assert message.split(".*")[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(stage="stage0", model="qwen2"), "model: --model is a pretrained AR teacher"),
-    (dict(stage="stage0", model="qwen2", model_config="llama.json"), "model_config: --model .* and --model-config"),
-    (dict(stage="stage1", model_config="llama.json", teacher="x"), "model_config: only stage0"),
-    (dict(stage="stage0", model_config="llama.json", vocab_size=257),
-     "vocab_size: --model-config .* has 300 tokens .* has 257"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(stage="stage0", model="qwen2"), "model: --model is a pretrained AR teacher"),
+        (dict(stage="stage0", model="qwen2", model_config="llama.json"), "model_config: --model .* and --model-config"),
+        (dict(stage="stage1", model_config="llama.json", teacher="x"), "model_config: only stage0"),
+        (
+            dict(stage="stage0", model_config="llama.json", vocab_size=257),
+            "vocab_size: --model-config .* has 300 tokens .* has 257",
+        ),
+    ],
+)
 def test_config_refusals_name_the_setting(root, tmp_path, monkeypatch, change, message):
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
     change = {k: str(root / v) if k in ("model", "model_config") else v for k, v in change.items()}
-    cfg = TrainConfig(out=str(tmp_path / "out"), data=str(root / "corpus"), seq_len=16, batch_size=4, steps=1,
-                      progress=False, device="cpu", **change)
+    cfg = TrainConfig(
+        out=str(tmp_path / "out"),
+        data=str(root / "corpus"),
+        seq_len=16,
+        batch_size=4,
+        steps=1,
+        progress=False,
+        device="cpu",
+        **change,
+    )
     with pytest.raises(ConfigError, match=message):
         train(cfg)
 
 
 def test_format_1_noise_weights_are_refused():
-    old = {"mlp.0.weight": torch.zeros(32, 64), "mlp.0.bias": torch.zeros(32), "mlp.2.weight": torch.zeros(32, 32),
-           "mlp.2.bias": torch.zeros(32)}
+    old = {
+        "mlp.0.weight": torch.zeros(32, 64),
+        "mlp.0.bias": torch.zeros(32),
+        "mlp.2.weight": torch.zeros(32, 32),
+        "mlp.2.bias": torch.zeros(32),
+    }
     with pytest.raises(ValueError, match="format 1"):
         NoiseEmbedding(32).load_state_dict(old)
     emb = NoiseEmbedding(32)
@@ -295,8 +370,9 @@ def test_ar_decoding_equals_transformers_generate():
     oracle = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", 48), attn_implementation="sdpa").eval()
     oracle.load_state_dict(model.hf.state_dict())
     prompts = torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(1))
-    want = oracle.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, min_new_tokens=6,
-                           do_sample=False)
+    want = oracle.generate(
+        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False
+    )
     assert generate_ar(model, prompts, 6, temperature=0).tolist() == want[:, 5:].tolist()
 
 
@@ -308,7 +384,7 @@ def test_double_forward_equals_single_forward_on_the_extended_context():
     second = model.double_forward(cache, first, z[..., 2:], 0.9)
     assert cache.get_seq_length() == 6  # cropped back: the cache can be reused
     for t in range(6):
-        ext = torch.cat([ctx[:, :t + 1], first[:, t]], 1)
+        ext = torch.cat([ctx[:, : t + 1], first[:, t]], 1)
         zz = torch.rand(2, ext.shape[1], 2, dtype=torch.float64)
         zz[:, -1] = z[:, t, 2:]
         torch.testing.assert_close(model.single_forward(ext, zz, 0.9, keep_cache=False)[0][:, -1], second[:, t])
@@ -335,7 +411,7 @@ def test_stage1_targets_at_low_tau_are_the_teachers_greedy_tokens():
     with torch.no_grad():
         targets = forward_distillation_targets(teacher(ctx), torch.rand(2, 7), torch.full((2,), 1e-4))
     for t in range(7):
-        prefix = ctx[:, :t + 1]
+        prefix = ctx[:, : t + 1]
         want = oracle.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=1, do_sample=False)[:, -1]
         assert targets[:, t].tolist() == want.tolist()
 
@@ -348,12 +424,13 @@ def test_the_hf_corpus_cache_keeps_each_tokenizers_ids(tmp_path, monkeypatch):
     write_json_package(tmp_path / "corpus")
     data = str(tmp_path / "corpus")
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "native"))
-    tokenizers = [transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(data, vocab_size=v).tokenizer,
-                                                       eos_token=EOS)
-                  for v in (280, 320)]
+    tokenizers = [
+        transformers.PreTrainedTokenizerFast(tokenizer_object=load_corpus(data, vocab_size=v).tokenizer, eos_token=EOS)
+        for v in (280, 320)
+    ]
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "shared"))
     first, second = (load_hf_corpus(data, tok) for tok in tokenizers)
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "alone"))
     alone = load_hf_corpus(data, tokenizers[1])
-    assert not torch.equal(first.train[:len(alone.train)], alone.train[:len(first.train)])  # the two really differ
+    assert not torch.equal(first.train[: len(alone.train)], alone.train[: len(first.train)])  # the two really differ
     assert torch.equal(second.train, alone.train) and torch.equal(second.val, alone.val)

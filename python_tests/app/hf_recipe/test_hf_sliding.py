@@ -23,8 +23,11 @@ FAMILIES = {
     "qwen2_moe_mask_only": lambda: H.qwen2_moe(use_sliding_window=True, sliding_window=W),
     "gemma3_alternating": lambda: H.gemma3(sliding_window=W, layer_types=["sliding_attention", "full_attention"]),
     "gemma2_no_softcap": lambda: transformers.Gemma2Config(
-        **{**H._COMMON, "head_dim": 8, "query_pre_attn_scalar": 8}, sliding_window=W, attn_logit_softcapping=None,
-        final_logit_softcapping=None),
+        **{**H._COMMON, "head_dim": 8, "query_pre_attn_scalar": 8},
+        sliding_window=W,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+    ),
 }
 
 
@@ -48,8 +51,9 @@ def test_packed_documents_inside_a_sliding_window_match_sdpa():
     ids = torch.randint(0, H.VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2]])
     got = H.logits_and_grads(ours, input_ids=ids, position_ids=positions, use_cache=False)
-    H.assert_same_logits_and_grads(got, H.logits_and_grads(sdpa, input_ids=ids, position_ids=positions,
-                                                           use_cache=False))
+    H.assert_same_logits_and_grads(
+        got, H.logits_and_grads(sdpa, input_ids=ids, position_ids=positions, use_cache=False)
+    )
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2_moe_mask_only"])
@@ -58,8 +62,16 @@ def test_generation_with_a_sliding_window_matches_sdpa(family):
     ids = torch.randint(3, H.VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     outs = []
     for model in (ours, sdpa):
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         outs.append((out.sequences, torch.stack(out.logits)))
     assert torch.equal(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
@@ -72,16 +84,19 @@ def test_softcapping_is_refused_only_where_it_exists():
     with torch.no_grad(), pytest.raises(ValueError, match="softcap: not supported by attn_implementation='kforcing'"):
         model(input_ids=torch.randint(0, H.VOCAB, (1, 5)))
     # The message names the config field and how to turn it off; the recipe's wrapper refuses before any step.
-    with torch.no_grad(), pytest.raises(ValueError,
-                                        match=r"config.attn_logit_softcapping.*attn_logit_softcapping=None"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match=r"config.attn_logit_softcapping.*attn_logit_softcapping=None"),
+    ):
         model(input_ids=torch.randint(0, H.VOCAB, (1, 5)))
     from kforcing_kernels.app.hf_recipe.student import HFStudent
 
     with pytest.raises(ValueError, match=r"attn_logit_softcapping: not supported.*attn_logit_softcapping=None"):
         HFStudent(model)
     # Turned off as the message says, the model runs and equals eager.
-    uncapped = transformers.Gemma2Config(**{**H._COMMON, "head_dim": 8, "query_pre_attn_scalar": 8}, sliding_window=W,
-                                         attn_logit_softcapping=None)
+    uncapped = transformers.Gemma2Config(
+        **{**H._COMMON, "head_dim": 8, "query_pre_attn_scalar": 8}, sliding_window=W, attn_logit_softcapping=None
+    )
     ours, eager = H.twin_models(uncapped, "kforcing", "eager")
     ids = torch.randint(0, H.VOCAB, (1, 9))
     HFStudent(ours)
@@ -100,8 +115,9 @@ def test_layout_under_a_sliding_window_sees_positions_less_than_w_back():
     assert not torch.equal(mask, layout.dense_mask())  # e.g. masked token 7 no longer sees clean tokens 0..3
     got = H.logits_and_grads(ours, input_ids=ids, position_ids=positions[None], kforcing_layout=layout, use_cache=False)
     additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)[None, None]
-    want = H.logits_and_grads(eager, input_ids=ids, position_ids=positions[None], attention_mask=additive,
-                              use_cache=False)
+    want = H.logits_and_grads(
+        eager, input_ids=ids, position_ids=positions[None], attention_mask=additive, use_cache=False
+    )
     H.assert_same_logits_and_grads(got, want)
 
 
@@ -120,18 +136,34 @@ def test_layout_positions_and_windows_that_have_no_meaning_are_refused_by_name()
         cache = ours(input_ids=ids[:, :8], use_cache=True).past_key_values
         windows = WindowLayout(8, 1, 2, [0], [8], queries="windows")
         with pytest.raises(ValueError, match=r"past_key_values=DynamicCache\(\)"):
-            ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows,
-                 past_key_values=cache)
+            ours(
+                input_ids=ids[:, 8:10],
+                position_ids=torch.arange(8, 10)[None],
+                kforcing_layout=windows,
+                past_key_values=cache,
+            )
         full = transformers.DynamicCache()
         ours(input_ids=ids[:, :8], past_key_values=full, use_cache=True)
-        ours(input_ids=ids[:, 8:10], position_ids=torch.arange(8, 10)[None], kforcing_layout=windows,
-             past_key_values=full)
+        ours(
+            input_ids=ids[:, 8:10],
+            position_ids=torch.arange(8, 10)[None],
+            kforcing_layout=windows,
+            past_key_values=full,
+        )
     # A window shorter than the layout's windows (k = 6 > W = 4): a slot would lose its own window's first slots.
     wide = WindowLayout.kforcing_single(4, 6)
-    with torch.no_grad(), pytest.raises(ValueError,
-        match="sliding_window: the model's window \\(4\\).*shorter than the layout's windows of 6"):
-        ours(input_ids=torch.randint(0, H.VOCAB, (1, 28)), position_ids=kf_hf.kforcing_position_ids(4, 6)[None],
-             kforcing_layout=wide, use_cache=False)
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            ValueError, match="sliding_window: the model's window \\(4\\).*shorter than the layout's windows of 6"
+        ),
+    ):
+        ours(
+            input_ids=torch.randint(0, H.VOCAB, (1, 28)),
+            position_ids=kf_hf.kforcing_position_ids(4, 6)[None],
+            kforcing_layout=wide,
+            use_cache=False,
+        )
 
 
 def test_padded_batch_mask_with_a_window_runs_as_interval_layout(monkeypatch):
@@ -141,8 +173,11 @@ def test_padded_batch_mask_with_a_window_runs_as_interval_layout(monkeypatch):
 
     layouts = []
     original = hf_module.window_attention
-    monkeypatch.setattr(hf_module, "window_attention", lambda q, k, v, layout,
-                        **kw: layouts.append(layout) or original(q, k, v, layout, **kw))
+    monkeypatch.setattr(
+        hf_module,
+        "window_attention",
+        lambda q, k, v, layout, **kw: layouts.append(layout) or original(q, k, v, layout, **kw),
+    )
     ours, sdpa = H.twin_models(FAMILIES["mistral"](), "kforcing", "sdpa")
     ids = torch.randint(1, H.VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
     padding = torch.ones(2, 9, dtype=torch.long)
@@ -170,7 +205,8 @@ NO_WINDOW = {  # the same models with global attention everywhere
     "qwen2_w8": lambda: H.qwen2(),
     "phi3_w8": lambda: H.phi3(sliding_window=None),
     "gemma2_no_softcap_w8": lambda: FAMILIES["gemma2_no_softcap"]().__class__(
-        **{**FAMILIES["gemma2_no_softcap"]().to_dict(), "layer_types": ["full_attention", "full_attention"]}),
+        **{**FAMILIES["gemma2_no_softcap"]().to_dict(), "layer_types": ["full_attention", "full_attention"]}
+    ),
 }
 # Every family with a window, for the SingleForward check (Gemma2 has no sdpa path in transformers: eager there).
 WINDOWED = {
@@ -178,7 +214,8 @@ WINDOWED = {
     "qwen2_w8": lambda: H.qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0),
     "phi3_w8": lambda: H.phi3(sliding_window=8),
     "gemma2_no_softcap_w8": lambda: FAMILIES["gemma2_no_softcap"]().__class__(
-        **{**FAMILIES["gemma2_no_softcap"]().to_dict(), "sliding_window": 8}),
+        **{**FAMILIES["gemma2_no_softcap"]().to_dict(), "sliding_window": 8}
+    ),
 }
 
 
@@ -187,9 +224,9 @@ def per_window_recomputation(sdpa, noise_embedding, ids, noise, tau):
     n, k = noise.shape[1:]
     windows, context = [], []
     for t in range(n):
-        x = torch.cat([sdpa.get_input_embeddings()(ids[:, :t + 1]), noise_embedding(noise[:, t], tau)], 1)
+        x = torch.cat([sdpa.get_input_embeddings()(ids[:, : t + 1]), noise_embedding(noise[:, t], tau)], 1)
         logits = sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + k)[None], use_cache=False).logits
-        windows.append(logits[:, t + 1:])
+        windows.append(logits[:, t + 1 :])
         context.append(logits[:, t])
     return torch.stack(windows, 1), torch.stack(context, 1)
 
@@ -201,8 +238,11 @@ def test_single_forward_equals_per_window_recomputation_with_the_models_sliding_
     torch.manual_seed(1)
     noise_embedding = kf_hf.NoiseEmbedding(H.HIDDEN)
     gen = torch.Generator().manual_seed(8)
-    ids, noise, tau = torch.randint(0, H.VOCAB, (2, n), generator=gen), torch.rand(2, n, k,
-        generator=gen), torch.tensor([0.7, 1.1])
+    ids, noise, tau = (
+        torch.randint(0, H.VOCAB, (2, n), generator=gen),
+        torch.rand(2, n, k, generator=gen),
+        torch.tensor([0.7, 1.1]),
+    )
     with torch.no_grad():
         got = ours(**kf_hf.single_forward_inputs(ours, ids, noise, noise_embedding, tau)).logits
         want_windows, want_context = per_window_recomputation(sdpa, noise_embedding, ids, noise, tau)
@@ -230,18 +270,28 @@ def test_double_forward_and_training_gradients_under_a_sliding_window_equal_reco
     assert cache.get_seq_length() == n
     with torch.no_grad():
         for t in range(n):  # window t's [Future-1 | Future-2] is plain causal over [ctx 0..t | F1 | F2]
-            x = torch.cat([sdpa.get_input_embeddings()(torch.cat([ctx[:, :t + 1], first[:, t]], 1)),
-                           student.embed_noise(z[:, t, k:], 0.9)], 1)
+            x = torch.cat(
+                [
+                    sdpa.get_input_embeddings()(torch.cat([ctx[:, : t + 1], first[:, t]], 1)),
+                    student.embed_noise(z[:, t, k:], 0.9),
+                ],
+                1,
+            )
             want = sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + 2 * k)[None], use_cache=False).logits
-            torch.testing.assert_close(second[:, t], want[:, t + 1 + k:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(second[:, t], want[:, t + 1 + k :], atol=1e-5, rtol=1e-5)
     # Training through the window: gradients of the SingleForward loss equal the recomputation's.
     tokens, noise = ctx[:1, :12], z[:1, :12, :k]
     got = torch.autograd.grad(student(tokens, noise, 0.9).logsumexp(-1).sum(), list(ours.parameters()))
     total = 0
     for t in range(12):
-        x = torch.cat([sdpa.get_input_embeddings()(tokens[:, :t + 1]), student.embed_noise(noise[:, t], 0.9)], 1)
-        total = total + sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + k)[None], use_cache=False).logits[:,
-            t + 1:].logsumexp(-1).sum()
+        x = torch.cat([sdpa.get_input_embeddings()(tokens[:, : t + 1]), student.embed_noise(noise[:, t], 0.9)], 1)
+        total = (
+            total
+            + sdpa(inputs_embeds=x, position_ids=torch.arange(t + 1 + k)[None], use_cache=False)
+            .logits[:, t + 1 :]
+            .logsumexp(-1)
+            .sum()
+        )
     want = torch.autograd.grad(total, list(sdpa.parameters()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -262,13 +312,13 @@ def test_k_forcing_generation_past_the_window_equals_recomputation(family):
         for b, prompt in enumerate(prompts):
             seq = prompt[None]
             for s in range(new_tokens // k):
-                x = torch.cat([sdpa.get_input_embeddings()(seq), student.embed_noise(noise[b:b + 1, s], 0.8)], 1)
-                want = sdpa(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).logits[:,
-                                                                                                                  -k:]
-                torch.testing.assert_close(logits[b, s * k:(s + 1) * k], want[0], atol=1e-5, rtol=1e-5)
-                assert out[b, s * k:(s + 1) * k].tolist() == want[0].argmax(-1).tolist()
+                x = torch.cat([sdpa.get_input_embeddings()(seq), student.embed_noise(noise[b : b + 1, s], 0.8)], 1)
+                want = sdpa(inputs_embeds=x, position_ids=torch.arange(x.shape[1])[None], use_cache=False).logits[
+                    :, -k:
+                ]
+                torch.testing.assert_close(logits[b, s * k : (s + 1) * k], want[0], atol=1e-5, rtol=1e-5)
+                assert out[b, s * k : (s + 1) * k].tolist() == want[0].argmax(-1).tolist()
                 seq = torch.cat([seq, want.argmax(-1)], 1)
-
 
 
 @pytest.mark.parametrize("family", SLIDING)
@@ -302,6 +352,12 @@ def test_package_ar_generation_past_the_window_equals_transformers_generate(fami
 
     ours, sdpa = H.twin_models(SLIDING[family](), "kforcing", "sdpa")
     prompts = torch.randint(3, H.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
-    want = sdpa.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, min_new_tokens=20,
-                         do_sample=False, pad_token_id=0)
+    want = sdpa.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert generate_ar(HFStudent(ours), prompts, 20, temperature=0).tolist() == want[:, 5:].tolist()

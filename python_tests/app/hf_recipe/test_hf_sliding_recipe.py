@@ -31,16 +31,53 @@ VOCAB, W = 300, 8
 def test_mistral_with_a_window_of_8_trains_and_generates_at_n_24_k_4(tmp_path, monkeypatch, precision):
     write_json_package(tmp_path / "corpus")
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
-    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        sliding_window=W)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=W,
+    )
     (tmp_path / "mistral.json").write_text(config.to_json_string())
     out = tmp_path / "run"
-    train_cli.main(["pipeline", "--out", str(out), "--data", str(tmp_path / "corpus"), "--model-config",
-                    str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "2", "--seq-len",
-                    "24", "--batch-size", "2", "--steps-stage1", "2", "--steps-stage2", "2", "--warmup-steps", "1",
-                    "--eval-batches", "1", "--packed-docs", "--threads", "1", "--no-progress", "--device", "cpu",
-                    "--precision", precision])
+    train_cli.main(
+        [
+            "pipeline",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "corpus"),
+            "--model-config",
+            str(tmp_path / "mistral.json"),
+            "--vocab-size",
+            str(VOCAB),
+            "--steps-stage0",
+            "2",
+            "--seq-len",
+            "24",
+            "--batch-size",
+            "2",
+            "--steps-stage1",
+            "2",
+            "--steps-stage2",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--eval-batches",
+            "1",
+            "--packed-docs",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--precision",
+            precision,
+        ]
+    )
     for name in ("stage0", "stage1", "stage2_k2", "stage2_k4"):
         losses = [m["loss"] for m in read_metrics(out / name / "metrics.jsonl") if "loss" in m]
         assert losses and all(math.isfinite(x) for x in losses), name
@@ -67,14 +104,43 @@ def test_a_window_too_short_for_a_later_stage_is_refused_before_the_first_trains
     refuses it (naming --k-final and the stage) before stage0 trains, instead of when stage2_k4 starts."""
     write_json_package(tmp_path / "corpus")
     monkeypatch.setenv("KFORCING_CACHE", str(tmp_path / "cache"))
-    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        sliding_window=2)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=2,
+    )
     (tmp_path / "mistral.json").write_text(config.to_json_string())
-    argv = ["pipeline", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "corpus"), "--model-config",
-            str(tmp_path / "mistral.json"), "--vocab-size", str(VOCAB), "--steps-stage0", "1", "--seq-len", "16",
-            "--batch-size", "2", "--steps-stage1", "1", "--steps-stage2", "1", "--threads", "1", "--no-progress",
-            "--device", "cpu"]
+    argv = [
+        "pipeline",
+        "--out",
+        str(tmp_path / "run"),
+        "--data",
+        str(tmp_path / "corpus"),
+        "--model-config",
+        str(tmp_path / "mistral.json"),
+        "--vocab-size",
+        str(VOCAB),
+        "--steps-stage0",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--steps-stage1",
+        "1",
+        "--steps-stage2",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     with pytest.raises(SystemExit):
         train_cli.main(argv + ["--k-final", "4"])
     err = capsys.readouterr().err

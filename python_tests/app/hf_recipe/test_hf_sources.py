@@ -30,13 +30,38 @@ from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
 from kforcing_kernels.app.evaluation.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
 
 VOCAB = 300
-SMALL = ["--seq-len", "16", "--batch-size", "4", "--steps-stage1", "1", "--steps-stage2", "1", "--warmup-steps", "1",
-         "--eval-batches", "1", "--k-final", "2", "--threads", "1", "--no-progress", "--device", "cpu"]
+SMALL = [
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--steps-stage1",
+    "1",
+    "--steps-stage2",
+    "1",
+    "--warmup-steps",
+    "1",
+    "--eval-batches",
+    "1",
+    "--k-final",
+    "2",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 
 
 def tiny_qwen2(vocab: int = VOCAB, **overrides):
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128)
+    sizes = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return transformers.Qwen2Config(vocab_size=vocab, **{**sizes, **overrides})
 
 
@@ -50,7 +75,8 @@ def root(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
         tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=load_corpus(str(root / "corpus"), vocab_size=VOCAB).tokenizer, eos_token=EOS)
+            tokenizer_object=load_corpus(str(root / "corpus"), vocab_size=VOCAB).tokenizer, eos_token=EOS
+        )
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(tiny_qwen2()).save_pretrained(root / "qwen2")
         tokenizer.save_pretrained(root / "qwen2")
@@ -58,8 +84,9 @@ def root(tmp_path_factory):
 
 
 def pipeline(root, out, model, *extra):
-    train_cli.main(["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(model), *SMALL,
-                    *extra])
+    train_cli.main(
+        ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(model), *SMALL, *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +143,9 @@ def test_a_stage_saved_before_config_and_tokenizer_were_recorded_is_reused_with_
         pipeline(root, out, teacher)  # not checkable for such a stage: the warning says so
         assert "did not change" in capsys.readouterr().err
         (teacher / "model.safetensors").write_bytes((teacher / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\1")
-        err = usage_error(capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model",
-                                   str(teacher), *SMALL])
+        err = usage_error(
+            capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher), *SMALL]
+        )
         assert "stage1, but the --model folder" in err  # other weights are refused as before
     finally:
         path.write_text(saved)
@@ -128,8 +156,9 @@ def test_a_changed_config_json_is_another_teacher(root, fresh_run, capsys):
     config = json.loads((teacher / "config.json").read_text())
     config["rope_theta"] = 500.0  # the same weights, another model
     (teacher / "config.json").write_text(json.dumps(config))
-    err = usage_error(capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher),
-                               *SMALL])
+    err = usage_error(
+        capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher), *SMALL]
+    )
     assert "model: " in err and "stage1, but the --model folder" in err and "config.json or tokenizer files" in err
     assert "is done; skipping" not in err
 
@@ -140,8 +169,9 @@ def test_a_replaced_tokenizer_is_another_teacher(root, fresh_run, capsys):
     assert other.get_vocab_size() == VOCAB and other.to_str() != (teacher / "tokenizer.json").read_text()
     # same size and eos
     transformers.PreTrainedTokenizerFast(tokenizer_object=other, eos_token=EOS).save_pretrained(teacher)
-    err = usage_error(capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher),
-                               *SMALL])
+    err = usage_error(
+        capsys, ["pipeline", "--out", str(out), "--data", str(root / "corpus"), "--model", str(teacher), *SMALL]
+    )
     assert "model: " in err and "stage1, but the --model folder" in err
     assert "is done; skipping" not in err
 
@@ -153,8 +183,18 @@ def test_the_run_finds_its_teacher_from_any_directory(root, trained, tmp_path, m
     pipeline(root, tmp_path / "run", "qwen2")
     monkeypatch.chdir(tmp_path)
     assert ar_teacher_folder(tmp_path / "run") == (root / "qwen2").resolve()
-    summary = evaluate_pipeline(tmp_path / "run", batch_sizes=[1], ks=[1, 2], new_tokens=2, taus=[], reps=3,
-                                nll_batches=1, nll_batch_size=2, prompt_len=4, log=lambda line: None)
+    summary = evaluate_pipeline(
+        tmp_path / "run",
+        batch_sizes=[1],
+        ks=[1, 2],
+        new_tokens=2,
+        taus=[],
+        reps=3,
+        nll_batches=1,
+        nll_batch_size=2,
+        prompt_len=4,
+        log=lambda line: None,
+    )
     assert [row["k"] for row in summary["per_position_nll"]] == [0, 1, 2]
     # Timings (section 2): every method's runs and their spread, and transformers' generate beside the package's AR.
     assert set(summary["timing"]) == {"AR", "K-Forcing k=1", "K-Forcing k=2", "HF generate (sdpa)"}
@@ -200,51 +240,104 @@ def _write(path, text):
     return path
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: _write(d / "c.json", json.dumps({k: v for k, v in tiny_qwen2().to_dict().items() if k != "model_type"})),
-     'model_config: .* has no "model_type"'),
-    (lambda d: _write(d / "c.json", "[1, 2]"), "model_config: .* holds a JSON list, expected an object"),
-    (lambda d: _write(d / "c.json", tiny_qwen2(hidden_size=-8).to_json_string()), "model_config: transformers rejects"),
-    (lambda d: _write(d / "c.json", tiny_qwen2(num_attention_heads=0).to_json_string()),
-     "model_config: transformers rejects"),
-    # The class of issue 46: whatever transformers raises (its strict-dataclass validators, a model that builds but
-    # cannot
-    # run its first forward: an odd head dim RoPE cannot rotate, kv heads that do not divide the heads) is a usage
-    # error.
-    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=30)), "model_config: transformers rejects"),
-    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=32.5)), "model_config: transformers rejects"),
-    (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=12, num_attention_heads=4, num_key_value_heads=4)),
-     "model_config: transformers rejects"),
-    (lambda d: _write(d / "c.json", _qwen2_json(num_key_value_heads=3)), "model_config: transformers rejects"),
-    # Reals that make every logit NaN: refused by name before any step, not a "non-finite loss" at step 1.
-    (lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=float("nan"))),
-     "model_config: .*rms_norm_eps: expected a finite"),
-    (lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=0.0)),
-     "model_config: .*rms_norm_eps: expected a positive"),
-    (lambda d: _write(d / "c.json", _qwen2_json(rope_theta=-10.0)), "model_config: .*rope_theta: expected a positive"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda d: _write(
+                d / "c.json", json.dumps({k: v for k, v in tiny_qwen2().to_dict().items() if k != "model_type"})
+            ),
+            'model_config: .* has no "model_type"',
+        ),
+        (lambda d: _write(d / "c.json", "[1, 2]"), "model_config: .* holds a JSON list, expected an object"),
+        (
+            lambda d: _write(d / "c.json", tiny_qwen2(hidden_size=-8).to_json_string()),
+            "model_config: transformers rejects",
+        ),
+        (
+            lambda d: _write(d / "c.json", tiny_qwen2(num_attention_heads=0).to_json_string()),
+            "model_config: transformers rejects",
+        ),
+        # The class of issue 46: whatever transformers raises (its strict-dataclass validators, a model that builds but
+        # cannot
+        # run its first forward: an odd head dim RoPE cannot rotate, kv heads that do not divide the heads) is a usage
+        # error.
+        (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=30)), "model_config: transformers rejects"),
+        (lambda d: _write(d / "c.json", _qwen2_json(hidden_size=32.5)), "model_config: transformers rejects"),
+        (
+            lambda d: _write(d / "c.json", _qwen2_json(hidden_size=12, num_attention_heads=4, num_key_value_heads=4)),
+            "model_config: transformers rejects",
+        ),
+        (lambda d: _write(d / "c.json", _qwen2_json(num_key_value_heads=3)), "model_config: transformers rejects"),
+        # Reals that make every logit NaN: refused by name before any step, not a "non-finite loss" at step 1.
+        (
+            lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=float("nan"))),
+            "model_config: .*rms_norm_eps: expected a finite",
+        ),
+        (
+            lambda d: _write(d / "c.json", _qwen2_json(rms_norm_eps=0.0)),
+            "model_config: .*rms_norm_eps: expected a positive",
+        ),
+        (
+            lambda d: _write(d / "c.json", _qwen2_json(rope_theta=-10.0)),
+            "model_config: .*rope_theta: expected a positive",
+        ),
+    ],
+)
 def test_bad_model_configs_are_usage_errors(root, tmp_path, capsys, monkeypatch, make, message):
     import re
 
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
     path = make(tmp_path)
     for command in ("pipeline", "stage0"):
-        err = usage_error(capsys, [command, "--out", str(tmp_path / "out"), "--data", str(root / "corpus"),
-                                   "--model-config", str(path),
-                                   "--vocab-size", str(VOCAB), "--steps", "1", "--threads", "1", "--no-progress",
-                                   "--device", "cpu"]
-                          if command == "stage0" else
-                          ["pipeline", "--out", str(tmp_path / "out"), "--data", str(root / "corpus"), "--model-config",
-                           str(path), "--vocab-size", str(VOCAB), "--steps-stage0", "1", *SMALL])
+        err = usage_error(
+            capsys,
+            [
+                command,
+                "--out",
+                str(tmp_path / "out"),
+                "--data",
+                str(root / "corpus"),
+                "--model-config",
+                str(path),
+                "--vocab-size",
+                str(VOCAB),
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+            if command == "stage0"
+            else [
+                "pipeline",
+                "--out",
+                str(tmp_path / "out"),
+                "--data",
+                str(root / "corpus"),
+                "--model-config",
+                str(path),
+                "--vocab-size",
+                str(VOCAB),
+                "--steps-stage0",
+                "1",
+                *SMALL,
+            ],
+        )
         assert "Traceback" not in err and re.search(message, err) and "(--model-config)" in err, err
         assert not (tmp_path / "out" / "stage0").exists() and not (tmp_path / "out" / "model.json").exists()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: _write(d / "config.json", '{"model_type": "qwen2", '), "config.json is not valid JSON"),
-    (lambda d: _write(d / "config.json", "[1]"), "config.json is not a transformers config"),
-    (lambda d: [p.unlink() for p in d.glob("tokenizer*")], "has no tokenizer files"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: _write(d / "config.json", '{"model_type": "qwen2", '), "config.json is not valid JSON"),
+        (lambda d: _write(d / "config.json", "[1]"), "config.json is not a transformers config"),
+        (lambda d: [p.unlink() for p in d.glob("tokenizer*")], "has no tokenizer files"),
+    ],
+)
 def test_bad_model_folders_are_usage_errors(root, tmp_path, capsys, monkeypatch, damage, message):
     monkeypatch.setenv("KFORCING_CACHE", str(root / "cache"))
     folder = tmp_path / "model"
@@ -252,8 +345,9 @@ def test_bad_model_folders_are_usage_errors(root, tmp_path, capsys, monkeypatch,
     damage(folder)
     for command in ("pipeline", "stage1"):
         argv = [command, "--out", str(tmp_path / "out"), "--data", str(root / "corpus"), "--model", str(folder)]
-        argv += SMALL if command == "pipeline" else ["--steps", "1", "--threads", "1", "--no-progress", "--device",
-                                                     "cpu"]
+        argv += (
+            SMALL if command == "pipeline" else ["--steps", "1", "--threads", "1", "--no-progress", "--device", "cpu"]
+        )
         err = usage_error(capsys, argv)
         assert "Traceback" not in err and "error: model: " in err and message in err and "(--model)" in err, err
         assert not (tmp_path / "out" / "stage1").exists() and not (tmp_path / "out" / "model.json").exists()
@@ -263,8 +357,21 @@ def test_bad_model_folders_are_usage_errors(root, tmp_path, capsys, monkeypatch,
 
 
 def test_vocab_size_with_model_is_refused_not_ignored(root, tmp_path, capsys):
-    err = usage_error(capsys, ["pipeline", "--out", str(tmp_path / "out"), "--data", str(root / "corpus"), "--model",
-                               str(root / "qwen2"), "--vocab-size", "512", *SMALL])
+    err = usage_error(
+        capsys,
+        [
+            "pipeline",
+            "--out",
+            str(tmp_path / "out"),
+            "--data",
+            str(root / "corpus"),
+            "--model",
+            str(root / "qwen2"),
+            "--vocab-size",
+            "512",
+            *SMALL,
+        ],
+    )
     assert "argument --vocab-size: --model brings its own tokenizer" in err and not (tmp_path / "out").exists()
 
 

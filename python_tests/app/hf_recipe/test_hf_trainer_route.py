@@ -42,9 +42,18 @@ def source(tmp_path_factory):
         # A pad token inside the vocabulary: Trainer aligns the model config's pad_token_id with the tokenizer's.
         tokenizer = transformers.PreTrainedTokenizerFast(
             tokenizer_object=load_corpus(str(write_json_package(root / "corpus")), vocab_size=VOCAB).tokenizer,
-            eos_token=EOS, pad_token=EOS)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+            eos_token=EOS,
+            pad_token=EOS,
+        )
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen2")
     tokenizer.save_pretrained(root / "qwen2")
@@ -52,25 +61,45 @@ def source(tmp_path_factory):
 
 
 def load(folder, implementation="kforcing"):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=implementation,
-                                                             dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation=implementation, dtype=torch.float32
+    )
 
 
 def rows(k, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, VOCAB, (N,), generator=gen), "noise": torch.rand(N, k, generator=gen),
-             "tau": 1.0}
-            for _ in range(ROWS)]
+    return [
+        {
+            "input_ids": torch.randint(0, VOCAB, (N,), generator=gen),
+            "noise": torch.rand(N, k, generator=gen),
+            "tau": 1.0,
+        }
+        for _ in range(ROWS)
+    ]
 
 
 def trainer(student, teacher, stage, data, out, tokenizer, steps=3, **settings):
-    args = transformers.TrainingArguments(**{
-        "output_dir": str(out), "max_steps": steps, "per_device_train_batch_size": 4, "learning_rate": 3e-3,
-        "lr_scheduler_type": "constant", "report_to": "none", "save_strategy": "no", "logging_steps": 1,
-        "use_cpu": True,
-        "remove_unused_columns": False, "disable_tqdm": True, "seed": 0, "dataloader_num_workers": 0, **settings})
-    return KForcingTrainer(model=student, teacher=teacher, stage=stage, args=args, train_dataset=data,
-                           processing_class=tokenizer)
+    args = transformers.TrainingArguments(
+        **{
+            "output_dir": str(out),
+            "max_steps": steps,
+            "per_device_train_batch_size": 4,
+            "learning_rate": 3e-3,
+            "lr_scheduler_type": "constant",
+            "report_to": "none",
+            "save_strategy": "no",
+            "logging_steps": 1,
+            "use_cpu": True,
+            "remove_unused_columns": False,
+            "disable_tqdm": True,
+            "seed": 0,
+            "dataloader_num_workers": 0,
+            **settings,
+        }
+    )
+    return KForcingTrainer(
+        model=student, teacher=teacher, stage=stage, args=args, train_dataset=data, processing_class=tokenizer
+    )
 
 
 def test_stage1_targets_and_loss_are_the_teachers_inverse_cdf_samples(source):
@@ -81,8 +110,9 @@ def test_stage1_targets_and_loss_are_the_teachers_inverse_cdf_samples(source):
     ids, noise = torch.stack([r["input_ids"] for r in data]), torch.stack([r["noise"] for r in data])
     tau = torch.full((ROWS,), 0.7)
     with torch.no_grad():
-        oracle = inverse_cdf_sample(load(source / "qwen2", "sdpa")(ids).logits, noise[..., 0], tau[:, None].expand(ROWS,
-                                                                                                                   N))
+        oracle = inverse_cdf_sample(
+            load(source / "qwen2", "sdpa")(ids).logits, noise[..., 0], tau[:, None].expand(ROWS, N)
+        )
     targets = kforcing_targets("stage1", teacher, ids, noise, tau)
     assert targets.shape == (ROWS, N, 1) and torch.equal(targets[..., 0], oracle)
     loss = kforcing_loss("stage1", student, teacher, ids, noise, tau)
@@ -139,23 +169,44 @@ def test_the_route_refuses_what_it_cannot_train(source, tmp_path):
     with pytest.raises(ValueError, match="model: expected an HFStudent"):
         trainer(plain, HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0), tmp_path, tokenizer)
     with pytest.raises(ValueError, match="stage: expected one of"):
-        trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2")), "stage3", rows(1, 0), tmp_path,
-                tokenizer)
+        trainer(
+            HFStudent(load(source / "qwen2")),
+            HFStudent(load(source / "qwen2")),
+            "stage3",
+            rows(1, 0),
+            tmp_path,
+            tokenizer,
+        )
     with pytest.raises(ValueError, match="teacher: stage2 needs a PFLM teacher"):
-        trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=0), "stage2", rows(2, 0),
-                tmp_path, tokenizer)
+        trainer(
+            HFStudent(load(source / "qwen2")),
+            HFStudent(load(source / "qwen2"), k_train=0),
+            "stage2",
+            rows(2, 0),
+            tmp_path,
+            tokenizer,
+        )
     with pytest.raises(ValueError, match="tokenizer: a stage folder holds its tokenizer"):
         save_pflm(HFStudent(load(source / "qwen2"), k_train=1), tmp_path / "x")
     # Issue 46: a trainer without a tokenizer would train and then fail at its first checkpoint (nothing to resume):
     # refused when it is made, before any step or any folder.
     with pytest.raises(ValueError, match="processing_class: expected the model's tokenizer"):
-        trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0),
-                tmp_path / "no_tokenizer", None, save_strategy="steps", save_steps=1)
+        trainer(
+            HFStudent(load(source / "qwen2")),
+            HFStudent(load(source / "qwen2"), k_train=0),
+            "stage1",
+            rows(1, 0),
+            tmp_path / "no_tokenizer",
+            None,
+            save_strategy="steps",
+            save_steps=1,
+        )
     assert not (tmp_path / "no_tokenizer").exists()
     with_tokenizer = HFStudent(load(source / "qwen2"))
     with_tokenizer.hf_tokenizer = tokenizer  # a model that carries its tokenizer (load_pflm's) needs none passed
-    trainer(with_tokenizer, HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0), tmp_path / "carried",
-            None)
+    trainer(
+        with_tokenizer, HFStudent(load(source / "qwen2"), k_train=0), "stage1", rows(1, 0), tmp_path / "carried", None
+    )
 
 
 def test_resume_from_checkpoint_continues_the_run_bit_for_bit(source, tmp_path):
@@ -189,11 +240,18 @@ def test_resume_from_checkpoint_continues_the_run_bit_for_bit(source, tmp_path):
     assert trained.keys() == continued.keys() and all(torch.equal(trained[k], continued[k]) for k in trained)
 
     # A checkpoint of another stage (another window) is refused, naming the argument.
-    stage2 = trainer(HFStudent(load(source / "qwen2")), HFStudent(load(source / "qwen2"), k_train=1), "stage2", rows(2,
-                                                                                                                     0),
-                     tmp_path / "stage2", tokenizer)
-    with pytest.raises(ValueError,
-        match=r"resume_from_checkpoint: .*checkpoint-3 holds a PFLM trained for k=1, this trainer trains k=2"):
+    stage2 = trainer(
+        HFStudent(load(source / "qwen2")),
+        HFStudent(load(source / "qwen2"), k_train=1),
+        "stage2",
+        rows(2, 0),
+        tmp_path / "stage2",
+        tokenizer,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"resume_from_checkpoint: .*checkpoint-3 holds a PFLM trained for k=1, this trainer trains k=2",
+    ):
         stage2.train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*model.json: not found"):
         stage2.train(resume_from_checkpoint=str(tmp_path))

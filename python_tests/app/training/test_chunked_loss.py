@@ -141,6 +141,7 @@ def test_compute_loss_uses_hidden_states_and_no_logits():
     cfg = _micro()
     student, teacher = KForcingLM(cfg), KForcingLM(cfg).eval()
     calls = []
+
     def hook(module, args, kwargs, out):
         calls.append((kwargs.get("return_hidden"), out.shape[-1]))
 
@@ -158,8 +159,15 @@ def test_hf_student_chunked_equals_unchunked():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kforcing_kernels.app.hf_recipe.student import HFStudent
 
-    config = transformers.LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=90,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     student = HFStudent(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing"))
     torch.manual_seed(1)
@@ -220,8 +228,11 @@ def _one_layer_step(chunked: bool):
     student, teacher = KForcingLM(cfg), KForcingLM(cfg).eval()
     n, k, b = 32, 8, 1
     gen = torch.Generator().manual_seed(0)
-    batch = Batch(torch.randint(0, cfg.vocab_size, (b, n), generator=gen), torch.rand(b, n, k, generator=gen),
-                  torch.full((b,), 0.8))
+    batch = Batch(
+        torch.randint(0, cfg.vocab_size, (b, n), generator=gen),
+        torch.rand(b, n, k, generator=gen),
+        torch.full((b,), 0.8),
+    )
     unit = b * n * k * cfg.vocab_size * 4
     saved = SavedTensors(exclude=student.parameters())
     with AllocationTracker() as tracker, saved.context():

@@ -18,8 +18,15 @@ from kforcing_kernels.app.training.checkpoint import latest_checkpoint  # noqa: 
 from kforcing_kernels.app.training.loop import train  # noqa: E402
 from kforcing_kernels.app.training.sharded_checkpoint import export_model  # noqa: E402
 
-LLAMA = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+LLAMA = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def test_an_interrupted_stage0_exports_with_the_packages_tokenizer(tmp_path, monkeypatch):
@@ -58,8 +65,10 @@ def test_a_moved_teacher_is_named_and_tokenizer_takes_its_place(tmp_path):
     teacher_copy = tmp_path / "teacher_copy"
     sha = _hf_tokenizer_folder(teacher_copy, "def f(x):\n    return x\n")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004.dcp"
-    manifest = {"info": {"k": 2, "teacher": str(tmp_path / "moved_away"), "tokenizer_sha256": sha},
-                "train_config": {"teacher": "moved_away"}}
+    manifest = {
+        "info": {"k": 2, "teacher": str(tmp_path / "moved_away"), "tokenizer_sha256": sha},
+        "train_config": {"teacher": "moved_away"},
+    }
     with pytest.raises(CheckpointError, match=r"^tokenizer: the run's teacher .*moved_away.* is not here.*--tokenizer"):
         _hf_tokenizer(checkpoint, manifest, None)
     tok = _hf_tokenizer(checkpoint, manifest, teacher_copy)

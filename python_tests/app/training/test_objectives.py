@@ -88,7 +88,7 @@ def test_noise_inversion_targets_are_the_real_next_tokens_with_noise_in_their_bi
 
     with torch.no_grad():
         context, z, targets = noise_inversion_supervision(teacher, tokens, k, tau, torch.Generator().manual_seed(1234))
-        real = torch.stack([tokens[:, t + 1: t + 1 + k] for t in range(n)], 1)  # [B, N, k]: tokens t+1 .. t+k
+        real = torch.stack([tokens[:, t + 1 : t + 1 + k] for t in range(n)], 1)  # [B, N, k]: tokens t+1 .. t+k
         assert torch.equal(context, tokens[:, :n]) and torch.equal(targets, real)
         # Each z lies in its target's CDF bin under the teacher given the real text up to t + j.
         t_logits = teacher(tokens[:, :-1])
@@ -110,7 +110,7 @@ def naive_window(teacher, context, prefix, noise, tau):
     k."""
     x = torch.cat([teacher.wte(context), teacher.wte(prefix), teacher.embed_noise(noise[None], tau)[0]], 0)[None]
     h, _ = teacher.trunk(x, torch.arange(x.shape[1]), WindowLayout.causal(x.shape[1]))
-    return teacher.head(h[0, -noise.numel():]).argmax(-1)
+    return teacher.head(h[0, -noise.numel() :]).argmax(-1)
 
 
 def test_self_forcing_loss_against_two_sequential_teacher_rounds():
@@ -160,27 +160,43 @@ def test_compute_loss_is_told_the_objective_and_checks_its_inputs():
     with pytest.raises(ValueError, match="stage2_typo"):
         compute_loss("stage2_typo", student, Batch(tokens, z, tau), teacher)
     # The same batch under two explicit objectives gives two different losses: nothing is inferred.
-    assert compute_loss("ar", student, Batch(tokens))[0] != compute_loss("stage1_forward", student, Batch(tokens, z,
-        tau), teacher)[0]
+    assert (
+        compute_loss("ar", student, Batch(tokens))[0]
+        != compute_loss("stage1_forward", student, Batch(tokens, z, tau), teacher)[0]
+    )
 
 
 def test_objective_of_each_stage_and_batch_shapes():
-    assert [Objective.of(s, sup) for s, sup in [("stage0", "forward"), ("stage1", "forward"), ("stage1",
-                                                                                               "noise_inversion"),
-                                                ("stage2", "forward")]] == [
-        Objective.AR, Objective.FORWARD, Objective.NOISE_INVERSION, Objective.SELF_FORCING]
+    assert [
+        Objective.of(s, sup)
+        for s, sup in [
+            ("stage0", "forward"),
+            ("stage1", "forward"),
+            ("stage1", "noise_inversion"),
+            ("stage2", "forward"),
+        ]
+    ] == [Objective.AR, Objective.FORWARD, Objective.NOISE_INVERSION, Objective.SELF_FORCING]
     with pytest.raises(ValueError, match="stage: expected"):
         Objective.of("stage3")
     stream = torch.arange(500)
     shapes = {}
-    for objective, k in [(Objective.AR, 0), (Objective.FORWARD, 1), (Objective.NOISE_INVERSION, 3),
-                         (Objective.SELF_FORCING, 4)]:
+    for objective, k in [
+        (Objective.AR, 0),
+        (Objective.FORWARD, 1),
+        (Objective.NOISE_INVERSION, 3),
+        (Objective.SELF_FORCING, 4),
+    ]:
         batch = make_batch(objective, stream, 4, 10, k, (0.5, 0.8), step_generator(0, 7))
         shapes[objective] = (tuple(batch.tokens.shape), None if batch.noise is None else tuple(batch.noise.shape))
         # windows of the stream: consecutive ids
-        assert torch.equal(batch.tokens - batch.tokens[:, :1],
-                           torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens))
+        assert torch.equal(
+            batch.tokens - batch.tokens[:, :1], torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
+        )
         if objective is not Objective.AR:
             assert bool(((batch.tau >= 0.5) & (batch.tau <= 0.8)).all())
-    assert shapes == {Objective.AR: ((4, 11), None), Objective.FORWARD: ((4, 10), (4, 10, 1)),
-                      Objective.NOISE_INVERSION: ((4, 13), None), Objective.SELF_FORCING: ((4, 10), (4, 10, 4))}
+    assert shapes == {
+        Objective.AR: ((4, 11), None),
+        Objective.FORWARD: ((4, 10), (4, 10, 1)),
+        Objective.NOISE_INVERSION: ((4, 13), None),
+        Objective.SELF_FORCING: ((4, 10), (4, 10, 4)),
+    }

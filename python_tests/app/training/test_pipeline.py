@@ -33,15 +33,39 @@ def run(tmp_path_factory):
 
 def pipeline_configs(root: Path) -> tuple[PipelineConfig, TrainConfig]:
     """The micro pipeline the ``run`` fixture trains in ``root / "run"``."""
-    base = TrainConfig(data=str(root / "corpus"), vocab_size=300, preset="micro", seq_len=16, batch_size=4,
-                       warmup_steps=2, log_every=1, eval_batches=1, progress=False)
-    pipe = PipelineConfig(out=str(root / "run"), k_final=4, steps_stage0=8, steps_stage1=4, steps_stage2=(4, 6),
-                          lr_distill=1e-3, lr_stage2=(2e-3, 5e-4))
+    base = TrainConfig(
+        data=str(root / "corpus"),
+        vocab_size=300,
+        preset="micro",
+        seq_len=16,
+        batch_size=4,
+        warmup_steps=2,
+        log_every=1,
+        eval_batches=1,
+        progress=False,
+    )
+    pipe = PipelineConfig(
+        out=str(root / "run"),
+        k_final=4,
+        steps_stage0=8,
+        steps_stage1=4,
+        steps_stage2=(4, 6),
+        lr_distill=1e-3,
+        lr_stage2=(2e-3, 5e-4),
+    )
     return pipe, base
 
 
-EVAL = dict(batch_sizes=(2, 3), prompt_len=4, new_tokens=6, taus=(0.5, 1.0), reps=1, nll_batches=1, nll_batch_size=2,
-            log=lambda s: None)
+EVAL = dict(
+    batch_sizes=(2, 3),
+    prompt_len=4,
+    new_tokens=6,
+    taus=(0.5, 1.0),
+    reps=1,
+    nll_batches=1,
+    nll_batch_size=2,
+    log=lambda s: None,
+)
 
 
 def test_every_stage_is_trained_and_chained(run):
@@ -54,8 +78,10 @@ def test_every_stage_is_trained_and_chained(run):
         losses = [m["loss"] for m in read_metrics(folder / name / "metrics.jsonl") if "loss" in m]
         assert all(torch.isfinite(torch.tensor(losses)))
         if name != "stage0":
-            assert Path(info["teacher"]).name == {"stage1": "stage0", "stage2_k2": "stage1",
-                                                  "stage2_k4": "stage2_k2"}[name]
+            assert (
+                Path(info["teacher"]).name
+                == {"stage1": "stage0", "stage2_k2": "stage1", "stage2_k4": "stage2_k2"}[name]
+            )
     assert ks == [0, 1, 2, 4]
     # Per-round budgets: each self-forcing round trained with its own steps and learning rate.
     used = {name: read_json(folder / name / "train_config.json") for name in summaries}
@@ -77,13 +103,16 @@ def test_rerunning_the_pipeline_skips_finished_stages(run, capsys, monkeypatch):
     assert run_pipeline(dataclasses.replace(pipe, out="run"), dataclasses.replace(base, data="corpus")) == summaries
 
 
-@pytest.mark.parametrize("change, key, stage", [
-    (lambda pipe, base: (pipe, dataclasses.replace(base, seq_len=32)), "seq_len", "stage0"),
-    (lambda pipe, base: (dataclasses.replace(pipe, steps_stage1=5), base), "steps", "stage1"),
-    (lambda pipe, base: (dataclasses.replace(pipe, steps_stage2=(4, 7)), base), "steps", "stage2_k4"),
-    (lambda pipe, base: (dataclasses.replace(pipe, lr_stage2=(2e-3, 1e-3)), base), "lr", "stage2_k4"),
-    (lambda pipe, base: (dataclasses.replace(pipe, batch_size_distill=2), base), "batch_size", "stage1"),
-])
+@pytest.mark.parametrize(
+    "change, key, stage",
+    [
+        (lambda pipe, base: (pipe, dataclasses.replace(base, seq_len=32)), "seq_len", "stage0"),
+        (lambda pipe, base: (dataclasses.replace(pipe, steps_stage1=5), base), "steps", "stage1"),
+        (lambda pipe, base: (dataclasses.replace(pipe, steps_stage2=(4, 7)), base), "steps", "stage2_k4"),
+        (lambda pipe, base: (dataclasses.replace(pipe, lr_stage2=(2e-3, 1e-3)), base), "lr", "stage2_k4"),
+        (lambda pipe, base: (dataclasses.replace(pipe, batch_size_distill=2), base), "batch_size", "stage1"),
+    ],
+)
 def test_rerunning_with_other_settings_refuses_the_finished_stages(run, change, key, stage):
     """A finished stage trained with other settings is not silently reused (e.g. ``demo --long`` into a default demo's
     folder)."""
@@ -141,8 +170,9 @@ def test_stage2_records_its_own_k_and_records_saved_before_still_match(run, tmp_
         _edit_record(copy / "stage2_k4", k=4)
         # the rule is stage2's k and HF presets: a native preset still counts
         _edit_record(copy / "stage0", preset="tiny")
-        with pytest.raises(ConfigError,
-                           match=r"^preset: .*stage0 trained with preset='tiny', this run asks for 'micro'"):
+        with pytest.raises(
+            ConfigError, match=r"^preset: .*stage0 trained with preset='tiny', this run asks for 'micro'"
+        ):
             run_pipeline(pipe, base)
     finally:
         shutil.rmtree(copy)
@@ -168,8 +198,10 @@ def test_stage2_resumes_a_checkpoint_saved_before_its_k_was_recorded(run, tmp_pa
     train(dataclasses.replace(cfg, out=str(old), resume=True))
     assert read_json(old / "model.json")["train_config"]["k"] == 4 and read_json(old / "model.json")["k"] == 4
     other = partial("other", 2)
-    with pytest.raises(ConfigError,
-        match=r"^k: --resume needs the settings of the run in .*; it used 2, got 4 \(twice the k of --teacher\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^k: --resume needs the settings of the run in .*; it used 2, got 4 \(twice the k of --teacher\)",
+    ):
         train(dataclasses.replace(cfg, out=str(other), resume=True))
 
 
@@ -221,19 +253,29 @@ def test_per_round_steps_and_learning_rates():
     assert PipelineConfig(k_final=1, steps_stage2=(5, 6)).stage_folders()[-1][0] == "stage1"  # no rounds at all
     assert PipelineConfig(k_final=4, lr_distill=1e-3).round_lrs() == [1e-3, 1e-3]
     assert PipelineConfig(k_final=4, lr_stage2=(2e-3, 1e-3)).round_lrs() == [2e-3, 1e-3]
-    assert [f.name for _, f in PipelineConfig(out="x", k_final=8).stage_folders()] == ["stage0", "stage1", "stage2_k2",
-                                                                                       "stage2_k4", "stage2_k8"]
+    assert [f.name for _, f in PipelineConfig(out="x", k_final=8).stage_folders()] == [
+        "stage0",
+        "stage1",
+        "stage2_k2",
+        "stage2_k4",
+        "stage2_k8",
+    ]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(k_final=8, steps_stage2=(300, 450)),
-     r"steps_stage2 \(--steps-stage2\): expected one value or one per self-forcing round \(3 for k_final=8"),
-    (dict(k_final=4, steps_stage2=(300, 450, 600)), r"steps_stage2 \(--steps-stage2\).*got 3 \(300,450,600\)"),
-    (dict(k_final=4, steps_stage2=(300, 0)), r"steps_stage2 \(--steps-stage2\): expected positive integers"),
-    (dict(k_final=4, lr_stage2=(1e-3, 1e-3, 1e-3)), r"lr_stage2 \(--lr-stage2\)"),
-    (dict(k_final=4, lr_stage2=-1.0), r"lr_stage2 \(--lr-stage2\): expected positive numbers"),
-    (dict(k_final=3), r"k_final: expected a power of two"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            dict(k_final=8, steps_stage2=(300, 450)),
+            r"steps_stage2 \(--steps-stage2\): expected one value or one per self-forcing round \(3 for k_final=8",
+        ),
+        (dict(k_final=4, steps_stage2=(300, 450, 600)), r"steps_stage2 \(--steps-stage2\).*got 3 \(300,450,600\)"),
+        (dict(k_final=4, steps_stage2=(300, 0)), r"steps_stage2 \(--steps-stage2\): expected positive integers"),
+        (dict(k_final=4, lr_stage2=(1e-3, 1e-3, 1e-3)), r"lr_stage2 \(--lr-stage2\)"),
+        (dict(k_final=4, lr_stage2=-1.0), r"lr_stage2 \(--lr-stage2\): expected positive numbers"),
+        (dict(k_final=3), r"k_final: expected a power of two"),
+    ],
+)
 def test_per_round_budgets_are_checked_before_any_training(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=message):
         run_pipeline(PipelineConfig(out=str(tmp_path / "run"), **kw), TrainConfig())
@@ -243,10 +285,12 @@ def test_per_round_budgets_are_checked_before_any_training(tmp_path, kw, message
 def test_pipeline_cli_names_the_per_round_option(tmp_path, capsys):
     from kforcing_kernels.app.train import main
 
-    for argv, message in ((["--steps-stage2", "300,450,600"], "--steps-stage2"), (["--steps-stage2", "300,x"],
-                                                                                  "--steps-stage2"),
-                          (["--lr-stage2", "1e-3,0"], "--lr-stage2"), (["--k-final", "8", "--lr-stage2", "1e-3,2e-3"],
-                                                                       "--lr-stage2")):
+    for argv, message in (
+        (["--steps-stage2", "300,450,600"], "--steps-stage2"),
+        (["--steps-stage2", "300,x"], "--steps-stage2"),
+        (["--lr-stage2", "1e-3,0"], "--lr-stage2"),
+        (["--k-final", "8", "--lr-stage2", "1e-3,2e-3"], "--lr-stage2"),
+    ):
         with pytest.raises(SystemExit):
             main(["pipeline", "--out", str(tmp_path / "run"), *argv])
         assert message in capsys.readouterr().err, argv
@@ -294,8 +338,16 @@ def test_one_fixed_judge_scores_every_row(run):
 def test_report_says_what_is_measured(run):
     _, _, summary = run
     text = format_report(summary)
-    for needle in ("judge PPL", "PPL / AR", "distinct-4", "one fixed judge", "the run's Stage-0 AR teacher",
-                   "NOT the paper's", "tau=0.5: judge PPL (x AR)", "NLL j=4"):
+    for needle in (
+        "judge PPL",
+        "PPL / AR",
+        "distinct-4",
+        "one fixed judge",
+        "the run's Stage-0 AR teacher",
+        "NOT the paper's",
+        "tau=0.5: judge PPL (x AR)",
+        "NLL j=4",
+    ):
         assert needle in text, needle
     assert "| AR | 1 |" in text and "1.00x" in text  # the AR row's ratio to itself
 
@@ -315,8 +367,17 @@ def test_demo_and_evaluate_share_the_settings():
     assert demo.DEMO["train"] == TrainConfig()
     for argv in (["stage0"], ["stage1", "--teacher", "t"], ["stage2", "--teacher", "t"], ["pipeline"]):
         cfg = config_from_args(build_parser().parse_args(argv + ["--out", "x"]))
-        for key in ("vocab_size", "seq_len", "batch_size", "warmup_steps", "preset", "data", "grad_clip", "tau_min",
-                    "tau_max"):
+        for key in (
+            "vocab_size",
+            "seq_len",
+            "batch_size",
+            "warmup_steps",
+            "preset",
+            "data",
+            "grad_clip",
+            "tau_min",
+            "tau_max",
+        ):
             assert getattr(cfg, key) == getattr(demo.DEMO["train"], key), (argv, key)
         lr = demo.DEMO["pipeline"].lr_stage0 if argv[0] == "stage0" else demo.DEMO["pipeline"].lr_distill
         assert argv[0] == "pipeline" or cfg.lr == lr, (argv, cfg.lr, lr)
@@ -338,8 +399,9 @@ def test_demo_turns_a_refused_folder_into_a_usage_error(monkeypatch, capsys, tmp
     from kforcing_kernels.app import demo
 
     def refuse(pipe, base):
-        raise ConfigError(f"steps: {pipe.out}/stage0 holds a finished stage0 trained with steps=600, this run asks for "
-                          "1000")
+        raise ConfigError(
+            f"steps: {pipe.out}/stage0 holds a finished stage0 trained with steps=600, this run asks for 1000"
+        )
 
     monkeypatch.setattr(demo, "run_pipeline", refuse)
     with pytest.raises(SystemExit) as exc:
@@ -375,8 +437,21 @@ def test_the_run_records_resolved_paths_and_evaluates_from_any_directory(run, tm
     assert summary["per_position_nll"][0]["nll"][0] > 0
     shutil.rmtree(old / "corpus")
     with pytest.raises(SystemExit):
-        evaluate_main([str(old / "sub" / "run"), "--batch-sizes", "2", "--new-tokens", "2", "--reps", "1", "--taus",
-                       "none", "--device", "cpu"])
+        evaluate_main(
+            [
+                str(old / "sub" / "run"),
+                "--batch-sizes",
+                "2",
+                "--new-tokens",
+                "2",
+                "--reps",
+                "1",
+                "--taus",
+                "none",
+                "--device",
+                "cpu",
+            ]
+        )
     err = capsys.readouterr().err
     assert "run kforcing-evaluate from the directory the run was trained in" in err and str(old / "corpus") in err, err
     assert "--data" not in err and "Traceback" not in err, err
@@ -400,11 +475,46 @@ def test_pipeline_evaluate_reads_the_run_under_its_lock(run, monkeypatch, capsys
 
     monkeypatch.setattr(train_cli, "_evaluate", evaluate)
     pipe, base = pipeline_configs(folder.parent)
-    train_cli.main(["pipeline", "--out", str(folder), "--data", base.data, "--vocab-size", "300", "--preset", "micro",
-                    "--seq-len", "16", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1", "--eval-batches",
-                    "1", "--k-final", "4", "--steps-stage0", "8", "--steps-stage1", "4", "--steps-stage2", "4,6",
-                    "--lr-distill", "1e-3", "--lr-stage2", "2e-3,5e-4", "--no-progress", "--device", "cpu",
-                    "--evaluate", "quick"])
+    train_cli.main(
+        [
+            "pipeline",
+            "--out",
+            str(folder),
+            "--data",
+            base.data,
+            "--vocab-size",
+            "300",
+            "--preset",
+            "micro",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+            "--warmup-steps",
+            "2",
+            "--log-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--k-final",
+            "4",
+            "--steps-stage0",
+            "8",
+            "--steps-stage1",
+            "4",
+            "--steps-stage2",
+            "4,6",
+            "--lr-distill",
+            "1e-3",
+            "--lr-stage2",
+            "2e-3,5e-4",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--evaluate",
+            "quick",
+        ]
+    )
     assert seen == [(str(folder), "quick")]
     assert json.loads(capsys.readouterr().out)["training"] == json.loads(json.dumps(summaries))
     RunLock(folder).acquire().release()  # released once the evaluation is done

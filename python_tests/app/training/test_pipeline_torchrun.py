@@ -31,8 +31,9 @@ from kforcing_kernels.app.files import RunLock  # noqa: E402
 from kforcing_kernels.app.training.checkpoint import read_json, read_metrics  # noqa: E402
 from workers.pipeline_worker import CASES, pipeline_argv  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
 
 STAGES = ("stage0", "stage1", "stage2_k2")
 LOSS_TOL = dict(rel=1e-3)
@@ -43,21 +44,36 @@ def runs(tmp_path_factory):
     """The folder of every run, the killed run's files before the resume and the resume launch's result."""
     root = tmp_path_factory.mktemp("pipeline_torchrun")
     write_json_package(root / "corpus")
-    (root / "llama.json").write_text(transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64).to_json_string())
+    (root / "llama.json").write_text(
+        transformers.LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ).to_json_string()
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KFORCING_CACHE", str(root / "cache"))
         for model in ("native", "hf"):  # the single-process references
             train_cli.main(pipeline_argv(root, f"one_{model}", model, "ddp"))
         with RunLock(root / "locked"):  # another run holds this folder while the launch runs
-            first = torchrun(2, REPO / "python_tests" / "workers" / "pipeline_worker.py", root, timeout=240,
-                             check=False)
+            first = torchrun(
+                2, REPO / "python_tests" / "workers" / "pipeline_worker.py", root, timeout=240, check=False
+            )
         assert (root / "killed" / "stage1" / "checkpoints").is_dir(), first.stdout[-3000:] + first.stderr[-5000:]
         assert first.returncode != 0  # rank 0 was killed
         killed = {stage: sorted(p.name for p in (root / "killed" / stage).glob("*")) for stage in STAGES}
-        resumed = torchrun(2, "-m", "kforcing_kernels.app.train", *pipeline_argv(root, "killed", "native", "ddp",
-                                                                                 "--resume"), timeout=240, check=False)
+        resumed = torchrun(
+            2,
+            "-m",
+            "kforcing_kernels.app.train",
+            *pipeline_argv(root, "killed", "native", "ddp", "--resume"),
+            timeout=240,
+            check=False,
+        )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     return root, killed, resumed
 
@@ -71,8 +87,11 @@ def summary(run: Path) -> dict:
 
 
 def weights(run: Path) -> dict:
-    return {f"{path.name}/{name}": t for path in sorted(run.glob("*.safetensors")) for name,
-            t in load_file(str(path)).items()}
+    return {
+        f"{path.name}/{name}": t
+        for path in sorted(run.glob("*.safetensors"))
+        for name, t in load_file(str(path)).items()
+    }
 
 
 def test_every_stage_finishes(runs):
@@ -99,8 +118,9 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(runs):
     root, killed, resumed = runs
     # Killed in the middle of stage1: stage0 finished, stage1 has its step-2 checkpoint and no model, stage2 not
     # started.
-    assert ("model.json" in killed["stage0"] and "model.json" not in killed["stage1"]
-            and "checkpoints" in killed["stage1"])
+    assert (
+        "model.json" in killed["stage0"] and "model.json" not in killed["stage1"] and "checkpoints" in killed["stage1"]
+    )
     assert killed["stage2_k2"] == []
     for stage in STAGES:
         again, ddp = root / "killed" / stage, root / "ddp" / stage
@@ -111,13 +131,16 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(runs):
     # One line per decision (rank 0 prints), the JSON summary once.
     assert resumed.stderr.count("stage0 is done; skipping") == 1
     assert resumed.stderr.count("resumed from") == 1, resumed.stderr[-3000:]
-    assert set(json.loads(resumed.stdout[resumed.stdout.index("{"):])) == set(STAGES)
+    assert set(json.loads(resumed.stdout[resumed.stdout.index("{") :])) == set(STAGES)
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("locked", ["CheckpointError: out:", "is in use by another run", "--out"]),
-    ("bad_config", ["model_config", "--model-config", "missing.json"]),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("locked", ["CheckpointError: out:", "is in use by another run", "--out"]),
+        ("bad_config", ["model_config", "--model-config", "missing.json"]),
+    ],
+)
 def test_every_rank_fails_with_the_same_message(runs, name, expected):
     root, _, _ = runs
     messages = [(root / f"{name}.rank{rank}.txt").read_text() for rank in (0, 1)]

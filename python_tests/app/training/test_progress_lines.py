@@ -58,4 +58,3 @@ def test_train_without_a_bar_prints_its_threads_and_timed_lines(tmp_path, monkey
     assert "device cpu, 1 thread (--threads N sets it" in err
     steps = [int(m) for m in re.findall(r"\] step (\d+)/25 loss", err)]
     assert steps == list(range(1, 26))  # the time basis: every step, the step count alone gives 1, 2, 4, ..., 24, 25
-

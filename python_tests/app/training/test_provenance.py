@@ -100,8 +100,9 @@ def test_provenance_is_recorded_in_models_and_checkpoints(teachers, corpus_dir, 
     info = read_json(teachers / "json" / "model.json")
     assert len(info["data_sha256"]) == 64 and len(info["tokenizer_sha256"]) == 64
     assert info["data_sha256"] != read_json(teachers / "logging" / "model.json")["data_sha256"]
-    train(micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teachers / "json"), steps=2,
-                       ckpt_every=1))
+    train(
+        micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teachers / "json"), steps=2, ckpt_every=1)
+    )
     s1 = read_json(tmp_path / "s1" / "model.json")
     assert s1["teacher_sha256"] == info["tensors"]["sha256"] and s1["tokenizer_sha256"] == info["tokenizer_sha256"]
     assert read_json(latest_checkpoint(tmp_path / "s1"))["info"]["teacher_sha256"] == info["tensors"]["sha256"]
@@ -112,8 +113,26 @@ def test_distilling_on_data_with_another_tokenizer_is_refused(teachers, other_co
 
     # Same vocabulary size, other ids: accepted before, and the student saved with the new tokenizer.
     with pytest.raises(SystemExit) as exc:
-        main(["stage1", "--teacher", str(teachers / "json"), "--data", str(other_corpus), "--out", str(tmp_path / "s1"),
-              "--vocab-size", str(VOCAB), "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress"])
+        main(
+            [
+                "stage1",
+                "--teacher",
+                str(teachers / "json"),
+                "--data",
+                str(other_corpus),
+                "--out",
+                str(tmp_path / "s1"),
+                "--vocab-size",
+                str(VOCAB),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "4",
+                "--steps",
+                "2",
+                "--no-progress",
+            ]
+        )
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--teacher" in err and "--data" in err and "tokenizer" in err
     assert not (tmp_path / "s1" / "model.json").exists() and not (tmp_path / "s1" / "tokenizer.json").exists()
@@ -193,8 +212,10 @@ def test_pipeline_refuses_students_of_a_teacher_retrained_in_place(pipeline_run,
     run = shutil.copytree(pipe.out, tmp_path / "run")
     shutil.rmtree(run / "stage0")
     perturbed_copy(Path(pipe.out) / "stage0", run / "stage0")  # Stage 0 retrained: its settings still match
-    with pytest.raises(ConfigError,
-        match=r"teacher: .*stage1 holds a finished stage1, but the teacher's model file \(--teacher\) changed"):
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher: .*stage1 holds a finished stage1, but the teacher's model file \(--teacher\) changed",
+    ):
         run_pipeline(dataclasses.replace(pipe, out=str(run)), base)
     # Its own rerun (nothing changed) still reuses every stage.
     assert set(run_pipeline(pipe, base)) == {"stage0", "stage1", "stage2_k2"}
@@ -218,13 +239,15 @@ def test_pipeline_refuses_stages_trained_on_text_that_changed_since(pipeline_run
 
 def test_resume_refuses_a_teacher_retrained_since(teachers, corpus_dir, tmp_path):
     teacher = shutil.copytree(teachers / "json", tmp_path / "teacher")
-    cfg = micro_config(tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teacher), steps=3, stop_at=1,
-                       ckpt_every=1)
+    cfg = micro_config(
+        tmp_path / "s1", corpus_dir, stage="stage1", teacher=str(teacher), steps=3, stop_at=1, ckpt_every=1
+    )
     train(cfg)
     shutil.rmtree(teacher)
     perturbed_copy(teachers / "json", teacher)
-    with pytest.raises(ConfigError,
-                       match=r"teacher: --resume .*teacher's model file \(--teacher\) changed.*\(--teacher\)"):
+    with pytest.raises(
+        ConfigError, match=r"teacher: --resume .*teacher's model file \(--teacher\) changed.*\(--teacher\)"
+    ):
         train(dataclasses.replace(cfg, resume=True, stop_at=None))
 
 
@@ -236,8 +259,17 @@ def test_evaluate_refuses_a_student_of_another_teacher(pipeline_run, tmp_path):
     shutil.rmtree(run / "stage0")
     perturbed_copy(Path(pipe.out) / "stage0", run / "stage0")
     with pytest.raises(ValueError, match="stage1 was distilled from another teacher"):
-        evaluate_pipeline(run, batch_sizes=(2,), reps=1, nll_batches=1, nll_batch_size=2, new_tokens=2, prompt_len=2,
-                          taus=(), log=lambda s: None)
+        evaluate_pipeline(
+            run,
+            batch_sizes=(2,),
+            reps=1,
+            nll_batches=1,
+            nll_batch_size=2,
+            new_tokens=2,
+            prompt_len=2,
+            taus=(),
+            log=lambda s: None,
+        )
 
 
 # ---------------------------------------------------------------------- item 7: one run per folder at a time
@@ -251,8 +283,26 @@ def test_a_second_run_into_a_locked_folder_fails_at_once(tmp_path, corpus_dir, c
         with pytest.raises(CheckpointError, match=r"out: .* is in use by another run.*--out"):
             train(micro_config(out, corpus_dir))
         with pytest.raises(SystemExit) as exc:
-            main(["stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset",
-                  "micro", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress"])
+            main(
+                [
+                    "stage0",
+                    "--out",
+                    str(out),
+                    "--data",
+                    str(corpus_dir),
+                    "--vocab-size",
+                    str(VOCAB),
+                    "--preset",
+                    "micro",
+                    "--seq-len",
+                    "16",
+                    "--batch-size",
+                    "4",
+                    "--steps",
+                    "2",
+                    "--no-progress",
+                ]
+            )
         assert exc.value.code == 2 and "is in use by another run" in capsys.readouterr().err
         assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing of the second run was written
     train(micro_config(out, corpus_dir, steps=2))  # released: the folder is free again
@@ -262,13 +312,23 @@ def test_a_second_run_into_a_locked_folder_fails_at_once(tmp_path, corpus_dir, c
 def test_the_lock_is_held_by_another_process_and_released_when_it_ends(tmp_path, corpus_dir):
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from kforcing_kernels.app.files import RunLock
         RunLock({str(out)!r}).acquire()
         print("locked", flush=True)
         sys.stdin.read()
-    """)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(CheckpointError, match="is in use by another run"):
@@ -479,12 +539,24 @@ def commands(stage, tmp_path, corpus_dir):
     from kforcing_kernels.app.evaluation import evaluate
     from kforcing_kernels.app.generation import inference
 
-    common = ["--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro", "--seq-len", "16",
-              "--batch-size", "4"]
+    common = [
+        "--data",
+        str(corpus_dir),
+        "--vocab-size",
+        str(VOCAB),
+        "--preset",
+        "micro",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+    ]
     return {
         "train": (train_cli.main, ["stage0", *common, "--steps", "2"]),
-        "pipeline": (train_cli.main, ["pipeline", *common, "--k-final", "1", "--steps-stage0", "2", "--steps-stage1",
-                                      "2"]),
+        "pipeline": (
+            train_cli.main,
+            ["pipeline", *common, "--k-final", "1", "--steps-stage0", "2", "--steps-stage1", "2"],
+        ),
         "demo": (demo.main, ["--quick"]),
         "generate": (inference.main, [str(stage), "--prompt", "def", "--new-tokens", "2"]),
         "evaluate": (evaluate.main, [str(tmp_path / "no-run")]),
@@ -536,31 +608,80 @@ def test_evaluate_json_that_cannot_be_written_fails_before_the_evaluation(teache
 def test_the_train_command_exits_with_a_usage_error_in_a_real_process(tmp_path):
     file = tmp_path / "a-file"
     file.write_text("")
-    result = subprocess.run([sys.executable, "-m", "kforcing_kernels.app.train", "stage0", "--out", str(file),
-                             "--steps", "1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "kforcing_kernels.app.train", "stage0", "--out", str(file), "--steps", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr and "--out" in result.stderr, result.stderr
 
 
 def test_dump_grads_that_cannot_be_written_fails_before_training(tmp_path, corpus_dir, capsys):
     from kforcing_kernels.app.train import main
 
-    err = usage_error(capsys, main, ["stage0", "--out", str(tmp_path / "run"), "--data", str(corpus_dir),
-                                     "--vocab-size", str(VOCAB),
-                                     "--preset", "micro", "--seq-len", "16", "--batch-size", "4", "--steps", "2",
-                                     "--dump-grads", str(tmp_path)])
+    err = usage_error(
+        capsys,
+        main,
+        [
+            "stage0",
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(corpus_dir),
+            "--vocab-size",
+            str(VOCAB),
+            "--preset",
+            "micro",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--dump-grads",
+            str(tmp_path),
+        ],
+    )
     assert "--dump-grads" in err and "is a directory" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="torch.distributed with gloo is not available")
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 def test_a_locked_folder_stops_every_rank_of_a_torchrun_run(tmp_path, corpus_dir):
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-            "kforcing_kernels.app.train",
-            "stage0", "--out", str(out), "--data", str(corpus_dir), "--vocab-size", str(VOCAB), "--preset", "micro",
-            "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--no-progress", "--device", "cpu"]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "kforcing_kernels.app.train",
+        "stage0",
+        "--out",
+        str(out),
+        "--data",
+        str(corpus_dir),
+        "--vocab-size",
+        str(VOCAB),
+        "--preset",
+        "micro",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     with RunLock(out):
         result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)

@@ -39,9 +39,16 @@ EXCESS_MAX = 0.05  # and never above the teacher's by more than this (nats)
 def _hf_model_config(root):
     """The same sizes as a Hugging Face Llama (the noise embedding's features are the native encoder's: 32 z, 8 tau)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     (root / "llama.json").write_text(config.to_json_string())
     return {"model_config": str(root / "llama.json")}
 
@@ -51,21 +58,40 @@ def trained(request, tmp_path_factory):
     """Stage 0 (AR, 300 steps) then Stage 1 (PFLM(1), 400 steps) on a small real corpus; ~1 minute on CPU.
 
     ``hf``: the same recipe on a Hugging Face Llama of the same sizes (``--model-config``), through
-    app/hf_recipe/student.py. """
+    app/hf_recipe/student.py."""
     root = tmp_path_factory.mktemp("tau")
     corpus_dir = write_json_package(root / "corpus")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KFORCING_CACHE", str(root / "cache"))
-        base = dict(data=str(corpus_dir), vocab_size=300, preset="micro", seq_len=16, batch_size=16, warmup_steps=20,
-                    log_every=50, ckpt_every=1000, eval_batches=1, progress=False, lr=3e-3)
+        base = dict(
+            data=str(corpus_dir),
+            vocab_size=300,
+            preset="micro",
+            seq_len=16,
+            batch_size=16,
+            warmup_steps=20,
+            log_every=50,
+            ckpt_every=1000,
+            eval_batches=1,
+            progress=False,
+            lr=3e-3,
+        )
         sizes = {"model_overrides": {"n_embd": 32, "n_head": 2, "n_layer": 2, "noise_features": 32}}
         model = _hf_model_config(root) if request.param == "hf" else sizes
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a micro model: one thread is fastest, and it does not oversubscribe a busy machine
         try:
             train(TrainConfig(stage="stage0", out=str(root / "stage0"), steps=300, **base, **model))
-            train(TrainConfig(stage="stage1", out=str(root / "stage1"), teacher=str(root / "stage0"), steps=400, **base,
-                              **({} if request.param == "hf" else sizes)))
+            train(
+                TrainConfig(
+                    stage="stage1",
+                    out=str(root / "stage1"),
+                    teacher=str(root / "stage0"),
+                    steps=400,
+                    **base,
+                    **({} if request.param == "hf" else sizes),
+                )
+            )
         finally:
             torch.set_num_threads(threads)
         corpus = load_corpus(str(corpus_dir), vocab_size=300)
@@ -101,13 +127,18 @@ def slot_entropies(teacher, student, context: torch.Tensor, tau: float) -> dict:
     exact = -(logp.exp() * logp).sum(-1)  # [B, N]
     grid = z.expand(b, n, GRID)  # [B, N, M]
     t_tokens = inverse_cdf_sample(logits[:, :, None].expand(b, n, GRID, vocab), grid, torch.full_like(grid, tau))
-    s_tokens = torch.cat([_student_tokens(student, context, grid[..., i:i + CHUNK], tau) for i in range(0, GRID,
-                                                                                                        CHUNK)], -1)
+    s_tokens = torch.cat(
+        [_student_tokens(student, context, grid[..., i : i + CHUNK], tau) for i in range(0, GRID, CHUNK)], -1
+    )
+
     def hist(toks):  # [B, N, V] counts of the sampled tokens
         return torch.zeros(b, n, vocab).scatter_add_(-1, toks, torch.ones_like(toks, dtype=torch.float32))
 
-    return {"exact": float(exact.mean()), "teacher": float(_entropy(hist(t_tokens)).mean()),
-            "student": float(_entropy(hist(s_tokens)).mean())}
+    return {
+        "exact": float(exact.mean()),
+        "teacher": float(_entropy(hist(t_tokens)).mean()),
+        "student": float(_entropy(hist(s_tokens)).mean()),
+    }
 
 
 def tracking_failures(rows: dict) -> list[str]:
@@ -121,8 +152,10 @@ def tracking_failures(rows: dict) -> list[str]:
         failures.append("entropy does not rise with tau")
     for tau, r in rows.items():
         if not RATIO_MIN * r["teacher"] <= r["student"] <= r["teacher"] + EXCESS_MAX:
-            failures.append(f"tau={tau}: student {r['student']:.3f} outside [{RATIO_MIN} x, +{EXCESS_MAX}] of teacher "
-                            f"{r['teacher']:.3f}")
+            failures.append(
+                f"tau={tau}: student {r['student']:.3f} outside [{RATIO_MIN} x, +{EXCESS_MAX}] of teacher "
+                f"{r['teacher']:.3f}"
+            )
     return failures
 
 
@@ -132,8 +165,10 @@ def _rows(teacher, student, corpus) -> dict:
 
 
 def _report(rows: dict) -> str:
-    return ", ".join(f"tau={t}: teacher {r['teacher']:.3f} (exact {r['exact']:.3f}) student {r['student']:.3f}" for t,
-                     r in rows.items())
+    return ", ".join(
+        f"tau={t}: teacher {r['teacher']:.3f} (exact {r['exact']:.3f}) student {r['student']:.3f}"
+        for t, r in rows.items()
+    )
 
 
 def test_student_entropy_tracks_the_teacher_across_tau(trained):

@@ -62,7 +62,7 @@ def naive_window(model, context, prefix_tokens, noise, tau):
     x = torch.cat([model.wte(context), model.wte(prefix_tokens), model.embed_noise(noise[None], tau)[0]], 0)[None]
     n = x.shape[1]
     h, _ = model.trunk(x, torch.arange(n), WindowLayout.causal(n))
-    return model.head(h[0, -noise.numel():]).argmax(-1)
+    return model.head(h[0, -noise.numel() :]).argmax(-1)
 
 
 def test_self_forcing_targets_equal_two_sequential_teacher_passes():
@@ -170,13 +170,25 @@ def test_stage1_records_its_decoding_rule_and_stage2_inherits_it(tmp_path, corpu
         assert load_model(str(tmp_path / folder))[0].config.decode == "residual"
     assert load_model(str(chain / "stage1"))[0].config.decode == "argmax"
     with pytest.raises(ConfigError, match="decode: the decoding rule is chosen in stage1"):
-        train(micro(tmp_path / "bad", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2,
-                    decode="residual"))
+        train(
+            micro(
+                tmp_path / "bad", corpus_dir, stage="stage2", teacher=str(tmp_path / "s1"), steps=2, decode="residual"
+            )
+        )
 
 
 def test_noise_inversion_stage_trains_any_k(tmp_path, corpus_dir, chain):
-    train(micro(tmp_path / "ni", corpus_dir, stage="stage1", teacher=str(chain / "stage0"), steps=2,
-                supervision="noise_inversion", k=3))
+    train(
+        micro(
+            tmp_path / "ni",
+            corpus_dir,
+            stage="stage1",
+            teacher=str(chain / "stage0"),
+            steps=2,
+            supervision="noise_inversion",
+            k=3,
+        )
+    )
     _, info, _ = load_model(str(tmp_path / "ni"))
     assert info["k"] == 3 and info["supervision"] == "noise_inversion"
     val = [m for m in read_metrics(tmp_path / "ni" / "metrics.jsonl") if "val_loss_pos" in m][-1]
@@ -260,7 +272,11 @@ def test_no_temporary_files_are_left_behind(tmp_path, corpus_dir):
     names = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     assert not [n for n in names if n.endswith(".tmp")]
     assert [n for n in names if n.startswith("step_")] == [
-        "step_00000002.json", "step_00000002.safetensors", "step_00000003.json", "step_00000003.safetensors"]
+        "step_00000002.json",
+        "step_00000002.safetensors",
+        "step_00000003.json",
+        "step_00000003.safetensors",
+    ]
     model, info, tokenizer = load_model(str(tmp_path / "run"))
     assert info["k"] == 0 and tokenizer.get_vocab_size() == VOCAB and not model.training
 
@@ -277,16 +293,19 @@ def test_learning_rate_schedule():
     assert all(learning_rate(cfg, s) >= learning_rate(cfg, s + 1) for s in range(4, 104))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["stage0", "--out", "x", "--steps", "0"], "--steps: expected a positive integer"),
-    (["stage0", "--out", "x", "--lr", "abc"], "--lr: expected a positive number"),
-    (["stage0", "--out", "x", "--tau-min", "0.9", "--tau-max", "0.5"], "--tau-min"),
-    (["stage0", "--out", "x", "--batch-size", "6", "--grad-accum", "4"], "batch_size"),
-    (["stage1", "--out", "x"], "--teacher"),
-    (["stage1", "--out", "x", "--teacher", "no/such/folder"], "teacher: no trained model"),
-    (["stage0", "--out", "x", "--precision", "fp8"], "--precision"),
-    (["pipeline", "--out", "x", "--k-final", "3"], "k_final"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stage0", "--out", "x", "--steps", "0"], "--steps: expected a positive integer"),
+        (["stage0", "--out", "x", "--lr", "abc"], "--lr: expected a positive number"),
+        (["stage0", "--out", "x", "--tau-min", "0.9", "--tau-max", "0.5"], "--tau-min"),
+        (["stage0", "--out", "x", "--batch-size", "6", "--grad-accum", "4"], "batch_size"),
+        (["stage1", "--out", "x"], "--teacher"),
+        (["stage1", "--out", "x", "--teacher", "no/such/folder"], "teacher: no trained model"),
+        (["stage0", "--out", "x", "--precision", "fp8"], "--precision"),
+        (["pipeline", "--out", "x", "--k-final", "3"], "k_final"),
+    ],
+)
 def test_bad_cli_input_names_the_argument(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exc:

@@ -43,8 +43,9 @@ from kforcing_kernels.app.training.sharded_checkpoint import main as export_main
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
-needs_dist = pytest.mark.skipif(not BACKEND_OK,
-    reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
+needs_dist = pytest.mark.skipif(
+    not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available"
+)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 
 
@@ -73,8 +74,11 @@ def _make_runs(root: Path) -> None:
     train(dataclasses.replace(base, stage="stage0", out=str(root / "s0"), **teacher))
     train(dataclasses.replace(base, stage="stage1", out=str(root / "s1"), **{**teacher, "teacher": str(root / "s0")}))
     train(dataclasses.replace(base, out=str(root / "one"), dump_grads=str(root / "one.safetensors")))
-    train(dataclasses.replace(base, out=str(root / "one_ac"), activation_checkpointing=True,
-                              dump_grads=str(root / "one_ac.safetensors")))
+    train(
+        dataclasses.replace(
+            base, out=str(root / "one_ac"), activation_checkpointing=True, dump_grads=str(root / "one_ac.safetensors")
+        )
+    )
     if BACKEND_OK:
         train(dataclasses.replace(base, out=str(root / "w1"), parallel="fsdp", stop_at=2))  # one rank, for 1 -> 2
         torchrun(2, REPO / "python_tests" / "workers" / "fsdp_worker.py", root, DEVICE, timeout=240)
@@ -273,10 +277,12 @@ def test_export_refuses_a_file_or_the_run_folder_as_out_before_reading_anything(
     (run / "model.json").write_text("{}")  # the run's own final model: must stay as it is
     a_file = tmp_path / "model.safetensors"
     a_file.write_bytes(b"x")
-    cases = [([str(run), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
-             ([str(ckpt), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
-             ([str(run), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out"),
-             ([str(ckpt), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out")]
+    cases = [
+        ([str(run), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
+        ([str(ckpt), "--out", str(a_file)], "argument --out: .* is a file; --out expects a folder"),
+        ([str(run), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out"),
+        ([str(ckpt), "--out", str(run)], "argument --out: .* is the run folder of .*choose another --out"),
+    ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             export_main(argv)

@@ -26,8 +26,9 @@ transformers = pytest.importorskip("transformers")
 
 DEVICE = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 4 else "cpu"
 BACKEND_OK = dist.is_available() and (dist.is_nccl_available() if DEVICE == "cuda" else dist.is_gloo_available())
-needs_dist = pytest.mark.skipif(not BACKEND_OK,
-    reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available")
+needs_dist = pytest.mark.skipif(
+    not BACKEND_OK, reason=f"torch.distributed with {'nccl' if DEVICE == 'cuda' else 'gloo'} is not available"
+)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-7)
 
 
@@ -46,20 +47,36 @@ def runs(tmp_path_factory):
 
 def _make_runs(root: Path) -> None:
     write_json_package(root / "corpus", one_document_per_line=False)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     (root / "llama.json").write_text(config.to_json_string())
     native, hf = stage2_config(root, DEVICE), stage2_config(root, DEVICE, teacher=str(root / "h1"))
     teacher = dict(packed_docs=False, steps=2, ckpt_every=100, teacher=None)
     train(dataclasses.replace(native, stage="stage0", out=str(root / "s0"), **teacher))
     train(dataclasses.replace(native, stage="stage1", out=str(root / "s1"), **{**teacher, "teacher": str(root / "s0")}))
-    train(dataclasses.replace(native, stage="stage0", out=str(root / "h0"), model_config=str(root / "llama.json"),
-                              **teacher))
+    train(
+        dataclasses.replace(
+            native, stage="stage0", out=str(root / "h0"), model_config=str(root / "llama.json"), **teacher
+        )
+    )
     train(dataclasses.replace(native, stage="stage1", out=str(root / "h1"), **{**teacher, "teacher": str(root / "h0")}))
     for base, name in ((native, "one"), (hf, "hf_one")):
         train(dataclasses.replace(base, out=str(root / name), dump_grads=str(root / f"{name}.safetensors")))
-    train(dataclasses.replace(hf, out=str(root / "hf_one_ac"), activation_checkpointing=True,
-                              dump_grads=str(root / "hf_one_ac.safetensors")))
+    train(
+        dataclasses.replace(
+            hf,
+            out=str(root / "hf_one_ac"),
+            activation_checkpointing=True,
+            dump_grads=str(root / "hf_one_ac.safetensors"),
+        )
+    )
     if BACKEND_OK:  # one-rank FSDP2 (a one-rank group): a sharded HF checkpoint, stopped and resumed
         train(dataclasses.replace(hf, out=str(root / "hf_w1"), parallel="fsdp"))
         train(dataclasses.replace(hf, out=str(root / "hf_w1_parts"), parallel="fsdp", stop_at=2))
@@ -78,8 +95,16 @@ def _same_first_step(runs: Path, run: str, reference: str) -> None:
 
 
 @needs_dist
-@pytest.mark.parametrize("run, reference", [("fsdp_cp", "one"), ("teacher_fsdp", "one"), ("hf_fsdp_ac", "hf_one"),
-                                            ("hf_fsdp_cp", "hf_one"), ("hf_ddp_cp", "hf_one")])
+@pytest.mark.parametrize(
+    "run, reference",
+    [
+        ("fsdp_cp", "one"),
+        ("teacher_fsdp", "one"),
+        ("hf_fsdp_ac", "hf_one"),
+        ("hf_fsdp_cp", "hf_one"),
+        ("hf_ddp_cp", "hf_one"),
+    ],
+)
 def test_four_ranks_match_one_process(runs, run, reference):
     _same_first_step(runs, run, reference)
     model, info, _ = load_any_model(runs / run)  # the final model of a sharded run: a whole, loadable stage folder
@@ -133,8 +158,9 @@ def test_hf_sharded_checkpoint_exports_as_the_stage_folder(runs, run, tmp_path, 
 
     other = Tokenizer(models.BPE(unk_token="<unk>"))  # a tokenizer the run was not trained with
     other.pre_tokenizer = pre_tokenizers.ByteLevel()
-    other.train_from_iterator(["something else entirely"] * 20,
-                              trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
+    other.train_from_iterator(
+        ["something else entirely"] * 20, trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"])
+    )
     other.save(str(tmp_path / "other.json"))
     with pytest.raises(SystemExit):
         export_main([str(runs / run), "--out", str(tmp_path / "export2"), "--tokenizer", str(tmp_path / "other.json")])
@@ -179,9 +205,17 @@ def test_hf_decoder_layers_are_the_models_own_layer_class():
     from kforcing_kernels.app.hf_recipe.student import HFStudent
     from kforcing_kernels.app.training.parallel import decoder_layers
 
-    for config in (transformers.LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                            num_attention_heads=4, num_key_value_heads=2),
-                   transformers.GPT2Config(vocab_size=48, n_embd=32, n_layer=3, n_head=4)):
+    for config in (
+        transformers.LlamaConfig(
+            vocab_size=48,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        transformers.GPT2Config(vocab_size=48, n_embd=32, n_layer=3, n_head=4),
+    ):
         hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kforcing")
         layers = decoder_layers(HFStudent(hf))
         want = list(hf.model.layers) if hasattr(hf, "model") else list(hf.transformer.h)

@@ -67,8 +67,8 @@ def _oracle(objective, student, teacher, batch: Batch, k: int) -> torch.Tensor:
     """Mean cross-entropy with every document run through the models alone (no cu_seqlens anywhere)."""
     losses = []
     for r in range(batch.tokens.shape[0]):
-        tokens = batch.tokens[r:r + 1]
-        tau = None if batch.tau is None else batch.tau[r:r + 1]
+        tokens = batch.tokens[r : r + 1]
+        tau = None if batch.tau is None else batch.tau[r : r + 1]
         if objective is Objective.AR:
             x, y = tokens[:, :-1], tokens[:, 1:]
             for a, b, closed in _pieces(x[0]):
@@ -77,7 +77,7 @@ def _oracle(objective, student, teacher, batch: Batch, k: int) -> torch.Tensor:
             continue
         if objective is Objective.NOISE_INVERSION:
             raise AssertionError("noise inversion: use _oracle_ni_row (its uniforms come from the batch seed)")
-        noise = batch.noise[r:r + 1]
+        noise = batch.noise[r : r + 1]
         for a, b, closed in _pieces(tokens[0]):
             if objective is Objective.FORWARD:
                 tgt = forward_distillation_targets(teacher(tokens[:, a:b]), noise[:, a:b, 0], tau)[..., None]
@@ -125,12 +125,17 @@ def _oracle_ni_row(student, teacher, batch: Batch, k: int) -> torch.Tensor:
     teacher_logits = torch.cat([teacher(tokens[:, a:b]) for a, b, _ in _pieces(tokens[0, :-1])], 1)
     reads = torch.arange(n)[:, None] + torch.arange(k)
     targets = tokens[:, 1:][:, reads]
-    noise = noise_inversion(teacher_logits[:, reads], targets, tau[:, None, None].expand(targets.shape),
-                            torch.Generator().manual_seed(batch.seed))
+    noise = noise_inversion(
+        teacher_logits[:, reads],
+        targets,
+        tau[:, None, None].expand(targets.shape),
+        torch.Generator().manual_seed(batch.seed),
+    )
     losses = []
     for a, b, _ in _pieces(tokens[0, :n]):
-        ce = F.cross_entropy(student(tokens[:, a:b], noise[:, a:b], tau).flatten(0, 2), targets[:, a:b].flatten(),
-                             reduction="none").view(b - a, k)
+        ce = F.cross_entropy(
+            student(tokens[:, a:b], noise[:, a:b], tau).flatten(0, 2), targets[:, a:b].flatten(), reduction="none"
+        ).view(b - a, k)
         doc = next(p for p in _pieces(tokens[0]) if p[0] <= a < p[1])
         losses += [ce[t - a, j] for t in range(a, b) for j in range(k) if _kept(*doc, t, j)]
     return torch.stack(losses).mean()
@@ -141,12 +146,14 @@ def test_one_document_per_window_is_the_unpacked_path(objective, k):
     stream = _stream([400])[:-1]  # one document, no separator inside any window
     student, teacher = _model(1), (None if objective is Objective.AR else _model(2))
     for batch in _batch(objective, k, stream, EOS):
-        assert all(torch.equal(cu, torch.tensor([0, batch.tokens.shape[1]])) for cu in document_offsets(batch.tokens,
-                                                                                                        EOS))
+        assert all(
+            torch.equal(cu, torch.tensor([0, batch.tokens.shape[1]])) for cu in document_offsets(batch.tokens, EOS)
+        )
         with torch.no_grad():
             packed, packed_pos = compute_loss(objective, student, batch, teacher, k=k)
-            plain, plain_pos = compute_loss(objective, student, dataclasses.replace(batch, separator=None), teacher,
-                                            k=k)
+            plain, plain_pos = compute_loss(
+                objective, student, dataclasses.replace(batch, separator=None), teacher, k=k
+            )
         torch.testing.assert_close(packed, plain, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(packed_pos, plain_pos, atol=1e-6, rtol=1e-6)
 
@@ -160,8 +167,9 @@ def test_document_offsets_and_batches():
     with pytest.raises(ValueError, match="separator: expected None or a token id"):
         make_batch(Objective.AR, _stream([50]), 2, 8, 1, (1.0, 1.0), torch.Generator(), separator=True)
     # The same draws with and without packing; shards and device moves keep the separator.
-    a = make_batch(Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0),
-                   EOS)
+    a = make_batch(
+        Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0), EOS
+    )
     b = make_batch(Objective.SELF_FORCING, _stream([50, 50]), 4, 8, 2, (0.5, 1.0), torch.Generator().manual_seed(0))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.noise, b.noise) and b.separator is None
     assert a.shard(1, 2).to("cpu").separator == EOS
@@ -197,9 +205,37 @@ def test_packed_run_resumes_bit_for_bit_and_differs_from_unpacked(tmp_path, corp
     corpus = load_corpus(str(corpus_dir), vocab_size=300)
     first = make_batch(Objective.AR, corpus.train, 4, 16, 0, (1.0, 1.0), step_generator(1, 0), corpus.eos_id)
     assert (first.tokens[:, :-1] == corpus.eos_id).any()  # the first step's windows cross documents
-    main(["stage0", "--out", str(tmp_path / "whole"), "--data", str(corpus_dir), "--vocab-size", "300", "--preset",
-          "micro", "--seq-len", "16", "--steps", "6", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1",
-          "--eval-batches", "1", "--lr", "3e-3", "--seed", "1", "--no-progress", "--packed-docs"])
+    main(
+        [
+            "stage0",
+            "--out",
+            str(tmp_path / "whole"),
+            "--data",
+            str(corpus_dir),
+            "--vocab-size",
+            "300",
+            "--preset",
+            "micro",
+            "--seq-len",
+            "16",
+            "--steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--warmup-steps",
+            "2",
+            "--log-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--lr",
+            "3e-3",
+            "--seed",
+            "1",
+            "--no-progress",
+            "--packed-docs",
+        ]
+    )
     assert read_json(tmp_path / "whole" / "train_config.json")["packed_docs"] is True
     parts = micro(tmp_path / "parts", corpus_dir, stop_at=3)
     train(parts)

@@ -50,8 +50,11 @@ micro = functools.partial(micro_config, steps=4, warmup_steps=1)
 
 def snapshot(folder: Path) -> dict:
     """Every file of ``folder`` but the run lock (an empty file a run attempt creates and keeps: checkpoint.RunLock)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != LOCK_NAME}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != LOCK_NAME
+    }
 
 
 def run_record(folder: Path) -> list[tuple]:
@@ -106,7 +109,10 @@ def test_overwrite_replaces_the_old_run_and_equals_a_fresh_one(tmp_path, corpus_
     assert run_record(out) == run_record(finished)  # nothing of the replaced run is mixed in
     assert same_weights(out, finished)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "my_notes.txt", "step_00000004.json", "step_00000004.safetensors"]
+        "my_notes.txt",
+        "step_00000004.json",
+        "step_00000004.safetensors",
+    ]
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "checkpoints" / "my_notes.txt").read_text() == "mine too"
     with pytest.raises(ValueError, match="overwrite: .*pass one"):
@@ -144,8 +150,18 @@ def test_resume_of_a_finished_run_with_other_settings_refuses(tmp_path, corpus_d
 
 def test_cli_resume_without_a_checkpoint_is_a_clear_error(tmp_path, corpus_dir, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["stage0", "--out", str(tmp_path / "none"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB),
-              "--resume"])
+        main(
+            [
+                "stage0",
+                "--out",
+                str(tmp_path / "none"),
+                "--data",
+                str(corpus_dir),
+                "--vocab-size",
+                str(VOCAB),
+                "--resume",
+            ]
+        )
     assert exc.value.code == 2
     assert "resume: no checkpoint" in capsys.readouterr().err
 
@@ -172,8 +188,9 @@ def test_short_validation_split_is_refused_before_step_one(tmp_path, short_val_f
     train(micro(tmp_path / "fits", short_val_file, seq_len=16, steps=1))  # a sequence that fits trains
 
 
-def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, corpus_dir, short_val_file, finished,
-                                                                    monkeypatch):
+def test_a_start_that_fails_before_training_leaves_no_folder_behind(
+    tmp_path, corpus_dir, short_val_file, finished, monkeypatch
+):
     """Issue 38: an error after the run folder was made (locked) but before a step was trained leaves nothing, not a
     folder holding only the lock (or the config) that a rerun calls "a partial run" and refuses without --overwrite."""
     from kforcing_kernels.app.training import loop as trainer
@@ -200,8 +217,9 @@ def test_a_start_that_fails_before_training_leaves_no_folder_behind(tmp_path, co
     assert run_record(out) == run_record(finished)
 
 
-def test_a_failed_start_leaves_a_folder_with_an_earlier_run_or_a_trained_step_untouched(tmp_path, corpus_dir, finished,
-                                                                                      monkeypatch):
+def test_a_failed_start_leaves_a_folder_with_an_earlier_run_or_a_trained_step_untouched(
+    tmp_path, corpus_dir, finished, monkeypatch
+):
     from kforcing_kernels.app.training import loop as trainer
 
     partial = tmp_path / "partial"  # an earlier run with a checkpoint: a refused --resume removes nothing of it
@@ -249,8 +267,9 @@ def test_an_evaluation_error_loses_no_trained_steps(tmp_path, corpus_dir, finish
     assert run_record(out) == run_record(finished)  # the same steps, and one final evaluation
     summary = json.loads((out / "model.json").read_text())["summary"]
     expected = json.loads((finished / "model.json").read_text())["summary"]
-    assert [summary[k] for k in ("final_loss", "val_loss", "val_loss_pos")] == [expected[k] for k in ("final_loss",
-        "val_loss", "val_loss_pos")]
+    assert [summary[k] for k in ("final_loss", "val_loss", "val_loss_pos")] == [
+        expected[k] for k in ("final_loss", "val_loss", "val_loss_pos")
+    ]
 
 
 # ---------------------------------------------------------------------- item 12: torn metrics, full disks, leftovers
@@ -306,8 +325,11 @@ def test_resume_removes_leftover_temporaries_and_orphan_tensors(tmp_path, corpus
     out = tmp_path / "run"
     train(micro(out, corpus_dir, stop_at=2))
     # What a process killed inside a write leaves: temporaries, and tensors whose JSON never came.
-    leftovers = [out / ".metrics.jsonl.0a1b2c3d.tmp", out / "checkpoints" / ".step_00000003.safetensors.deadbeef.tmp",
-                 out / "checkpoints" / "step_00000003.safetensors"]
+    leftovers = [
+        out / ".metrics.jsonl.0a1b2c3d.tmp",
+        out / "checkpoints" / ".step_00000003.safetensors.deadbeef.tmp",
+        out / "checkpoints" / "step_00000003.safetensors",
+    ]
     for path in leftovers:
         path.write_bytes(b"partial")
     capsys.readouterr()
@@ -346,8 +368,10 @@ MALFORMED = {
     "step as text": lambda m: {**m, "step": "2"},
     "no param_groups": lambda m: {k: v for k, v in m.items() if k != "param_groups"},
     "tensors as a list": lambda m: {**m, "tensors": [m["tensors"]]},
-    "tensors without sha256": lambda m: {**m, "tensors": {"file": m["tensors"]["file"],
-                                                          "bytes": m["tensors"]["bytes"]}},
+    "tensors without sha256": lambda m: {
+        **m,
+        "tensors": {"file": m["tensors"]["file"], "bytes": m["tensors"]["bytes"]},
+    },
     "tensors elsewhere": lambda m: {**m, "tensors": {**m["tensors"], "file": "../../x.safetensors"}},
     "param_groups wrong": lambda m: {**m, "param_groups": [{"lr": 1.0}]},
     "scaler as a number": lambda m: {**m, "scaler": 3},
@@ -361,7 +385,8 @@ def test_checkpoint_json_of_the_wrong_structure_names_the_file(tmp_path, checkpo
     folder.mkdir()
     json_path = folder / checkpoint.name
     (folder / checkpoint.with_suffix(".safetensors").name).write_bytes(
-        checkpoint.with_suffix(".safetensors").read_bytes())
+        checkpoint.with_suffix(".safetensors").read_bytes()
+    )
     json_path.write_text(json.dumps(MALFORMED[case](json.loads(checkpoint.read_text()))))
     model = KForcingLM(ModelConfig.from_dict(json.loads(checkpoint.read_text())["model_config"]))
     model.noise_encoder.requires_grad_(False)  # as the stage-0 trainer: its optimizer has no noise-encoder parameters
@@ -374,12 +399,16 @@ def test_checkpoint_json_of_the_wrong_structure_names_the_file(tmp_path, checkpo
         load_checkpoint(json_path, model, opt, scaler)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: {**m, "tensors": None}, lambda m: {k: v for k, v in m.items() if k != "k"},
-    lambda m: {**m, "model_config": {**m["model_config"], "n_embd": "wide"}},
-    lambda m: {**m, "model_config": {**m["model_config"], "colour": 1}},
-    lambda m: {**m, "model_config": {**m["model_config"], "n_embd": 2 * m["model_config"]["n_embd"]}},
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: {**m, "tensors": None},
+        lambda m: {k: v for k, v in m.items() if k != "k"},
+        lambda m: {**m, "model_config": {**m["model_config"], "n_embd": "wide"}},
+        lambda m: {**m, "model_config": {**m["model_config"], "colour": 1}},
+        lambda m: {**m, "model_config": {**m["model_config"], "n_embd": 2 * m["model_config"]["n_embd"]}},
+    ],
+)
 def test_model_json_of_the_wrong_structure_names_the_file(tmp_path, finished, edit):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -434,21 +463,35 @@ def _tiny_file(d):
     return d / "tiny.txt"
 
 
-@pytest.mark.parametrize("make, message", [
-    (_missing, "no such file or directory"),
-    (_no_text_files, "no text files"),
-    (_empty_file, "holds no text"),
-    (_blank_files, "holds no text"),
-    (_tiny_file, "too small to learn a 300-token vocabulary"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (_missing, "no such file or directory"),
+        (_no_text_files, "no text files"),
+        (_empty_file, "holds no text"),
+        (_blank_files, "holds no text"),
+        (_tiny_file, "too small to learn a 300-token vocabulary"),
+    ],
+)
 def test_unusable_data_gives_a_clear_error_naming_data(tmp_path, capsys, make, message):
     data = tmp_path / "data"
     data.mkdir()
     (data / "binary.bin").write_bytes(b"\0\1")  # not a text file: ignored
     source = make(data)
     with pytest.raises(SystemExit) as exc:
-        main(["stage0", "--out", str(tmp_path / "run"), "--data", str(source), "--vocab-size", str(VOCAB), "--steps",
-              "1"])
+        main(
+            [
+                "stage0",
+                "--out",
+                str(tmp_path / "run"),
+                "--data",
+                str(source),
+                "--vocab-size",
+                str(VOCAB),
+                "--steps",
+                "1",
+            ]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--data" in err and message in err and "Traceback" not in err
@@ -511,10 +554,15 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, corpus_dir, accum)
     runs = {}
     for a in (1, accum):
         dump = tmp_path / f"grads{a}.safetensors"
-        summary = train(micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3,
-                              dump_grads=str(dump)))
-        runs[a] = (load_file(str(dump)), read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"), summary,
-                   load_file(str(tmp_path / f"accum{a}" / "model.safetensors")))
+        summary = train(
+            micro(tmp_path / f"accum{a}", corpus_dir, batch_size=4, grad_accum=a, steps=3, dump_grads=str(dump))
+        )
+        runs[a] = (
+            load_file(str(dump)),
+            read_metrics(tmp_path / f"accum{a}" / "metrics.jsonl"),
+            summary,
+            load_file(str(tmp_path / f"accum{a}" / "model.safetensors")),
+        )
     (g1, m1, _, w1), (ga, ma, _, wa) = runs[1], runs[accum]
     assert g1.keys() == ga.keys() and g1
     for name in g1:
@@ -567,15 +615,39 @@ def test_a_stage_writing_into_its_teachers_folder_is_refused_before_anything_is_
         assert snapshot(teacher) == before
 
 
-@pytest.mark.parametrize("setting, value", [
-    ("ckpt_every", 0), ("log_every", 0), ("grad_accum", 0), ("eval_batches", 0), ("steps", 0), ("steps", -3),
-    ("batch_size", 0), ("keep_checkpoints", -1), ("keep_checkpoints", 0), ("seed", 1.5), ("device", "bogus"),
-    ("model_overrides", {"n_layers": 2}), ("warmup_steps", -1), ("seq_len", True),
-    # issue 40: real-valued settings (these trained and saved a NaN model, or ran with nonsense, or a TypeError mid-run)
-    ("lr", float("inf")), ("lr", "0.001"), ("lr", 0.0), ("grad_clip", float("nan")), ("grad_clip", 0), ("weight_decay",
-                                                                                                        -3),
-    ("min_lr_ratio", 5), ("tau_min", -1.0), ("tau_max", float("inf")), ("beta1", 1.0), ("beta2", -0.1), ("lr", True),
-])
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("ckpt_every", 0),
+        ("log_every", 0),
+        ("grad_accum", 0),
+        ("eval_batches", 0),
+        ("steps", 0),
+        ("steps", -3),
+        ("batch_size", 0),
+        ("keep_checkpoints", -1),
+        ("keep_checkpoints", 0),
+        ("seed", 1.5),
+        ("device", "bogus"),
+        ("model_overrides", {"n_layers": 2}),
+        ("warmup_steps", -1),
+        ("seq_len", True),
+        # issue 40: real-valued settings (these trained and saved a NaN model, or ran with nonsense,
+        # or a TypeError mid-run)
+        ("lr", float("inf")),
+        ("lr", "0.001"),
+        ("lr", 0.0),
+        ("grad_clip", float("nan")),
+        ("grad_clip", 0),
+        ("weight_decay", -3),
+        ("min_lr_ratio", 5),
+        ("tau_min", -1.0),
+        ("tau_max", float("inf")),
+        ("beta1", 1.0),
+        ("beta2", -0.1),
+        ("lr", True),
+    ],
+)
 def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, setting, value):
     """train(TrainConfig(...)) refuses what the CLI's argument types refuse, naming the setting, before
     touching --out (these once divided by zero mid-run, trained on empty batches or deleted checkpoints)."""
@@ -585,8 +657,18 @@ def test_the_python_api_checks_settings_as_the_cli_does(tmp_path, corpus_dir, se
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("setting, value", [("lr", "inf"), ("lr", "0"), ("grad_clip", "nan"), ("grad_clip", "0"),
-                                            ("weight_decay", "-3"), ("min_lr_ratio", "5"), ("tau_min", "-1")])
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("lr", "inf"),
+        ("lr", "0"),
+        ("grad_clip", "nan"),
+        ("grad_clip", "0"),
+        ("weight_decay", "-3"),
+        ("min_lr_ratio", "5"),
+        ("tau_min", "-1"),
+    ],
+)
 def test_the_cli_refuses_the_same_real_settings_with_the_same_words(tmp_path, corpus_dir, capsys, setting, value):
     """One check (train_config.FLOAT_SETTINGS) for both entry points: the CLI's refusal says what the API's says."""
     from kforcing_kernels.app.training.config import float_setting_error
@@ -620,8 +702,9 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 
     monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
     out = tmp_path / "run"
-    with pytest.raises(trainer.NonFiniteLoss,
-                       match=r"^loss: step 3 gave a non-finite loss \(nan\).*step_00000002, holds the last good"):
+    with pytest.raises(
+        trainer.NonFiniteLoss, match=r"^loss: step 3 gave a non-finite loss \(nan\).*step_00000002, holds the last good"
+    ):
         train(micro(out, corpus_dir, ckpt_every=2, keep_checkpoints=5))
     assert latest_checkpoint(out).stem == "step_00000002"
     assert not (out / "model.json").exists()
@@ -631,10 +714,32 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     calls.clear()  # the CLI says the same, as an error (exit status 1), not a traceback
     monkeypatch.setattr(trainer, "compute_loss", nan_at_step_3)
     with pytest.raises(SystemExit, match="^kforcing-train: error: loss: step 3 gave a non-finite loss"):
-        main(["stage0", "--out", str(tmp_path / "cli"), "--data", str(corpus_dir), "--vocab-size", str(VOCAB),
-              "--preset", "micro",
-              "--seq-len", "16", "--steps", "4", "--batch-size", "4", "--warmup-steps", "1", "--ckpt-every", "2",
-              "--eval-batches", "1", "--no-progress"])
+        main(
+            [
+                "stage0",
+                "--out",
+                str(tmp_path / "cli"),
+                "--data",
+                str(corpus_dir),
+                "--vocab-size",
+                str(VOCAB),
+                "--preset",
+                "micro",
+                "--seq-len",
+                "16",
+                "--steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--warmup-steps",
+                "1",
+                "--ckpt-every",
+                "2",
+                "--eval-batches",
+                "1",
+                "--no-progress",
+            ]
+        )
 
 
 def test_weight_decay_falls_on_matrices_only():
@@ -651,8 +756,11 @@ def test_weight_decay_falls_on_matrices_only():
             if isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
                 should_decay.add(id(p))
     assert seen == {id(p) for p in model.parameters()} and should_decay and seen - should_decay
-    decay = {id(p): group["weight_decay"] for group in _optimizer(model, cfg,
-                                                                  fused_ok=False).param_groups for p in group["params"]}
+    decay = {
+        id(p): group["weight_decay"]
+        for group in _optimizer(model, cfg, fused_ok=False).param_groups
+        for p in group["params"]
+    }
     assert decay.keys() == seen  # every parameter in exactly one group
     assert {i for i, wd in decay.items() if wd == 0.25} == should_decay
     assert all(wd == 0.0 for i, wd in decay.items() if i not in should_decay)
@@ -690,4 +798,4 @@ def test_atomic_writes_fsync_the_temporary_before_the_rename_and_the_folder_afte
     assert len(replaced) == 1 and replaced[0][2] == str(target)
     tmp, at = replaced[0][1], events.index(replaced[0])
     assert ("fsync", tmp) in events[:at], events  # the temporary's data reached the disk before it got the name
-    assert ("fsync", str(tmp_path)) in events[at + 1:], events  # and the rename itself after
+    assert ("fsync", str(tmp_path)) in events[at + 1 :], events  # and the rename itself after

@@ -14,8 +14,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def make_case(lens, *, page_size=4, window=3, heads=4, kv_heads=2, head_dim=8, spare_pages=3, dtype=torch.float64,
-              seed=0):
+def make_case(
+    lens, *, page_size=4, window=3, heads=4, kv_heads=2, head_dim=8, spare_pages=3, dtype=torch.float64, seed=0
+):
     """A pool whose pages are handed out in a shuffled order, block tables padded with -1 past each request's pages."""
     g = torch.Generator().manual_seed(seed)
     b = len(lens)
@@ -26,7 +27,7 @@ def make_case(lens, *, page_size=4, window=3, heads=4, kv_heads=2, head_dim=8, s
     table = torch.full((b, max_pages), -1, dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        table[i, :n] = order[at: at + n].to(torch.int32)
+        table[i, :n] = order[at : at + n].to(torch.int32)
         at += n
 
     def rnd(*shape):
@@ -50,8 +51,9 @@ def oracle(q, k_new, v_new, k_pages, v_pages, table, lens):
             p = int(table[i, t // page])
             k_ctx[i, :, t] = k_pages[p, t % page].double()
             v_ctx[i, :, t] = v_pages[p, t % page].double()
-    layout = WindowLayout(l_max, 1, w, torch.zeros(b, 1, dtype=torch.int64), lens[:, None], intra="causal",
-                          queries="windows")
+    layout = WindowLayout(
+        l_max, 1, w, torch.zeros(b, 1, dtype=torch.int64), lens[:, None], intra="causal", queries="windows"
+    )
     keys = torch.cat([k_ctx, k_new.double()], 2)
     vals = torch.cat([v_ctx, v_new.double()], 2)
     return window_attention(q.double(), keys, vals, layout, backend="reference")
@@ -108,8 +110,9 @@ def test_request_result_does_not_depend_on_the_batch(backend):
 @pytest.mark.parametrize("backend", AVAILABLE)
 def test_pages_past_the_length_are_never_read(backend):
     """Junk (inf/NaN) in the unused tail of the last page and in unused pool pages does not reach any row."""
-    q, kn, vn, kp, vp, table, lens = make_case([5, 2], page_size=4, window=2,
-                                               dtype=torch.float32 if backend == "triton" else torch.float64)
+    q, kn, vn, kp, vp, table, lens = make_case(
+        [5, 2], page_size=4, window=2, dtype=torch.float32 if backend == "triton" else torch.float64
+    )
     ref = paged_attention(q, kn, vn, kp, vp, table, lens, backend=backend)
     kp, vp = kp.clone(), vp.clone()
     used = {(int(table[i, t // 4]), t % 4) for i, n in enumerate(lens.tolist()) for t in range(n)}
@@ -169,14 +172,17 @@ def test_padding_past_used_pages_is_ignored():
     q, kn, vn, kp, vp, table, lens = make_case([5, 9], page_size=4)
     t = table.clone()
     t[0, 2:] = 10_000  # request 0 reads only 2 pages
-    torch.testing.assert_close(paged_attention(q, kn, vn, kp, vp, t, lens), paged_attention(q, kn, vn, kp, vp, table,
-                                                                                            lens))
+    torch.testing.assert_close(
+        paged_attention(q, kn, vn, kp, vp, t, lens), paged_attention(q, kn, vn, kp, vp, table, lens)
+    )
 
 
 def test_lengths_beyond_the_requests_pages():
     q, kn, vn, kp, vp, table, lens = make_case([5, 9], page_size=4)
-    bad(r"context_lens: request 1 has length 30, which needs 8 pages of 4, but block_table has 4",
-        context_lens=torch.tensor([5, 30]))
+    bad(
+        r"context_lens: request 1 has length 30, which needs 8 pages of 4, but block_table has 4",
+        context_lens=torch.tensor([5, 30]),
+    )
     bad("context_lens: expected lengths >= 0", context_lens=torch.tensor([-1, 3]))
     bad(r"context_lens: expected shape \[B=2\]", context_lens=torch.tensor([5]))
     bad("context_lens: expected an integer tensor", context_lens=torch.tensor([5.0, 9.0]))

@@ -18,8 +18,17 @@ ROOT = str(REPO)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already inside the interpreter process")
 def test_paged_triton_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "pytest", os.path.join(HERE, "test_paged_attention.py"), "-q", "-p",
-           "no:cacheprovider", "-k", "triton"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        os.path.join(HERE, "test_paged_attention.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "triton",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = (result.stdout + result.stderr)[-6000:]
     assert result.returncode == 0, f"interpreter tests failed (rc={result.returncode}):\n{tail}"

@@ -54,8 +54,9 @@ def step_cases():
 
 SAMPLERS = {"reference": inverse_cdf_sample_reference, "dispatch": inverse_cdf_sample}
 if EXT is not None:
-    SAMPLERS["cpp"] = lambda logits, z, tau: EXT.inverse_cdf_sample(logits, z, torch.as_tensor(tau,
-                                                                                               dtype=torch.float64))
+    SAMPLERS["cpp"] = lambda logits, z, tau: EXT.inverse_cdf_sample(
+        logits, z, torch.as_tensor(tau, dtype=torch.float64)
+    )
 
 
 def test_the_cpp_sampler_is_under_test():

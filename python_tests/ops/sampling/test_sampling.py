@@ -29,11 +29,11 @@ def random_logits(rows, V, dtype, *, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, V, generator=g, dtype=torch.float64) * 3
     if V > 1:
-        logits[:, 1] = logits[:, 0]                                        # a tie
+        logits[:, 1] = logits[:, 0]  # a tie
         logits[::4] = torch.randint(-3, 3, (logits[::4].shape), generator=g).double()  # many ties
     if V > 3:
-        logits[:, 2::5] = float("-inf")                                    # impossible tokens
-        logits[1::3, -1] = float("-inf")                                   # ... also at the end
+        logits[:, 2::5] = float("-inf")  # impossible tokens
+        logits[1::3, -1] = float("-inf")  # ... also at the end
     return logits.to(dtype)
 
 
@@ -139,14 +139,20 @@ def test_noise_inversion_generator_is_reproducible():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(2)),
-         r"z: expected shape \(3,\) \(logits without V\), got \(2,\)"),
+        (
+            lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(2)),
+            r"z: expected shape \(3,\) \(logits without V\), got \(2,\)",
+        ),
         (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), 0.0), "temperature: expected finite values > 0"),
-        (lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), torch.ones(2)),
-         r"temperature: expected a scalar or shape \(3,\)"),
+        (
+            lambda: inverse_cdf_sample(torch.randn(3, 5), torch.rand(3), torch.ones(2)),
+            r"temperature: expected a scalar or shape \(3,\)",
+        ),
         (lambda: inverse_cdf_sample(torch.randint(0, 5, (3, 5)), torch.rand(3)), "logits: expected a floating tensor"),
-        (lambda: noise_inversion(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)),
-         r"tokens: expected shape \(3,\)"),
+        (
+            lambda: noise_inversion(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)),
+            r"tokens: expected shape \(3,\)",
+        ),
     ],
 )
 def test_validation_errors(call, match):

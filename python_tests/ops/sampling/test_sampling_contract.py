@@ -38,12 +38,21 @@ GOOD = torch.tensor([[0.0, 1.0, 2.0], [3.0, -INF, 0.5]])
 Z = torch.tensor([0.25, 0.75])
 
 REFUSED_SAMPLES = {
-    "row all -inf": (torch.tensor([[0.0, 1.0, 2.0], [-INF, -INF, -INF]]), Z,
-                     "logits: expected every row to define a distribution"),
-    "NaN logit": (torch.tensor([[0.0, NAN, 2.0], [0.0, 1.0, 2.0]]), Z,
-                  "logits: expected every row to define a distribution"),
-    "+inf logit": (torch.tensor([[0.0, 1.0, 2.0], [INF, 1.0, 2.0]]), Z,
-                   "logits: expected every row to define a distribution"),
+    "row all -inf": (
+        torch.tensor([[0.0, 1.0, 2.0], [-INF, -INF, -INF]]),
+        Z,
+        "logits: expected every row to define a distribution",
+    ),
+    "NaN logit": (
+        torch.tensor([[0.0, NAN, 2.0], [0.0, 1.0, 2.0]]),
+        Z,
+        "logits: expected every row to define a distribution",
+    ),
+    "+inf logit": (
+        torch.tensor([[0.0, 1.0, 2.0], [INF, 1.0, 2.0]]),
+        Z,
+        "logits: expected every row to define a distribution",
+    ),
     "z = 1": (GOOD, torch.tensor([0.5, 1.0]), r"z: expected values in \[0, 1\)"),
     "z < 0": (GOOD, torch.tensor([-1e-9, 0.5]), r"z: expected values in \[0, 1\)"),
     "z > 1": (GOOD, torch.tensor([0.5, 7.0]), r"z: expected values in \[0, 1\)"),
@@ -69,8 +78,11 @@ def test_overflowing_temperature_is_refused_alike(backend):
 
 
 REFUSED_INVERSIONS = {
-    "row all -inf": (torch.tensor([[-INF, -INF, -INF], [0.0, 1.0, 2.0]]), torch.tensor([0, 1]),
-                     "logits: expected every row"),
+    "row all -inf": (
+        torch.tensor([[-INF, -INF, -INF], [0.0, 1.0, 2.0]]),
+        torch.tensor([0, 1]),
+        "logits: expected every row",
+    ),
     "NaN logit": (torch.tensor([[0.0, NAN, 2.0], [0.0, 1.0, 2.0]]), torch.tensor([0, 1]), "logits: expected every row"),
     "token >= V": (GOOD, torch.tensor([0, 3]), r"tokens: expected ids in \[0, 3\)"),
     "token < 0": (GOOD, torch.tensor([-1, 0]), r"tokens: expected ids in \[0, 3\)"),
@@ -122,10 +134,11 @@ def test_exact_cdf_steps(backend, vocab, support_size):
     row = _uniform_on(support, vocab)  # every probability is 1/n exactly, so F steps are exact binary fractions
     zs = [j / support_size for j in range(support_size)]
     if backend == "triton" and support_size > 64:  # the interpreter runs one Python program per row: sample the steps
-        zs = zs[:8] + zs[support_size // 2 - 4: support_size // 2 + 4] + zs[-8:]
+        zs = zs[:8] + zs[support_size // 2 - 4 : support_size // 2 + 4] + zs[-8:]
         support = [support[round(z * support_size)] for z in zs]
-    got = op.inverse_cdf_sample(torch.tensor([row] * len(zs), dtype=torch.float64), torch.tensor(zs,
-                                                                                                 dtype=torch.float64))
+    got = op.inverse_cdf_sample(
+        torch.tensor([row] * len(zs), dtype=torch.float64), torch.tensor(zs, dtype=torch.float64)
+    )
     want = [oracle_sample(row, z) for z in zs]
     assert want == support  # z = j/n lands on the step of support[j - 1], so the answer is support[j]
     assert got.tolist() == want
@@ -151,8 +164,17 @@ def test_random_rows_match_the_loop_oracle(backend, tau):
 
 def _run_module(select: str, **env):
     full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    cmd = [sys.executable, "-m", "pytest", os.path.join(HERE, "test_sampling_contract.py"), "-q", "-p",
-           "no:cacheprovider", "-k", select]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        os.path.join(HERE, "test_sampling_contract.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        select,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout
@@ -216,10 +238,13 @@ def test_temperature_of_the_wrong_type_is_refused_by_name(bad):
         inverse_cdf_sample(logits, z, temperature=bad)
     import numpy as np
 
-    assert torch.equal(inverse_cdf_sample(logits, z, temperature=np.float32(0.5)), inverse_cdf_sample(logits, z,
-                                                                                                      temperature=0.5))
-    assert torch.equal(inverse_cdf_sample(logits, z, temperature=torch.tensor([1, 2, 1])),
-                       inverse_cdf_sample(logits, z, temperature=torch.tensor([1.0, 2.0, 1.0])))
+    assert torch.equal(
+        inverse_cdf_sample(logits, z, temperature=np.float32(0.5)), inverse_cdf_sample(logits, z, temperature=0.5)
+    )
+    assert torch.equal(
+        inverse_cdf_sample(logits, z, temperature=torch.tensor([1, 2, 1])),
+        inverse_cdf_sample(logits, z, temperature=torch.tensor([1.0, 2.0, 1.0])),
+    )
 
 
 def test_every_backend_names_the_first_row_without_a_distribution():

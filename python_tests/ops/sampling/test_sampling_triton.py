@@ -76,8 +76,9 @@ INTERPRETER_CHECK = textwrap.dedent(
 def test_triton_sampler_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("KFORCING_DISABLE_EXT", None)
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "checked 18" in proc.stdout
 
@@ -112,10 +113,21 @@ def test_triton_sampler_compiles_for_gpus_without_spills(arch):
     jobs = {
         "block_stats_bf16": (st._block_stats, {"x_ptr": "*bf16", "tau_ptr": "*fp64", "stats_ptr": "*fp64"}),
         "block_stats_fp32": (st._block_stats, {"x_ptr": "*fp32", "tau_ptr": "*fp64", "stats_ptr": "*fp64"}),
-        "sample_fp32": (st._sample, {"x_ptr": "*fp32", "z_ptr": "*fp64", "tau_ptr": "*fp64", "stats_ptr": "*fp64",
-                                     "out_ptr": "*i64"}),
-        "invert_bf16": (st._invert, {"x_ptr": "*bf16", "tok_ptr": "*i64", "u_ptr": "*fp64", "tau_ptr": "*fp64",
-                                     "stats_ptr": "*fp64", "out_ptr": "*fp32"}),
+        "sample_fp32": (
+            st._sample,
+            {"x_ptr": "*fp32", "z_ptr": "*fp64", "tau_ptr": "*fp64", "stats_ptr": "*fp64", "out_ptr": "*i64"},
+        ),
+        "invert_bf16": (
+            st._invert,
+            {
+                "x_ptr": "*bf16",
+                "tok_ptr": "*i64",
+                "u_ptr": "*fp64",
+                "tau_ptr": "*fp64",
+                "stats_ptr": "*fp64",
+                "out_ptr": "*fp32",
+            },
+        ),
     }
     for name, (fn, pointers) in jobs.items():
         signature = {p.name: pointers.get(p.name) or ints.get(p.name) or "constexpr" for p in fn.params}
@@ -126,7 +138,11 @@ def test_triton_sampler_compiles_for_gpus_without_spills(arch):
             path = os.path.join(tmp, "kernel.cubin")
             with open(path, "wb") as f:
                 f.write(compiled.asm["cubin"])
-            dump = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
-                                  capture_output=True, text=True, check=True).stdout
+            dump = subprocess.run(
+                [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
         reg, stack, _, local = (int(x) for x in _RESOURCES.search(dump).groups())
         assert stack == 0 and local == 0, f"sm_{arch} {name}: spills (REG {reg} STACK {stack} LOCAL {local})"

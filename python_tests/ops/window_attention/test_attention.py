@@ -25,8 +25,9 @@ def test_composite_matches_reference_fp32(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "jacobi",
-                                  "sbd_large_block"])
+@pytest.mark.parametrize(
+    "name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "jacobi", "sbd_large_block"]
+)
 def test_composite_low_precision_within_2x_torch_error(name, dtype):
     """Our error vs fp64 is at most 2x PyTorch's own low-precision error (plus a floor)."""
     ours, ref64, ref_lp = compare_with_reference(LAYOUTS[name], "composite", dtype=dtype)
@@ -36,8 +37,9 @@ def test_composite_low_precision_within_2x_torch_error(name, dtype):
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
 def test_composite_head_dims_and_gqa(head_dim, heads, kv_heads):
-    ours, ref64, _ = compare_with_reference(WindowLayout.kforcing_single(12, 4), "composite", heads=heads,
-                                            kv_heads=kv_heads, head_dim=head_dim)
+    ours, ref64, _ = compare_with_reference(
+        WindowLayout.kforcing_single(12, 4), "composite", heads=heads, kv_heads=kv_heads, head_dim=head_dim
+    )
     for a, b in zip(ours, ref64):
         torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=3e-5)
 
@@ -112,8 +114,18 @@ def test_composite_portable_path_end_to_end(monkeypatch):
 
 
 @pytest.mark.parametrize("loop_per_head", [True, False])
-@pytest.mark.parametrize("name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch",
-                                  "general_streams_full", "ptp_doc_ends", "double_packed"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "single_k3_odd",
+        "double_k2",
+        "sbd_short_last",
+        "ptp_per_batch",
+        "general_streams_full",
+        "ptp_doc_ends",
+        "double_packed",
+    ],
+)
 def test_composite_intra_loop_and_batched_paths(monkeypatch, name, loop_per_head):
     """Both intra-window product paths (per-head bmm loop on CPU, batched matmul elsewhere) match the reference."""
     monkeypatch.setattr(composite, "_loop_per_head", lambda x: loop_per_head)
@@ -127,8 +139,9 @@ def test_default_backend_is_available_and_used():
     assert status["reference"] is None and status["composite"] is None
     layout = LAYOUTS["single_k3_odd"]
     q, k, v = make_qkv(layout, requires_grad=False)
-    torch.testing.assert_close(window_attention(q, k, v, layout), window_attention(q, k, v, layout,
-        backend="reference"), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        window_attention(q, k, v, layout), window_attention(q, k, v, layout, backend="reference"), atol=2e-5, rtol=2e-5
+    )
 
 
 def test_default_backend_skips_backends_that_cannot_take_the_inputs(monkeypatch):
@@ -139,8 +152,9 @@ def test_default_backend_skips_backends_that_cannot_take_the_inputs(monkeypatch)
     monkeypatch.delenv("KFORCING_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     real_load = backends.REGISTRY.load
-    monkeypatch.setattr(backends.REGISTRY, "load", lambda name: (triton_backend,
-                                                                 None) if name == "triton" else real_load(name))
+    monkeypatch.setattr(
+        backends.REGISTRY, "load", lambda name: (triton_backend, None) if name == "triton" else real_load(name)
+    )
     cuda = torch.device("cuda")
     assert backends.default_backend(cuda, torch.bfloat16, 64) == "triton"
     assert backends.default_backend(cuda, torch.float32, 64) == "composite"
@@ -190,8 +204,15 @@ def general_layouts(draw):
     lo = torch.tensor(los, dtype=torch.int64).view(shape)
     hi = torch.tensor(his, dtype=torch.int64).view(shape)
     return WindowLayout(
-        n_ctx, num_windows, window, lo, hi, last_window_size=last,
-        intra=draw(st.sampled_from(["causal", "full"])), queries=queries, n_streams=n_streams,
+        n_ctx,
+        num_windows,
+        window,
+        lo,
+        hi,
+        last_window_size=last,
+        intra=draw(st.sampled_from(["causal", "full"])),
+        queries=queries,
+        n_streams=n_streams,
     )
 
 
@@ -228,8 +249,10 @@ def _valid():
         (lambda q, k, v, lay: (q, k[0], v, lay, {}), "k: expected rank 4"),
         (lambda q, k, v, lay: (q, k, v[..., :8], lay, {}), "v: expected the shape of k"),
         (lambda q, k, v, lay: (q[:, :, :-1], k, v, lay, {}), r"q: expected length 12 \(layout.n_queries\), got 11"),
-        (lambda q, k, v, lay: (q, k[:, :, :-1], v[:, :, :-1], lay, {}),
-         r"k: expected length 12 \(layout.n_keys\), got 11"),
+        (
+            lambda q, k, v, lay: (q, k[:, :, :-1], v[:, :, :-1], lay, {}),
+            r"k: expected length 12 \(layout.n_keys\), got 11",
+        ),
         (lambda q, k, v, lay: (q, k.half(), v.half(), lay, {}), "k, v: expected dtype torch.float32"),
         (lambda q, k, v, lay: (q.int(), k, v, lay, {}), "q: expected dtype in"),
         (lambda q, k, v, lay: (q[:, :3], k, v, lay, {}), "q: expected a head count that is a multiple of k's 2"),
@@ -238,8 +261,16 @@ def _valid():
         (lambda q, k, v, lay: (q, k, v, lay, {"backend": "cudnn"}), "backend: expected one of"),
         (lambda q, k, v, lay: (q, k, v, "single", {}), "layout: expected a WindowLayout"),
         (lambda q, k, v, lay: (q, k, v, lay, {"scale": -1.0}), "scale: expected a positive"),
-        (lambda q, k, v, lay: (q, k, v, WindowLayout(4, 4, 2, torch.zeros(3, 4, dtype=torch.long), torch.arange(1,
-            5).repeat(3, 1)), {}), "layout: expected per-batch ranges for batch 2, got 3"),
+        (
+            lambda q, k, v, lay: (
+                q,
+                k,
+                v,
+                WindowLayout(4, 4, 2, torch.zeros(3, 4, dtype=torch.long), torch.arange(1, 5).repeat(3, 1)),
+                {},
+            ),
+            "layout: expected per-batch ranges for batch 2, got 3",
+        ),
         (lambda q, k, v, lay: (q, k.to("meta"), v.to("meta"), lay, {}), "k, v: expected device"),
     ],
 )
@@ -266,5 +297,6 @@ def test_a_bad_backend_switch_names_the_environment_variable(monkeypatch):
     with pytest.raises(ValueError, match="KFORCING_BACKEND: expected one of"):
         window_attention(q, k, v, layout)
     monkeypatch.setenv("KFORCING_BACKEND", "reference")
-    torch.testing.assert_close(window_attention(q, k, v, layout), window_attention(q, k, v, layout,
-                                                                                   backend="reference"))
+    torch.testing.assert_close(
+        window_attention(q, k, v, layout), window_attention(q, k, v, layout, backend="reference")
+    )

@@ -18,15 +18,28 @@ from kforcing_kernels import backends_available
 
 ROOT = str(REPO)
 CPU_BACKENDS = [name for name in ("cpp", "composite", "reference") if backends_available()[name] is None]
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                               reason="needs a CUDA device (and compiled, not interpreted, Triton)")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA device (and compiled, not interpreted, Triton)",
+)
 
 
 def _attention(report, backend, *, n=12, k=3, dims=(16,), batch_sizes=(2, 5), device="cpu", dtype=torch.float32):
     for dim in dims:
         for name, layout in bi.layouts(n, k).items():
-            bi.attention_case(report, backend, name, layout, dim=dim, heads=2, dtype=dtype, device=torch.device(device),
-                              batch_sizes=list(batch_sizes), seed=0, config="test")
+            bi.attention_case(
+                report,
+                backend,
+                name,
+                layout,
+                dim=dim,
+                heads=2,
+                dtype=dtype,
+                device=torch.device(device),
+                batch_sizes=list(batch_sizes),
+                seed=0,
+                config="test",
+            )
     return report.data["checks"]
 
 
@@ -85,8 +98,13 @@ def test_teacher_per_sample_mode_is_invariant_and_the_default_mode_repeatable():
         assert c["pass"] or c["first_divergent_module"] is not None
     assert not report.failures()
     summary = report.data["meta"]["teacher_summary"]
-    assert summary["per_sample"] == {"invariant": True, "records": 3, "max_logit_diff": 0.0, "tokens_differing": 0,
-                                     "first_divergent_modules": {}}
+    assert summary["per_sample"] == {
+        "invariant": True,
+        "records": 3,
+        "max_logit_diff": 0.0,
+        "tokens_differing": 0,
+        "first_divergent_modules": {},
+    }
     assert summary["batched"]["invariant"] == all(c["pass"] for c in batched)
     assert report.data["meta"]["teacher_throughput"]["per_sample_s"] > 0
     # The default mode is deterministic on CPU: the same batch twice gives the same bits.
@@ -145,8 +163,26 @@ def test_command_line_writes_the_json_and_is_a_bench_command(tmp_path, capsys):
     from bench.__main__ import main as bench_main
 
     out = tmp_path / "inv.json"
-    argv = ["--device", "cpu", "--backend", "composite", "--checks", "attention", "configs", "--n", "6", "--k", "2",
-            "--dims", "16", "--batch-sizes", "2", "--json", str(out), "--quiet"]
+    argv = [
+        "--device",
+        "cpu",
+        "--backend",
+        "composite",
+        "--checks",
+        "attention",
+        "configs",
+        "--n",
+        "6",
+        "--k",
+        "2",
+        "--dims",
+        "16",
+        "--batch-sizes",
+        "2",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     assert bench_main(["batch-invariance", *argv]) == 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["meta"]["backend"] == "composite" and report["meta"]["device"] == "cpu"
@@ -176,15 +212,39 @@ def test_config_sweep_runs_end_to_end_through_the_triton_interpreter(tmp_path):
     out = tmp_path / "interp.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("KFORCING_BACKEND", None)
-    cmd = [sys.executable, "-m", "bench", "batch-invariance", "--device", "cpu", "--backend", "triton", "--checks",
-           "configs",
-           "--layouts", "single", "--n", "4", "--k", "2", "--dims", "32", "--heads", "1", "--batch-sizes", "2",
-           "--json", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench",
+        "batch-invariance",
+        "--device",
+        "cpu",
+        "--backend",
+        "triton",
+        "--checks",
+        "configs",
+        "--layouts",
+        "single",
+        "--n",
+        "4",
+        "--k",
+        "2",
+        "--dims",
+        "32",
+        "--heads",
+        "1",
+        "--batch-sizes",
+        "2",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     report = json.loads(out.read_text())
-    assert (report["complete"] and "configs_note" in report["meta"]
-            and not [c for c in report["checks"] if not c["pass"]])
+    assert (
+        report["complete"] and "configs_note" in report["meta"] and not [c for c in report["checks"] if not c["pass"]]
+    )
     from kforcing_kernels.ops.window_attention.triton.configs import KERNEL_CONFIGS
 
     # fwd, delta and bwd launch (the fused kernels); one run with every first entry, one per other entry
@@ -201,8 +261,9 @@ def test_triton_bitwise_alone_vs_batched_under_every_config():
     import argparse
 
     report = bi.Report(None, {}, quiet=True)
-    args = argparse.Namespace(n=512, k=4, dims=[64, 128], heads=2, batch_sizes=[2, 4], seed=0,
-                              device=torch.device("cuda"))
+    args = argparse.Namespace(
+        n=512, k=4, dims=[64, 128], heads=2, batch_sizes=[2, 4], seed=0, device=torch.device("cuda")
+    )
     bi.attention_checks(report, args, "triton", torch.bfloat16)
     bi.config_checks(report, args, torch.bfloat16)
     checks = report.data["checks"]

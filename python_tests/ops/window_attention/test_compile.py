@@ -18,8 +18,9 @@ from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.ops.window_attention import backend_limits
 
 # Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
-CPU_BACKENDS = [name for name,
-                reason in backends_available().items() if reason is None and name not in backend_limits()]
+CPU_BACKENDS = [
+    name for name, reason in backends_available().items() if reason is None and name not in backend_limits()
+]
 # On a CUDA machine the composite backend also runs its CUDA path (composite_cuda) under compile.
 CASES = CPU_BACKENDS + (["composite-cuda"] if torch.cuda.is_available() else [])
 
@@ -56,8 +57,9 @@ def test_fullgraph_matches_eager_forward_and_backward(case):
     layout = WindowLayout.kforcing_double(5, 2)
 
     def qkv(**kw):
-        return tuple(t.detach().to(device).requires_grad_(True) for t in make_qkv(layout, head_dim=d, dtype=dtype,
-                                                                                  **kw))
+        return tuple(
+            t.detach().to(device).requires_grad_(True) for t in make_qkv(layout, head_dim=d, dtype=dtype, **kw)
+        )
 
     explanation = torch._dynamo.explain(_attend(backend))(*qkv(), layout)
     assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -18,9 +18,11 @@ def test_fullgraph_packed_layouts_match_eager(backend):
         return window_attention(q, k, v, layout, backend=backend) * 2.0
 
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    for layout in (WindowLayout.kforcing_single(9, 2, cu_seqlens=[0, 4, 9]),
-                   WindowLayout.bd3lm(8, 2, cu_seqlens=[[0, 4, 8], [0, 8]]),
-                   WindowLayout.ptp(8, [2, 6], 3, [0, 4], doc_ends=[4, 8])):
+    for layout in (
+        WindowLayout.kforcing_single(9, 2, cu_seqlens=[0, 4, 9]),
+        WindowLayout.bd3lm(8, 2, cu_seqlens=[[0, 4, 8], [0, 8]]),
+        WindowLayout.ptp(8, [2, 6], 3, [0, 4], doc_ends=[4, 8]),
+    ):
         q, k, v = make_qkv(layout, batch=2, heads=4, kv_heads=2)
         dout = torch.randn(2, 4, layout.n_queries, 16)
         got = run_with_grads(lambda q, k, v, lay=layout: compiled(q, k, v, lay), q, k, v, dout)

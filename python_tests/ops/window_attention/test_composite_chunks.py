@@ -20,7 +20,7 @@ CONTEXT = ["causal_block_packed", "causal_packed", "sbd_packed", "bd3lm"]
 
 def overlapping_chunks(chunks) -> bool:
     spans = [(klo, khi) for _, _, klo, khi, _ in chunks]
-    return len(spans) > 1 and any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:])
+    return len(spans) > 1 and any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
 
 
 def check_against_reference(layout):

@@ -19,11 +19,11 @@ from kforcing_kernels import WindowLayout
 from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
 
 LAYOUTS = {
-    "single": WindowLayout.kforcing_single(40, 4),   # staircase: slot-major causal + small intra
-    "double": WindowLayout.kforcing_double(33, 3),   # two streams
-    "sbd": WindowLayout.sbd(70, 7),                  # masked prefix chunks (bias path)
-    "fold": WindowLayout.kforcing_single(64, 32),    # large windows: causal calls per window
-    "sbd_fold": WindowLayout.sbd(100, 32),           # full intra + short last window: masked fold
+    "single": WindowLayout.kforcing_single(40, 4),  # staircase: slot-major causal + small intra
+    "double": WindowLayout.kforcing_double(33, 3),  # two streams
+    "sbd": WindowLayout.sbd(70, 7),  # masked prefix chunks (bias path)
+    "fold": WindowLayout.kforcing_single(64, 32),  # large windows: causal calls per window
+    "sbd_fold": WindowLayout.sbd(100, 32),  # full intra + short last window: masked fold
 }
 
 
@@ -62,13 +62,29 @@ class StandIns:
     # flash-attn varlen: packed [total, H, D], cu_seqlens, LSE [H, total]; GQA native.
     def flash_attn(self):
         def seqs(x, cu):
-            return [x[cu[i]:cu[i + 1]].transpose(0, 1)[None] for i in range(len(cu) - 1)]  # [1, H, L, D]
+            return [x[cu[i] : cu[i + 1]].transpose(0, 1)[None] for i in range(len(cu) - 1)]  # [1, H, L, D]
 
         def expand(x, h):
             return x.repeat_interleave(h // x.shape[1], dim=1)
 
-        def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, *, window_size_left,
-                window_size_right, softcap, alibi_slopes, return_softmax):
+        def fwd(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            *,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+            return_softmax,
+        ):
             self._count("flash_attn_fwd")
             assert dropout_p == 0.0 and window_size_left == window_size_right == -1 and q.dim() == 3
             outs, lses = [], []
@@ -78,15 +94,47 @@ class StandIns:
                 lses.append(lse[0])
             return torch.cat(outs).to(q.dtype), torch.cat(lses, 1).float(), None, torch.zeros(2, dtype=torch.int64)
 
-        def bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, *,
-                window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state):
+        def bwd(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            *,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            rng_state,
+        ):
             self._count("flash_attn_bwd")
             h, g = q.shape[1], q.shape[1] // k.shape[1]
             for i in range(len(cu_q) - 1):
                 rq, rk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
                 one = [x[r].transpose(0, 1)[None] for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))]
-                gq, gk, gv = _math_grads(one[0], one[1], expand(one[2], h), expand(one[3], h), one[4],
-                                         lse[:, rq][None], causal, None, softmax_scale)
+                gq, gk, gv = _math_grads(
+                    one[0],
+                    one[1],
+                    expand(one[2], h),
+                    expand(one[3], h),
+                    one[4],
+                    lse[:, rq][None],
+                    causal,
+                    None,
+                    softmax_scale,
+                )
                 dq[rq] = gq[0].transpose(0, 1).to(dq.dtype)
                 dk[rk] = gk[0].view(-1, g, *gk.shape[2:]).sum(1).transpose(0, 1).to(dk.dtype)
                 dv[rk] = gv[0].view(-1, g, *gv.shape[2:]).sum(1).transpose(0, 1).to(dv.dtype)
@@ -134,8 +182,11 @@ class StandIns:
 
 def _only(stand_ins: StandIns, kernel: str) -> dict:
     """Ops dict with ``kernel``'s stand-ins and the other kernels absent."""
-    ops = {"flash_attn": None, "_scaled_dot_product_flash_attention": None,
-           "_scaled_dot_product_efficient_attention": None}
+    ops = {
+        "flash_attn": None,
+        "_scaled_dot_product_flash_attention": None,
+        "_scaled_dot_product_efficient_attention": None,
+    }
     ops.update({"flash_attn": stand_ins.flash_attn()} if kernel == "flash_attn" else getattr(stand_ins, kernel)())
     return ops
 
@@ -197,8 +248,11 @@ def test_old_flash_attn_lse_layout_is_refused_not_misread():
         return out, lse.view(lse.shape[0], b, -1).transpose(0, 1).contiguous(), s, rng
 
     fa._flash_attn_varlen_forward = old_layout
-    ops = {"flash_attn": fa, "_scaled_dot_product_flash_attention": None,
-           "_scaled_dot_product_efficient_attention": None}
+    ops = {
+        "flash_attn": fa,
+        "_scaled_dot_product_flash_attention": None,
+        "_scaled_dot_product_efficient_attention": None,
+    }
     with composite_cuda.use_ops(ops, devices=("cpu",)):
         ours, ref64, ref_lp = compare_with_reference(LAYOUTS["double"], "composite", dtype=torch.bfloat16, head_dim=16)
         disabled = composite_cuda.status()["disabled"]
@@ -229,8 +283,10 @@ def test_cpu_tensors_are_not_routed_by_default():
 
 def _errors_vs_torch(ours, ref64, ref_lp):
     """Per output (out, dq, dk, dv): (our max error, torch's same-dtype max error) against float64."""
-    return [((a.double() - b).abs().max().item(), (c.double() - b).abs().max().item())
-            for a, b, c in zip(ours, ref64, ref_lp)]
+    return [
+        ((a.double() - b).abs().max().item(), (c.double() - b).abs().max().item())
+        for a, b, c in zip(ours, ref64, ref_lp)
+    ]
 
 
 def _smoke_case(layout, backend, d=128, batch=2, heads=4, kv_heads=2, seed=0):
@@ -251,8 +307,11 @@ def _smoke_case(layout, backend, d=128, batch=2, heads=4, kv_heads=2, seed=0):
         out = window_attention(q, k, v, layout, backend=backend)
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 
-    return (run(backend, q, k, v, dout), run("reference", *(t.double() for t in (q, k, v, dout))),
-            run("reference", q, k, v, dout))
+    return (
+        run(backend, q, k, v, dout),
+        run("reference", *(t.double() for t in (q, k, v, dout))),
+        run("reference", q, k, v, dout),
+    )
 
 
 def test_fused_pieces_round_their_gradients_once_each_hence_the_composite_bound():

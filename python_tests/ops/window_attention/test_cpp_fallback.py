@@ -65,11 +65,17 @@ def test_broken_extension_warns_once_and_falls_back():
 
 def test_my_suites_pass_with_the_extension_disabled():
     """The sampler suite exercises the torch fallback; the cpp suite reports itself skipped."""
-    suites = [os.path.join(ROOT, "python_tests", "ops", "sampling", "test_sampling.py"),
-              os.path.join(ROOT, "python_tests", "ops", "window_attention", "test_cpp_attention.py")]
+    suites = [
+        os.path.join(ROOT, "python_tests", "ops", "sampling", "test_sampling.py"),
+        os.path.join(ROOT, "python_tests", "ops", "window_attention", "test_cpp_attention.py"),
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],
-        env=dict(os.environ, KFORCING_DISABLE_EXT="1"), capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env=dict(os.environ, KFORCING_DISABLE_EXT="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -15,8 +15,9 @@ import torch
 
 from kforcing_kernels import WindowLayout, backends_available, window_attention
 
-pytestmark = pytest.mark.skipif(backends_available()["cpp"] is not None,
-                                reason=f"cpp backend: {backends_available()['cpp']}")
+pytestmark = pytest.mark.skipif(
+    backends_available()["cpp"] is not None, reason=f"cpp backend: {backends_available()['cpp']}"
+)
 
 LAYOUTS = {
     "single": lambda: WindowLayout.kforcing_single(300, 4),  # 16 windows a tile, context > one 256-key chunk

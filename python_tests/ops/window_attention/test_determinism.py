@@ -8,8 +8,15 @@ from kforcing_kernels import backends_available, window_attention
 from kforcing_kernels.layouts import zoo
 
 BACKENDS = [name for name in ("reference", "composite", "cpp") if backends_available()[name] is None]
-LAYOUTS = ["single_k3_odd", "double_k2", "single_multi_chunk", "sbd_large_block", "single_packed", "ptp_doc_ends",
-           "single_packed_per_batch"]
+LAYOUTS = [
+    "single_k3_odd",
+    "double_k2",
+    "single_multi_chunk",
+    "sbd_large_block",
+    "single_packed",
+    "ptp_doc_ends",
+    "single_packed_per_batch",
+]
 
 
 def _run(backend, layout, q, k, v, dout, threads):
@@ -36,9 +43,9 @@ def test_bitwise_across_threads_and_batch_composition(backend, name):
     for label, a, c in zip(("out", "dq", "dk", "dv"), one, two):
         assert torch.equal(a, c), f"{label} depends on the thread count"
     for i in range(b):
-        alone = _run(backend, layout.batch_element(i), *(t[i:i + 1] for t in (q, k, v, dout)), threads=2)
+        alone = _run(backend, layout.batch_element(i), *(t[i : i + 1] for t in (q, k, v, dout)), threads=2)
         for label, a, c in zip(("out", "dq", "dk", "dv"), two, alone):
-            assert torch.equal(a[i:i + 1], c), f"{label} of element {i} depends on the batch it is in"
+            assert torch.equal(a[i : i + 1], c), f"{label} of element {i} depends on the batch it is in"
 
 
 # Per-batch cu_seqlens (every --packed-docs step): an element's result must not depend on the
@@ -74,9 +81,10 @@ def test_bitwise_per_batch_documents_whatever_the_other_elements_boundaries(back
         cus = others[:pos] + [mine] + others[pos:]
         layout = make(n, cus)
         assert layout.range_batch == len(cus)
+
         def fill(t, pos=pos, cus=cus):  # the element at pos, random ones around it
             return torch.cat([rand(pos, *t.shape[1:]), t, rand(len(cus) - pos - 1, *t.shape[1:])])
 
         got = _run(backend, layout, fill(q), fill(k), fill(v), fill(dout), threads=2)
         for label, a, c in zip(("out", "dq", "dk", "dv"), alone, got):
-            assert torch.equal(a, c[pos:pos + 1]), f"{label} of the element depends on the other elements' documents"
+            assert torch.equal(a, c[pos : pos + 1]), f"{label} of the element depends on the other elements' documents"

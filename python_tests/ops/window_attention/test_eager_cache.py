@@ -51,8 +51,9 @@ def test_a_cached_call_gives_the_general_paths_results(backend):
 def test_scale_and_strides_are_part_of_the_key():
     layout = WindowLayout.kforcing_single(20, 4)
     q, k, v = _qkv(layout)
-    ref = _fwd_bwd(*(t.detach().double().requires_grad_(True) for t in (q, k, v)), layout, backend="reference",
-                   scale=0.5)
+    ref = _fwd_bwd(
+        *(t.detach().double().requires_grad_(True) for t in (q, k, v)), layout, backend="reference", scale=0.5
+    )
     op.clear_eager_cache()
     base = _fwd_bwd(q, k, v, layout, backend="composite")
     scaled = _fwd_bwd(q, k, v, layout, backend="composite", scale=0.5)

@@ -33,8 +33,9 @@ def test_backends_available_lists_flex_and_its_limit():
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_flex_cpu_forward_equals_reference_on_the_zoo(name):
     layout = ZOO[name]
-    q, k, v = make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=16, dtype=torch.float64,
-                       requires_grad=False)
+    q, k, v = make_qkv(
+        layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=16, dtype=torch.float64, requires_grad=False
+    )
     out, lse = window_attention(q, k, v, layout, backend="flex", scale=0.3, return_lse=True)
     want, want_lse = window_attention(q, k, v, layout, backend="reference", scale=0.3, return_lse=True)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
@@ -67,8 +68,9 @@ def flex_backward_on_cpu(monkeypatch):
     op.clear_eager_cache()
 
 
-@pytest.mark.parametrize("name", [
-    "single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "ptp_empty_prefixes"])
+@pytest.mark.parametrize(
+    "name", ["single_k3_odd", "double_k2", "sbd_short_last", "ptp_per_batch", "ptp_empty_prefixes"]
+)
 def test_flex_grads_come_from_flexattentions_own_autograd(flex_backward_on_cpu, name):
     """backend="flex" on a device with a FlexAttention backward: the output's grad_fn is FlexAttention's own
     (no recomputed forward), its grads equal the float64 reference's, and the LSE keeps its semantics
@@ -124,13 +126,26 @@ def test_flex_kernel_backend_switch_is_checked(monkeypatch):
 
 # ---------------------------------------------------------------------- the dispatch table
 
-PROVENANCE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-11-27T10:00:00Z",
-              "command": "bash bench/gpu/gpu_check.sh"}
+PROVENANCE = {
+    "gpu": "NVIDIA H200",
+    "torch": "2.11.0+cu130",
+    "triton": "3.6.0",
+    "date": "2026-11-27T10:00:00Z",
+    "command": "bash bench/gpu/gpu_check.sh",
+}
 
 
 def _row(backend="flex", capability="9.0", dim=128, bucket=1024, family="single", dtype="bfloat16"):
-    return {"capability": capability, "dtype": dtype, "head_dim": dim, "length_bucket": bucket, "family": family,
-            "backend": backend, "fwd_bwd_ms": {"triton": 1.3, "flex_backend": 1.1}, "provenance": dict(PROVENANCE)}
+    return {
+        "capability": capability,
+        "dtype": dtype,
+        "head_dim": dim,
+        "length_bucket": bucket,
+        "family": family,
+        "backend": backend,
+        "fwd_bwd_ms": {"triton": 1.3, "flex_backend": 1.1},
+        "provenance": dict(PROVENANCE),
+    }
 
 
 def test_committed_table_is_valid_and_every_row_has_its_provenance():
@@ -144,33 +159,42 @@ def test_committed_table_holds_the_h200_rows_and_the_pending_d128_key():
     backend="flex" on FlexAttention's own autograd, so it has no row and backend=None keeps the registry's choice."""
     table = dispatch.load(dispatch.TABLE_PATH)
     keys = {dispatch.row_key(row): row for row in table["rows"]}
-    assert set(keys) == {("9.0", "bfloat16", 64, 1024, "single"), ("9.0", "bfloat16", 64, 8192, "single"),
-                         ("9.0", "bfloat16", 128, 1024, "single")}
+    assert set(keys) == {
+        ("9.0", "bfloat16", 64, 1024, "single"),
+        ("9.0", "bfloat16", 64, 8192, "single"),
+        ("9.0", "bfloat16", 128, 1024, "single"),
+    }
     assert all(row["backend"] == "triton" and row["provenance"]["commit"] == "6f25b35" for row in keys.values())
     assert [dispatch.row_key(p) for p in table["pending"]] == [("9.0", "bfloat16", 128, 8192, "single")]
     settled = dispatch.merge(table, [_row(backend="triton", dim=128, bucket=8192)])
     assert settled["pending"] == [] and len(settled["rows"]) == 4
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda t: t.pop("format"), "format"),
-    (lambda t: t["rows"][0].pop("provenance"), "missing"),
-    (lambda t: t["rows"][0]["provenance"].pop("command"), "provenance"),
-    (lambda t: t["rows"][0].update(family="diagonal"), "family"),
-    (lambda t: t["rows"][0].update(length_bucket=1500), "length_bucket"),
-    (lambda t: t["rows"][0].update(backend="cpp"), "backend"),
-    (lambda t: t["rows"].append(_row()), "second row"),
-    # Rows that could never match an input (issue 46): refused, not silently ignored.
-    (lambda t: t["rows"][0].update(capability=9.0), r"rows\[0\]\.capability: expected \"major.minor\""),
-    (lambda t: t["rows"][0].update(capability=[9, 0]), r"rows\[0\]\.capability"),
-    (lambda t: t["rows"][0].update(capability="sm90"), r"rows\[0\]\.capability"),
-    (lambda t: t["rows"][0].update(dtype="bf16"), r"rows\[0\]\.dtype: expected one of"),
-    (lambda t: t["rows"][0].update(dtype="torch.bfloat16"), r"rows\[0\]\.dtype"),
-    (lambda t: t["rows"][0].update(head_dim=True), r"rows\[0\]\.head_dim"),
-    (lambda t: t["rows"][0].update(fwd_bwd_ms={"triton": 1.0, "flex_backend": float("nan")}), r"rows\[0\]\.fwd_bwd_ms"),
-    (lambda t: t["rows"].append(["9.0", "bfloat16"]), r"rows\[1\]: expected an object .*got a JSON array"),
-    (lambda t: t["rows"].append("flex"), r"rows\[1\]: expected an object .*got a JSON string"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda t: t.pop("format"), "format"),
+        (lambda t: t["rows"][0].pop("provenance"), "missing"),
+        (lambda t: t["rows"][0]["provenance"].pop("command"), "provenance"),
+        (lambda t: t["rows"][0].update(family="diagonal"), "family"),
+        (lambda t: t["rows"][0].update(length_bucket=1500), "length_bucket"),
+        (lambda t: t["rows"][0].update(backend="cpp"), "backend"),
+        (lambda t: t["rows"].append(_row()), "second row"),
+        # Rows that could never match an input (issue 46): refused, not silently ignored.
+        (lambda t: t["rows"][0].update(capability=9.0), r"rows\[0\]\.capability: expected \"major.minor\""),
+        (lambda t: t["rows"][0].update(capability=[9, 0]), r"rows\[0\]\.capability"),
+        (lambda t: t["rows"][0].update(capability="sm90"), r"rows\[0\]\.capability"),
+        (lambda t: t["rows"][0].update(dtype="bf16"), r"rows\[0\]\.dtype: expected one of"),
+        (lambda t: t["rows"][0].update(dtype="torch.bfloat16"), r"rows\[0\]\.dtype"),
+        (lambda t: t["rows"][0].update(head_dim=True), r"rows\[0\]\.head_dim"),
+        (
+            lambda t: t["rows"][0].update(fwd_bwd_ms={"triton": 1.0, "flex_backend": float("nan")}),
+            r"rows\[0\]\.fwd_bwd_ms",
+        ),
+        (lambda t: t["rows"].append(["9.0", "bfloat16"]), r"rows\[1\]: expected an object .*got a JSON array"),
+        (lambda t: t["rows"].append("flex"), r"rows\[1\]: expected an object .*got a JSON string"),
+    ],
+)
 def test_table_validation_names_the_bad_field(change, field):
     table = {"format": dispatch.FORMAT, "rows": [_row()]}
     dispatch.validate(table)
@@ -179,12 +203,15 @@ def test_table_validation_names_the_bad_field(change, field):
         dispatch.validate(table)
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"format": 1, "rows": [', "not valid JSON"),
-    ("", "not valid JSON"),
-    ('{"format": 1, "rows": [[1, 2]]}', r"rows\[0\]: expected an object"),
-    ('{"format": 1, "rows": [' + json.dumps(_row(dtype="bf16")) + "]}", r"rows\[0\]\.dtype"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"format": 1, "rows": [', "not valid JSON"),
+        ("", "not valid JSON"),
+        ('{"format": 1, "rows": [[1, 2]]}', r"rows\[0\]: expected an object"),
+        ('{"format": 1, "rows": [' + json.dumps(_row(dtype="bf16")) + "]}", r"rows\[0\]\.dtype"),
+    ],
+)
 def test_a_bad_table_named_by_the_environment_is_refused_naming_the_file(tmp_path, monkeypatch, text, message):
     """What a user meets: backend=None on a GPU reads KFORCING_DISPATCH_TABLE; a broken table is one clear error that
     names the file and the variable, never a bare JSONDecodeError or TypeError."""
@@ -240,8 +267,15 @@ def test_a_lone_row_of_the_next_bucket_does_not_take_the_boundary_length(table_o
 def test_lookups_of_several_dtypes_in_one_process_each_get_their_own_rows(table_on_a_fake_h200):
     """The rows are cached per dtype: a float16 lookup after a bfloat16 one (and back) gets the float16 rows, as a
     fresh process would (the oracle: the table filtered by hand)."""
-    rows = [_row(dtype=dtype, dim=dim, backend=backend) for dtype, dim, backend in
-            [("bfloat16", 128, "flex"), ("float16", 64, "flex"), ("float16", 128, "triton"), ("float32", 32, "flex")]]
+    rows = [
+        _row(dtype=dtype, dim=dim, backend=backend)
+        for dtype, dim, backend in [
+            ("bfloat16", 128, "flex"),
+            ("float16", 64, "flex"),
+            ("float16", 128, "triton"),
+            ("float32", 32, "flex"),
+        ]
+    ]
     dispatch.write({"format": dispatch.FORMAT, "rows": rows}, table_on_a_fake_h200)
     dispatch.clear_cache()
     usable = lambda: {"flex", "triton"}  # noqa: E731
@@ -284,8 +318,9 @@ def test_backend_none_on_cuda_picks_the_tables_winner_and_falls_back(table_on_a_
     assert _default(WindowLayout.kforcing_single(2048, 4)) == registry_default  # another length bucket: no row
     assert _default(WindowLayout.kforcing_double(1024, 4)) == registry_default  # another family
     triton_usable = REGISTRY.load("triton")[1] is None  # a triton row counts only where triton runs
-    assert _default(single_1024, dim=64) == ("triton" if triton_usable else
-                                             REGISTRY.default(torch.device("cuda"), torch.bfloat16, 64))
+    assert _default(single_1024, dim=64) == (
+        "triton" if triton_usable else REGISTRY.default(torch.device("cuda"), torch.bfloat16, 64)
+    )
     assert _default(single_1024, dtype=torch.float16) == REGISTRY.default(torch.device("cuda"), torch.float16, 128)
     monkeypatch.setattr(dispatch, "device_capability", lambda index: (8, 0))
     dispatch.clear_cache()
@@ -298,8 +333,9 @@ def test_a_row_whose_backend_is_absent_here_is_ignored(tmp_path, monkeypatch, ta
     dispatch.write({"format": dispatch.FORMAT, "rows": [_row()]}, table_on_a_fake_h200)
     dispatch.clear_cache()
     monkeypatch.setattr(flex, "available", lambda: "no flex_attention in this torch")
-    assert _default(WindowLayout.kforcing_single(1024, 4)) == REGISTRY.default(torch.device("cuda"), torch.bfloat16,
-                                                                               128)
+    assert _default(WindowLayout.kforcing_single(1024, 4)) == REGISTRY.default(
+        torch.device("cuda"), torch.bfloat16, 128
+    )
 
 
 def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path):
@@ -309,26 +345,48 @@ def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path)
         return {"fwd_ms": ms / 3, "fwd_bwd_ms": ms, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0}
 
     def bench_row(n, k, dim, triton_ms, flex_ms, layout="single"):
-        return {"layout": layout, "n": n, "k": k, "dim": dim, "errors": {},
-                "results": {"triton": result(triton_ms), "flex_backend": result(flex_ms), "flex": result(0.1)}}
+        return {
+            "layout": layout,
+            "n": n,
+            "k": k,
+            "dim": dim,
+            "errors": {},
+            "results": {"triton": result(triton_ms), "flex_backend": result(flex_ms), "flex": result(0.1)},
+        }
 
-    report = {"machine": {"cuda": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
-                          "timestamp": "2026-11-27T10:00:00Z"},
-              "capability": "9.0", "command": "python -m bench gpu --n 1024 8192", "config": {"dry_run": False},
-              "rows": [bench_row(1024, 2, 128, 2.0, 1.0), bench_row(1024, 4, 128, 2.0, 1.5),  # flex wins both
-                       bench_row(8192, 2, 128, 1.0, 2.0), bench_row(8192, 4, 128, 3.0, 2.0),  # split: triton
-                       bench_row(1024, 4, 64, 1.0, 2.0, layout="double")]}
+    report = {
+        "machine": {
+            "cuda": "NVIDIA H200",
+            "torch": "2.11.0+cu130",
+            "triton": "3.6.0",
+            "timestamp": "2026-11-27T10:00:00Z",
+        },
+        "capability": "9.0",
+        "command": "python -m bench gpu --n 1024 8192",
+        "config": {"dry_run": False},
+        "rows": [
+            bench_row(1024, 2, 128, 2.0, 1.0),
+            bench_row(1024, 4, 128, 2.0, 1.5),  # flex wins both
+            bench_row(8192, 2, 128, 1.0, 2.0),
+            bench_row(8192, 4, 128, 3.0, 2.0),  # split: triton
+            bench_row(1024, 4, 64, 1.0, 2.0, layout="double"),
+        ],
+    }
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(report))
     out = tmp_path / "table.json"
     assert dispatch_table.main([str(src), "--out", str(out), "--command", "bash bench/gpu/gpu_check.sh"]) == 0
     table = dispatch.load(out)
     got = {dispatch.row_key(r): r["backend"] for r in table["rows"]}
-    assert got == {("9.0", "bfloat16", 128, 1024, "single"): "flex", ("9.0", "bfloat16", 128, 8192, "single"): "triton",
-                   ("9.0", "bfloat16", 64, 1024, "streams"): "triton"}
+    assert got == {
+        ("9.0", "bfloat16", 128, 1024, "single"): "flex",
+        ("9.0", "bfloat16", 128, 8192, "single"): "triton",
+        ("9.0", "bfloat16", 64, 1024, "streams"): "triton",
+    }
     provenance = table["rows"][0]["provenance"]
-    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith("bash bench/gpu/gpu_check.sh "
-                                                                                   "(python -m")
+    assert provenance["gpu"] == "NVIDIA H200" and provenance["command"].startswith(
+        "bash bench/gpu/gpu_check.sh (python -m"
+    )
     rows = tuple((*dispatch.row_key(r), r["backend"]) for r in table["rows"])
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 700, "single") == "flex"
     assert dispatch.choose(rows, "9.0", "bfloat16", 128, 5000, "single") == "triton"

@@ -113,8 +113,11 @@ def _constructor_case(rng: random.Random):
     per_batch = rng.random() < 0.5
 
     def cus(n, align=1):
-        return [_cu(rng, n, align) for _ in range(batch)] if per_batch else (_cu(rng, n,
-                                                                                 align) if rng.random() < 0.8 else None)
+        return (
+            [_cu(rng, n, align) for _ in range(batch)]
+            if per_batch
+            else (_cu(rng, n, align) if rng.random() < 0.8 else None)
+        )
 
     family = rng.choice(("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi"))
     n = rng.randint(1, 13)
@@ -142,11 +145,17 @@ def _constructor_case(rng: random.Random):
         shape = (batch, m) if per_batch else (m,)
         starts = torch.randint(0, n + 1, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
         doc_starts = (starts * torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(2**31)))).long()
-        doc_ends = starts + torch.randint(0, length + 2, shape,
-                                          generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        doc_ends = starts + torch.randint(
+            0, length + 2, shape, generator=torch.Generator().manual_seed(rng.randrange(2**31))
+        )
         cu = None
-        layout = WindowLayout.ptp(n, starts, length, doc_starts=doc_starts if rng.random() < 0.7 else None,
-                                  doc_ends=doc_ends if rng.random() < 0.7 else None)
+        layout = WindowLayout.ptp(
+            n,
+            starts,
+            length,
+            doc_starts=doc_starts if rng.random() < 0.7 else None,
+            doc_ends=doc_ends if rng.random() < 0.7 else None,
+        )
     else:
         p, t = rng.randint(1, 6), rng.randint(1, 5)
         cu = None
@@ -180,10 +189,16 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
         lo, hi = _ranges(rng, c, m, rng.choice(kinds))
     # Lists and tensors both go through the constructor (empty lists read as float: issue 12 item 18, not ours).
     if m == 0 or rng.random() < 0.5:
-        lo = torch.tensor(lo, dtype=torch.int64).reshape(batch if per_batch else -1,
-                                                         m) if per_batch else torch.tensor(lo, dtype=torch.int64)
-        hi = torch.tensor(hi, dtype=torch.int64).reshape(batch if per_batch else -1,
-                                                         m) if per_batch else torch.tensor(hi, dtype=torch.int64)
+        lo = (
+            torch.tensor(lo, dtype=torch.int64).reshape(batch if per_batch else -1, m)
+            if per_batch
+            else torch.tensor(lo, dtype=torch.int64)
+        )
+        hi = (
+            torch.tensor(hi, dtype=torch.int64).reshape(batch if per_batch else -1, m)
+            if per_batch
+            else torch.tensor(hi, dtype=torch.int64)
+        )
     extra, what = {}, ""
     if c and rng.random() < 0.4:  # context ranges, shared or per batch element
         kind = rng.choice(("docs", "docs", "block", "sliding", "random", "empty"))
@@ -197,10 +212,11 @@ def random_case(seed: int, *, triton: bool = False) -> Case:
         draw = lambda: [rng.choice((0, rng.randint(0, w), w, w + 1)) for _ in range(m)]  # noqa: E731
         extra["live_slots"] = [draw() for _ in range(batch)] if rng.random() < 0.35 else draw()
         what += " live_slots"
-    layout = WindowLayout(c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams,
-                          **extra)
+    layout = WindowLayout(
+        c, m, w, lo, hi, last_window_size=last, intra=intra, queries=queries, n_streams=streams, **extra
+    )
     batch = layout.range_batch or batch
-    desc = (f"C={c} M={m} w={w} last={last} S={streams} intra={intra} queries={queries} per_batch={per_batch}{what}")
+    desc = f"C={c} M={m} w={w} last={last} S={streams} intra={intra} queries={queries} per_batch={per_batch}{what}"
     return _sizes(rng, seed, layout, batch, triton, desc)
 
 
@@ -254,17 +270,18 @@ def oracle_mask(layout: WindowLayout, batch: int) -> torch.Tensor:
             a, e = (0, t + 1) if clo is None else (int(clo[b, t]), int(chi[b, t]))
             mask[b, t, a:e] = True
         for r, (win, slot) in enumerate(roles):
+
             def alive(s, b=b, win=win):
                 return live is None or s < int(live[b, win])
 
             if not alive(slot):
                 continue
             row = c + r
-            mask[b, row, int(lo[b, win]): int(hi[b, win])] = True
+            mask[b, row, int(lo[b, win]) : int(hi[b, win])] = True
             for r2, (win2, slot2) in enumerate(roles):
                 if win2 == win and alive(slot2) and (layout.intra == "full" or slot2 <= slot):
                     mask[b, row, c + r2] = True
-    return mask[:, layout.query_offset:]
+    return mask[:, layout.query_offset :]
 
 
 def oracle(q, k, v, mask, scale):
@@ -293,9 +310,10 @@ def check_case(case: Case, backends) -> list[str]:
     gen = torch.Generator().manual_seed(case.seed)
     shape_q = (case.batch, case.heads, layout.n_queries, case.head_dim)
     shape_k = (case.batch, case.kv_heads, layout.n_keys, case.head_dim)
-    q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape_q, shape_k, shape_k,
-                                                                                            shape_q))
-    scale = 1.0 / case.head_dim ** 0.5
+    q, k, v, dout = (
+        torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q)
+    )
+    scale = 1.0 / case.head_dim**0.5
     mask = oracle_mask(layout, case.batch)
     problems = []
     dense = layout.dense_mask()
@@ -328,15 +346,17 @@ def check_case(case: Case, backends) -> list[str]:
                 problems.append(f"{backend} lse: not -inf exactly on the rows that see nothing | {case.desc}")
                 continue
             if bool(finite.any()):
-                lerr = (lse.double()[finite] - want_lse[finite]).abs().max().item() / max(1.0,
-                    want_lse[finite].abs().max().item())
+                lerr = (lse.double()[finite] - want_lse[finite]).abs().max().item() / max(
+                    1.0, want_lse[finite].abs().max().item()
+                )
                 if not lerr <= max(tol, 1e-6 if dtype != torch.float64 else tol):
                     problems.append(f"{backend} lse: rel err {lerr:.3g} | {case.desc}")
     return problems
 
 
-def run_fuzz(first_seed: int, count: int, *, triton_only: bool = False, progress: bool = False) -> tuple[int,
-                                                                                                         list[str]]:
+def run_fuzz(
+    first_seed: int, count: int, *, triton_only: bool = False, progress: bool = False
+) -> tuple[int, list[str]]:
     backends = ["triton"] if triton_only else _in_process_backends()
     problems: list[str] = []
     for i in range(count):
@@ -388,24 +408,36 @@ def test_fuzz_quick_draws_the_whole_space():
     descs = [c.desc for c in cases]
 
     want = {
-        "context docs": lambda d: "context=docs" in d, "context block": lambda d: "context=block" in d,
-        "context sliding": lambda d: "context=sliding" in d, "context random": lambda d: "context=random" in d,
-        "context empty rows": lambda d: "context=empty" in d, "live_slots": lambda d: "live_slots" in d,
-        "per-batch live_slots": lambda d: ("live_slots=(" in d and "live_slots=(" in d
-                                           and ", " in d.split("live_slots=(")[1].split(")")[0]),
+        "context docs": lambda d: "context=docs" in d,
+        "context block": lambda d: "context=block" in d,
+        "context sliding": lambda d: "context=sliding" in d,
+        "context random": lambda d: "context=random" in d,
+        "context empty rows": lambda d: "context=empty" in d,
+        "live_slots": lambda d: "live_slots" in d,
+        "per-batch live_slots": lambda d: (
+            "live_slots=(" in d and "live_slots=(" in d and ", " in d.split("live_slots=(")[1].split(")")[0]
+        ),
         "per-batch context": lambda d: "context_ranges=(" in d and ", " in d.split("context_ranges=(")[1].split(")")[0],
-        **{f"constructor {f}": lambda d, f=f: d.startswith("seed=") and f" {f} n=" in d
-           for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")},
+        **{
+            f"constructor {f}": lambda d, f=f: d.startswith("seed=") and f" {f} n=" in d
+            for f in ("causal", "causal_block", "single", "double", "sbd", "bd3lm", "ptp", "jacobi")
+        },
         "per-batch cu_seqlens": lambda d: "cu_seqlens=[[" in d,
         "shared cu_seqlens": lambda d: "cu_seqlens=[0" in d,
     }
     missing = [name for name, hit in want.items() if not any(hit(d) for d in descs)]
     assert not missing, missing
+
     def staircase_with_blanks(layout):  # the composite staircase's own condition, less its blank-slot exclusion
         m = layout.num_windows
-        return (layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
-                and layout.has_blank_slots and not bool(layout.prefix_lo.any())
-                and torch.equal(layout.prefix_hi, torch.arange(1, m + 1)))
+        return (
+            layout.batch_size is None
+            and 0 < m <= layout.n_ctx
+            and layout.last_window_size == layout.window_size
+            and layout.has_blank_slots
+            and not bool(layout.prefix_lo.any())
+            and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
+        )
 
     staircase_blank = [c for c in cases if staircase_with_blanks(c.layout)]
     assert len(staircase_blank) >= 3, "the staircase fast path with blank slots is drawn too rarely"
@@ -427,15 +459,30 @@ def test_fuzz_triton_interpreter_cases():
 
 
 def _run_interpreter_subprocess(count: int, first_seed: int, timeout: float = 900) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", KFORCING_FUZZ_TRITON_COUNT=str(count),
-               KFORCING_FUZZ_TRITON_FIRST=str(first_seed), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                                         ""))
-    cmd = [sys.executable, "-m", "pytest", os.path.join(HERE, "test_fuzz.py"), "-q", "-p", "no:cacheprovider", "-s",
-           "-k", "test_fuzz_triton_interpreter_cases"]
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        KFORCING_FUZZ_TRITON_COUNT=str(count),
+        KFORCING_FUZZ_TRITON_FIRST=str(first_seed),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        os.path.join(HERE, "test_fuzz.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-s",
+        "-k",
+        "test_fuzz_triton_interpreter_cases",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (result.stdout + result.stderr)[-6000:]
-    assert result.returncode == 0 and " passed" in result.stdout, \
+    assert result.returncode == 0 and " passed" in result.stdout, (
         f"interpreter fuzz failed (rc={result.returncode}):\n{tail}"
+    )
     print(next((line for line in result.stdout.splitlines() if line.startswith("fuzz triton")), tail))
 
 
@@ -457,8 +504,9 @@ def test_fuzz_long_triton_interpreter():
     pytest.importorskip("triton")
     count = int(os.environ.get("KFORCING_FUZZ_TRITON_COUNT", "10000"))
     first = int(os.environ.get("KFORCING_FUZZ_TRITON_FIRST", "2000000"))
-    _run_interpreter_subprocess(count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT",
-                                                                                            "86400")))
+    _run_interpreter_subprocess(
+        count=count, first_seed=first, timeout=float(os.environ.get("KFORCING_FUZZ_TIMEOUT", "86400"))
+    )
 
 
 def test_fuzz_detects_a_wrong_backend(monkeypatch):

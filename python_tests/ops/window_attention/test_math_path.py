@@ -27,8 +27,9 @@ def dense_attention(q, k, v, allowed):
     return p @ vv, lse
 
 
-@pytest.mark.parametrize("name", ["ptp_per_batch", "double_k2", "sbd_short_last", "blank_full_windows",
-                                  "ptp_empty_prefixes"])
+@pytest.mark.parametrize(
+    "name", ["ptp_per_batch", "double_k2", "sbd_short_last", "blank_full_windows", "ptp_empty_prefixes"]
+)
 def test_math_path_forward_and_backward(monkeypatch, name):
     monkeypatch.setattr(lse_attention, "_MATH_ROW_CHUNK", 8)
     layout = zoo.small()[name]
@@ -43,8 +44,18 @@ def test_math_path_forward_and_backward(monkeypatch, name):
     assert layout.n_queries > 8  # several row chunks
 
     out, lse = attend(q, k, v, causal=False, scale=SCALE, allowed=allowed, force_math=True)
-    dq, dk, dv = attend_backward(dout, q, k, v, out, torch.where(lse > float("-inf"), lse, float("inf")),
-                                 causal=False, scale=SCALE, allowed=allowed, force_math=True)
+    dq, dk, dv = attend_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        torch.where(lse > float("-inf"), lse, float("inf")),
+        causal=False,
+        scale=SCALE,
+        allowed=allowed,
+        force_math=True,
+    )
     ref_out, ref_lse = dense_attention(q, k, v, allowed)
     ref = torch.autograd.grad(ref_out, (q, k, v), dout)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)

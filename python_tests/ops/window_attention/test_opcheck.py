@@ -13,13 +13,15 @@ from kforcing_kernels.ops.window_attention import backend_limits
 from kforcing_kernels.ops.window_attention.op import layout_args
 
 # Backends with a limit (flex: no CPU backward) are not CPU backends for these fwd + bwd checks.
-CPU_BACKENDS = [name for name,
-                reason in backends_available().items() if reason is None and name not in backend_limits()]
+CPU_BACKENDS = [
+    name for name, reason in backends_available().items() if reason is None and name not in backend_limits()
+]
 LAYOUTS = {
     "single": WindowLayout.kforcing_single(4, 2),
     "double": WindowLayout.kforcing_double(3, 2),
-    "per_batch": WindowLayout(3, 2, 3, torch.tensor([[0, 1], [1, 3]]), torch.tensor([[2, 3], [3, 3]]),
-                              last_window_size=2),
+    "per_batch": WindowLayout(
+        3, 2, 3, torch.tensor([[0, 1], [1, 3]]), torch.tensor([[2, 3], [3, 3]]), last_window_size=2
+    ),
 }
 
 
@@ -55,8 +57,9 @@ def test_forward_op_passes_opcheck(backend, kind, layout_name):
     layout = LAYOUTS[layout_name]
     q, k, v = (t.requires_grad_() for t in _inputs(layout, kind))
     args = (q, k, v, *layout_args(layout), 0.35, backend)
-    torch.library.opcheck(torch.ops.kforcing_kernels.window_attention.default, args, test_utils=_utils(kind,
-                                                                                                       layout_name))
+    torch.library.opcheck(
+        torch.ops.kforcing_kernels.window_attention.default, args, test_utils=_utils(kind, layout_name)
+    )
     out, lse = torch.ops.kforcing_kernels.window_attention(*args)
     assert out.is_contiguous() and lse.is_contiguous()
 
@@ -71,8 +74,9 @@ def test_backward_op_passes_opcheck(backend, kind, layout_name):
     out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *lay, 0.35, backend)
     dout = _strided(kind if kind != "expanded" else "transposed", q.shape[0], q.shape[1], q.shape[2], q.shape[3])
     args = (dout, q, k, v, out, lse, *lay, 0.35, backend)
-    torch.library.opcheck(torch.ops.kforcing_kernels.window_attention_backward.default, args, test_utils=_utils(kind,
-        layout_name))
+    torch.library.opcheck(
+        torch.ops.kforcing_kernels.window_attention_backward.default, args, test_utils=_utils(kind, layout_name)
+    )
     for g in torch.ops.kforcing_kernels.window_attention_backward(*args):
         assert g.is_contiguous()
 
@@ -83,7 +87,8 @@ def test_opcheck_other_dtypes(dtype):
     q, k, v = (t.requires_grad_() for t in _inputs(layout, "transposed", dtype=dtype))
     for backend in CPU_BACKENDS:
         torch.library.opcheck(
-            torch.ops.kforcing_kernels.window_attention.default, (q, k, v, *layout_args(layout), 0.35, backend),
+            torch.ops.kforcing_kernels.window_attention.default,
+            (q, k, v, *layout_args(layout), 0.35, backend),
             test_utils=_utils("transposed", "double"),
         )
 

@@ -18,22 +18,40 @@ from kforcing_kernels.parallel.balance import balanced_split
 
 ZOO = zoo.small()
 CPP = backends_available()["cpp"]
-NAMES = ["causal_packed", "single_k3_odd", "single_large_window", "single_multi_chunk", "double_k2", "double_k9",
-         "double_packed", "single_packed_per_batch", "ptp_per_batch", "anchor_blocks_sliding_slot",
-         "blank_full_windows", "jacobi_long_window", "general_streams_full"]
+NAMES = [
+    "causal_packed",
+    "single_k3_odd",
+    "single_large_window",
+    "single_multi_chunk",
+    "double_k2",
+    "double_k9",
+    "double_packed",
+    "single_packed_per_batch",
+    "ptp_per_batch",
+    "anchor_blocks_sliding_slot",
+    "blank_full_windows",
+    "jacobi_long_window",
+    "general_streams_full",
+]
 
 
 def _backends():
     # triton: the interpreter process (test_triton_interpreter_cases.py) runs its row subsets.
-    return [pytest.param(b, marks=pytest.mark.skipif(b == "cpp" and CPP is not None, reason=f"cpp: {CPP}"))
-            for b in ROW_SUBSET_BACKENDS if b != "triton"]
+    return [
+        pytest.param(b, marks=pytest.mark.skipif(b == "cpp" and CPP is not None, reason=f"cpp: {CPP}"))
+        for b in ROW_SUBSET_BACKENDS
+        if b != "triton"
+    ]
 
 
 def _subsets(layout) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(layout.n_queries)
     n = layout.n_queries
-    out = {"rank0of2": balanced_split(layout, 2).query_rows[0], "rank3of4": balanced_split(layout, 4).query_rows[3],
-           "random_third": torch.randperm(n, generator=g)[: max(1, n // 3)].sort().values}
+    out = {
+        "rank0of2": balanced_split(layout, 2).query_rows[0],
+        "rank3of4": balanced_split(layout, 4).query_rows[3],
+        "random_third": torch.randperm(n, generator=g)[: max(1, n // 3)].sort().values,
+    }
     if layout.n_streams > 1:
         per = n // layout.n_streams
         out["last_stream"] = torch.arange(n - per, n)
@@ -178,8 +196,10 @@ def _parent_area_on(layout, rows) -> int:
     return int(per_row[:, rows].sum())
 
 
-ACCOUNTING = {**{name: ZOO[name] for name in sorted(ZOO)},
-              **{f"bench_{name}": layout for name, layout in zoo.bench(256, 4).items()}}
+ACCOUNTING = {
+    **{name: ZOO[name] for name in sorted(ZOO)},
+    **{f"bench_{name}": layout for name, layout in zoo.bench(256, 4).items()},
+}
 
 
 @pytest.mark.parametrize("name", sorted(ACCOUNTING))

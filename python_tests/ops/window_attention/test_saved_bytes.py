@@ -5,7 +5,6 @@ buffer alive until the backward. Measured with autograd's saved-tensor hooks aga
 attention costs nothing (returns q: the bytes every other layer saves).
 """
 
-
 import pytest
 import torch
 

@@ -60,8 +60,17 @@ def test_tiled_backward_matches_the_textbook_gradients(monkeypatch, tile_rows, m
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = attend(q, k, v, causal=causal, scale=SCALE, allowed=allowed, force_math=True)
     lse = torch.where(lse > float("-inf"), lse, float("inf"))  # as the composite backend passes rows without keys
-    got = attend_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), causal=causal,
-                          scale=SCALE, allowed=allowed)
+    got = attend_backward(
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        causal=causal,
+        scale=SCALE,
+        allowed=allowed,
+    )
     want = torch.autograd.grad(textbook(q, k, v, visible.expand(b, 1, lq, lk)), (q, k, v), dout)
     for label, a, e in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == torch.float64
@@ -78,8 +87,9 @@ def test_tiled_backward_16_bit_inputs_accumulate_in_fp32(monkeypatch, dtype):
     assert [g.dtype for g in acc] == [torch.float32] * 3 and [g.dtype for g in plain] == [dtype] * 3
     for a, p in zip(acc, plain):
         assert torch.equal(a.to(dtype), p)  # one rounding at the end
-    ref = attend_backward(*(t.double() for t in (dout, q, k, v, out)), lse.double(), causal=True, scale=SCALE,
-                          force_math=True)
+    ref = attend_backward(
+        *(t.double() for t in (dout, q, k, v, out)), lse.double(), causal=True, scale=SCALE, force_math=True
+    )
     for a, r in zip(acc, ref):
         torch.testing.assert_close(a.double(), r, rtol=2e-2, atol=2e-2)
 
@@ -127,6 +137,7 @@ def test_tiled_backward_bits_do_not_depend_on_the_thread_count():
     out, lse = attend(q, k, v, causal=True, scale=SCALE)
     band = _masks(2, 700, 700)["band"]
     for causal, allowed in ((True, None), (False, band)):
+
         def run(causal=causal, allowed=allowed):
             return attend_backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, allowed=allowed)
 
@@ -136,9 +147,15 @@ def test_tiled_backward_bits_do_not_depend_on_the_thread_count():
                 assert torch.equal(a, c), f"{label} differs between 1 and {threads} threads (causal={causal})"
 
 
-@pytest.mark.parametrize("layout", [WindowLayout.kforcing_single(300, 4), WindowLayout.kforcing_double(160, 2),
-                                    WindowLayout.causal(400, cu_seqlens=[0, 150, 400])],
-                         ids=["single", "double", "packed_causal"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        WindowLayout.kforcing_single(300, 4),
+        WindowLayout.kforcing_double(160, 2),
+        WindowLayout.causal(400, cu_seqlens=[0, 150, 400]),
+    ],
+    ids=["single", "double", "packed_causal"],
+)
 def test_composite_backward_bits_do_not_depend_on_the_thread_count(layout):
     """The composite backend end to end, at sizes where its causal and masked pieces run many tiles."""
     gen = torch.Generator().manual_seed(2)

@@ -74,8 +74,10 @@ def _per_element(fn, tensors, layout: WindowLayout, *args):
         layout = _element_layout(layout, 0)  # as inside a batch (a one-document row is a staircase there)
     if tensors[0].device.type != "cpu" or tensors[0].shape[0] <= 1:
         return fn(*tensors, layout, *args)
-    parts = [fn(*(t[b:b + 1].contiguous() for t in tensors), _element_layout(layout, b), *args)
-             for b in range(tensors[0].shape[0])]
+    parts = [
+        fn(*(t[b : b + 1].contiguous() for t in tensors), _element_layout(layout, b), *args)
+        for b in range(tensors[0].shape[0])
+    ]
     return tuple(torch.cat(outs, 0) for outs in zip(*parts))
 
 
@@ -84,8 +86,7 @@ def _element_layout(layout: WindowLayout, b: int) -> WindowLayout:
     n = layout.batch_size
     if n is None:
         return layout
-    return layout.derived("composite.batch_elements",
-                          lambda: tuple(layout.batch_element(i) for i in range(n)))[b]
+    return layout.derived("composite.batch_elements", lambda: tuple(layout.batch_element(i) for i in range(n)))[b]
 
 
 def forward(q, k, v, layout: WindowLayout, scale: float):
@@ -124,7 +125,8 @@ def _forward(q, k, v, layout: WindowLayout, scale: float):
             for r0, r1, klo, khi, allowed in context_chunks(layout):
                 allowed = None if allowed is None else allowed.to(q.device)
                 out[:, :, r0:r1], lse[:, :, r0:r1] = attend(
-                    q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed)
+                    q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed
+                )
     if nw:
         qw = to_windows(q[:, :, -nw:], layout)
         o_i, l_i = intra_forward(qw, to_windows(k[:, :, c:], layout), to_windows(v[:, :, c:], layout), layout, scale)
@@ -150,8 +152,14 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     if layout.queries == "all" and c:
         if layout.has_default_context:
             dq[:, :, :c], dk_c, dv_c = attend_backward(
-                dout[:, :, :c], q[:, :, :c], k[:, :, :c], v[:, :, :c], out[:, :, :c], lse[:, :, :c], causal=True,
-                scale=scale
+                dout[:, :, :c],
+                q[:, :, :c],
+                k[:, :, :c],
+                v[:, :, :c],
+                out[:, :, :c],
+                lse[:, :, :c],
+                causal=True,
+                scale=scale,
             )
             dk_ctx += dk_c
             dv_ctx += dv_c
@@ -160,8 +168,16 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
             for r0, r1, klo, khi, allowed in context_chunks(layout):
                 allowed = None if allowed is None else allowed.to(q.device)
                 dq[:, :, r0:r1], dk_c, dv_c = attend_backward(
-                    dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, klo:khi], v[:, :, klo:khi], out[:, :, r0:r1],
-                    lse[:, :, r0:r1], causal=False, scale=scale, allowed=allowed)
+                    dout[:, :, r0:r1],
+                    q[:, :, r0:r1],
+                    k[:, :, klo:khi],
+                    v[:, :, klo:khi],
+                    out[:, :, r0:r1],
+                    lse[:, :, r0:r1],
+                    causal=False,
+                    scale=scale,
+                    allowed=allowed,
+                )
                 dk_ctx[:, :, klo:khi] += dk_c
                 dv_ctx[:, :, klo:khi] += dv_c
     dk_win = dv_win = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
@@ -178,4 +194,3 @@ def _backward(dout, q, k, v, out, lse, layout: WindowLayout, scale: float):
     dk = torch.cat([dk_ctx.to(k.dtype), dk_win.to(k.dtype)], 2)
     dv = torch.cat([dv_ctx.to(v.dtype), dv_win.to(v.dtype)], 2)
     return dq, dk, dv
-

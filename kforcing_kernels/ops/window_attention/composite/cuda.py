@@ -163,9 +163,22 @@ def _fa_forward(q, k, v, causal, scale):
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     res = fa._flash_attn_varlen_forward(
-        _pack(q), _pack(k), _pack(v), _cu_seqlens(b, lq, q.device), _cu_seqlens(b, lk, q.device), lq, lk, 0.0,
-        scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-        return_softmax=False)
+        _pack(q),
+        _pack(k),
+        _pack(v),
+        _cu_seqlens(b, lq, q.device),
+        _cu_seqlens(b, lk, q.device),
+        lq,
+        lk,
+        0.0,
+        scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+    )
     out, lse = res[0], res[1]
     if tuple(lse.shape) != (h, b * lq):  # older releases pad the LSE per sequence: not this layout
         raise ValueError(f"flash_attn: expected an LSE [{h}, {b * lq}], got {tuple(lse.shape)}")
@@ -182,10 +195,29 @@ def _fa_backward(dout, q, k, v, out, lse, causal, scale):
     qp, kp, vp = _pack(q), _pack(k), _pack(v)
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     fa._flash_attn_varlen_backward(
-        _pack(dout), qp, kp, vp, _pack(out), lse.to(torch.float32).transpose(0, 1).reshape(h, b * lq).contiguous(),
-        dq, dk, dv, _cu_seqlens(b, lq, q.device), _cu_seqlens(b, lk, q.device), lq, lk, 0.0, scale, causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=True,
-        rng_state=None)
+        _pack(dout),
+        qp,
+        kp,
+        vp,
+        _pack(out),
+        lse.to(torch.float32).transpose(0, 1).reshape(h, b * lq).contiguous(),
+        dq,
+        dk,
+        dv,
+        _cu_seqlens(b, lq, q.device),
+        _cu_seqlens(b, lk, q.device),
+        lq,
+        lk,
+        0.0,
+        scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=True,
+        rng_state=None,
+    )
     return _unpack(dq, b), _unpack(dk, b), _unpack(dv, b)
 
 
@@ -206,8 +238,9 @@ def _aux_of(name: str, q: torch.Tensor) -> tuple:
 
 def _sdpa_flash_forward(q, k, v, allowed, causal, scale):
     h = q.shape[1]
-    res = _op("_scaled_dot_product_flash_attention")(q, _repeat_kv(k, h), _repeat_kv(v, h), 0.0, causal, False,
-                                                     scale=scale)
+    res = _op("_scaled_dot_product_flash_attention")(
+        q, _repeat_kv(k, h), _repeat_kv(v, h), 0.0, causal, False, scale=scale
+    )
     out, lse, cum_q, cum_k, _, _, rng, unused = res[:8]
     _aux.setdefault(("sdpa_flash", str(q.device)), (cum_q, cum_k, rng, unused))
     return out, lse[..., : q.shape[2]].to(torch.float32)
@@ -217,8 +250,22 @@ def _sdpa_flash_backward(dout, q, k, v, out, lse, allowed, causal, scale):
     h, hkv = q.shape[1], k.shape[1]
     cum_q, cum_k, rng, unused = _aux_of("sdpa_flash", q)
     dq, dk, dv = _op("_scaled_dot_product_flash_attention_backward")(
-        dout, q, _repeat_kv(k, h), _repeat_kv(v, h), out, lse.to(torch.float32).contiguous(), cum_q, cum_k,
-        q.shape[2], k.shape[2], 0.0, causal, rng, unused, scale=scale)[:3]
+        dout,
+        q,
+        _repeat_kv(k, h),
+        _repeat_kv(v, h),
+        out,
+        lse.to(torch.float32).contiguous(),
+        cum_q,
+        cum_k,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        rng,
+        unused,
+        scale=scale,
+    )[:3]
     return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 
@@ -226,7 +273,8 @@ def _sdpa_eff_forward(q, k, v, allowed, causal, scale):
     h = q.shape[1]
     bias = None if allowed is None else _bias(allowed, q, k.shape[2])
     out, lse, seed, offset = _op("_scaled_dot_product_efficient_attention")(
-        q, _repeat_kv(k, h), _repeat_kv(v, h), bias, True, 0.0, causal, scale=scale)[:4]
+        q, _repeat_kv(k, h), _repeat_kv(v, h), bias, True, 0.0, causal, scale=scale
+    )[:4]
     _aux.setdefault(("sdpa_efficient", str(q.device)), (seed, offset))
     return out, lse[..., : q.shape[2]].to(torch.float32)  # the kernel pads the LSE rows to a multiple of 32
 
@@ -239,13 +287,28 @@ def _sdpa_eff_backward(dout, q, k, v, out, lse, allowed, causal, scale):
     lse_padded[..., :lq] = lse
     bias = None if allowed is None else _bias(allowed, q, k.shape[2])
     dq, dk, dv = _op("_scaled_dot_product_efficient_attention_backward")(
-        dout, q, _repeat_kv(k, h), _repeat_kv(v, h), bias, out, lse_padded, seed, offset, 0.0,
-        [True, True, True, False], causal, scale=scale)[:3]
+        dout,
+        q,
+        _repeat_kv(k, h),
+        _repeat_kv(v, h),
+        bias,
+        out,
+        lse_padded,
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )[:3]
     return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 
-_OP_NAME = {"flash_attn": "flash_attn", "sdpa_flash": "_scaled_dot_product_flash_attention",
-            "sdpa_efficient": "_scaled_dot_product_efficient_attention"}
+_OP_NAME = {
+    "flash_attn": "flash_attn",
+    "sdpa_flash": "_scaled_dot_product_flash_attention",
+    "sdpa_efficient": "_scaled_dot_product_efficient_attention",
+}
 
 
 # ---------------------------------------------------------------------- entry points (lse_attention's API)
@@ -265,11 +328,18 @@ def _empty_rows(out, lse, allowed):
 def attend(q, k, v, *, causal: bool, scale: float, allowed: Optional[torch.Tensor] = None):
     """As :func:`lse_attention.attend`: ``(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] acc_dtype)``."""
     masked = allowed is not None
-    got = _run("forward", q, k, causal, masked, {
-        "flash_attn": lambda: _fa_forward(q, k, v, causal, scale),
-        "sdpa_flash": lambda: _sdpa_flash_forward(q, k, v, allowed, causal, scale),
-        "sdpa_efficient": lambda: _sdpa_eff_forward(q, k, v, allowed, causal, scale),
-    })
+    got = _run(
+        "forward",
+        q,
+        k,
+        causal,
+        masked,
+        {
+            "flash_attn": lambda: _fa_forward(q, k, v, causal, scale),
+            "sdpa_flash": lambda: _sdpa_flash_forward(q, k, v, allowed, causal, scale),
+            "sdpa_efficient": lambda: _sdpa_eff_forward(q, k, v, allowed, causal, scale),
+        },
+    )
     if got is None:
         return lse_attention.attend(q, k, v, causal=causal, scale=scale, allowed=allowed)
     out, lse = _empty_rows(got[0].to(q.dtype), got[1].to(acc_dtype(q.dtype)), allowed)
@@ -281,12 +351,20 @@ def attend_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, allo
     portable path's in the accumulation dtype: the composite sums pieces and rounds once)."""
     masked = allowed is not None
     dc, qc, kc, vc, oc = (t.contiguous() for t in (dout, q, k, v, out))
-    got = _run("backward", q, k, causal, masked, {
-        "flash_attn": lambda: _fa_backward(dc, qc, kc, vc, oc, lse, causal, scale),
-        "sdpa_flash": lambda: _sdpa_flash_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
-        "sdpa_efficient": lambda: _sdpa_eff_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
-    })
+    got = _run(
+        "backward",
+        q,
+        k,
+        causal,
+        masked,
+        {
+            "flash_attn": lambda: _fa_backward(dc, qc, kc, vc, oc, lse, causal, scale),
+            "sdpa_flash": lambda: _sdpa_flash_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
+            "sdpa_efficient": lambda: _sdpa_eff_backward(dc, qc, kc, vc, oc, lse, allowed, causal, scale),
+        },
+    )
     if got is None:  # the portable path; fp32 gradients for 16-bit inputs (the composite sums pieces)
-        return lse_attention.attend_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed,
-                                             acc_grads=True)
+        return lse_attention.attend_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed, acc_grads=True
+        )
     return tuple(g.to(t.dtype) for g, t in zip(got, (q, k, v)))

@@ -65,9 +65,13 @@ def is_staircase(layout: WindowLayout) -> bool:
     """Window t sees context [0, t+1) (K-Forcing Single/DoubleForward): slot-major causal applies."""
     m = layout.num_windows
     return (
-        layout.batch_size is None and 0 < m <= layout.n_ctx and layout.last_window_size == layout.window_size
-        and not layout.has_blank_slots and not layout.has_sliding_context
-        and not bool(layout.prefix_lo.any()) and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
+        layout.batch_size is None
+        and 0 < m <= layout.n_ctx
+        and layout.last_window_size == layout.window_size
+        and not layout.has_blank_slots
+        and not layout.has_sliding_context
+        and not bool(layout.prefix_lo.any())
+        and torch.equal(layout.prefix_hi, torch.arange(1, m + 1))
     )
 
 
@@ -80,7 +84,7 @@ def _window_row_intervals(layout: WindowLayout) -> torch.Tensor:
 
 
 def _build_window_row_intervals(layout: WindowLayout) -> torch.Tensor:
-    iv = layout.row_intervals()[:, layout.n_queries - layout.n_window_tokens:]
+    iv = layout.row_intervals()[:, layout.n_queries - layout.n_window_tokens :]
     nb, n, j = iv.shape[0], iv.shape[1], iv.shape[2]
     m, w, st, s = layout.num_windows, layout.window_size, layout.n_streams, layout.slots_per_stream
     if st > 1:
@@ -138,8 +142,9 @@ def prefix_forward(qw, k, v, layout, scale):
     lse = torch.full((b, h, m, w), float("-inf"), dtype=acc_dtype(qw.dtype), device=qw.device)
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
-        o, lse_p = attend(_rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale,
-                          allowed=allowed)
+        o, lse_p = attend(
+            _rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], causal=False, scale=scale, allowed=allowed
+        )
         out[:, :, m0:m1] = o.view(b, h, m1 - m0, w, d)
         lse[:, :, m0:m1] = lse_p.view(b, h, m1 - m0, w)
     return out, lse
@@ -152,8 +157,14 @@ def prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
     dv = torch.zeros_like(dk)
     if is_staircase(layout):
         dq, dk_p, dv_p = attend_backward(
-            _slot_major(dow), _slot_major(qw), k[:, :, :m], v[:, :, :m], _slot_major(ow), _slot_major(lw), causal=True,
-            scale=scale
+            _slot_major(dow),
+            _slot_major(qw),
+            k[:, :, :m],
+            v[:, :, :m],
+            _slot_major(ow),
+            _slot_major(lw),
+            causal=True,
+            scale=scale,
         )
         dk[:, :, :m] += dk_p
         dv[:, :, :m] += dv_p
@@ -162,9 +173,15 @@ def prefix_backward(dow, qw, ow, lw, k, v, layout, scale):
     for m0, m1, klo, khi, allowed in _prefix_chunks(layout):
         allowed = None if allowed is None else allowed.to(qw.device)
         dq_c, dk_c, dv_c = attend_backward(
-            _rows(dow, m0, m1), _rows(qw, m0, m1), k[:, :, klo:khi], v[:, :, klo:khi], _rows(ow, m0, m1), _rows(lw, m0,
-                                                                                                                m1),
-            causal=False, scale=scale, allowed=allowed,
+            _rows(dow, m0, m1),
+            _rows(qw, m0, m1),
+            k[:, :, klo:khi],
+            v[:, :, klo:khi],
+            _rows(ow, m0, m1),
+            _rows(lw, m0, m1),
+            causal=False,
+            scale=scale,
+            allowed=allowed,
         )
         dq[:, :, m0:m1] = dq_c.view(b, h, m1 - m0, w, d)
         dk[:, :, klo:khi] += dk_c
@@ -265,8 +282,9 @@ def intra_forward(qw, kw, vw, layout, scale):
     b = qw.shape[0]
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)
-        o, lse_i = attend(_fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b,
-                                                                                                          qw.device))
+        o, lse_i = attend(
+            _fold(qw), _fold(kw), _fold(vw), causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device)
+        )
         return _unfold(o, b), _unfold(lse_i, b)
     s = _scores(qw, kw, scale, layout)
     row_max = s.amax(-1, keepdim=True)
@@ -283,8 +301,15 @@ def intra_backward(dow, qw, kw, vw, ow, lw, layout, scale):
     if _use_fold(layout):
         causal = layout.intra == "causal" and _plain_windows(layout)
         dq, dk, dv = attend_backward(
-            _fold(dow), _fold(qw), _fold(kw), _fold(vw), _fold(ow), _fold(lw),
-            causal=causal, scale=scale, allowed=_fold_mask(layout, b, qw.device),
+            _fold(dow),
+            _fold(qw),
+            _fold(kw),
+            _fold(vw),
+            _fold(ow),
+            _fold(lw),
+            causal=causal,
+            scale=scale,
+            allowed=_fold_mask(layout, b, qw.device),
         )
         return _unfold(dq, b), _unfold(dk, b), _unfold(dv, b)
     ct = acc_dtype(qw.dtype)

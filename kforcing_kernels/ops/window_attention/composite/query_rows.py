@@ -39,7 +39,7 @@ def _build_pieces(layout: QueryRowsLayout) -> list:
     iv = layout.row_intervals(copy=False)  # [B', R, J, 2]
     pieces = []
     for t in range(len(begin) - 1):
-        group = order[begin[t]:begin[t + 1]]
+        group = order[begin[t] : begin[t + 1]]
         for j in range(iv.shape[2]):
             part = iv[:, group, j]  # [B', r, 2]
             seen = part[..., 1] > part[..., 0]
@@ -59,8 +59,10 @@ def _pieces(layout: QueryRowsLayout, device: torch.device) -> list:
     cpu = layout.derived(("composite.query_rows_pieces", GROUP_ROWS), lambda: _build_pieces(layout))
     if device.type == "cpu":
         return cpu
-    return layout.derived(("composite.query_rows_pieces", GROUP_ROWS, str(device)), lambda: [
-        (rows.to(device), lo, hi, allowed.to(device)) for rows, lo, hi, allowed in cpu])
+    return layout.derived(
+        ("composite.query_rows_pieces", GROUP_ROWS, str(device)),
+        lambda: [(rows.to(device), lo, hi, allowed.to(device)) for rows, lo, hi, allowed in cpu],
+    )
 
 
 def forward(q, k, v, layout: QueryRowsLayout, scale: float):
@@ -92,8 +94,17 @@ def backward(dout, q, k, v, out, lse, layout: QueryRowsLayout, scale: float):
     dv = torch.zeros(v.shape, dtype=ct, device=v.device)
     lse = torch.where(lse > float("-inf"), lse, float("inf"))  # a row that sees nothing: every p = 0
     for rows, lo, hi, allowed in _pieces(layout, q.device):
-        gq, gk, gv = attend_backward(dout[:, :, rows], q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, rows],
-                                     lse[:, :, rows], causal=False, scale=scale, allowed=allowed)
+        gq, gk, gv = attend_backward(
+            dout[:, :, rows],
+            q[:, :, rows],
+            k[:, :, lo:hi],
+            v[:, :, lo:hi],
+            out[:, :, rows],
+            lse[:, :, rows],
+            causal=False,
+            scale=scale,
+            allowed=allowed,
+        )
         dq.index_add_(2, rows, gq.to(ct))
         dk[:, :, lo:hi] += gk.to(ct)
         dv[:, :, lo:hi] += gv.to(ct)

@@ -49,8 +49,10 @@ def kernels() -> ModuleType:
 
 def _allowed_dtypes() -> tuple[tuple[torch.dtype, ...], str]:
     if triton_env.interpret_requested():
-        return (torch.float32,
-                torch.float16), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
+        return (
+            torch.float32,
+            torch.float16,
+        ), "under TRITON_INTERPRET=1 (the Triton 3.9 interpreter's tl.dot is wrong for bfloat16)"
     return (torch.float16, torch.bfloat16), "on CUDA (use backend='composite' for other dtypes)"
 
 

@@ -73,12 +73,22 @@ TILE_SET_MIN_CAPABILITY = {"base": 0, "hopper": 9, "wide": 9, "hopper128": 9, "w
 # (slot_fwd, slot_bwd, dq, dkdv) and the legacy ones (dq_legacy, dkdv_legacy), removed after the H200 run.
 _DELTA = {32: [(4, 1), (8, 1)], 64: [(4, 1), (8, 1)], 128: [(4, 1), (8, 1)]}
 KERNEL_CONFIGS: dict[str, dict[tuple[str, int], list[tuple[int, int]]]] = {
-    "fwd": {("base", 32): [(4, 3), (8, 2), (8, 3)], ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
-            ("hopper", 64): [(4, 3), (4, 2), (8, 3)],
-            ("base", 128): [(8, 3), (8, 2), (8, 1)], ("wide", 128): [(8, 3), (8, 2), (8, 1)]},
-    "bwd": {("base", 32): [(8, 3), (8, 2)], ("base", 64): [(8, 3), (8, 2)], ("hopper", 64): [(4, 3), (8, 3)],
-            ("base", 128): [(8, 3)], ("wide", 128): [(8, 3), (8, 2)], ("hopper128", 64): [(8, 3)],
-            ("wide_n64", 128): [(8, 2)]},
+    "fwd": {
+        ("base", 32): [(4, 3), (8, 2), (8, 3)],
+        ("base", 64): [(4, 2), (4, 3), (8, 2), (8, 3)],
+        ("hopper", 64): [(4, 3), (4, 2), (8, 3)],
+        ("base", 128): [(8, 3), (8, 2), (8, 1)],
+        ("wide", 128): [(8, 3), (8, 2), (8, 1)],
+    },
+    "bwd": {
+        ("base", 32): [(8, 3), (8, 2)],
+        ("base", 64): [(8, 3), (8, 2)],
+        ("hopper", 64): [(4, 3), (8, 3)],
+        ("base", 128): [(8, 3)],
+        ("wide", 128): [(8, 3), (8, 2)],
+        ("hopper128", 64): [(8, 3)],
+        ("wide_n64", 128): [(8, 2)],
+    },
     # The delta kernel does not read block_m/block_n: the same lists under every tile set.
     "delta": {(s, d): _DELTA[d] for s, by_d in TILE_SETS.items() for d in by_d},
 }
@@ -158,8 +168,11 @@ def tile_set_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = 
 def dispatched_by_default(tile_set: str, head_dim: int, capability_major: int) -> bool:
     """Whether ``tile_set_for`` (nothing forced) picks ``tile_set`` for ``head_dim`` on some shape of a device
     of this capability: the sets whose defaults the AOT report holds to that target's standard."""
-    if (head_dim not in TILE_SETS[tile_set] or capability_major < TILE_SET_MIN_CAPABILITY[tile_set]
-            or tile_set in FORCED_ONLY_TILE_SETS):
+    if (
+        head_dim not in TILE_SETS[tile_set]
+        or capability_major < TILE_SET_MIN_CAPABILITY[tile_set]
+        or tile_set in FORCED_ONLY_TILE_SETS
+    ):
         return False
     if tile_set == "base" and capability_major >= TILE_SET_MIN_CAPABILITY["hopper"]:
         return head_dim not in TILE_SETS["hopper"]
@@ -169,4 +182,3 @@ def dispatched_by_default(tile_set: str, head_dim: int, capability_major: int) -
 def tiles_for(head_dim: int, rows: int = 0, device: Optional[torch.device] = None) -> Tiles:
     """The tiles the dispatcher uses for ``rows`` query rows per head of ``head_dim`` on ``device``."""
     return TILE_SETS[tile_set_for(head_dim, rows, device)][head_dim]
-

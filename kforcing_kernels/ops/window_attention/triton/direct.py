@@ -91,8 +91,9 @@ class ArgSignature:
         if plan.tensors is not None:
             tensors = plan.tensors(args)
             dtypes = tuple(map(_dtype, tensors))
-            aligned = True if gcd(*map(_data_ptr, tensors)) & 15 == 0 else tuple(
-                p & 15 == 0 for p in map(_data_ptr, tensors))
+            aligned = (
+                True if gcd(*map(_data_ptr, tensors)) & 15 == 0 else tuple(p & 15 == 0 for p in map(_data_ptr, tensors))
+            )
         if plan.ints is not None:
             ints = plan.ints(args)
             try:  # one C-level pass: array('i') takes only ints that fit in int32 (Triton's "i32")
@@ -102,8 +103,7 @@ class ArgSignature:
                 widths = tuple(map(_int_width, ints))
         if plan.specialised is not None:
             specialised = plan.specialised(args)
-            divisible = True if gcd(*specialised) & 15 == 0 else tuple(
-                (a % 16 == 0, a == 1) for a in specialised)
+            divisible = True if gcd(*specialised) & 15 == 0 else tuple((a % 16 == 0, a == 1) for a in specialised)
         if plan.constants is not None:
             constants = plan.constants(args)
         return plan, dtypes, aligned, widths, divisible, constants
@@ -175,12 +175,24 @@ class DirectLaunch:
     def __call__(self, grid: tuple, args: tuple, stream) -> None:
         enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
         # The metadata only feeds the enter hook: skipped while that is an empty HookChain.
-        metadata = (self.kernel.launch_metadata(grid, stream, *args, *self.tail) if getattr(enter, "calls", enter)
-                    else None)
+        metadata = (
+            self.kernel.launch_metadata(grid, stream, *args, *self.tail) if getattr(enter, "calls", enter) else None
+        )
         size = len(grid)
         # JITFunction.run's launch (Triton 3.6 .. 3.9 share this CompiledKernel.run signature).
-        self._run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, self._function,
-                  self._packed, metadata, enter, leave, *args, *self.tail)
+        self._run(
+            grid[0],
+            grid[1] if size > 1 else 1,
+            grid[2] if size > 2 else 1,
+            stream,
+            self._function,
+            self._packed,
+            metadata,
+            enter,
+            leave,
+            *args,
+            *self.tail,
+        )
 
 
 _runtime_knobs: Any = None  # triton.knobs.runtime (the launch hooks), imported with the first DirectLaunch
@@ -217,8 +229,9 @@ class DirectCache:
         self._sites: dict[str, _KernelSite] = {}
         self._lock = threading.Lock()
 
-    def lookup(self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple,
-               kwargs: dict) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
+    def lookup(
+        self, kernel_name: str, fn, tune_key: tuple, autotune: bool, device, args: tuple, kwargs: dict
+    ) -> tuple[Optional[tuple], Optional[DirectLaunch]]:
         """(key, cached launch or None) of a launch of ``fn`` (called ``kernel_name``) for ``tune_key``
         with autotuning on/off on ``device``: the key holds these, the keyword constexprs and the
         arguments' ``ArgSignature``; (None, None) when the arguments cannot be launched directly."""

@@ -19,8 +19,18 @@ LOG2E = 1.4426950408889634
 IO_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")  # in the inputs' dtype
 FP32_POINTERS = ("Lse", "Delta")  # other pointers are int32 plan tensors
 # The int32 plan tables (plan.device_int32 uploads them 16-byte aligned), and Counters (int32, the caller's).
-PLAN_POINTERS = ("QueryTiles", "Bounds", "Order", "KeyTiles", "StepPtr", "StepEntries", "StepOrder", "RowIv",
-                 "WindowKeys", "RowSlot0")
+PLAN_POINTERS = (
+    "QueryTiles",
+    "Bounds",
+    "Order",
+    "KeyTiles",
+    "StepPtr",
+    "StepEntries",
+    "StepOrder",
+    "RowIv",
+    "WindowKeys",
+    "RowSlot0",
+)
 FLOAT_ARGS = ("qk_scale", "sm_scale")
 # Strides of q/k/v/dout are multiples of the head dim (>= 32), so Triton may assume 16-divisibility.
 ALIGNED_STRIDES = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn")
@@ -30,8 +40,11 @@ def jit_kernel(fn):
     """``triton.jit`` specialising only pointers and the aligned strides: layout sizes (which
     may be 1 or multiples of 16) would otherwise fork new variants at run time that the AOT
     report never compiled."""
-    shape_args = [name for name in inspect.signature(fn).parameters
-                  if name[0].islower() and name not in ALIGNED_STRIDES and name not in FLOAT_ARGS]
+    shape_args = [
+        name
+        for name in inspect.signature(fn).parameters
+        if name[0].islower() and name not in ALIGNED_STRIDES and name not in FLOAT_ARGS
+    ]
     return triton.jit(do_not_specialize=shape_args)(fn)
 
 

@@ -19,9 +19,28 @@ from .jit_common import _finish, _row_interval, _sees, jit_kernel
 
 
 @triton.jit
-def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows, ok, slot0, iv_base, window_size, n_iv,
-                    stride_qm, stride_kn, qk_scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    INSTRUMENT: tl.constexpr):
+def _window_softmax(
+    Q,
+    K,
+    V,
+    WindowKeys,
+    RowIv,
+    Counters,
+    q_head,
+    kv_head,
+    rows,
+    ok,
+    slot0,
+    iv_base,
+    window_size,
+    n_iv,
+    stride_qm,
+    stride_kn,
+    qk_scale,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
+):
     """The intra-window part of query ``rows`` (BLOCK of them, any windows): ``(out, lse2)`` over the
     ``window_size`` slots from each row's ``slot0`` in WindowKeys, out normalised (fp32), lse in log2
     units (-inf for a row that sees no slot). Step i gathers slot i of every row's own window: a
@@ -53,12 +72,41 @@ def _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, q_head, kv_head, rows,
 
 @jit_kernel
 def _fwd_kernel(
-    Q, K, V, Out, Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
-    QueryTiles, Bounds, Order, RowIv, WindowKeys, RowSlot0, Counters,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_lb, stride_lh,
-    bounds_bstride, iv_bstride,
-    n_heads, kv_group, n_keys, n_ctx, query_offset, n_intervals, n_iv, window_size, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INSTRUMENT: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,  # q/out [B, H, Lq, D], k/v [B, Hkv, Lk, D], lse [B, H, Lq] fp32 natural log
+    QueryTiles,
+    Bounds,
+    Order,
+    RowIv,
+    WindowKeys,
+    RowSlot0,
+    Counters,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_lb,
+    stride_lh,
+    bounds_bstride,
+    iv_bstride,
+    n_heads,
+    kv_group,
+    n_keys,
+    n_ctx,
+    query_offset,
+    n_intervals,
+    n_iv,
+    window_size,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INSTRUMENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)  # batch/head offsets can exceed int32
     b = pid_bh // n_heads
@@ -83,9 +131,28 @@ def _fwd_kernel(
 
     if seeded != 0:  # start from the intra-window part (each row's window from RowSlot0): normalised out, l = 1
         slot0 = tl.load(RowSlot0 + rows + query_offset - n_ctx, mask=ok, other=0)
-        acc, m_i = _window_softmax(Q, K, V, WindowKeys, RowIv, Counters, b * stride_qb + h * stride_qh,
-                                   b * stride_kb + kvh * stride_kh, rows, ok, slot0, iv_base, window_size, n_iv,
-                                   stride_qm, stride_kn, qk_scale, BLOCK_M, HEAD_DIM, INSTRUMENT)
+        acc, m_i = _window_softmax(
+            Q,
+            K,
+            V,
+            WindowKeys,
+            RowIv,
+            Counters,
+            b * stride_qb + h * stride_qh,
+            b * stride_kb + kvh * stride_kh,
+            rows,
+            ok,
+            slot0,
+            iv_base,
+            window_size,
+            n_iv,
+            stride_qm,
+            stride_kn,
+            qk_scale,
+            BLOCK_M,
+            HEAD_DIM,
+            INSTRUMENT,
+        )
         l_i = tl.where(ok, 1.0, 0.0)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

@@ -64,8 +64,9 @@ def _tuned_kernel(kernel_name: str, key: tuple):
     configs = KERNEL_CONFIGS[kernel_name][(tile_set, head_dim)]
     if not autotune_enabled():
         configs = configs[:1]
-    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs],
-                           key=["HEAD_DIM"])(KERNELS[kernel_name])
+    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=["HEAD_DIM"])(
+        KERNELS[kernel_name]
+    )
 
 
 _tuned_lock = threading.Lock()
@@ -120,8 +121,9 @@ def _counters(device, counters: Optional[torch.Tensor]) -> torch.Tensor:
             _no_counters[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
         return _no_counters[str(device)]
     if counters.dtype != torch.int32 or counters.numel() != len(COUNTER_NAMES):
-        raise ValueError(f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} "
-                         f"{tuple(counters.shape)}")
+        raise ValueError(
+            f"counters: expected int32 [{len(COUNTER_NAMES)}], got {counters.dtype} {tuple(counters.shape)}"
+        )
     return counters
 
 
@@ -134,8 +136,10 @@ INT32_LIMIT = 2**31
 def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
     check_head_dim(q.shape[-1])
     if (q.shape[2], k.shape[2]) != (layout.n_queries, layout.n_keys):
-        raise ValueError(f"q, k: expected lengths ({layout.n_queries}, {layout.n_keys}) from the layout, "
-                         f"got ({q.shape[2]}, {k.shape[2]})")
+        raise ValueError(
+            f"q, k: expected lengths ({layout.n_queries}, {layout.n_keys}) from the layout, "
+            f"got ({q.shape[2]}, {k.shape[2]})"
+        )
     if layout.batch_size not in (None, q.shape[0]):
         raise ValueError(f"layout: expected per-batch ranges for batch {q.shape[0]}, got {layout.batch_size}")
     for name, t in zip(("k", "v", "dout", "out", "lse"), (k, *others)):
@@ -143,8 +147,10 @@ def _check_shapes(q, k, layout: WindowLayout, *others: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected a tensor on {q.device} like q, got {t.device}")
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] * t.stride(2) >= INT32_LIMIT:
-            raise ValueError(f"{name}: one head spans {t.shape[2] * t.stride(2)} elements; the triton backend "
-                             f"indexes within a head in int32 (< 2^31)")
+            raise ValueError(
+                f"{name}: one head spans {t.shape[2] * t.stride(2)} elements; the triton backend "
+                f"indexes within a head in int32 (< 2^31)"
+            )
 
 
 def _resolve_tiles(tiles: Optional[Tiles], q: torch.Tensor) -> tuple[Tiles, str]:
@@ -196,8 +202,9 @@ class _HostState:
     def steps(self) -> dict:
         """The dK/dV step list's device copies (steps.device_steps), made on first use."""
         if self._steps is None:
-            self._steps = device_steps(step_plan(self.layout, self.plan), self.layout, self.tiles, self.device,
-                                       self.stream)
+            self._steps = device_steps(
+                step_plan(self.layout, self.plan), self.layout, self.tiles, self.device, self.stream
+            )
         return self._steps
 
 
@@ -269,12 +276,39 @@ def _forward(q, k, v, layout, scale, tiles, counters):
     out = torch.empty_like(q)
     lse = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     _launch(
-        "fwd", (bsz * n_heads, plan.num_query_tiles), key,
-        q, k, v, out, lse,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
-        *q_strides, lse.stride(0), lse.stride(1), pt["bounds_bstride"], pt["iv_bstride"],
-        n_heads, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"], g.window_size,
-        scale * LOG2E, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HEAD_DIM=d, INSTRUMENT=instrument,
+        "fwd",
+        (bsz * n_heads, plan.num_query_tiles),
+        key,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        pt["query_tiles"],
+        pt["bounds"],
+        pt["order"],
+        pt["row_iv"],
+        pt["window_keys"],
+        pt["row_slot0"],
+        counters,
+        *q_strides,
+        lse.stride(0),
+        lse.stride(1),
+        pt["bounds_bstride"],
+        pt["iv_bstride"],
+        n_heads,
+        kv_group,
+        g.n_keys,
+        g.n_ctx,
+        g.query_offset,
+        g.n_intervals,
+        pt["n_iv"],
+        g.window_size,
+        scale * LOG2E,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        HEAD_DIM=d,
+        INSTRUMENT=instrument,
     )
     return out, lse
 
@@ -313,13 +347,20 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     instrument = counters.numel() > 1
     lse = lse.to(torch.float32).contiguous()
     kv_group = n_heads // n_kv
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
-               lse.stride(1))
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+    )
 
     delta = torch.empty(bsz, n_heads, lq, dtype=torch.float32, device=q.device)
     n_rows = bsz * n_heads * lq
-    _launch("delta", (-(-n_rows // DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK,
-            HEAD_DIM=d)
+    _launch("delta", (-(-n_rows // DELTA_BLOCK), 1), key, out, dout, delta, n_rows, BLOCK_M=DELTA_BLOCK, HEAD_DIM=d)
 
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -329,22 +370,80 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     n_dq = bsz * n_heads * plan.num_query_tiles
     n_slot = bsz * n_kv * plan.intra_blocks
     _launch(
-        "bwd", (n_dkdv + n_dq + n_slot, 1), key,
-        q, k, v, dout, lse, delta, dq, dk, dv,
-        pt["query_tiles"], pt["bounds"], pt["order"], pt["key_tiles"], st["step_ptr"], st["step_entries"],
-        st["step_order"], pt["row_iv"], pt["window_keys"], pt["row_slot0"], counters,
-        *strides, pt["bounds_bstride"], st["stepptr_bstride"],
-        pt["iv_bstride"], n_heads, n_kv, kv_group, g.n_keys, g.n_ctx, g.query_offset, g.n_intervals, pt["n_iv"],
-        g.num_windows, g.window_size, plan.windows_per_block, bsz * n_heads, bsz * n_kv, n_dkdv, n_dq,
-        scale * LOG2E, scale, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_M_STEP=tiles.dkdv_step_rows,
-        BLOCK_N_DKDV=tiles.block_n_dkdv, BLOCK_T=tiles.block_t, HEAD_DIM=d, INSTRUMENT=instrument,
+        "bwd",
+        (n_dkdv + n_dq + n_slot, 1),
+        key,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        pt["query_tiles"],
+        pt["bounds"],
+        pt["order"],
+        pt["key_tiles"],
+        st["step_ptr"],
+        st["step_entries"],
+        st["step_order"],
+        pt["row_iv"],
+        pt["window_keys"],
+        pt["row_slot0"],
+        counters,
+        *strides,
+        pt["bounds_bstride"],
+        st["stepptr_bstride"],
+        pt["iv_bstride"],
+        n_heads,
+        n_kv,
+        kv_group,
+        g.n_keys,
+        g.n_ctx,
+        g.query_offset,
+        g.n_intervals,
+        pt["n_iv"],
+        g.num_windows,
+        g.window_size,
+        plan.windows_per_block,
+        bsz * n_heads,
+        bsz * n_kv,
+        n_dkdv,
+        n_dq,
+        scale * LOG2E,
+        scale,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_M_STEP=tiles.dkdv_step_rows,
+        BLOCK_N_DKDV=tiles.block_n_dkdv,
+        BLOCK_T=tiles.block_t,
+        HEAD_DIM=d,
+        INSTRUMENT=instrument,
     )
     return dq, dk, dv
 
 
 __all__ = [
-    "attention_forward", "attention_backward", "interpreting", "check_head_dim", "tiles_for", "tile_set_for",
-    "length_bucket", "autotune_enabled", "SUPPORTED_HEAD_DIMS", "KERNELS", "KERNEL_CONFIGS", "IO_POINTERS",
-    "FP32_POINTERS", "FLOAT_ARGS", "ALIGNED_STRIDES", "CANDIDATE_CONFIGS", "TILE_SETS", "TILES_BY_HEAD_DIM",
-    "COUNTER_NAMES", "GPU_DTYPES",
+    "attention_forward",
+    "attention_backward",
+    "interpreting",
+    "check_head_dim",
+    "tiles_for",
+    "tile_set_for",
+    "length_bucket",
+    "autotune_enabled",
+    "SUPPORTED_HEAD_DIMS",
+    "KERNELS",
+    "KERNEL_CONFIGS",
+    "IO_POINTERS",
+    "FP32_POINTERS",
+    "FLOAT_ARGS",
+    "ALIGNED_STRIDES",
+    "CANDIDATE_CONFIGS",
+    "TILE_SETS",
+    "TILES_BY_HEAD_DIM",
+    "COUNTER_NAMES",
+    "GPU_DTYPES",
 ]

@@ -122,10 +122,16 @@ class Geometry:
     @classmethod
     def of(cls, layout: WindowLayout, tiles: "Tiles") -> "Geometry":
         return cls(
-            n_ctx=layout.n_ctx, num_windows=layout.num_windows, window_size=layout.window_size,
-            last_window_size=layout.last_window_size, n_streams=layout.n_streams,
-            slots_per_stream=layout.slots_per_stream, query_offset=layout.query_offset,
-            n_queries=layout.n_queries, n_keys=layout.n_keys, causal=layout.intra == "causal",
+            n_ctx=layout.n_ctx,
+            num_windows=layout.num_windows,
+            window_size=layout.window_size,
+            last_window_size=layout.last_window_size,
+            n_streams=layout.n_streams,
+            slots_per_stream=layout.slots_per_stream,
+            query_offset=layout.query_offset,
+            n_queries=layout.n_queries,
+            n_keys=layout.n_keys,
+            causal=layout.intra == "causal",
             use_slots=layout.num_windows > 0 and layout.window_size <= tiles.slot_windows_up_to,
         )
 
@@ -236,8 +242,15 @@ def _window_tiles(g: Geometry, bm: int, stream: int) -> dict:
     base = g.n_ctx - g.query_offset + stream * g.stream_len  # query row of the stream's first slot
     q_start = base + m_a * s + u0
     q_end = base + m_b * s + u_end
-    return dict(q_start=q_start, q_len=q_end - q_start, m_a=m_a, m_b=m_b, u0=u0, u_end=u_end,
-                stream=torch.full_like(m_a, stream))
+    return dict(
+        q_start=q_start,
+        q_len=q_end - q_start,
+        m_a=m_a,
+        m_b=m_b,
+        u0=u0,
+        u_end=u_end,
+        stream=torch.full_like(m_a, stream),
+    )
 
 
 def _query_tiles(g: Geometry, bm: int) -> dict:
@@ -245,8 +258,17 @@ def _query_tiles(g: Geometry, bm: int) -> dict:
     if g.query_offset == 0 and g.n_ctx:
         start = torch.arange(0, g.n_ctx, bm)
         none = torch.full_like(start, -1)
-        parts.append(dict(q_start=start, q_len=torch.clamp(g.n_ctx - start, max=bm), m_a=none, m_b=none,
-                          u0=none, u_end=none, stream=none))
+        parts.append(
+            dict(
+                q_start=start,
+                q_len=torch.clamp(g.n_ctx - start, max=bm),
+                m_a=none,
+                m_b=none,
+                u0=none,
+                u_end=none,
+                stream=none,
+            )
+        )
     if g.num_windows:
         parts += [_window_tiles(g, bm, j) for j in range(g.n_streams)]
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
@@ -323,7 +345,7 @@ def transpose_intervals(intervals: torch.Tensor, key_tiles: torch.Tensor) -> tup
     ptr = torch.zeros(nb * kt + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(torch.bincount(key, minlength=nb * kt), 0)
     # Row b holds offsets [b*KT .. (b+1)*KT] into the concatenated entries.
-    key_ptr = torch.stack([ptr[b * kt: (b + 1) * kt + 1] for b in range(nb)])
+    key_ptr = torch.stack([ptr[b * kt : (b + 1) * kt + 1] for b in range(nb)])
     return key_ptr, entries
 
 
@@ -356,9 +378,18 @@ def build_tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles) 
 
     i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
     return TilePlan(
-        layout_key=layout.cache_key, tiles=tiles, geometry=g, query_tiles=i32(query_tiles), bounds=i32(bounds),
-        order=i32(order), key_tiles=i32(key_tiles), intra_blocks=intra_blocks, windows_per_block=per_block,
-        key_ptr=i32(key_ptr), key_entries=i32(entries), key_order=i32(key_order),
+        layout_key=layout.cache_key,
+        tiles=tiles,
+        geometry=g,
+        query_tiles=i32(query_tiles),
+        bounds=i32(bounds),
+        order=i32(order),
+        key_tiles=i32(key_tiles),
+        intra_blocks=intra_blocks,
+        windows_per_block=per_block,
+        key_ptr=i32(key_ptr),
+        key_entries=i32(entries),
+        key_order=i32(key_order),
     )
 
 
@@ -375,5 +406,14 @@ def tile_plan(layout: Union[WindowLayout, QueryRowsLayout], tiles: Tiles = DEFAU
     return layout.derived(("triton.tile_plan", tiles), lambda: build_tile_plan(layout, tiles))
 
 
-__all__ = ["Tiles", "DEFAULT_TILES", "SLOT_WINDOW_MAX", "Geometry", "TilePlan", "tile_plan", "device_plan",
-           "device_copy", "device_int32"]
+__all__ = [
+    "Tiles",
+    "DEFAULT_TILES",
+    "SLOT_WINDOW_MAX",
+    "Geometry",
+    "TilePlan",
+    "tile_plan",
+    "device_plan",
+    "device_copy",
+    "device_int32",
+]

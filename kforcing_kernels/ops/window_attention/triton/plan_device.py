@@ -53,7 +53,8 @@ def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
                 raise RuntimeError(
                     f"window_attention (triton): {name[0]} of this layout has no copy on {device} yet, and the "
                     "current stream is capturing a CUDA graph, where no host-to-device copy can run; call the op "
-                    "once with this layout, shapes and device before the capture (a warm-up)")
+                    "once with this layout, shapes and device before the capture (a warm-up)"
+                )
             _captured_copies[index] = value
         return value
     value = layout.derived((*name, str(device), stream_id(device)), build)
@@ -101,9 +102,14 @@ def _upload(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:
         return device_int32(x, device)
 
     return dict(
-        query_tiles=dev(plan.query_tiles), bounds=dev(plan.bounds), order=dev(plan.order),
-        key_tiles=dev(plan.key_tiles), row_iv=dev(row_iv), window_keys=dev(layout.window_token_keys),
+        query_tiles=dev(plan.query_tiles),
+        bounds=dev(plan.bounds),
+        order=dev(plan.order),
+        key_tiles=dev(plan.key_tiles),
+        row_iv=dev(row_iv),
+        window_keys=dev(layout.window_token_keys),
         row_slot0=dev(_row_slot0(layout)),
         bounds_bstride=plan.bounds[0].numel() if plan.bounds.shape[0] > 1 else 0,
-        iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0, n_iv=row_iv.shape[2],
+        iv_bstride=row_iv[0].numel() if row_iv.shape[0] > 1 else 0,
+        n_iv=row_iv.shape[2],
     )

@@ -92,8 +92,12 @@ def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.dev
         def dev(x: torch.Tensor) -> torch.Tensor:
             return device_int32(x, device)
 
-        return dict(step_ptr=dev(steps.ptr), step_entries=dev(steps.entries), step_order=dev(steps.order),
-                    stepptr_bstride=steps.ptr[0].numel() if steps.ptr.shape[0] > 1 else 0)
+        return dict(
+            step_ptr=dev(steps.ptr),
+            step_entries=dev(steps.entries),
+            step_order=dev(steps.order),
+            stepptr_bstride=steps.ptr[0].numel() if steps.ptr.shape[0] > 1 else 0,
+        )
 
     return device_copy(layout, ("triton.device_steps", tiles), device, upload)
 

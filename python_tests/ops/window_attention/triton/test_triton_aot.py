@@ -50,16 +50,25 @@ def test_configs_table_is_consistent():
 def test_report_compiles_each_distinct_kernel_once():
     """Tile sets that do not change a kernel's constexprs (slot, delta) are not compiled twice."""
     jobs = aot_report.jobs("chosen")
-    keys = [(j.arch, j.kernel, tuple(sorted(aot_report._constexprs(j.kernel, j.head_dim, j.tile_set).items())),
-             j.dtype, j.num_warps, j.num_stages) for j in jobs]
+    keys = [
+        (
+            j.arch,
+            j.kernel,
+            tuple(sorted(aot_report._constexprs(j.kernel, j.head_dim, j.tile_set).items())),
+            j.dtype,
+            j.num_warps,
+            j.num_stages,
+        )
+        for j in jobs
+    ]
     assert len(keys) == len(set(keys))
-    assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {
-        (name, "wide") for name in ("fwd", "bwd")}
+    assert {(j.kernel, j.tile_set) for j in jobs if j.tile_set == "wide"} == {(name, "wide") for name in ("fwd", "bwd")}
     assert {j.arch for j in jobs if j.tile_set == "wide"} == {90}  # never dispatched below sm_90
     # The paged decode kernel (ops/paged_attention) is in the report too, at its launch config.
     paged = [j for j in jobs if j.kernel == aot_report.PAGED]
-    assert {(j.arch, j.head_dim, j.dtype) for j in paged} == {(a, d, t) for a in (80, 90) for d in (64, 128)
-                                                              for t in ("fp16", "bf16")}
+    assert {(j.arch, j.head_dim, j.dtype) for j in paged} == {
+        (a, d, t) for a in (80, 90) for d in (64, 128) for t in ("fp16", "bf16")
+    }
     assert all((j.num_warps, j.num_stages) == aot_report.PAGED_CONFIG and j.chosen for j in paged)
 
 
@@ -67,32 +76,43 @@ def test_report_compiles_each_distinct_kernel_once():
 
 
 def _copy(name, buffer, index):
-    return (f"    %{name}_view = ttg.memdesc_index %{buffer}[%c{index}_i32] : !ttg.memdesc<3x64x64xf16, #shared, "
-            "#smem, "
-            f"mutable> -> !ttg.memdesc<64x64xf16, #shared, #smem, mutable> loc(#loc1)\n"
-            f"    %{name} = ttg.async_copy_global_to_local %ptr_{name}, %{name}_view mask %ok other %zero : "
-            f"tensor<64x64x!tt.ptr<f16>, #blocked> -> <64x64xf16, #shared, #smem, mutable> loc(#loc1)\n")
+    return (
+        f"    %{name}_view = ttg.memdesc_index %{buffer}[%c{index}_i32] : !ttg.memdesc<3x64x64xf16, #shared, "
+        "#smem, "
+        f"mutable> -> !ttg.memdesc<64x64xf16, #shared, #smem, mutable> loc(#loc1)\n"
+        f"    %{name} = ttg.async_copy_global_to_local %ptr_{name}, %{name}_view mask %ok other %zero : "
+        f"tensor<64x64x!tt.ptr<f16>, #blocked> -> <64x64xf16, #shared, #smem, mutable> loc(#loc1)\n"
+    )
 
 
 def _loop(bound, body, indent=4, results="%r:2"):
     pad = " " * indent
     inner = "".join(pad + "  " + line.strip() + "\n" for line in body.strip("\n").splitlines())
-    return (f"{pad}{results} = scf.for %i = %c0_i32 to %{bound} step %c1_i32 iter_args(%a0 = %t0) -> "
-            f"(!ttg.async.token)  : i32 {{\n{inner}{pad}}} loc(#loc9)\n")
+    return (
+        f"{pad}{results} = scf.for %i = %c0_i32 to %{bound} step %c1_i32 iter_args(%a0 = %t0) -> "
+        f"(!ttg.async.token)  : i32 {{\n{inner}{pad}}} loc(#loc9)\n"
+    )
 
 
 ALLOC = "    %buf = ttg.local_alloc : () -> !ttg.memdesc<3x64x64xf16, #shared, #smem, mutable> loc(#loc1)\n"
-WGMMA = ("%s = ttng.warp_group_dot %q, %k_view, %acc {inputPrecision = 0 : i32, isAsync = true} : "
-         "!ttg.memdesc<64x64xf16> * !ttg.memdesc<64x64xf16> -> tensor<64x64xf32, #mma> loc(#loc2)\n"
-         "%sw:3 = ttng.warp_group_dot_wait %s, %q, %k_view {pendings = 0 : i32} : tensor<64x64xf32, #mma> loc(#loc2)")
-MMA_V2 = ("%p = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<32x64xf16> * tensor<64x64xf16> "
-          "-> tensor<32x64xf32> loc(#loc3)")
+WGMMA = (
+    "%s = ttng.warp_group_dot %q, %k_view, %acc {inputPrecision = 0 : i32, isAsync = true} : "
+    "!ttg.memdesc<64x64xf16> * !ttg.memdesc<64x64xf16> -> tensor<64x64xf32, #mma> loc(#loc2)\n"
+    "%sw:3 = ttng.warp_group_dot_wait %s, %q, %k_view {pendings = 0 : i32} : tensor<64x64xf32, #mma> loc(#loc2)"
+)
+MMA_V2 = (
+    "%p = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<32x64xf16> * tensor<64x64xf16> "
+    "-> tensor<32x64xf32> loc(#loc3)"
+)
 WAIT0 = "%w = ttg.async_wait %a0 {num = 0 : i32} loc(#loc4)"
 
 
 def _func(body):
-    return ("module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n" + body
-            + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n")
+    return (
+        "module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n"
+        + body
+        + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n"
+    )
 
 
 def test_ttgir_dot_counts_tell_wgmma_from_mma_v2():
@@ -116,12 +136,17 @@ def test_ttgir_a_loop_over_the_gqa_group_is_not_the_main_loop():
     loop is the main one, and its loads are waited for in the iteration that issued them."""
     group = _loop("kv_group", WAIT0 + "\n" + MMA_V2 + "\n" + _copy("t2", "buf", 0), indent=6, results="%g:2")
     outer_body = (ALLOC + _copy("t0", "buf", 0)).replace("    ", "      ") + group
-    text = "module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n" + (
-        "    %r:2 = scf.for %e = %c0_i32 to %e_end step %c1_i32 iter_args(%x = %z) -> (f32)  : i32 {\n"
-        + outer_body + "    } loc(#loc9)\n") + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n"
+    text = (
+        "module {\n  tt.func public @k(%n: i32, %kv_group: i32) {\n"
+        + (
+            "    %r:2 = scf.for %e = %c0_i32 to %e_end step %c1_i32 iter_args(%x = %z) -> (f32)  : i32 {\n"
+            + outer_body
+            + "    } loc(#loc9)\n"
+        )
+        + "    tt.return loc(#loc)\n  } loc(#loc)\n}\n"
+    )
     loops = ttgir.loops(text)
-    assert [(loop.bound, loop.depth, loop.over_group) for loop in loops] == [("e_end", 0, False),
-                                                                            ("kv_group", 2, True)]
+    assert [(loop.bound, loop.depth, loop.over_group) for loop in loops] == [("e_end", 0, False), ("kv_group", 2, True)]
     assert ttgir.main_loop_depth(text) == 0
 
 
@@ -155,18 +180,35 @@ def test_ttgir_reports_each_main_loops_top_wait_and_buffers():
     assert not ttgir.stalls(0, 2)  # two stages: every copy is waited for one iteration after it was issued
     assert not ttgir.stalls(None, 3)  # no async_wait at all: synchronous, which depth 0 reports
     # The wait that counts is the loop's own first one, not one after its math or in a nested loop.
-    late = _func(ALLOC + _copy("t0", "buf", 0) + _copy("t1", "buf", 1) + _loop(
-        "n", WAIT0.replace("num = 0", "num = 2") + "\n" + WGMMA + "\n" + WAIT0 + "\n" + _copy("t2", "buf", 2)))
+    late = _func(
+        ALLOC
+        + _copy("t0", "buf", 0)
+        + _copy("t1", "buf", 1)
+        + _loop("n", WAIT0.replace("num = 0", "num = 2") + "\n" + WGMMA + "\n" + WAIT0 + "\n" + _copy("t2", "buf", 2))
+    )
     assert [loop.top_wait for loop in ttgir.main_loops(late)] == [2]
     synchronous = _func(_loop("n", "%x = tt.load %ptr : tensor<64x64x!tt.ptr<f16>> loc(#loc5)\n" + WGMMA))
     assert [(loop.top_wait, loop.buffers) for loop in ttgir.main_loops(synchronous)] == [(None, None)]
 
 
-def _row(kernel, arch=90, default=True, wgmma=2, dots=2, depth=2, error=None, tiles="hopper", d=64, stages=2,
-         top_waits=()):
+def _row(
+    kernel, arch=90, default=True, wgmma=2, dots=2, depth=2, error=None, tiles="hopper", d=64, stages=2, top_waits=()
+):
     job = aot_report.Job(arch, kernel, tiles, d, "bf16", 4, stages, True, default)
-    return aot_report.Row(job, 128, 0, 0, 1024, 0, error=error, wgmma=wgmma, dots=dots, depth=depth,
-                          top_waits=top_waits, buffers=tuple(3 for _ in top_waits))
+    return aot_report.Row(
+        job,
+        128,
+        0,
+        0,
+        1024,
+        0,
+        error=error,
+        wgmma=wgmma,
+        dots=dots,
+        depth=depth,
+        top_waits=top_waits,
+        buffers=tuple(3 for _ in top_waits),
+    )
 
 
 def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
@@ -175,21 +217,32 @@ def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
     assert set(aot_report.main_kernels()) == {"fwd", "bwd"}
     monkeypatch.setitem(launch.KERNELS, "bwd_new", launch.KERNELS["bwd"])  # a new kernel is a main one
     assert "bwd_new" in aot_report.main_kernels()
-    rows = [_row("fwd"), _row("bwd", depth=0), _row("bwd_new", wgmma=0, depth=0), _row("fwd", depth=None),
-            _row("fwd", error="PTXASError: x"), _row("bwd", arch=80, wgmma=0), _row("bwd", default=False, depth=0),
-            _row("delta", wgmma=0, dots=0, depth=None),
-            # Not held to the standard: sets sm_90a never picks unforced, D = 32.
-            _row("bwd", tiles="base", wgmma=0, depth=1), _row("bwd", tiles="hopper128", wgmma=0, depth=4),
-            _row("fwd", tiles="base", d=32, depth=0),
-            # A stall counts at 3+ stages only (two stages wait with num = 0 in a real pipeline).
-            _row("bwd", depth=3, stages=3, top_waits=(0, 6, 2)), _row("bwd", depth=5, stages=3, top_waits=(4, 6)),
-            _row("fwd", depth=2, stages=2, top_waits=(0,))]
+    rows = [
+        _row("fwd"),
+        _row("bwd", depth=0),
+        _row("bwd_new", wgmma=0, depth=0),
+        _row("fwd", depth=None),
+        _row("fwd", error="PTXASError: x"),
+        _row("bwd", arch=80, wgmma=0),
+        _row("bwd", default=False, depth=0),
+        _row("delta", wgmma=0, dots=0, depth=None),
+        # Not held to the standard: sets sm_90a never picks unforced, D = 32.
+        _row("bwd", tiles="base", wgmma=0, depth=1),
+        _row("bwd", tiles="hopper128", wgmma=0, depth=4),
+        _row("fwd", tiles="base", d=32, depth=0),
+        # A stall counts at 3+ stages only (two stages wait with num = 0 in a real pipeline).
+        _row("bwd", depth=3, stages=3, top_waits=(0, 6, 2)),
+        _row("bwd", depth=5, stages=3, top_waits=(4, 6)),
+        _row("fwd", depth=2, stages=2, top_waits=(0,)),
+    ]
     failures = {(r.job.kernel, r.depth): problems for r, problems in aot_report.hopper_failures(rows)}
-    assert failures == {("bwd", 0): ["main loop not pipelined (depth 0)"],
-                        ("bwd_new", 0): ["no wgmma (0 of 2 dots)", "main loop not pipelined (depth 0)"],
-                        ("fwd", None): ["no main loop with a dot"],
-                        ("fwd", 2): ["does not compile (PTXASError: x)"],
-                        ("bwd", 3): ["main loop 1 of 3 stalls (async_wait num = 0 at the top, 3 stages)"]}
+    assert failures == {
+        ("bwd", 0): ["main loop not pipelined (depth 0)"],
+        ("bwd_new", 0): ["no wgmma (0 of 2 dots)", "main loop not pipelined (depth 0)"],
+        ("fwd", None): ["no main loop with a dot"],
+        ("fwd", 2): ["does not compile (PTXASError: x)"],
+        ("bwd", 3): ["main loop 1 of 3 stalls (async_wait num = 0 at the top, 3 stages)"],
+    }
     table = aot_report.format_table(rows[-3:])
     assert [line.split("|")[-4].strip() for line in table.splitlines()[2:]] == ["1", "-", "-"]  # stalls
     assert "| 0/6/2 " in table and "| 3/3/3 " in table
@@ -198,8 +251,27 @@ def test_hopper_failures_judge_default_sm90_main_kernels_only(monkeypatch):
 # ---------------------------------------------------------------- the report on the real kernels (compiles)
 
 
-COLUMNS = ("target", "kernel", "tiles", "d", "dtype", "warps", "stages", "regs", "spill", "smem", "limit", "wgmma",
-           "dots", "depth", "top_wait", "bufs", "stalls", "chosen", "status")
+COLUMNS = (
+    "target",
+    "kernel",
+    "tiles",
+    "d",
+    "dtype",
+    "warps",
+    "stages",
+    "regs",
+    "spill",
+    "smem",
+    "limit",
+    "wgmma",
+    "dots",
+    "depth",
+    "top_wait",
+    "bufs",
+    "stalls",
+    "chosen",
+    "status",
+)
 
 
 def _ci_kernels() -> list[str]:
@@ -216,11 +288,19 @@ def default_report():
         pytest.skip(aot_report.tools_missing())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-m", "kforcing_kernels.tools.aot_report", "--defaults",
-                             "--kernels", *_ci_kernels()],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    rows = [dict(zip(COLUMNS, (c.strip() for c in line.strip("|").split("|"))))
-            for line in result.stdout.splitlines() if line.startswith("| sm_")]
+    result = subprocess.run(
+        [sys.executable, "-m", "kforcing_kernels.tools.aot_report", "--defaults", "--kernels", *_ci_kernels()],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    rows = [
+        dict(zip(COLUMNS, (c.strip() for c in line.strip("|").split("|"))))
+        for line in result.stdout.splitlines()
+        if line.startswith("| sm_")
+    ]
     return result, rows
 
 
@@ -257,13 +337,22 @@ def test_hopper_check_fails_exactly_on_the_listed_defaults(default_report):
 
     result, rows = default_report
     main = set(aot_report.main_kernels())
-    held = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] in main
-            and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
-            and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
-    expected = {(r["kernel"], r["tiles"], r["d"], r["dtype"], r["warps"], r["stages"]) for r in held
-                if r["wgmma"] == "0" or r["depth"] in ("0", "-") or r["stalls"] != "-"}
-    listed = set(re.findall(r"NOT HOPPER-GRADE: (\w+) (\w+) D=(\d+) (\w+) \((\d+) warps, (\d+) stages\)",
-                            result.stdout))
+    held = [
+        r
+        for r in rows
+        if r["target"] == "sm_90a"
+        and r["kernel"] in main
+        and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
+        and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)
+    ]
+    expected = {
+        (r["kernel"], r["tiles"], r["d"], r["dtype"], r["warps"], r["stages"])
+        for r in held
+        if r["wgmma"] == "0" or r["depth"] in ("0", "-") or r["stalls"] != "-"
+    }
+    listed = set(
+        re.findall(r"NOT HOPPER-GRADE: (\w+) (\w+) D=(\d+) (\w+) \((\d+) warps, (\d+) stages\)", result.stdout)
+    )
     assert listed == expected
     assert result.returncode == (1 if expected else 0)
     assert f"{len(held) - len(expected)} of {len(held)} have" in result.stdout
@@ -284,11 +373,18 @@ def test_default_step_loops_keep_a_step_in_flight(default_report):
     from kforcing_kernels.ops.window_attention.triton import configs
 
     _, rows = default_report
-    checked = [r for r in rows if r["target"] == "sm_90a" and r["kernel"] == "bwd" and int(r["stages"]) >= 3
-               and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
-               and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)]
+    checked = [
+        r
+        for r in rows
+        if r["target"] == "sm_90a"
+        and r["kernel"] == "bwd"
+        and int(r["stages"]) >= 3
+        and int(r["d"]) in aot_report.HOPPER_HEAD_DIMS
+        and configs.dispatched_by_default(r["tiles"], int(r["d"]), 9)
+    ]
     assert {(r["kernel"], r["tiles"], r["d"]) for r in checked} == {
-        ("bwd", t, d) for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))}
+        ("bwd", t, d) for t, d in (("hopper", "64"), ("base", "128"), ("wide", "128"))
+    }
     for r in checked:
         waits, bufs = r["top_wait"].split("/"), r["bufs"].split("/")
         assert len(waits) == len(bufs) >= 2 and "-" not in waits + bufs, r

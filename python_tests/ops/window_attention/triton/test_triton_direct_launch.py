@@ -77,17 +77,29 @@ def test_trusted_plan_tables_are_int32_aligned_and_left_out_of_the_key():
     assert table.dtype == torch.int32 and table.data_ptr() % 16 == 0 and table.tolist() == list(range(1, 9))
     fn = launch.KERNELS["fwd"]
     assert {p.name for p in fn.params if p.name in PLAN_POINTERS} == {
-        "QueryTiles", "Bounds", "Order", "RowIv", "WindowKeys", "RowSlot0"}
+        "QueryTiles",
+        "Bounds",
+        "Order",
+        "RowIv",
+        "WindowKeys",
+        "RowSlot0",
+    }
     names = [p.name for p in fn.params if not p.is_constexpr]
-    base = {name: (torch.zeros(8, dtype=torch.int32) if name in PLAN_POINTERS or name == "Counters" else
-                   torch.zeros(8)) if name[0].isupper() else (0.5 if name in launch.FLOAT_ARGS else 32)
-            for name in names}
+    base = {
+        name: (torch.zeros(8, dtype=torch.int32) if name in PLAN_POINTERS or name == "Counters" else torch.zeros(8))
+        if name[0].isupper()
+        else (0.5 if name in launch.FLOAT_ARGS else 32)
+        for name in names
+    }
     signer = direct.ArgSignature(fn, PLAN_POINTERS)
     key = signer(tuple(base.values()))
     other_table = dict(base, Bounds=torch.zeros(8, dtype=torch.int64)[1:])  # never passed: not checked
     assert signer(tuple(other_table.values())) == key
-    for name, t in (("Counters", torch.zeros(9, dtype=torch.int32)[1:]), ("Q", torch.zeros(9)[1:]),
-                    ("Q", torch.zeros(8, dtype=torch.float16))):
+    for name, t in (
+        ("Counters", torch.zeros(9, dtype=torch.int32)[1:]),
+        ("Q", torch.zeros(9)[1:]),
+        ("Q", torch.zeros(8, dtype=torch.float16)),
+    ):
         assert signer(tuple(dict(base, **{name: t}).values())) != key, name
     untrusting = direct.ArgSignature(fn)
     assert untrusting(tuple(other_table.values())) != untrusting(tuple(base.values()))
@@ -138,9 +150,16 @@ def test_signature_follows_changing_argument_types():
     call's plan while the types are equal): equal keys still mean equal Triton specialisations, and a
     fresh signer gives the same key as the reused one."""
     base = torch.zeros(64, dtype=torch.float32)
-    calls = [(base, 7, base, 16, 0.5, base), (base, 7, base, 16, 2, base), (base, 7, base[1:], 16, 0.5, base),
-             (base, 2**31, base, 16, 0.5, base), (base, 7, base, 17, 0.5, base.half()), (base, 7, base, 1, 0.5, base),
-             (base, 7, base, True, 0.5, base), (base, 7.0, base, 16, 0.5, base)]
+    calls = [
+        (base, 7, base, 16, 0.5, base),
+        (base, 7, base, 16, 2, base),
+        (base, 7, base[1:], 16, 0.5, base),
+        (base, 2**31, base, 16, 0.5, base),
+        (base, 7, base, 17, 0.5, base.half()),
+        (base, 7, base, 1, 0.5, base),
+        (base, 7, base, True, 0.5, base),
+        (base, 7.0, base, 16, 0.5, base),
+    ]
     signer = direct.ArgSignature(_interleaved_kernel)
     by_key = {}
     for args in calls + calls[::-1] + calls:
@@ -159,7 +178,7 @@ def test_packing_matches_the_jit_bound_arguments(kernel_name):
     fn = launch.KERNELS[kernel_name]
     constexprs = aot_report._constexprs(kernel_name, 64)
     positional = [p.name for p in fn.params if not p.is_constexpr]
-    assert fn.arg_names[:len(positional)] == positional  # constexprs come last in every kernel
+    assert fn.arg_names[: len(positional)] == positional  # constexprs come last in every kernel
     t = torch.zeros(16)
     args = tuple(t if name[0].isupper() else (0.5 if name in launch.FLOAT_ARGS else 7) for name in positional)
     kwargs = dict(reversed(list(constexprs.items())))  # keyword order must not matter

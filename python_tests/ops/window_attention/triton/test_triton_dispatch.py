@@ -27,7 +27,16 @@ def env(monkeypatch):
 
 def test_length_bucket_is_the_clamped_next_power_of_two():
     assert [configs.length_bucket(n) for n in (1, 300, 1024, 1025, 2048, 5000, 8192, 8193, 10**7)] == [
-        1024, 1024, 1024, 2048, 2048, 8192, 8192, 16384, 16384]
+        1024,
+        1024,
+        1024,
+        2048,
+        2048,
+        8192,
+        8192,
+        16384,
+        16384,
+    ]
 
 
 def test_wide_tiles_only_for_d128_long_rows_on_hopper(env):
@@ -80,8 +89,9 @@ def test_launches_per_forward_and_backward(monkeypatch):
     what the launchers ask for."""
     monkeypatch.setenv("KFORCING_TRITON_KERNELS", "split")  # removed switch: ignored
     launched = []
-    monkeypatch.setattr(launch, "_launch",
-                        lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None)
+    monkeypatch.setattr(
+        launch, "_launch", lambda name, grid, *a, **kw: launched.append(name) if grid[0] * grid[1] else None
+    )
     expected = ["fwd", "delta", "bwd"]
     for k in (4, 32):
         layout = WindowLayout.kforcing_single(300, k)
@@ -122,8 +132,9 @@ def test_autotuner_per_key_with_the_tables_configs(env):
     assert [(c.num_warps, c.num_stages) for c in tuner.configs] == configs.KERNEL_CONFIGS["fwd"][("wide", 128)]
     env.setenv("KFORCING_TRITON_AUTOTUNE", "0")  # deterministic: the first entry only, no timing
     assert not configs.autotune_enabled()
-    assert [(c.num_warps, c.num_stages) for c in launch._tuned_kernel("fwd", key).configs] == \
-        configs.KERNEL_CONFIGS["fwd"][("wide", 128)][:1]
+    assert [(c.num_warps, c.num_stages) for c in launch._tuned_kernel("fwd", key).configs] == configs.KERNEL_CONFIGS[
+        "fwd"
+    ][("wide", 128)][:1]
     env.setenv("KFORCING_TRITON_AUTOTUNE", "yes")
     with pytest.raises(ValueError, match="KFORCING_TRITON_AUTOTUNE"):
         configs.autotune_enabled()
@@ -201,8 +212,9 @@ for name, layout in [("single", WindowLayout.kforcing_single(150, 4)), ("double"
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="starts its own interpreter process")
 def test_wide_tiles_match_reference_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _WIDE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", _WIDE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert out.count(" ok") == 3, out[-4000:]

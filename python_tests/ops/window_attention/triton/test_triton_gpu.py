@@ -11,8 +11,10 @@ from kforcing_kernels import WindowLayout, default_backend, window_attention
 from kforcing_kernels.ops.window_attention import reference
 
 ROOT = str(REPO)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                               reason="needs a CUDA device (and compiled, not interpreted, Triton)")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA device (and compiled, not interpreted, Triton)",
+)
 
 LAYOUTS = {
     "single": WindowLayout.kforcing_single(300, 4),
@@ -22,10 +24,19 @@ LAYOUTS = {
     "jacobi": WindowLayout.jacobi(100, 200),
     "causal": WindowLayout.causal(333),
     # A context start that moves inside one query tile while the rows share keys (issue 40): partly masked tiles.
-    "sliding_context": WindowLayout(300, 4, 4, [0, 50, 100, 260], [40, 160, 300, 300], queries="all",
-                                    context_lo=(torch.arange(300) - 100).clamp(min=0), context_hi=torch.arange(1, 301)),
-    "anchor_sliding_slot": WindowLayout.anchor_blocks(300, [[64, 200, 299], [17, 150, 250]], 16, window=70,
-                                                      window_mode="slot"),
+    "sliding_context": WindowLayout(
+        300,
+        4,
+        4,
+        [0, 50, 100, 260],
+        [40, 160, 300, 300],
+        queries="all",
+        context_lo=(torch.arange(300) - 100).clamp(min=0),
+        context_hi=torch.arange(1, 301),
+    ),
+    "anchor_sliding_slot": WindowLayout.anchor_blocks(
+        300, [[64, 200, 299], [17, 150, 250]], 16, window=70, window_mode="slot"
+    ),
 }
 
 
@@ -37,20 +48,24 @@ def test_compiled_kernels_match_reference(name):
     batch = layout.batch_size or 2
     for dtype in (torch.bfloat16, torch.float16):
         for d in (32, 64, 128):
-            q, k, v = (t.detach().cuda().requires_grad_(True) for t in
-                       make_qkv(layout, batch=batch, heads=4, kv_heads=2, head_dim=d, dtype=dtype))
+            q, k, v = (
+                t.detach().cuda().requires_grad_(True)
+                for t in make_qkv(layout, batch=batch, heads=4, kv_heads=2, head_dim=d, dtype=dtype)
+            )
             dout = torch.randn_like(q)
             out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
             grads = torch.autograd.grad(out, (q, k, v), dout)
             qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-            ref_out, ref_lse = reference.attention(qr, kr, vr, layout, d ** -0.5)
+            ref_out, ref_lse = reference.attention(qr, kr, vr, layout, d**-0.5)
             ref_grads = torch.autograd.grad(ref_out, (qr, kr, vr), dout.double())
             tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
-            for what, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse,
-                                                                                              *ref_grads)):
+            for what, got, want in zip(
+                ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (ref_out, ref_lse, *ref_grads)
+            ):
                 assert bool(torch.isfinite(got).all()), (dtype, d, what)
-                torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, dtype=dtype, d=d,
-                                           what=what: f"{dtype} D={d} {what}: {m}")
+                torch.testing.assert_close(
+                    got.double(), want, **tol, msg=lambda m, dtype=dtype, d=d, what=what: f"{dtype} D={d} {what}: {m}"
+                )
 
 
 @needs_gpu
@@ -109,8 +124,25 @@ def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
         return 2.0  # ms
 
     monkeypatch.setattr(triton_gpu, "time_ms", fake_time)
-    args = triton_gpu.parse_args(["--n", "64", "--k", "2", "--dim", "32", "--heads", "2", "--device", "cpu",
-                                  "--methods", "triton", "sdpa_flash_causal", "composite", "dense_sdpa"])
+    args = triton_gpu.parse_args(
+        [
+            "--n",
+            "64",
+            "--k",
+            "2",
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--device",
+            "cpu",
+            "--methods",
+            "triton",
+            "sdpa_flash_causal",
+            "composite",
+            "dense_sdpa",
+        ]
+    )
     row = triton_gpu.bench_one("single", 64, 2, 32, args, {})
     layout = WindowLayout.kforcing_single(64, 2)
     pairs = int(layout.num_pairs())
@@ -126,18 +158,21 @@ def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
 
 def _grads_vs_reference(layout, backend, dtype, d, device, heads=4, kv_heads=2):
     batch = layout.batch_size or 2
-    q, k, v = (t.detach().to(device).requires_grad_(True) for t in
-               make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype))
+    q, k, v = (
+        t.detach().to(device).requires_grad_(True)
+        for t in make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype)
+    )
     dout = torch.randn_like(q)
     out = window_attention(q, k, v, layout, backend=backend)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
     qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    ref_out, _ = reference.attention(qr, kr, vr, layout, d ** -0.5)
+    ref_out, _ = reference.attention(qr, kr, vr, layout, d**-0.5)
     want = (ref_out, *torch.autograd.grad(ref_out, (qr, kr, vr), dout.double()))
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.device == q.device and bool(torch.isfinite(a).all()), what
-        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m,
-                                   what=what: f"{backend} {what}: {m}")
+        torch.testing.assert_close(
+            a.double(), b, atol=3e-2, rtol=3e-2, msg=lambda m, what=what: f"{backend} {what}: {m}"
+        )
     return got
 
 
@@ -148,9 +183,12 @@ def test_both_tile_sets_at_d128_are_right_and_bitwise_repeatable(tiles, monkeypa
     for name in ("single", "double", "sbd", "causal"):
         layout = LAYOUTS[name]
         _grads_vs_reference(layout, "triton", torch.bfloat16, 128, "cuda")
-        q, k, v = (t.detach().cuda().requires_grad_(True) for t in
-                   make_qkv(layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=128,
-                            dtype=torch.bfloat16))
+        q, k, v = (
+            t.detach().cuda().requires_grad_(True)
+            for t in make_qkv(
+                layout, batch=layout.batch_size or 2, heads=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16
+            )
+        )
         dout = torch.randn_like(q)
         runs = []
         for _ in range(2):
@@ -184,8 +222,9 @@ def test_a_cuda_graph_replays_the_eager_step_and_a_cold_layout_is_refused_by_nam
     no call has warmed up is refused naming the warm-up, instead of a host-to-device copy inside the capture."""
     layout = WindowLayout.kforcing_single(256, 4)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(2, 4, layout.n_queries, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
-                     for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(2, 4, layout.n_queries, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)
+    )
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
     def step(lay=layout):
@@ -236,8 +275,11 @@ def test_gpu_check_bench_commands_parse(tmp_path):
             continue
         args = triton_gpu.parse_args(check.expand(step.argv, str(tmp_path))[3:])  # accepted, and what it asks
         if args.json.endswith("table_d64.json"):
-            assert (args.n, args.k, set(args.methods)) == ([1024, 4096, 8192], [2, 4, 8], {
-                "triton", "flex", "sdpa_flash_causal", "dense_sdpa"})
+            assert (args.n, args.k, set(args.methods)) == (
+                [1024, 4096, 8192],
+                [2, 4, 8],
+                {"triton", "flex", "sdpa_flash_causal", "dense_sdpa"},
+            )
             tables += 1
     assert tables == 1
 
@@ -272,8 +314,23 @@ def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(mon
         return {0: 40.0, 1: 10.0, 2: 8.0}[len(seen) - 1]  # dense, ours, zero
 
     monkeypatch.setattr(triton_gpu, "time_ms", fake_time)
-    args = triton_gpu.parse_args(["--train-step", "--n", "16", "--k", "1", "--batch-size", "2", "--device", "cpu",
-                                  "--train-preset", "micro", "--train-ours", "cpp"])
+    args = triton_gpu.parse_args(
+        [
+            "--train-step",
+            "--n",
+            "16",
+            "--k",
+            "1",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--train-preset",
+            "micro",
+            "--train-ours",
+            "cpp",
+        ]
+    )
     (row,) = triton_gpu.train_step(args)
     assert (row["dense_ms"], row["ours_ms"], row["zero_ms"]) == (40.0, 10.0, 8.0)
     assert row["speedup"] == pytest.approx(4.0) and row["ours_vs_zero"] == pytest.approx(1.25)

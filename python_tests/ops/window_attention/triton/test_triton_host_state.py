@@ -107,8 +107,9 @@ def test_the_eager_fast_path_launches_what_the_checked_launchers_do(monkeypatch)
     monkeypatch.setenv("KFORCING_TRITON_AUTOTUNE", "0")
     layout = WindowLayout.kforcing_single(128, 4)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, layout.n_queries, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, layout.n_queries, 64, generator=g).to(torch.bfloat16).requires_grad_(True) for _ in range(3)
+    )
     dout = torch.randn_like(q)
     records = []
     with stub_driver() as driver, triton_op_on_cpu():

@@ -61,20 +61,42 @@ def _cases():
             batch = layout.batch_size
         if tiles.block_n_dkdv > 32 and d == 32:
             d = 64  # wide dK/dV tiles are the D >= 64 sets' (they are never dispatched at D = 32)
-        cases.append(pytest.param(layout, tiles, d, dtype, batch, heads, kv_heads,
-                                  id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}"))
+        cases.append(
+            pytest.param(
+                layout,
+                tiles,
+                d,
+                dtype,
+                batch,
+                heads,
+                kv_heads,
+                id=f"{name}-D{d}-{str(dtype)[6:]}-B{batch}H{heads}/{kv_heads}",
+            )
+        )
 
     # (N, k, tiles): every k at small N, a few at larger N (slot steps are the interpreter's slow part,
     # so long windows get larger slot blocks).
     grid = [(1, k, SMALL) for k in (1, 2, 3, 4, 8)] + [(17, k, SMALL) for k in (1, 2, 3, 4)]
-    grid += [(17, 8, MID), (64, 2, MID), (64, 3, MID), (64, 8, DEFAULT_TILES), (130, 1, DEFAULT_TILES),
-             (130, 4, DEFAULT_TILES)]
+    grid += [
+        (17, 8, MID),
+        (64, 2, MID),
+        (64, 3, MID),
+        (64, 8, DEFAULT_TILES),
+        (130, 1, DEFAULT_TILES),
+        (130, 4, DEFAULT_TILES),
+    ]
     for n, k, tiles in grid:
         add(f"single-N{n}-k{k}", WindowLayout.kforcing_single(n, k), tiles)
         add(f"double-N{n}-k{k}", WindowLayout.kforcing_double(n, k), tiles)
     add("single-N130-k8", WindowLayout.kforcing_single(130, 8), DEFAULT_TILES)
-    for n, block, tiles in ((1, 4, SMALL), (17, 2, SMALL), (17, 8, SMALL), (64, 3, MID), (130, 1, DEFAULT_TILES),
-                            (130, 8, MID)):
+    for n, block, tiles in (
+        (1, 4, SMALL),
+        (17, 2, SMALL),
+        (17, 8, SMALL),
+        (64, 3, MID),
+        (130, 1, DEFAULT_TILES),
+        (130, 8, MID),
+    ):
         add(f"sbd-N{n}-b{block}", WindowLayout.sbd(n, block), tiles)
     add("ptp-shared", WindowLayout.ptp(40, [5, 17, 40, 22], 6, [0, 5, 30, 22]), SMALL)
     add("ptp-batched", WindowLayout.ptp(33, [[0, 12, 33], [7, 7, 30]], 5, [[0, 3, 20], [0, 7, 1]]), SMALL)
@@ -95,10 +117,16 @@ def _cases():
     add("causal-N200-wide", WindowLayout.causal(200), TILE_SETS["wide"][128])
     add("double-N40-k8-wide", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide"][128])
     add("single-N40-k2-wide", WindowLayout.kforcing_single(40, 2), TILE_SETS["wide"][128])  # slot steps inline
-    add("packed-single-hopper64", WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]),
-        TILE_SETS["hopper"][64])
-    add("packed-causal-per-batch-wide", WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
-        TILE_SETS["wide"][128])
+    add(
+        "packed-single-hopper64",
+        WindowLayout.kforcing_single(90, 2, cu_seqlens=[0, 30, 61, 90]),
+        TILE_SETS["hopper"][64],
+    )
+    add(
+        "packed-causal-per-batch-wide",
+        WindowLayout.causal(150, cu_seqlens=[[0, 70, 150], [0, 33, 150]]),
+        TILE_SETS["wide"][128],
+    )
     # The D=128 candidate: 64-key dK/dV programs stepping 64 rows.
     add("double-N40-k8-wide-n64", WindowLayout.kforcing_double(40, 8), TILE_SETS["wide_n64"][128])
     add("single-N70-k2-wide-n64", WindowLayout.kforcing_single(70, 2), TILE_SETS["wide_n64"][128])
@@ -110,9 +138,16 @@ def _cases():
         "no-context": WindowLayout(0, 4, 5, [0, 0, 0, 0], [0, 0, 0, 0]),
         # The context start moves inside one query tile while the rows share keys (issue 40: a plan that marks
         # such a partly masked tile full skips its mask): a sliding-window context, per-slot sliding blocks.
-        "sliding-context": WindowLayout(48, 2, 3, [5, 0], [30, 48], queries="all",
-                                        context_lo=(torch.arange(48) - 20).clamp(min=0), context_hi=torch.arange(1,
-                                                                                                                 49)),
+        "sliding-context": WindowLayout(
+            48,
+            2,
+            3,
+            [5, 0],
+            [30, 48],
+            queries="all",
+            context_lo=(torch.arange(48) - 20).clamp(min=0),
+            context_hi=torch.arange(1, 49),
+        ),
         "anchor-sliding-slot": WindowLayout.anchor_blocks(48, [20, 45], 16, window=21, window_mode="slot"),
     }
     for name, layout in general.items():
@@ -139,10 +174,11 @@ def _expected_counts(plan, layout, tiles, batch, heads):
 
 @pytest.mark.parametrize("layout, tiles, d, dtype, batch, heads, kv_heads", _cases())
 def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_heads):
-    q, k, v = make_qkv(layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype,
-                       requires_grad=False)
+    q, k, v = make_qkv(
+        layout, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype, requires_grad=False
+    )
     dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
     out, lse = kernels.attention_forward(q, k, v, layout, scale, tiles=tiles, counters=counters)
     dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles, counters=counters)
@@ -155,8 +191,9 @@ def test_matches_reference(kernels, layout, tiles, d, dtype, batch, heads, kv_he
         assert t.dtype == (torch.float32 if name == "lse" else dtype)
         torch.testing.assert_close(t.double(), want[name], **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
     plan = tile_plan(layout, tiles)
-    assert counters.tolist() == _expected_counts(plan, layout, tiles, batch, heads), \
-        dict(zip(kernels.COUNTER_NAMES, counters.tolist()))
+    assert counters.tolist() == _expected_counts(plan, layout, tiles, batch, heads), dict(
+        zip(kernels.COUNTER_NAMES, counters.tolist())
+    )
 
 
 def test_step_loop_with_carried_entries_matches_reference(kernels):
@@ -169,7 +206,7 @@ def test_step_loop_with_carried_entries_matches_reference(kernels):
     assert sorted(set(step_plan(layout, tile_plan(layout, tiles)).entries[:, 2].tolist())) == [0, 1]
     q, k, v = make_qkv(layout, heads=4, kv_heads=2, head_dim=32, requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64).float()
-    scale = 32 ** -0.5
+    scale = 32**-0.5
     out, lse = kernels.attention_forward(q, k, v, layout, scale, tiles=tiles)
     counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
     grads = kernels.attention_backward(dout, q, k, v, out, lse, layout, scale, tiles=tiles, counters=counters)
@@ -188,7 +225,7 @@ def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, whi
     layout = (WindowLayout.kforcing_single if which == "single" else WindowLayout.kforcing_double)(1024, 4)
     q, k, v = make_qkv(layout, heads=1, head_dim=32, requires_grad=False)
     counters = torch.zeros(len(kernels.COUNTER_NAMES), dtype=torch.int32)
-    out, _ = kernels.attention_forward(q, k, v, layout, 32 ** -0.5, counters=counters)
+    out, _ = kernels.attention_forward(q, k, v, layout, 32**-0.5, counters=counters)
     plan = tile_plan(layout, DEFAULT_TILES)
     assert counters[0].item() == int(plan.tile_products()) == {"single": 680, "double": 1088}[which]
     # Window tiles x slots: 1024 windows of w = 4, 16 per 64-row tile; double: 2 streams, w = 8, 8 per tile.
@@ -197,7 +234,7 @@ def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, whi
     # Spot-check the output on a few rows (the full reference is O(L^2) memory at this size).
     rows = torch.tensor([0, 1, layout.n_queries // 2, layout.n_queries - 1])
     mask = layout.dense_mask()[rows]
-    s = (q[0, 0, rows].double() @ k[0, 0].double().T) * 32 ** -0.5
+    s = (q[0, 0, rows].double() @ k[0, 0].double().T) * 32**-0.5
     ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v[0, 0].double()
     torch.testing.assert_close(out[0, 0, rows].double(), ref, atol=1e-4, rtol=1e-4)
 
@@ -209,7 +246,7 @@ def test_instrumented_forward_runs_the_planned_products_at_n1024_k4(kernels, whi
 def test_public_op_with_autograd(kernels, layout):
     q, k, v = make_qkv(layout, heads=2, kv_heads=1, head_dim=32)
     dout = torch.randn(q.shape, dtype=torch.float64).float()
-    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, layout, 32 ** -0.5)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, layout, 32**-0.5)
     first = None
     for _ in range(2):  # the second call takes the op's cached eager path (op._eager_entry): the same bits
         out, lse = window_attention(q, k, v, layout, backend="triton", return_lse=True)
@@ -258,8 +295,9 @@ def _subset_cases():
         "double-packed-rank1of4": double.restrict_rows(balanced_split(double, 4).query_rows[1]),
         "double-packed-last-stream": double.restrict_rows(torch.arange(double.n_queries // 2, double.n_queries)),
         "single-per-batch-every-third": packed.restrict_rows(torch.arange(0, packed.n_queries, 3)),
-        "eagle3-step3-packed-drop": WindowLayout.eagle3_ttt(40, 3, valid_lengths=[40, 31], drop_per_step=1,
-                                                            cu_seqlens=[0, 13, 40]),
+        "eagle3-step3-packed-drop": WindowLayout.eagle3_ttt(
+            40, 3, valid_lengths=[40, 31], drop_per_step=1, cu_seqlens=[0, 13, 40]
+        ),
         "eagle3-step2-sliding": WindowLayout.eagle3_ttt(37, 2, window=8),
         "eagle3-step20": WindowLayout.eagle3_ttt(9, 20),  # windows of 20 slots: intra part as tile products
     }
@@ -281,9 +319,10 @@ def test_row_subsets_match_the_fp64_reference(kernels, monkeypatch, name, dtype,
     k = torch.randn(batch, 1, layout.n_keys, 32, generator=g).to(dtype).requires_grad_()
     v = torch.randn(batch, 1, layout.n_keys, 32, generator=g).to(dtype).requires_grad_()
     dout = torch.randn(q.shape, generator=g).to(dtype)
-    out, lse = kernels.attention_forward(q.detach(), k.detach(), v.detach(), layout, 32 ** -0.5, tiles=tiles)
-    grads = kernels.attention_backward(dout, q.detach(), k.detach(), v.detach(), out, lse, layout, 32 ** -0.5,
-                                       tiles=tiles)
+    out, lse = kernels.attention_forward(q.detach(), k.detach(), v.detach(), layout, 32**-0.5, tiles=tiles)
+    grads = kernels.attention_backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, layout, 32**-0.5, tiles=tiles
+    )
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = window_attention(q64, k64, v64, layout, backend="reference", return_lse=True)
     ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), dout.double())
@@ -308,7 +347,7 @@ def test_row_subset_plan_covers_its_mask(kernels):
             key_start, n, f0, f1 = plan.bounds[0, t, j].tolist()
             for i in range(n):
                 k0 = key_start + i * SMALL.block_n
-                covered[q0:q0 + ql, k0:k0 + SMALL.block_n] = True
+                covered[q0 : q0 + ql, k0 : k0 + SMALL.block_n] = True
                 if f0 <= i < f1:
-                    full_ok &= bool(mask[q0:q0 + ql, k0:k0 + SMALL.block_n].all())
+                    full_ok &= bool(mask[q0 : q0 + ql, k0 : k0 + SMALL.block_n].all())
     assert bool(covered[mask].all()) and full_ok

@@ -17,9 +17,16 @@ def general_layouts():
         "no_context": WindowLayout(0, 4, 5, [0, 0, 0, 0], [0, 0, 0, 0]),
         # Rows whose context start moves inside one query tile while the rows still share keys (issue 40): a
         # sliding-window context (each row sees its last 21 tokens) and SpecForge's per-slot sliding blocks.
-        "sliding_context": WindowLayout(90, 2, 5, [10, 0], [60, 90], queries="all",
-                                        context_lo=(torch.arange(90) - 20).clamp(min=0), context_hi=torch.arange(1,
-                                                                                                                 91)),
+        "sliding_context": WindowLayout(
+            90,
+            2,
+            5,
+            [10, 0],
+            [60, 90],
+            queries="all",
+            context_lo=(torch.arange(90) - 20).clamp(min=0),
+            context_hi=torch.arange(1, 91),
+        ),
         "anchor_blocks_sliding_slot": WindowLayout.anchor_blocks(100, [40, 90], 24, window=30, window_mode="slot"),
     }
 
@@ -93,13 +100,13 @@ def test_transposed_plan_covers_every_key(name, tiles):
             e0, e1 = plan.key_ptr[b, kt].item(), plan.key_ptr[b, kt + 1].item()
             for qtile, _, is_full in plan.key_entries[e0:e1].tolist():
                 q_start, q_len, _ = plan.query_tiles[qtile].tolist()
-                covered[b, q_start:q_start + q_len, k_start:k_start + k_len] = True
+                covered[b, q_start : q_start + q_len, k_start : k_start + k_len] = True
                 if is_full:
-                    full[b, q_start:q_start + q_len, k_start:k_start + k_len] = True
+                    full[b, q_start : q_start + q_len, k_start : k_start + k_len] = True
     key_tile_keys = torch.zeros(layout.n_keys, dtype=torch.bool)
     for k_start, k_len in plan.key_tiles.tolist():
-        assert not bool(key_tile_keys[k_start:k_start + k_len].any()), "key tiles overlap"
-        key_tile_keys[k_start:k_start + k_len] = True
+        assert not bool(key_tile_keys[k_start : k_start + k_len].any()), "key tiles overlap"
+        key_tile_keys[k_start : k_start + k_len] = True
     if plan.intra_blocks:  # the slot kernel owns window keys, which only their own window sees
         assert torch.equal(key_tile_keys, torch.arange(layout.n_keys) < layout.n_ctx)
         mask = mask[:, :, : layout.n_ctx]
@@ -162,13 +169,18 @@ def test_a_tile_set_can_lower_the_slot_threshold():
 
 def test_plan_never_sweeps_the_mask(monkeypatch):
     """The plan is a reduction of the O(Lq) row intervals: no dense mask, mask_mod or block sweep."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("tile_plan swept the mask")
 
     for name in ("dense_mask", "mask_mod", "block_counts"):
         monkeypatch.setattr(WindowLayout, name, forbidden)
-    for layout in (WindowLayout.kforcing_single(8192, 4), WindowLayout.kforcing_double(4096, 8),
-                   WindowLayout.ptp(4096, torch.randint(0, 4097, (2, 300)), 40), WindowLayout.jacobi(2048, 4096)):
+    for layout in (
+        WindowLayout.kforcing_single(8192, 4),
+        WindowLayout.kforcing_double(4096, 8),
+        WindowLayout.ptp(4096, torch.randint(0, 4097, (2, 300)), 40),
+        WindowLayout.jacobi(2048, 4096),
+    ):
         plan = tile_plan(layout, Tiles(64, 64, 32, 64))
         assert plan.key_entries.shape[0] == int(plan.dkdv_tile_products().sum())
 

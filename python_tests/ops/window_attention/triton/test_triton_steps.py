@@ -47,19 +47,20 @@ def test_steps_visit_every_attended_pair_once(name, tiles):
         visits = torch.zeros(dense.shape[1:], dtype=torch.int64)
         in_key_tiles = torch.zeros(dense.shape[2], dtype=torch.bool)
         for kt, (k0, kl) in enumerate(plan.key_tiles.tolist()):
-            in_key_tiles[k0:k0 + kl] = True
+            in_key_tiles[k0 : k0 + kl] = True
             begin, first_masked, end = steps.ptr[b if nb > 1 else 0, kt].tolist()
             assert begin <= first_masked <= end
             for e in range(begin, end):
                 r0, rows, interval = steps.entries[e].tolist()
                 assert 0 < rows <= tiles.dkdv_step_rows and 0 <= interval < plan.geometry.n_intervals
-                block = dense[b, r0:r0 + rows, k0:k0 + kl]
+                block = dense[b, r0 : r0 + rows, k0 : k0 + kl]
                 if e < first_masked:
                     assert block.all(), f"entry {e} of key tile {kt} is listed full but has masked pairs"
-                visits[r0:r0 + rows, k0:k0 + kl] += block.long()
+                visits[r0 : r0 + rows, k0 : k0 + kl] += block.long()
         want = dense[b] & in_key_tiles[None, :]
-        assert torch.equal(visits,
-                           want.long()), f"batch {b}: pairs visited {int(visits.sum())}, attended {int(want.sum())}"
+        assert torch.equal(visits, want.long()), (
+            f"batch {b}: pairs visited {int(visits.sum())}, attended {int(want.sum())}"
+        )
     assert int(steps.products().sum()) == steps.entries.shape[0]
     assert (steps.full_products() <= steps.products()).all()
 
