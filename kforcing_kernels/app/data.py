@@ -30,7 +30,17 @@ import numpy as np
 import torch
 
 from .. import env
-from .files import atomic_write_file, literal_specials, load_tokenizer, tokenizer_sha256, write_json, write_text
+from .files import (
+    NON_NEGATIVE_INT,
+    Field,
+    atomic_write_file,
+    literal_specials,
+    load_tokenizer,
+    read_json,
+    tokenizer_sha256,
+    write_json,
+    write_text,
+)
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
@@ -350,11 +360,18 @@ def load_corpus(
     return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]), content)
 
 
+# meta.json of a corpus cache entry (this module's and hf_recipe/files.py's): the source's name and the documents on
+# each side of the split.
+CORPUS_META_FIELDS = {
+    "source": Field(str, required=True),
+    "documents": Field(
+        list, required=True, rule=lambda v: len(v) == 2, expected="[training, validation] counts", each=NON_NEGATIVE_INT
+    ),
+}
+
+
 def _read_cache(paths: dict[str, Path]):
-    meta = json.loads(paths["meta.json"].read_text())
-    source, documents = meta["source"], tuple(meta["documents"])
-    if not isinstance(source, str) or len(documents) != 2:
-        raise ValueError(f"{paths['meta.json']}: malformed")
+    meta = read_json(paths["meta.json"], fields=CORPUS_META_FIELDS)  # a CheckpointError (a ValueError): rebuilt
     tok = load_tokenizer(paths["tokenizer.json"])
     train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
     val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))

@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
 from ..data import DataError, sample_crops
-from ..files import CheckpointError, check_writable, read_json, write_json
+from ..files import CheckpointError, check_fields, check_writable, write_json
 from ..generation.inference import generate_ar, generate_kforcing
+from ..records import DISTILLED_FIELDS, RUN_TEXT_FIELDS, read_model_json
 from ..student import corpus_for, find_kind, kind_of, load_student
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
@@ -255,7 +256,9 @@ def evaluate_pipeline(
     text_folder = ar_folder
     if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
         text_folder = run / "stage1"
-        tinfo = {**tinfo, **{key: read_json(text_folder / "model.json")[key] for key in ("data", "train_config")}}
+        stage1 = read_model_json(text_folder)
+        tinfo = {**tinfo, **{key: stage1[key] for key in ("data", "train_config") if key in stage1}}
+    check_fields(text_folder / "model.json", tinfo, RUN_TEXT_FIELDS)
     data = recorded_data(text_folder, tinfo)
     try:
         corpus = corpus_for(str(ar_folder), data, teacher.config.vocab_size)
@@ -306,6 +309,7 @@ def evaluate_pipeline(
     models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
         student, info, student_tokenizer = load_student(folder, device)
+        check_fields(folder / "model.json", info, DISTILLED_FIELDS)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if same_tokenizer(student_tokenizer, tokenizer) is False:
             raise ValueError(
@@ -498,7 +502,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         and not (Path(args.run) / "stage1" / "model.json").exists()
     ):
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
-    if args.judge is not None and find_kind(args.judge) is None:
+    try:
+        judge_kind = find_kind(args.judge) if args.judge is not None else None
+    except ValueError as exc:  # its model.json names an unknown kind, or is malformed: the message names the entry
+        parser.error(f"argument --judge: {exc}")
+    if args.judge is not None and judge_kind is None:
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
     if args.json:
         try:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..data import (
+    CORPUS_META_FIELDS,
     EOS,
     FORMAT_VERSION,
     Corpus,
@@ -54,7 +55,9 @@ from ..data import (
     token_streams,
 )
 from ..files import (
+    SHA256,
     CheckpointError,
+    Field,
     atomic_write_file,
     literal_specials,
     load_tensors,
@@ -64,6 +67,7 @@ from ..files import (
     tokenizer_sha256,
     write_json,
 )
+from ..records import read_model_json
 
 if TYPE_CHECKING:
     from .student import HFStudent
@@ -95,9 +99,10 @@ def is_hf_stage(folder) -> bool:
     if not path.exists():
         return False
     try:
-        return "hf_format" in json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(record, dict) and "hf_format" in record
 
 
 def is_hf_source(folder) -> bool:
@@ -290,6 +295,25 @@ def load_hf_source(folder, device="cpu"):
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
 
 
+# A stage folder's own entries of model.json, beside every kind's (app/records.py): what load_hf_stage reads.
+_FILE_RECORD = Field(
+    dict, fields={"bytes": Field(int, required=True, rule=lambda v: v >= 0, expected="an int >= 0"), "sha256": SHA256}
+)
+HF_STAGE_FIELDS = {
+    "hf_format": Field(int, required=True),
+    "noise_embedding": Field(
+        dict, required=True, fields={"format": Field(int), "settings": Field(dict), "tensors": Field(dict)}
+    ),
+    "files": Field(dict, required=True, each=_FILE_RECORD),
+}
+
+
+def read_hf_stage_info(folder) -> dict:
+    """``model.json`` of a stage folder of :func:`save_hf_stage`, checked entry by entry (every kind's entries and
+    :data:`HF_STAGE_FIELDS`); a ``CheckpointError`` naming the file and the entry otherwise."""
+    return read_model_json(folder, HF_STAGE_FIELDS)
+
+
 def load_hf_stage(folder, device="cpu"):
     """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked
     first."""
@@ -298,7 +322,7 @@ def load_hf_stage(folder, device="cpu"):
 
     folder = Path(folder)
     json_path = folder / "model.json"
-    info = read_json(json_path, {"k": int, "hf_format": int, "noise_embedding": dict, "files": dict})
+    info = read_hf_stage_info(folder)
     if info["hf_format"] != HF_FORMAT:
         raise CheckpointError(
             f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected {HF_FORMAT}"
@@ -318,7 +342,10 @@ def load_hf_stage(folder, device="cpu"):
         if path.stat().st_size != record.get("bytes") or sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: truncated or corrupt (size or SHA-256 differs from {json_path.name})")
     model, tokenizer = _from_pretrained(folder, device)
-    embedding = NoiseEmbedding(**noise["settings"])
+    try:
+        embedding = NoiseEmbedding(**noise["settings"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{json_path}: malformed: 'noise_embedding.settings' ({exc})") from None
     try:
         embedding.load_state_dict(load_tensors(json_path, noise["tensors"]))
     except (RuntimeError, ValueError) as exc:
@@ -413,7 +440,7 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
         atomic_write_file(cache / "train.npy", lambda f: np.save(f, train))
         atomic_write_file(cache / "val.npy", lambda f: np.save(f, val))
         write_json(meta_path, {"source": source or "stdlib", "documents": [len(train_texts), len(val_texts)]})
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path, fields=CORPUS_META_FIELDS)
     train = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
     val = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
     if verbose:

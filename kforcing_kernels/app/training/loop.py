@@ -46,7 +46,8 @@ from tqdm import tqdm
 from ... import env
 from ..data import Corpus, data_sha256
 from ..files import append_jsonl
-from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
+from ..records import read_model_json
+from .checkpoint import latest_checkpoint, read_metrics, save_tensors, stderr_log
 from .config import (
     TrainConfig,
     check_device,
@@ -128,6 +129,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, env.distributed_ranks()[0])
+    if cfg.stage != "stage0" and cfg.teacher and (Path(cfg.teacher) / "model.json").is_file():
+        teacher_sha256(cfg.teacher)  # its model.json read by its kind, entry by entry: refused now, before any build
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(
@@ -156,7 +159,7 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
     log = stderr_log(f"[{cfg.stage}]") if dims.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
-        finished = read_json(out / "model.json")
+        finished = read_model_json(out)
         require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
         require_same_provenance(
             finished,
