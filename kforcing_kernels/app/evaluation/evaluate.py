@@ -371,7 +371,9 @@ def evaluate_pipeline(
             fns[HF_GENERATE] = lambda b=b: _hf_generate(
                 hf_model, prompts_all[:b].to(device), new_tokens, temperature, corpus.eos_id
             )
+        t_batch = time.perf_counter()
         times = interleaved_timings(fns, reps, torch.device(device))
+        log(f"[eval] batch {b}: {len(fns)} methods x {reps} runs in {time.perf_counter() - t_batch:.0f}s")
         for name, ts in times.items():
             throughput.setdefault(name, {})[b] = b * new_tokens / statistics.median(ts)
             timing.setdefault(name, {})[str(b)] = {
@@ -390,6 +392,7 @@ def evaluate_pipeline(
         outputs[stage1_name] = generate_kforcing(
             models[1], prompts_dev, 1, new_tokens, temperature=temperature, noise=noise_kf[1]
         )
+    log(f"[eval] judging {len(outputs) + 1} x {max(batch_sizes)} samples")
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
     reference = sample_crops(
         corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2)

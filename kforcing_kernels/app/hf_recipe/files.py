@@ -31,6 +31,7 @@ native corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -240,6 +241,20 @@ def import_transformers():
     return transformers
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' own loading bars ("Loading checkpoint shards", ...) off while the package loads a model or
+    tokenizer (about ten per pipeline log otherwise), back as they were after: a user's own loads keep theirs."""
+    logging = import_transformers().utils.logging
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
 def build_from_config(path, seed: int) -> "HFStudent":
     """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by
     ``seed``."""
@@ -268,10 +283,11 @@ def build_like(student: "HFStudent") -> "HFStudent":
 def _from_pretrained(folder, device):
     tf = import_transformers()
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            str(folder), attn_implementation="kforcing", dtype=torch.float32
-        )
-        tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
+        with quiet_loading():
+            model = tf.AutoModelForCausalLM.from_pretrained(
+                str(folder), attn_implementation="kforcing", dtype=torch.float32
+            )
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: cannot load the Hugging Face model or tokenizer ({exc})") from None
     if not getattr(tokenizer, "is_fast", False):
@@ -436,7 +452,7 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
     meta_path = cache / "meta.json"
     if not meta_path.exists():
         train_texts, val_texts = split_documents(docs, val_fraction)
-        train, val = token_streams(backend, eos, train_texts, val_texts, val_fraction)
+        train, val = token_streams(backend, eos, train_texts, val_texts, val_fraction, progress=verbose)
         atomic_write_file(cache / "train.npy", lambda f: np.save(f, train))
         atomic_write_file(cache / "val.npy", lambda f: np.save(f, val))
         write_json(meta_path, {"source": source or "stdlib", "documents": [len(train_texts), len(val_texts)]})
@@ -468,7 +484,8 @@ def hf_corpus(teacher, data: Optional[str], verbose: bool = False) -> Corpus:
         check_hf_source(teacher)
     tf = import_transformers()
     try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
+        with quiet_loading():
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{teacher}: cannot load the Hugging Face tokenizer ({exc})") from None
     return load_hf_corpus(data, tokenizer, verbose=verbose)

@@ -109,12 +109,11 @@ class HFKind(ModelKind):
 
     def reference_generator(self, folder, device):
         """The AR teacher as an HF user runs it: ``from_pretrained(attn_implementation="sdpa")``."""
-        return (
-            files.import_transformers()
-            .AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa", dtype=torch.float32)
-            .to(device)
-            .eval()
-        )
+        with files.quiet_loading():
+            model = files.import_transformers().AutoModelForCausalLM.from_pretrained(
+                str(folder), attn_implementation="sdpa", dtype=torch.float32
+            )
+        return model.to(device).eval()
 
     def sliding_window(self, cfg) -> Optional[int]:
         """The window of ``--model-config`` or of the ``--model`` folder's config (None when transformers cannot read

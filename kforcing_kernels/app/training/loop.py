@@ -171,6 +171,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
         return finished.get("summary", {})
     stage = set_up(cfg, dims, out, log)
     log(threads_line(dims))
+    if dims.world > 1 or dims.shard:
+        log(layout_line(stage))
     t_start = time.perf_counter()
     last_loss = _run_steps(stage)
     return _finish(stage, last_loss, t_start)
@@ -185,6 +187,25 @@ def threads_line(dims: ParallelDims) -> str:
     n = torch.get_num_threads()
     threads = f"{n} thread{'s' if n != 1 else ''}{ranks}"
     return f"device cpu, {threads} (--threads N sets it; on a busy machine try --threads 1)"
+
+
+def layout_line(stage: Stage) -> str:
+    """The start line of a run over ranks (torchrun): the ``dp x cp`` layout, how the student is spread (DDP or
+    FSDP2), the precision it computes in, and where the frozen teacher lives."""
+    dims, cfg = stage.dims, stage.cfg
+    student = f"FSDP2 (sharded over {dims.world} ranks)" if dims.shard else "DDP (a full copy per rank)"
+    amp = getattr(stage.autocast(), "fast_dtype", None)  # torch.autocast, or nullcontext: fp32
+    precision = f"{str(amp).removeprefix('torch.')} autocast" if amp is not None else "fp32"
+    if stage.teacher is None:
+        teacher = "no teacher"
+    elif cfg.teacher_parallel == "fsdp":
+        teacher = f"teacher FSDP2-sharded over {dims.world} ranks"
+    else:
+        teacher = "teacher replicated on every rank"
+    return (
+        f"parallel layout: {dims.world} ranks = dp {dims.dp} x cp {dims.cp}, student {student}, precision "
+        f"{precision} (--precision {cfg.precision}), {teacher}"
+    )
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:

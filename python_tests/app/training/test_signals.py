@@ -47,3 +47,33 @@ def test_a_signalled_run_says_what_to_do_and_keeps_its_checkpoints(tmp_path, sig
     assert f"kforcing-train: {words}; the checkpoints written so far are in {out}" in err, err[-2000:]
     assert "--resume" in err and "Traceback" not in err, err[-2000:]
     assert list((out / "checkpoints").glob("step_*.json"))  # kept: --resume continues from them
+
+
+def test_corpus_encoding_shows_progress_when_verbose(capsys):
+    from tokenizers import Tokenizer, models
+
+    from kforcing_kernels.app.data import ENCODE_CHUNK, token_streams
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    texts = ["a"] * (2 * ENCODE_CHUNK + 1)
+    quiet = token_streams(tok, 1, texts, ["a"], 0.02)
+    assert "[data] encoding" not in capsys.readouterr().err
+    loud = token_streams(tok, 1, texts, ["a"], 0.02, progress=True)
+    err = capsys.readouterr().err
+    assert "[data] encoding" in err and f"{len(texts) + 1}/{len(texts) + 1}" in err, err
+    assert all((a == b).all() for a, b in zip(quiet, loud))  # the same streams, chunked or not
+
+
+def test_transformers_loading_bars_are_off_only_while_the_package_loads():
+    logging = pytest.importorskip("transformers").utils.logging
+    from kforcing_kernels.app.hf_recipe.files import quiet_loading
+
+    logging.enable_progress_bar()
+    with quiet_loading():
+        assert not logging.is_progress_bar_enabled()
+    assert logging.is_progress_bar_enabled()  # a user's own loads keep their bars
+    logging.disable_progress_bar()
+    with quiet_loading():
+        pass
+    assert not logging.is_progress_bar_enabled()  # and a user who turned them off keeps them off
+    logging.enable_progress_bar()
