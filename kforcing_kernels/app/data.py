@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -30,7 +31,17 @@ import numpy as np
 import torch
 
 from .. import env
-from .files import atomic_write_file, literal_specials, load_tokenizer, tokenizer_sha256, write_json, write_text
+from .files import (
+    NON_NEGATIVE_INT,
+    Field,
+    atomic_write_file,
+    literal_specials,
+    load_tokenizer,
+    read_json,
+    tokenizer_sha256,
+    write_json,
+    write_text,
+)
 
 DEFAULT_SOURCE = "stdlib"
 EOS = "<|eos|>"
@@ -164,21 +175,36 @@ def split_documents(docs: Sequence[tuple[str, str]], val_fraction: float) -> tup
     return [t for (_, t), v in zip(docs, is_val) if not v], [t for (_, t), v in zip(docs, is_val) if v]
 
 
+ENCODE_CHUNK = 64  # documents per encode_batch call: the unit of the encoding's progress bar
+
+
 def token_streams(
-    tok, eos: int, train_texts: list[str], val_texts: list[str], val_fraction: float
+    tok, eos: int, train_texts: list[str], val_texts: list[str], val_fraction: float, progress: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each split's documents encoded by ``tok`` (a ``tokenizers.Tokenizer``, no special tokens added), each
-    followed by the separator ``eos``; a single document holds out its tail."""
+    followed by the separator ``eos``; a single document holds out its tail. ``progress``: a tqdm bar on stderr
+    (documents encoded; minutes for a large corpus on a busy machine)."""
     dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.int32
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(train_texts) + len(val_texts), desc="[data] encoding", unit="doc", file=sys.stderr)
 
     def stream(texts: list[str]) -> np.ndarray:
         out = []
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
-            out.append(np.asarray(enc.ids, dtype=dtype))
-            out.append(np.asarray([eos], dtype=dtype))
+        for start in range(0, len(texts), ENCODE_CHUNK):
+            chunk = texts[start : start + ENCODE_CHUNK]
+            for enc in tok.encode_batch(chunk, add_special_tokens=False):
+                out.append(np.asarray(enc.ids, dtype=dtype))
+                out.append(np.asarray([eos], dtype=dtype))
+            if bar is not None:
+                bar.update(len(chunk))
         return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
 
     train, val = stream(train_texts), stream(val_texts)
+    if bar is not None:
+        bar.close()
     if not val_texts:  # one document: hold out its tail
         cut = int(len(train) * (1 - val_fraction))
         train, val = train[:cut], train[cut:]
@@ -223,7 +249,7 @@ def default_cache_dir() -> Path:
     return env.cache_dir()
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int):
+def _train_tokenizer(texts: list[str], vocab_size: int, progress: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -233,7 +259,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
         vocab_size=vocab_size,
         special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress,  # tokenizers' own bars (its merges), minutes on a busy machine
     )
     tok.train_from_iterator(texts, trainer)
     return literal_specials(tok)
@@ -300,10 +326,10 @@ def load_corpus(
                 f"[data] training a {vocab_size}-token BPE tokenizer on {size / 1e6:.1f} MB of {len(docs)} documents",
                 flush=True,
             )
-        tok = _train_tokenizer(sample, vocab_size)
+        tok = _train_tokenizer(sample, vocab_size, progress=verbose)
         eos = tok.token_to_id(EOS)
 
-        train, val = token_streams(tok, eos, train_texts, val_texts, val_fraction)
+        train, val = token_streams(tok, eos, train_texts, val_texts, val_fraction, progress=verbose)
         if tok.get_vocab_size() < vocab_size:
             raise DataError(
                 f"source (--data): {source or DEFAULT_SOURCE!r} is too small to learn a {vocab_size}-token "
@@ -350,11 +376,18 @@ def load_corpus(
     return Corpus(train, val, tok, tok.token_to_id(EOS), meta["source"], tuple(meta["documents"]), content)
 
 
+# meta.json of a corpus cache entry (this module's and hf_recipe/files.py's): the source's name and the documents on
+# each side of the split.
+CORPUS_META_FIELDS = {
+    "source": Field(str, required=True),
+    "documents": Field(
+        list, required=True, rule=lambda v: len(v) == 2, expected="[training, validation] counts", each=NON_NEGATIVE_INT
+    ),
+}
+
+
 def _read_cache(paths: dict[str, Path]):
-    meta = json.loads(paths["meta.json"].read_text())
-    source, documents = meta["source"], tuple(meta["documents"])
-    if not isinstance(source, str) or len(documents) != 2:
-        raise ValueError(f"{paths['meta.json']}: malformed")
+    meta = read_json(paths["meta.json"], fields=CORPUS_META_FIELDS)  # a CheckpointError (a ValueError): rebuilt
     tok = load_tokenizer(paths["tokenizer.json"])
     train = torch.from_numpy(np.load(paths["train.npy"]).astype(np.int64))
     val = torch.from_numpy(np.load(paths["val.npy"]).astype(np.int64))

@@ -135,7 +135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(str(exc))
     print(f"[demo] output folder: {out.resolve()}", flush=True)
     print(
-        f"[demo] torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, preset {name}",
+        f"[demo] torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, CPU kernels "
+        f"{torch.backends.cpu.get_cpu_capability()} (the digits are reproducible on the same torch, instruction set "
+        f"and text; not across them), preset {name}",
         flush=True,
     )
 

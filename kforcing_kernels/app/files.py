@@ -16,8 +16,9 @@ import json
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Collection, Mapping, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -177,8 +178,85 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 # ---------------------------------------------------------------------- reading back, checked: JSON, hashes, tensors
 
 
-def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
-    """A JSON object from ``path``; ``required`` maps keys to the type(s) their values must have.
+@dataclass(frozen=True)
+class Field:
+    """What one entry of a JSON object the package saved must hold, for :func:`check_fields`.
+
+    ``types``: the type(s) its value may have (``float`` takes an int too; ``int`` and ``float`` never take a bool;
+    ``type(None)`` lets it be null). ``required``: it must be present. ``choices``: its allowed values.
+    ``rule``/``expected``: a test the value must pass and what it expects, in words (``"an int >= 0"``).
+    ``fields``: the entries of an object value, checked the same way; ``each``: what every value of an object (or
+    item of a list) must hold.
+    """
+
+    types: Union[type, tuple[type, ...]]
+    required: bool = False
+    choices: Optional[Collection] = None
+    rule: Optional[Callable[[Any], bool]] = None
+    expected: str = ""
+    fields: Optional[Mapping[str, "Field"]] = None
+    each: Optional["Field"] = None
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def _has_type(value, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types  # a flag where a count or a number belongs is malformed (bool is an int in Python)
+    if isinstance(value, int) and float in types:
+        return True  # JSON writes 2.0 as 2.0, but a hand-written 2 is the same number
+    return isinstance(value, types)
+
+
+def _check_value(path: Path, name: str, value, spec: Field) -> None:
+    types = spec.types if isinstance(spec.types, tuple) else (spec.types,)
+    if not _has_type(value, types):
+        raise CheckpointError(
+            f"{path}: malformed: {name!r} has type {type(value).__name__}, expected {_type_names(types)}"
+        )
+    if value is None:
+        return
+    if spec.choices is not None and value not in tuple(spec.choices):
+        raise CheckpointError(f"{path}: malformed: {name!r} is {value!r}, expected one of {tuple(spec.choices)}")
+    if spec.rule is not None and not spec.rule(value):
+        raise CheckpointError(f"{path}: malformed: {name!r} is {value!r}, expected {spec.expected or 'another value'}")
+    if spec.fields is not None:
+        check_fields(path, value, spec.fields, f"{name}.")
+    if spec.each is not None:
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            _check_value(path, f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]", item, spec.each)
+
+
+def check_fields(path: str | Path, obj: dict, fields: Mapping[str, Field], prefix: str = "") -> dict:
+    """``obj`` (a JSON object read from ``path``) after checking each of ``fields`` it holds (or must hold): its type
+    and allowed values (:class:`Field`). Entries not in ``fields`` are not looked at. A wrong or missing entry raises
+    :class:`CheckpointError` naming ``path`` and the entry (dotted below the top: ``'train_config.seq_len'``), so no
+    reader of saved metadata meets a value of a type it does not expect."""
+    path = Path(path)
+    for key, spec in fields.items():
+        if key not in obj:
+            if spec.required:
+                raise CheckpointError(f"{path}: malformed: no {prefix + key!r} entry")
+            continue
+        _check_value(path, prefix + key, obj[key], spec)
+    return obj
+
+
+def is_sha256(value) -> bool:
+    """A SHA-256 as the package records it: 64 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+SHA256 = Field(str, rule=is_sha256, expected="a SHA-256 (64 hex digits)")
+NON_NEGATIVE_INT = Field(int, rule=lambda v: v >= 0, expected="an int >= 0")
+POSITIVE_INT = Field(int, rule=lambda v: v >= 1, expected="a positive int")
+
+
+def read_json(path: str | Path, required: Optional[dict] = None, fields: Optional[Mapping[str, Field]] = None) -> dict:
+    """A JSON object from ``path``; ``required`` maps keys to the type(s) their values must have; ``fields`` maps keys
+    to a :class:`Field` each (type, allowed values; see :func:`check_fields`).
 
     Missing file, bad JSON, a non-object or a wrong key all raise :class:`CheckpointError` naming ``path``.
     """
@@ -195,13 +273,8 @@ def read_json(path: str | Path, required: Optional[dict] = None) -> dict:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: malformed: expected a JSON object, got {type(obj).__name__}")
-    for key, kind in (required or {}).items():
-        if key not in obj:
-            raise CheckpointError(f"{path}: malformed: no {key!r} entry")
-        # bool is an int in Python; a flag where a count belongs is malformed.
-        if not isinstance(obj[key], kind) or (kind is int and isinstance(obj[key], bool)):
-            raise CheckpointError(f"{path}: malformed: {key!r} has type {type(obj[key]).__name__}")
-    return obj
+    check_fields(path, obj, {key: Field(kind, required=True) for key, kind in (required or {}).items()})
+    return check_fields(path, obj, fields or {})
 
 
 _RECORD = {"file": str, "bytes": int, "sha256": str}

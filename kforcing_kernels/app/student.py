@@ -263,12 +263,32 @@ def kind_of_config(model_config: dict) -> Optional[ModelKind]:
 
 def recorded_kind(folder) -> Optional[str]:
     """The registered kind a stage folder's ``model.json`` names (``model_kind``, written by every kind's
-    :meth:`ModelKind.save`), or None (no such record: a source folder, or a stage saved before it was recorded)."""
+    :meth:`ModelKind.save`), or None (no such record: a source folder, or a stage saved before it was recorded; a
+    ``model.json`` that is not a JSON object is left to the kind's loader, which names what is wrong with it).
+
+    A ``model_kind`` that is not a string, or names no registered kind, raises ``ValueError`` naming the file, the
+    entry and the known kinds (as ``files.check_fields`` words it; this module imports nothing of the app): the folder
+    was written by a kind this process does not have (register it first, :func:`register_kind`), or edited; loading
+    it as another kind would read its files wrongly."""
+    path = Path(folder) / "model.json"
     try:
-        name = json.loads((Path(folder) / "model.json").read_text()).get("model_kind")
-    except (OSError, ValueError, AttributeError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    return name if name in _SPECS else None
+    if not isinstance(record, dict) or record.get("model_kind") is None:
+        return None
+    name, known = record["model_kind"], ", ".join(kind_names())
+    if not isinstance(name, str):
+        raise ValueError(
+            f"{path}: malformed: 'model_kind' has type {type(name).__name__}, expected str (one of the registered "
+            f"kinds: {known})"
+        )
+    if name not in _SPECS:
+        raise ValueError(
+            f"{path}: malformed: 'model_kind' is {name!r}, expected one of the registered kinds ({known}); a folder "
+            "of another kind loads once that kind is registered (student.register_kind)"
+        )
+    return name
 
 
 def find_kind(folder) -> Optional[ModelKind]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -345,7 +347,27 @@ def _evaluate(out: str, which: str, device: str) -> dict:
     return summary
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, ``kill``, torchrun stopping its ranks) raised as an interrupt in the main thread:
+    the run unwinds as for Ctrl-C (the folder's lock released, the checkpoints written so far kept) and says so."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``kforcing-train``; SIGTERM ends it as Ctrl-C does (:class:`Terminated`), exit status 143."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller's own handler (a test, an embedding program) is back
+
+
+def _main(argv: Optional[Sequence[str]]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -382,13 +404,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(str(exc))
     except NonFiniteLoss as exc:  # not a usage error: the settings were valid, the run diverged
         sys.exit(f"{parser.prog}: error: {exc}")
-    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; the checkpoints written so far are kept
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: a line, not a traceback; the checkpoints so far are kept
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
         print(
-            f"\n{parser.prog}: interrupted; the checkpoints written so far are in {args.out}: continue with the same "
+            f"\n{parser.prog}: {what}; the checkpoints written so far are in {args.out}: continue with the same "
             "command and --resume",
             file=sys.stderr,
         )
-        sys.exit(130)
+        sys.exit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

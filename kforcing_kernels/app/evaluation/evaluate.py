@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
 from ..data import DataError, sample_crops
-from ..files import CheckpointError, check_writable, read_json, write_json
+from ..files import CheckpointError, check_fields, check_writable, write_json
 from ..generation.inference import generate_ar, generate_kforcing
+from ..records import DISTILLED_FIELDS, RUN_TEXT_FIELDS, read_model_json
 from ..student import corpus_for, find_kind, kind_of, load_student
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
@@ -255,7 +256,9 @@ def evaluate_pipeline(
     text_folder = ar_folder
     if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
         text_folder = run / "stage1"
-        tinfo = {**tinfo, **{key: read_json(text_folder / "model.json")[key] for key in ("data", "train_config")}}
+        stage1 = read_model_json(text_folder)
+        tinfo = {**tinfo, **{key: stage1[key] for key in ("data", "train_config") if key in stage1}}
+    check_fields(text_folder / "model.json", tinfo, RUN_TEXT_FIELDS)
     data = recorded_data(text_folder, tinfo)
     try:
         corpus = corpus_for(str(ar_folder), data, teacher.config.vocab_size)
@@ -306,6 +309,7 @@ def evaluate_pipeline(
     models, prev, prev_folder, prev_sha = {}, teacher, ar_folder, tinfo["tensors"]["sha256"]
     for folder in stages:
         student, info, student_tokenizer = load_student(folder, device)
+        check_fields(folder / "model.json", info, DISTILLED_FIELDS)
         # Each row compares a student with the teacher it was distilled from, on the run's tokenizer.
         if same_tokenizer(student_tokenizer, tokenizer) is False:
             raise ValueError(
@@ -367,7 +371,9 @@ def evaluate_pipeline(
             fns[HF_GENERATE] = lambda b=b: _hf_generate(
                 hf_model, prompts_all[:b].to(device), new_tokens, temperature, corpus.eos_id
             )
+        t_batch = time.perf_counter()
         times = interleaved_timings(fns, reps, torch.device(device))
+        log(f"[eval] batch {b}: {len(fns)} methods x {reps} runs in {time.perf_counter() - t_batch:.0f}s")
         for name, ts in times.items():
             throughput.setdefault(name, {})[b] = b * new_tokens / statistics.median(ts)
             timing.setdefault(name, {})[str(b)] = {
@@ -386,6 +392,7 @@ def evaluate_pipeline(
         outputs[stage1_name] = generate_kforcing(
             models[1], prompts_dev, 1, new_tokens, temperature=temperature, noise=noise_kf[1]
         )
+    log(f"[eval] judging {len(outputs) + 1} x {max(batch_sizes)} samples")
     quality = {name: judge_score(judge_model, prompts_dev, out, corpus.eos_id) for name, out in outputs.items()}
     reference = sample_crops(
         corpus.val, max(batch_sizes), prompt_len + new_tokens, torch.Generator().manual_seed(seed + 2)
@@ -498,7 +505,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         and not (Path(args.run) / "stage1" / "model.json").exists()
     ):
         parser.error(f"argument run: no pipeline in {args.run!r} (expected {Path(args.run) / 'stage0' / 'model.json'})")
-    if args.judge is not None and find_kind(args.judge) is None:
+    try:
+        judge_kind = find_kind(args.judge) if args.judge is not None else None
+    except ValueError as exc:  # its model.json names an unknown kind, or is malformed: the message names the entry
+        parser.error(f"argument --judge: {exc}")
+    if args.judge is not None and judge_kind is None:
         parser.error(f"argument --judge: expected an AR stage folder holding model.json, got {args.judge!r}")
     if args.json:
         try:

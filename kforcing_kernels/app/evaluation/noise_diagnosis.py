@@ -39,6 +39,8 @@ import torch
 
 from ...model.decoding import decode_slots
 from ..data import sample_crops
+from ..files import CheckpointError, check_fields
+from ..records import RUN_TEXT_FIELDS
 from ..student import corpus_for, load_student
 from ..training.objectives import CDF_ORDERS, forward_distillation_targets
 
@@ -359,6 +361,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     run = Path(args.run)
     teacher, tinfo, _ = load_student(run / "stage0")
+    try:
+        check_fields(run / "stage0" / "model.json", tinfo, RUN_TEXT_FIELDS)
+    except CheckpointError as exc:
+        parser.error(str(exc))
     student, sinfo, _ = load_student(Path(args.student) if args.student else run / "stage1")
     if sinfo.get("k") != 1:
         parser.error(f"argument --student: expected a PFLM(1) (stage1) folder, got k={sinfo.get('k')}")

@@ -114,12 +114,19 @@ def target_checks(summary: dict) -> list[dict]:
         )
         sweep = (summary.get("tau_sweep_stage1") or {}).get("scores")
         if sweep:
-            ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in sweep}
+            # Following tau is rising with it (a hotter sampler writes less likely text): a perplexity flat across tau
+            # ignores the temperature, whatever its ratios to the teacher's.
+            taus = sorted(sweep, key=float)
+            ppls = [sweep[t]["ppl"] for t in taus]
+            ratios = {t: sweep[t]["ppl"] / summary["tau_sweep"][t]["AR"]["ppl"] for t in taus}
+            rising = len(ppls) > 1 and all(a < b for a, b in zip(ppls, ppls[1:]))
             checks.append(
                 {
-                    "target": f"Stage-1 student: PPL follows tau ({lo}-{hi}x AR at tau " + " / ".join(ratios) + ")",
-                    "value": " / ".join(f"{r:.2f}x" for r in ratios.values()),
-                    "met": all(lo <= r <= hi for r in ratios.values()),
+                    "target": f"Stage-1 student: PPL follows tau (rises with it, {lo}-{hi}x AR at tau "
+                    + " / ".join(taus)
+                    + ")",
+                    "value": " / ".join(f"{p:.2f} ({r:.2f}x)" for p, r in zip(ppls, ratios.values())),
+                    "met": rising and all(lo <= r <= hi for r in ratios.values()),
                 }
             )
     final = f"K-Forcing k={summary['final_k']}"

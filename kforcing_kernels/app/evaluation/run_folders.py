@@ -16,7 +16,7 @@ import torch
 
 from ...model import KForcingLM
 from ..data import DEFAULT_SOURCE, tokenizer_sha256
-from ..files import read_json
+from ..records import read_model_json
 from ..student import find_kind, load_student
 from .report import judge_description
 
@@ -60,7 +60,7 @@ def ar_teacher_folder(run: Path) -> Path:
     """The run's AR teacher: its stage0, or (a pipeline K-Forcing a pretrained Hugging Face model) stage1's teacher."""
     if (run / "stage0" / "model.json").exists() or not (run / "stage1" / "model.json").exists():
         return run / "stage0"
-    teacher = read_json(run / "stage1" / "model.json").get("teacher")
+    teacher = read_model_json(run / "stage1").get("teacher")
     if teacher is None:
         return run / "stage0"
     if find_kind(teacher) is None:  # say what is missing in an HF folder's terms too

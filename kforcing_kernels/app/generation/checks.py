@@ -35,7 +35,15 @@ def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: b
     if allow_zero and not isinstance(temperature, torch.Tensor):
         ok |= values == 0
     if not bool(ok.all()):
-        bad = values[~ok][0].item()
+        row = int((~ok).nonzero()[0, 0])
+        bad = values[row].item()
+        if allow_zero and isinstance(temperature, torch.Tensor):
+            # Greedy is a decision for the whole batch (is_greedy): a number 0, never a 0 inside a tensor.
+            at = f" (row {row})" if temperature.dim() else ""
+            raise ValueError(
+                f"temperature: expected a tensor of finite numbers > 0 (0 = greedy only as a number, temperature=0, "
+                f"for the whole batch; a greedy row: the paged server's Request(temperature=0)), got {bad}{at}"
+            )
         raise ValueError(f"temperature: expected {what}, got {bad}")
 
 

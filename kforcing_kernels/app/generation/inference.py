@@ -417,7 +417,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"argument model: no trained model in {args.model!r} (expected {Path(args.model) / 'model.json'})")
     if args.out:
         _check_out(parser, args.out)  # before any work: a bad --out fails fast
-    model, info, tokenizer = load_student(args.model, device=args.device)
+    try:
+        model, info, tokenizer = load_student(args.model, device=args.device)
+    except ValueError as exc:  # CheckpointError too: a missing, damaged or malformed file, named with its entry
+        parser.error(f"argument model: {exc}")
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)

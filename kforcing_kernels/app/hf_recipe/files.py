@@ -31,6 +31,7 @@ native corpus.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from ..data import (
+    CORPUS_META_FIELDS,
     EOS,
     FORMAT_VERSION,
     Corpus,
@@ -54,7 +56,9 @@ from ..data import (
     token_streams,
 )
 from ..files import (
+    SHA256,
     CheckpointError,
+    Field,
     atomic_write_file,
     literal_specials,
     load_tensors,
@@ -64,6 +68,7 @@ from ..files import (
     tokenizer_sha256,
     write_json,
 )
+from ..records import read_model_json
 
 if TYPE_CHECKING:
     from .student import HFStudent
@@ -95,9 +100,10 @@ def is_hf_stage(folder) -> bool:
     if not path.exists():
         return False
     try:
-        return "hf_format" in json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(record, dict) and "hf_format" in record
 
 
 def is_hf_source(folder) -> bool:
@@ -235,6 +241,20 @@ def import_transformers():
     return transformers
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' own loading bars ("Loading checkpoint shards", ...) off while the package loads a model or
+    tokenizer (about ten per pipeline log otherwise), back as they were after: a user's own loads keep theirs."""
+    logging = import_transformers().utils.logging
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
 def build_from_config(path, seed: int) -> "HFStudent":
     """A randomly initialised HF causal LM (``attn_implementation="kforcing"``, fp32) from a config file, seeded by
     ``seed``."""
@@ -263,10 +283,11 @@ def build_like(student: "HFStudent") -> "HFStudent":
 def _from_pretrained(folder, device):
     tf = import_transformers()
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(
-            str(folder), attn_implementation="kforcing", dtype=torch.float32
-        )
-        tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
+        with quiet_loading():
+            model = tf.AutoModelForCausalLM.from_pretrained(
+                str(folder), attn_implementation="kforcing", dtype=torch.float32
+            )
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder}: cannot load the Hugging Face model or tokenizer ({exc})") from None
     if not getattr(tokenizer, "is_fast", False):
@@ -290,6 +311,25 @@ def load_hf_source(folder, device="cpu"):
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
 
 
+# A stage folder's own entries of model.json, beside every kind's (app/records.py): what load_hf_stage reads.
+_FILE_RECORD = Field(
+    dict, fields={"bytes": Field(int, required=True, rule=lambda v: v >= 0, expected="an int >= 0"), "sha256": SHA256}
+)
+HF_STAGE_FIELDS = {
+    "hf_format": Field(int, required=True),
+    "noise_embedding": Field(
+        dict, required=True, fields={"format": Field(int), "settings": Field(dict), "tensors": Field(dict)}
+    ),
+    "files": Field(dict, required=True, each=_FILE_RECORD),
+}
+
+
+def read_hf_stage_info(folder) -> dict:
+    """``model.json`` of a stage folder of :func:`save_hf_stage`, checked entry by entry (every kind's entries and
+    :data:`HF_STAGE_FIELDS`); a ``CheckpointError`` naming the file and the entry otherwise."""
+    return read_model_json(folder, HF_STAGE_FIELDS)
+
+
 def load_hf_stage(folder, device="cpu"):
     """A stage folder of :func:`save_hf_stage`: ``(HFStudent in eval mode, info, tokenizer)``, every file checked
     first."""
@@ -298,7 +338,7 @@ def load_hf_stage(folder, device="cpu"):
 
     folder = Path(folder)
     json_path = folder / "model.json"
-    info = read_json(json_path, {"k": int, "hf_format": int, "noise_embedding": dict, "files": dict})
+    info = read_hf_stage_info(folder)
     if info["hf_format"] != HF_FORMAT:
         raise CheckpointError(
             f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected {HF_FORMAT}"
@@ -318,7 +358,10 @@ def load_hf_stage(folder, device="cpu"):
         if path.stat().st_size != record.get("bytes") or sha256_file(path) != record.get("sha256"):
             raise CheckpointError(f"{path}: truncated or corrupt (size or SHA-256 differs from {json_path.name})")
     model, tokenizer = _from_pretrained(folder, device)
-    embedding = NoiseEmbedding(**noise["settings"])
+    try:
+        embedding = NoiseEmbedding(**noise["settings"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{json_path}: malformed: 'noise_embedding.settings' ({exc})") from None
     try:
         embedding.load_state_dict(load_tensors(json_path, noise["tensors"]))
     except (RuntimeError, ValueError) as exc:
@@ -409,11 +452,11 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
     meta_path = cache / "meta.json"
     if not meta_path.exists():
         train_texts, val_texts = split_documents(docs, val_fraction)
-        train, val = token_streams(backend, eos, train_texts, val_texts, val_fraction)
+        train, val = token_streams(backend, eos, train_texts, val_texts, val_fraction, progress=verbose)
         atomic_write_file(cache / "train.npy", lambda f: np.save(f, train))
         atomic_write_file(cache / "val.npy", lambda f: np.save(f, val))
         write_json(meta_path, {"source": source or "stdlib", "documents": [len(train_texts), len(val_texts)]})
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path, fields=CORPUS_META_FIELDS)
     train = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
     val = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
     if verbose:
@@ -441,7 +484,8 @@ def hf_corpus(teacher, data: Optional[str], verbose: bool = False) -> Corpus:
         check_hf_source(teacher)
     tf = import_transformers()
     try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
+        with quiet_loading():
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(teacher))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{teacher}: cannot load the Hugging Face tokenizer ({exc})") from None
     return load_hf_corpus(data, tokenizer, verbose=verbose)

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from ..files import read_json
 from ..student import ModelKind
 from . import files
 
@@ -38,8 +37,7 @@ class HFKind(ModelKind):
     def identity(self, folder) -> str:
         if files.is_hf_source(folder):
             return files.hf_source_sha256(folder)
-        info = read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})
-        return info["tensors"]["sha256"]
+        return files.read_hf_stage_info(folder)["tensors"]["sha256"]
 
     def earlier_identity_note(self, folder, recorded: str) -> Optional[str]:
         if files.is_hf_source(folder) and recorded == files.hf_weights_sha256(folder):
@@ -111,12 +109,11 @@ class HFKind(ModelKind):
 
     def reference_generator(self, folder, device):
         """The AR teacher as an HF user runs it: ``from_pretrained(attn_implementation="sdpa")``."""
-        return (
-            files.import_transformers()
-            .AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa", dtype=torch.float32)
-            .to(device)
-            .eval()
-        )
+        with files.quiet_loading():
+            model = files.import_transformers().AutoModelForCausalLM.from_pretrained(
+                str(folder), attn_implementation="sdpa", dtype=torch.float32
+            )
+        return model.to(device).eval()
 
     def sliding_window(self, cfg) -> Optional[int]:
         """The window of ``--model-config`` or of the ``--model`` folder's config (None when transformers cannot read

@@ -29,8 +29,10 @@ import torch
 # The checked readers, tensor files and tokenizer I/O live in app/files.py (one place for every file's bytes);
 # read_json, load_tensors and save_tensors stay importable from here, where 0.2 defined them.
 from ..files import (
+    NON_NEGATIVE_INT,
     TMP_SUFFIX,
     CheckpointError,
+    Field,
     load_tensors,
     load_tokenizer,
     read_json,
@@ -39,6 +41,7 @@ from ..files import (
     write_json,
     write_text,
 )
+from ..records import MODEL_INFO_FIELDS, TRAIN_CONFIG_FIELDS, read_model_json
 
 CHECKPOINT_FORMAT = 1
 
@@ -88,8 +91,9 @@ def save_model(folder: str | Path, model, info: dict) -> None:
 
 
 def read_model_info(folder: str | Path) -> dict:
-    """``model.json`` of a stage folder, checked for the entries :func:`load_model` needs."""
-    return read_json(Path(folder) / "model.json", {"k": int, "model_config": dict, "tensors": dict})
+    """``model.json`` of a stage folder, checked entry by entry (``app/records.py``'s ``MODEL_JSON_FIELDS``:
+    the entries :func:`load_model` needs and every other one the package reads back)."""
+    return read_model_json(folder)
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu"):
@@ -201,6 +205,13 @@ _CHECKPOINT_KEYS = {
     "scaler": (dict, type(None)),
     "tensors": dict,
 }
+# What a resume reads of them, entry by entry (app/records.py); load_tensors checks the "tensors" record.
+CHECKPOINT_FIELDS = {
+    "step": NON_NEGATIVE_INT,
+    "train_config": Field(dict, fields=TRAIN_CONFIG_FIELDS),
+    "info": Field(dict, fields=MODEL_INFO_FIELDS),
+    "param_groups": Field(list, each=Field(dict)),
+}
 
 
 def read_checkpoint_meta(json_path: Path) -> dict:
@@ -210,7 +221,7 @@ def read_checkpoint_meta(json_path: Path) -> dict:
         raise CheckpointError(
             f"{json_path}: unknown checkpoint format {meta['format']!r}, expected {CHECKPOINT_FORMAT}"
         )
-    return read_json(json_path, _CHECKPOINT_KEYS)
+    return read_json(json_path, _CHECKPOINT_KEYS, CHECKPOINT_FIELDS)
 
 
 def load_checkpoint(json_path: Path, model, optimizer, scaler) -> dict:

@@ -15,8 +15,9 @@ from ...settings import POSITIVE, UNIT, UNIT_OPEN_HIGH, argparse_type, check_rea
 from ..cli import resolve_device
 from ..data import DEFAULT_SOURCE
 from ..files import LOCK_NAME
+from ..records import read_model_json
 from ..student import kind_of_folder, stage_kind
-from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, read_json, remove_checkpoints
+from .checkpoint import checkpoint_dir, clean_run_folder, latest_checkpoint, remove_checkpoints
 from .objectives import crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
 
@@ -201,7 +202,7 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     if not stage_kind(cfg).sized_by_preset:
         changes["preset"] = None
     if cfg.stage == "stage2":
-        teacher_k = read_json(Path(cfg.teacher) / "model.json", {"k": int})["k"]
+        teacher_k = read_model_json(cfg.teacher)["k"]
         if teacher_k >= 1:  # an AR teacher (k=0) is refused, naming --teacher, when the stage builds its model
             changes["k"] = 2 * teacher_k
     return dataclasses.replace(cfg, **changes)

@@ -46,7 +46,8 @@ from tqdm import tqdm
 from ... import env
 from ..data import Corpus, data_sha256
 from ..files import append_jsonl
-from .checkpoint import latest_checkpoint, read_json, read_metrics, save_tensors, stderr_log
+from ..records import read_model_json
+from .checkpoint import latest_checkpoint, read_metrics, save_tensors, stderr_log
 from .config import (
     TrainConfig,
     check_device,
@@ -128,6 +129,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, env.distributed_ranks()[0])
+    if cfg.stage != "stage0" and cfg.teacher and (Path(cfg.teacher) / "model.json").is_file():
+        teacher_sha256(cfg.teacher)  # its model.json read by its kind, entry by entry: refused now, before any build
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(
@@ -156,7 +159,7 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
     log = stderr_log(f"[{cfg.stage}]") if dims.main else (lambda message: None)
     if cfg.resume and (out / "model.json").exists() and (cfg.stop_at is None or cfg.stop_at == cfg.steps):
-        finished = read_json(out / "model.json")
+        finished = read_model_json(out)
         require_resume_settings(finished.get("train_config", {}), cfg, f"the finished run in {out}")
         require_same_provenance(
             finished,
@@ -168,6 +171,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims, out: Path) -> dict:
         return finished.get("summary", {})
     stage = set_up(cfg, dims, out, log)
     log(threads_line(dims))
+    if dims.world > 1 or dims.shard:
+        log(layout_line(stage))
     t_start = time.perf_counter()
     last_loss = _run_steps(stage)
     return _finish(stage, last_loss, t_start)
@@ -182,6 +187,25 @@ def threads_line(dims: ParallelDims) -> str:
     n = torch.get_num_threads()
     threads = f"{n} thread{'s' if n != 1 else ''}{ranks}"
     return f"device cpu, {threads} (--threads N sets it; on a busy machine try --threads 1)"
+
+
+def layout_line(stage: Stage) -> str:
+    """The start line of a run over ranks (torchrun): the ``dp x cp`` layout, how the student is spread (DDP or
+    FSDP2), the precision it computes in, and where the frozen teacher lives."""
+    dims, cfg = stage.dims, stage.cfg
+    student = f"FSDP2 (sharded over {dims.world} ranks)" if dims.shard else "DDP (a full copy per rank)"
+    amp = getattr(stage.autocast(), "fast_dtype", None)  # torch.autocast, or nullcontext: fp32
+    precision = f"{str(amp).removeprefix('torch.')} autocast" if amp is not None else "fp32"
+    if stage.teacher is None:
+        teacher = "no teacher"
+    elif cfg.teacher_parallel == "fsdp":
+        teacher = f"teacher FSDP2-sharded over {dims.world} ranks"
+    else:
+        teacher = "teacher replicated on every rank"
+    return (
+        f"parallel layout: {dims.world} ranks = dp {dims.dp} x cp {dims.cp}, student {student}, precision "
+        f"{precision} (--precision {cfg.precision}), {teacher}"
+    )
 
 
 def _evaluate(stage: Stage) -> tuple[float, list[float]]:

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from ...settings import POSITIVE, check_reals
 from ..data import data_sha256
-from ..files import RunLock
+from ..files import RunLock, read_json
+from ..records import TRAIN_CONFIG_FIELDS, read_model_json
 from ..student import check_model_options, find_kind, stage_kind
-from .checkpoint import read_json
 from .config import (
     PROVENANCE,
     ConfigError,
@@ -161,7 +161,7 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
     """A finished stage (``finished``: its model.json) is reused only when it was trained with the settings asked for
     now, on the same text and from the same teacher (else its numbers would mix in). ``data_hash()``: the current
     --data's."""
-    saved = finished.get("train_config") or read_json(folder / "train_config.json")
+    saved = finished.get("train_config") or read_json(folder / "train_config.json", fields=TRAIN_CONFIG_FIELDS)
     # The teacher is always the previous stage folder of this pipeline; its path as typed may differ by working
     # directory.
     for key, used, wanted in changed_settings(saved, cfg, ignore=("teacher",)):
@@ -325,7 +325,7 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
 def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash) -> tuple[bool, object]:
     """(True, its summary) for a finished stage to skip; (False, resume) for one to train."""
     if (folder / "model.json").exists() and not base.overwrite:
-        finished = read_json(folder / "model.json")
+        finished = read_model_json(folder)
         _require_same_settings(folder, finished, effective_config(cfg), data_hash)  # as train() records it
         print(f"[pipeline] {folder} is done; skipping", file=sys.stderr)
         return True, finished.get("summary", {})

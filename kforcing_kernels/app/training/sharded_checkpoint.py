@@ -38,9 +38,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..files import TMP_SUFFIX, CheckpointError, fsync_dir, sha256_file, write_json
+from ..files import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    TMP_SUFFIX,
+    CheckpointError,
+    Field,
+    fsync_dir,
+    read_json,
+    sha256_file,
+    write_json,
+)
+from ..records import MODEL_INFO_FIELDS, TRAIN_CONFIG_FIELDS
 from ..student import kind_of_config
-from .checkpoint import checkpoint_dir, config_dict, read_json, save_model
+from .checkpoint import checkpoint_dir, config_dict, save_model
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -56,6 +67,16 @@ _MANIFEST_KEYS = {
     "scaler": (dict, type(None)),
     "rng": list,
     "files": dict,
+}
+# What loading and exporting read of them, entry by entry (app/records.py).
+_FILE_RECORD = Field(dict, fields={"bytes": Field(int, required=True), "sha256": Field(str, required=True)})
+MANIFEST_FIELDS = {
+    "step": NON_NEGATIVE_INT,
+    "world_size": POSITIVE_INT,
+    "train_config": Field(dict, fields=TRAIN_CONFIG_FIELDS),
+    "info": Field(dict, fields=MODEL_INFO_FIELDS),
+    "rng": Field(list, each=Field(dict, fields={"cpu": Field(str, required=True), "cuda": Field(str)})),
+    "files": Field(dict, each=_FILE_RECORD),
 }
 
 
@@ -183,7 +204,7 @@ def read_sharded_meta(folder: Path) -> dict:
         raise CheckpointError(
             f"{folder / MANIFEST}: unknown checkpoint format {manifest['format']!r}, expected {SHARDED_FORMAT}"
         )
-    return read_json(folder / MANIFEST, _MANIFEST_KEYS)
+    return read_json(folder / MANIFEST, _MANIFEST_KEYS, MANIFEST_FIELDS)
 
 
 def verify_sharded(folder: Path) -> dict:

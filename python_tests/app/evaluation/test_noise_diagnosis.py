@@ -161,7 +161,7 @@ def test_the_report_checks_the_sampling_targets_on_its_own_numbers():
     # k=4 at 30/20 = 1.5x (the limit), 0.76/0.84 = 0.905x of the held-out text's.
     checks = target_checks(summary)
     assert [c["met"] for c in checks] == [True] * 5, checks
-    assert checks[2]["value"] == "0.80x / 0.80x / 1.25x"
+    assert checks[2]["value"] == "8.00 (0.80x) / 16.00 (0.80x) / 50.00 (1.25x)"
     # One step outside each edge fails exactly that target.
     summary["quality"]["Stage-1 PFLM(1), k=1"] = q(15.9, 0.80)
     summary["tau_sweep_stage1"]["scores"]["1.0"] = q(50.1, 0.9)
@@ -170,6 +170,16 @@ def test_the_report_checks_the_sampling_targets_on_its_own_numbers():
     text = format_report(summary)
     assert "| Stage-1 student: judge PPL 0.8-1.25x AR at tau 0.8 | 0.80x | NO |" in text
     assert "| K-Forcing k=4: judge PPL <= 1.5x AR | 1.51x | NO |" in text
+    # A perplexity flat across tau does not follow it, even where every ratio is inside the band (issue 56 item 4):
+    # here the teacher is flat too, so 0.9x at every tau.
+    summary["tau_sweep"] = {t: {"AR": q(20.0, 0.9)} for t in ("0.5", "0.8", "1.0")}
+    summary["tau_sweep_stage1"]["scores"] = {t: q(18.0, 0.85) for t in ("0.5", "0.8", "1.0")}
+    (follows,) = [c for c in target_checks(summary) if "follows tau" in c["target"]]
+    assert follows["met"] is False and follows["value"] == "18.00 (0.90x) / 18.00 (0.90x) / 18.00 (0.90x)"
+    summary["tau_sweep_stage1"]["scores"]["0.5"] = q(17.0, 0.85)  # still not rising from 0.8 to 1.0
+    assert [c["met"] for c in target_checks(summary) if "follows tau" in c["target"]] == [False]
+    summary["tau_sweep_stage1"]["scores"]["1.0"] = q(19.0, 0.85)
+    assert [c["met"] for c in target_checks(summary) if "follows tau" in c["target"]] == [True]
     # A run without the Stage-1 row or a final k > 1 (an AR-only or k=1 evaluation) has no targets to show.
     del summary["quality"]["Stage-1 PFLM(1), k=1"]
     summary["final_k"] = 1

@@ -107,10 +107,27 @@ def test_kforcing_refuses_bad_temperature(model, prompts, tau, cache):
         generate_kforcing(model, prompts, 2, 4, temperature=tau, cache=cache)
 
 
-@pytest.mark.parametrize("tau", [-0.5, float("nan"), float("inf"), float("-inf"), torch.tensor([0.0, 1.0, 1.0])])
+@pytest.mark.parametrize("tau", [-0.5, float("nan"), float("inf"), float("-inf")])
 def test_ar_refuses_bad_temperature(model, prompts, tau):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
         generate_ar(model, prompts, 3, temperature=tau)
+
+
+@pytest.mark.parametrize(
+    "tau, row",
+    [(torch.tensor([1.0, 0.0, 1.0]), " (row 1)"), (torch.tensor(0.0), ""), (torch.tensor([1, 1, -2]), " (row 2)")],
+)
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_ar_tensor_temperature_with_a_zero_says_what_greedy_is(model, prompts, tau, row, cache):
+    """Greedy is a number 0 for the whole batch (is_greedy); a 0 (or a negative) inside a tensor is refused with a
+    message that is true of it: not "expected >= 0 (0 = greedy), got 0.0" (issue 56 item 4)."""
+    with pytest.raises(ValueError) as caught:
+        generate_ar(model, prompts, 3, temperature=tau, cache=cache)
+    message = str(caught.value)
+    assert "expected a tensor of finite numbers > 0 (0 = greedy only as a number, temperature=0" in message
+    bad = float(tau.flatten()[(tau.flatten() <= 0).nonzero()[0, 0]])
+    assert message.endswith(f"got {bad}{row}"), message
+    assert ">= 0" not in message
 
 
 def test_temperature_shape_is_checked(model, prompts):

@@ -80,6 +80,12 @@ def test_two_process_torchrun_matches_single_process(tmp_path, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The log states the layout once, at the start (rank 0 logs): issue 56 item 5.
+    layout = [line for line in result.stderr.splitlines() if "parallel layout:" in line]
+    assert layout == [
+        "[stage2] parallel layout: 2 ranks = dp 2 x cp 1, student DDP (a full copy per rank), precision fp32 "
+        "(--precision auto), teacher replicated on every rank"
+    ], result.stderr[-3000:]
 
     one, two = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
     assert one.keys() == two.keys() and len(one) > 5
