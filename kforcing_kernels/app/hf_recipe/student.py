@@ -30,11 +30,11 @@ are run as groups of equal length (each request's tokens do not depend on the ba
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from ...integrations import hf as kf_hf  # registers attn_implementation="kforcing"
 from ...integrations.hf_noise import NoiseEmbedding
@@ -42,6 +42,7 @@ from ...layouts import WindowLayout
 from ...layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ...ops.sampling import inverse_cdf_sample
 from ...parallel import ContextParallel
+from ...parallel.context_parallel import RankRows
 from ...types import Temperature
 
 
@@ -68,9 +69,10 @@ class HFStudent(nn.Module):
     """``hf`` (an HF causal LM with ``attn_implementation="kforcing"``) + ``noise_encoder`` as one trainable model."""
 
     kind = "hf"  # its ModelKind in app/student.py's registry: app/hf_recipe/kind.py
+    hf_tokenizer: Any = None  # the transformers tokenizer its folder holds (set by files.load_hf_*), for its EOS
 
     def __init__(
-        self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None
+        self, hf_model: PreTrainedModel, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None
     ):
         super().__init__()
         impl = getattr(hf_model.config, "_attn_implementation", None)
@@ -81,7 +83,7 @@ class HFStudent(nn.Module):
                 f"attn_logit_softcapping: not supported by attn_implementation='kforcing', got "
                 f"{hf_model.config.attn_logit_softcapping!r}" + kf_hf.SOFTCAP_ADVICE
             )
-        self.hf = hf_model.eval()
+        self.hf: PreTrainedModel = hf_model.eval()
         hidden = self.wte.weight.shape[1]
         self.noise_encoder = noise_encoder if noise_encoder is not None else NoiseEmbedding(hidden)
         self.k_train = k_train
@@ -95,7 +97,7 @@ class HFStudent(nn.Module):
         return self.hf.config
 
     @property
-    def wte(self) -> nn.Module:
+    def wte(self) -> nn.Embedding:
         return self.hf.get_input_embeddings()
 
     def train(self, mode: bool = True) -> "HFStudent":
@@ -127,7 +129,7 @@ class HFStudent(nn.Module):
             seen.add(tensor.data_ptr())
         return tied
 
-    def output_head(self) -> Optional[nn.Module]:
+    def output_head(self) -> Optional[nn.Linear]:
         """The ``lm_head`` that maps ``return_hidden=True``'s hidden states to logits, or None when the model's logits
         are not exactly ``lm_head(hidden)`` (a final soft-capping or logit scale, no linear head, no base model):
         then the loss takes the logits."""
@@ -160,14 +162,14 @@ class HFStudent(nn.Module):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        layout: WindowLayout,
+        layout: Union[WindowLayout, RankRows],
         keep: int = 0,
         cache=None,
         use_cache: bool = False,
         hidden: bool = False,
     ):
         b, length = embeds.shape[:2]
-        kwargs = {
+        kwargs: dict[str, Any] = {  # the HF model's forward keywords
             "inputs_embeds": embeds,
             "position_ids": positions.expand(b, length),
             "kforcing_layout": layout,
@@ -179,9 +181,10 @@ class HFStudent(nn.Module):
             # attention call applies each layer's window to the layout instead (integrations/hf_masks.sliding_layout).
             kwargs[self._cache_kw] = DynamicCache() if cache is None else cache
         if hidden:  # the base model: its last hidden states, no head (output_head says when that equals the logits)
-            if self.output_head() is None:
+            base = self._base()
+            if self.output_head() is None or base is None:  # (no base model: output_head() is None too)
                 raise ValueError("return_hidden: this model's logits are not lm_head(hidden states); take its logits")
-            out = self._base()(**kwargs)
+            out = base(**kwargs)
             states = out["last_hidden_state"]
             return (states[:, -keep:] if keep else states), (_cache_of(out) if kwargs["use_cache"] else None)
         if keep and self._keep_kw:
@@ -404,14 +407,17 @@ def generate_grouped(
     tokens ``[B, P_max]`` right-padded, lengths ``[B]``; each ``per_row`` tensor has B rows (or is None).
     Returns (tokens ``[B, width]``, logits ``[B, width, V]``).
     """
-    out, logits = None, None
+    out: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
     for length in sorted(set(lengths.tolist())):
         rows = (lengths == length).nonzero()[:, 0].to(tokens.device)
         got, got_logits = run(tokens[rows, :length], *(None if t is None else t[rows] for t in per_row))
-        if out is None:
+        if out is None or logits is None:
             out = torch.empty(tokens.shape[0], width, dtype=torch.int64, device=tokens.device)
             logits = torch.empty(
                 tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype, device=tokens.device
             )
         out[rows], logits[rows] = got[:, :width], got_logits[:, :width]
+    if out is None or logits is None:
+        raise ValueError("tokens: expected at least one prompt, got none")
     return out, logits
