@@ -43,6 +43,7 @@ from ...layouts.positions import as_cu_seqlens, context_positions, double_positi
 from ...ops.sampling import inverse_cdf_sample
 from ...parallel import ContextParallel
 from ...parallel.context_parallel import RankRows
+from ...parallel.rank_inputs import context_parallel_inputs
 from ...types import Temperature
 
 
@@ -277,41 +278,13 @@ class HFStudent(nn.Module):
         AR rows are context positions t; SingleForward rows are window tokens ``t * k + j``
         (``logits[:, i] == forward(tokens, noise, tau).flatten(1, 2)[:, rows[i]]``).
         """
-        if not isinstance(cp, ContextParallel):
-            raise ValueError(
-                f"context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got {type(cp).__name__}"
-            )
-        self._check_tokens("tokens", tokens)
-        b, n = tokens.shape
-        cu = as_cu_seqlens(cu_seqlens, n, b)
-        if noise is None:
-            shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
-            rows = shard.query_rows.to(tokens.device)
-            logits, _ = self._run(
-                self.wte(tokens[:, rows]),
-                context_positions(n, cu, tokens.device)[..., rows],
-                shard,
-                hidden=return_hidden,
-            )
-            return logits, shard.query_rows
-        if noise.dim() != 3 or noise.shape[:2] != (b, n):
-            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
-        k = noise.shape[2]
-        shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
-        rows = shard.query_rows.to(tokens.device)
-        context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        embeds = torch.cat(
-            [self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1
-        )
-        windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
-        logits, _ = self._run(
-            embeds,
-            single_positions(n, k, tokens.device, cu)[..., rows],
-            shard,
-            keep=max(windows, 1),
-            hidden=return_hidden,
-        )
-        return logits[:, logits.shape[1] - windows :], window_rows.cpu()
+        if isinstance(cp, ContextParallel):  # (else refused by context_parallel_inputs, naming the option)
+            self._check_tokens("tokens", tokens)
+        inputs = context_parallel_inputs(cp, tokens, noise, tau, cu_seqlens, self.wte, self.embed_noise)
+        # The SingleForward keeps its window rows (logits_to_keep=0 would mean all: keep at least one, then slice).
+        keep = 0 if noise is None else max(inputs.kept, 1)
+        logits, _ = self._run(inputs.embeds, inputs.positions, inputs.shard, keep=keep, hidden=return_hidden)
+        return logits[:, logits.shape[1] - inputs.kept :], inputs.rows
 
     def double_forward(
         self,
