@@ -50,7 +50,7 @@ aot-check:
 		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
 	done
 
-# ruff over the tree and mypy over the library (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
+# ruff over the tree and mypy over the whole package (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
 .PHONY: lint
 lint: $(STAMP)
 	PYTHON=$(PY) tools/lint.sh

@@ -13,5 +13,5 @@ echo "lint: ruff check ."
 "$PYTHON" -m ruff check .
 echo "lint: ruff format --check ."
 "$PYTHON" -m ruff format --check .
-echo "lint: mypy (the library: layouts, ops, model, parallel, integrations)"
+echo "lint: mypy (the whole package, pyproject.toml [tool.mypy])"
 "$PYTHON" -m mypy

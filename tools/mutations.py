@@ -56,8 +56,8 @@ MUTATIONS = [
     dict(
         id="stage1-loss-tau=1",
         file="kforcing_kernels/app/training/objectives.py",
-        old="forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)",
-        new="forward_distillation_targets(teacher_logits, noise[..., 0], torch.ones_like(batch.tau))",
+        old="forward_distillation_targets(teacher_logits, noise[..., 0], tau)",
+        new="forward_distillation_targets(teacher_logits, noise[..., 0], torch.ones_like(tau))",
         tests=["python_tests/app/training/test_objectives.py"],
     ),
     dict(

@@ -172,7 +172,7 @@ def add_batch_sizes(p: argparse.ArgumentParser, default, help: str = "batch size
     p.add_argument("--batch-sizes", type=int_list, default=text, help=help + " (comma-separated)")
 
 
-def add_preset(p: argparse.ArgumentParser, default: str = "tiny", help: str = "model size") -> None:
+def add_preset(p: argparse.ArgumentParser, default: Optional[str] = "tiny", help: str = "model size") -> None:
     from ..model import PRESETS
 
     p.add_argument("--preset", choices=sorted(PRESETS), default=default, help=help)

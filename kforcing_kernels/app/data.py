@@ -23,14 +23,18 @@ import json
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .. import env
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 from .files import (
     NON_NEGATIVE_INT,
     Field,
@@ -220,11 +224,13 @@ class Corpus:
 
     train: torch.Tensor  # int64 [T_train]
     val: torch.Tensor  # int64 [T_val]
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: "Tokenizer"
     eos_id: int
     source: str
     n_documents: tuple[int, int]  # (train, val)
     data_sha256: str = ""  # :func:`data_sha256` of the source
+    # The transformers tokenizer an HF teacher's text was encoded with (hf_recipe/files.hf_corpus), else None.
+    hf_tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @property
     def tokenizer_sha256(self) -> str:

@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TypedDict
 
 # Under CPU contention, OpenMP threads that spin while waiting slow small ops down by
 # 10x or more; passive waiting costs nothing when the machine is idle. The policy is
@@ -34,12 +34,21 @@ if "OMP_WAIT_POLICY" not in os.environ and __name__ == "__main__":
 import torch  # noqa: E402
 
 from .data import DataError  # noqa: E402
-from .evaluation.evaluate import DEMO_EVAL, evaluate_pipeline  # noqa: E402
+from .evaluation.evaluate import DEMO_EVAL, EvalSettings, evaluate_pipeline  # noqa: E402
 from .evaluation.report import format_report, plot_summary  # noqa: E402
 from .files import write_json, write_text
 from .training.checkpoint import CheckpointError  # noqa: E402
 from .training.config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
 from .training.pipeline import PipelineConfig, run_pipeline  # noqa: E402
+
+
+class DemoPreset(TypedDict):
+    """One preset of the demo: the stages' settings, the pipeline's and the evaluation's."""
+
+    train: TrainConfig
+    pipeline: PipelineConfig
+    eval: EvalSettings
+
 
 # The model, data and optimizer settings: TrainConfig's defaults (the stage CLIs' too).
 _TRAIN = TrainConfig()
@@ -50,7 +59,7 @@ _TRAIN = TrainConfig()
 # steps buy the diversity of every row, while the k=4 round's steps (its slots 3-4 start untrained)
 # buy its perplexity (issue 18). Stage 1 / k=4 steps 200 / 240 gave k=4 1.03x the teacher's judge
 # perplexity at distinct-4 0.69; 400 / 200: 1.29x, 0.78; 600 / 160: 1.54x, 0.83 (BENCHMARKS.md, issue 39 part 2).
-DEMO = dict(
+DEMO = DemoPreset(
     train=_TRAIN,
     pipeline=PipelineConfig(
         steps_stage0=600,
@@ -66,7 +75,7 @@ DEMO = dict(
 # (1000 steps), every distillation stage at batch 16, and 2400 steps in the k=4 round: in the
 # allocation sweep more Stage-1 / k=2 steps did not help k=4, k=4-round steps did up to
 # 2400-3000 (6000 were no better), so the extra time goes to the round that still learns.
-LONG = dict(
+LONG = DemoPreset(
     train=_TRAIN,
     pipeline=PipelineConfig(
         steps_stage0=1000, steps_stage1=450, steps_stage2=(300, 2400), lr_stage0=2e-3, lr_distill=2e-3
@@ -74,7 +83,7 @@ LONG = dict(
     eval=DEMO_EVAL,
 )
 # --quick: the same pipeline in a minute or two; the numbers only show that it runs.
-QUICK = dict(
+QUICK = DemoPreset(
     train=TrainConfig(
         preset="tiny",
         vocab_size=1024,
@@ -88,7 +97,7 @@ QUICK = dict(
     pipeline=PipelineConfig(steps_stage0=60, steps_stage1=20, steps_stage2=20, lr_stage0=2e-3, lr_distill=1e-3),
     eval=dataclasses.replace(DEMO_EVAL, new_tokens=32, reps=1, nll_batches=2, nll_batch_size=8),
 )
-PRESETS = {"demo": DEMO, "long": LONG, "quick": QUICK}
+PRESETS: dict[str, DemoPreset] = {"demo": DEMO, "long": LONG, "quick": QUICK}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -364,7 +364,8 @@ class RunLock:
     """
 
     def __init__(self, folder: str | Path, option: str = "--out"):
-        self.folder, self.option, self._fd = Path(folder), option, None
+        self.folder, self.option = Path(folder), option
+        self._fd: Optional[int] = None
 
     def acquire(self) -> "RunLock":
         try:

@@ -23,6 +23,10 @@ class NativeKind(ModelKind):
     summary = "the package's own model (KForcingLM)"
     decode_rules = DECODE_RULES
     source_files = "its model file"
+    caches = ("paged", "contiguous")  # the first is the default (app/generation/inference.py)
+    default_page_size = 16
+    compiled_step = True  # generation takes compile_step (app/generation/static_step.py)
+    serves_paged = True  # PagedGenerator's cache holds its layers (app/generation/paged_cache.py)
 
     def holds(self, folder) -> bool:
         return (Path(folder) / "model.json").is_file()
@@ -56,6 +60,36 @@ class NativeKind(ModelKind):
         # The run's tokenizer.json is in the folder already (written when the stage started).
         save_model(folder, model, {**info, "model_kind": self.name})
 
+    def config_dict(self, model) -> dict:
+        return model.config.to_dict()
+
+    def decode_rule(self, model) -> str:
+        return model.config.decode
+
+    def eos_id(self, model, tokenizer) -> int:
+        from .data import EOS
+
+        return tokenizer.token_to_id(EOS)
+
+    def export_sharded(self, checkpoint, out, manifest: dict, record: dict, tokenizer=None) -> None:
+        """``model.safetensors`` + ``model.json``; ``tokenizer``: the run's tokenizer.json (default: the one in the
+        run folder above ``checkpoints/``), copied beside the model so ``load_model`` checks and returns it."""
+        import torch.distributed.checkpoint as dcp
+
+        from ..model import KForcingLM, ModelConfig
+        from .files import write_bytes
+        from .training.checkpoint import save_model
+
+        checkpoint = Path(checkpoint)
+        model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        model.load_state_dict(state["model"])
+        save_model(out, model, record)
+        tokenizer = Path(tokenizer) if tokenizer else checkpoint.parent.parent / "tokenizer.json"
+        if tokenizer.is_file():
+            write_bytes(Path(out) / "tokenizer.json", tokenizer.read_bytes())
+
     def with_decode(self, model, rule: str) -> None:
         super().with_decode(model, rule)
         model.config = dataclasses.replace(model.config, decode=rule)
@@ -64,8 +98,6 @@ class NativeKind(ModelKind):
         from .data import load_corpus
 
         return load_corpus(data, vocab_size=vocab_size, verbose=verbose)
-
-    static_step = True  # generation takes compile_step (app/generation/static_step.py)
 
     def generate_kforcing(
         self,

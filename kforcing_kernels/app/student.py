@@ -23,7 +23,7 @@ import importlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,7 +44,10 @@ class Student(Protocol):
     kind: str  # the registry name of its ModelKind
     config: Any  # vocab_size at least; the kind's own config object
     k_train: Optional[int]  # the window it was trained with (0: AR), None when unknown
-    noise_encoder: nn.Module
+
+    @property
+    def noise_encoder(self) -> nn.Module:
+        """The noise encoder (its own parameters; Stage 1 starts it fresh)."""
 
     def forward(
         self,
@@ -89,6 +92,49 @@ class Student(Protocol):
     def tied_keys(self) -> list[str]:
         """state_dict keys whose tensor is an earlier key's (tied embeddings): saved once, restored by the tie."""
 
+    def output_head(self) -> Optional[nn.Linear]:
+        """The linear layer that maps ``forward(..., return_hidden=True)``'s hidden states to the logits, or None when
+        the logits are not exactly that (the loss then takes the logits)."""
+
+    # The nn.Module members the generic code uses (every Student is an nn.Module).
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def eval(self) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
+    def cpu(self) -> Any: ...
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+    def requires_grad_(self, requires_grad: bool = True) -> Any: ...
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
+
+
+def device_of(model: Student) -> torch.device:
+    """The device of ``model``'s weights (where generation puts its prompts and noise)."""
+    return next(model.parameters()).device
+
+
+def dtype_of(model: Student) -> torch.dtype:
+    """The dtype of ``model``'s weights."""
+    return next(model.parameters()).dtype
+
+
+def unwrap(model: Union[Student, nn.Module]) -> Union[Student, nn.Module]:
+    """The model inside DDP and ``torch.compile`` wrappers (the module whose kind and head the generic code asks)."""
+    from torch._dynamo.eval_frame import OptimizedModule  # torch.compile's wrapper (public since 2.0)
+
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, OptimizedModule):
+            model = model._orig_mod  # noqa: SLF001 - the compiled module's original, torch's documented attribute
+        else:
+            return model
+
+
+class CapabilityError(ValueError):
+    """An option or call that a model kind cannot honour; the message names the option and the kind."""
+
 
 class ModelKind(ABC):
     """What differs per kind of model outside its forward. One instance per kind, registered by name."""
@@ -100,6 +146,15 @@ class ModelKind(ABC):
     tokenizer_from_model: bool = False  # a stage distilled from it encodes --data with the teacher's own tokenizer
     decode_rules: tuple[str, ...] = ("argmax",)  # the PFLM decoding rules it can be trained with (model/decoding.py)
     source_files: str = "its model file"  # what its identity (:meth:`identity`) covers, in an error's words
+    # Generation capabilities (app/generation/inference.py asks them through :meth:`generation_options`):
+    caches: tuple[str, ...] = ()  # the ``cache=`` values it honours (empty: it decodes over its own cache only)
+    default_page_size: Optional[int] = None  # ``page_size=`` when the paged cache is asked without one
+    compiled_step: bool = False  # it honours ``compile_step`` (a static, compilable decode step)
+    serves_paged: bool = False  # PagedGenerator (app/generation/serving.py) can serve its models
+
+    def refuse(self, option: str, what: str, got: Any) -> CapabilityError:
+        """The error for an option this kind cannot honour: names the option, the kind and the value given."""
+        return CapabilityError(f"{option}: {self.summary} {what}, got {got!r}")
 
     # -------------------------------------------------------------- folders
 
@@ -150,8 +205,16 @@ class ModelKind(ABC):
     def export_sharded(self, checkpoint, out, manifest: dict, record: dict, tokenizer=None) -> None:
         """Write the model of a sharded (DCP) checkpoint, whole, as this kind's stage folder ``out`` (one process, no
         process group); ``manifest`` is the checkpoint's, ``record`` the ``model.json`` info to save, ``tokenizer``
-        the user's ``--tokenizer`` or None. ``app/training/sharded_checkpoint.py`` exports the default kind itself."""
-        raise NotImplementedError(f"{self.summary}: its sharded checkpoints cannot be exported")
+        the user's ``--tokenizer`` or None."""
+        raise self.refuse("checkpoint", "has no export of sharded checkpoints", str(checkpoint))
+
+    def config_dict(self, model: Student) -> dict:
+        """``model``'s config as JSON gives it back (what a checkpoint records as ``model_config``)."""
+        raise self.refuse("model", "has no config a checkpoint can record", type(model).__name__)
+
+    def decode_rule(self, model: Student) -> str:
+        """The PFLM decoding rule ``model`` decodes by (one of :attr:`decode_rules`)."""
+        return self.decode_rules[0]
 
     def with_decode(self, model: Student, rule: str) -> None:
         """Record the PFLM decoding rule ``rule`` (one of :attr:`decode_rules`) in ``model``'s config."""
@@ -161,6 +224,53 @@ class ModelKind(ABC):
             )
 
     # -------------------------------------------------------------- text and generation
+
+    def is_source(self, folder) -> bool:
+        """Whether ``folder`` is a source (a pretrained model that no stage of a run wrote): its ``model.json``, if
+        any, records no run text, which a run's first stage (``stage1``) then holds."""
+        return self.source_option(folder) is not None
+
+    def eos_id(self, model: Student, tokenizer) -> int:
+        """The end-of-text id of ``model`` with ``tokenizer`` (the one :meth:`load` returned): an empty prompt starts
+        a document with it."""
+        raise self.refuse("model", "names no end-of-text token", type(model).__name__)
+
+    def generation_options(
+        self, cache: Optional[str], page_size: Optional[int], compile_step: Union[bool, str]
+    ) -> dict[str, Any]:
+        """``cache`` / ``page_size`` / ``compile_step`` of ``generate_kforcing`` / ``generate_ar`` as this kind's
+        :meth:`generate_kforcing` takes them: None means the kind's default; an option it cannot honour is refused
+        naming the option and the kind (never silently ignored)."""
+        if cache is not None and cache not in self.caches:
+            what = (
+                f"decodes over its own cache (cache= one of {self.caches})"
+                if self.caches
+                else "decodes over its own KV cache only (no cache= option)"
+            )
+            raise self.refuse("cache", what, cache)
+        cache = cache if cache is not None else (self.caches[0] if self.caches else None)
+        if page_size is not None and "paged" not in self.caches:
+            raise self.refuse("page_size", "has no paged cache (it decodes over its own KV cache)", page_size)
+        if page_size is None and "paged" in self.caches:
+            page_size = self.default_page_size  # read by the paged cache only (cache="contiguous" has no pages)
+        if compile_step is not False and not self.compiled_step:
+            raise self.refuse(
+                "compile_step",
+                "decodes with its own KV cache; compile_step applies to the package's caches",
+                compile_step,
+            )
+        return {"cache": cache, "page_size": page_size, "compile_step": compile_step}
+
+    def check_serving(self, model: Student) -> None:
+        """Refuse (naming the kind) a model that :class:`~kforcing_kernels.app.generation.serving.PagedGenerator`
+        cannot serve."""
+        if not self.serves_paged:
+            raise self.refuse(
+                "model",
+                "is not served by PagedGenerator (the package's paged KV cache holds its own model's layers); "
+                "use generate_kforcing / generate_ar",
+                type(model).__name__,
+            )
 
     @abstractmethod
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False) -> "Corpus":
@@ -177,14 +287,16 @@ class ModelKind(ABC):
         *,
         k: int,
         max_new_tokens: int,
-        cache: str,
-        page_size: int,
+        cache: Optional[str],
+        page_size: Optional[int],
         k_train: Optional[int],
         return_logits: bool,
+        compile_step: Union[bool, str] = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Algorithm 1 over the kind's KV cache, arguments checked by ``generation/inference.py``: right-padded
-        ``tokens [B, P]``, ``lengths [B]``, ``noise [B, ceil(T / k), k]`` -> ``(tokens [B, T], logits [B, T, V])``
-        (logits may be None without ``return_logits``)."""
+        """Algorithm 1 over the kind's KV cache, arguments checked by ``generation/inference.py`` (``cache``,
+        ``page_size`` and ``compile_step`` by :meth:`generation_options`): right-padded ``tokens [B, P]``,
+        ``lengths [B]``, ``noise [B, ceil(T / k), k]`` -> ``(tokens [B, T], logits [B, T, V])`` (logits may be None
+        without ``return_logits``)."""
 
     @abstractmethod
     def generate_ar(
@@ -196,9 +308,10 @@ class ModelKind(ABC):
         temperature,
         *,
         max_new_tokens: int,
-        cache: str,
-        page_size: int,
+        cache: Optional[str],
+        page_size: Optional[int],
         return_logits: bool,
+        compile_step: Union[bool, str] = False,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """AR decoding over the kind's KV cache: ``noise [B, T]`` -> ``(tokens [B, T], logits [B, T, V])``."""
 
@@ -246,19 +359,19 @@ def kind_named(name: str) -> ModelKind:
     return _LOADED[name]
 
 
-def kind_of(model: nn.Module) -> ModelKind:
-    """The kind of a model (its ``kind`` attribute, a :class:`Student`'s; DDP's wrapped module is looked through)."""
-    inner = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return kind_named(getattr(inner, "kind", DEFAULT_KIND))
+def kind_of(model: Union[Student, nn.Module]) -> ModelKind:
+    """The kind of a model (its ``kind`` attribute, a :class:`Student`'s; DDP and torch.compile wrappers are looked
+    through; a module that declares none is the default kind's)."""
+    return kind_named(getattr(unwrap(model), "kind", DEFAULT_KIND))
 
 
-def kind_of_config(model_config: dict) -> Optional[ModelKind]:
-    """The registered kind that claims a checkpoint's saved model config (:meth:`ModelKind.holds_config`), or None
-    (the default kind's)."""
+def kind_of_config(model_config: dict) -> ModelKind:
+    """The registered kind that claims a checkpoint's saved model config (:meth:`ModelKind.holds_config`), else the
+    default kind."""
     for name in _SPECS:
         if name != DEFAULT_KIND and kind_named(name).holds_config(model_config):
             return kind_named(name)
-    return None
+    return kind_named(DEFAULT_KIND)
 
 
 def recorded_kind(folder) -> Optional[str]:

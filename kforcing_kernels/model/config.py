@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..settings import POSITIVE, check_reals
 
@@ -100,7 +100,7 @@ class ModelConfig:
         return cls(**d)
 
 
-PRESETS = {
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "micro": ModelConfig.micro,
     "tiny": ModelConfig,
     "paper": ModelConfig.paper_backbone,

@@ -31,6 +31,7 @@ from ..layouts import WindowLayout
 from ..layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ..ops.window_attention import window_attention
 from ..parallel.context_parallel import ContextParallel, RankRows
+from ..parallel.rank_inputs import context_parallel_inputs
 from ..types import KV, Temperature
 from .config import ModelConfig
 from .decode_paths import DirectBlock, PagedPast, direct_block  # defined there, importable from here too
@@ -403,25 +404,10 @@ class KForcingLM(nn.Module):
         this rank's context rows only feed the others' attention. ``return_hidden``: hidden ``[B, R, C]`` for logits.
         """
         _check_tokens(tokens, self.config)
-        b, n = tokens.shape
-        cu = as_cu_seqlens(cu_seqlens, n, b)
-        if noise is None:
-            shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
-            rows = shard.query_rows.to(tokens.device)
-            h, _ = self.trunk(self.wte(tokens[:, rows]), context_positions(n, cu, tokens.device)[..., rows], shard)
-            return (h if return_hidden else self.head(h)), shard.query_rows
-        if noise.dim() != 3 or noise.shape[:2] != (b, n):
-            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
-        k = noise.shape[2]
-        shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
-        rows = shard.query_rows.to(tokens.device)
-        context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        x = torch.cat(
-            [self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1
-        )
-        h, _ = self.trunk(x, single_positions(n, k, tokens.device, cu)[..., rows], shard)
-        h = h[:, context_rows.numel() :]
-        return (h if return_hidden else self.head(h)), window_rows.cpu()
+        inputs = context_parallel_inputs(cp, tokens, noise, tau, cu_seqlens, self.wte, self.embed_noise)
+        h, _ = self.trunk(inputs.embeds, inputs.positions, inputs.shard)
+        h = h[:, h.shape[1] - inputs.kept :]  # SingleForward: its window rows (its context rows fed the others)
+        return (h if return_hidden else self.head(h)), inputs.rows
 
     def double_forward(
         self,

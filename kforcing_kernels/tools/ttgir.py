@@ -154,9 +154,10 @@ def _copy_allocs(index: int, lines: list[str], defs: dict) -> set[tuple[str, int
     for name in _VALUE.findall(rhs.split(":", 1)[0]):
         name, at = name.split("#")[0], index
         for _ in range(8):  # follow view chains
-            at = _def_line(name, at, defs)
-            if at is None:
+            found = _def_line(name, at, defs)
+            if found is None:
                 break
+            at = found
             text = lines[at]
             if _ALLOC_DEPTH.search(text):
                 out.add((name, at))

@@ -157,3 +157,126 @@ def test_both_models_take_the_protocols_arguments():
             params = inspect.signature(getattr(cls, name)).parameters
             assert list(params)[: len(want)] == want, (cls.__name__, name)
             assert all(p.default is not p.empty for p in list(params.values())[len(want) :]), (cls.__name__, name)
+
+
+# ---------------------------------------------------------------------- the seam is asked, never probed
+
+import ast  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parents[2] / "kforcing_kernels"
+# The kinds' own modules (and the registry, whose kind_of reads a module's declared kind): the only places that may
+# probe a model or a kind for an attribute.
+KIND_MODULES = ("app/native.py", "app/student.py", "app/hf_recipe/")
+# Names the generic code gives a model (or a wrapper of one) or a kind.
+MODEL_NAMES = {"model", "student", "teacher", "pflm", "judge", "inner", "final", "copy", "head", "kind", "net"}
+KIND_CALLS = {"kind_of", "kind_named", "kind_of_folder", "find_kind", "stage_kind", "kind_of_config", "unwrap"}
+
+
+def _names_a_model_or_kind(node: ast.expr) -> bool:
+    """Whether ``node`` (getattr's first argument) is a model or a kind: a model-like name (``model``,
+    ``hf_model``), an attribute of one (``model.config``, ``stage.student``), or what the registry returns."""
+    while True:
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in KIND_CALLS:
+                return True
+            node = func
+        elif isinstance(node, ast.Attribute):
+            if node.attr in MODEL_NAMES or node.attr.endswith("_model") or node.attr == "config":
+                return True
+            node = node.value
+        elif isinstance(node, ast.Name):
+            return node.id in MODEL_NAMES or node.id.endswith("_model")
+        else:
+            return False
+
+
+def duck_typed_sites(source: str) -> list[str]:
+    """``getattr`` / ``hasattr`` calls on a model or a kind in ``source``: ``"line: text"``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and _names_a_model_or_kind(node.args[0])
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_getattr_or_hasattr_on_a_model_or_kind_outside_the_kinds():
+    """The generic code asks the kind (ModelKind's members) or the Student protocol, never probes the object: every
+    capability it needs is a member, and a kind without it refuses by name."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(KIND_MODULES) or not rel.startswith(("app/", "sdpa.py", "tools/")):
+            continue
+        offenders += [f"{rel}:{site}" for site in duck_typed_sites(path.read_text())]
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_the_duck_typing_finder_sees_planted_sites():
+    planted = """
+hasattr(model, "wte")
+getattr(kind_of(model), "static_step", False)
+getattr(model.config, "decode", "argmax")
+getattr(stage.student, "k_train", None)
+getattr(hf_model, "hf_tokenizer", None)
+getattr(args, "model", None)
+getattr(os, "O_NOFOLLOW", 0)
+getattr(noise, "shape", ())
+"""
+    assert [site.split(": ")[1] for site in duck_typed_sites(planted)] == [
+        "hasattr(model, 'wte')",
+        "getattr(kind_of(model), 'static_step', False)",
+        "getattr(model.config, 'decode', 'argmax')",
+        "getattr(stage.student, 'k_train', None)",
+        "getattr(hf_model, 'hf_tokenizer', None)",
+    ]
+
+
+def test_the_native_kind_answers_what_the_generic_code_asks():
+    model = KForcingLM(CONFIG)
+    kind = registry.kind_of(model)
+    assert kind.generation_options(None, None, False) == {"cache": "paged", "page_size": 16, "compile_step": False}
+    assert kind.generation_options("contiguous", 4, True)["cache"] == "contiguous"
+    assert kind.config_dict(model) == CONFIG.to_dict() and kind.decode_rule(model) == CONFIG.decode
+    assert registry.kind_of_config(CONFIG.to_dict()) is kind  # a native checkpoint's exporter is its kind
+    assert registry.kind_of_config({"model_type": "llama"}).name == "hf"
+
+
+def test_a_kind_without_a_capability_refuses_it_by_name():
+    from kforcing_kernels.app.generation.inference import generate_kforcing
+    from kforcing_kernels.app.generation.serving import PagedGenerator
+
+    kind = _MarkerKind()
+    assert kind.generation_options(None, None, False) == {"cache": None, "page_size": None, "compile_step": False}
+    model = KForcingLM(CONFIG)
+    for args, option in (
+        (("paged", None, False), "cache"),
+        ((None, 8, False), "page_size"),
+        ((None, None, True), "compile_step"),
+    ):
+        with pytest.raises(registry.CapabilityError, match=f"^{option}: "):
+            kind.generation_options(*args)
+    for ask in (lambda: kind.config_dict(model), lambda: kind.eos_id(model, None), lambda: kind.check_serving(model)):
+        with pytest.raises(registry.CapabilityError, match="^model: "):
+            ask()
+    with pytest.raises(registry.CapabilityError, match="^checkpoint: "):
+        kind.export_sharded("ckpt", "out", {}, {})
+    # Through the public entry points: a model of that kind.
+    model.kind, model.k_train = "marker", 2
+    saved = dict(registry._SPECS), dict(registry._LOADED)
+    registry.register_kind("marker", kind)
+    try:
+        with pytest.raises(ValueError, match="^cache: "):
+            generate_kforcing(model, [[1, 2]], 2, 3, cache="contiguous")
+        with pytest.raises(registry.CapabilityError, match="PagedGenerator"):
+            PagedGenerator(model, 2, num_pages=4)
+    finally:
+        registry._SPECS.clear(), registry._SPECS.update(saved[0])
+        registry._LOADED.clear(), registry._LOADED.update(saved[1])

@@ -37,13 +37,12 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ...model import KForcingLM
 from ...settings import POSITIVE, check_reals
 from ..data import DataError, sample_crops
 from ..files import CheckpointError, check_fields, check_writable, write_json
 from ..generation.inference import generate_ar, generate_kforcing
 from ..records import DISTILLED_FIELDS, RUN_TEXT_FIELDS, read_model_json
-from ..student import corpus_for, find_kind, kind_of, load_student
+from ..student import Student, corpus_for, device_of, find_kind, kind_of, kind_of_folder, load_student
 from ..training.objectives import forward_distillation_targets, self_forcing_targets
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
 from .run_folders import ar_teacher_folder, load_judge, recorded_data, same_tokenizer
@@ -86,11 +85,11 @@ QUICK_EVAL = EvalSettings(
 
 @torch.no_grad()
 def ar_validation_nll(
-    model: KForcingLM, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int, seed: int = 0
+    model: Student, val: torch.Tensor, *, batches: int, batch_size: int, seq_len: int, seed: int = 0
 ) -> float:
     """Mean next-token NLL of an AR model on held-out windows (the reference row of Table 2)."""
     gen = torch.Generator().manual_seed(seed)
-    device = model.wte.weight.device
+    device = device_of(model)
     total = 0.0
     for _ in range(batches):
         x = sample_crops(val, batch_size, seq_len + 1, gen).to(device)
@@ -100,8 +99,8 @@ def ar_validation_nll(
 
 @torch.no_grad()
 def per_position_nll(
-    student: KForcingLM,
-    teacher: KForcingLM,
+    student: Student,
+    teacher: Student,
     teacher_k: int,
     val: torch.Tensor,
     *,
@@ -118,7 +117,7 @@ def per_position_nll(
     """
     k = 1 if teacher_k == 0 else 2 * teacher_k
     gen = torch.Generator().manual_seed(seed)
-    device = student.wte.weight.device
+    device = device_of(student)
     nll = torch.zeros(k, dtype=torch.float64)
     agree = torch.zeros(k, dtype=torch.float64)
     for _ in range(batches):
@@ -148,15 +147,13 @@ def distinct_n(rows: Sequence[Sequence[int]], n: int) -> float:
 
 
 @torch.no_grad()
-def judge_score(
-    judge: KForcingLM, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None
-) -> dict:
+def judge_score(judge: Student, prompts: torch.Tensor, completions: torch.Tensor, eos_id: Optional[int] = None) -> dict:
     """The judge's NLL of completions ``[B, T]`` given prompts ``[B, P]``, each cut after its first EOS.
 
     Returns ``{"nll": mean per scored token, "ppl": exp(nll), "distinct2", "distinct4": unique/total
     n-grams of the scored tokens, "tokens": scored}``.
     """
-    device = judge.wte.weight.device
+    device = device_of(judge)
     # Callers pass prompts and completions from either device (held-out text stays on the CPU).
     prompts, completions = prompts.to(device), completions.to(device)
     p = prompts.shape[1]
@@ -236,7 +233,7 @@ def evaluate_pipeline(
     reps: int = DEMO_EVAL.reps,
     nll_batches: int = DEMO_EVAL.nll_batches,
     nll_batch_size: int = DEMO_EVAL.nll_batch_size,
-    judge: Union[str, Path, KForcingLM, None] = None,
+    judge: Union[str, Path, Student, None] = None,
     device: str = "cpu",
     seed: int = DEMO_EVAL.seed,
     log: Callable[[str], None] = print,
@@ -254,7 +251,7 @@ def evaluate_pipeline(
     teacher, tinfo, tokenizer = load_student(ar_folder, device)
     judge_model, judge_text = load_judge(run, judge, device, tokenizer)
     text_folder = ar_folder
-    if "data" not in tinfo:  # a pretrained Hugging Face model: the run's text and settings are stage1's
+    if kind_of_folder(ar_folder).is_source(ar_folder):  # a pretrained model: the run's text and settings are stage1's
         text_folder = run / "stage1"
         stage1 = read_model_json(text_folder)
         tinfo = {**tinfo, **{key: stage1[key] for key in ("data", "train_config") if key in stage1}}
@@ -338,7 +335,7 @@ def evaluate_pipeline(
     summary["per_position_nll"] = nll_rows
     final_k = max(models)
     pflm = models[final_k]
-    summary["decode"] = getattr(pflm.config, "decode", "argmax")  # the rule of model/decoding.py its PFLMs decode by
+    summary["decode"] = kind_of(pflm).decode_rule(pflm)  # the rule of model/decoding.py its PFLMs decode by
     ks = [k for k in ks if k <= final_k]
 
     # Table 1: throughput per batch size, quality from the largest batch (most samples).
@@ -348,7 +345,7 @@ def evaluate_pipeline(
     noise_kf = {k: torch.rand(max(batch_sizes), math.ceil(new_tokens / k), k, generator=gen) for k in ks}
 
     def generators(prompts: torch.Tensor, tau: float, b: int, outputs: dict) -> dict:
-        fns = {
+        fns: dict[str, Callable[..., None]] = {
             "AR": lambda: outputs.__setitem__(
                 "AR", generate_ar(teacher, prompts, new_tokens, temperature=tau, noise=noise_ar[:b])
             )

@@ -12,12 +12,9 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-import torch
-
-from ...model import KForcingLM
 from ..data import DEFAULT_SOURCE, tokenizer_sha256
 from ..records import read_model_json
-from ..student import find_kind, load_student
+from ..student import Student, find_kind, load_student
 from .report import judge_description
 
 
@@ -73,14 +70,12 @@ def ar_teacher_folder(run: Path) -> Path:
     return Path(teacher)
 
 
-def load_judge(
-    run: Path, judge: Union[str, Path, KForcingLM, None], device: str, tokenizer=None
-) -> tuple[KForcingLM, str]:
+def load_judge(run: Path, judge: Union[str, Path, Student, None], device: str, tokenizer=None) -> tuple[Student, str]:
     """(the judge model in eval mode, its description): ``judge`` None -> the run's Stage-0 teacher.
 
     ``tokenizer``: the run's; a judge folder whose tokenizer differs is refused (it would score other text).
     """
-    if isinstance(judge, torch.nn.Module):
+    if judge is not None and not isinstance(judge, (str, Path)):  # a model
         return judge.eval(), "a model given by the caller"
     folder = Path(judge) if judge is not None else ar_teacher_folder(run)
     if find_kind(folder) is None:

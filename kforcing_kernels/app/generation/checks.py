@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from ...model import KForcingLM
 from ...types import Temperature
+from ..student import Student
 
 
 def check_temperature(temperature: Temperature, batch: int = 1, *, allow_zero: bool) -> None:
@@ -71,11 +71,11 @@ def check_noise(noise: torch.Tensor, name: str = "noise") -> None:
         raise ValueError(f"{name}: expected values in [0, 1), got {noise[outside].flatten()[0].item()}")
 
 
-def check_k(model: KForcingLM, k, k_train: Optional[int] = None) -> None:
+def check_k(model: Student, k, k_train: Optional[int] = None) -> None:
     """k tokens per forward pass: a positive int, at most the window the model was trained with."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k: expected a positive int (tokens per forward pass), got {k!r}")
-    k_train = getattr(model, "k_train", None) if k_train is None else k_train
+    k_train = model.k_train if k_train is None else k_train
     if k_train is None:
         return
     if k_train == 0:
@@ -84,10 +84,11 @@ def check_k(model: KForcingLM, k, k_train: Optional[int] = None) -> None:
         raise ValueError(f"k: expected 1 <= k <= k_train={k_train} (the window the model was trained with), got {k}")
 
 
-def check_ar(model) -> None:
+def check_ar(model: Student) -> None:
     """AR decoding needs an AR model: a K-Forcing model (``k_train >= 1``) predicts from noise windows, and its
-    next-token logits without noise are not what it was trained to give. A model without ``k_train`` is not checked."""
-    k_train = getattr(model, "k_train", None)
+    next-token logits without noise are not what it was trained to give. A model whose ``k_train`` is unknown (None)
+    is not checked."""
+    k_train = model.k_train
     if k_train:
         raise ValueError(
             f"model: this model was trained with K-Forcing (k_train={k_train}); AR decoding would read it "

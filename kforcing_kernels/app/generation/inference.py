@@ -36,7 +36,7 @@ from ...model import KForcingLM
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
 from ...types import Temperature
-from ..student import kind_of
+from ..student import Student, device_of, dtype_of, kind_of
 from .checks import check_ar, check_generator, check_k, check_noise, check_temperature, is_greedy
 from .prompt_batch import Prompts, pad_prompts
 from .serving import PagedGenerator, Request, prefill_kforcing
@@ -89,20 +89,21 @@ class KVCache:
         self.lengths += count
 
 
-def _compile_kwargs(model, compile_step) -> dict:
-    """``compile_step`` for the model kind's generation: only the package's own caches have a static step."""
-    if compile_step is False:
-        return {}
-    check_compile_step(compile_step, model.wte.weight.device if hasattr(model, "wte") else torch.device("cpu"))
-    if not getattr(kind_of(model), "static_step", False):
-        raise ValueError(
-            f"compile_step: the {type(model).__name__} model decodes with its own KV cache; "
-            f"compile_step applies to the package's caches (a native model), got {compile_step!r}"
-        )
-    return {"compile_step": compile_step}
+def _generation_options(
+    model: Student, cache: Optional[str], page_size: Optional[int], compile_step: Union[bool, str]
+) -> dict:
+    """``cache`` / ``page_size`` / ``compile_step`` as the model's kind honours them (an option it cannot honour is
+    refused, naming the option and the kind: :meth:`ModelKind.generation_options`)."""
+    if cache is not None and cache not in CACHES:
+        raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
+    if page_size is not None:
+        _check_page_size(page_size)
+    if compile_step is not False:
+        check_compile_step(compile_step, device_of(model))
+    return kind_of(model).generation_options(cache, page_size, compile_step)
 
 
-def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: int, cache: str) -> None:
+def _check_generation(model: Student, tokens: torch.Tensor, max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= model.config.vocab_size):
@@ -110,19 +111,13 @@ def _check_generation(model: KForcingLM, tokens: torch.Tensor, max_new_tokens: i
             f"prompts: expected token ids in [0, {model.config.vocab_size}), got [{int(tokens.min())}, "
             f"{int(tokens.max())}]"
         )
-    if cache not in CACHES:
-        raise ValueError(f"cache: expected one of {CACHES}, got {cache!r}")
-
-
-def _model_dtype(model: KForcingLM) -> torch.dtype:
-    return model.wte.weight.dtype
 
 
 def _run_paged(
     model,
     requests: list[Request],
     k: Optional[int],
-    page_size: int,
+    page_size: Optional[int],
     return_logits: bool,
     k_train: Optional[int] = None,
     compile_step: Union[bool, str] = False,
@@ -163,7 +158,7 @@ def _rows(tokens: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def generate_kforcing(
-    model: KForcingLM,
+    model: Student,
     prompts: Prompts,
     k: int,
     max_new_tokens: int,
@@ -171,8 +166,8 @@ def generate_kforcing(
     temperature: Temperature = 1.0,
     noise: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
-    cache: str = "paged",
-    page_size: int = 16,
+    cache: Optional[str] = None,
+    page_size: Optional[int] = None,
     k_train: Optional[int] = None,
     return_logits: bool = False,
     compile_step: Union[bool, str] = False,
@@ -188,7 +183,9 @@ def generate_kforcing(
         temperature: tau > 0 fed to the noise encoder, scalar or ``[B]`` (decoding: the model's
             ``config.decode``, argmax as in the paper or ``residual``, kforcing_kernels/model/decoding.py).
         noise: optional ``[B, ceil(T / k), k]`` uniforms; drawn from ``generator`` otherwise.
-        cache: ``"paged"`` (pages of ``page_size`` tokens, read in place) or ``"contiguous"``; same tokens.
+        cache: ``"paged"`` (pages of ``page_size`` tokens, default 16, read in place) or ``"contiguous"``, same
+            tokens; None: the kind's default (a native model: ``"paged"``). A kind that decodes over its own cache
+            (a Hugging Face student) takes neither ``cache`` nor ``page_size`` (refused by name, not ignored).
         k_train: the window the model was trained with; default ``model.k_train``
             (set by ``train.load_model``), unchecked when neither is known.
         return_logits: also return the logits ``[B, T, V]`` that decided each token.
@@ -200,9 +197,9 @@ def generate_kforcing(
         int64 ``[B, T]``: the generated tokens (prompts not included); with ``return_logits``, ``(tokens, logits)``.
     """
     check_k(model, k, k_train)
-    device = model.wte.weight.device
+    device = device_of(model)
     tokens, lengths = pad_prompts(prompts, device=device)
-    _check_generation(model, tokens, max_new_tokens, cache)
+    _check_generation(model, tokens, max_new_tokens)
     b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=False)
     steps = math.ceil(max_new_tokens / k)
@@ -214,7 +211,7 @@ def generate_kforcing(
     if noise.shape != (b, steps, k):
         raise ValueError(f"noise: expected shape {(b, steps, k)} ([B, ceil(T/k), k]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    extra = _compile_kwargs(model, compile_step)
+    options = _generation_options(model, cache, page_size, compile_step)
     out, logits = kind_of(model).generate_kforcing(
         model,
         tokens,
@@ -223,11 +220,9 @@ def generate_kforcing(
         temperature,
         k=k,
         max_new_tokens=max_new_tokens,
-        cache=cache,
-        page_size=page_size,
         k_train=k_train,
         return_logits=return_logits,
-        **extra,
+        **options,
     )
     return (out, logits) if return_logits else out
 
@@ -242,7 +237,7 @@ def cached_kforcing(
     k: int,
     max_new_tokens: int,
     cache: str,
-    page_size: int,
+    page_size: Optional[int],
     k_train: Optional[int],
     return_logits: bool,
     compile_step: Union[bool, str] = False,
@@ -260,7 +255,7 @@ def cached_kforcing(
 
     tau = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     rule = decode_rule(model)
-    kv = KVCache(model, b, p_max + steps * k, _model_dtype(model), device)
+    kv = KVCache(model, b, p_max + steps * k, dtype_of(model), device)
     out = torch.empty(b, steps * k, dtype=torch.int64, device=device)
     all_logits = []
 
@@ -286,15 +281,15 @@ def cached_kforcing(
 
 @torch.no_grad()
 def generate_ar(
-    model: KForcingLM,
+    model: Student,
     prompts: Prompts,
     max_new_tokens: int,
     *,
     temperature: Temperature = 1.0,
     noise: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
-    cache: str = "paged",
-    page_size: int = 16,
+    cache: Optional[str] = None,
+    page_size: Optional[int] = None,
     return_logits: bool = False,
     compile_step: Union[bool, str] = False,
 ):
@@ -308,9 +303,9 @@ def generate_ar(
         int64 ``[B, T]`` (and the logits ``[B, T, V]`` with ``return_logits``).
     """
     check_ar(model)
-    device = model.wte.weight.device
+    device = device_of(model)
     tokens, lengths = pad_prompts(prompts, device=device)
-    _check_generation(model, tokens, max_new_tokens, cache)
+    _check_generation(model, tokens, max_new_tokens)
     b = tokens.shape[0]
     check_temperature(temperature, b, allow_zero=True)
     if noise is None:
@@ -321,7 +316,7 @@ def generate_ar(
     if noise.shape != (b, max_new_tokens):
         raise ValueError(f"noise: expected shape {(b, max_new_tokens)} ([B, T]), got {tuple(noise.shape)}")
     noise = noise.to(device)
-    extra = _compile_kwargs(model, compile_step)
+    options = _generation_options(model, cache, page_size, compile_step)
     out, logits = kind_of(model).generate_ar(
         model,
         tokens,
@@ -329,10 +324,8 @@ def generate_ar(
         noise,
         temperature,
         max_new_tokens=max_new_tokens,
-        cache=cache,
-        page_size=page_size,
         return_logits=return_logits,
-        **extra,
+        **options,
     )
     return (out, logits) if return_logits else out
 
@@ -346,7 +339,7 @@ def cached_ar(
     *,
     max_new_tokens: int,
     cache: str,
-    page_size: int,
+    page_size: Optional[int],
     return_logits: bool,
     compile_step: Union[bool, str] = False,
 ):
@@ -363,7 +356,7 @@ def cached_ar(
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:  # [B, V] -> [B]
         return logits.argmax(-1) if greedy else inverse_cdf_sample(logits, noise[:, step], temperature)
 
-    kv = KVCache(model, b, p_max + max_new_tokens, _model_dtype(model), device)
+    kv = KVCache(model, b, p_max + max_new_tokens, dtype_of(model), device)
     out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=device)
     h, kvs = model.trunk(model.wte(tokens), torch.arange(p_max, device=device), WindowLayout.causal(p_max))
     kv.append(kvs, p_max)
@@ -424,8 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if tokenizer is None:
         parser.error(f"argument model: {args.model!r} has no tokenizer.json")
     gen = torch.Generator().manual_seed(args.seed)
-    hf_tokenizer = getattr(model, "hf_tokenizer", None)  # a Hugging Face stage: its tokenizer's own EOS
-    eos = tokenizer.token_to_id("<|eos|>") if hf_tokenizer is None else hf_tokenizer.eos_token_id
+    eos = kind_of(model).eos_id(model, tokenizer)
     # an empty prompt starts a new document
     prompts = [tokenizer.encode(p, add_special_tokens=False).ids or [eos] for p in args.prompt]
     if info["k"] == 0:

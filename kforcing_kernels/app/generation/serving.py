@@ -33,6 +33,7 @@ from ...layouts import WindowLayout
 from ...model import KForcingLM
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample
+from ..student import Student, kind_of
 from .checks import check_ar, check_k, check_noise, check_temperature
 from .paged_cache import PagedKVCache, PagePoolFull
 from .static_step import StaticDecodeStep, check_compile_step
@@ -129,6 +130,9 @@ class _Batch:
         self.chunks: list[torch.Tensor] = []  # per pass int64 [B, count] (device)
         self.host: list[list[int]] = [[] for _ in reqs]
         self.synced = 0
+        self.start: list[int] = []  # tokens each request had when the batch formed (set by _new_batch)
+        self.first_finish = 0  # the pass after which the first request is finished by its count
+        self.eos = False  # a request of the batch has an eos_id (its tokens are read every pass)
 
     def sync(self) -> None:
         if self.synced < len(self.chunks):
@@ -137,8 +141,17 @@ class _Batch:
             self.synced = len(self.chunks)
 
 
+def _noise_of(r: Request) -> torch.Tensor:
+    """A running request's noise (drawn or checked when it was admitted)."""
+    if r.noise is None:
+        raise RuntimeError("request: its noise is drawn when it is admitted (PagedGenerator.step)")
+    return r.noise
+
+
 def _flush(r: Request) -> None:
     """Copy the request's tokens still on the device into ``r._tokens`` (cut at ``max_new_tokens``)."""
+    if r._pending is None:  # nothing on the device
+        return
     batch, i, start = r._pending
     batch.sync()
     count = batch.chunks[0].shape[1] if batch.chunks else 0
@@ -160,7 +173,7 @@ class PagedGenerator:
 
     def __init__(
         self,
-        model: KForcingLM,
+        model: Student,
         k: Optional[int] = None,
         *,
         cache: Optional[PagedKVCache] = None,
@@ -170,6 +183,10 @@ class PagedGenerator:
         k_train: Optional[int] = None,
         compile_step: Union[bool, str] = False,
     ):
+        kind = kind_of(model)
+        kind.check_serving(model)  # a kind whose layers the paged cache cannot hold is refused by name
+        if not isinstance(model, KForcingLM):  # the pages hold KForcingLM's layers (paged_cache.py)
+            raise kind.refuse("model", "claims PagedGenerator serving but is not a KForcingLM", type(model).__name__)
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
             raise ValueError(f"k: expected a positive int or None (AR), got {k!r}")
         if k is not None:
@@ -216,6 +233,8 @@ class PagedGenerator:
             _flush(request)  # its tokens so far stay
             request._pending = None
         self._batch = None  # its row may be handed out again: the next decode pass forms a new batch
+        if request.row is None:  # not running: it holds no pages
+            return
         del self._running[request.row]
         self.cache.free(request.row)
         request.row = None
@@ -320,11 +339,12 @@ class PagedGenerator:
 
     def _prefill(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         model, dev, b = self.model, self.device, len(reqs)
-        lengths = torch.tensor([r.prompt.numel() for r in reqs], dtype=torch.int64)
+        prompts = [torch.as_tensor(r.prompt) for r in reqs]  # tensors since admission (no copy)
+        lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.int64)
         p_max = int(lengths.max())
         tokens = torch.zeros(b, p_max, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            tokens[i, : r.prompt.numel()] = r.prompt
+        for i, p in enumerate(prompts):
+            tokens[i, : p.numel()] = p
         tokens = tokens.to(dev)
         rows = [self.cache.add_row() for _ in reqs]
         for r, row in zip(reqs, rows):
@@ -335,7 +355,7 @@ class PagedGenerator:
             self.cache.append(rows, kvs, lengths.tolist())  # each prompt's true tokens, straight into pages
             logits = model.head(h[torch.arange(b, device=dev), (lengths - 1).to(dev)])  # [B, V]
             return self._pick(reqs, logits, 0)[:, None], logits[:, None]
-        noise = torch.stack([r.noise[0] for r in reqs]).to(dev)
+        noise = torch.stack([_noise_of(r)[0] for r in reqs]).to(dev)
         tau = self._temperatures(reqs).to(device=dev, dtype=torch.float32)
         h, kvs = prefill_kforcing(model, tokens, lengths, noise, tau)
         self.cache.append(rows, kvs, lengths.tolist())
@@ -355,7 +375,7 @@ class PagedGenerator:
             batch.state.table.copy_(self.cache.table_rows(batch.index).to(self.device, non_blocking=True))
             batch.version = self.cache.version
         z = batch.noise[:, batch.t]
-        tokens, logits = self._step_fn(batch.state, batch.prev, z)
+        tokens, logits = self._decode_step()(batch.state, batch.prev, z)
         if self.compile_step:  # the graph's own output buffers: the next pass overwrites them
             tokens, logits = tokens.clone(), (logits.clone() if self.keep_logits else logits)
         batch.prev = tokens
@@ -394,6 +414,25 @@ class PagedGenerator:
 
         Requests of an earlier batch keep their tokens there until read (``Request.tokens`` copies them)."""
         count = 1 if self.k is None else self.k
+        index = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        start = [len(r.tokens) for r in reqs]
+        left = [math.ceil((r.max_new_tokens - n) / count) for r, n in zip(reqs, start)]
+        passes = min(left)
+        first = [r.steps for r in reqs]  # the noise of pass s of request r: r.noise[r.steps + s]
+        noise = torch.stack([_noise_of(r)[f : f + passes] for r, f in zip(reqs, first)]).to(self.device)
+        prev = torch.tensor([r.tokens[-count:] for r in reqs], dtype=torch.int64, device=self.device)
+        temperature = [0.0 if self.k is None and float(r.temperature) == 0 else float(r.temperature) for r in reqs]
+        state = self._decode_step().state(self.cache._lens[index], self.cache.table_rows(index), temperature)
+        batch = _Batch(reqs, index, state, prev, noise, left, self.cache.version)
+        batch.start, batch.first_finish = start, passes
+        batch.eos = any(r.eos_id is not None for r in reqs)
+        for i, r in enumerate(reqs):
+            r._pending = [batch, i, 0]
+        self._batch = batch
+        return batch
+
+    def _decode_step(self) -> StaticDecodeStep:
+        """The static decode step over this generator's pool, made at the first decode pass."""
         if self._step_fn is None:
             self._step_fn = StaticDecodeStep(
                 self.model,
@@ -404,27 +443,12 @@ class PagedGenerator:
                 compile_step=self.compile_step,
                 kv=self.cache.kv,
             )
-        index = torch.tensor([r.row for r in reqs], dtype=torch.int64)
-        start = [len(r.tokens) for r in reqs]
-        left = [math.ceil((r.max_new_tokens - n) / count) for r, n in zip(reqs, start)]
-        passes = min(left)
-        first = [r.steps for r in reqs]  # the noise of pass s of request r: r.noise[r.steps + s]
-        noise = torch.stack([r.noise[f : f + passes] for r, f in zip(reqs, first)]).to(self.device)
-        prev = torch.tensor([r.tokens[-count:] for r in reqs], dtype=torch.int64, device=self.device)
-        temperature = [0.0 if self.k is None and float(r.temperature) == 0 else float(r.temperature) for r in reqs]
-        state = self._step_fn.state(self.cache._lens[index], self.cache.table_rows(index), temperature)
-        batch = _Batch(reqs, index, state, prev, noise, left, self.cache.version)
-        batch.start, batch.first_finish = start, passes
-        batch.eos = any(r.eos_id is not None for r in reqs)
-        for i, r in enumerate(reqs):
-            r._pending = [batch, i, 0]
-        self._batch = batch
-        return batch
+        return self._step_fn
 
     def _pick(self, reqs: list[Request], logits: torch.Tensor, step: Optional[int]) -> torch.Tensor:
         """AR sampling: argmax where tau == 0, else inverse-CDF at each request's noise for this step."""
         tau = self._temperatures(reqs).to(logits.device)
-        z = torch.stack([r.noise[len(r.tokens) if step is None else step] for r in reqs]).to(logits.device)
+        z = torch.stack([_noise_of(r)[len(r.tokens) if step is None else step] for r in reqs]).to(logits.device)
         out = logits.argmax(-1)
         hot = tau > 0
         if bool(hot.any()):

@@ -34,7 +34,7 @@ which a short generation does not win back; on CUDA the serving benchmark decide
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 
@@ -45,6 +45,9 @@ from ...ops.paged_attention.op import default_paged_backend
 from ...ops.sampling import sampler_backend
 from ...ops.sampling.op import inverse_cdf_sample_unchecked
 from .paged_cache import paged_backend
+
+if TYPE_CHECKING:
+    from ...model.gpt import Block
 
 COMPILE_MODES = (False, True, "cudagraph")
 # torch.compile's backend for compile_step=True (None: inductor); tests set a counting backend.
@@ -120,7 +123,9 @@ class StaticDecodeStep:
         self.sampler = sampler_backend(self.device)
         self.offsets = torch.arange(self.width, device=self.device)
         # The blocks' math without module calls (gpt.direct_block, same bits) unless a hook must fire.
-        self.direct = None if _has_hooks(model.blocks) else [block.direct_weights() for block in model.blocks]
+        # ModuleList iterates as nn.Module: KForcingLM's blocks are Blocks (model/gpt.py).
+        blocks = cast("list[Block]", list(model.blocks))
+        self.direct = None if _has_hooks(model.blocks) else [block.direct_weights() for block in blocks]
         self.compile_seconds = 0.0  # time spent in the first (compiling / capturing) calls
         if self.compile_step is True:
             for pool in self.k_pools + self.v_pools + ([kv] if kv is not None else []):  # written in place every
@@ -259,7 +264,7 @@ class _Spec(NamedTuple):
     """The constants of a step (a compiled step specialises on them: one graph per spec and batch shape)."""
 
     k: Optional[int]
-    count: int
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count (never called on a _Spec)
     page_size: int
     heads: int
     head_dim: int

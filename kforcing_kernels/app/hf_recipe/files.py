@@ -383,7 +383,7 @@ def load_any_model(folder, device="cpu"):
 
 def hf_tokenizer_of(corpus: Corpus):
     """The HF tokenizer a stage folder saves: the one the corpus came from, or the native BPE wrapped as one."""
-    if getattr(corpus, "hf_tokenizer", None) is not None:
+    if corpus.hf_tokenizer is not None:
         return corpus.hf_tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -457,16 +457,17 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
         atomic_write_file(cache / "val.npy", lambda f: np.save(f, val))
         write_json(meta_path, {"source": source or "stdlib", "documents": [len(train_texts), len(val_texts)]})
     meta = read_json(meta_path, fields=CORPUS_META_FIELDS)
-    train = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
-    val = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
+    train_ids = torch.from_numpy(np.load(cache / "train.npy").astype(np.int64))
+    val_ids = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
     if verbose:
         print(
-            f"[data] {meta['source']}: {len(train):,} train / {len(val):,} val tokens, the model's tokenizer, cache "
-            f"{cache}",
+            f"[data] {meta['source']}: {len(train_ids):,} train / {len(val_ids):,} val tokens, the model's "
+            f"tokenizer, cache {cache}",
             flush=True,
         )
-    corpus = Corpus(train, val, backend, eos, meta["source"], tuple(meta["documents"]), content)
-    corpus.hf_tokenizer = tokenizer
+    corpus = Corpus(
+        train_ids, val_ids, backend, eos, meta["source"], tuple(meta["documents"]), content, hf_tokenizer=tokenizer
+    )
     return corpus
 
 

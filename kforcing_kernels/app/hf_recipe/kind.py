@@ -8,8 +8,9 @@ transformers is imported only when a model is built, loaded or run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -25,6 +26,9 @@ class HFKind(ModelKind):
     tokenizer_from_model = True
     decode_rules = ("argmax",)
     source_files = "its weights, config.json or tokenizer files"
+
+    # Generation runs over the HF model's own DynamicCache: no cache= / page_size= / compile_step option, and
+    # PagedGenerator (whose pages hold the native model's layers) refuses it (ModelKind's defaults say so by name).
 
     def holds(self, folder) -> bool:
         return files.is_hf_source(folder) or files.is_hf_stage(folder)
@@ -76,11 +80,33 @@ class HFKind(ModelKind):
 
         export_sharded(Path(checkpoint), Path(out), manifest, record, None if tokenizer is None else Path(tokenizer))
 
+    def config_dict(self, model) -> dict:
+        return json.loads(model.config.to_json_string())
+
+    def eos_id(self, model, tokenizer) -> int:
+        # Its own tokenizer's EOS (load() sets hf_tokenizer on the student).
+        if model.hf_tokenizer is None or model.hf_tokenizer.eos_token_id is None:
+            raise self.refuse("model", "was loaded without a tokenizer that names an EOS token", type(model).__name__)
+        return model.hf_tokenizer.eos_token_id
+
     def corpus(self, teacher, data: Optional[str], vocab_size: int, verbose: bool = False):
         return files.hf_corpus(teacher, data, verbose=verbose)
 
     def generate_kforcing(
-        self, model, tokens, lengths, noise, temperature, *, k, max_new_tokens, cache, page_size, k_train, return_logits
+        self,
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        *,
+        k,
+        max_new_tokens,
+        cache,
+        page_size,
+        k_train,
+        return_logits,
+        compile_step: Union[bool, str] = False,
     ):
         from .student import generate_grouped
 
@@ -91,7 +117,18 @@ class HFKind(ModelKind):
         )
 
     def generate_ar(
-        self, model, tokens, lengths, noise, temperature, *, max_new_tokens, cache, page_size, return_logits
+        self,
+        model,
+        tokens,
+        lengths,
+        noise,
+        temperature,
+        *,
+        max_new_tokens,
+        cache,
+        page_size,
+        return_logits,
+        compile_step: Union[bool, str] = False,
     ):
         from ..generation.checks import is_greedy
         from .student import generate_grouped

@@ -30,11 +30,11 @@ are run as groups of equal length (each request's tokens do not depend on the ba
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from ...integrations import hf as kf_hf  # registers attn_implementation="kforcing"
 from ...integrations.hf_noise import NoiseEmbedding
@@ -42,6 +42,8 @@ from ...layouts import WindowLayout
 from ...layouts.positions import as_cu_seqlens, context_positions, double_positions, single_positions
 from ...ops.sampling import inverse_cdf_sample
 from ...parallel import ContextParallel
+from ...parallel.context_parallel import RankRows
+from ...parallel.rank_inputs import context_parallel_inputs
 from ...types import Temperature
 
 
@@ -68,9 +70,10 @@ class HFStudent(nn.Module):
     """``hf`` (an HF causal LM with ``attn_implementation="kforcing"``) + ``noise_encoder`` as one trainable model."""
 
     kind = "hf"  # its ModelKind in app/student.py's registry: app/hf_recipe/kind.py
+    hf_tokenizer: Any = None  # the transformers tokenizer its folder holds (set by files.load_hf_*), for its EOS
 
     def __init__(
-        self, hf_model: nn.Module, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None
+        self, hf_model: PreTrainedModel, noise_encoder: Optional[NoiseEmbedding] = None, k_train: Optional[int] = None
     ):
         super().__init__()
         impl = getattr(hf_model.config, "_attn_implementation", None)
@@ -81,7 +84,7 @@ class HFStudent(nn.Module):
                 f"attn_logit_softcapping: not supported by attn_implementation='kforcing', got "
                 f"{hf_model.config.attn_logit_softcapping!r}" + kf_hf.SOFTCAP_ADVICE
             )
-        self.hf = hf_model.eval()
+        self.hf: PreTrainedModel = hf_model.eval()
         hidden = self.wte.weight.shape[1]
         self.noise_encoder = noise_encoder if noise_encoder is not None else NoiseEmbedding(hidden)
         self.k_train = k_train
@@ -95,7 +98,7 @@ class HFStudent(nn.Module):
         return self.hf.config
 
     @property
-    def wte(self) -> nn.Module:
+    def wte(self) -> nn.Embedding:
         return self.hf.get_input_embeddings()
 
     def train(self, mode: bool = True) -> "HFStudent":
@@ -127,7 +130,7 @@ class HFStudent(nn.Module):
             seen.add(tensor.data_ptr())
         return tied
 
-    def output_head(self) -> Optional[nn.Module]:
+    def output_head(self) -> Optional[nn.Linear]:
         """The ``lm_head`` that maps ``return_hidden=True``'s hidden states to logits, or None when the model's logits
         are not exactly ``lm_head(hidden)`` (a final soft-capping or logit scale, no linear head, no base model):
         then the loss takes the logits."""
@@ -160,14 +163,14 @@ class HFStudent(nn.Module):
         self,
         embeds: torch.Tensor,
         positions: torch.Tensor,
-        layout: WindowLayout,
+        layout: Union[WindowLayout, RankRows],
         keep: int = 0,
         cache=None,
         use_cache: bool = False,
         hidden: bool = False,
     ):
         b, length = embeds.shape[:2]
-        kwargs = {
+        kwargs: dict[str, Any] = {  # the HF model's forward keywords
             "inputs_embeds": embeds,
             "position_ids": positions.expand(b, length),
             "kforcing_layout": layout,
@@ -179,9 +182,10 @@ class HFStudent(nn.Module):
             # attention call applies each layer's window to the layout instead (integrations/hf_masks.sliding_layout).
             kwargs[self._cache_kw] = DynamicCache() if cache is None else cache
         if hidden:  # the base model: its last hidden states, no head (output_head says when that equals the logits)
-            if self.output_head() is None:
+            base = self._base()
+            if self.output_head() is None or base is None:  # (no base model: output_head() is None too)
                 raise ValueError("return_hidden: this model's logits are not lm_head(hidden states); take its logits")
-            out = self._base()(**kwargs)
+            out = base(**kwargs)
             states = out["last_hidden_state"]
             return (states[:, -keep:] if keep else states), (_cache_of(out) if kwargs["use_cache"] else None)
         if keep and self._keep_kw:
@@ -274,41 +278,13 @@ class HFStudent(nn.Module):
         AR rows are context positions t; SingleForward rows are window tokens ``t * k + j``
         (``logits[:, i] == forward(tokens, noise, tau).flatten(1, 2)[:, rows[i]]``).
         """
-        if not isinstance(cp, ContextParallel):
-            raise ValueError(
-                f"context_parallel: expected a kforcing_kernels.parallel.ContextParallel, got {type(cp).__name__}"
-            )
-        self._check_tokens("tokens", tokens)
-        b, n = tokens.shape
-        cu = as_cu_seqlens(cu_seqlens, n, b)
-        if noise is None:
-            shard = cp.shard(WindowLayout.causal(n, cu_seqlens=cu))
-            rows = shard.query_rows.to(tokens.device)
-            logits, _ = self._run(
-                self.wte(tokens[:, rows]),
-                context_positions(n, cu, tokens.device)[..., rows],
-                shard,
-                hidden=return_hidden,
-            )
-            return logits, shard.query_rows
-        if noise.dim() != 3 or noise.shape[:2] != (b, n):
-            raise ValueError(f"noise: expected shape [{b}, {n}, k] (tokens' [B, N] + k), got {tuple(noise.shape)}")
-        k = noise.shape[2]
-        shard = cp.shard(WindowLayout.kforcing_single(n, k, cu_seqlens=cu))
-        rows = shard.query_rows.to(tokens.device)
-        context_rows, window_rows = rows[rows < n], rows[rows >= n] - n  # rows ascend: [its context | its windows]
-        embeds = torch.cat(
-            [self.wte(tokens[:, context_rows]), self.embed_noise(noise.reshape(b, n * k)[:, window_rows], tau)], 1
-        )
-        windows = window_rows.numel()  # logits_to_keep=0 would mean all: keep one, then slice
-        logits, _ = self._run(
-            embeds,
-            single_positions(n, k, tokens.device, cu)[..., rows],
-            shard,
-            keep=max(windows, 1),
-            hidden=return_hidden,
-        )
-        return logits[:, logits.shape[1] - windows :], window_rows.cpu()
+        if isinstance(cp, ContextParallel):  # (else refused by context_parallel_inputs, naming the option)
+            self._check_tokens("tokens", tokens)
+        inputs = context_parallel_inputs(cp, tokens, noise, tau, cu_seqlens, self.wte, self.embed_noise)
+        # The SingleForward keeps its window rows (logits_to_keep=0 would mean all: keep at least one, then slice).
+        keep = 0 if noise is None else max(inputs.kept, 1)
+        logits, _ = self._run(inputs.embeds, inputs.positions, inputs.shard, keep=keep, hidden=return_hidden)
+        return logits[:, logits.shape[1] - inputs.kept :], inputs.rows
 
     def double_forward(
         self,
@@ -404,14 +380,17 @@ def generate_grouped(
     tokens ``[B, P_max]`` right-padded, lengths ``[B]``; each ``per_row`` tensor has B rows (or is None).
     Returns (tokens ``[B, width]``, logits ``[B, width, V]``).
     """
-    out, logits = None, None
+    out: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
     for length in sorted(set(lengths.tolist())):
         rows = (lengths == length).nonzero()[:, 0].to(tokens.device)
         got, got_logits = run(tokens[rows, :length], *(None if t is None else t[rows] for t in per_row))
-        if out is None:
+        if out is None or logits is None:
             out = torch.empty(tokens.shape[0], width, dtype=torch.int64, device=tokens.device)
             logits = torch.empty(
                 tokens.shape[0], width, got_logits.shape[-1], dtype=got_logits.dtype, device=tokens.device
             )
         out[rows], logits[rows] = got[:, :width], got_logits[:, :width]
+    if out is None or logits is None:
+        raise ValueError("tokens: expected at least one prompt, got none")
     return out, logits

@@ -146,13 +146,14 @@ class KForcingTrainer(transformers.Trainer):
             )
         super().__init__(*args, **kwargs)
         _objective(stage, self.model, teacher)
-        if stage == "stage2" and not (isinstance(teacher.k_train, int) and teacher.k_train >= 1):
+        teacher_k = teacher.k_train if isinstance(teacher.k_train, int) else 0
+        if stage == "stage2" and teacher_k < 1:
             raise ValueError(
                 f"teacher: stage2 needs a PFLM teacher with its k_train set (load_pflm of a stage "
                 f"folder), got k_train={teacher.k_train!r}"
             )
         self.teacher, self.stage, self.separator = teacher.requires_grad_(False).eval(), stage, separator
-        self.model.k_train = 1 if stage == "stage1" else 2 * teacher.k_train
+        self.model.k_train = 1 if stage == "stage1" else 2 * teacher_k
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids = inputs["input_ids"]

@@ -153,10 +153,10 @@ def latest_checkpoint(out: str | Path) -> Optional[Path]:
 
 
 def config_dict(model) -> dict:
-    """The model's config as JSON gives it back (native ``ModelConfig`` or a Hugging Face config)."""
-    return (
-        json.loads(model.config.to_json_string()) if hasattr(model.config, "to_json_string") else model.config.to_dict()
-    )
+    """The model's config as JSON gives it back, as its kind records it (:meth:`ModelKind.config_dict`)."""
+    from ..student import kind_of
+
+    return kind_of(model).config_dict(model)
 
 
 def save_checkpoint(out, step: int, model, optimizer, scaler, train_config: dict, info: dict, keep: int) -> Path:

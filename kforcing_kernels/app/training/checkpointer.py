@@ -60,9 +60,11 @@ class Checkpointer:
             )
         return (load_sharded_checkpoint if self.sharded else load_checkpoint)(path, model, optimizer, scaler)["step"]
 
-    def export(self, student, record: dict, corpus=None) -> None:
+    def export(self, student, record: Optional[dict], corpus=None) -> None:
         """The finished stage as a model folder (``out``), written by rank 0 through the student's kind (``corpus``: the
         text it was trained on, whose tokenizer a kind may save beside it); a collective when sharded."""
         final = full_copy(student, self.dims.main)  # under FSDP every rank takes part; rank 0 gets the weights
         if self.dims.main:
+            if final is None or record is None:
+                raise RuntimeError("export: rank 0 holds the full model and its record")
             kind_of(final).save(self.out, final, record, corpus)

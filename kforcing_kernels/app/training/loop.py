@@ -146,7 +146,7 @@ def train(cfg: TrainConfig) -> dict:
         try:
             return _train(cfg, dims, out)
         except BaseException:
-            if lock is not None:  # a start that trained nothing leaves nothing behind (not "a partial run")
+            if lock is not None and before is not None:  # a start that trained nothing leaves nothing behind
                 discard_failed_start(out, before, cfg.overwrite)
             raise
         finally:
@@ -264,14 +264,18 @@ def _run_steps(stage: Stage) -> float:
             step_generator(cfg.seed, step),
             separator,
         ).shard(dims.dp_rank, dims.dp)
-        loss_sum, pos_sum = 0.0, 0.0
+        loss_sum: Optional[torch.Tensor] = None
+        pos_sum: Optional[torch.Tensor] = None
         for micro in range(cfg.grad_accum):
             part = batch.shard(micro, cfg.grad_accum).to(dims.device)
             sync = micro == cfg.grad_accum - 1 or dims.world == 1
             with gradient_sync(stage.model, sync), stage.autocast():
                 loss, reported, per_pos = _step_loss(stage, part)
             stage.scaler.scale(loss / cfg.grad_accum).backward()
-            loss_sum, pos_sum = loss_sum + reported.detach(), pos_sum + per_pos
+            loss_sum = reported.detach() if loss_sum is None else loss_sum + reported.detach()
+            pos_sum = per_pos if pos_sum is None else pos_sum + per_pos
+        if loss_sum is None or pos_sum is None:
+            raise ValueError(f"grad_accum: expected a positive int, got {cfg.grad_accum!r}")
         if cfg.dump_grads and step == stage.start and (dims.main or dims.shard):
             grads = full_gradients(stage.student)  # under FSDP a collective: every rank gathers
             if dims.main:
@@ -335,17 +339,17 @@ def _finish(stage: Stage, last_loss: float, t_start: float) -> dict:
     if (cfg.stop_at or cfg.steps) != cfg.steps:
         dims.barrier()
         return summary
-    vals = None
+    vals: list[dict] = []  # rank 0's
     if dims.main or stage.everyone_evaluates:
         # The final evaluation, once: a resume after it failed (the last checkpoint is in place) runs only this.
-        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if dims.main else None
+        vals = [m for m in read_metrics(out / "metrics.jsonl") if "val_loss" in m] if dims.main else []
         again = not vals or vals[-1]["step"] != cfg.steps
         if broadcast_value(again) if stage.everyone_evaluates else again:  # a collective: rank 0 decides for all
             val = _evaluate(stage)
             if dims.main:
                 vals.append({"step": cfg.steps, "val_loss": val[0], "val_loss_pos": val[1]})
                 append_jsonl(out / "metrics.jsonl", vals[-1])
-    record = None
+    record: Optional[dict] = None  # rank 0's
     if dims.main:
         if math.isnan(last_loss):  # resumed at the last step: the loss of the last logged step
             losses = [m["loss"] for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
@@ -370,7 +374,8 @@ def evaluate_loss(
     """Training objective on fixed validation batches (same batches every time)."""
     was_training = student.training
     student.eval()
-    total, per_pos = 0.0, 0.0
+    total = 0.0
+    per_pos: Optional[torch.Tensor] = None
     for i in range(cfg.eval_batches):
         batch = make_batch(
             objective,
@@ -384,6 +389,8 @@ def evaluate_loss(
         ).to(device)
         with autocast():
             loss, pos = compute_loss(objective, student, batch, teacher, k=k)
-        total, per_pos = total + float(loss), per_pos + pos.float()
+        total, per_pos = total + float(loss), (pos.float() if per_pos is None else per_pos + pos.float())
     student.train(was_training)
+    if per_pos is None:
+        raise ValueError(f"eval_batches: expected a positive int, got {cfg.eval_batches!r}")
     return total / cfg.eval_batches, (per_pos / cfg.eval_batches).tolist()

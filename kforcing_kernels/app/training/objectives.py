@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -98,16 +98,12 @@ class Batch:
         size = self.tokens.shape[0] // count
         part = slice(index * size, (index + 1) * size)
         seed = None if self.seed is None else (self.seed * 1009 + index + 1) % 2**62
-        return Batch(
-            *(None if t is None else t[part] for t in (self.tokens, self.noise, self.tau)), seed, self.separator
-        )
+        noise, tau = (None if t is None else t[part] for t in (self.noise, self.tau))
+        return Batch(self.tokens[part], noise, tau, seed, self.separator)
 
     def to(self, device) -> "Batch":
-        return Batch(
-            *(None if t is None else t.to(device) for t in (self.tokens, self.noise, self.tau)),
-            self.seed,
-            self.separator,
-        )
+        noise, tau = (None if t is None else t.to(device) for t in (self.noise, self.tau))
+        return Batch(self.tokens.to(device), noise, tau, self.seed, self.separator)
 
     def cu_seqlens(self, tokens: torch.Tensor):
         """The documents of ``tokens`` (a prefix of every row of this batch): one ``[D_b + 1]`` per row, or None
@@ -188,19 +184,30 @@ def require_inputs(objective: Objective, batch: Batch, teacher, k: Optional[int]
         raise ValueError(f"teacher: objective {objective.value} trains on the data alone, got a teacher")
     if objective.distills and batch.tau is None:
         raise ValueError(f"batch.tau: objective {objective.value} needs per-sequence temperatures [B], got None")
-    if objective in (Objective.FORWARD, Objective.SELF_FORCING) and batch.noise is None:
+    noise = batch.noise
+    if objective in (Objective.FORWARD, Objective.SELF_FORCING) and noise is None:
         raise ValueError(f"batch.noise: objective {objective.value} needs noise [B, N, k], got None")
-    if objective is Objective.FORWARD and batch.noise.shape[-1] != 1:
+    if objective is Objective.FORWARD and noise is not None and noise.shape[-1] != 1:
         raise ValueError(
-            f"batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got {tuple(batch.noise.shape)}"
+            f"batch.noise: forward distillation trains PFLM(1), expected [B, N, 1], got {tuple(noise.shape)}"
         )
-    if objective is Objective.SELF_FORCING and batch.noise.shape[-1] % 2:
-        raise ValueError(f"batch.noise: self-forcing needs 2k noises per window, got {batch.noise.shape[-1]}")
+    if objective is Objective.SELF_FORCING and noise is not None and noise.shape[-1] % 2:
+        raise ValueError(f"batch.noise: self-forcing needs 2k noises per window, got {noise.shape[-1]}")
     if objective is Objective.NOISE_INVERSION:
         if batch.seed is None:
             raise ValueError("batch.seed: noise inversion draws in-bin uniforms from batch.seed, got None")
         if not isinstance(k, int) or not 1 <= k < batch.tokens.shape[1]:
             raise ValueError(f"k: noise inversion needs the student window 1 <= k < tokens.shape[1], got {k!r}")
+
+
+_T = TypeVar("_T")
+
+
+def _given(value: Optional[_T], name: str) -> _T:
+    """``value``, which :func:`require_inputs` checked is there for the objective."""
+    if value is None:
+        raise ValueError(f"{name}: expected a value for this objective, got None")
+    return value
 
 
 @torch.no_grad()
@@ -216,32 +223,34 @@ def student_inputs(
     """``(context [B, N], noise [B, N, k], targets [B, N, k], cu_seqlens or None)`` of a distillation objective:
     what the student's SingleForward reads and the teacher's targets for it. ``chunked``: the teacher's logits are
     made and decoded chunk by chunk of ``chunk_rows`` rows (the same targets; see :func:`self_forcing_targets`)."""
-    context, noise = batch.tokens, batch.noise
-    cu = batch.cu_seqlens(
-        context[:, : batch.tokens.shape[1] - k] if objective is Objective.NOISE_INVERSION else context
-    )
+    context, tau = batch.tokens, _given(batch.tau, "batch.tau")
     packed = batch.separator is not None
     if objective is Objective.NOISE_INVERSION:
-        generator = torch.Generator(device=context.device).manual_seed(batch.seed)
+        window = _given(k, "k")
+        cu = batch.cu_seqlens(context[:, : batch.tokens.shape[1] - window])
+        generator = torch.Generator(device=context.device).manual_seed(_given(batch.seed, "batch.seed"))
         context, noise, targets = noise_inversion_supervision(
             teacher,
             batch.tokens,
-            k,
-            batch.tau,
+            window,
+            tau,
             generator,
             cu_seqlens=batch.cu_seqlens(batch.tokens[:, :-1]),
             chunked=chunked,
             chunk_rows=chunk_rows,
         )
-    elif objective is Objective.FORWARD:
+        return context, noise, targets, cu
+    cu = batch.cu_seqlens(context)
+    noise = _given(batch.noise, "batch.noise")
+    if objective is Objective.FORWARD:
         head = teacher_head(teacher) if chunked else None
         kwargs = {"cu_seqlens": cu} if packed else {}
         if head is None:
             teacher_logits = teacher(context, **kwargs)
-            targets = forward_distillation_targets(teacher_logits, noise[..., 0], batch.tau)[..., None]  # [B, N, 1]
+            targets = forward_distillation_targets(teacher_logits, noise[..., 0], tau)[..., None]  # [B, N, 1]
         else:
             hidden = teacher(context, return_hidden=True, **kwargs)  # [B, N, C]
-            taus = batch.tau[:, None].expand(context.shape)
+            taus = tau[:, None].expand(context.shape)
             targets = decode_chunks(
                 head,
                 hidden,
@@ -252,14 +261,14 @@ def student_inputs(
             )[..., None]  # [B, N, 1]
     else:
         targets = self_forcing_targets(
-            teacher, context, noise, batch.tau, cu_seqlens=cu, chunked=chunked, chunk_rows=chunk_rows
+            teacher, context, noise, tau, cu_seqlens=cu, chunked=chunked, chunk_rows=chunk_rows
         )  # [B, N, 2k]
     return context, noise, targets, cu
 
 
 def _chunked_loss(
     hidden: torch.Tensor,
-    head: nn.Module,
+    head: nn.Linear,
     targets: torch.Tensor,
     keep: Optional[torch.Tensor],
     chunk_rows: Optional[int],
@@ -274,7 +283,7 @@ def _chunked_loss(
     else:
         weights = keep.flatten().to(torch.float32) / keep.sum().clamp(min=1).to(torch.float32)
     loss, per_row = linear_cross_entropy(
-        hidden.reshape(rows, -1), head.weight, getattr(head, "bias", None), targets.flatten(), weights, chunk_rows
+        hidden.reshape(rows, -1), head.weight, head.bias, targets.flatten(), weights, chunk_rows
     )
     return loss, per_row.view(targets.shape)
 
@@ -311,7 +320,11 @@ def compute_loss(
         inputs = batch.tokens[:, :-1]
         kwargs = {"cu_seqlens": batch.cu_seqlens(inputs)} if packed else {}
         if head is not None:
-            keep = document_mask(inputs, batch.separator, inputs.shape[1], 1)[..., 0] if packed else None
+            keep = (
+                document_mask(inputs, _given(batch.separator, "batch.separator"), inputs.shape[1], 1)[..., 0]
+                if packed
+                else None
+            )
             hidden = model(inputs, return_hidden=True, **kwargs)  # [B, N, C]
             loss, _ = _chunked_loss(hidden, head, batch.tokens[:, 1:], keep, chunk_rows)
             return loss, loss.detach()[None]
@@ -321,13 +334,18 @@ def compute_loss(
             return loss, loss.detach()[None]
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none")
         loss, _ = _masked_mean(
-            per_token.view(*inputs.shape, 1), document_mask(inputs, batch.separator, inputs.shape[1], 1)
+            per_token.view(*inputs.shape, 1),
+            document_mask(inputs, _given(batch.separator, "batch.separator"), inputs.shape[1], 1),
         )
         return loss, loss.detach()[None]
     context, noise, targets, cu = student_inputs(objective, batch, teacher, k, chunked=chunked, chunk_rows=chunk_rows)
     if head is not None:
         # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
-        keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:]) if packed else None
+        keep = (
+            document_mask(batch.tokens, _given(batch.separator, "batch.separator"), *targets.shape[1:])
+            if packed
+            else None
+        )
         kwargs = {"cu_seqlens": cu} if packed else {}
         hidden = model(context, noise, batch.tau, return_hidden=True, **kwargs)  # [B, N, k, C]
         loss, per_token = _chunked_loss(hidden, head, targets, keep, chunk_rows)
@@ -339,5 +357,5 @@ def compute_loss(
     if not packed:
         return per_token.mean(), per_token.detach().mean((0, 1))
     # Noise inversion reads the real tokens past the context (all within the window); the others only the context.
-    keep = document_mask(batch.tokens, batch.separator, *targets.shape[1:])
+    keep = document_mask(batch.tokens, _given(batch.separator, "batch.separator"), *targets.shape[1:])
     return _masked_mean(per_token, keep)

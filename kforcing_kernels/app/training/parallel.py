@@ -43,10 +43,13 @@ import tempfile
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -80,7 +83,7 @@ class ParallelDims:
     shard: bool  # FSDP2: the student's parameters, gradients and optimizer state are sharded over all ranks
     rank: int
     device: torch.device
-    mesh: Optional[object] = None  # torch.distributed.device_mesh.DeviceMesh with dims MESH_DIMS
+    mesh: Optional["DeviceMesh"] = None  # dims MESH_DIMS
     _own_store: Optional[str] = field(default=None, repr=False)
     _context_parallel: Optional[ContextParallel] = field(default=None, repr=False)
 
@@ -101,6 +104,8 @@ class ParallelDims:
     def context_parallel(self) -> Optional[ContextParallel]:
         """This rank's CP group (``mesh["cp"]``), or None without context parallelism."""
         if self.cp > 1 and self._context_parallel is None:
+            if self.mesh is None:
+                raise RuntimeError("mesh: context parallelism needs the dp x cp mesh (make it with init_parallel)")
             self._context_parallel = ContextParallel(self.rank % self.cp, self.cp, self.mesh["cp"].get_group())
         return self._context_parallel
 
@@ -235,7 +240,8 @@ def _fully_shard(
     mesh, policy = dims.shard_mesh(), mixed_precision(dims.device, amp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy, **({"reshard_after_forward": True} if reshard_root else {}))
+    root: dict[str, Any] = {"reshard_after_forward": True} if reshard_root else {}  # else fully_shard's default
+    fully_shard(model, mesh=mesh, mp_policy=policy, **root)
     for name in methods:  # methods called instead of forward must gather the root's parameters too
         register_fsdp_forward_method(model, name)
 
@@ -273,7 +279,7 @@ def data_parallel(model: nn.Module, dims: ParallelDims) -> nn.parallel.Distribut
     import inspect
 
     ddp = nn.parallel.DistributedDataParallel
-    no_sync = (
+    no_sync: dict[str, Any] = (
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
         else {"broadcast_buffers": False}
@@ -344,5 +350,5 @@ def full_copy(student, main: bool):
         return None
     copy = kind_of(student).build_like(student)
     copy.load_state_dict(state)
-    copy.k_train = getattr(student, "k_train", None)
+    copy.k_train = student.k_train
     return copy

@@ -28,7 +28,7 @@ from ...settings import POSITIVE, check_reals
 from ..data import data_sha256
 from ..files import RunLock, read_json
 from ..records import TRAIN_CONFIG_FIELDS, read_model_json
-from ..student import check_model_options, find_kind, stage_kind
+from ..student import check_model_options, kind_of_folder, stage_kind
 from .config import (
     PROVENANCE,
     ConfigError,
@@ -174,14 +174,15 @@ def _require_same_settings(folder: Path, finished: dict, cfg: TrainConfig, data_
     changed, unknown = changed_provenance(
         finished, {"data_sha256": data_hash(), "teacher_sha256": teacher_sha256(cfg.teacher)}
     )
-    kind = find_kind(cfg.teacher)
-    note = kind.earlier_identity_note(cfg.teacher, finished.get("teacher_sha256")) if kind is not None else None
+    kind = kind_of_folder(cfg.teacher)  # a folder no kind holds: the default kind's, which notes nothing
+    recorded = finished.get("teacher_sha256")
+    note = kind.earlier_identity_note(cfg.teacher, recorded) if isinstance(recorded, str) else None
     if note is not None:
         # Saved when the teacher's identity covered less (its kind says what): accepted with a warning, as any run
         # saved before a record existed.
         changed = [(key, what) for key, what in changed if key != "teacher_sha256"]
         print(f"[pipeline] warning: {folder} was saved before {note}", file=sys.stderr)
-    source_option = kind.source_option(cfg.teacher) if kind is not None else None
+    source_option = kind.source_option(cfg.teacher)
     for key, what in changed:
         if key == "teacher_sha256" and source_option is not None:  # a source folder (--model), not a stage of this run
             raise ConfigError(

@@ -51,7 +51,7 @@ from ..files import (
 )
 from ..records import MODEL_INFO_FIELDS, TRAIN_CONFIG_FIELDS
 from ..student import kind_of_config
-from .checkpoint import checkpoint_dir, config_dict, save_model
+from .checkpoint import checkpoint_dir, config_dict
 from .parallel import broadcast_value
 
 SHARDED_FORMAT = "kforcing-dcp/1"
@@ -296,10 +296,6 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
     Hugging Face student: the stage folder (module docstring); ``tokenizer``: a Hugging Face tokenizer folder or a
     ``tokenizer.json`` (default: the run's teacher folder when it is a Hugging Face one, else the run's tokenizer.json
     with the package's EOS, what the finished stage would have saved), refused unless it is the run's tokenizer."""
-    import torch.distributed.checkpoint as dcp
-
-    from ...model import KForcingLM, ModelConfig
-
     checkpoint, out = Path(checkpoint), Path(out)
     check_export_out(checkpoint, out)
     manifest = verify_sharded(checkpoint)
@@ -312,20 +308,8 @@ def export_model(checkpoint, out, tokenizer: Optional[Path] = None) -> Path:
         "exported_from": str(checkpoint),
         "step": manifest["step"],
     }
-    kind = kind_of_config(manifest["model_config"])
-    if kind is not None:  # another kind's model (a Hugging Face student): exported as its stage folder, by its kind
-        kind.export_sharded(checkpoint, out, manifest, record, tokenizer)
-        return out / "model.json"
-    model = KForcingLM(ModelConfig.from_dict(manifest["model_config"]))
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state["model"])
-    save_model(out, model, record)
-    tokenizer = Path(tokenizer) if tokenizer else checkpoint.parent.parent / "tokenizer.json"
-    if tokenizer.is_file():
-        from ..files import write_bytes
-
-        write_bytes(out / "tokenizer.json", tokenizer.read_bytes())
+    # The kind whose model it holds writes its stage folder (the native kind's or a Hugging Face student's).
+    kind_of_config(manifest["model_config"]).export_sharded(checkpoint, out, manifest, record, tokenizer)
     return out / "model.json"
 
 

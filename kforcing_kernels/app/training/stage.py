@@ -11,14 +11,14 @@ import copy
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..data import Corpus, data_sha256, tokenizer_sha256
 from ..files import RunLock, check_writable, write_json, write_text
-from ..student import corpus_for, kind_of, load_student, stage_kind
+from ..student import Student, corpus_for, kind_of, load_student, stage_kind
 from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
 from .config import (
@@ -56,13 +56,15 @@ def _check_teacher_tokenizer(cfg: TrainConfig, teacher_tokenizer, corpus: Corpus
         )
 
 
-def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
+def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log) -> tuple[Student, Optional[Student], int, dict]:
     """(student, teacher or None, student k, provenance info)."""
     init = torch.Generator().manual_seed(cfg.seed)
     if cfg.stage == "stage0":  # the kind's own model (a preset, or --model-config), trained as an AR model
         student = stage_kind(cfg).build(cfg, init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
+    if cfg.teacher is None:  # validate_config asks every distilled stage for --teacher
+        raise ConfigError(f"teacher: {cfg.stage} distils a teacher (--teacher), got None")
     teacher, tinfo, teacher_tokenizer = load_student(cfg.teacher, dims.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
@@ -102,7 +104,7 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log):
     return student, teacher, k, info
 
 
-def _optimizer(model: torch.nn.Module, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
+def _optimizer(model: Student, cfg: TrainConfig, fused_ok: bool) -> torch.optim.AdamW:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if p.dim() >= 2]
     no_decay = [p for n, p in params if p.dim() < 2]
@@ -146,6 +148,8 @@ def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
+    if ckpt is None:  # validate_config's resume check found one; gone since
+        raise ConfigError(f"resume: no checkpoint in {out} to resume from")
     meta = read_meta(ckpt)
     require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
     require_same_provenance(
@@ -182,18 +186,18 @@ class Stage:
     cfg: TrainConfig
     dims: ParallelDims
     out: Path
-    log: object
+    log: Callable[[str], None]
     corpus: Corpus
     objective: Objective
     k: int
-    student: torch.nn.Module  # the model the optimizer updates (sharded under FSDP2)
+    student: Student  # the model the optimizer updates (sharded under FSDP2)
     model: torch.nn.Module  # what a step calls: the student, or DDP around it
-    teacher: Optional[torch.nn.Module]
+    teacher: Optional[Student]
     model_info: dict
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     checkpointer: Checkpointer
-    autocast: object
+    autocast: Callable[[], ContextManager[Any]]
     start: int
 
     @property
@@ -209,7 +213,10 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
         check_writable(cfg.dump_grads, "--dump-grads")  # now, not after the first step
     # --resume: settings, data and teacher are checked before the corpus is built (changed data would train a new
     # tokenizer).
-    ckpt, ckpt_meta = _resume_state(out, cfg, log) if cfg.resume else (None, None)
+    ckpt: Optional[Path] = None
+    ckpt_meta: Optional[dict] = None
+    if cfg.resume:
+        ckpt, ckpt_meta = _resume_state(out, cfg, log)
 
     # Data: rank 0 builds the tokenizer cache first so the ranks never race on it.
     if dims.main:
@@ -237,7 +244,7 @@ def set_up(cfg: TrainConfig, dims: ParallelDims, out: Path, log) -> Stage:
     scaler = torch.amp.GradScaler(dims.device.type, enabled=amp == torch.float16)
     checkpointer = Checkpointer(out, dims, cfg.keep_checkpoints)
     start = 0
-    if cfg.resume:
+    if ckpt is not None:  # --resume
         start = checkpointer.load(ckpt, student, optimizer, scaler)
         log(f"resumed from {ckpt} at step {start}")
     if dims.main:

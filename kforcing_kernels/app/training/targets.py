@@ -18,6 +18,7 @@ from torch import nn
 
 from ...model.decoding import decode_rule, decode_slots
 from ...ops.sampling import inverse_cdf_sample, noise_inversion
+from ..student import Student, unwrap
 from .linear_ce import chunk_rows_for
 
 # The vocabulary order of the Stage-1 CDF. Any order gives exact teacher samples at uniform z (the
@@ -56,7 +57,7 @@ def forward_targets(teacher_logits: torch.Tensor, z: torch.Tensor, taus: torch.T
     return by_probability.gather(-1, rank[..., None])[..., 0]
 
 
-def teacher_head(teacher) -> Optional[nn.Module]:
+def teacher_head(teacher) -> Optional[nn.Linear]:
     """The teacher's output head when its targets can be decoded chunk by chunk from its hidden states, else None.
 
     None for a model without ``output_head`` and for a sharded one (FSDP2 ``--teacher-parallel fsdp`` reshards the
@@ -85,7 +86,7 @@ def chunk_bounds(rows: int, step: int, smallest: int = MIN_TEACHER_CHUNK) -> lis
 
 
 def decode_chunks(
-    head: nn.Module, hidden: torch.Tensor, decode, *per_row: torch.Tensor, chunk_rows: Optional[int] = None
+    head: nn.Linear, hidden: torch.Tensor, decode, *per_row: torch.Tensor, chunk_rows: Optional[int] = None
 ) -> torch.Tensor:
     """Tokens int64 ``hidden.shape[:-1]`` of ``decode(head(rows) [c, V], *per_row[rows] [c])`` over chunks of rows.
 
@@ -192,16 +193,8 @@ def noise_inversion_supervision(
     return tokens[:, :n], z, targets
 
 
-def output_head(model) -> Optional[nn.Module]:
+def output_head(model) -> Optional[nn.Linear]:
     """The output head of ``model`` (through DDP and ``torch.compile`` wrappers) when its forward can return the final
     hidden states (``return_hidden=True``; ``KForcingLM``, ``HFStudent``), else None (the loss then takes logits)."""
-    inner = model
-    while True:
-        if isinstance(inner, nn.parallel.DistributedDataParallel):
-            inner = inner.module
-        elif isinstance(getattr(inner, "_orig_mod", None), nn.Module):
-            inner = inner._orig_mod
-        else:
-            break
-    method = getattr(inner, "output_head", None)
-    return None if method is None else method()
+    inner = unwrap(model)
+    return inner.output_head() if isinstance(inner, Student) else None

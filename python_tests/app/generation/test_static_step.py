@@ -157,12 +157,14 @@ def test_compile_step_is_refused_for_a_kind_with_its_own_cache(model, prompts, m
     """Only the package's caches have a static step: a model kind that decodes with its own cache (the HF one)
     refuses compile_step by name instead of ignoring it."""
     from kforcing_kernels.app.generation import inference
+    from kforcing_kernels.app.native import NativeKind
 
-    class OwnCache:
-        pass
+    class OwnCache(NativeKind):  # the native kind without its compiled step
+        summary = "a kind with its own cache"
+        compiled_step = False
 
     monkeypatch.setattr(inference, "kind_of", lambda m: OwnCache())
-    with pytest.raises(ValueError, match="compile_step: the KForcingLM model decodes with its own KV cache"):
+    with pytest.raises(ValueError, match="compile_step: a kind with its own cache decodes with its own KV cache"):
         run(model, prompts, 2, "paged", compile_step=True)
 
 
