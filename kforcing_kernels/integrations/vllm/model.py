@@ -180,6 +180,7 @@ class KForcingMixin:
         self.kf_runner: Any = None  # the model runner, set by the proposer (it owns the per-request state)
         self.kf_book: dict[str, tuple[np.float32, np.ndarray]] = {}  # request id -> (tau, noise codes)
         self.kf_last: Optional[dict] = None  # this step's windows, for the proposer
+        self.kf_steps = 0  # forwards with requests (engine steps), for tests and the bench
         self.kf_extra: Optional[tuple[int, torch.Tensor]] = None  # (rows vLLM attends, the extra rows' mask)
         for layer in self.model.layers:  # type: ignore[attr-defined]
             attn = layer.self_attn
@@ -227,6 +228,7 @@ class KForcingMixin:
         if batch is None or batch.num_reqs == 0 or inputs_embeds is not None:  # vLLM's dummy / profiling runs
             self.kf_last = None
             return super().forward(input_ids.clamp(0, self.kf_vocab - 1), positions, intermediate_tensors)
+        self.kf_steps += 1
         k, vocab, device = self.kf_k, self.kf_vocab, input_ids.device
         r = batch.num_reqs
         qsl = runner.query_start_loc.np[: r + 1].astype(np.int64)
