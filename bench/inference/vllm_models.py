@@ -1,4 +1,4 @@
-"""Tiny random K-Forced HF stage folders for the vLLM tests and bench (no downloads): a Llama / Qwen2 / Mistral
+"""Random-weight K-Forced HF stage folders for the vLLM bench and tests (no downloads): a Llama / Qwen2 / Mistral
 backbone, a random noise embedding, a word-level tokenizer of the model's vocabulary, written by the package's
 own ``save_pflm`` (so the folder is exactly what kforcing-train writes)."""
 
