@@ -10,7 +10,7 @@ and forward ms per step and the host ms per step (wall - forward: scheduling, sa
 rows, the package's own ``generate_ar`` / ``generate_kforcing`` (the HF kind, KV-cached) on the same model and batch,
 and each method's speed-up over its own AR. Rows are appended to ``--out`` (JSON Lines) as each finishes.
 
-Backbone: the paper's (width 768, 12 heads, MLP 3072, vocabulary 50257) as a Hugging Face Llama, ``--layers`` deep,
+Backbone: the paper's width (768, 12 heads, MLP 2x width, vocabulary 50257) as a Hugging Face Llama, ``--layers`` deep,
 random weights (the work per step does not depend on training). Prompts of ``--prompt`` tokens, ``--new-tokens``
 generated, EOS ignored. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model is reachable for the
 step count); ``--device cuda`` runs the AR baseline with CUDA graphs (the K-Forcing model refuses them: it reads
