@@ -69,7 +69,7 @@ $(VLLM_STAMP): $(DEPS)
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest python_tests/integrations/vllm -q -rs -p no:cacheprovider
+	KFORCING_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest python_tests/integrations/vllm -q -rs -p no:cacheprovider
 
 # ruff over the tree and mypy over the whole package (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
 .PHONY: lint
