@@ -37,6 +37,10 @@ COMMANDS = {
     "validate": ("attention.schema", "check attention JSON reports against their schema"),
     "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
     "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
+    "train-gpu": (
+        "training.train_gpu",
+        "the training step on a GPU as the trainer runs it (bf16 autocast): dense-mask SDPA, ours, no attention",
+    ),
     "memory": (
         "training.train_memory",
         "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing",
