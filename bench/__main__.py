@@ -75,7 +75,7 @@ COMMANDS = {
         "the same bits for a sequence alone and inside a batch: attention, configs, teacher",
     ),
     "gpu-script": ("gpu.check_scripts", "one script of the GPU check: versions, smoke, int64, sampler"),
-    "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 8, <= 4 min); --dry-run on CPU"),
+    "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 380 s + 280 s of step caps); --dry-run on CPU"),
 }
 PROG = "python -m bench"
 

@@ -52,7 +52,7 @@ import torch
 
 from .._cli import command_line, parse_overrides, write_json
 from .._timing import machine_info
-from .train_step_gpu import _dense_sdpa_model, _zero_cost_attention
+from .train_step_gpu import dense_sdpa_model, zero_cost_attention
 
 SCHEMA_ID = "kforcing-bench/train-gpu/v1"
 # The plan's order: the target shape first (N=4096, k 4 -> 8), then N=1024 and N=8192, then the other k.
@@ -226,9 +226,9 @@ def run_variant(args, label: str, cfg, state: dict, batch, device: torch.device)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_cuda_rules_on_cpu(args.dry_run))
             stack.enter_context(_counting_dispatch(counts, args.dry_capability if args.dry_run else None))
-            stack.enter_context(_dense_sdpa_model(label == "dense"))
+            stack.enter_context(dense_sdpa_model(label == "dense"))
             if label == "zero":
-                stack.enter_context(_zero_cost_attention())
+                stack.enter_context(zero_cost_attention())
             warm_s = []
             for _ in range(args.warmup):
                 t0 = time.perf_counter()
