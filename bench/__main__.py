@@ -37,6 +37,10 @@ COMMANDS = {
     "validate": ("attention.schema", "check attention JSON reports against their schema"),
     "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
     "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
+    "train-gpu": (
+        "training.train_gpu",
+        "the training step on a GPU as the trainer runs it (bf16 autocast): dense-mask SDPA, ours, no attention",
+    ),
     "memory": (
         "training.train_memory",
         "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing",
@@ -72,7 +76,7 @@ COMMANDS = {
         "the same bits for a sequence alone and inside a batch: attention, configs, teacher",
     ),
     "gpu-script": ("gpu.check_scripts", "one script of the GPU check: versions, smoke, int64, sampler"),
-    "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 8, <= 4 min); --dry-run on CPU"),
+    "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 380 s + 280 s of step caps); --dry-run on CPU"),
 }
 PROG = "python -m bench"
 

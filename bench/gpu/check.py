@@ -1,27 +1,31 @@
-"""The GPU check, planned to fit a 15-minute GPU loan: two calls on one warm machine, steps as data.
+"""The GPU check, planned to fit a 15-minute GPU loan: two calls on one machine, steps as data (check_steps.py).
 
-    python -m bench gpu-check                 # call 1 (<= 8 min): correctness, the A/B, the profile, the dispatch
-                                              #   table, the training steps
-    python -m bench gpu-check --call 2        # call 2 (<= 4 min, issued at once on the warm machine): serving, the
-                                              #   README table
-    python -m bench gpu-check --only smoke sampler   # the steps named (extras included), whatever their call
-    python -m bench gpu-check --list          # the plan: every step, its call, budget and command
-    python -m bench gpu-check --dry-run       # every step of both calls and the extras on CPU, tiny shapes
+    python -m bench gpu-check                 # call 1 (<= 380 s): the D=128 A/B with its correctness check, the
+                                              #   training step, the dispatch table, batch invariance, the CUDA tests
+    python -m bench gpu-check --call 2        # call 2 (<= 280 s): serving (capture check first), the vLLM slot, the
+                                              #   D=64 A/B with its correctness check
+    python -m bench gpu-check --only smoke_d128 sampler   # the steps named (extras included), whatever their call
+    python -m bench gpu-check --list          # the plan: every step, its call, budget and command, and the total
+    python -m bench gpu-check --dry-run [--call N]   # the steps on CPU with the GPU's arguments at reduced sizes
 
 A loan gives 15 minutes of device time, the machine's start (1-2 min) included, and returns at most 8 files
-from $OUT. So the plan is two calls whose step budgets sum to <= 480 s and <= 240 s
-(python_tests/bench/test_gpu_check.py holds them to it), set from the H200 run's measured step times
-(shared/gpu-runs/2026-11-28-h200/gc/gpu_check.log: versions 12 s, warm 84, smoke 45, pytest > 80 cold / 35 warm,
-int64 12, A/B 42, dispatch 9, training steps 34 and 38, batch invariance 28). Each step runs as its own process with
-its budget as a cap (plus whatever earlier steps of the call left unused), under the call's deadline (the sum); a
-failing or timed-out step does not stop the ones after it. Steps write their logs and JSON into a work folder
-(``--work``, default a temporary folder) as they finish; after every step the runner re-packs that folder into
-``$OUT/gpu_check_call<N>.tar.gz`` and writes its own log ``$OUT/gpu_check_call<N>.log``: two files per call, so a
-call cut short still returns what its finished steps wrote.
+from $OUT. So the step budgets of both calls sum to <= 660 s (python_tests/bench/test_gpu_check.py holds them to it),
+leaving 4 minutes for the start, the transfers and the gap between the calls. Each call is self-sufficient: every
+step warms what it times (first calls untimed), so call 2 runs on a fresh machine too. In each call the decisive
+measurement comes first: call 1 the D=128 forward + backward A/B (after the correctness of every tile set it times)
+and the training step; call 2 the CUDA-graph capture check, AR and k = 4 at each batch size, then k = 2 and the HF
+baseline, then the D=64 A/B. Budgets are set from the H200 run's measured step times
+(shared/gpu-runs/2026-11-28-h200/gc/gpu_check.log). Each step runs as its own process with its budget as a cap
+(plus whatever earlier steps of the call left unused), under the call's deadline (the sum); a failing or timed-out
+step does not stop the ones after it, and every measuring step writes its rows as they finish. Steps write their logs
+and JSON into a work folder (``--work``, default a temporary folder); after every step the runner re-packs that
+folder into ``$OUT/gpu_check_call<N>.tar.gz`` and writes its own log ``$OUT/gpu_check_call<N>.log``: two files per
+call, so a call cut short still returns what its finished steps wrote.
 
-Nothing is installed (GPU machines have no network). The dry run (``--dry-run``) runs each step's ``dry_argv``: the
-same module with CPU arguments (tiny shapes, fp32, the Triton interpreter, pytest collecting only), every step of
-every call, no budgets (each step capped at 300 s); it must exit 0 on a CPU machine.
+Nothing is installed (GPU machines have no network). The dry run (``--dry-run``) runs each step's ``dry_argv``: its
+GPU arguments plus its ``dry_extra`` (reduced sizes, the CPU), every step of ``--call N`` (all steps without it), no
+budgets (each step capped at 600 s); Triton runs in its interpreter (the correctness and A/B steps) or through the
+stub driver with CUDA's rules (the training step: what CUDA refuses fails there too); it must exit 0 on a CPU machine.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ import time
 import warnings
 from typing import Optional
 
-from .check_steps import STEPS, Step, planned_seconds, steps_of  # the plan's data; tests use them from here
+from .check_steps import STEPS, Step, dry_order, planned_seconds, steps_of  # the plan's data; tests use them here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CALL_LIMITS_S = {1: 480, 2: 240}  # the planned calls: what their steps' budgets may sum to
-DRY_CAP_S = 300  # per step in the dry run (the Triton interpreter on 2 busy cores)
+CALL_LIMITS_S = {1: 380, 2: 280}  # the planned calls: what their steps' budgets may sum to
+TOTAL_LIMIT_S = 660  # both calls' step caps together: 11 of the loan's 15 minutes
+DRY_CAP_S = 600  # per step in the dry run (the interpreter, or sm_90a compiles, on 2 busy cores)
 MIN_STEP_S = 20  # a step with less time left than this is skipped
 # Switches a step must not inherit (the variants set their own; the dry run sets TRITON_INTERPRET itself).
 CLEARED_ENV = (
@@ -137,13 +142,15 @@ def accepted_pending(step: Step, argv: list[str]) -> tuple[list[str], list[str]]
 # ---------------------------------------------------------------------- running
 
 
-def _child_env(dry: bool) -> dict:
+def _child_env(dry: bool, step: Optional[Step] = None, work: str = "") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in CLEARED_ENV}
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env["TRITON_PRINT_AUTOTUNING"] = "1"  # the config each autotuned kernel picks, and how long tuning took
-    if dry:
+    if dry and (step is None or step.dry_triton == "interpret"):
         env["TRITON_INTERPRET"] = "1"
+    for name, value in step.env if step is not None else ():
+        env[name] = expand((value,), work)[0]
     return env
 
 
@@ -211,7 +218,6 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
     say = _Tee(os.path.join(out, f"gpu_check_{label}.log"))
     tar_path = os.path.join(out, f"gpu_check_{label}.tar.gz")
     deadline = None if dry or budget_s is None else time.monotonic() + budget_s
-    env = _child_env(dry)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     say(
         f"gpu-check {label}: {len(steps)} step(s), planned {sum(s.budget_s for s in steps)} s"
@@ -246,8 +252,8 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
             failed = failed or dry
             continue
         cmd = [sys.executable, *argv]
-        say("$ " + " ".join(cmd))
-        rc, seconds = _run(cmd, log_path, cap, env)
+        say("$ " + "".join(f"{n}={expand((v,), work)[0]} " for n, v in step.env) + " ".join(cmd))
+        rc, seconds = _run(cmd, log_path, cap, _child_env(dry, step, work))
         say(_tail(log_path).rstrip())
         say(f"[{step.name}] rc={rc}{' (TIMED OUT)' if rc == 124 else ''}, {seconds:.0f} s")
         if not dry:
@@ -270,7 +276,13 @@ def run_steps(steps: list[Step], *, label: str, out: str, work: str, dry: bool, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--call", type=int, choices=sorted(CALL_LIMITS_S), default=1, help="which planned call to run")
+    p.add_argument(
+        "--call",
+        type=int,
+        choices=sorted(CALL_LIMITS_S),
+        default=None,
+        help="which planned call to run (default 1; with --dry-run: every step unless given)",
+    )
     p.add_argument(
         "--only",
         nargs="+",
@@ -281,8 +293,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="every step of every call and the extras on CPU with its dry_argv (tiny shapes, fp32, the "
-        "Triton interpreter); exit 1 if any fails",
+        help="the steps of --call N (every step without it) on CPU with their dry_argv (the GPU's arguments at "
+        "reduced sizes); exit 1 if any fails",
     )
     p.add_argument("--list", action="store_true", help="print the plan and exit")
     p.add_argument("--out", default=None, help="where the log and the tarball go (default: $OUT, else ./gpu-out)")
@@ -296,6 +308,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def print_plan() -> None:
+    total = planned_seconds(1) + planned_seconds(2)
+    print(f"plan: {total} s of step caps in calls 1 + 2 (limit {TOTAL_LIMIT_S} s of the loan's 900 s)")
     for call in (1, 2, 0):
         name = f"call {call}" if call else "extras (--only NAME)"
         total = planned_seconds(call)
@@ -307,6 +321,8 @@ def print_plan() -> None:
             )
             print(f"  {s.name:17s} {s.budget_s:4d} s  python {' '.join(s.argv)}{flags}")
             print(f"  {'':17s}         {s.note}")
+            differs = "".join(f"; {key}: {why}" for key, why in s.dry_differs.items())
+            print(f"  {'':17s}         dry run ({s.dry_triton}): python {' '.join(s.dry_argv)}{differs}")
 
 
 def execute(args) -> int:
@@ -321,9 +337,10 @@ def execute(args) -> int:
     if args.only:
         steps, label = [s for s in STEPS if s.name in args.only], "only"
     elif args.dry_run:
-        steps, label = [s for s in STEPS if s.call == 1] + [s for s in STEPS if s.call != 1], "dry"
+        steps, label = (dry_order(), "dry") if args.call is None else (steps_of(args.call), f"dry_call{args.call}")
     else:
-        steps, label = steps_of(args.call), f"call{args.call}"
+        call = args.call or 1
+        steps, label = steps_of(call), f"call{call}"
     out = os.path.abspath(args.out or os.environ.get("OUT") or os.path.join(ROOT, "gpu-out"))
     work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix=f"gpu_check_{label}_")
     budget = args.budget_s if args.budget_s is not None else sum(s.budget_s for s in steps)

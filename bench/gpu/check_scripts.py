@@ -1,6 +1,6 @@
-"""The GPU check's own steps (bench/gpu/check.py): versions, the smoke test, int64 offsets, the sampler.
+"""The GPU check's own steps (bench/gpu/check.py): versions, the smoke test, int64 offsets, the sampler, the vLLM slot.
 
-    python -m bench gpu-script versions|smoke|int64|sampler [--dry-run]
+    python -m bench gpu-script versions|smoke|int64|sampler|vllm [--dry-run] [--dims D ...]
 
 Each exits 0 when its check passes. ``--dry-run`` runs the same code on CPU (tiny shapes, fp32; the triton
 backend in Triton's interpreter when TRITON_INTERPRET=1 was set before the first import of triton, as the
@@ -88,14 +88,16 @@ def versions(dry: bool) -> int:
     return 1 if missing else 0
 
 
-def smoke(dry: bool) -> int:
+def smoke(dry: bool, dims: tuple[int, ...] | None = None) -> int:
     """window_attention(backend="triton") fwd+bwd in bf16 vs the float64 reference (ours <= 2x torch's own bf16
-    error + 8e-3), D 128/64, slot and tile modes, both D=128 tile sets, 3 more runs that must match bit for bit;
-    backend="flex" on one case; the composite CUDA path."""
+    error + 8e-3), at ``dims`` (None: 128 and 64; the dry run 64), slot and tile modes, every tile set that has the
+    head dim forced in turn (the A/B times each of them: bench/gpu/gpu_variants.txt), 3 more runs that must match
+    bit for bit; backend="flex" on one case; the composite CUDA path."""
     import torch
 
     from kforcing_kernels import WindowLayout, window_attention
     from kforcing_kernels.ops.window_attention.composite import cuda as composite_cuda
+    from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
     dev = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 dot is wrong
@@ -172,7 +174,8 @@ def smoke(dry: bool) -> int:
             ("single N=4 k=4", WindowLayout.kforcing_single(4, 4)),
             ("double N=2 k=12 (tiles)", WindowLayout.kforcing_double(2, 12)),
         ]
-        big, big_name, dims, tile_cases = WindowLayout.kforcing_single(8, 4), "single N=8 k=4 H=2", (64,), cases[:1]
+        big, big_name, tile_cases = WindowLayout.kforcing_single(8, 4), "single N=8 k=4 H=2", cases[:1]
+        dims = dims or (64,)
     else:
         cases = [
             ("single N=256 k=4", WindowLayout.kforcing_single(256, 4)),  # slot mode (w <= 16)
@@ -181,27 +184,28 @@ def smoke(dry: bool) -> int:
             ("sbd N=300 b=7", WindowLayout.sbd(300, 7)),  # full intra, short last window
         ]
         big, big_name = WindowLayout.kforcing_single(1024, 4), "single N=1024 k=4 H=16"
-        dims, tile_cases = (128, 64), cases[:3]
+        dims, tile_cases = dims or (128, 64), cases[:3]
     big_heads = 2 if dry else 16
     for d in dims:
         for name, layout in cases:
             case(name, layout, d)
     previous = os.environ.get("KFORCING_TRITON_TILES")
     try:
-        for tiles in ("base", "wide"):  # both D=128 tile sets, whatever this GPU would pick
-            os.environ["KFORCING_TRITON_TILES"] = tiles
-            for name, layout in tile_cases:
-                case(name, layout, 128)
-            if not dry:
-                case(big_name, big, 128, batch=1, heads=big_heads, kv_heads=big_heads)
+        for d in dims:  # every tile set with this head dim, whatever this GPU would pick
+            for tiles in [name for name, tile_set in TILE_SETS.items() if d in tile_set]:
+                os.environ["KFORCING_TRITON_TILES"] = tiles
+                for name, layout in tile_cases:
+                    case(name, layout, d)
+                if not dry:
+                    case(big_name, big, d, batch=1, heads=big_heads, kv_heads=big_heads)
     finally:
         if previous is None:
             os.environ.pop("KFORCING_TRITON_TILES", None)
         else:
             os.environ["KFORCING_TRITON_TILES"] = previous
-    case(big_name, big, 64 if dry else 128, batch=1, heads=big_heads, kv_heads=big_heads, backend="flex")
+    case(big_name, big, dims[0], batch=1, heads=big_heads, kv_heads=big_heads, backend="flex")
     for name, layout in cases:
-        case(name, layout, 64 if dry else 128, backend="composite")
+        case(name, layout, dims[0], backend="composite")
     print("composite_cuda kernels:", composite_cuda.status())
     failures += bool(composite_cuda.status()["disabled"])
     print(f"smoke: {failures} failing case(s)")
@@ -300,16 +304,41 @@ def sampler(dry: bool) -> int:
     return 1 if fails else 0
 
 
-SCRIPTS = {"versions": versions, "smoke": smoke, "int64": int64_offsets, "sampler": sampler}
+def vllm_slot(dry: bool) -> int:
+    """The GPU check's slot for the vLLM serving step (issue 57: K-Forcing k = 4 vs vLLM AR on the same backbone at
+    batch 4 / 16 / 128, CUDA graphs on), which the vLLM integration's branch fills in: here it only says whether
+    that step could run (``kforcing_kernels.integrations.vllm`` imports and vllm is installed) and exits 0; the
+    runner gives its unused seconds to the steps after it."""
+    import importlib
+
+    missing = []
+    for name in ("vllm", "kforcing_kernels.integrations.vllm"):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - absent is an answer, not a failure
+            missing.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if missing:
+        print("vllm serving step: absent (" + "; ".join(missing) + ")")
+    else:
+        print("vllm serving step: present, but this checkout's plan has no command for it (the slot is a placeholder)")
+    return 0
+
+
+SCRIPTS = {"versions": versions, "smoke": smoke, "int64": int64_offsets, "sampler": sampler, "vllm": vllm_slot}
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench gpu-script", description=__doc__.splitlines()[0])
     p.add_argument("script", choices=sorted(SCRIPTS), help="which check")
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shapes (the Triton interpreter)")
+    p.add_argument("--dims", type=int, nargs="+", default=None, help="smoke: head dims (None: 128 64; dry: 64)")
     return p
 
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    if args.dims is not None and args.script != "smoke":
+        raise SystemExit(f"--dims: only the smoke script takes head dims, not {args.script!r}")
+    if args.script == "smoke":
+        return smoke(args.dry_run, tuple(args.dims) if args.dims else None)
     return SCRIPTS[args.script](args.dry_run)

@@ -1,7 +1,9 @@
 """The self-forcing training step on a GPU (``python -m bench gpu --train-step``): the paper
 backbone's step with dense-mask SDPA (the public code's attention), with ours, and with attention
 replaced by a zero-cost op (the limit no attention kernel can beat). Rows per teacher k; timing is the
-caller's (``triton_gpu.time_ms``: ``triton.testing.do_bench``).
+caller's (``triton_gpu.time_ms``: ``triton.testing.do_bench``). The GPU check's training step is
+``python -m bench train-gpu`` (train_gpu.py: the trainer's autocast, every candidate backend, peak memory, error rows,
+rows written as they finish); it shares this module's attention replacements.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ TRAIN_VARIANTS = ("dense", "ours", "zero")
 
 
 @contextlib.contextmanager
-def _zero_cost_attention():
+def zero_cost_attention():
     """While on, the model's attention costs nothing: it returns q itself (same shape, dtype and graph,
     no kernel, gradients flow to q only). The rest of the step is unchanged, so its time is the limit
     that no attention kernel can beat: the step's time minus the attention's."""
@@ -32,7 +34,7 @@ def _zero_cost_attention():
 
 
 @contextlib.contextmanager
-def _dense_sdpa_model(on: bool):
+def dense_sdpa_model(on: bool):
     """While on, the model's attention is SDPA with the layout's dense boolean mask: what the K-Forcing
     public code does (torch picks its kernel; on a GPU, memory-efficient attention with a bias)."""
     if not on:
@@ -92,8 +94,8 @@ def rows(args, time_ms) -> list[dict]:
             def amp_step(step=step, label=label):
                 with (
                     torch.autocast(device.type, dtype=amp_dtype),
-                    _dense_sdpa_model(label == "dense"),
-                    _zero_cost_attention() if label == "zero" else contextlib.nullcontext(),
+                    dense_sdpa_model(label == "dense"),
+                    zero_cost_attention() if label == "zero" else contextlib.nullcontext(),
                 ):
                     step()
 
