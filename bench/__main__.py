@@ -25,6 +25,7 @@ COMMANDS = {
         "attention.sliding_window",
         "SingleForward under a sliding window: attended pairs and window_attention time",
     ),
+    "decode-copy": ("attention.decode_copy", "a decode call on K/V views of a stacked cache: bytes copied and ms"),
     "eagle3": ("attention.eagle3", "EAGLE-3 training-time test: attention vs causal over L, and mask construction"),
     "context-parallel": (
         "attention.context_parallel",
@@ -37,6 +38,10 @@ COMMANDS = {
     "validate": ("attention.schema", "check attention JSON reports against their schema"),
     "report": ("attention.report", "reprint an attention JSON report and redraw its plots"),
     "train": ("training.train_step", "one self-forcing training step, dense-mask attention vs ours"),
+    "eval-loss": (
+        "training.eval_loss",
+        "the chunked loss under no_grad (evaluate_loss): head requiring grad vs detached",
+    ),
     "memory": (
         "training.train_memory",
         "per-rank memory and communication of an FSDP2 training step, with and without activation checkpointing",

@@ -502,4 +502,26 @@ MUTATIONS = [
         new="    if cfg.batch_size % (world * cfg.grad_accum):",
         tests=["python_tests/parallel/test_context_parallel.py", "-k", "counts_data_parallel"],
     ),
+    # --- issue 56: gradient work and copies without a recorded backward; compact saved views
+    dict(
+        id="linear-ce-gradients-under-no-grad",
+        file="kforcing_kernels/app/training/linear_ce.py",
+        old="needs = [grad_mode and need for need in ctx.needs_input_grad[:3]]",
+        new="needs = list(ctx.needs_input_grad[:3])",
+        tests=["python_tests/app/training/test_chunked_loss.py", "-k", "no_gradient_work"],
+    ),
+    dict(
+        id="own-storage-keeps-a-contiguous-view",
+        file="kforcing_kernels/ops/common/saved.py",
+        old="        return t.clone(memory_format=torch.contiguous_format)",
+        new="        return t.contiguous()",
+        tests=["python_tests/ops/common/test_saved.py"],
+    ),
+    dict(
+        id="eager-op-copies-views-under-no-grad",
+        file=f"{WA}/op.py",
+        old="    if autograd_records(q, k, v):\n        return _EagerWindowAttention.apply",
+        new="    if True:\n        return _EagerWindowAttention.apply",
+        tests=["python_tests/ops/common/test_saved.py", "-k", "no_copy"],
+    ),
 ]

@@ -40,7 +40,7 @@ from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
-from ..common.saved import own_storage
+from ..common.saved import autograd_records, own_storage
 from . import dispatch
 from .backends import REGISTRY, get_backend
 from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
@@ -117,7 +117,7 @@ def window_attention(
     """
     entry = _eager_entry(q, k, v, layout, scale, backend)
     if entry is not None:  # a plain eager call like one validated before (see _eager_entry)
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, entry.scale, entry.backend, entry)
+        out, lse = _eager_apply(q, k, v, layout, entry.scale, entry.backend, entry)
         return (out, lse.detach()) if return_lse else out
     validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -126,14 +126,14 @@ def window_attention(
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
     if isinstance(layout, QueryRowsLayout):  # eager only: a subset does not travel through the custom op
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, query_rows_backend(q, backend))
+        out, lse = _eager_apply(q, k, v, layout, scale, query_rows_backend(q, backend))
         return (out, lse.detach()) if return_lse else out
     name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     if name == "flex" and _plain_eager(q, k, v) and get_backend("flex").has_own_backward(q):
         # FlexAttention's own autograd: it saves what its backward kernel needs (no recomputed forward).
         out, lse = get_backend("flex").differentiable(q, k, v, layout, scale)
     elif _plain_eager(q, k, v):
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
+        out, lse = _eager_apply(q, k, v, layout, scale, name)
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
@@ -483,6 +483,16 @@ def _backward_setup_context(ctx, inputs, output):
 
 
 _window_attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
+
+
+def _eager_apply(q, k, v, layout, scale: float, backend: str, entry: Optional[_EagerEntry] = None):
+    """A plain eager call (layout: a WindowLayout or QueryRowsLayout): through :class:`_EagerWindowAttention` when
+    autograd will record it, else the forward body alone (no_grad, inference_mode, or no input requiring grad: a
+    decode step). The Function would save compact copies of view inputs (own_storage: a K/V cache's layer or
+    batch slice) that nobody keeps."""
+    if autograd_records(q, k, v):
+        return _EagerWindowAttention.apply(q, k, v, layout, scale, backend, entry)
+    return _forward(q, k, v, layout, scale, backend, entry)
 
 
 class _EagerWindowAttention(torch.autograd.Function):
