@@ -524,4 +524,11 @@ MUTATIONS = [
         new="    if True:\n        return _EagerWindowAttention.apply",
         tests=["python_tests/ops/common/test_saved.py", "-k", "no_copy"],
     ),
+    dict(
+        id="sliding-position-memo-ignores-in-place-edits",
+        file="kforcing_kernels/integrations/hf_masks.py",
+        old="key = (layout, position_ids, None if position_ids is None else position_ids._version)",
+        new="key = (layout, position_ids, None)",
+        tests=["python_tests/integrations/test_hf_masks.py"],
+    ),
 ]
