@@ -531,4 +531,19 @@ MUTATIONS = [
         new="key = (layout, position_ids, None)",
         tests=["python_tests/integrations/test_hf_masks.py"],
     ),
+    # The static step's per-row temperatures (issue 56 item 6c): every row given row 0's.
+    dict(
+        id="static-step-ar-row0-temperature",
+        file="kforcing_kernels/app/generation/static_step.py",
+        old="tau = torch.where(hot, taus, torch.ones_like(taus)).to(dev)",
+        new="tau = torch.where(hot, taus[:1], torch.ones_like(taus)).to(dev)",
+        tests=["python_tests/app/generation/test_static_step.py", "-k", "page_boundaries"],
+    ),
+    dict(
+        id="static-step-kforcing-row0-tau",
+        file="kforcing_kernels/app/generation/static_step.py",
+        old="tau = taus.to(device=dev, dtype=torch.float32)",
+        new="tau = taus.flatten()[0].expand(taus.shape).to(device=dev, dtype=torch.float32)",
+        tests=["python_tests/app/generation/test_static_step.py", "-k", "run_alone"],
+    ),
 ]
