@@ -546,4 +546,12 @@ MUTATIONS = [
         new="tau = taus.flatten()[0].expand(taus.shape).to(device=dev, dtype=torch.float32)",
         tests=["python_tests/app/generation/test_static_step.py", "-k", "run_alone"],
     ),
+    # One autocast rule for every backend (issue 56 item 3): without the entry's cast, composite and cpp stay fp32.
+    dict(
+        id="window-attention-ignores-autocast",
+        file=f"{WA}/op.py",
+        old="    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):",
+        new="    if False:",
+        tests=["python_tests/ops/window_attention/test_autocast.py"],
+    ),
 ]

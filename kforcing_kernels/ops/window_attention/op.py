@@ -114,7 +114,19 @@ def window_attention(
 
     Returns:
         ``out [B, H, Lq, D]`` in q's dtype (and ``lse`` if asked).
+
+    Autocast (one rule for every backend, SDPA's and FlexAttention's): under ``torch.autocast`` enabled for q's
+    device, floating q, k, v other than fp64 are cast to the autocast dtype here, at the op's entry, and the op
+    runs on them with autocast off (so no backend's internal products are re-cast): the attention computes in
+    the autocast dtype (softmax statistics in fp32, as for any low-precision input), ``out`` is in that dtype,
+    ``lse`` fp32, and the gradients reach the inputs in their own dtypes through the casts. The backend choice
+    never changes the precision of the result.
     """
+    device_type = q.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        q, k, v = _autocast_cast(device_type, q, k, v)
+        with torch.autocast(device_type, enabled=False):
+            return window_attention(q, k, v, layout, scale=scale, backend=backend, return_lse=return_lse)
     entry = _eager_entry(q, k, v, layout, scale, backend)
     if entry is not None:  # a plain eager call like one validated before (see _eager_entry)
         out, lse = _eager_apply(q, k, v, layout, entry.scale, entry.backend, entry)
@@ -137,6 +149,16 @@ def window_attention(
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
+
+
+def _autocast_cast(device_type: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as autocast casts an op of its lower-precision list: floating ones other than fp64 to the
+    autocast dtype (others unchanged; a non-tensor is left to validate's error)."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 # The backends that run a row subset (QueryRowsLayout) from its own rows' intervals and tiles: cpp (the
