@@ -25,6 +25,7 @@ COMMANDS = {
         "attention.sliding_window",
         "SingleForward under a sliding window: attended pairs and window_attention time",
     ),
+    "decode-copy": ("attention.decode_copy", "a decode call on K/V views of a stacked cache: bytes copied and ms"),
     "eagle3": ("attention.eagle3", "EAGLE-3 training-time test: attention vs causal over L, and mask construction"),
     "context-parallel": (
         "attention.context_parallel",
@@ -40,6 +41,10 @@ COMMANDS = {
     "train-gpu": (
         "training.train_gpu",
         "the training step on a GPU as the trainer runs it (bf16 autocast): dense-mask SDPA, ours, no attention",
+    ),
+    "eval-loss": (
+        "training.eval_loss",
+        "the chunked loss under no_grad (evaluate_loss): head requiring grad vs detached",
     ),
     "memory": (
         "training.train_memory",

@@ -502,4 +502,56 @@ MUTATIONS = [
         new="    if cfg.batch_size % (world * cfg.grad_accum):",
         tests=["python_tests/parallel/test_context_parallel.py", "-k", "counts_data_parallel"],
     ),
+    # --- issue 56: gradient work and copies without a recorded backward; compact saved views
+    dict(
+        id="linear-ce-gradients-under-no-grad",
+        file="kforcing_kernels/app/training/linear_ce.py",
+        old="needs = [grad_mode and need for need in ctx.needs_input_grad[:3]]",
+        new="needs = list(ctx.needs_input_grad[:3])",
+        tests=["python_tests/app/training/test_chunked_loss.py", "-k", "no_gradient_work"],
+    ),
+    dict(
+        id="own-storage-keeps-a-contiguous-view",
+        file="kforcing_kernels/ops/common/saved.py",
+        old="        return t.clone(memory_format=torch.contiguous_format)",
+        new="        return t.contiguous()",
+        tests=["python_tests/ops/common/test_saved.py"],
+    ),
+    dict(
+        id="eager-op-copies-views-under-no-grad",
+        file=f"{WA}/op.py",
+        old="    if autograd_records(q, k, v):\n        return _EagerWindowAttention.apply",
+        new="    if True:\n        return _EagerWindowAttention.apply",
+        tests=["python_tests/ops/common/test_saved.py", "-k", "no_copy"],
+    ),
+    dict(
+        id="sliding-position-memo-ignores-in-place-edits",
+        file="kforcing_kernels/integrations/hf_masks.py",
+        old="key = (layout, position_ids, None if position_ids is None else position_ids._version)",
+        new="key = (layout, position_ids, None)",
+        tests=["python_tests/integrations/test_hf_masks.py"],
+    ),
+    # The static step's per-row temperatures (issue 56 item 6c): every row given row 0's.
+    dict(
+        id="static-step-ar-row0-temperature",
+        file="kforcing_kernels/app/generation/static_step.py",
+        old="tau = torch.where(hot, taus, torch.ones_like(taus)).to(dev)",
+        new="tau = torch.where(hot, taus[:1], torch.ones_like(taus)).to(dev)",
+        tests=["python_tests/app/generation/test_static_step.py", "-k", "page_boundaries"],
+    ),
+    dict(
+        id="static-step-kforcing-row0-tau",
+        file="kforcing_kernels/app/generation/static_step.py",
+        old="tau = taus.to(device=dev, dtype=torch.float32)",
+        new="tau = taus.flatten()[0].expand(taus.shape).to(device=dev, dtype=torch.float32)",
+        tests=["python_tests/app/generation/test_static_step.py", "-k", "run_alone"],
+    ),
+    # One autocast rule for every backend (issue 56 item 3): without the entry's cast, composite and cpp stay fp32.
+    dict(
+        id="window-attention-ignores-autocast",
+        file=f"{WA}/op.py",
+        old="    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):",
+        new="    if False:",
+        tests=["python_tests/ops/window_attention/test_autocast.py"],
+    ),
 ]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..layouts import WindowLayout
-from ..ops.common.saved import own_storage
+from ..ops.common.saved import autograd_records, own_storage
 from ..ops.common.validation import check_scale
 from ..ops.window_attention.backends import get_backend
 from ..ops.window_attention.op import check_layout_batch, check_qkv, query_rows_backend
@@ -122,7 +122,7 @@ def context_parallel_attention(
     if k.shape[2] != split.key_rows[rank].numel():
         raise ValueError(f"k: expected {split.key_rows[rank].numel()} keys (split.key_rows[{rank}]), got {k.shape[2]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)
-    return _GatheredAttention.apply(q, k, v, split, rank, group, scale)
+    return _GatheredAttention.apply(q, k, v, split, rank, group, scale, autograd_records(q, k, v))
 
 
 def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group=None) -> None:
@@ -175,14 +175,16 @@ def scatter_key_grads(dk: torch.Tensor, dv: torch.Tensor, split: RowSplit, rank:
 
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: RowSplit, rank: int, group, scale: float):
+    def forward(ctx, q, k, v, split: RowSplit, rank: int, group, scale: float, records: bool):
+        # records: autograd_records(q, k, v) at the call (grad mode is off in here); without it nothing is kept.
         k_all, v_all = gather_keys(k, v, split, group)
         sub = split.sub_layout(rank)
         # The rank's rows through a backend's kernels, planned from the sub-layout's own row intervals.
         backend = get_backend(query_rows_backend(q))
         out, lse = backend.forward(q.contiguous(), k_all.contiguous(), v_all.contiguous(), sub, scale)
         # local K/V only (re-gathered in backward), none a view that pins a larger buffer (a fused qkv)
-        ctx.save_for_backward(*(own_storage(t) for t in (q, k, v)), out, lse)
+        if records:
+            ctx.save_for_backward(*(own_storage(t) for t in (q, k, v)), out, lse)
         ctx.meta = (split, rank, group, scale, sub, backend)
         return out
 
@@ -195,4 +197,4 @@ class _GatheredAttention(torch.autograd.Function):
             dout.contiguous(), q.contiguous(), k_all.contiguous(), v_all.contiguous(), out, lse, sub, scale
         )
         dk, dv = scatter_key_grads(dk_all, dv_all, split, rank, group)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

@@ -56,9 +56,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     :func:`_compute_dtype` chose it outside (autocast is off inside a custom function's backward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, compute_dtype: torch.dtype):
+    def forward(
+        ctx, hidden, weight, bias, targets, row_weights, chunk_rows: int, compute_dtype: torch.dtype, grad_mode: bool
+    ):
         rows, vocab = hidden.shape[0], weight.shape[0]
-        want_grad = any(ctx.needs_input_grad[:3])
+        # grad_mode: torch.is_grad_enabled() at the call (it is always off in here). needs_input_grad follows
+        # requires_grad alone, so under no_grad / inference_mode it would still ask for every gradient.
+        needs = [grad_mode and need for need in ctx.needs_input_grad[:3]]
+        want_grad = any(needs)
         per_row = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         valid = targets != IGNORE_INDEX
         safe_targets = torch.where(valid, targets, torch.zeros((), dtype=targets.dtype, device=targets.device))
@@ -67,14 +72,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         top = row_weights.abs().max() if rows else row_weights.new_ones(())
         top = torch.where(top > 0, top, torch.ones_like(top))
         scale = (row_weights / top).to(torch.float32)  # the products see weights <= 1 (see the module docstring)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        )
+        grad_hidden = torch.empty_like(hidden) if needs[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
         grad_bias = (
-            torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-            if bias is not None and ctx.needs_input_grad[2]
-            else None
+            torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None and needs[2] else None
         )
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, rows, chunk_rows):
@@ -125,7 +126,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         out_h = None if grad_hidden is None else grad_hidden.mul_(factor.to(grad_hidden.dtype)).to(h_dtype)
         out_w = None if grad_weight is None else grad_weight.mul_(factor).to(w_dtype)
         out_b = None if grad_bias is None else grad_bias.mul_(factor).to(b_dtype)
-        return out_h, out_w, out_b, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -166,6 +167,13 @@ def linear_cross_entropy(
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows: expected a positive int, got {chunk_rows!r}")
     loss, per_row = LinearCrossEntropy.apply(
-        hidden, weight, bias, targets.long(), row_weights.detach(), chunk_rows, _compute_dtype(hidden, weight)
+        hidden,
+        weight,
+        bias,
+        targets.long(),
+        row_weights.detach(),
+        chunk_rows,
+        _compute_dtype(hidden, weight),
+        torch.is_grad_enabled(),  # False under no_grad and inference_mode: only the losses are computed
     )
     return loss, per_row

@@ -40,7 +40,7 @@ from ...layouts import QueryRowsLayout, WindowLayout
 from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
-from ..common.saved import own_storage
+from ..common.saved import autograd_records, own_storage
 from . import dispatch
 from .backends import REGISTRY, get_backend
 from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
@@ -114,10 +114,22 @@ def window_attention(
 
     Returns:
         ``out [B, H, Lq, D]`` in q's dtype (and ``lse`` if asked).
+
+    Autocast (one rule for every backend, SDPA's and FlexAttention's): under ``torch.autocast`` enabled for q's
+    device, floating q, k, v other than fp64 are cast to the autocast dtype here, at the op's entry, and the op
+    runs on them with autocast off (so no backend's internal products are re-cast): the attention computes in
+    the autocast dtype (softmax statistics in fp32, as for any low-precision input), ``out`` is in that dtype,
+    ``lse`` fp32, and the gradients reach the inputs in their own dtypes through the casts. The backend choice
+    never changes the precision of the result.
     """
+    device_type = q.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        q, k, v = _autocast_cast(device_type, q, k, v)
+        with torch.autocast(device_type, enabled=False):
+            return window_attention(q, k, v, layout, scale=scale, backend=backend, return_lse=return_lse)
     entry = _eager_entry(q, k, v, layout, scale, backend)
     if entry is not None:  # a plain eager call like one validated before (see _eager_entry)
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, entry.scale, entry.backend, entry)
+        out, lse = _eager_apply(q, k, v, layout, entry.scale, entry.backend, entry)
         return (out, lse.detach()) if return_lse else out
     validate(q, k, v, layout, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -126,17 +138,27 @@ def window_attention(
         lse = q.new_zeros(q.shape[:3], dtype=acc_dtype(q.dtype))
         return (out, lse) if return_lse else out
     if isinstance(layout, QueryRowsLayout):  # eager only: a subset does not travel through the custom op
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, query_rows_backend(q, backend))
+        out, lse = _eager_apply(q, k, v, layout, scale, query_rows_backend(q, backend))
         return (out, lse.detach()) if return_lse else out
     name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
     if name == "flex" and _plain_eager(q, k, v) and get_backend("flex").has_own_backward(q):
         # FlexAttention's own autograd: it saves what its backward kernel needs (no recomputed forward).
         out, lse = get_backend("flex").differentiable(q, k, v, layout, scale)
     elif _plain_eager(q, k, v):
-        out, lse = _EagerWindowAttention.apply(q, k, v, layout, scale, name)
+        out, lse = _eager_apply(q, k, v, layout, scale, name)
     else:
         out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *layout_args(layout), scale, name)
     return (out, lse.detach()) if return_lse else out
+
+
+def _autocast_cast(device_type: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as autocast casts an op of its lower-precision list: floating ones other than fp64 to the
+    autocast dtype (others unchanged; a non-tensor is left to validate's error)."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
 
 
 # The backends that run a row subset (QueryRowsLayout) from its own rows' intervals and tiles: cpp (the
@@ -483,6 +505,16 @@ def _backward_setup_context(ctx, inputs, output):
 
 
 _window_attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
+
+
+def _eager_apply(q, k, v, layout, scale: float, backend: str, entry: Optional[_EagerEntry] = None):
+    """A plain eager call (layout: a WindowLayout or QueryRowsLayout): through :class:`_EagerWindowAttention` when
+    autograd will record it, else the forward body alone (no_grad, inference_mode, or no input requiring grad: a
+    decode step). The Function would save compact copies of view inputs (own_storage: a K/V cache's layer or
+    batch slice) that nobody keeps."""
+    if autograd_records(q, k, v):
+        return _EagerWindowAttention.apply(q, k, v, layout, scale, backend, entry)
+    return _forward(q, k, v, layout, scale, backend, entry)
 
 
 class _EagerWindowAttention(torch.autograd.Function):

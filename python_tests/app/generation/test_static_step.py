@@ -22,6 +22,7 @@ from kforcing_kernels.app.generation.paged_cache import PagedKVCache
 from kforcing_kernels.app.generation.serving import PagedGenerator, Request
 from kforcing_kernels.app.generation.static_step import StaticDecodeStep
 from kforcing_kernels.model import KForcingLM, ModelConfig
+from kforcing_kernels.ops.sampling.op import inverse_cdf_sample_reference
 
 CFG = ModelConfig.micro(vocab_size=40, n_embd=32, n_head=2, n_layer=2)
 LENGTHS = (3, 7, 5)
@@ -187,3 +188,77 @@ def test_the_steps_custom_ops_pass_opcheck(backend):
         torch.ops.kforcing_kernels.inverse_cdf_sample.default,
         (logits, z, torch.full((3,), 0.8, dtype=torch.float64), "cpp"),
     )
+
+
+# ---------------------------------------------------------------- the step's own oracles (issue 56 item 6c)
+# The contiguous and paged caches share this step, so comparing them cannot catch a bug in it. Here the oracles are
+# independent of the step: the uncached model (KForcingLM.ar_forward) for what the cache holds across page
+# boundaries, the reference sampler for each row's own temperature, and each request run alone (a batch of one row
+# cannot mix up rows) for per-row K-Forcing parameters.
+
+
+def _interleaved_cache(model, rows, tokens, page_size=3):
+    """A paged cache of ``rows`` empty rows with room for ``tokens`` tokens each, their pages interleaved."""
+    cache = PagedKVCache.for_model(model, page_size=page_size, num_pages=rows * math.ceil(tokens / page_size) + 1)
+    ids = [cache.add_row() for _ in range(rows)]
+    for n in range(page_size, tokens + page_size, page_size):  # one page per row per round: row pages interleave
+        cache.reserve(ids, [min(n, tokens)] * rows)
+    return cache, cache.table_rows(torch.tensor(ids))
+
+
+@pytest.mark.parametrize("temperatures", [[0.9, 0.0, 1.2], [0.5, 1.5, 1.0]], ids=["mixed", "sample"])
+def test_ar_steps_across_page_boundaries_match_the_uncached_model_and_each_rows_temperature(model, temperatures):
+    """AR passes fed each row's own tokens from an empty cache (page size 3: every third pass opens a page, the
+    rows' pages interleaved): the logits of each pass equal the uncached model's at that position, and each row's
+    token is the reference sampler's at that row's temperature (argmax at 0) for that row's z."""
+    b, n = 3, 8
+    gen = torch.Generator().manual_seed(21)
+    seqs = torch.randint(0, CFG.vocab_size, (b, n), generator=gen)
+    cache, table = _interleaved_cache(model, b, n)
+    step = StaticDecodeStep(model, None, cache.k, cache.v, cache.page_size)
+    state = step.state(torch.zeros(b, dtype=torch.int64), table, temperatures)
+    with torch.no_grad():
+        want_logits = model.ar_forward(seqs)  # [B, N, V]: plain causal attention, no cache
+        for t in range(n):
+            z = torch.rand(b, generator=gen)
+            tokens, logits = step(state, seqs[:, t : t + 1], z)
+            torch.testing.assert_close(logits[:, 0], want_logits[:, t], atol=1e-5, rtol=1e-5)
+            for row, tau in enumerate(temperatures):
+                row_logits = logits[row, 0]
+                want = (
+                    row_logits.argmax(-1)
+                    if tau == 0
+                    else inverse_cdf_sample_reference(row_logits[None], z[row : row + 1], tau)[0]
+                )
+                assert int(tokens[row, 0]) == int(want), (t, row, tau)
+    assert state.lens.tolist() == [n] * b
+
+
+def test_kforcing_step_rows_match_each_request_run_alone(model):
+    """K-Forcing passes with per-row tau and rows at different lengths (windows crossing page boundaries): each
+    row's tokens and logits are those of the same request run alone (its own state of one row)."""
+    k, b, page = 2, 3, 3
+    taus, starts = [0.3, 1.0, 0.7], [2, 3, 5]  # window of 2k: 2 -> crosses 3; 3 starts a page; 5 -> crosses 6
+    gen = torch.Generator().manual_seed(8)
+    cache, table = _interleaved_cache(model, b, 12, page)
+    for pool in (*cache.k, *cache.v):  # a context to attend to (any K/V)
+        pool.normal_(generator=gen)
+    prev, z = torch.randint(0, CFG.vocab_size, (b, k), generator=gen), torch.rand(b, k, generator=gen)
+
+    def run_rows(rows):
+        k_pools, v_pools = [p.clone() for p in cache.k], [p.clone() for p in cache.v]
+        step = StaticDecodeStep(model, k, k_pools, v_pools, page)
+        state = step.state(torch.tensor([starts[r] for r in rows]), table[rows], [taus[r] for r in rows])
+        outs = []
+        with torch.no_grad():
+            for _ in range(2):  # two passes: the second reads what the first wrote
+                tokens, logits = step(state, prev[rows], z[rows])
+                outs.append((tokens.clone(), logits.clone()))
+        return outs
+
+    together = run_rows([0, 1, 2])
+    for row in range(b):
+        alone = run_rows([row])
+        for (tokens, logits), (want_tokens, want_logits) in zip(together, alone):
+            torch.testing.assert_close(logits[row], want_logits[0], atol=1e-5, rtol=1e-5)
+            assert tokens[row].tolist() == want_tokens[0].tolist(), row

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kforcing_kernels.app.training.linear_ce import IGNORE_INDEX, chunk_rows_for, linear_cross_entropy
 from kforcing_kernels.app.training.objectives import (
@@ -32,6 +33,53 @@ F32 = dict(atol=2e-6, rtol=2e-5)
 def _oracle(hidden, weight, bias, targets, row_weights):
     per_row = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
     return (per_row * row_weights).sum(), per_row
+
+
+class _OpLog(TorchDispatchMode):
+    """Every aten op run under it, with its outputs' shapes and data pointers."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops.append((func.overloadpacket.__name__, [(tuple(t.shape), t.data_ptr()) for t in outs]))
+        return out
+
+
+_PRODUCTS = {"mm", "addmm", "addmm_", "matmul", "bmm", "linear"}
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_no_gradient_work_without_grad_mode(mode, with_bias):
+    """Issue 56 item 2: under no_grad / inference_mode (evaluate_loss) only the losses are computed, even though
+    hidden and W require grad: one product per chunk (the logits), no [V, C] gradient buffer, no [R, C] one.
+    With grad mode on, the same call does the gradient products (the counter can fail)."""
+    rows, width, vocab, chunk = 10, 6, 13, 4
+    hidden = torch.randn(rows, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    bias = torch.randn(vocab, requires_grad=True) if with_bias else None
+    targets, row_weights = torch.randint(0, vocab, (rows,)), torch.full((rows,), 1.0 / rows)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}[mode]
+    log = _OpLog()
+    with context(), log:
+        loss, _ = linear_cross_entropy(hidden, weight, bias, targets, row_weights, chunk)
+    chunks = -(-rows // chunk)
+    products = [name for name, _ in log.ops if name in _PRODUCTS]
+    # Shapes of the tensors the call allocated (not the inputs themselves, e.g. weight.to(its own dtype)).
+    inputs = {t.data_ptr() for t in (hidden, weight, bias) if t is not None}
+    shapes = {shape for _, outs in log.ops for shape, ptr in outs if ptr not in inputs}
+    if mode == "grad":
+        assert loss.requires_grad and len(products) == 3 * chunks  # logits, grad_hidden, grad_weight
+        assert (vocab, width) in shapes
+        return
+    assert not loss.requires_grad
+    assert len(products) == chunks, products  # the logits' product of each chunk, nothing more
+    assert (vocab, width) not in shapes and (rows, width) not in shapes and (vocab,) not in shapes, log.ops
+    torch.testing.assert_close(loss, _oracle(hidden, weight, bias, targets, row_weights)[0].detach(), **F32)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 36, 37, 64])

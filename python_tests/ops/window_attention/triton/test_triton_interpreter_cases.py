@@ -351,3 +351,20 @@ def test_row_subset_plan_covers_its_mask(kernels):
                 if f0 <= i < f1:
                     full_ok &= bool(mask[q0 : q0 + ql, k0 : k0 + SMALL.block_n].all())
     assert bool(covered[mask].all()) and full_ok
+
+
+def test_autocast_rule_holds_for_triton():
+    """Issue 56 item 3 (test_autocast.py for the CPU backends): under fp16 autocast, fp32 inputs are cast at the op's
+    entry: fp16 out, the bits of triton on hand-cast inputs, an fp16-class error against fp64."""
+    layout = WindowLayout.kforcing_single(n_ctx=12, k=3)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, layout.n_queries, 32, generator=gen) for _ in range(3))
+    with torch.autocast("cpu", torch.float16):
+        out = window_attention(q, k, v, layout, backend="triton")
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(
+        out, window_attention(q.half(), k.half(), v.half(), layout, backend="triton"), atol=0, rtol=0
+    )
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 32**0.5
+    want = torch.softmax(scores.masked_fill(~layout.dense_mask(), float("-inf")), -1) @ v.double()
+    assert 1e-5 < (out.double() - want).abs().max().item() < 1e-2
