@@ -68,7 +68,10 @@ $(VLLM_STAMP): $(DEPS)
 	touch $(VLLM_STAMP)
 
 .PHONY: test-vllm
+# The sdist tests (test_install.py) leave kforcing_kernels.egg-info in the tree; with the checkout on sys.path
+# (pytest's pythonpath) its entry points, possibly stale, would shadow the venv's and hide the vLLM plugin.
 test-vllm: $(VLLM_STAMP)
+	rm -rf kforcing_kernels.egg-info
 	KFORCING_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest python_tests/integrations/vllm -q -rs -p no:cacheprovider
 
 # ruff over the tree and mypy over the whole package (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
