@@ -1,7 +1,7 @@
 """The shape of the repository (docs/DESIGN.md, "The map"), checked from the source text.
 
-* no import cycles between the package's modules (imports inside functions count too:
-  a cycle hidden in a function is still a cycle);
+* no import cycles between the package's modules (imports inside functions and under ``TYPE_CHECKING``
+  count too: a cycle hidden in a function or an annotation is still a cycle);
 * the library (everything but ``kforcing_kernels.app``) imports nothing from the app;
 * no ``sys.path`` edits in the package, the benchmarks, the tools or the tests;
 * no module imports a private name (``_x``) of another module of the package, nor reads one as
@@ -41,22 +41,26 @@ def _is_package(name: str) -> bool:
     return MODULES.get(name, "").endswith("__init__.py")
 
 
-def _imports(name: str, path: str) -> set[str]:
-    """The package modules ``name`` imports (module level and inside functions)."""
+def _imports(name: str, path: str, typing_only: bool = True) -> set[str]:
+    """The package modules ``name`` imports (module level, inside functions and, with ``typing_only``, under
+    ``TYPE_CHECKING``)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     here = name if _is_package(name) else name.rpartition(".")[0]
-    # `if TYPE_CHECKING:` imports are for annotations only: never executed, never a cycle.
-    typing_only = {
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-        for stmt in block.body
-        for n in ast.walk(stmt)
-    }
+    # `if TYPE_CHECKING:` imports count for the cycles: an annotation that needs the module's importer is a
+    # circle in the design (the type checker follows it), even though it never runs.
+    skipped = set()
+    if not typing_only:
+        skipped = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in skipped:
             continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -80,6 +84,7 @@ def _imports(name: str, path: str) -> set[str]:
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+RUNTIME_GRAPH = {name: _imports(name, path, typing_only=False) for name, path in MODULES.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -126,6 +131,24 @@ def test_the_import_graph_was_read():
 
 def test_no_import_cycles():
     assert _cycles(GRAPH) == []
+
+
+def test_cycles_count_type_checking_imports(tmp_path):
+    # An import under `if TYPE_CHECKING:` is an edge: a planted annotation-only import back closes a circle.
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .window_layout import WindowLayout\n"
+    )
+    name = f"{PACKAGE}.layouts.planted"
+    MODULES[name] = str(planted)
+    try:
+        graph = {k: set(v) for k, v in GRAPH.items()}
+        graph[name] = _imports(name, str(planted))
+        graph[f"{PACKAGE}.layouts.window_layout"].add(name)
+        assert _imports(name, str(planted), typing_only=False) == set()
+    finally:
+        del MODULES[name]
+    assert any(name in c and f"{PACKAGE}.layouts.window_layout" in c for c in _cycles(graph))
 
 
 def test_cycle_finder_finds_a_planted_cycle():
@@ -202,8 +225,9 @@ def test_generation_and_evaluation_reach_models_through_the_registry():
 
 
 def test_the_registry_imports_no_kind():
-    # Kinds are named by "module:attribute" and loaded on first use (as ops/common/registry.py loads backends).
-    assert {t for t in GRAPH[f"{APP}.student"] if t.startswith(APP + ".")} == set()
+    # Kinds are named by "module:attribute" and loaded on first use (as ops/common/registry.py loads backends);
+    # an annotation may name the app's types (TYPE_CHECKING), which loads nothing.
+    assert {t for t in RUNTIME_GRAPH[f"{APP}.student"] if t.startswith(APP + ".")} == set()
 
 
 def test_nothing_outside_the_hugging_face_recipe_asks_whether_a_model_is_one():

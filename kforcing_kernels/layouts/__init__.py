@@ -4,7 +4,8 @@ window_layout.py  WindowLayout: the mask family, its glossary and what it derive
 query_rows.py     QueryRowsLayout: a layout restricted to some query rows (context parallelism)
 constructors.py   its named constructors (causal, kforcing_single, sbd, ptp, ...), as classmethods
 intervals.py      the one derivation of its semantics: per-row key intervals
-derived.py        the one cache of derived data: a store per layout content, and content interning
+derived.py        the store of derived data per layout content (the caches keyed by a layout: DESIGN.md), interning
+base.py           LayoutBase: what WindowLayout is to the modules above (they import it, not window_layout)
 documents.py      cu_seqlens (packed documents), block helpers and int checks
 positions.py      positions of every storage order and document offsets (model, HF integration, trainer)
 flex.py           FlexAttention interop (mask_mod, BlockMask) from the row intervals

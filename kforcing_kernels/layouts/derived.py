@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import TYPE_CHECKING, Callable, Hashable, Optional, Sequence, TypeVar
+from typing import Callable, Hashable, Optional, Sequence, TypeVar, cast
 
 import torch
 
-if TYPE_CHECKING:
-    from .window_layout import WindowLayout
+from .base import LayoutBase
 
 INTERN_MAX = 64
 STORE_MAX = 64
 
 T = TypeVar("T")
+L = TypeVar("L", bound=LayoutBase)
 _MISSING = object()
-_interned: "collections.OrderedDict[tuple, WindowLayout]" = collections.OrderedDict()
+_interned: "collections.OrderedDict[tuple, LayoutBase]" = collections.OrderedDict()
 _lock = threading.Lock()
 
 
@@ -63,33 +63,38 @@ def content_key(
     return (n_ctx, num_windows, window_size, last_window_size, intra, queries, n_streams, *blobs)
 
 
-def canonical(key: tuple, make: Callable[[], "WindowLayout"]) -> "WindowLayout":
+def canonical(key: tuple, make: Callable[[], L]) -> L:
     """The registered layout whose content key is ``key``; registers ``make()`` when there is none."""
     with _lock:
         layout = _interned.get(key)
         if layout is not None:
             _interned.move_to_end(key)
-            return layout
+            return cast(L, layout)  # registered by a make() of the same class (every caller makes WindowLayouts)
     layout = make()  # outside the lock: building a layout validates its ranges
     with _lock:
-        layout = _interned.setdefault(key, layout)
+        registered = _interned.setdefault(key, layout)
         _interned.move_to_end(key)
         while len(_interned) > INTERN_MAX:
             _interned.popitem(last=False)
-    return layout
+    return cast(L, registered)
 
 
-def _store_of(layout: "WindowLayout") -> dict:
-    store = layout._store
-    if store is None:
-        owner = canonical(layout.cache_key, lambda: layout)
-        if owner._store is None:
-            owner._store = {}
-        store = layout._store = owner._store
-    return store
+def _store_of(layout: LayoutBase) -> dict:
+    handle = layout.store
+    if handle.artifacts is not None:
+        return handle.artifacts
+    owner = canonical(layout.cache_key, lambda: layout).store  # the first layout with this content
+    shared = owner.artifacts if owner.artifacts is not None else owner.attach({})
+    return handle.attach(shared)
 
 
-def derived(layout: "WindowLayout", name: Hashable, build: Callable[[], T]) -> T:
+def store_size(layout: LayoutBase) -> int:
+    """How many artifacts ``layout``'s store holds now (0 before it derives anything): an inspection hook."""
+    artifacts = layout.store.artifacts
+    return 0 if artifacts is None else len(artifacts)
+
+
+def derived(layout: LayoutBase, name: Hashable, build: Callable[[], T]) -> T:
     """The artifact ``name`` of ``layout`` (of every layout with its content), built by ``build()`` once."""
     store = _store_of(layout)
     value = store.get(name, _MISSING)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 
-if TYPE_CHECKING:
-    from .window_layout import WindowLayout
+from .base import LayoutBase
 
 
 def mask_mod(iv: torch.Tensor, per_batch: bool, device: Union[str, torch.device] = "cpu"):
@@ -47,7 +46,7 @@ def block_counts(iv: torch.Tensor, n_keys: int, block_q: int, block_k: int) -> t
     return tile_any, tile_full
 
 
-def to_block_mask(layout: "WindowLayout", block_size: int = 128, device: Union[str, torch.device] = "cpu"):
+def to_block_mask(layout: LayoutBase, block_size: int = 128, device: Union[str, torch.device] = "cpu"):
     """A FlexAttention ``BlockMask`` for ``layout``, built analytically (no mask_mod sweep)."""
     from torch.nn.attention.flex_attention import BlockMask
 

@@ -17,15 +17,12 @@ A blank row (a window slot ``>= live_slots[m]``) sees nothing: all its intervals
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .window_layout import WindowLayout
+from .base import LayoutBase
 
 
-def window_slot_keys(layout: "WindowLayout") -> torch.Tensor:
+def window_slot_keys(layout: LayoutBase) -> torch.Tensor:
     """int64 [M, w]: key index of slot i of window m (-1 past the end of a short last window).
 
     Stream-major storage (S streams of s = w/S slots): slot i of window m sits at
@@ -40,7 +37,7 @@ def window_slot_keys(layout: "WindowLayout") -> torch.Tensor:
     return torch.where(valid, keys, torch.full_like(keys, -1))
 
 
-def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
+def build_row_intervals(layout: LayoutBase) -> torch.Tensor:
     """int64 [B', Lq, 1 + S, 2] (B' = layout.range_batch or 1), in O(Lq * S)."""
     nb = layout.range_batch or 1
     S, s = layout.n_streams, layout.slots_per_stream
@@ -93,7 +90,7 @@ def build_row_intervals(layout: "WindowLayout") -> torch.Tensor:
 CPU_TILE_ROWS = 64
 
 
-def cpu_query_tiles(layout: "WindowLayout", tile_rows: int = CPU_TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_query_tiles(layout: LayoutBase, tile_rows: int = CPU_TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_order int32 [Lq], tile_begin int32 [T + 1])``: the query tiles of the C++ kernels.
 
     Tile ``t`` holds query rows ``row_order[tile_begin[t]:tile_begin[t + 1]]`` (a permutation
@@ -144,7 +141,7 @@ SUBSET_MERGE_SLACK = 0.1
 
 
 def subset_query_tiles(
-    layout: "WindowLayout", rows: torch.Tensor, tile_rows: int = CPU_TILE_ROWS
+    layout: LayoutBase, rows: torch.Tensor, tile_rows: int = CPU_TILE_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_order int32 [R], tile_begin int32 [T + 1])``: C++ query tiles of the parent rows ``rows``
     (int64 [R], strictly increasing), as indices into ``rows``.

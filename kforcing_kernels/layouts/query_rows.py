@@ -13,15 +13,13 @@ refused rather than silently reordered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from . import intervals as _iv
+from .base import LayoutBase
 from .documents import IntsLike, as_int_tensor
-
-if TYPE_CHECKING:
-    from .window_layout import WindowLayout
 
 # What a subset reads from its parent unchanged: the key storage geometry (queries are its own rows).
 _PARENT_GEOMETRY = (
@@ -46,9 +44,8 @@ class QueryRowsLayout:
     R selected rows, in increasing order. Immutable, like the parent.
     """
 
-    def __init__(self, parent: "WindowLayout", rows: IntsLike):
-        # WindowLayout imports this module (restrict_rows), so it is recognised by what it has, not imported here.
-        if isinstance(parent, QueryRowsLayout) or not hasattr(parent, "batch_element"):
+    def __init__(self, parent: LayoutBase, rows: IntsLike):
+        if not isinstance(parent, LayoutBase):  # a WindowLayout (a QueryRowsLayout is a view, not one)
             raise ValueError(f"parent: expected a WindowLayout, got {type(parent).__name__}")
         r = as_int_tensor("rows", rows, dims=(1,))
         n = parent.n_queries

@@ -22,17 +22,18 @@ Keys are counted in key storage order only through these relations, never as dis
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from .window_layout import WindowLayout
+from .base import LayoutBase
+
+L = TypeVar("L", bound=LayoutBase)
 
 __all__ = ["with_sliding_window", "check_window", "sliding_bounds", "window_hides_nothing"]
 
 
-def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
+def with_sliding_window(layout: L, window: int) -> L:
     """``layout`` as seen by a sliding-window attention layer of window ``window`` (see the module docstring).
 
     Returns a layout with the same storage, geometry, documents and blank slots whose rows see only the
@@ -46,7 +47,7 @@ def with_sliding_window(layout: "WindowLayout", window: int) -> "WindowLayout":
     return layout.derived(("sliding.window", window), lambda: _intersect(layout, window))
 
 
-def check_window(layout: "WindowLayout", window) -> int:
+def check_window(layout: LayoutBase, window) -> int:
     """``window`` as an int after the refusals of :func:`with_sliding_window` (no value of a tensor is read)."""
     if isinstance(window, bool):
         raise ValueError(f"window: expected a positive int, got {window!r}")
@@ -56,8 +57,7 @@ def check_window(layout: "WindowLayout", window) -> int:
         raise ValueError(f"window: expected a positive int, got {window!r}") from None
     if window < 1:
         raise ValueError(f"window: expected a positive int, got {window}")
-    # Duck-typed: window_layout.py imports this module (its with_sliding_window method), not the reverse.
-    if type(layout).__name__ != "WindowLayout" or not hasattr(layout, "with_sliding_window"):
+    if not isinstance(layout, LayoutBase):  # a WindowLayout (a QueryRowsLayout has no ranges to intersect)
         raise ValueError(f"layout: expected a WindowLayout, got {type(layout).__name__}")
     if layout.num_windows and window < layout.window_size:
         raise ValueError(
@@ -73,12 +73,12 @@ def check_window(layout: "WindowLayout", window) -> int:
     return window
 
 
-def window_hides_nothing(layout: "WindowLayout", window: int) -> bool:
+def window_hides_nothing(layout: LayoutBase, window: int) -> bool:
     """Whether no row reaches ``window`` positions back: the last context row, or the last slot of a window."""
     return layout.n_ctx + (layout.window_size if layout.num_windows else 0) <= window
 
 
-def _intersect(layout: "WindowLayout", window: int) -> "WindowLayout":
+def _intersect(layout: L, window: int) -> L:
     context_lo, context_hi, slide_lo = sliding_bounds(
         layout.n_ctx, layout.queries == "all", layout.prefix_hi, layout.context_lo, layout.context_hi, window
     )

@@ -45,10 +45,11 @@ from typing import Callable, Hashable, Optional, TypeVar, Union
 
 import torch
 
-from . import constructors as _constructors
 from . import derived as _derived_store
 from . import flex as _flex
 from . import intervals as _iv
+from .base import Store
+from .constructors import Constructors
 from .documents import IntsLike, as_int, as_int_tensor, check_spans
 from .query_rows import QueryRowsLayout
 
@@ -57,8 +58,9 @@ INTRA_MODES = ("causal", "full")
 QUERY_MODES = ("all", "windows")
 
 
-class WindowLayout:
-    """A prefix-window attention mask.
+class WindowLayout(Constructors):
+    """A prefix-window attention mask (its named constructors, ``causal``, ``kforcing_single``, ...:
+    ``constructors.py``).
 
     Args:
         n_ctx: C, the number of context tokens.
@@ -172,19 +174,7 @@ class WindowLayout:
         self._prefix_slide_lo, self._prefix_slide_hi = slides
         self._range_batch = batches.pop() if batches else None
         self._key: Optional[tuple] = None  # cache_key, computed on first use
-        self._store: Optional[dict] = None  # derived artifacts, shared by equal layouts (derived.py)
-
-    # ------------------------------------------------------------------ constructors (constructors.py)
-
-    causal = classmethod(_constructors.causal)
-    kforcing_single = classmethod(_constructors.kforcing_single)
-    kforcing_double = classmethod(_constructors.kforcing_double)
-    sbd = classmethod(_constructors.sbd)
-    bd3lm = classmethod(_constructors.bd3lm)
-    ptp = classmethod(_constructors.ptp)
-    jacobi = classmethod(_constructors.jacobi)
-    anchor_blocks = classmethod(_constructors.anchor_blocks)
-    eagle3_ttt = classmethod(_constructors.eagle3_ttt)
+        self.store = Store()  # derived artifacts, shared by equal layouts (derived.py)
 
     # ------------------------------------------------------------------ the numbers (copies)
 

@@ -58,7 +58,7 @@ class ArgSignature:
     for specialised parameters divisibility by 16 and equality to 1; floats, bools, None: their type;
     constexprs passed positionally: their value. Tensors passed for a ``trusted`` parameter name add
     nothing: the caller guarantees their dtype and 16-byte alignment (the launchers' int32 plan tables,
-    ``jit_common.PLAN_POINTERS``, all made by ``plan.device_int32``). The tuple of argument types picks a plan (which
+    ``jit_common.PLAN_POINTERS``, made by ``plan_device.device_int32``). The tuple of argument types picks a plan (which
     positions hold what); bulk checks keep the common case (every pointer aligned, every int in int32,
     every specialised int a multiple of 16) at a few C-level passes: ``math.gcd`` of all the pointers
     (or specialised ints) is a multiple of 16 exactly when each of them is."""

@@ -2,7 +2,7 @@
 
 What a row sees is never re-derived in a kernel: ``RowIv`` is the layout's row intervals and
 ``WindowKeys`` its slot-to-key table (``layout.row_intervals_int32`` / ``window_token_keys``,
-uploaded by ``plan.device_plan``). The argument roles below let ``tools/aot_report.py`` type
+uploaded by ``plan_device.device_plan``). The argument roles below let ``tools/aot_report.py`` type
 every kernel argument without running the launcher.
 """
 
@@ -18,7 +18,7 @@ LOG2E = 1.4426950408889634
 # Argument roles (the AOT report builds kernel signatures from these).
 IO_POINTERS = ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")  # in the inputs' dtype
 FP32_POINTERS = ("Lse", "Delta")  # other pointers are int32 plan tensors
-# The int32 plan tables (plan.device_int32 uploads them 16-byte aligned), and Counters (int32, the caller's).
+# The int32 plan tables (plan_device.device_int32 uploads them 16-byte aligned), and Counters (int32, the caller's).
 PLAN_POINTERS = (
     "QueryTiles",
     "Bounds",

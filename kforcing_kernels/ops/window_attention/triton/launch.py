@@ -50,7 +50,8 @@ from .direct import DirectCache, direct_launch_enabled
 from .jit_backward import _bwd_kernel, _delta_kernel
 from .jit_common import ALIGNED_STRIDES, FLOAT_ARGS, FP32_POINTERS, IO_POINTERS, LOG2E, PLAN_POINTERS, interpreting
 from .jit_forward import _fwd_kernel
-from .plan import TilePlan, Tiles, device_plan, stream_id, tile_plan
+from .plan import TilePlan, Tiles, tile_plan
+from .plan_device import device_plan, stream_id
 from .steps import device_steps, step_plan
 
 # The kernels by the names the configs, the autotune cache and the AOT report use.

@@ -36,7 +36,7 @@ A row subset (``QueryRowsLayout``: a context-parallel rank, an EAGLE-3 step) is 
 from its own rows' intervals (``build_tile_plan``), in tile mode, with query tiles of runs of its rows.
 
 Plans (``tile_plan``, per tile shapes) and their int32 device copies
-(``device_plan``, per device and CUDA stream) are artifacts of the layout
+(``plan_device.device_plan``, per device and CUDA stream) are artifacts of the layout
 (``layout.derived``): built once for every layout with the same content.
 """
 
@@ -48,10 +48,8 @@ from typing import Optional, Union
 import torch
 
 from ....layouts import QueryRowsLayout, WindowLayout
+from ....layouts.base import LayoutBase
 from ....layouts.intervals import reduce_over_tiles, subset_query_runs
-from .plan_device import DEVICE_COPIES_MAX as DEVICE_COPIES_MAX  # re-exported (launch.py, steps.py, tests)
-from .plan_device import device_copy, device_int32, device_plan
-from .plan_device import stream_id as stream_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +118,7 @@ class Geometry:
         return 1 if self.use_slots or self.num_windows == 0 else 1 + self.n_streams
 
     @classmethod
-    def of(cls, layout: WindowLayout, tiles: "Tiles") -> "Geometry":
+    def of(cls, layout: LayoutBase, tiles: "Tiles") -> "Geometry":
         return cls(
             n_ctx=layout.n_ctx,
             num_windows=layout.num_windows,
@@ -413,7 +411,4 @@ __all__ = [
     "Geometry",
     "TilePlan",
     "tile_plan",
-    "device_plan",
-    "device_copy",
-    "device_int32",
 ]

@@ -1,19 +1,16 @@
 """The int32 device copies of a tile plan and of the layout tables the Triton kernels read (``device_plan``),
 cached per layout content, device and CUDA stream (``device_copy``), and kept for the process once a CUDA-graph
-capture has used them. Split from plan.py (the host-side plans), which re-exports these names."""
+capture has used them. The host-side plans are plan.py's (this module reads them; plan.py never imports it)."""
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
 from ....layouts import WindowLayout
-
-if TYPE_CHECKING:  # annotations only: plan.py imports this module
-    from .plan import TilePlan
+from .plan import TilePlan
 
 
 def stream_id(device: torch.device) -> int:

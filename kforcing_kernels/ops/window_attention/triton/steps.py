@@ -23,7 +23,8 @@ import dataclasses
 import torch
 
 from ....layouts import WindowLayout
-from .plan import TilePlan, device_copy, device_int32, tile_intervals, transpose_intervals
+from .plan import TilePlan, tile_intervals, transpose_intervals
+from .plan_device import device_copy, device_int32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,8 +86,9 @@ def step_plan(layout: WindowLayout, plan: TilePlan) -> StepPlan:
 
 
 def device_steps(steps: StepPlan, layout: WindowLayout, tiles, device: torch.device, stream: int = 0) -> dict:
-    """``steps`` as int32 tensors on ``device`` (cached like ``plan.device_plan``, per device and current stream,
-    or a warm-up's copy under a CUDA-graph capture: ``plan.device_copy``). ``stream``: unused, kept for callers."""
+    """``steps`` as int32 tensors on ``device`` (cached as ``plan_device.device_plan``: per device and current
+    stream, or a warm-up's copy under a CUDA-graph capture: ``plan_device.device_copy``). ``stream``: unused, kept
+    for callers."""
 
     def upload() -> dict:
         def dev(x: torch.Tensor) -> torch.Tensor:

@@ -69,11 +69,11 @@ def test_trusted_plan_tables_are_int32_aligned_and_left_out_of_the_key():
     """The launchers' plan tables are passed for PLAN_POINTERS parameters only, and device_int32 makes
     each one int32 and 16-byte aligned (even from a misaligned view), so the key may skip them; every
     other tensor (here the caller's Counters and a misaligned q) still changes the key."""
-    from kforcing_kernels.ops.window_attention.triton import plan
+    from kforcing_kernels.ops.window_attention.triton import plan_device
     from kforcing_kernels.ops.window_attention.triton.jit_common import PLAN_POINTERS
 
     misaligned = torch.arange(9, dtype=torch.int64)[1:]
-    table = plan.device_int32(misaligned, torch.device("cpu"))
+    table = plan_device.device_int32(misaligned, torch.device("cpu"))
     assert table.dtype == torch.int32 and table.data_ptr() % 16 == 0 and table.tolist() == list(range(1, 9))
     fn = launch.KERNELS["fwd"]
     assert {p.name for p in fn.params if p.name in PLAN_POINTERS} == {

@@ -218,7 +218,7 @@ def test_side_stream_gets_its_own_plan_tensors():
 @needs_gpu
 def test_a_cuda_graph_replays_the_eager_step_and_a_cold_layout_is_refused_by_name():
     """window_attention + autograd.grad captured in a CUDA graph after a warm-up on a side stream (the plan's device
-    copies are the warm-up's: no upload during capture, triton/plan.py device_copy) replays the eager bits; a layout
+    copies are the warm-up's: no upload during capture, plan_device.device_copy) replays the eager bits; a layout
     no call has warmed up is refused naming the warm-up, instead of a host-to-device copy inside the capture."""
     layout = WindowLayout.kforcing_single(256, 4)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -70,24 +70,24 @@ def test_a_capture_uses_the_warm_up_copies_and_never_uploads(monkeypatch):
     real_upload = plan_device._upload
     monkeypatch.setattr(plan_device, "_upload", lambda *a: uploads.append(a) or real_upload(*a))
     monkeypatch.setattr(plan_device, "stream_id", lambda device: 11)  # the warm-up's stream
-    warm = plan_mod.device_plan(plan, layout, cpu)
+    warm = plan_device.device_plan(plan, layout, cpu)
     warm_steps = steps_mod.device_steps(steps, layout, tiles, cpu)
     assert len(uploads) == 1
     # A capture on another stream: the warm-up's copies, no upload, and they stay alive for the process.
     monkeypatch.setattr(plan_device, "stream_id", lambda device: 22)
     monkeypatch.setattr(plan_device, "_capturing", lambda device: True)
-    assert plan_mod.device_plan(plan, layout, cpu) is warm
+    assert plan_device.device_plan(plan, layout, cpu) is warm
     assert steps_mod.device_steps(steps, layout, tiles, cpu) is warm_steps
     assert len(uploads) == 1
     assert any(value is warm for value in plan_device._captured_copies.values())
     # The same for an equal layout made later (copies are keyed by content) even once the layout's store is emptied.
     twin = WindowLayout.kforcing_single(96, 4)
     plan_device._latest_copies.clear()
-    assert plan_mod.device_plan(plan_mod.tile_plan(twin, tiles), twin, cpu) is warm
+    assert plan_device.device_plan(plan_mod.tile_plan(twin, tiles), twin, cpu) is warm
     # A layout no call has warmed up: refused, naming the capture and the fix, instead of a copy inside the graph.
     cold = WindowLayout.kforcing_single(97, 4)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph.*warm-up"):
-        plan_mod.device_plan(plan_mod.tile_plan(cold, tiles), cold, cpu)
+        plan_device.device_plan(plan_mod.tile_plan(cold, tiles), cold, cpu)
     assert len(uploads) == 1
     for key in [key for key, value in plan_device._captured_copies.items() if value is warm or value is warm_steps]:
         del plan_device._captured_copies[key]
