@@ -188,6 +188,32 @@ def test_no_sys_path_edits():
     assert offenders == []
 
 
+def _window_op_schema_users(*folders: str) -> set[str]:
+    """Modules that call the window_attention custom op or build its arguments (``layout_args``)."""
+    pattern = re.compile(
+        r"torch\.ops\.kforcing_kernels\.window_attention|kforcing_kernels::window_attention|\blayout_args\("
+    )
+    users = set()
+    for path in _python_files(*folders):
+        with open(path) as f:
+            if pattern.search(f.read()):
+                users.add(os.path.relpath(path, ROOT))
+    return users
+
+
+def test_the_window_op_schema_is_used_in_one_module():
+    # Issue 55: the op's positional arguments are known to the op's own module only; other code (the HF
+    # integration's traced sliding-window path) calls a public function of it (window_attention_with_bounds).
+    assert _window_op_schema_users(PACKAGE) == {f"{PACKAGE}/ops/window_attention/op.py"}
+
+
+def test_the_schema_finder_sees_a_planted_call(tmp_path):
+    (tmp_path / "planted.py").write_text("out, lse = torch.ops.kforcing_kernels.window_attention(q, k, v, *a)\n")
+    (tmp_path / "clean.py").write_text("out = window_attention_with_bounds(q, k, v, layout)\n")
+    users = _window_op_schema_users(str(tmp_path))  # an absolute folder: os.path.join keeps it
+    assert [os.path.basename(u) for u in users] == ["planted.py"]
+
+
 # ---------------------------------------------------------------------- the seam between model kinds (app/student.py)
 
 APP = f"{PACKAGE}.app"

@@ -39,7 +39,6 @@ HF ``eager`` attention adds its 4-D mask to the scores, so give it :func:`additi
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -300,25 +299,24 @@ def _traced_sliding_attention(query, key, value, layout: WindowLayout, window: i
     """``window_attention`` under ``layout.with_sliding_window(window)`` while torch.compile traces.
 
     No layout can be built in a trace (its constructor checks values), so the intersection's range numbers
-    (``layouts.sliding.sliding_bounds``, the rule's one home) replace the layout's in the custom op's arguments,
-    which the op turns back into that layout outside the graph. The ``position_ids`` it relies on are checked
-    by eager calls only.
+    (``layouts.sliding.sliding_bounds``, the rule's one home) replace the layout's through
+    ``window_attention_with_bounds``, which the op turns back into that layout outside the graph. The
+    ``position_ids`` it relies on are checked by eager calls only.
     """
-    ranges, geometry, intra_causal, queries_all = window_op.layout_args(layout)
     context_lo, context_hi, slide_lo = sliding_bounds(
-        layout.n_ctx, queries_all, ranges[1], layout.context_lo, layout.context_hi, window
+        layout.n_ctx, layout.queries == "all", layout.prefix_hi, layout.context_lo, layout.context_hi, window
     )
-    ranges = list(ranges)
-    if queries_all:
-        ranges[2], ranges[3] = context_lo, context_hi
-    if layout.num_windows:
-        ranges[5] = slide_lo
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-    name = backend or window_op.default_backend_for(query.device, query.dtype, query.shape[-1], layout)
-    out, _ = torch.ops.kforcing_kernels.window_attention(
-        query, key, value, ranges, geometry, intra_causal, queries_all, scale, name
+    return window_op.window_attention_with_bounds(
+        query,
+        key,
+        value,
+        layout,
+        context_lo=context_lo if layout.queries == "all" else None,
+        context_hi=context_hi if layout.queries == "all" else None,
+        prefix_slide_lo=slide_lo if layout.num_windows else None,
+        scale=scaling,
+        backend=backend,
     )
-    return out
 
 
 def kforcing_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:

@@ -151,6 +151,57 @@ def window_attention(
     return (out, lse.detach()) if return_lse else out
 
 
+def window_attention_with_bounds(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: WindowLayout,
+    *,
+    context_lo: Optional[torch.Tensor] = None,
+    context_hi: Optional[torch.Tensor] = None,
+    prefix_slide_lo: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """``window_attention(q, k, v, layout')`` where ``layout'`` is ``layout`` with the given range tensors
+    replaced, without building ``layout'``: the custom op's call, for code that torch.compile traces (a layout
+    cannot be built in a trace: its constructor checks values). The custom op turns the ranges back into the
+    layout outside the graph (``layout_from_args``), where they are checked.
+
+    ``context_lo`` / ``context_hi`` ``[n_ctx]`` replace the context rows' key ranges (``queries="all"`` only),
+    ``prefix_slide_lo`` ``[num_windows]`` the windows' prefix lower bounds (``WindowLayout.prefix_slide_lo``);
+    None keeps the layout's. Shapes, scale, backend and the autocast rule as :func:`window_attention`; returns
+    ``out [B, H, Lq, D]``. The integrations' sliding-window path (``integrations/hf.py``) is the caller: this
+    module is the only one that knows the custom op's schema.
+    """
+    device_type = q.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        q, k, v = _autocast_cast(device_type, q, k, v)
+        with torch.autocast(device_type, enabled=False):
+            return window_attention_with_bounds(
+                q,
+                k,
+                v,
+                layout,
+                context_lo=context_lo,
+                context_hi=context_hi,
+                prefix_slide_lo=prefix_slide_lo,
+                scale=scale,
+                backend=backend,
+            )
+    ranges, geometry, intra_causal, queries_all = layout_args(layout)
+    if (context_lo is not None or context_hi is not None) and not queries_all:
+        raise ValueError("context_lo / context_hi: the layout has no context rows (queries='windows')")
+    replaced = {2: context_lo, 3: context_hi, 5: prefix_slide_lo}  # positions in WindowLayout.range_tensors()
+    ranges = [t if replaced.get(i) is None else replaced[i] for i, t in enumerate(ranges)]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    name = backend or default_backend_for(q.device, q.dtype, q.shape[-1], layout)
+    out, _ = torch.ops.kforcing_kernels.window_attention(
+        q, k, v, ranges, geometry, intra_causal, queries_all, scale, name
+    )
+    return out
+
+
 def _autocast_cast(device_type: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors as autocast casts an op of its lower-precision list: floating ones other than fp64 to the
     autocast dtype (others unchanged; a non-tensor is left to validate's error)."""
