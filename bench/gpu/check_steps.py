@@ -141,9 +141,7 @@ STEPS: tuple[Step, ...] = (
         140,
         _m(
             "bench",
-            "train-gpu",
-            "--device",
-            "cuda",
+            "train-gpu",  # --device: the default, auto = cuda there (checked when parsed, like infer's)
             "--preset",
             "paper",
             "--batch-size",

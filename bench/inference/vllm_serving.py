@@ -174,7 +174,3 @@ def main(argv=None) -> None:
         if not args.no_package:
             for row in _package_rows(stage, ar, batch, prompts, args):
                 _emit(row, out, rows)
-
-
-if __name__ == "__main__":
-    main()

@@ -43,7 +43,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 from typing import Optional
@@ -384,9 +383,9 @@ def format_summary(s: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kforcing_kernels.app.cli import add_preset, non_negative_int, positive_float, positive_int
+    from kforcing_kernels.app.cli import add_device, add_preset, non_negative_int, positive_float, positive_int
 
-    p.add_argument("--device", default="cuda", help="the device (cuda; the dry run's is cpu)")
+    add_device(p)  # auto: cuda on the GPU machine; --dry-run runs on cpu whatever is given
     add_preset(p, "paper")
     p.add_argument(
         "--override", action="append", default=[], metavar="FIELD=INT", help="model config override (repeatable)"
@@ -474,7 +473,3 @@ def main(argv=None, prog="python -m bench train-gpu") -> int:
     p = make_parser(prog, __doc__)
     add_arguments(p)
     return execute(finish_args(p, p.parse_args(argv), argv, prog))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
