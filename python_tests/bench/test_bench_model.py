@@ -107,26 +107,33 @@ def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
 
 
 def test_gpu_check_serving_step_follows_the_papers_protocol(tmp_path):
-    """`bench gpu-check`'s serving step (bench/gpu/check.py) passes `bench infer` arguments it accepts, and they are
-    K-Forcing's Table 1 protocol (issue 50): paper backbone, bf16, 64-token prompts to 1,024 tokens, AR and
-    k = 2 / 4 on both caches, batch 4 / 16 / 128, 3 timed runs after a warm-up, the step captured in a CUDA graph,
-    and the HF baseline row."""
+    """`bench gpu-check`'s serving steps (bench/gpu/check_steps.py) pass `bench infer` arguments it accepts, and
+    together they are K-Forcing's Table 1 protocol (issue 50): paper backbone, bf16, 64-token prompts to 1,024
+    tokens, batch 4 / 16 / 128, 3 timed runs after a warm-up, the step captured in a CUDA graph. The decisive
+    comparison first (issue 53): `serving` runs AR and k = 4 on the paged cache; `serving_more` then k = 2 and the
+    HF baseline row."""
     from unittest import mock
 
     import torch
 
     from bench.gpu import check
 
-    serving = next(s for s in check.STEPS if s.name == "serving")
-    argv = check.expand(serving.argv, str(tmp_path))
-    assert argv[:4] == ["-m", "bench", "infer", "--paper"]
-    with (
-        mock.patch.object(torch.cuda, "is_available", lambda: True),
-        mock.patch.object(torch.cuda, "device_count", lambda: 1),
-    ):  # parsing checks the device exists
-        args = inference.parse_args(argv[3:])
-    assert (args.preset, args.dtype, args.k, args.batch_sizes) == ("paper", "bfloat16", [2, 4], [4, 16, 128])
-    assert [p + args.new_tokens for p in args.prompt_len] == [1024] and args.prompt_len == [64]
-    assert (args.warmup, args.reps) == (1, 3) and set(args.cache) == {"paged", "contiguous"}
-    assert (args.compile, args.hf, args.device) == ("cudagraph", "eager", "cuda")
-    assert args.out.startswith(str(tmp_path))
+    def parsed(name):
+        step = next(s for s in check.STEPS if s.name == name)
+        argv = check.expand(step.argv, str(tmp_path))
+        assert argv[:4] == ["-m", "bench", "infer", "--paper"]
+        with (
+            mock.patch.object(torch.cuda, "is_available", lambda: True),
+            mock.patch.object(torch.cuda, "device_count", lambda: 1),
+        ):  # parsing checks the device exists
+            return inference.parse_args(argv[3:])
+
+    first, more = parsed("serving"), parsed("serving_more")
+    for args in (first, more):
+        assert (args.preset, args.dtype, args.batch_sizes) == ("paper", "bfloat16", [4, 16, 128])
+        assert [p + args.new_tokens for p in args.prompt_len] == [1024] and args.prompt_len == [64]
+        assert (args.warmup, args.reps) == (1, 3) and args.cache == ["paged"]
+        assert (args.compile, args.device) == ("cudagraph", "cuda")
+        assert args.out.startswith(str(tmp_path))
+    assert (first.k, first.hf) == ([4], None)
+    assert (more.k, more.hf) == ([2], "eager")
