@@ -200,7 +200,8 @@ def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
     bi.add_arguments(parser)
     args = parser.parse_args(check.expand(step.argv, str(tmp_path))[3:])
     assert args.json == str(tmp_path / "batch_invariance.json")
-    assert args.n == 1024 and sorted(args.dims) == [64, 128]
+    # N=8192: where the dispatch table may pick flex at D=128 (issue 53), so its invariance is checked there.
+    assert args.n == 8192 and sorted(args.dims) == [64, 128]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="starts its own interpreter process")
