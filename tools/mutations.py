@@ -550,8 +550,8 @@ MUTATIONS = [
     dict(
         id="window-attention-ignores-autocast",
         file=f"{WA}/op.py",
-        old="    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):",
-        new="    if False:",
+        old="    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)",
+        new="    return False",
         tests=["python_tests/ops/window_attention/test_autocast.py"],
     ),
 ]

@@ -123,7 +123,7 @@ def window_attention(
     never changes the precision of the result.
     """
     device_type = q.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(device_type):
         q, k, v = _autocast_cast(device_type, q, k, v)
         with torch.autocast(device_type, enabled=False):
             return window_attention(q, k, v, layout, scale=scale, backend=backend, return_lse=return_lse)
@@ -175,7 +175,7 @@ def window_attention_with_bounds(
     module is the only one that knows the custom op's schema.
     """
     device_type = q.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(device_type):
         q, k, v = _autocast_cast(device_type, q, k, v)
         with torch.autocast(device_type, enabled=False):
             return window_attention_with_bounds(
@@ -200,6 +200,11 @@ def window_attention_with_bounds(
         q, k, v, ranges, geometry, intra_causal, queries_all, scale, name
     )
     return out
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type``: the one test of the op's autocast rule."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _autocast_cast(device_type: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
