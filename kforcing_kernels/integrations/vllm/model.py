@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...model.decoding import decode_slots
 from . import PROPOSER
-from .stage import load_noise_embedding, noise_tensor_names, read_stage
+from .stage import is_native_export, load_noise_embedding, noise_tensor_names, read_stage
 
 NOISE_SCALE = 1 << 24  # float32 uniforms from torch.rand are multiples of 2^-24
 # The draft id of a noise slot: vLLM's "invalid draft" marker, always rejected without reading its probability
@@ -171,12 +172,21 @@ class KForcingMixin:
     def __init__(self, *, vllm_config, prefix: str = ""):
         folder = vllm_config.model_config.model
         info = read_stage(folder)
+        native = is_native_export(info)
+        if native != (self.kf_base_arch == "native"):
+            _refuse(
+                "architectures",
+                f"{type(self).__name__} does not serve {folder}, "
+                f"{'a native stage export' if native else 'a Hugging Face stage'}: select the architecture "
+                "kforcing_kernels.integrations.vllm.architecture_of(folder) names (engine_kwargs does)",
+            )
         self_k = check_engine(vllm_config, info["k"])
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         self.kf_k, self.kf_k_train = self_k, info["k"]
         self.kf_vocab = int(vllm_config.model_config.hf_config.vocab_size)
         self.kf_noise = load_noise_embedding(folder, info)
         self.kf_noise_names = noise_tensor_names(folder)
+        self.kf_decode = info.get("decode", "argmax")  # the slot rule (model/decoding.py); HF stages decode by argmax
         self.kf_runner: Any = None  # the model runner, set by the proposer (it owns the per-request state)
         self.kf_book: dict[str, tuple[np.float32, np.ndarray]] = {}  # request id -> (tau, noise codes)
         self.kf_last: Optional[dict] = None  # this step's windows, for the proposer
@@ -278,9 +288,11 @@ class KForcingMixin:
             noise_embeds = self._embed_noise(torch.from_numpy(z_np).to(device), torch.from_numpy(tau_rows).to(device))
             embeds = torch.where(is_noise[:, None], noise_embeds, embeds)
         all_positions = positions
+        z_rows = torch.from_numpy(z_np).to(device)  # each row's noise (0 on token rows), for the slot rule
         if e:
             codes = np.stack([self._codes(req_ids[i], int(windows_of[i])) for i in pre])  # one lookup per new request
             extra_z = torch.from_numpy(codes.reshape(-1)).to(device, torch.float32) / NOISE_SCALE
+            z_rows = torch.cat([z_rows, extra_z])
             extra_tau = torch.from_numpy(np.repeat(tau[pre], k)).to(device)
             embeds = torch.cat([embeds, self._embed_noise(extra_z, extra_tau)])
             extra_pos = torch.from_numpy((context[:, None] + np.arange(k)).reshape(-1)).to(device, positions.dtype)
@@ -300,15 +312,16 @@ class KForcingMixin:
         finally:
             self.kf_extra = None
 
-        # The windows: decoded from the noise rows' logits (argmax, the HF kind's decode rule).
+        # The windows: decoded from the noise rows' logits by the stage's slot rule (argmax, or the native model's
+        # residual inverse CDF at the slot's noise: model/decoding.py, as the package decodes).
         index = np.zeros((r, k), dtype=np.int64)
         if len(dec):
             index[dec] = first_noise[:, None] + np.arange(k)
         if e:
             index[pre] = n + np.arange(e).reshape(len(pre), k)
-        index_t = torch.from_numpy(index).to(device)
-        logits = super().compute_logits(hidden[index_t.reshape(-1)])
-        windows = logits[:, :vocab].argmax(-1).reshape(r, k)
+        index_t = torch.from_numpy(index).to(device).reshape(-1)
+        logits = super().compute_logits(hidden[index_t])
+        windows = decode_slots(logits[:, :vocab], z_rows[index_t], self.kf_decode).reshape(r, k)
 
         # One-hot targets per row vLLM gathers logits at: the next row's id on token rows (the draft is accepted),
         # the window's token on each request's last token row (the placeholder is rejected there).

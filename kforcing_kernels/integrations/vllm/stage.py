@@ -2,10 +2,11 @@
 
 The stage folder format is the HF recipe's (``kforcing_kernels/app/hf_recipe/files.py``, format 1): the backbone
 as ``save_pretrained`` writes it, the tokenizer, ``noise_embedding.safetensors`` and ``model.json`` (``k``,
-``hf_format``, ``noise_embedding {format, settings, tensors}``, ``files {name: {bytes, sha256}}``). The library may
-not import the app, so the same checks ``load_pflm`` makes are made here on the folder's JSON: every listed file
-present with its size and SHA-256, the stage format known, the noise embedding format 2 and its tensors'
-record matching the file.
+``hf_format``, ``noise_embedding {format, settings, tensors}``, ``files {name: {bytes, sha256}}``). The export of a
+native stage (:mod:`.export`) is the same with ``native_export`` in place of ``hf_format`` (and ``decode``, the
+native model's decoding rule). The library may not import the app, so the same checks ``load_pflm`` makes are made
+here on the folder's JSON: every listed file present with its size and SHA-256, the stage format known, the noise
+embedding format 2 and its tensors' record matching the file.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from ...model.decoding import DECODE_RULES
 from ..hf_noise import NOISE_EMBEDDING_FORMAT, NoiseEmbedding
+from .export import NATIVE_EXPORT_FORMAT
 
 HF_STAGE_FORMAT = 1  # the HF recipe's HF_FORMAT (python_tests/integrations/vllm checks they agree)
 NOISE_FILE = "noise_embedding.safetensors"
@@ -33,8 +36,9 @@ def _sha256(path: Path) -> str:
 
 
 def read_stage(folder) -> dict:
-    """``model.json`` of a K-Forced HF stage folder after checking every file it lists (size and SHA-256), the
-    stage format and the noise embedding's format; a :class:`StageError` naming what is wrong otherwise."""
+    """``model.json`` of a K-Forced HF stage folder (or a native stage's export) after checking every file it
+    lists (size and SHA-256), the stage format and the noise embedding's format; a :class:`StageError` naming what is
+    wrong otherwise."""
     folder = Path(folder)
     json_path = folder / "model.json"
     if not json_path.is_file():
@@ -46,12 +50,25 @@ def read_stage(folder) -> dict:
         info = json.loads(json_path.read_text())
     except (OSError, ValueError) as exc:
         raise StageError(f"{json_path}: unreadable ({exc})") from None
-    if not isinstance(info, dict) or "hf_format" not in info:
-        raise StageError(
-            f"{json_path}: not a Hugging Face stage (no hf_format): the native reference model is not served "
-            "by the vLLM integration (export it to a Hugging Face architecture first)"
-        )
-    if info["hf_format"] != HF_STAGE_FORMAT:
+    if not isinstance(info, dict):
+        raise StageError(f"{json_path}: malformed: expected a JSON object")
+    if "native_export" in info:
+        if info["native_export"] != NATIVE_EXPORT_FORMAT:
+            raise StageError(
+                f"{json_path}: unknown native export format {info['native_export']!r}, expected "
+                f"{NATIVE_EXPORT_FORMAT}: export the native stage again"
+            )
+        decode = info.get("decode")
+        if decode not in DECODE_RULES:
+            raise StageError(f"{json_path}: decode: expected one of {DECODE_RULES}, got {decode!r}")
+    elif "hf_format" not in info:
+        if "model_config" in info:
+            raise StageError(
+                f"{json_path}: a native stage folder (the package's own model): vLLM serves its export, "
+                f"written by `python -m kforcing_kernels.app.vllm_export {folder} --out FOLDER`"
+            )
+        raise StageError(f"{json_path}: not a K-Forced stage folder vLLM serves (no hf_format, no native_export)")
+    elif info["hf_format"] != HF_STAGE_FORMAT:
         raise StageError(f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected 1")
     k = info.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -83,6 +100,11 @@ def read_stage(folder) -> dict:
     if not path.exists() or path.stat().st_size != record.get("bytes") or _sha256(path) != record.get("sha256"):
         raise StageError(f"{path}: missing, truncated or corrupt (size or SHA-256 differs from {json_path.name})")
     return info
+
+
+def is_native_export(info: dict) -> bool:
+    """Whether a :func:`read_stage` record is a native stage's export (else an HF recipe stage)."""
+    return "native_export" in info
 
 
 def load_noise_embedding(folder, info: dict) -> NoiseEmbedding:

@@ -1,0 +1,156 @@
+"""A native K-Forced stage folder exported as the folder vLLM serves (``kforcing_kernels.integrations.vllm``).
+
+``python -m kforcing_kernels.app.vllm_export runs/native/stage2_k4 --out runs/native/stage2_k4_vllm`` (or
+:func:`export_for_vllm`): the stage is loaded with every check ``load_model`` makes (its files' sizes and SHA-256, its
+config, its tokenizer against the recorded SHA-256), then written through the mapping of
+:mod:`kforcing_kernels.integrations.vllm.export`:
+
+* ``config.json`` (vLLM's ``ModelConfig``: architecture ``KForcingNativeForCausalLM``), ``model.safetensors`` (the
+  backbone under vLLM's names), ``noise_embedding.safetensors`` (the native noise encoder, a format-2 noise embedding);
+* the tokenizer: the run's ``tokenizer.json`` (the package's BPE) wrapped with its EOS as ``PreTrainedTokenizerFast``
+  saves it, which vLLM loads (needs transformers);
+* ``model.json`` last: ``native_export`` (the format), ``k``, ``decode``, the native ``model_config``, the noise
+  embedding's format, settings and file record, every file's size and SHA-256, and the source's identity
+  (``source_sha256``: its tensors' SHA-256), which ``read_stage`` checks before vLLM loads anything.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..integrations.vllm.export import (
+    NATIVE_EXPORT_FORMAT,
+    noise_settings,
+    noise_tensors,
+    vllm_config,
+    vllm_tensors,
+)
+from ..integrations.vllm.stage import NOISE_FILE
+from .files import CheckpointError, atomic_write_file, save_tensors, sha256_file, write_json
+
+
+class ExportError(ValueError):
+    """A folder the vLLM export cannot write from; the message names the folder and what is wrong."""
+
+
+def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path:
+    """Write the vLLM export of the native stage ``folder`` into ``out`` (created; its files replaced); returns
+    ``out/model.json``. ``max_positions``: the longest sequence vLLM may serve (default the trained ``seq_len``)."""
+    from .native import KIND
+    from .student import find_kind
+
+    folder, out = Path(folder), Path(out)
+    kind = find_kind(folder)
+    if kind is None:
+        raise ExportError(f"{folder}: no model folder here (no model.json)")
+    if kind is not KIND:
+        raise ExportError(
+            f"{folder}: {kind.summary}, not the package's own model: vLLM serves a K-Forced Hugging Face stage "
+            "folder as it is (kforcing_kernels.integrations.vllm.engine_kwargs)"
+        )
+    if out.resolve() == folder.resolve():
+        raise ExportError(f"out: {str(out)!r} is the stage folder itself; choose another folder")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"out: {str(out)!r} exists and is not a folder")
+    model, info, tokenizer = KIND.load(folder)
+    k = info["k"]
+    if k < 1:
+        raise ExportError(
+            f"{folder}: k: an AR stage (k = 0); the vLLM integration serves K-Forced stages (k >= 1): export a "
+            "stage trained with a window"
+        )
+    if tokenizer is None:
+        raise ExportError(f"{folder}/tokenizer.json: missing; vLLM loads the model's tokenizer from its folder")
+    from .data import EOS
+
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise ExportError(f"{folder}/tokenizer.json: no end-of-text token {EOS!r} (not the package's tokenizer)")
+    state = model.state_dict()
+    config = vllm_config(model.config, max_positions=max_positions, eos_token_id=eos)
+    try:
+        backbone = vllm_tensors(state, model.config.tie_embeddings)
+    except ValueError as exc:
+        raise ExportError(f"{folder}: {exc}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    write_json(out / "config.json", config)
+    save_tensors(out / "model.safetensors", backbone)
+    for name, record in _save_tokenizer(folder / "tokenizer.json", out, EOS).items():
+        files[name] = record
+    for name in ("config.json", "model.safetensors"):
+        files[name] = {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
+    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT
+
+    noise = {
+        "format": NOISE_EMBEDDING_FORMAT,
+        "settings": noise_settings(model.config),
+        "tensors": save_tensors(out / NOISE_FILE, noise_tensors(state)),
+    }
+    write_json(
+        out / "model.json",
+        {
+            "native_export": NATIVE_EXPORT_FORMAT,
+            "k": k,
+            "decode": model.config.decode,
+            "model_config": model.config.to_dict(),
+            "source": str(folder),
+            "source_sha256": info["tensors"]["sha256"],
+            "tokenizer_sha256": info.get("tokenizer_sha256"),
+            "noise_embedding": noise,
+            "files": dict(sorted(files.items())),
+        },
+    )
+    return out / "model.json"
+
+
+def _save_tokenizer(path: Path, out: Path, eos: str) -> dict:
+    """The package's ``tokenizer.json`` as ``PreTrainedTokenizerFast(eos_token=eos).save_pretrained`` writes it into
+    ``out``; returns ``{file name: {bytes, sha256}}`` of what it wrote."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as exc:
+        raise ExportError(
+            f"the vLLM export needs transformers for the tokenizer vLLM loads ({exc}): pip install '.[hf]'"
+        ) from None
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)), eos_token=eos)
+    files = {}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer.") as staging:
+        wrapped.save_pretrained(staging)
+        for written in sorted(p for p in Path(staging).iterdir() if p.is_file()):
+            with open(written, "rb") as src:
+                atomic_write_file(out / written.name, lambda f: shutil.copyfileobj(src, f, 1 << 22))
+            files[written.name] = {"bytes": written.stat().st_size, "sha256": sha256_file(out / written.name)}
+    return files
+
+
+def main(argv=None) -> None:
+    from .cli import make_parser
+
+    # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
+    parser = make_parser(
+        "python -m kforcing_kernels.app.vllm_export",
+        "Export a native K-Forced stage folder (the package's own model) as the folder vLLM serves "
+        "(kforcing_kernels.integrations.vllm: vllm.LLM(**engine_kwargs(OUT, k))).",
+    )
+    parser.add_argument("folder", help="the native stage folder (model.safetensors, model.json, tokenizer.json)")
+    parser.add_argument("--out", required=True, help="folder for the export (created; its files replaced)")
+    parser.add_argument(
+        "--max-positions",
+        type=int,
+        default=None,
+        help="the longest sequence (prompt + generated + 2k) vLLM may serve (default: the trained seq_len)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(export_for_vllm(args.folder, args.out, max_positions=args.max_positions))
+    except (CheckpointError, ExportError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()
