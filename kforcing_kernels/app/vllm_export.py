@@ -37,8 +37,9 @@ class ExportError(ValueError):
 
 
 def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path:
-    """Write the vLLM export of the native stage ``folder`` into ``out`` (created; its files replaced); returns
-    ``out/model.json``. ``max_positions``: the longest sequence vLLM may serve (default the trained ``seq_len``)."""
+    """Write the vLLM export of the native stage ``folder`` into ``out`` (new, empty, or an earlier export, whose
+    files are replaced); returns ``out/model.json``. ``max_positions``: the longest sequence vLLM may serve (default
+    the trained ``seq_len``)."""
     from .native import KIND
     from .student import find_kind
 
@@ -55,6 +56,9 @@ def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path
         raise ExportError(f"out: {str(out)!r} is the stage folder itself; choose another folder")
     if out.exists() and not out.is_dir():
         raise ExportError(f"out: {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not _is_export(out):
+        # vLLM loads every *.safetensors of the folder: a stranger's files there would be loaded as the model's.
+        raise ExportError(f"out: {str(out)!r} is not empty and holds no earlier vLLM export; choose an empty folder")
     model, info, tokenizer = KIND.load(folder)
     k = info["k"]
     if k < 1:
@@ -107,6 +111,17 @@ def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path
     return out / "model.json"
 
 
+def _is_export(folder: Path) -> bool:
+    """Whether ``folder`` holds an earlier export (its ``model.json`` records ``native_export``)."""
+    import json
+
+    try:
+        record = json.loads((folder / "model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "native_export" in record
+
+
 def _save_tokenizer(path: Path, out: Path, eos: str) -> dict:
     """The package's ``tokenizer.json`` as ``PreTrainedTokenizerFast(eos_token=eos).save_pretrained`` writes it into
     ``out``; returns ``{file name: {bytes, sha256}}`` of what it wrote."""
@@ -138,7 +153,9 @@ def main(argv=None) -> None:
         "(kforcing_kernels.integrations.vllm: vllm.LLM(**engine_kwargs(OUT, k))).",
     )
     parser.add_argument("folder", help="the native stage folder (model.safetensors, model.json, tokenizer.json)")
-    parser.add_argument("--out", required=True, help="folder for the export (created; its files replaced)")
+    parser.add_argument(
+        "--out", required=True, help="folder for the export: new, empty, or an earlier export (its files replaced)"
+    )
     parser.add_argument(
         "--max-positions",
         type=int,

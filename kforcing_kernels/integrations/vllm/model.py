@@ -284,11 +284,11 @@ class KForcingMixin:
         tau_rows = np.zeros(n, dtype=np.float32)
         tau_rows[:rows_total] = np.repeat(tau, sched)
         embeds = self.embed_input_ids(input_ids.clamp(0, vocab - 1))
+        z_rows = torch.from_numpy(z_np).to(device)  # each row's noise (0 on token rows); the slot rule reads it too
         if len(dec):
-            noise_embeds = self._embed_noise(torch.from_numpy(z_np).to(device), torch.from_numpy(tau_rows).to(device))
+            noise_embeds = self._embed_noise(z_rows, torch.from_numpy(tau_rows).to(device))
             embeds = torch.where(is_noise[:, None], noise_embeds, embeds)
         all_positions = positions
-        z_rows = torch.from_numpy(z_np).to(device)  # each row's noise (0 on token rows), for the slot rule
         if e:
             codes = np.stack([self._codes(req_ids[i], int(windows_of[i])) for i in pre])  # one lookup per new request
             extra_z = torch.from_numpy(codes.reshape(-1)).to(device, torch.float32) / NOISE_SCALE

@@ -149,7 +149,12 @@ def test_what_the_export_refuses(native, tmp_path, stage):
     (lost / "tokenizer.json").unlink()
     with pytest.raises(ExportError, match="tokenizer.json: missing"):
         export_for_vllm(lost, tmp_path / "lost_out")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ExportError, match="not empty and holds no earlier vLLM export"):
+        export_for_vllm(native[0], tmp_path / "busy")
     with pytest.raises(SystemExit):
         main([str(native[0]), "--out", str(tmp_path / "short"), "--max-positions", "0"])
     main([str(native[0]), "--out", str(tmp_path / "cli")])
+    main([str(native[0]), "--out", str(tmp_path / "cli")])  # over an earlier export: replaced, the same bytes
     assert read_stage(tmp_path / "cli")["files"] == read_stage(native[1])["files"]
