@@ -13,15 +13,15 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .export import NATIVE_ARCHITECTURE
-
 ARCHITECTURES = {
     "LlamaForCausalLM": "KForcingLlamaForCausalLM",
     "Qwen2ForCausalLM": "KForcingQwen2ForCausalLM",
     "MistralForCausalLM": "KForcingMistralForCausalLM",
 }
 PROPOSER = "kforcing_kernels.integrations.vllm.proposer.KForcingProposer"
-NATIVE_MODULE = "kforcing_kernels.integrations.vllm.native"  # the native export's architecture (export.py names it)
+# The architecture a native stage's export names in its config.json (export.py), and the module defining it.
+NATIVE_ARCHITECTURE = "KForcingNativeForCausalLM"
+NATIVE_MODULE = "kforcing_kernels.integrations.vllm.native"
 
 
 def register() -> None:

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-NATIVE_ARCHITECTURE = "KForcingNativeForCausalLM"
+from . import NATIVE_ARCHITECTURE
+
 NATIVE_EXPORT_FORMAT = 1
 
 

