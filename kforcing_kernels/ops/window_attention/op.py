@@ -44,9 +44,6 @@ from ..common.saved import autograd_records, own_storage
 from ..common.torch_compat import mode_or_transform_active
 from . import dispatch
 from .backends import REGISTRY, get_backend
-from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
-from .checks import check_layout_batch as check_layout_batch  # re-exported: context parallelism
-from .checks import check_qkv as check_qkv  # re-exported: context parallelism
 from .checks import validate
 
 
