@@ -709,3 +709,12 @@ def test_the_home_finder_sees_a_planted_pass_through(tmp_path):
     # KForcingLM is gpt's own; ModelConfig comes through the model package's facade (__all__); compute_loss was
     # planted as passed on by objectives (from targets).
     assert [h.split(": ", 1)[1] for h in hits] == [f"{objectives}.compute_loss (defined in {APP}.training.targets)"]
+
+
+def test_tests_sit_in_the_folder_of_their_area():
+    # python_tests/README.md: the folders mirror the package (and packaging/, docs/ for what no module holds); only
+    # this file, the repository's shape, stays at the top beside conftest.py.
+    top = sorted(
+        f for f in os.listdir(os.path.join(ROOT, "python_tests")) if f.startswith("test_") and f.endswith(".py")
+    )
+    assert top == [os.path.basename(__file__)]
