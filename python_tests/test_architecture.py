@@ -8,7 +8,10 @@
   ``module._x``: what another module needs is public and documented (Triton kernels keep their names);
 * the custom op's schema is used in one module (ops/window_attention/op.py);
 * torch's private APIs are called through ops/common/torch_compat.py only (``torch._C`` never elsewhere; the
-  few other private torch names on a documented allow-list).
+  few other private torch names on a documented allow-list);
+* one home per name: callers import a name from the module that defines it, not through one that only passes it
+  on (package facades' ``__all__`` and the documented re-exports aside), and no other module passes names on;
+* the tests sit in the folder of their area (only this file at the top of ``python_tests/``).
 """
 
 from __future__ import annotations
@@ -661,27 +664,51 @@ def test_callers_import_each_name_from_its_home():
     assert [hit for hit in offenders if hit not in pending] == []
 
 
+def _passed_on(name: str, path: str) -> list[str]:
+    """``"module.name (defined in home)"`` for each name the module ``name`` (not a package facade) imports at module
+    level and re-exports (``from .x import name as name``, or lists in ``__all__``) that is not on
+    DOCUMENTED_REEXPORTS."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    _, imported, exported = BINDINGS[name]
+    marked = {
+        alias.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname is not None and alias.asname == alias.name
+    }
+    return [
+        f"{name}.{passed} (defined in {_home(name, passed)})"
+        for passed in sorted((marked | set(exported)) & set(imported))
+        if passed not in DOCUMENTED_REEXPORTS.get(name, set())
+    ]
+
+
 def test_modules_pass_on_only_documented_names():
-    # A name imported at module level and re-exported (``from .x import name as name``, or listed in __all__) by a
-    # module that is not a package facade must be a documented public name of it (DOCUMENTED_REEXPORTS).
-    offenders = []
-    for name, path in sorted(MODULES.items()):
-        if _is_package(name):
-            continue
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        _, imported, exported = BINDINGS[name]
-        marked = {
-            alias.asname
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom)
-            for alias in node.names
-            if alias.asname is not None and alias.asname == alias.name
-        }
-        for passed in sorted((marked | set(exported)) & set(imported)):
-            if passed not in DOCUMENTED_REEXPORTS.get(name, set()):
-                offenders.append(f"{name}.{passed} (defined in {_home(name, passed)})")
+    # A module that is not a package facade re-exports only documented public names of it (DOCUMENTED_REEXPORTS).
+    offenders = [
+        hit for name, path in sorted(MODULES.items()) if not _is_package(name) for hit in _passed_on(name, path)
+    ]
     assert offenders == []
+
+
+def test_the_pass_on_finder_sees_both_forms(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from .targets import chunk_bounds as chunk_bounds\nfrom .targets import teacher_head, output_head\n"
+        "from .targets import decode_chunks\n__all__ = ['teacher_head', 'local']\nlocal = decode_chunks\n"
+    )
+    name = f"{APP}.training.planted"
+    MODULES[name] = str(planted)
+    try:
+        BINDINGS[name] = _top_level_bindings(str(planted))
+        hits = _passed_on(name, str(planted))
+    finally:
+        del MODULES[name]
+        BINDINGS.pop(name, None)
+    targets = f"{APP}.training.targets"
+    assert hits == [f"{name}.chunk_bounds (defined in {targets})", f"{name}.teacher_head (defined in {targets})"]
 
 
 def test_documented_reexports_are_reexports():
