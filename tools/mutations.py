@@ -554,4 +554,20 @@ MUTATIONS = [
         new="    return False",
         tests=["python_tests/ops/window_attention/test_autocast.py"],
     ),
+    # The private torch APIs behind ops/common/torch_compat.py (issue 55 item 2): the eager fast path blind to
+    # functorch transforms, and a missing API read as "no mode" instead of the conservative "a mode may be active".
+    dict(
+        id="eager-path-ignores-functorch-transforms",
+        file="kforcing_kernels/ops/common/torch_compat.py",
+        old="    return torch_function_mode_active() or dispatch_mode_active() or functorch_transform_active()",
+        new="    return torch_function_mode_active() or dispatch_mode_active()",
+        tests=["python_tests/ops/common/test_torch_compat.py"],
+    ),
+    dict(
+        id="missing-dispatch-api-means-no-mode",
+        file="kforcing_kernels/ops/common/torch_compat.py",
+        old="    if _dispatch_stack_len is None:\n        return True",
+        new="    if _dispatch_stack_len is None:\n        return False",
+        tests=["python_tests/ops/common/test_torch_compat.py"],
+    ),
 ]

@@ -107,12 +107,12 @@ def _package_rows(stage, ar, batch, prompts, args):
     import torch
 
     from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
-    from kforcing_kernels.app.hf_recipe.files import load_any_model
     from kforcing_kernels.app.hf_recipe.trainer import load_pflm
+    from kforcing_kernels.app.student import load_student
 
     rows = []
     p = torch.tensor(prompts)
-    teacher = load_any_model(ar)[0]
+    teacher = load_student(ar)[0]
     student = load_pflm(stage)
     runs = [("ar", 1, lambda: generate_ar(teacher, p, args.new_tokens, temperature=0.0))]
     runs += [(f"kforcing_k{k}", k, lambda k=k: generate_kforcing(student, p, k, args.new_tokens)) for k in args.ks]

@@ -95,12 +95,12 @@ def _finished(folder: Path, wanted: dict, teacher: Optional[Path] = None) -> boo
 
 def measure_student(stage0: Path, stage1: Path, taus: list[float], batches: int, new_tokens: int) -> dict:
     """The diagnosis at tau 0.8 and the judged k=1 samples at every tau of one Stage-1 student."""
-    from kforcing_kernels.app.evaluation.evaluate import recorded_data
     from kforcing_kernels.app.evaluation.noise_diagnosis import decode_bracket, diagnose
-    from kforcing_kernels.app.hf_recipe.files import corpus_for, load_any_model
+    from kforcing_kernels.app.evaluation.run_folders import recorded_data
+    from kforcing_kernels.app.student import corpus_for, load_student
 
-    teacher, tinfo, _ = load_any_model(stage0)
-    student, sinfo, _ = load_any_model(stage1)
+    teacher, tinfo, _ = load_student(stage0)
+    student, sinfo, _ = load_student(stage1)
     teacher.eval(), student.eval()
     corpus = corpus_for(str(stage0), recorded_data(stage0, tinfo), teacher.config.vocab_size)
     d = diagnose(

@@ -2,6 +2,7 @@
 
 from ..layouts.positions import double_positions, single_positions
 from .config import PRESETS, ModelConfig
-from .gpt import KForcingLM, PagedPast
+from .decode_paths import PagedPast
+from .gpt import KForcingLM
 
 __all__ = ["ModelConfig", "PRESETS", "KForcingLM", "PagedPast", "single_positions", "double_positions"]

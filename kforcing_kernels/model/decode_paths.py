@@ -4,7 +4,8 @@
 contiguous ``past`` for :meth:`~kforcing_kernels.model.gpt.Attention.forward`. :class:`DirectBlock` and
 :func:`direct_block` run a decoder block's math on flattened rows without ``nn.Module`` calls, the path
 :meth:`~kforcing_kernels.model.gpt.KForcingLM.trunk` takes for a static decode step
-(``app/generation/static_step.py``). ``kforcing_kernels.model.gpt`` re-exports all three names.
+(``app/generation/static_step.py``). Import them from here (``PagedPast`` is also public as
+``kforcing_kernels.model.PagedPast``).
 """
 
 from __future__ import annotations

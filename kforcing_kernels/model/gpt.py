@@ -34,7 +34,7 @@ from ..parallel.context_parallel import ContextParallel, RankRows
 from ..parallel.rank_inputs import context_parallel_inputs
 from ..types import KV, Temperature
 from .config import ModelConfig
-from .decode_paths import DirectBlock, PagedPast, direct_block  # defined there, importable from here too
+from .decode_paths import DirectBlock, PagedPast, direct_block
 
 # ---------------------------------------------------------------------- building blocks
 

@@ -27,7 +27,8 @@ from ..layouts import WindowLayout
 from ..ops.common.saved import autograd_records, own_storage
 from ..ops.common.validation import check_scale
 from ..ops.window_attention.backends import get_backend
-from ..ops.window_attention.op import check_layout_batch, check_qkv, query_rows_backend
+from ..ops.window_attention.checks import check_layout_batch, check_qkv
+from ..ops.window_attention.op import query_rows_backend
 from .balance import RowSplit, balanced_split
 
 

@@ -43,7 +43,7 @@ from ..files import CheckpointError, check_fields, check_writable, write_json
 from ..generation.inference import generate_ar, generate_kforcing
 from ..records import DISTILLED_FIELDS, RUN_TEXT_FIELDS, read_model_json
 from ..student import Student, corpus_for, device_of, find_kind, kind_of, kind_of_folder, load_student
-from ..training.objectives import forward_distillation_targets, self_forcing_targets
+from ..training.targets import forward_distillation_targets, self_forcing_targets
 from .report import HF_GENERATE, STAGE1_ROW, format_report, target_checks, timing_report
 from .run_folders import ar_teacher_folder, load_judge, recorded_data, same_tokenizer
 

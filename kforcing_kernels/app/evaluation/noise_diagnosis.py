@@ -42,7 +42,7 @@ from ..data import sample_crops
 from ..files import CheckpointError, check_fields
 from ..records import RUN_TEXT_FIELDS
 from ..student import corpus_for, load_student
-from ..training.objectives import CDF_ORDERS, forward_distillation_targets
+from ..training.targets import CDF_ORDERS, forward_distillation_targets
 
 # Upper edges of the interval-width buckets of accuracy_by_width (the last bucket is [0.5, 1]).
 WIDTH_EDGES = (0.01, 0.05, 0.2, 0.5, 1.0)
@@ -369,7 +369,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if sinfo.get("k") != 1:
         parser.error(f"argument --student: expected a PFLM(1) (stage1) folder, got k={sinfo.get('k')}")
     order = args.order or sinfo.get("cdf_order", "vocab")  # stages saved before the order was recorded used vocab order
-    from .evaluate import recorded_data
+    from .run_folders import recorded_data
 
     try:  # --data as the run recorded it (resolved; an older run's relative to where it was trained)
         corpus = corpus_for(str(run / "stage0"), recorded_data(run / "stage0", tinfo), teacher.config.vocab_size)

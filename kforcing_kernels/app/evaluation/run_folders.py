@@ -1,9 +1,8 @@
 """A pipeline run's folders as the evaluation reads them: its AR teacher, the text it was trained on, the judge.
 
-:func:`~kforcing_kernels.app.evaluation.evaluate.evaluate_pipeline` resolves a run with these (its module
-re-exports them): which folder holds the AR teacher (``stage0``, or stage1's recorded teacher for a run that
-K-Forces a pretrained Hugging Face model), where the recorded ``--data`` is from here, and which AR model scores
-the generated text.
+:func:`~kforcing_kernels.app.evaluation.evaluate.evaluate_pipeline` resolves a run with these: which folder holds
+the AR teacher (``stage0``, or stage1's recorded teacher for a run that K-Forces a pretrained Hugging Face model),
+where the recorded ``--data`` is from here, and which AR model scores the generated text.
 """
 
 from __future__ import annotations
@@ -12,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from ..data import DEFAULT_SOURCE, tokenizer_sha256
+from ..data import DEFAULT_SOURCE
+from ..files import tokenizer_sha256
 from ..records import read_model_json
 from ..student import Student, find_kind, load_student
 from .report import judge_description

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...model import KForcingLM
-from ...model.gpt import PagedPast
+from ...model.decode_paths import PagedPast
 from ...ops.paged_attention import PAGED_BACKENDS, paged_backends_available
 
 

@@ -20,7 +20,7 @@ temperatures, the per-layer :class:`~kforcing_kernels.model.PagedPast` views), s
 * tokens: K-Forcing's slot rule (:func:`~kforcing_kernels.model.decoding.decode_slots`), AR's inverse-CDF
   sample (argmax where tau is 0), through the unchecked sampler.
 
-Eager, the blocks run without ``nn.Module`` calls (:func:`~kforcing_kernels.model.gpt.direct_block`, the same
+Eager, the blocks run without ``nn.Module`` calls (:func:`~kforcing_kernels.model.decode_paths.direct_block`, the same
 bits; not when a module hook is registered) and, when the pools are views of one ``[layers, 2, ...]`` tensor
 (both caches allocate so), every layer's K/V is written with one ``index_copy_``.
 
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union, cast
 import torch
 
 from ...model import KForcingLM
+from ...model.decode_paths import PagedPast
 from ...model.decoding import decode_rule, decode_slots
-from ...model.gpt import PagedPast
 from ...ops.paged_attention.op import default_paged_backend
 from ...ops.sampling import sampler_backend
 from ...ops.sampling.op import inverse_cdf_sample_unchecked
@@ -122,7 +122,7 @@ class StaticDecodeStep:
         self.attention = paged_backend(model) or default_paged_backend(self.device)
         self.sampler = sampler_backend(self.device)
         self.offsets = torch.arange(self.width, device=self.device)
-        # The blocks' math without module calls (gpt.direct_block, same bits) unless a hook must fire.
+        # The blocks' math without module calls (decode_paths.direct_block, same bits) unless a hook must fire.
         # ModuleList iterates as nn.Module: KForcingLM's blocks are Blocks (model/gpt.py).
         blocks = cast("list[Block]", list(model.blocks))
         self.direct = None if _has_hooks(model.blocks) else [block.direct_weights() for block in blocks]

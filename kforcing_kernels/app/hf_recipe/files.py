@@ -373,14 +373,6 @@ def load_hf_stage(folder, device="cpu"):
     return student.to(device).eval(), info, literal_specials(tokenizer.backend_tokenizer)
 
 
-def load_any_model(folder, device="cpu"):
-    """``(model, info, tokenizer)`` of a native stage, an HF stage or a plain HF folder: the registry's
-    :func:`~kforcing_kernels.app.student.load_student`, under the name the recipe has always offered."""
-    from ..student import load_student
-
-    return load_student(folder, device)
-
-
 def hf_tokenizer_of(corpus: Corpus):
     """The HF tokenizer a stage folder saves: the one the corpus came from, or the native BPE wrapped as one."""
     if corpus.hf_tokenizer is not None:
@@ -469,14 +461,6 @@ def load_hf_corpus(source: Optional[str], tokenizer, *, val_fraction: float = 0.
         train_ids, val_ids, backend, eos, meta["source"], tuple(meta["documents"]), content, hf_tokenizer=tokenizer
     )
     return corpus
-
-
-def corpus_for(teacher: Optional[str], data: Optional[str], vocab_size: int, verbose: bool = False) -> Corpus:
-    """The text of a stage whose teacher is ``teacher``: an HF teacher's tokenizer, else the native BPE of ``data``
-    (the registry's :func:`~kforcing_kernels.app.student.corpus_for`, under the recipe's name)."""
-    from ..student import corpus_for as registry_corpus_for
-
-    return registry_corpus_for(teacher, data, vocab_size, verbose=verbose)
 
 
 def hf_corpus(teacher, data: Optional[str], verbose: bool = False) -> Corpus:

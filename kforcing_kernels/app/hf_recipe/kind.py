@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..files import CheckpointError
 from ..student import ModelKind
 from . import files
 
@@ -69,7 +70,7 @@ class HFKind(ModelKind):
 
     def save(self, folder, model, info: dict, corpus=None) -> None:
         if corpus is None:
-            raise files.CheckpointError(f"{folder}: a Hugging Face stage is saved with its tokenizer (pass the corpus)")
+            raise CheckpointError(f"{folder}: a Hugging Face stage is saved with its tokenizer (pass the corpus)")
         files.save_hf_stage(folder, model, {**info, "model_kind": self.name}, files.hf_tokenizer_of(corpus))
 
     def holds_config(self, model_config: dict) -> bool:

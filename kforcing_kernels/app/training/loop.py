@@ -45,9 +45,9 @@ from tqdm import tqdm
 
 from ... import env
 from ..data import Corpus, data_sha256
-from ..files import append_jsonl
+from ..files import append_jsonl, save_tensors
 from ..records import read_model_json
-from .checkpoint import latest_checkpoint, read_metrics, save_tensors, stderr_log
+from .checkpoint import latest_checkpoint, read_metrics, stderr_log
 from .config import (
     TrainConfig,
     check_device,

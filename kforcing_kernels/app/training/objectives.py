@@ -37,8 +37,6 @@ from torch import nn
 from ...layouts.positions import document_offsets
 from ..data import sample_crops
 from .linear_ce import linear_cross_entropy
-from .targets import CDF_ORDERS as CDF_ORDERS  # (X as X: the targets' names stay importable from here)
-from .targets import MIN_TEACHER_CHUNK as MIN_TEACHER_CHUNK
 from .targets import (
     STAGE1_CDF_ORDER,
     decode_chunks,
@@ -49,7 +47,6 @@ from .targets import (
     self_forcing_targets,
     teacher_head,
 )
-from .targets import chunk_bounds as chunk_bounds
 
 
 class Objective(str, enum.Enum):

@@ -16,10 +16,10 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from ..data import Corpus, data_sha256, tokenizer_sha256
-from ..files import RunLock, check_writable, write_json, write_text
+from ..data import Corpus, data_sha256
+from ..files import CheckpointError, RunLock, check_writable, tokenizer_sha256, write_json, write_text
 from ..student import Student, corpus_for, kind_of, load_student, stage_kind
-from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
+from .checkpoint import latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
 from .config import (
     PROVENANCE,
@@ -31,8 +31,9 @@ from .config import (
     prepare_out,
     teacher_sha256,
 )
-from .objectives import STAGE1_CDF_ORDER, Objective
+from .objectives import Objective
 from .parallel import ParallelDims, parallelize, place_teacher
+from .targets import STAGE1_CDF_ORDER
 
 
 def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:

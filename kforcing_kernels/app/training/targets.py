@@ -6,7 +6,8 @@
 
 A teacher that offers its head (:func:`teacher_head`) has its targets decoded from its hidden states chunk by chunk
 (:func:`decode_chunks`), never every row's ``[V]`` logits at once. :mod:`~kforcing_kernels.app.training.objectives`
-builds the batches and losses on these and re-exports every name here.
+builds the batches and losses on these (and keeps the three 0.2 names of ``kforcing_kernels.objectives``
+importable: ``forward_distillation_targets``, ``noise_inversion_supervision``, ``self_forcing_targets``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ What the ops share (registry, argument checks, acc_dtype, the Triton availabilit
 """
 
 from .backends import BACKENDS, backend_limits, backends_available, default_backend, get_backend
-from .op import SUPPORTED_DTYPES, window_attention
+from .checks import SUPPORTED_DTYPES
+from .op import window_attention
 
 __all__ = [
     "window_attention",

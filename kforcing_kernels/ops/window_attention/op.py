@@ -41,11 +41,9 @@ from ...layouts.derived import canonical, content_key
 from ..common.dtypes import acc_dtype
 from ..common.registry import pick
 from ..common.saved import autograd_records, own_storage
+from ..common.torch_compat import mode_or_transform_active
 from . import dispatch
 from .backends import REGISTRY, get_backend
-from .checks import SUPPORTED_DTYPES as SUPPORTED_DTYPES  # re-exported: the package's __init__ and sdpa.py
-from .checks import check_layout_batch as check_layout_batch  # re-exported: context parallelism
-from .checks import check_qkv as check_qkv  # re-exported: context parallelism
 from .checks import validate
 
 
@@ -252,9 +250,7 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
         return False
     if any(type(t) is not torch.Tensor or t.device.type == "meta" for t in tensors):
         return False
-    if torch._C._is_torch_function_mode_enabled() or _current_dispatch_mode() is not None:
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is None
+    return not mode_or_transform_active()
 
 
 # ---------------------------------------------------------------------- the eager fast path
@@ -307,11 +303,7 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
         return None
     if backend is not None and type(backend) is not str:
         return None
-    if (
-        torch._C._is_torch_function_mode_enabled()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    if mode_or_transform_active():
         return None
     key = (
         layout,
@@ -360,12 +352,6 @@ def clear_eager_cache() -> None:
     """Forget every cached eager resolution (tests; a backend module reloaded)."""
     with _eager_lock:
         _eager_cache.clear()
-
-
-def _current_dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
 
 
 def default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layout: WindowLayout) -> str:

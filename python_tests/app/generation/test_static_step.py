@@ -91,7 +91,8 @@ def test_an_eager_step_has_no_host_sync_and_no_host_data(model, k):
 
 @pytest.mark.parametrize("k", [None, 2])
 def test_the_direct_blocks_give_the_module_path_bits(model, k):
-    """PagedPast.direct (gpt.direct_block: no module calls, flattened rows, q and k rotated together) = the modules."""
+    """PagedPast.direct (decode_paths.direct_block: no module calls, flattened rows, q and k rotated together)
+    = the modules."""
     step, state, prev, z = _step_and_state(model, k)
     x = model.wte(torch.randint(0, CFG.vocab_size, (3, step.width)))
     positions = state.lens[:, None] + step.offsets

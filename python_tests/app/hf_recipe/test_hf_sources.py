@@ -27,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 from helpers.train_helpers import write_json_package  # noqa: E402
 from kforcing_kernels.app import train as train_cli  # noqa: E402
 from kforcing_kernels.app.data import EOS, load_corpus  # noqa: E402
-from kforcing_kernels.app.evaluation.evaluate import ar_teacher_folder, evaluate_pipeline  # noqa: E402
+from kforcing_kernels.app.evaluation.evaluate import evaluate_pipeline  # noqa: E402
+from kforcing_kernels.app.evaluation.run_folders import ar_teacher_folder  # noqa: E402
 
 VOCAB = 300
 SMALL = [

@@ -14,16 +14,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kforcing_kernels.app.training.linear_ce import IGNORE_INDEX, chunk_rows_for, linear_cross_entropy
-from kforcing_kernels.app.training.objectives import (
-    Batch,
-    Objective,
-    chunk_bounds,
-    compute_loss,
-    make_batch,
-    output_head,
-    student_inputs,
-    teacher_head,
-)
+from kforcing_kernels.app.training.objectives import Batch, Objective, compute_loss, make_batch, student_inputs
+from kforcing_kernels.app.training.targets import chunk_bounds, output_head, teacher_head
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.tools.memory import AllocationTracker, SavedTensors
 

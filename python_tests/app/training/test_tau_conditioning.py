@@ -18,7 +18,7 @@ import torch
 
 from helpers.train_helpers import write_json_package
 from kforcing_kernels.app.data import load_corpus, sample_crops
-from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.student import load_student
 from kforcing_kernels.app.training.config import TrainConfig
 from kforcing_kernels.app.training.loop import train
 from kforcing_kernels.ops.sampling import inverse_cdf_sample
@@ -95,8 +95,8 @@ def trained(request, tmp_path_factory):
         finally:
             torch.set_num_threads(threads)
         corpus = load_corpus(str(corpus_dir), vocab_size=300)
-    teacher, _, _ = load_any_model(str(root / "stage0"))
-    student, _, _ = load_any_model(str(root / "stage1"))
+    teacher, _, _ = load_student(str(root / "stage0"))
+    student, _, _ = load_student(str(root / "stage1"))
     return teacher, student, corpus
 
 

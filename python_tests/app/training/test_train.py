@@ -151,7 +151,7 @@ def test_noise_inversion_baseline_recovers_the_real_tokens():
 
 def test_stage1_records_the_cdf_order_of_its_targets(chain):
     # noise_diagnosis and any later evaluation rebuild the targets in the order the student learned.
-    from kforcing_kernels.app.training.objectives import STAGE1_CDF_ORDER
+    from kforcing_kernels.app.training.targets import STAGE1_CDF_ORDER
 
     _, info, _ = load_model(str(chain / "stage1"))
     assert info["cdf_order"] == STAGE1_CDF_ORDER == "vocab"

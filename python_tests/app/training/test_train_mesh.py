@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from helpers.fsdp_settings import stage2_config
 from helpers.train_helpers import REPO, torchrun, write_json_package
-from kforcing_kernels.app.hf_recipe.files import load_any_model
+from kforcing_kernels.app.student import load_student
 from kforcing_kernels.app.training.checkpoint import latest_checkpoint, read_metrics
 from kforcing_kernels.app.training.loop import train
 
@@ -107,7 +107,7 @@ def _same_first_step(runs: Path, run: str, reference: str) -> None:
 )
 def test_four_ranks_match_one_process(runs, run, reference):
     _same_first_step(runs, run, reference)
-    model, info, _ = load_any_model(runs / run)  # the final model of a sharded run: a whole, loadable stage folder
+    model, info, _ = load_student(runs / run)  # the final model of a sharded run: a whole, loadable stage folder
     assert info["k"] == 2 and model.kind == ("hf" if reference.startswith("hf") else "native")
 
 

@@ -278,6 +278,7 @@ def test_literal_eos_text_is_ordinary_tokens(tmp_path):
     Corpus.encode, and in the tokenizer a run folder or the cache gives back."""
     from helpers.train_helpers import write_json_package
     from kforcing_kernels.app import data
+    from kforcing_kernels.app.files import load_tokenizer
     from kforcing_kernels.app.training.checkpoint import load_model, save_model
 
     folder = write_json_package(tmp_path / "docs")
@@ -295,4 +296,4 @@ def test_literal_eos_text_is_ordinary_tokens(tmp_path):
     corpus.tokenizer.save(str(tmp_path / "run" / "tokenizer.json"))
     _, _, tok = load_model(tmp_path / "run")
     assert eos not in tok.encode(f"prompt {marker}").ids
-    assert eos not in data.load_tokenizer(tmp_path / "run" / "tokenizer.json").encode(marker).ids
+    assert eos not in load_tokenizer(tmp_path / "run" / "tokenizer.json").encode(marker).ids

@@ -4,7 +4,7 @@ count, and for a sequence alone or inside a batch (forward and all gradients).""
 import pytest
 import torch
 
-from kforcing_kernels import backends_available, window_attention
+from kforcing_kernels import WindowLayout, backends_available, window_attention
 from kforcing_kernels.layouts import zoo
 
 BACKENDS = [name for name in ("reference", "composite", "cpp") if backends_available()[name] is None]
@@ -53,12 +53,12 @@ def test_bitwise_across_threads_and_batch_composition(backend, name):
 # accumulation over query tiles by batch element 0's tile costs). Layouts long enough for
 # several query tiles (> 64 rows), so that the order of the tiles can matter.
 _PACKED = {
-    "causal": lambda n, cu: zoo.WindowLayout.causal(n, cu_seqlens=cu),
-    "causal_block": lambda n, cu: zoo.WindowLayout.causal(n, cu_seqlens=cu, block=4),
-    "single": lambda n, cu: zoo.WindowLayout.kforcing_single(n, 3, cu_seqlens=cu),
-    "double": lambda n, cu: zoo.WindowLayout.kforcing_double(n, 2, cu_seqlens=cu),
-    "sbd": lambda n, cu: zoo.WindowLayout.sbd(n, 4, cu_seqlens=cu),
-    "bd3lm": lambda n, cu: zoo.WindowLayout.bd3lm(n, 4, cu_seqlens=cu),
+    "causal": lambda n, cu: WindowLayout.causal(n, cu_seqlens=cu),
+    "causal_block": lambda n, cu: WindowLayout.causal(n, cu_seqlens=cu, block=4),
+    "single": lambda n, cu: WindowLayout.kforcing_single(n, 3, cu_seqlens=cu),
+    "double": lambda n, cu: WindowLayout.kforcing_double(n, 2, cu_seqlens=cu),
+    "sbd": lambda n, cu: WindowLayout.sbd(n, 4, cu_seqlens=cu),
+    "bd3lm": lambda n, cu: WindowLayout.bd3lm(n, 4, cu_seqlens=cu),
 }
 _MINE = [0, 8, 60, 100, 144]  # the element under test (boundaries at multiples of 4 for the block layouts)
 _OTHERS = [[0, 144], [0, 4, 8, 12, 140, 144], [0, 96, 144], [0, 20, 24, 28, 32, 36, 40, 120, 144]]

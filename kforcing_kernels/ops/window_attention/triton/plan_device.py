@@ -10,6 +10,7 @@ import threading
 import torch
 
 from ....layouts import WindowLayout
+from ...common.torch_compat import current_cuda_stream_handle
 from .plan import TilePlan
 
 
@@ -18,7 +19,7 @@ def stream_id(device: torch.device) -> int:
     making a Stream object); 0 off CUDA."""
     if device.type != "cuda":
         return 0
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+    return current_cuda_stream_handle(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _capturing(device: torch.device) -> bool:

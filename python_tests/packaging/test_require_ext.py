@@ -9,7 +9,6 @@ import sys
 
 from helpers import REPO, TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = str(REPO)
 
 

@@ -12,9 +12,10 @@ import pytest
 
 pytest.importorskip("tqdm")
 
+from helpers import REPO  # noqa: E402
 from kforcing_kernels import _moved  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 # The public names each application module defined in 0.2 (recorded from the 0.2.0 sources, commit 326f36c^).
 API_0_2 = {
