@@ -182,6 +182,11 @@ class ModelKind(ABC):
     def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:  # noqa: B027 - a no-op default
         """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before a stage starts)."""
 
+    def check_stage_options(self, cfg) -> None:  # noqa: B027 - a no-op default: a kind that reads neither option
+        """Refuse with a :class:`CapabilityError` naming the option the settings of a stage (``cfg``, a
+        ``TrainConfig`` with ``--model`` or ``--model-config``) that the options this kind reads cannot take: which
+        stages take them and what they exclude. ``validate_config`` asks every kind, before :meth:`check_options`."""
+
     # -------------------------------------------------------------- building and saving
 
     @abstractmethod

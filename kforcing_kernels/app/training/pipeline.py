@@ -29,21 +29,13 @@ from ..data import data_sha256
 from ..files import RunLock, read_json
 from ..records import TRAIN_CONFIG_FIELDS, read_model_json
 from ..student import check_model_options, kind_of_folder, stage_kind
-from .config import (
-    PROVENANCE,
-    ConfigError,
-    TrainConfig,
-    changed_provenance,
-    changed_settings,
-    check_device,
-    check_out_folder,
-    effective_config,
-    existing_run,
-    teacher_sha256,
-)
+from .config import ConfigError, TrainConfig
 from .loop import train
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
+from .provenance import PROVENANCE, changed_provenance, changed_settings, effective_config, teacher_sha256
+from .run_folder import check_out_folder, existing_run
+from .validation import check_batch_divides, check_device
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
 
@@ -262,13 +254,9 @@ def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
         raise ConfigError(f"batch_size_distill: expected a positive int or None (the stage-0 batch), got {batch!r}")
     accum = base.grad_accum
     if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(accum, int) and accum >= 1:
-        dp = world // cp
-        if batch % (dp * accum):
-            raise ConfigError(
-                f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
-                f"{accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and every "
-                "stage2 train with it; nothing was trained)"
-            )
+        # (a context_parallel or grad_accum that cannot work is refused by stage0's own check, naming it)
+        consequence = " (stage1 and every stage2 train with it; nothing was trained)"
+        check_batch_divides("batch_size_distill", batch, world, cp, accum, consequence)
 
 
 def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) -> None:

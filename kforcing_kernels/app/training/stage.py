@@ -21,18 +21,12 @@ from ..files import RunLock, check_writable, write_json, write_text
 from ..student import Student, corpus_for, kind_of, load_student, stage_kind
 from .checkpoint import CheckpointError, latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
-from .config import (
-    PROVENANCE,
-    ConfigError,
-    TrainConfig,
-    changed_provenance,
-    changed_settings,
-    check_splits,
-    prepare_out,
-    teacher_sha256,
-)
+from .config import ConfigError, TrainConfig
 from .objectives import STAGE1_CDF_ORDER, Objective
 from .parallel import ParallelDims, parallelize, place_teacher
+from .provenance import PROVENANCE, changed_provenance, changed_settings, teacher_sha256
+from .run_folder import prepare_out
+from .validation import check_splits
 
 
 def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -63,8 +57,7 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log) -> tuple[S
         student = stage_kind(cfg).build(cfg, init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    if cfg.teacher is None:  # validate_config asks every distilled stage for --teacher
-        raise ConfigError(f"teacher: {cfg.stage} distils a teacher (--teacher), got None")
+    assert cfg.teacher is not None  # validate_config asks every distilled stage for --teacher
     teacher, tinfo, teacher_tokenizer = load_student(cfg.teacher, dims.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
@@ -148,7 +141,7 @@ def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
-    if ckpt is None:  # validate_config's resume check found one; gone since
+    if ckpt is None:  # prepare_out (run_folder.py) found one; gone since
         raise ConfigError(f"resume: no checkpoint in {out} to resume from")
     meta = read_meta(ckpt)
     require_resume_settings(meta["train_config"], cfg, f"the run in {out}")
