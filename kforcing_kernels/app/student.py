@@ -183,9 +183,10 @@ class ModelKind(ABC):
         """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before a stage starts)."""
 
     def check_stage_options(self, cfg) -> None:  # noqa: B027 - a no-op default: a kind that reads neither option
-        """Refuse with a :class:`CapabilityError` naming the option the settings of a stage (``cfg``, a
-        ``TrainConfig`` with ``--model`` or ``--model-config``) that the options this kind reads cannot take: which
-        stages take them and what they exclude. ``validate_config`` asks every kind, before :meth:`check_options`."""
+        """Refuse, naming the option, what the options this kind reads cannot take in a stage (``cfg``, a
+        ``TrainConfig`` with ``--model`` or ``--model-config``): which stages take them and what they exclude (a
+        :class:`CapabilityError`), then a bad option itself (as :meth:`check_options`). ``validate_config`` asks every
+        kind."""
 
     # -------------------------------------------------------------- building and saving
 

@@ -64,7 +64,7 @@ class HFKind(ModelKind):
     def check_stage_options(self, cfg) -> None:
         """--model (stage1's pretrained AR teacher) and --model-config (stage0's random initialisation): one of them,
         at its stage, and neither with the native model's sizes; --model is the teacher, so --teacher is not another
-        folder."""
+        folder; then the folder or file itself (:meth:`check_options`)."""
         if cfg.model and cfg.model_config:
             raise CapabilityError(
                 "model_config: --model (a pretrained folder) and --model-config (a random initialisation) are two "
@@ -88,6 +88,7 @@ class HFKind(ModelKind):
                 f"model_overrides: {option} gives the model; --"
                 f"{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} size the native model only"
             )
+        self.check_options(cfg.model, cfg.model_config)
 
     def build(self, cfg, generator: torch.Generator):
         return files.build_from_config(cfg.model_config, cfg.seed)

@@ -52,9 +52,9 @@ from .config import TrainConfig
 from .context_parallel import context_parallel_loss
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
-from .provenance import effective_config, teacher_sha256
+from .provenance import effective_config, require_resume_settings, require_same_provenance, teacher_sha256
 from .run_folder import discard_failed_start, folder_before_start
-from .stage import Stage, lock_out, require_resume_settings, require_same_provenance, set_up
+from .stage import Stage, lock_out, set_up
 from .validation import validate_config
 
 # Without a live bar (stderr not a terminal, or --no-progress): a plain progress line at least this often.
@@ -123,8 +123,6 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
     validate_config(cfg, env.distributed_ranks()[0])  # before anything is set up or touched
-    if cfg.stage != "stage0" and cfg.teacher and (Path(cfg.teacher) / "model.json").is_file():
-        teacher_sha256(cfg.teacher)  # its model.json read by its kind, entry by entry: refused now, before any build
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(

@@ -1,10 +1,9 @@
 """What a run records of itself and compares against a saved run: the settings a stage really uses
 (:func:`effective_config`), the settings a ``--resume`` or a pipeline's reuse must agree on
 (:func:`changed_settings`), and the identity of the text and the teacher it met (:data:`PROVENANCE`,
-:func:`changed_provenance`, :func:`teacher_sha256`).
-
-The raising is the callers' (``stage.require_resume_settings`` / ``require_same_provenance`` for ``--resume``, the
-pipeline's reuse of a finished stage): each words the refusal for its own situation.
+:func:`changed_provenance`, :func:`teacher_sha256`); and the refusals of a ``--resume`` that differs
+(:func:`require_resume_settings`, :func:`require_same_provenance`). A pipeline's reuse of a finished stage words
+its own refusals from the same comparisons (``pipeline._require_same_settings``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from ...model import PRESETS
 from ..data import DEFAULT_SOURCE
 from ..records import read_model_json
 from ..student import kind_of_folder, stage_kind
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 
 # The settings that are paths: the same folder written relative or absolute (from this working directory) is the same
 # setting; the built-in corpus name stays a name.
@@ -118,3 +117,32 @@ def teacher_sha256(teacher: Optional[str]) -> Optional[str]:
     if not teacher:
         return None
     return kind_of_folder(teacher).identity(teacher)
+
+
+def require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
+    """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
+    for key, used, wanted in changed_settings(saved, cfg):
+        flag = (
+            " (twice the k of --teacher)"
+            if key == "k" and cfg.stage == "stage2"
+            else f" (--{key.replace('_', '-')})"
+            if key in TrainConfig.RESUME_DEFAULTS
+            else ""
+        )
+        raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
+
+
+def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
+    """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
+    changed, unknown = changed_provenance(saved, now)
+    for key, what in changed:
+        raise ConfigError(
+            f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or "
+            "start "
+            f"again with --overwrite (or another --out) ({PROVENANCE[key]})"
+        )
+    if unknown:
+        log(
+            f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
+            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since"
+        )

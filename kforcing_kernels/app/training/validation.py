@@ -22,7 +22,7 @@ from ...model.decoding import DECODE_RULES
 from ...settings import check_reals
 from ..cli import resolve_device
 from ..data import Corpus
-from ..student import CapabilityError, check_model_options, kind_named, kind_names
+from ..student import CapabilityError, kind_named, kind_names, kind_of_folder
 from .config import FLOAT_SETTINGS, PRECISIONS, STAGES, SUPERVISIONS, ConfigError, TrainConfig
 from .objectives import Objective, crop_tokens
 from .parallel import PARALLEL_MODES, TEACHER_MODES
@@ -68,8 +68,8 @@ def validate_config(cfg: TrainConfig, world: int = 1) -> None:
     _check_stage_settings(cfg)
     _check_parallel(cfg, world)
     _check_stop_at(cfg)
-    check_out_folder(cfg.out)
     _check_start(cfg)
+    check_out_folder(cfg.out)
 
 
 def _is_int(value: Any) -> bool:
@@ -112,9 +112,9 @@ def check_device(name: Any) -> None:
 
 
 def _check_model_sources(cfg: TrainConfig) -> None:
-    """``--model`` / ``--model-config``: every kind checks the options it reads, first which stages take them and
-    what they exclude (a kind's refusal, a CapabilityError, becomes a ConfigError), then the folder or file itself
-    (a CheckpointError naming the option). No kind is loaded for a config without either."""
+    """``--model`` / ``--model-config``: every kind checks the options it reads, which stages take them and what they
+    exclude (a kind's refusal, a CapabilityError, becomes a ConfigError), then the folder or file itself (a
+    CheckpointError naming the option). No kind is loaded for a config without either."""
     if not cfg.model and not cfg.model_config:
         return
     for name in kind_names():
@@ -122,12 +122,16 @@ def _check_model_sources(cfg: TrainConfig) -> None:
             kind_named(name).check_stage_options(cfg)
         except CapabilityError as exc:
             raise ConfigError(str(exc)) from None
-    check_model_options(cfg.model, cfg.model_config)
 
 
 def _check_teacher(cfg: TrainConfig) -> None:
-    """A distilled stage has a teacher (``--teacher``, or stage1's ``--model``) that holds a trained model, in a folder
-    other than its own."""
+    """A distilled stage has a teacher (``--teacher``, or stage1's ``--model``) that holds a trained model its kind
+    reads, in a folder other than its own."""
+    if cfg.teacher and Path(cfg.teacher).resolve() == Path(cfg.out).resolve():
+        raise ConfigError(
+            f"out: {cfg.out!r} is the teacher's folder (--teacher); a stage writes its own folder "
+            "(the teacher would be replaced, or removed by --overwrite)"
+        )
     if cfg.stage == "stage0":
         return
     if not cfg.teacher:
@@ -137,13 +141,13 @@ def _check_teacher(cfg: TrainConfig) -> None:
             else "--teacher (the previous stage's folder)"
         )
         raise ConfigError(f"teacher: {cfg.stage} needs {wanted}")
-    if Path(cfg.teacher).resolve() == Path(cfg.out).resolve():
-        raise ConfigError(
-            f"out: {cfg.out!r} is the teacher's folder (--teacher); a stage writes its own folder "
-            "(the teacher would be replaced, or removed by --overwrite)"
-        )
-    if not cfg.model and not (Path(cfg.teacher) / "model.json").exists():
+    if cfg.model:  # a source folder: its kind checked it (_check_model_sources)
+        return
+    if not (Path(cfg.teacher) / "model.json").exists():
         raise ConfigError(f"teacher: no trained model in {cfg.teacher!r} (expected {Path(cfg.teacher) / 'model.json'})")
+    # Its model.json read by its kind, entry by entry (the identity a --resume compares): a malformed one is refused
+    # now, naming the file and the entry, before anything is built.
+    kind_of_folder(cfg.teacher).identity(cfg.teacher)
 
 
 def _check_native_model(cfg: TrainConfig) -> None:

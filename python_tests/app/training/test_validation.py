@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +28,16 @@ def base(tmp_path) -> TrainConfig:
     return TrainConfig(out=str(tmp_path / "run"), device="cpu")
 
 
+# The entries a stage's model.json must hold (app/records.py, MODEL_JSON_FIELDS): what the teacher rule reads.
+TEACHER_RECORD = {"k": 0, "kind": "ar", "model_config": {}, "tensors": {"sha256": "0" * 64}}
+
+
 @pytest.fixture
 def trained_teacher(tmp_path) -> str:
-    """A folder the teacher rule counts as a trained stage (it asks for its model.json only)."""
+    """A folder the teacher rule counts as a trained AR stage: its model.json, as its kind reads it."""
     folder = tmp_path / "teacher"
     folder.mkdir()
-    (folder / "model.json").write_text(json.dumps({"k": 0}))
+    (folder / "model.json").write_text(json.dumps(TEACHER_RECORD))
     return str(folder)
 
 
@@ -100,6 +105,13 @@ def test_the_teacher_must_hold_a_trained_model(base, tmp_path, trained_teacher):
     validate_config(dataclasses.replace(base, stage="stage1", teacher=trained_teacher))
     with pytest.raises(ConfigError, match=r"^teacher: no trained model in .*model\.json"):
         validate_config(dataclasses.replace(base, stage="stage1", teacher=str(tmp_path / "empty")))
+
+
+def test_a_teacher_model_json_its_kind_cannot_read_is_refused_naming_the_file(base, trained_teacher):
+    record = {**TEACHER_RECORD, "tensors": {"sha256": "not a digest"}}
+    (Path(trained_teacher) / "model.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"teacher/model\.json: malformed: 'tensors.sha256' is 'not a digest'"):
+        validate_config(dataclasses.replace(base, stage="stage1", teacher=trained_teacher))
 
 
 def test_the_teacher_folder_is_not_the_stages_own(base, trained_teacher):
