@@ -237,6 +237,9 @@ def test_resume_and_overwrite_exclude_each_other(base):
         (["stage0", "--tau-min", "0.9", "--tau-max", "0.5"], dict(tau_min=0.9, tau_max=0.5)),
         (["stage1"], dict(stage="stage1")),
         (["stage0", "--batch-size", "6", "--grad-accum", "4"], dict(batch_size=6, grad_accum=4)),
+        # A pipeline checks its first stage before it makes its folder (run_pipeline validates it up front).
+        (["pipeline", "--tau-min", "0.9", "--tau-max", "0.5"], dict(tau_min=0.9, tau_max=0.5)),
+        (["pipeline", "--batch-size", "6", "--grad-accum", "4"], dict(batch_size=6, grad_accum=4)),
     ],
 )
 def test_the_cli_refuses_with_the_validations_own_words(tmp_path, capsys, argv, change):
