@@ -27,7 +27,17 @@ MOVED_0_2: dict[str, tuple[str, dict[str, str]]] = {
             "context_parallel, parallel) sets up the process group and the dp x cp device mesh",
         },
     ),
-    "train_config": ("kforcing_kernels.app.training.config", {}),
+    "train_config": (
+        "kforcing_kernels.app.training.config",
+        {
+            "validate_config": "kforcing_kernels.app.training.validation.validate_config",
+            "check_splits": "kforcing_kernels.app.training.validation.check_splits",
+            "changed_settings": "kforcing_kernels.app.training.provenance.changed_settings",
+            "RUN_FILES": "kforcing_kernels.app.training.run_folder.RUN_FILES",
+            "existing_run": "kforcing_kernels.app.training.run_folder.existing_run",
+            "prepare_out": "kforcing_kernels.app.training.run_folder.prepare_out",
+        },
+    ),
     "pipeline": ("kforcing_kernels.app.training.pipeline", {}),
     "objectives": (
         "kforcing_kernels.app.training.objectives",

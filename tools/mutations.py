@@ -497,9 +497,9 @@ MUTATIONS = [
     ),
     dict(
         id="batch-size-checked-against-the-world",
-        file="kforcing_kernels/app/training/config.py",
-        old="    if cfg.batch_size % (dp * cfg.grad_accum):",
-        new="    if cfg.batch_size % (world * cfg.grad_accum):",
+        file="kforcing_kernels/app/training/validation.py",
+        old="    if batch % (dp * grad_accum):",
+        new="    if batch % (world * grad_accum):",
         tests=["python_tests/parallel/test_context_parallel.py", "-k", "counts_data_parallel"],
     ),
     # --- issue 56: gradient work and copies without a recorded backward; compact saved views

@@ -102,8 +102,9 @@ def _shared_stage0(out: Path, steps: int, seed: int, device: str) -> Path:
     """The one Stage-0 teacher of every variant with this seed (trained on first use)."""
     from kforcing_kernels.app.demo import DEMO
     from kforcing_kernels.app.training.checkpoint import read_json
-    from kforcing_kernels.app.training.config import ConfigError, changed_settings
+    from kforcing_kernels.app.training.config import ConfigError
     from kforcing_kernels.app.training.loop import train
+    from kforcing_kernels.app.training.provenance import changed_settings
 
     folder = out / f"shared_seed{seed}" / "stage0"
     cfg = dataclasses.replace(

@@ -36,13 +36,10 @@ import torch  # noqa: E402
 from .data import DataError  # noqa: E402
 from .evaluation.evaluate import DEMO_EVAL, EvalSettings, evaluate_pipeline  # noqa: E402
 from .evaluation.report import format_report, plot_summary  # noqa: E402
-from .files import (
-    CheckpointError,  # noqa: E402
-    write_json,
-    write_text,
-)
-from .training.config import ConfigError, TrainConfig, check_out_folder  # noqa: E402
+from .files import CheckpointError, write_json, write_text  # noqa: E402
+from .training.config import ConfigError, TrainConfig  # noqa: E402
 from .training.pipeline import PipelineConfig, run_pipeline  # noqa: E402
+from .training.run_folder import check_out_folder  # noqa: E402
 
 
 class DemoPreset(TypedDict):

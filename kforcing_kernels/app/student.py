@@ -182,6 +182,12 @@ class ModelKind(ABC):
     def check_options(self, model: Optional[str], model_config: Optional[str]) -> None:  # noqa: B027 - a no-op default
         """Refuse, naming the option, a bad ``--model`` / ``--model-config`` this kind reads (before a stage starts)."""
 
+    def check_stage_options(self, cfg) -> None:  # noqa: B027 - a no-op default: a kind that reads neither option
+        """Refuse, naming the option, what the options this kind reads cannot take in a stage (``cfg``, a
+        ``TrainConfig`` with ``--model`` or ``--model-config``): which stages take them and what they exclude (a
+        :class:`CapabilityError`), then a bad option itself (as :meth:`check_options`). ``validate_config`` asks every
+        kind."""
+
     # -------------------------------------------------------------- building and saving
 
     @abstractmethod

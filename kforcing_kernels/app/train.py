@@ -40,8 +40,7 @@ from .cli import (
     positive_int,
 )
 from .data import DataError
-from .student import check_model_options
-from .training.checkpoint import CheckpointError
+from .files import CheckpointError
 from .training.config import PRECISIONS, STAGES, ConfigError, TrainConfig, setting_type
 from .training.loop import NonFiniteLoss, train
 from .training.parallel import PARALLEL_MODES, TEACHER_MODES
@@ -382,13 +381,7 @@ def _main(argv: Optional[Sequence[str]]) -> None:
         )
     if hf_option == "--model" and "--vocab-size" in given:  # it would be recorded, yet the folder's tokenizer decides
         parser.error("argument --vocab-size: --model brings its own tokenizer and vocabulary (leave --vocab-size out)")
-    if args.command == "stage1" and not (args.teacher or args.model):
-        parser.error(
-            "argument --teacher: stage1 needs --teacher (the stage0 folder) or --model (a Hugging Face model folder)"
-        )
-    cfg = config_from_args(args)
-    if args.tau_min > args.tau_max:
-        parser.error(f"argument --tau-min: expected <= --tau-max ({args.tau_max}), got {args.tau_min}")
+    cfg = config_from_args(args)  # every rule a TrainConfig can express is validate_config's, inside train()
     try:
         if args.command == "pipeline":
             # Under torchrun rank 0 (which holds the run's lock) evaluates, before it lets the lock go: a second
@@ -398,7 +391,6 @@ def _main(argv: Optional[Sequence[str]]) -> None:
 
             result = run_pipeline(pipeline_config_from_args(args), cfg, then=evaluate if args.evaluate else None)
         else:
-            check_model_options(cfg.model, cfg.model_config)  # a bad model source: a usage error, before any folder
             result = train(cfg)
     except (ConfigError, CheckpointError, DataError, ValueError) as exc:
         parser.error(str(exc))

@@ -13,8 +13,9 @@ import math
 import pytest
 
 from kforcing_kernels.app.evaluation.evaluate import EvalSettings, evaluate_pipeline
-from kforcing_kernels.app.training.config import ConfigError, TrainConfig, validate_config
+from kforcing_kernels.app.training.config import ConfigError, TrainConfig
 from kforcing_kernels.app.training.pipeline import PipelineConfig, run_pipeline
+from kforcing_kernels.app.training.validation import validate_config
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.settings import POSITIVE, UNIT_OPEN_HIGH, Real, argparse_type, check_reals
 

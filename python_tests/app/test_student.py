@@ -114,7 +114,7 @@ class _MarkerKind(ModelKind):
 
 def test_a_registered_kind_serves_every_caller(tmp_path, monkeypatch):
     from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
-    from kforcing_kernels.app.training.config import teacher_sha256
+    from kforcing_kernels.app.training.provenance import teacher_sha256
 
     monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
     monkeypatch.setattr(registry, "_LOADED", dict(registry._LOADED))

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from kforcing_kernels.app.training.config import ConfigError, TrainConfig, validate_config
+from kforcing_kernels.app.training.config import ConfigError, TrainConfig
 from kforcing_kernels.app.training.context_parallel import context_parallel_loss
 from kforcing_kernels.app.training.objectives import Objective, compute_loss, make_batch
 from kforcing_kernels.app.training.parallel import ParallelDims, setup_parallel
+from kforcing_kernels.app.training.validation import validate_config
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.window_attention import window_attention
@@ -143,8 +144,6 @@ def test_traffic_accounting_matches_the_dense_mask():
 
 
 def test_validate_config_refuses_a_cp_size_that_does_not_divide_the_world():
-    from kforcing_kernels.app.training.config import TrainConfig, validate_config
-
     with pytest.raises(ConfigError, match="^context_parallel: "):
         validate_config(TrainConfig(context_parallel=2), world=1)
     with pytest.raises(ConfigError, match="^batch_size: "):
@@ -269,8 +268,6 @@ def test_the_batch_size_check_counts_data_parallel_ranks_not_the_world():
     """Issue 46 (a planted bug the suite let through): the global batch must divide over data-parallel ranks x
     accumulation, dp = world / context_parallel (the ranks of a CP group share their sequences). Valid dp x cp runs
     are accepted and the others refused, against that rule computed here, degenerate meshes (1 x P, P x 1) included."""
-    from kforcing_kernels.app.training.config import TrainConfig, validate_config
-
     for world, cp in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (6, 3)]:
         for accum in (1, 2, 3):
             for batch in range(1, 13):

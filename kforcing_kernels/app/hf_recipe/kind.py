@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 
 from ..files import CheckpointError
-from ..student import ModelKind
+from ..student import CapabilityError, ModelKind
 from . import files
 
 
@@ -61,6 +61,35 @@ class HFKind(ModelKind):
             files.check_hf_source(model)
         if model_config:
             files.read_model_config(model_config)
+
+    def check_stage_options(self, cfg) -> None:
+        """--model (stage1's pretrained AR teacher) and --model-config (stage0's random initialisation): one of them,
+        at its stage, and neither with the native model's sizes; --model is the teacher, so --teacher is not another
+        folder; then the folder or file itself (:meth:`check_options`)."""
+        if cfg.model and cfg.model_config:
+            raise CapabilityError(
+                "model_config: --model (a pretrained folder) and --model-config (a random initialisation) are two "
+                "sources of the model; pass one"
+            )
+        if cfg.model_config and cfg.stage != "stage0":
+            raise CapabilityError(
+                "model_config: only stage0 builds a model from --model-config (later stages inherit their "
+                f"teacher's), got stage {cfg.stage!r}"
+            )
+        if cfg.model and cfg.stage != "stage1":
+            raise CapabilityError(
+                "model: --model is a pretrained AR teacher, distilled from stage1 on (`stage1 --model PATH` or "
+                f"`pipeline --model PATH`), got stage {cfg.stage!r}"
+            )
+        if cfg.model and cfg.teacher and Path(cfg.teacher).resolve() != Path(cfg.model).resolve():
+            raise CapabilityError("teacher: --model is stage1's teacher; pass --model or --teacher, not both")
+        if (cfg.model or cfg.model_config) and cfg.model_overrides:
+            option = "--model" if cfg.model else "--model-config"
+            raise CapabilityError(
+                f"model_overrides: {option} gives the model; --"
+                f"{'/--'.join(k.replace('_', '-') for k in cfg.model_overrides)} size the native model only"
+            )
+        self.check_options(cfg.model, cfg.model_config)
 
     def build(self, cfg, generator: torch.Generator):
         return files.build_from_config(cfg.model_config, cfg.seed)

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..student import kind_of
 from .checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
+from .config import ConfigError
 from .parallel import ParallelDims, full_copy
 from .sharded_checkpoint import is_sharded, load_sharded_checkpoint, read_sharded_meta, save_sharded_checkpoint
 
@@ -52,8 +53,6 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scaler) -> int:
         """Restore model, optimizer and scaler state on every rank; returns the step it was saved after."""
         if is_sharded(path) != self.sharded:  # the settings check names --parallel first; this is the same refusal
-            from .config import ConfigError
-
             raise ConfigError(
                 f"parallel: {path} is {'a sharded' if is_sharded(path) else 'a whole-model'} checkpoint; "
                 f"resume it with --parallel {'fsdp' if is_sharded(path) else 'ddp'}"

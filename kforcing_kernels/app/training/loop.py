@@ -6,7 +6,7 @@ device mesh), the stage's set-up (:func:`~kforcing_kernels.app.training.stage.se
 optimizer, checkpointer, resume), then the steps and the finish here. The command line is
 :mod:`kforcing_kernels.app.train`; the objectives are in :mod:`kforcing_kernels.app.training.objectives`, the
 checkpoint formats behind :class:`~kforcing_kernels.app.training.checkpointer.Checkpointer`, the settings in
-:mod:`kforcing_kernels.app.training.config`.
+:mod:`kforcing_kernels.app.training.config` (checked by :mod:`~kforcing_kernels.app.training.validation`).
 
 Reproducibility: the batch, noise and temperatures of step s are drawn from a
 generator seeded by (seed, s), the global batch is cut into equal per-rank shards,
@@ -48,19 +48,14 @@ from ..data import Corpus, data_sha256
 from ..files import append_jsonl, save_tensors
 from ..records import read_model_json
 from .checkpoint import latest_checkpoint, read_metrics, stderr_log
-from .config import (
-    TrainConfig,
-    check_device,
-    discard_failed_start,
-    effective_config,
-    folder_before_start,
-    teacher_sha256,
-    validate_config,
-)
+from .config import TrainConfig
 from .context_parallel import context_parallel_loss
 from .objectives import Objective, compute_loss, make_batch, step_generator
 from .parallel import ParallelDims, broadcast_value, full_gradients, gradient_sync, local_value, setup_parallel
-from .stage import Stage, lock_out, require_resume_settings, require_same_provenance, set_up
+from .provenance import effective_config, require_resume_settings, require_same_provenance, teacher_sha256
+from .run_folder import discard_failed_start, folder_before_start
+from .stage import Stage, lock_out, set_up
+from .validation import validate_config
 
 # Without a live bar (stderr not a terminal, or --no-progress): a plain progress line at least this often.
 PROGRESS_SECONDS = 30.0
@@ -125,12 +120,9 @@ def train(cfg: TrainConfig) -> dict:
     The run folder is locked (:class:`~kforcing_kernels.app.training.checkpoint.RunLock`, held by rank 0) from the
     first look at it to the return: a second run into the same ``out`` fails at once.
     """
-    check_device(cfg.device)  # before anything is set up on it
     if cfg.model and not cfg.teacher:
         cfg = dataclasses.replace(cfg, teacher=cfg.model)  # --model is stage1's teacher
-    validate_config(cfg, env.distributed_ranks()[0])
-    if cfg.stage != "stage0" and cfg.teacher and (Path(cfg.teacher) / "model.json").is_file():
-        teacher_sha256(cfg.teacher)  # its model.json read by its kind, entry by entry: refused now, before any build
+    validate_config(cfg, env.distributed_ranks()[0])  # before anything is set up or touched
     cfg = effective_config(cfg)  # what the run records and compares: no preset for an HF model, stage2's own k
     # One process group and one dp x cp device mesh for the stage; FSDP2 in one process gets a one-rank group.
     dims = setup_parallel(
@@ -274,8 +266,7 @@ def _run_steps(stage: Stage) -> float:
             stage.scaler.scale(loss / cfg.grad_accum).backward()
             loss_sum = reported.detach() if loss_sum is None else loss_sum + reported.detach()
             pos_sum = per_pos if pos_sum is None else pos_sum + per_pos
-        if loss_sum is None or pos_sum is None:
-            raise ValueError(f"grad_accum: expected a positive int, got {cfg.grad_accum!r}")
+        assert loss_sum is not None and pos_sum is not None  # grad_accum >= 1 (validate_config)
         if cfg.dump_grads and step == stage.start and (dims.main or dims.shard):
             grads = full_gradients(stage.student)  # under FSDP a collective: every rank gathers
             if dims.main:

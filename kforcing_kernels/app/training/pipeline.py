@@ -24,26 +24,19 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from ... import env
 from ...settings import POSITIVE, check_reals
 from ..data import data_sha256
 from ..files import RunLock, read_json
 from ..records import TRAIN_CONFIG_FIELDS, read_model_json
-from ..student import check_model_options, kind_of_folder, stage_kind
-from .config import (
-    PROVENANCE,
-    ConfigError,
-    TrainConfig,
-    changed_provenance,
-    changed_settings,
-    check_device,
-    check_out_folder,
-    effective_config,
-    existing_run,
-    teacher_sha256,
-)
+from ..student import kind_of_folder, stage_kind
+from .config import ConfigError, TrainConfig
 from .loop import train
 from .parallel import init_process_group
 from .parallel import resolve_device as rank_device
+from .provenance import PROVENANCE, changed_provenance, changed_settings, effective_config, teacher_sha256
+from .run_folder import check_out_folder, existing_run
+from .validation import check_batch_divides, check_device, validate_config
 
 PerRound = Union[int, float, Sequence]  # one value for every self-forcing round, or one value per round
 
@@ -228,7 +221,7 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Call
     check_device(base.device)  # before a process group is made on it
     join_process_group(base.device)
     # One pipeline per folder at a time (each stage's train() locks its own folder too): rank 0 holds the lock.
-    lock = decided_by_rank0(lambda: _check_and_lock(pipe, base), share=False)
+    lock = decided_by_rank0(lambda: _check_and_lock(pipe, base, steps, lrs), share=False)
     try:
         summaries = _run_stages(pipe, base, steps, lrs)
         if then is not None and lock is not None:  # still locked: no other pipeline rewrites a stage while it is read
@@ -239,10 +232,16 @@ def run_pipeline(pipe: PipelineConfig, base: TrainConfig, *, then: Optional[Call
             lock.release()
 
 
-def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
+def _check_and_lock(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list) -> RunLock:
     check_out_folder(pipe.out)
-    # A bad model source is a usage error before any stage folder is made, not a traceback inside a stage.
-    check_model_options(base.model, base.model_config)
+    # The first stage's settings (a bad model source among them) are a usage error before the pipeline's folder is
+    # made, as its own train() would refuse them; later stages' teachers do not exist yet.
+    first = 1 if base.model else 0  # a pretrained --model is the AR teacher: no stage0
+    stage, folder = pipe.stage_folders()[first]
+    teacher = Path(base.model).resolve() if base.model else None
+    validate_config(
+        _stage_config(pipe, base, stage, folder, teacher, steps[first], lrs[first]), env.distributed_ranks()[0]
+    )
     window = stage_kind(base).sliding_window(base)
     if window is not None:
         _check_sliding_window(pipe, base, window)
@@ -252,8 +251,6 @@ def _check_and_lock(pipe: PipelineConfig, base: TrainConfig) -> RunLock:
 def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
     """The distillation stages' batch, as each stage's own check would refuse it (validate_config), before stage0
     trains: it divides over data-parallel ranks x grad_accum like the stage-0 batch."""
-    from ... import env
-
     batch = pipe.batch_size_distill
     if batch is None:
         return  # the stage-0 batch, which stage0 checks first
@@ -262,13 +259,9 @@ def _check_distill_batch(pipe: PipelineConfig, base: TrainConfig) -> None:
         raise ConfigError(f"batch_size_distill: expected a positive int or None (the stage-0 batch), got {batch!r}")
     accum = base.grad_accum
     if isinstance(cp, int) and cp >= 1 and world % cp == 0 and isinstance(accum, int) and accum >= 1:
-        dp = world // cp
-        if batch % (dp * accum):
-            raise ConfigError(
-                f"batch_size_distill: expected a multiple of data-parallel ranks x grad_accum = {dp} x "
-                f"{accum} (world size {world} / context_parallel {cp}), got {batch} (stage1 and every "
-                "stage2 train with it; nothing was trained)"
-            )
+        # (a context_parallel or grad_accum that cannot work is refused by stage0's own check, naming it)
+        consequence = " (stage1 and every stage2 train with it; nothing was trained)"
+        check_batch_divides("batch_size_distill", batch, world, cp, accum, consequence)
 
 
 def _check_sliding_window(pipe: PipelineConfig, base: TrainConfig, window: int) -> None:
@@ -299,28 +292,35 @@ def _run_stages(pipe: PipelineConfig, base: TrainConfig, steps: list, lrs: list)
     data_hash = functools.lru_cache(maxsize=None)(lambda: data_sha256(base.data))  # read the documents once, if needed
     summaries, teacher = {}, None
     for (stage, folder), n_steps, lr in zip(pipe.stage_folders(), steps, lrs):
-        distill = stage != "stage0"
         if stage == "stage0" and base.model:  # a pretrained Hugging Face model is the AR teacher: no stage0
             # recorded as stage1's teacher: the run folder works from any directory
             teacher = Path(base.model).resolve()
             continue
-        cfg = dataclasses.replace(
-            base,
-            stage=stage,
-            out=str(folder),
-            teacher=str(teacher) if teacher else None,
-            steps=n_steps,
-            lr=lr,
-            batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
-            model=base.model if stage == "stage1" else None,
-            model_config=base.model_config if stage == "stage0" else None,
-            decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
-        )
+        cfg = _stage_config(pipe, base, stage, folder, teacher, n_steps, lr)
         done, value = decided_by_rank0(functools.partial(_stage_decision, folder, cfg, base, data_hash))
         # The previous stage's train() ended with every rank past its model.json: all ranks see the same folders.
         summaries[folder.name] = value if done else train(dataclasses.replace(cfg, resume=value))
         teacher = folder
     return summaries
+
+
+def _stage_config(
+    pipe: PipelineConfig, base: TrainConfig, stage: str, folder: Path, teacher: Optional[Path], steps: int, lr: float
+) -> TrainConfig:
+    """The TrainConfig of one stage (``teacher``: the previous stage's folder, or the --model source)."""
+    distill = stage != "stage0"
+    return dataclasses.replace(
+        base,
+        stage=stage,
+        out=str(folder),
+        teacher=str(teacher) if teacher else None,
+        steps=steps,
+        lr=lr,
+        batch_size=(pipe.batch_size_distill or base.batch_size) if distill else base.batch_size,
+        model=base.model if stage == "stage1" else None,
+        model_config=base.model_config if stage == "stage0" else None,
+        decode=base.decode if stage == "stage1" else "argmax",  # stage2 students inherit their teacher's rule
+    )
 
 
 def _stage_decision(folder: Path, cfg: TrainConfig, base: TrainConfig, data_hash) -> tuple[bool, object]:

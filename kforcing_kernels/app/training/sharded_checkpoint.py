@@ -52,7 +52,9 @@ from ..files import (
 from ..records import MODEL_INFO_FIELDS, TRAIN_CONFIG_FIELDS
 from ..student import kind_of_config
 from .checkpoint import checkpoint_dir, config_dict
+from .config import ConfigError
 from .parallel import broadcast_value
+from .run_folder import check_out_folder
 
 SHARDED_FORMAT = "kforcing-dcp/1"
 SHARDED_SUFFIX = ".dcp"
@@ -274,8 +276,6 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, scaler) -> dict:
 def check_export_out(checkpoint: Path, out: Path) -> None:
     """``out`` must be a folder (or not exist yet) other than the checkpoint's own run folder, whose model.safetensors
     and model.json are the run's final model (an export there would replace them); ConfigError naming --out."""
-    from .config import ConfigError, check_out_folder
-
     check_out_folder(out, "--out")
     run = Path(checkpoint).parent.parent
     if out.resolve() == run.resolve():
@@ -332,7 +332,6 @@ def main(argv=None) -> None:
         "teacher's folder)",
     )
     args = parser.parse_args(argv)
-    from .config import ConfigError
 
     source = Path(args.checkpoint)
     try:  # before looking for the checkpoint: a wrong --out is the first thing to say

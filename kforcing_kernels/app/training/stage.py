@@ -1,6 +1,7 @@
 """The set-up of one training stage: the models (the student built or inherited, the teacher loaded, both placed
 on the ranks by :mod:`~kforcing_kernels.app.training.parallel`), the optimizer, the checkpointer, the run folder's lock,
-and the checks a ``--resume`` must pass (settings, text, tokenizer, teacher) before anything is built.
+and the checks a ``--resume`` must pass (settings, text, tokenizer, teacher; :mod:`.provenance`'s) before anything is
+built.
 
 :func:`set_up` returns a :class:`Stage`; :mod:`~kforcing_kernels.app.training.loop` runs its steps.
 """
@@ -21,19 +22,13 @@ from ..files import CheckpointError, RunLock, check_writable, tokenizer_sha256, 
 from ..student import Student, corpus_for, kind_of, load_student, stage_kind
 from .checkpoint import latest_checkpoint, recover_metrics
 from .checkpointer import Checkpointer, read_meta
-from .config import (
-    PROVENANCE,
-    ConfigError,
-    TrainConfig,
-    changed_provenance,
-    changed_settings,
-    check_splits,
-    prepare_out,
-    teacher_sha256,
-)
+from .config import ConfigError, TrainConfig
 from .objectives import Objective
 from .parallel import ParallelDims, parallelize, place_teacher
+from .provenance import require_resume_settings, require_same_provenance, teacher_sha256
+from .run_folder import prepare_out
 from .targets import STAGE1_CDF_ORDER
+from .validation import check_splits
 
 
 def _amp_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -64,8 +59,7 @@ def _build(cfg: TrainConfig, dims: ParallelDims, corpus: Corpus, log) -> tuple[S
         student = stage_kind(cfg).build(cfg, init)
         student.noise_encoder.requires_grad_(False)  # the AR model never sees noise tokens
         return student, None, 0, {"kind": "ar", "k": 0, **_text_provenance(corpus)}
-    if cfg.teacher is None:  # validate_config asks every distilled stage for --teacher
-        raise ConfigError(f"teacher: {cfg.stage} distils a teacher (--teacher), got None")
+    assert cfg.teacher is not None  # validate_config asks every distilled stage for --teacher
     teacher, tinfo, teacher_tokenizer = load_student(cfg.teacher, dims.device)
     teacher.requires_grad_(False)
     _check_teacher_tokenizer(cfg, teacher_tokenizer, corpus, log)
@@ -113,43 +107,14 @@ def _optimizer(model: Student, cfg: TrainConfig, fused_ok: bool) -> torch.optim.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True if fused_ok else None)
 
 
-def require_resume_settings(saved: dict, cfg: TrainConfig, run: str) -> None:
-    """--resume continues ``run`` (its saved train_config ``saved``) only with the settings it was trained with."""
-    for key, used, wanted in changed_settings(saved, cfg):
-        flag = (
-            " (twice the k of --teacher)"
-            if key == "k" and cfg.stage == "stage2"
-            else f" (--{key.replace('_', '-')})"
-            if key in TrainConfig.RESUME_DEFAULTS
-            else ""
-        )
-        raise ConfigError(f"{key}: --resume needs the settings of {run}; it used {used!r}, got {wanted!r}{flag}")
-
-
 def _text_provenance(corpus: Corpus) -> dict:
     return {"data_sha256": corpus.data_sha256, "tokenizer_sha256": corpus.tokenizer_sha256}
-
-
-def require_same_provenance(saved: dict, now: dict, run: str, log) -> None:
-    """--resume continues ``run`` (``saved``: its recorded info) only on the same text and teacher."""
-    changed, unknown = changed_provenance(saved, now)
-    for key, what in changed:
-        raise ConfigError(
-            f"{key.split('_')[0]}: --resume needs what {run} was trained on; {what}. Restore it, or "
-            "start "
-            f"again with --overwrite (or another --out) ({PROVENANCE[key]})"
-        )
-    if unknown:
-        log(
-            f"warning: {run} was saved before {', '.join(unknown)} were recorded; cannot check that "
-            f"{' and '.join(sorted({PROVENANCE[k] for k in unknown}))} did not change since"
-        )
 
 
 def _resume_state(out: Path, cfg: TrainConfig, log) -> tuple[Path, dict]:
     """The newest checkpoint, after checking settings, data and teacher (before the corpus is built)."""
     ckpt = latest_checkpoint(out)
-    if ckpt is None:  # validate_config's resume check found one; gone since
+    if ckpt is None:  # prepare_out (run_folder.py) found one; gone since
         raise ConfigError(f"resume: no checkpoint in {out} to resume from")
     meta = read_meta(ckpt)
     require_resume_settings(meta["train_config"], cfg, f"the run in {out}")

@@ -269,7 +269,7 @@ def test_resume_is_bit_for_bit(root, tmp_path, monkeypatch, precision):
             ["pipeline", "--model-config", "C.json", "--n-layer", "2"],
             "argument --n-layer: sizes the native model; --model-config",
         ),
-        (["stage1"], "argument --teacher: stage1 needs --teacher .* or --model"),
+        (["stage1"], "teacher: stage1 needs --teacher .* or --model"),
     ],
 )
 def test_cli_refusals_name_the_setting(argv, message, tmp_path, capsys):
