@@ -104,10 +104,19 @@ def _loaded(folder: str):
 
 
 def build_native_stage(
-    folder, k: int = 4, seed: int = 0, vocab: int = VOCAB, decode: str = "argmax", tie: bool = False, **overrides
+    folder,
+    k: int = 4,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    decode: str = "argmax",
+    tie: bool = False,
+    backend=None,
+    **overrides,
 ) -> Path:
     """A native K-Forced stage folder (``KForcingLM``, k_train = ``k``) with random weights, written by the package's
-    own ``save_model`` with the word-level tokenizer of :func:`tokenizer` as its ``tokenizer.json`` (the run's)."""
+    own ``save_model`` with the word-level tokenizer of :func:`tokenizer` as its ``tokenizer.json`` (the run's), or
+    ``backend`` (a ``tokenizers.Tokenizer`` of ``vocab`` ids, e.g. a corpus's BPE) in its place. ``k = 0``: an AR
+    stage (the teacher, Stage 0)."""
     from kforcing_kernels.app.data import EOS
     from kforcing_kernels.app.files import tokenizer_sha256
     from kforcing_kernels.app.training.checkpoint import save_model
@@ -115,7 +124,8 @@ def build_native_stage(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    backend = tokenizer(vocab, eos=EOS).backend_tokenizer
+    if backend is None:
+        backend = tokenizer(vocab, eos=EOS).backend_tokenizer
     backend.save(str(folder / "tokenizer.json"))
     cfg = dict(vocab_size=vocab, n_layer=2, n_head=2, n_embd=64, seq_len=256, noise_features=16, tau_features=8)
     model = KForcingLM(ModelConfig.micro(**{**cfg, "decode": decode, "tie_embeddings": tie, **overrides}))
@@ -124,6 +134,6 @@ def build_native_stage(
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.3 if name.startswith("noise_encoder.") else 0.15))
-    info = {"kind": "pflm", "k": k, "tokenizer_sha256": tokenizer_sha256(backend)}
+    info = {"kind": "pflm" if k else "ar", "k": k, "tokenizer_sha256": tokenizer_sha256(backend)}
     save_model(folder, model, {**info, "model_kind": "native"})
     return folder

@@ -333,6 +333,16 @@ def literal_specials(tok):
     return tok
 
 
+def hf_literal_specials(tokenizer):
+    """An HF (fast) tokenizer set to the rule of :func:`literal_specials`, in memory and in what its
+    ``save_pretrained`` writes (``tokenizer_config.json``'s ``split_special_tokens``), so a stage folder's tokenizer,
+    read back by ``AutoTokenizer`` or by vLLM, encodes ``<|eos|>`` in text as ordinary tokens, as the package does.
+    Set in place; returns ``tokenizer``."""
+    tokenizer.split_special_tokens = True
+    tokenizer.init_kwargs["split_special_tokens"] = True  # what save_pretrained writes (the attribute alone is not)
+    return tokenizer
+
+
 def load_tokenizer(path):
     """A tokenizer saved by this package (``tokenizer.json``), with :func:`literal_specials` applied."""
     from tokenizers import Tokenizer

@@ -8,7 +8,8 @@ config, its tokenizer against the recorded SHA-256), then written through the ma
 * ``config.json`` (vLLM's ``ModelConfig``: architecture ``KForcingNativeForCausalLM``), ``model.safetensors`` (the
   backbone under vLLM's names), ``noise_embedding.safetensors`` (the native noise encoder, a format-2 noise embedding);
 * the tokenizer: the run's ``tokenizer.json`` (the package's BPE) wrapped with its EOS as ``PreTrainedTokenizerFast``
-  saves it, which vLLM loads (needs transformers);
+  saves it, which vLLM loads (needs transformers), with ``split_special_tokens`` (text holding ``<|eos|>`` is
+  ordinary tokens, as the package encodes it);
 * ``model.json`` last: ``native_export`` (the format), ``k``, ``decode``, the native ``model_config``, the noise
   embedding's format, settings and file record, every file's size and SHA-256, and the source's identity
   (``source_sha256``: its tensors' SHA-256), which ``read_stage`` checks before vLLM loads anything.
@@ -29,7 +30,7 @@ from ..integrations.vllm.export import (
     vllm_tensors,
 )
 from ..integrations.vllm.stage import NOISE_FILE
-from .files import CheckpointError, atomic_write_file, save_tensors, sha256_file, write_json
+from .files import CheckpointError, atomic_write_file, hf_literal_specials, save_tensors, sha256_file, write_json
 
 
 class ExportError(ValueError):
@@ -132,7 +133,10 @@ def _save_tokenizer(path: Path, out: Path, eos: str) -> dict:
         raise ExportError(
             f"the vLLM export needs transformers for the tokenizer vLLM loads ({exc}): pip install '.[hf]'"
         ) from None
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)), eos_token=eos)
+    # With the package's rule for special-token text (``<|eos|>`` in a prompt is ordinary tokens, as load_tokenizer
+    # encodes it), written as tokenizer_config.json's split_special_tokens, which vLLM's tokenizer honours.
+    backend = Tokenizer.from_file(str(path))
+    wrapped = hf_literal_specials(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos))
     files = {}
     with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer.") as staging:
         wrapped.save_pretrained(staging)

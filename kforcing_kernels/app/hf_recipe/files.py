@@ -32,6 +32,7 @@ native corpus.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -60,6 +61,7 @@ from ..files import (
     CheckpointError,
     Field,
     atomic_write_file,
+    hf_literal_specials,
     literal_specials,
     load_tensors,
     read_json,
@@ -388,7 +390,10 @@ def save_hf_stage(folder, student: "HFStudent", info: dict, tokenizer) -> None:
     staging = folder / f".hf-save.{secrets.token_hex(8)}.tmp"
     try:
         student.hf.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        # Saved with the package's rule for special-token text (<|eos|> in a prompt is ordinary tokens, as every
+        # loader here encodes it: literal_specials), so AutoTokenizer and vLLM read the folder's text as the
+        # package does; on a copy: the caller's tokenizer is left as it was.
+        hf_literal_specials(copy.deepcopy(tokenizer)).save_pretrained(staging)
         files = {}
         for path in sorted(p for p in staging.iterdir() if p.is_file()):
             with open(path, "rb") as src:

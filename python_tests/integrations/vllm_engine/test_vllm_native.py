@@ -138,3 +138,37 @@ def test_an_hf_stage_is_refused_by_the_native_architecture(tmp_path):
     with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve"):
         vllm.LLM(**kwargs)
     gc.collect()
+
+
+def test_special_token_text_in_a_prompt_is_ordinary_tokens(tmp_path):
+    # The package encodes the characters of its EOS marker in text as ordinary tokens (load_tokenizer /
+    # Corpus.encode; python_tests/app/training/test_train_packed.py); a text prompt through vLLM (the export's
+    # tokenizer, read by vLLM) must be the same ids, and decode as the package decodes those ids.
+    from transformers import PreTrainedTokenizerFast
+
+    from kforcing_kernels.app.data import EOS, load_corpus
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}  # the end {EOS} of it\n" * 20)
+    corpus = load_corpus(str(docs), vocab_size=280, cache_dir=str(tmp_path / "cache"))
+    bpe = corpus.tokenizer
+    folder = build_native_stage(tmp_path / "stage", k=2, seed=4, vocab=bpe.get_vocab_size(), backend=bpe)
+    export_for_vllm(folder, tmp_path / "export")
+    texts = [f"print('{EOS}')\nx = 1 {EOS} 2", f"{EOS}{EOS} leading markers", "no marker here"]
+    ids = [corpus.encode(t) for t in texts]
+    assert all(corpus.eos_id not in p for p in ids[:2])
+    # The control: the same tokenizer wrapped without the rule reads the marker as the EOS id.
+    plain = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+    assert corpus.eos_id in plain.encode(texts[0])
+    llm = _engine(tmp_path / "export", 2, max_num_seqs=2)
+    try:
+        seeds = [11, 12, 13]
+        outs = llm.generate(texts, [_params(s, 1.0) for s in seeds], use_tqdm=False)
+        assert [list(o.prompt_token_ids) for o in outs] == ids
+        want = [reference(folder, p, 2, T, 1.0, s) for p, s in zip(ids, seeds)]
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    finally:
+        del llm
+        gc.collect()

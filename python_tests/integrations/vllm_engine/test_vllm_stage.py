@@ -54,6 +54,36 @@ def test_an_old_noise_format_and_a_native_stage_are_refused(stage, tmp_path):
         read_stage(native)
 
 
+def test_an_hf_stage_saves_the_packages_rule_for_special_token_text(tmp_path):
+    # The package encodes <|eos|> in text as ordinary tokens (load_tokenizer, Corpus.encode, load_pflm's tokenizer);
+    # the tokenizer a stage folder saves must read text the same way for AutoTokenizer and vLLM (split_special_tokens
+    # in its tokenizer_config.json), the caller's tokenizer left as it was.
+    import transformers
+    from transformers import AutoTokenizer
+
+    from bench.inference.vllm_models import config
+    from kforcing_kernels.app.data import EOS, load_corpus
+    from kforcing_kernels.app.hf_recipe.student import HFStudent
+    from kforcing_kernels.app.hf_recipe.trainer import save_pflm
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}  # the end {EOS} of it\n" * 20)
+    corpus = load_corpus(str(docs), vocab_size=280, cache_dir=str(tmp_path / "cache"))
+    tok = hf_files.hf_tokenizer_of(corpus)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        config("llama", vocab=corpus.tokenizer.get_vocab_size(), hidden=32, layers=1), attn_implementation="kforcing"
+    )
+    save_pflm(HFStudent(hf, k_train=2), tmp_path / "stage", tokenizer=tok)
+    text = f"print('{EOS}')\nx = 1 {EOS} 2 {EOS}{EOS}"
+    want = corpus.encode(text)
+    assert corpus.eos_id not in want
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "stage")).encode(text) == want
+    assert hf_files.load_hf_stage(tmp_path / "stage")[2].encode(text).ids == want
+    assert corpus.eos_id in tok.encode(text)  # the caller's tokenizer (the control): not changed by the save
+
+
 # ---------------------------------------------------------------------- the native model's export
 
 
