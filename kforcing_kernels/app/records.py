@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 
 from ..model import PRESETS
 from ..model.decoding import DECODE_RULES
-from .files import NON_NEGATIVE_INT, POSITIVE_INT, SHA256, Field, read_json
+from .files import NON_NEGATIVE_INT, POSITIVE_INT, SHA256, CheckpointError, Field, check_fields, read_json
 from .training.targets import CDF_ORDERS
 
 _PATH = Field((str, type(None)))  # a folder or file a run recorded (resolved), or None
@@ -113,5 +113,14 @@ DISTILLED_FIELDS: Mapping[str, Field] = {
 
 def read_model_json(folder, fields: Optional[Mapping[str, Field]] = None) -> dict:
     """``FOLDER/model.json``, checked against :data:`MODEL_JSON_FIELDS` (and a kind's own ``fields``): a
-    :class:`~kforcing_kernels.app.files.CheckpointError` naming the file and the entry otherwise."""
-    return read_json(Path(folder) / "model.json", fields={**MODEL_JSON_FIELDS, **(fields or {})})
+    :class:`~kforcing_kernels.app.files.CheckpointError` naming the file and the entry otherwise; and naming what
+    the folder is when it is a native stage's vLLM export (``python -m kforcing_kernels.app.vllm_export``), whose
+    ``model.json`` is vLLM's record, not a model the package loads."""
+    path = Path(folder) / "model.json"
+    record = read_json(path)
+    if "native_export" in record:  # integrations/vllm/export.py's marker (stage.read_stage reads it)
+        raise CheckpointError(
+            f"{folder}: a vLLM export of {record.get('source')!r} (python -m kforcing_kernels.app.vllm_export), "
+            "served by vLLM, not loaded by the package; load the source stage folder"
+        )
+    return check_fields(path, record, {**MODEL_JSON_FIELDS, **(fields or {})})

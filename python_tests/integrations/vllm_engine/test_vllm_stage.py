@@ -113,6 +113,24 @@ def test_the_native_export_reads_and_says_what_it_holds(native):
     assert architecture_of(exported) == "KForcingNativeForCausalLM"
 
 
+def test_the_package_refuses_to_load_an_export_naming_its_source(native, tmp_path):
+    # An export is vLLM's folder (its model.json is not the package's): every loader says what it is and which
+    # folder to load instead, before any native or HF loader check.
+    from kforcing_kernels.app.files import CheckpointError
+    from kforcing_kernels.app.hf_recipe.trainer import load_pflm
+    from kforcing_kernels.app.student import load_student
+    from kforcing_kernels.app.vllm_export import export_for_vllm
+
+    folder, exported = native
+    want = f"{exported}: a vLLM export of '{folder}' .*; load the source stage folder"
+    for load in (load_student, load_pflm):
+        with pytest.raises(CheckpointError, match=want):
+            load(exported)
+    with pytest.raises(CheckpointError, match=want):  # nor exported again
+        export_for_vllm(exported, tmp_path / "again")
+    assert load_student(folder)[1]["k"] == 2  # the source loads
+
+
 def test_the_exported_tensors_are_the_native_models(native):
     # Every native tensor is in the export, under vLLM's Llama names, bit for bit; the noise embedding loaded from
     # the export (the HF NoiseEmbedding the vLLM model calls) embeds (z, tau) exactly as the native model does.
