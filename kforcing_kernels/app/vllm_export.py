@@ -1,4 +1,4 @@
-"""A native K-Forced stage folder exported as the folder vLLM serves (``kforcing_kernels.integrations.vllm``).
+"""A native stage folder (K-Forced, or AR) exported as the folder vLLM serves (``kforcing_kernels.integrations.vllm``).
 
 ``python -m kforcing_kernels.app.vllm_export runs/native/stage2_k4 --out runs/native/stage2_k4_vllm`` (or
 :func:`export_for_vllm`): the stage is loaded with every check ``load_model`` makes (its files' sizes and SHA-256, its
@@ -13,6 +13,9 @@ config, its tokenizer against the recorded SHA-256), then written through the ma
 * ``model.json`` last: ``native_export`` (the format), ``k``, ``decode``, the native ``model_config``, the noise
   embedding's format, settings and file record, every file's size and SHA-256, and the source's identity
   (``source_sha256``: its tensors' SHA-256), which ``read_stage`` checks before vLLM loads anything.
+
+An AR stage (k = 0, the teacher) is exported without the noise encoder, as ``KForcingNativeARForCausalLM`` (served by
+stock vLLM decoding: the AR baseline on the native backbone).
 """
 
 from __future__ import annotations
@@ -61,12 +64,7 @@ def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path
         # vLLM loads every *.safetensors of the folder: a stranger's files there would be loaded as the model's.
         raise ExportError(f"out: {str(out)!r} is not empty and holds no earlier vLLM export; choose an empty folder")
     model, info, tokenizer = KIND.load(folder)
-    k = info["k"]
-    if k < 1:
-        raise ExportError(
-            f"{folder}: k: an AR stage (k = 0); the vLLM integration serves K-Forced stages (k >= 1): export a "
-            "stage trained with a window"
-        )
+    k = info["k"]  # 0: an AR stage (the teacher), exported as a plain autoregressive model (no noise encoder)
     if tokenizer is None:
         raise ExportError(f"{folder}/tokenizer.json: missing; vLLM loads the model's tokenizer from its folder")
     from .data import EOS
@@ -75,12 +73,14 @@ def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path
     if eos is None:
         raise ExportError(f"{folder}/tokenizer.json: no end-of-text token {EOS!r} (not the package's tokenizer)")
     state = model.state_dict()
-    config = vllm_config(model.config, max_positions=max_positions, eos_token_id=eos)
+    config = vllm_config(model.config, max_positions=max_positions, eos_token_id=eos, autoregressive=k == 0)
     try:
         backbone = vllm_tensors(state, model.config.tie_embeddings)
     except ValueError as exc:
         raise ExportError(f"{folder}: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
+    if k == 0:  # an earlier export's noise file: vLLM loads every *.safetensors of the folder
+        (out / NOISE_FILE).unlink(missing_ok=True)
     files = {}
     write_json(out / "config.json", config)
     save_tensors(out / "model.safetensors", backbone)
@@ -88,27 +88,24 @@ def export_for_vllm(folder, out, *, max_positions: Optional[int] = None) -> Path
         files[name] = record
     for name in ("config.json", "model.safetensors"):
         files[name] = {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
-    from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT
-
-    noise = {
-        "format": NOISE_EMBEDDING_FORMAT,
-        "settings": noise_settings(model.config),
-        "tensors": save_tensors(out / NOISE_FILE, noise_tensors(state)),
+    record = {
+        "native_export": NATIVE_EXPORT_FORMAT,
+        "k": k,
+        "decode": model.config.decode,
+        "model_config": model.config.to_dict(),
+        "source": str(folder),
+        "source_sha256": info["tensors"]["sha256"],
+        "tokenizer_sha256": info.get("tokenizer_sha256"),
     }
-    write_json(
-        out / "model.json",
-        {
-            "native_export": NATIVE_EXPORT_FORMAT,
-            "k": k,
-            "decode": model.config.decode,
-            "model_config": model.config.to_dict(),
-            "source": str(folder),
-            "source_sha256": info["tensors"]["sha256"],
-            "tokenizer_sha256": info.get("tokenizer_sha256"),
-            "noise_embedding": noise,
-            "files": dict(sorted(files.items())),
-        },
-    )
+    if k:
+        from ..integrations.hf_noise import NOISE_EMBEDDING_FORMAT
+
+        record["noise_embedding"] = {
+            "format": NOISE_EMBEDDING_FORMAT,
+            "settings": noise_settings(model.config),
+            "tensors": save_tensors(out / NOISE_FILE, noise_tensors(state)),
+        }
+    write_json(out / "model.json", {**record, "files": dict(sorted(files.items()))})
     return out / "model.json"
 
 
@@ -153,8 +150,8 @@ def main(argv=None) -> None:
     # No console script is installed for it (pyproject.toml): the usage line names the command that runs it.
     parser = make_parser(
         "python -m kforcing_kernels.app.vllm_export",
-        "Export a native K-Forced stage folder (the package's own model) as the folder vLLM serves "
-        "(kforcing_kernels.integrations.vllm: vllm.LLM(**engine_kwargs(OUT, k))).",
+        "Export a native stage folder (the package's own model: a K-Forced stage, or an AR stage served as plain AR) "
+        "as the folder vLLM serves (kforcing_kernels.integrations.vllm: vllm.LLM(**engine_kwargs(OUT, k))).",
     )
     parser.add_argument("folder", help="the native stage folder (model.safetensors, model.json, tokenizer.json)")
     parser.add_argument(

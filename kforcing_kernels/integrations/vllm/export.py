@@ -14,7 +14,9 @@ is the mapping the export (``python -m kforcing_kernels.app.vllm_export``) write
   (``integrations/hf_noise.py``'s ``NoiseEmbedding`` is the native ``NoiseEncoder``, sized by a width).
 
 The folder's ``model.json`` carries ``native_export`` (:data:`NATIVE_EXPORT_FORMAT`) in place of the HF recipe's
-``hf_format``; :func:`~.stage.read_stage` checks it as it checks an HF stage.
+``hf_format``; :func:`~.stage.read_stage` checks it as it checks an HF stage. An AR stage (k = 0, the teacher) is
+exported the same way without the noise encoder, as the architecture ``KForcingNativeARForCausalLM`` (the same
+layers, stock vLLM decoding): the AR baseline on the native backbone.
 """
 
 from __future__ import annotations
@@ -23,19 +25,22 @@ from typing import Optional
 
 import torch
 
-from . import NATIVE_ARCHITECTURE
+from . import NATIVE_AR_ARCHITECTURE, NATIVE_ARCHITECTURE
 
 NATIVE_EXPORT_FORMAT = 1
 
 
-def vllm_config(config, *, max_positions: Optional[int] = None, eos_token_id: Optional[int] = None) -> dict:
+def vllm_config(
+    config, *, max_positions: Optional[int] = None, eos_token_id: Optional[int] = None, autoregressive: bool = False
+) -> dict:
     """``config.json`` of the export of a native model of ``config`` (a ``ModelConfig``); ``max_positions``
-    (default the trained context ``seq_len``): the longest sequence vLLM serves (``max_model_len`` at most)."""
+    (default the trained context ``seq_len``): the longest sequence vLLM serves (``max_model_len`` at most);
+    ``autoregressive``: an AR stage's (k = 0), architecture ``KForcingNativeARForCausalLM``."""
     positions = config.seq_len if max_positions is None else max_positions
     if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
         raise ValueError(f"max_positions: expected a positive int, got {positions!r}")
     return {
-        "architectures": [NATIVE_ARCHITECTURE],
+        "architectures": [NATIVE_AR_ARCHITECTURE if autoregressive else NATIVE_ARCHITECTURE],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
         "hidden_size": config.n_embd,

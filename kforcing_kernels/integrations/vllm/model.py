@@ -173,6 +173,12 @@ class KForcingMixin:
         folder = vllm_config.model_config.model
         info = read_stage(folder)
         native = is_native_export(info)
+        if info["k"] == 0:
+            _refuse(
+                "architectures",
+                f"{type(self).__name__} does not serve {folder}, an AR stage's export (k = 0): it decodes one token "
+                "per step as KForcingNativeARForCausalLM (engine_kwargs selects it, without a speculative config)",
+            )
         if native != (self.kf_base_arch == "native"):
             _refuse(
                 "architectures",

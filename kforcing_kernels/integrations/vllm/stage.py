@@ -6,7 +6,8 @@ as ``save_pretrained`` writes it, the tokenizer, ``noise_embedding.safetensors``
 native stage (:mod:`.export`) is the same with ``native_export`` in place of ``hf_format`` (and ``decode``, the
 native model's decoding rule). The library may not import the app, so the same checks ``load_pflm`` makes are made
 here on the folder's JSON: every listed file present with its size and SHA-256, the stage format known, the noise
-embedding format 2 and its tensors' record matching the file.
+embedding format 2 and its tensors' record matching the file. The export of a native AR stage (k = 0) has no noise
+embedding (and must not: vLLM loads every ``*.safetensors``).
 """
 
 from __future__ import annotations
@@ -71,8 +72,17 @@ def read_stage(folder) -> dict:
     elif info["hf_format"] != HF_STAGE_FORMAT:
         raise StageError(f"{json_path}: unknown Hugging Face stage format {info['hf_format']!r}, expected 1")
     k = info.get("k")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    ar_export = "native_export" in info and type(k) is int and k == 0  # a native AR stage's export
+    if not ar_export and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise StageError(f"{json_path}: k: expected the trained window (an int >= 1), got {k!r} (an AR stage?)")
+    files = info.get("files")
+    if not isinstance(files, dict):
+        raise StageError(f"{json_path}: malformed: no 'files' record")
+    if ar_export:  # no noise embedding: vLLM would load any *.safetensors of the folder as the model's
+        if "noise_embedding" in info or (folder / NOISE_FILE).exists():
+            raise StageError(f"{json_path}: an AR stage's export (k = 0) holds no noise embedding ({NOISE_FILE})")
+        _check_files(folder, json_path, files)
+        return info
     noise = info.get("noise_embedding")
     if not isinstance(noise, dict) or noise.get("format") != NOISE_EMBEDDING_FORMAT:
         got = noise.get("format") if isinstance(noise, dict) else None
@@ -80,9 +90,18 @@ def read_stage(folder) -> dict:
             f"{json_path}: its noise embedding is format {got!r}, expected {NOISE_EMBEDDING_FORMAT}; it cannot be "
             "loaded rightly: retrain this stage"
         )
-    files = info.get("files")
-    if not isinstance(files, dict):
-        raise StageError(f"{json_path}: malformed: no 'files' record")
+    _check_files(folder, json_path, files)
+    record = noise.get("tensors")
+    if not isinstance(record, dict) or record.get("file") != NOISE_FILE:
+        raise StageError(f"{json_path}: malformed noise_embedding.tensors record {record!r}")
+    path = folder / NOISE_FILE
+    if not path.exists() or path.stat().st_size != record.get("bytes") or _sha256(path) != record.get("sha256"):
+        raise StageError(f"{path}: missing, truncated or corrupt (size or SHA-256 differs from {json_path.name})")
+    return info
+
+
+def _check_files(folder: Path, json_path: Path, files: dict) -> None:
+    """Every file ``model.json`` lists present with its recorded size and SHA-256."""
     for name, record in files.items():
         path = folder / name
         if not path.exists():
@@ -93,13 +112,6 @@ def read_stage(folder) -> dict:
             or _sha256(path) != record.get("sha256")
         ):
             raise StageError(f"{path}: truncated or corrupt (size or SHA-256 differs from {json_path.name})")
-    record = noise.get("tensors")
-    if not isinstance(record, dict) or record.get("file") != NOISE_FILE:
-        raise StageError(f"{json_path}: malformed noise_embedding.tensors record {record!r}")
-    path = folder / NOISE_FILE
-    if not path.exists() or path.stat().st_size != record.get("bytes") or _sha256(path) != record.get("sha256"):
-        raise StageError(f"{path}: missing, truncated or corrupt (size or SHA-256 differs from {json_path.name})")
-    return info
 
 
 def is_native_export(info: dict) -> bool:

@@ -19,6 +19,7 @@ else:
 from bench.inference.vllm_models import VOCAB, build_native_stage, build_stage, prompts, reference  # noqa: E402
 from kforcing_kernels.app.vllm_export import export_for_vllm  # noqa: E402
 from kforcing_kernels.integrations.vllm import engine_kwargs  # noqa: E402
+from kforcing_kernels.integrations.vllm.model import KForcingMixin  # noqa: E402
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model is reachable in-process (step counts)
 SMALL = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 27, seed=0)
@@ -172,3 +173,48 @@ def test_special_token_text_in_a_prompt_is_ordinary_tokens(tmp_path):
     finally:
         del llm
         gc.collect()
+
+
+def test_an_ar_stage_is_served_as_plain_autoregressive_decoding(native, tmp_path):
+    # The AR baseline on the native backbone: the teacher (k = 0) exported and decoded by stock vLLM (one token per
+    # step, no speculative config); greedy tokens equal the package's generate_ar (temperature 0) on 12 mixed-length
+    # prompts with 4 slots. The negative control: a planted model difference (the last MLP's fc, 20% off).
+    from kforcing_kernels.app.generation.inference import generate_ar
+    from kforcing_kernels.app.student import load_student
+
+    folder = build_native_stage(tmp_path / "stage0", k=0, seed=5)
+    export_for_vllm(folder, tmp_path / "export")
+    teacher = load_student(folder)[0]
+    ps, n = PROMPTS[:12], 13
+
+    def package(model):
+        return [generate_ar(model, [p], n, temperature=0.0)[0].tolist() for p in ps]
+
+    want = package(teacher)
+    llm = vllm.LLM(**engine_kwargs(tmp_path / "export", enforce_eager=True, max_num_seqs=4, **SMALL))
+    try:
+        params = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        bad = _differing(got, want)
+        assert not bad, f"{len(bad)} of {len(ps)} differ, e.g. {got[bad[0]]} vs {want[bad[0]]}"
+        with torch.no_grad():
+            fc = teacher.blocks[-1].mlp.fc.weight
+            fc.mul_(1.0 + 0.2 * torch.randn(fc.shape, generator=torch.Generator().manual_seed(1)))
+        assert len(_differing(got, package(teacher))) >= 4
+        model = _model(llm)  # stock decoding: no KForcingMixin
+        assert type(model).__name__ == "KForcingNativeARForCausalLM" and not isinstance(model, KForcingMixin)
+    finally:
+        del llm
+        gc.collect()
+    # Each architecture refuses the other's export, by name.
+    kwargs = engine_kwargs(native[1], 1, **SMALL)
+    kwargs.update(model=str(tmp_path / "export"))
+    with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve .* an AR stage's export"):
+        vllm.LLM(**kwargs)
+    gc.collect()
+    kwargs = engine_kwargs(tmp_path / "export", enforce_eager=True, **SMALL)
+    kwargs.update(model=str(native[1]))
+    with pytest.raises(Exception, match="KForcingNativeARForCausalLM serves a native AR stage's export .* a K-Forced"):
+        vllm.LLM(**kwargs)
+    gc.collect()

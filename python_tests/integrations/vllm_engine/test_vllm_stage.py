@@ -179,17 +179,56 @@ def test_a_corrupt_exported_file_is_refused_by_name(native, tmp_path, name):
         read_stage(bad)
 
 
-def test_what_the_export_refuses(native, tmp_path, stage):
+def test_an_ar_stage_exports_as_a_plain_autoregressive_model(native, tmp_path):
+    # The AR baseline on the native backbone: the teacher (k = 0) exported without the noise encoder, served with no
+    # speculative config; read_stage checks its files as any export's; a noise file planted beside it is refused
+    # (vLLM would load it as the model's).
     import shutil
 
     from bench.inference.vllm_models import build_native_stage
+    from kforcing_kernels.app.vllm_export import export_for_vllm
+    from kforcing_kernels.integrations.vllm import engine_kwargs, serve_args
+    from kforcing_kernels.integrations.vllm.stage import NOISE_FILE
+
+    ar = build_native_stage(tmp_path / "ar", k=0, n_embd=32)
+    export_for_vllm(ar, tmp_path / "ar_out")
+    info = read_stage(tmp_path / "ar_out")
+    assert info["k"] == 0 and "noise_embedding" not in info and not (tmp_path / "ar_out" / NOISE_FILE).exists()
+    config = json.loads((tmp_path / "ar_out" / "config.json").read_text())
+    assert config["architectures"] == ["KForcingNativeARForCausalLM"]
+    kwargs = engine_kwargs(tmp_path / "ar_out", enforce_eager=True)
+    assert "speculative_config" not in kwargs and kwargs["hf_overrides"]["architectures"] == config["architectures"]
+    assert serve_args(tmp_path / "ar_out") == [
+        str(tmp_path / "ar_out"),
+        "--hf-overrides",
+        json.dumps(kwargs["hf_overrides"]),
+    ]
+    with pytest.raises(ValueError, match="an AR stage .* expected k None or 1, got 2"):
+        engine_kwargs(tmp_path / "ar_out", 2)
+    # The K-Forced export of the same backbone over it: its noise file is removed when the AR export replaces it.
+    export_for_vllm(native[0], tmp_path / "over")
+    export_for_vllm(ar, tmp_path / "over")
+    assert read_stage(tmp_path / "over")["k"] == 0
+    planted = tmp_path / "planted"
+    shutil.copytree(tmp_path / "ar_out", planted)
+    shutil.copy(native[1] / NOISE_FILE, planted / NOISE_FILE)
+    with pytest.raises(StageError, match="holds no noise embedding"):
+        read_stage(planted)
+    with open(planted / "model.safetensors", "r+b") as f:
+        f.seek(-2, 2)
+        f.write(b"\x00\x01" if f.read(2) != b"\x00\x01" else b"\x01\x00")
+    (planted / NOISE_FILE).unlink()
+    with pytest.raises(StageError, match="model.safetensors: truncated or corrupt"):
+        read_stage(planted)
+
+
+def test_what_the_export_refuses(native, tmp_path, stage):
+    import shutil
+
     from kforcing_kernels.app.vllm_export import ExportError, export_for_vllm, main
 
     with pytest.raises(ExportError, match="serves .* as it is"):
         export_for_vllm(stage, tmp_path / "hf")
-    ar = build_native_stage(tmp_path / "ar", k=0, n_embd=32)
-    with pytest.raises(ExportError, match="k: an AR stage"):
-        export_for_vllm(ar, tmp_path / "ar_out")
     with pytest.raises(ExportError, match="is the stage folder itself"):
         export_for_vllm(native[0], native[0])
     lost = tmp_path / "lost"
