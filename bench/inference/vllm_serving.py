@@ -3,18 +3,24 @@ k = 2, 4 (``kforcing_kernels.integrations.vllm``) on the same backbone, weights 
 
     python -m bench vllm                                  # CPU: paper backbone with 2 layers, batch 16, fp32, eager
     python -m bench vllm --batches 4 16 128 --layers 12 --device cuda --dtype bfloat16   # the GPU check
+    python -m bench vllm --backbone native                # the package's own model, through its vLLM exports
 
 Per row: tokens/s (batch x new tokens / wall time of one ``LLM.generate``, after a warm-up run), engine steps per
 generated token (model forwards with requests, counted by a forward hook on the engine's model, per token), wall
 and forward ms per step and the host ms per step (wall - forward: scheduling, sampling, the proposer). Beside vLLM's
-rows, the package's own ``generate_ar`` / ``generate_kforcing`` (the HF kind, KV-cached) on the same model and batch,
+rows, the package's own ``generate_ar`` / ``generate_kforcing`` (its kind, KV-cached) on the same model and batch,
 and each method's speed-up over its own AR. Rows are appended to ``--out`` (JSON Lines) as each finishes.
 
-Backbone: the paper's width (768, 12 heads, MLP 2x width, vocabulary 50257) as a Hugging Face Llama, ``--layers`` deep,
-random weights (the work per step does not depend on training). Prompts of ``--prompt`` tokens, ``--new-tokens``
-generated, EOS ignored. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model is reachable for the
-step count); ``--device cuda`` runs the AR baseline with CUDA graphs (the K-Forcing model refuses them: it reads
-per-request metadata on the host, see the README's "Serve with vLLM").
+Backbone (``--backbone hf``): the paper's width (768, 12 heads, MLP 2x width, vocabulary 50257) as a Hugging Face
+Llama, ``--layers`` deep, random weights (the work per step does not depend on training); its AR is the same weights
+as a plain HF folder on stock vLLM. ``--backbone native``: the package's own model (``KForcingLM``: 768 wide, 12 heads,
+GELU MLP 4x width, vocabulary 50257), a K-Forced stage and an AR stage (k = 0) of the same weights, each served
+through its vLLM export (``app/vllm_export.py``: ``KForcingNativeForCausalLM`` / ``KForcingNativeARForCausalLM``).
+
+Prompts of ``--prompt`` tokens, ``--new-tokens`` generated, EOS ignored. vLLM runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model is reachable for the step count); ``--device cuda`` runs the AR
+baseline with CUDA graphs (the K-Forcing model refuses them: it reads per-request metadata on the host, see the
+README's "Serve with vLLM").
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, nargs="+", default=[16])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--backbone", default="hf", choices=["hf", "native"], help="an HF Llama, or the package's model")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -43,9 +50,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _folders(work: Path, layers: int):
-    """(K-Forced stage folder k_train=4, the same backbone as a plain HF folder for stock vLLM)."""
-    from .vllm_models import build_stage, tokenizer
+def _folders(work: Path, layers: int, backbone: str = "hf", positions: int = 256):
+    """``(K-Forced stage folder k_train=4, AR folder of the same weights)`` for the package's rows, and the two folders
+    vLLM serves in their place: the same for ``hf`` (the AR one a plain HF folder for stock vLLM); for ``native``
+    (stage and AR stage of the package's own model, ``positions`` long) their vLLM exports."""
+    from .vllm_models import build_native_stage, build_stage, tokenizer
+
+    if backbone == "native":
+        from kforcing_kernels.app.vllm_export import export_for_vllm
+
+        folders = []
+        for name, k in (("native_k4", 4), ("native_ar", 0)):
+            folder = work / name
+            if not (folder / "model.json").exists():  # the same seed: the same weights (the AR one's noise unused)
+                shape = dict(n_layer=layers, n_head=12, n_embd=768, seq_len=positions)
+                build_native_stage(folder, k=k, seed=0, vocab=50257, **shape)
+            if not (work / f"{name}_vllm" / "model.json").exists():
+                export_for_vllm(folder, work / f"{name}_vllm")
+            folders += [folder, work / f"{name}_vllm"]
+        return folders[0], folders[2], folders[1], folders[3]
 
     stage = work / "stage_k4"
     if not (stage / "model.json").exists():
@@ -57,7 +80,7 @@ def _folders(work: Path, layers: int):
         model = load_pflm(stage)
         model.hf.save_pretrained(ar)
         tokenizer(50257).save_pretrained(ar)
-    return stage, ar
+    return stage, ar, stage, ar
 
 
 def _counted(llm):
@@ -92,6 +115,7 @@ def _vllm_row(llm, method, k, prompts, args, extra):
     steps = stats["steps"]
     return {
         "engine": "vllm",
+        "backbone": args.backbone,
         "method": method,
         "k": k,
         "batch": len(prompts),
@@ -107,13 +131,12 @@ def _package_rows(stage, ar, batch, prompts, args):
     import torch
 
     from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
-    from kforcing_kernels.app.hf_recipe.trainer import load_pflm
     from kforcing_kernels.app.student import load_student
 
     rows = []
     p = torch.tensor(prompts)
     teacher = load_student(ar)[0]
-    student = load_pflm(stage)
+    student = load_student(stage)[0]
     runs = [("ar", 1, lambda: generate_ar(teacher, p, args.new_tokens, temperature=0.0))]
     runs += [(f"kforcing_k{k}", k, lambda k=k: generate_kforcing(student, p, k, args.new_tokens)) for k in args.ks]
     for method, k, run in runs:
@@ -124,6 +147,7 @@ def _package_rows(stage, ar, batch, prompts, args):
         rows.append(
             {
                 "engine": "package",
+                "backbone": args.backbone,
                 "method": method,
                 "k": k,
                 "batch": batch,
@@ -153,21 +177,26 @@ def main(argv=None) -> None:
     from kforcing_kernels.integrations.vllm import engine_kwargs
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kf-vllm-bench-"))
-    stage, ar = _folders(work, args.layers)
+    positions = args.prompt + args.new_tokens + 16
+    stage, ar, served_stage, served_ar = _folders(work, args.layers, args.backbone, max(256, positions))
     g = torch.Generator().manual_seed(0)
     out, rows = Path(args.out), []
-    common = dict(dtype=args.dtype, max_model_len=args.prompt + args.new_tokens + 16, seed=0)
+    common = dict(dtype=args.dtype, max_model_len=positions, seed=0)
     if args.device == "cpu":
         common.update(gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30)
     for batch in args.batches:
         prompts = torch.randint(0, 50000, (batch, args.prompt), generator=g).tolist()
         num = dict(max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt, 8192))
-        llm = vllm.LLM(model=str(ar), enforce_eager=args.device == "cpu", **common, **num)
+        eager = args.device == "cpu"
+        if args.backbone == "native":  # the AR stage's export: its registered architecture, stock decoding
+            llm = vllm.LLM(**engine_kwargs(served_ar, enforce_eager=eager, **common, **num))
+        else:
+            llm = vllm.LLM(model=str(served_ar), enforce_eager=eager, **common, **num)
         _emit(_vllm_row(llm, "ar", 1, prompts, args, {}), out, rows)
         del llm
         gc.collect()
         for k in args.ks:
-            llm = vllm.LLM(**engine_kwargs(stage, k, **common, **num))
+            llm = vllm.LLM(**engine_kwargs(served_stage, k, **common, **num))
             _emit(_vllm_row(llm, f"kforcing_k{k}", k, prompts, args, {"extra_args": {"kforcing_tau": 1.0}}), out, rows)
             del llm
             gc.collect()
