@@ -36,7 +36,7 @@ def specforge_mask_mod(length: int):
 def build_step(length: int, step: int):
     """A step's layout and what the cpp kernels read, built from nothing: equal layouts share derived data
     (layouts/derived.py), so the table of registered contents is emptied first, as for a new step's shapes."""
-    derived._interned.clear()
+    derived.clear_interned()
     layout = WindowLayout.eagle3_ttt(length, step)
     _ = layout.row_intervals_int32, layout.cpu_query_tiles  # what the cpp kernels read, built (and cached) here
     return layout

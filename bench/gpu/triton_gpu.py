@@ -60,7 +60,7 @@ from ..attention import peers as attention
 from ..training.train_step_gpu import TRAIN_VARIANTS
 from . import sampler_gpu
 from .gpu_table import render_markdown
-from .gpu_variants import _repeats_the_default, _triton_env, read_variants, variant_backend, variant_problem
+from .gpu_variants import read_variants, repeats_the_default, triton_switches, variant_backend, variant_problem
 
 LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5
@@ -121,7 +121,7 @@ def time_ms(fn) -> float:
 _WIDE_DKDV_DEFAULT: list = []  # [(tiles, configs)] of the shipped wide D=128 set, saved on first use
 
 
-def _use_wide_dkdv(spec: str | None) -> None:
+def use_wide_dkdv(spec: str | None) -> None:
     """Make the "wide" D=128 set's dK/dV tiles and configs ``spec`` (KEYS:STEP:W.S[,W.S...]: keys per program,
     rows per step, autotuned (warps, stages)), or the shipped ones for None, until the next other spec."""
     import dataclasses
@@ -145,11 +145,11 @@ def _use_wide_dkdv(spec: str | None) -> None:
 
 @contextlib.contextmanager
 def _setting(tiles: str = "auto", extra: dict | None = None, wide_dkdv=False):
-    """A method's switches (``_triton_env``) and wide dK/dV tiles (``_use_wide_dkdv``: a spec, None for the
+    """A method's switches (``triton_switches``) and wide dK/dV tiles (``use_wide_dkdv``: a spec, None for the
     shipped ones, False to leave them), set once around all of its calls: never inside a timed call."""
     if wide_dkdv is not False:
-        _use_wide_dkdv(wide_dkdv)
-    with _triton_env(tiles, extra):
+        use_wide_dkdv(wide_dkdv)
+    with triton_switches(tiles, extra):
         yield
 
 
@@ -177,7 +177,7 @@ def _methods(layout, q, kk, v, args, extras):
         backend = variant_backend(assignments)
         if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
             continue
-        if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
+        if repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
             continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
         out[f"{backend}[{vname}]"] = (

@@ -54,7 +54,7 @@ from .._timing import (
     row_stamp,
     timing_fields,
 )
-from ..attention.report import _slope
+from ..attention.report import log_log_slope
 
 SCHEMA_ID = "kforcing-bench/train-step/v1"
 FULL = {"k": [1, 2, 4, 8], "seq_len": 512, "batch": 2, "reps": 3, "warmup": 1, "max_seconds": 30.0}
@@ -213,7 +213,7 @@ def run(args) -> dict:
     for label in variants:
         pts = [(r["teacher_k"], r["median_ms"]) for r in rows if r["variant"] == label and r["status"] == "ok"]
         if len(pts) >= 2:
-            fits[label] = _slope([p[0] for p in pts], [p[1] for p in pts])
+            fits[label] = log_log_slope([p[0] for p in pts], [p[1] for p in pts])
     return {"schema": SCHEMA_ID, "meta": meta, "rows": rows, "exponent_vs_k": fits}
 
 

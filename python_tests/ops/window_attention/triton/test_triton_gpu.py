@@ -103,10 +103,10 @@ def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
 
     shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["bwd"][("wide", 128)])
     try:
-        triton_gpu._use_wide_dkdv("64:32:8.1,8.2")
+        triton_gpu.use_wide_dkdv("64:32:8.1,8.2")
         assert (tk.TILE_SETS["wide"][128].block_n_dkdv, tk.TILE_SETS["wide"][128].block_m_dkdv) == (64, 32)
         assert tk.KERNEL_CONFIGS["bwd"][("wide", 128)] == [(8, 1), (8, 2)]
-        triton_gpu._use_wide_dkdv(None)
+        triton_gpu.use_wide_dkdv(None)
         assert (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)]) == shipped
     finally:
         tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)] = shipped
