@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from kforcing_kernels.app.cli import make_parser, positive_int
+from kforcing_kernels.app.cli import positive_int
 from kforcing_kernels.layouts import WindowLayout, derived
 from kforcing_kernels.ops.window_attention import window_attention
 
@@ -110,9 +110,3 @@ def execute(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
-
-
-def main(argv=None) -> int:
-    p = make_parser("python -m bench eagle3", __doc__.split("\n\n")[0])
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -407,12 +407,3 @@ def execute(args) -> int:
     for path in write_plots(report, out):
         print(f"drew {path}")
     return 0
-
-
-def main(argv=None, prog="python -m bench report") -> int:
-    """Reprint an attention report and redraw its plots."""
-    from kforcing_kernels.app.cli import make_parser
-
-    p = make_parser(prog, main.__doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

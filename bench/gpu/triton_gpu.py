@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import functools
 import math
-import sys
 import time
 
 import torch
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
-from .._cli import write_json
+from .._cli import command_line, write_json
 from .._timing import machine_info
 from ..attention import peers as attention
 from ..training.train_step_gpu import TRAIN_VARIANTS
@@ -329,8 +328,7 @@ def train_step(args) -> list[dict]:
     return rows(args, _timer(args))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -403,11 +401,15 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def finish_args(p, args, argv, prog):
+    """The command as typed, for the report."""
+    args.command_line = command_line(prog, argv)
+    return args
+
+
+def execute(args) -> int:
     if args.render:
         print(render_markdown(args.render))
         return 0
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
         "rows": [],
         "started": time.time(),
         "capability": capability(args.device),
-        "command": "python -m bench gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": args.command_line,
     }
     if args.sampler:
         report["sampler"] = sampler_gpu.rows(args, time_ms)

@@ -20,7 +20,6 @@ so the parts say only that the path ran).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 
@@ -124,8 +123,7 @@ def profile_one(
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--layout", nargs="+", choices=sorted(attention.LAYOUTS), default=["single"])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[4])
@@ -142,7 +140,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes (no numbers)")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+
+
+def execute(args) -> int:
     if args.dry_run:
         from .triton_gpu import DRY_RUN_N
 

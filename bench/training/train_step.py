@@ -32,7 +32,7 @@ import time
 import torch
 
 from kforcing_kernels import default_backend
-from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_size, positive_int
 
 from .._cli import (
     add_model_args,
@@ -300,18 +300,8 @@ def finish_args(p, args, argv, prog):
     return args
 
 
-def parse_args(argv=None, prog="python -m bench train"):
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return finish_args(p, p.parse_args(argv), argv, prog)
-
-
 def execute(args) -> dict:
     report = run(args)
     print(format_report(report))
     write_report_files(report, args.out, "train_step")
     return report
-
-
-def main(argv=None, prog="python -m bench train") -> dict:
-    return execute(parse_args(argv, prog))

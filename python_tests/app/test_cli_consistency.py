@@ -31,9 +31,9 @@ def _bench_parser():
 
 
 def _bench_attention_parser():
-    from bench.attention import peers as attention
+    from bench.__main__ import command_parser
 
-    return attention.build_parser()
+    return command_parser("peers")
 
 
 BUILDERS = {
