@@ -133,17 +133,19 @@ def command_parser(name: str, prog: str = PROG):
 
 
 def _finished(args, argv: list[str]):
-    """``args`` through the command's ``finish_args`` where it has one (``argv``: the command's own arguments)."""
-    module, p = args.bench_module, args.bench_parser
+    """``(module, args)``: the command's module, and ``args`` through its ``finish_args`` where it has one
+    (``argv``: the command's own arguments). The dispatcher's bookkeeping is taken out of ``args``, which
+    commands record in their reports (``vars(args)``)."""
+    module, p = vars(args).pop("bench_module"), vars(args).pop("bench_parser")
     if hasattr(module, "finish_args"):
         args = module.finish_args(p, args, argv, p.prog)
-    return args
+    return module, args
 
 
 def parse_command(name: str, argv: list[str], prog: str = PROG):
     """The options of ``python -m bench <name> <argv...>``, as ``execute`` gets them (``finish_args`` applied).
     A usage error exits as on the command line (SystemExit 2)."""
-    return _finished(command_parser(name, prog).parse_args(argv), list(argv))
+    return _finished(command_parser(name, prog).parse_args(argv), list(argv))[1]
 
 
 def run_command(name: str, argv: list[str], prog: str = PROG):
@@ -160,8 +162,8 @@ def main(argv=None, prog: str = PROG) -> int:
         sys.argv[0] = f"{prog} {argv[0]}"  # argparse's default prog in the command's own parser
         result = _module(argv[0]).main(argv[1:])
         return result if isinstance(result, int) else 0
-    args = _finished(build_parser(prog).parse_args(argv), argv[1:])
-    result = args.bench_module.execute(args)
+    module, args = _finished(build_parser(prog).parse_args(argv), argv[1:])
+    result = module.execute(args)
     return result if isinstance(result, int) else 0
 
 
