@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> (module under bench/, one-line help). Modules with ``add_arguments`` and ``execute`` get an
-# argparse subcommand; the others own their parser and are handed the rest of the command line (``main(argv)``).
+# command -> (module under bench/, one-line help). Every command module has one shape: ``add_arguments(p)`` adds
+# its options to the subcommand's parser, an optional ``finish_args(p, args, argv, prog)`` checks and completes
+# them (``p.error`` for a usage error), ``execute(args)`` runs (an exit code, or a report for callers in-process:
+# ``run_command``). The one exception, OWN_PARSER, is handed the rest of the command line (``main(argv)``).
 COMMANDS = {
     "attention": ("attention.sweep", "the attention microbenchmark sweep (--quick for a short one)"),
     "peers": ("attention.peers", "one shape against its peers: dense SDPA, FlexAttention, our backends, the ideal"),
@@ -84,15 +86,30 @@ COMMANDS = {
     "gpu-check": ("gpu.check", "the GPU check, planned as two calls (<= 380 s + 280 s of step caps); --dry-run on CPU"),
 }
 PROG = "python -m bench"
+# Commands whose module still owns its parser (``main(argv)``): bench/inference/vllm_serving.py, kept by the vLLM
+# integration's owner this round (python_tests/bench/test_bench_cli.py holds the same exception).
+OWN_PARSER = frozenset({"vllm"})
 
 
 def _module(name: str):
     return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
 
 
+def _add(sub, name: str):
+    """``name``'s subcommand parser in ``sub``, its options added (OWN_PARSER's: a name and help only)."""
+    from kforcing_kernels.app.cli import add_command
+
+    module = _module(name)
+    p = add_command(sub, name, help=COMMANDS[name][1], description=module.__doc__)
+    if name not in OWN_PARSER:  # OWN_PARSER's: main() hands it the command line before this parser is built
+        module.add_arguments(p)
+        p.set_defaults(bench_module=module, bench_parser=p)
+    return p
+
+
 def build_parser(prog: str = PROG):
-    """The top-level parser: one argparse subcommand per command whose module has ``add_arguments``."""
-    from kforcing_kernels.app.cli import add_command, make_parser
+    """The top-level parser: one argparse subcommand per command."""
+    from kforcing_kernels.app.cli import make_parser
 
     parser = make_parser(prog, __doc__)
     sub = parser.add_subparsers(
@@ -100,30 +117,52 @@ def build_parser(prog: str = PROG):
         metavar="{" + ",".join(COMMANDS) + "}",
         help="the benchmark to run (`<command> --help` for its options)",
     )
-    for name, (_, help_text) in COMMANDS.items():
-        module = _module(name)
-        if hasattr(module, "add_arguments"):
-            p = add_command(sub, name, help=help_text, description=module.__doc__)
-            module.add_arguments(p)
-            p.set_defaults(bench_module=module, bench_parser=p)
-        else:  # parses its own options: main() hands it the command line before this parser is built
-            add_command(sub, name, help=help_text, description=module.__doc__)
+    for name in COMMANDS:
+        _add(sub, name)
     return parser
+
+
+def command_parser(name: str, prog: str = PROG):
+    """The parser of ``python -m bench <name>`` alone: the same options and ``--help`` as under
+    :func:`build_parser`, without importing the other commands' modules."""
+    from kforcing_kernels.app.cli import make_parser
+
+    if name not in COMMANDS or name in OWN_PARSER:
+        raise ValueError(f"name: expected one of {sorted(set(COMMANDS) - OWN_PARSER)}, got {name!r}")
+    return _add(make_parser(prog).add_subparsers(), name)
+
+
+def _finished(args, argv: list[str]):
+    """``(module, args)``: the command's module, and ``args`` through its ``finish_args`` where it has one
+    (``argv``: the command's own arguments). The dispatcher's bookkeeping is taken out of ``args``, which
+    commands record in their reports (``vars(args)``)."""
+    module, p = vars(args).pop("bench_module"), vars(args).pop("bench_parser")
+    if hasattr(module, "finish_args"):
+        args = module.finish_args(p, args, argv, p.prog)
+    return module, args
+
+
+def parse_command(name: str, argv: list[str], prog: str = PROG):
+    """The options of ``python -m bench <name> <argv...>``, as ``execute`` gets them (``finish_args`` applied).
+    A usage error exits as on the command line (SystemExit 2)."""
+    return _finished(command_parser(name, prog).parse_args(argv), list(argv))[1]
+
+
+def run_command(name: str, argv: list[str], prog: str = PROG):
+    """Run ``python -m bench <name> <argv...>`` in this process; returns what the command's ``execute`` returns
+    (its report where it makes one, else its exit code)."""
+    return _module(name).execute(parse_command(name, argv, prog))
 
 
 def main(argv=None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "attention")  # the default command, as before subcommands
-    if argv[0] in COMMANDS and not hasattr(_module(argv[0]), "add_arguments"):
+    if argv[0] in OWN_PARSER:
         sys.argv[0] = f"{prog} {argv[0]}"  # argparse's default prog in the command's own parser
         result = _module(argv[0]).main(argv[1:])
         return result if isinstance(result, int) else 0
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    module, p = args.bench_module, args.bench_parser
-    if hasattr(module, "finish_args"):
-        args = module.finish_args(p, args, argv[1:], p.prog)
+    module, args = _finished(build_parser(prog).parse_args(argv), argv[1:])
     result = module.execute(args)
     return result if isinstance(result, int) else 0
 

@@ -745,3 +745,158 @@ def test_tests_sit_in_the_folder_of_their_area():
         f for f in os.listdir(os.path.join(ROOT, "python_tests")) if f.startswith("test_") and f.endswith(".py")
     )
     assert top == [os.path.basename(__file__)]
+
+
+# ---------------------------------------------------------------------- tests and bench use public hooks
+
+# Tests and benchmarks observe the package through public names (the caches' ``*_info()`` / ``clear_*`` hooks,
+# behaviour); a private name of a package (or bench) module that a test or bench module reads, imports or patches
+# is one of these, each with why no public hook or behaviour serves. Private modules (``_extension``, ``_C``,
+# ``bench._cli``) and Triton kernels' ``_``-names (profiler names, see above) are not counted.
+_OUTSIDE_READS_ALLOWED = {
+    # planted failures and forced code paths: no input selects them on this machine
+    f"{PACKAGE}.app.train._evaluate": "replaced to plant a failing evaluation after training (resume checks)",
+    "bench.training.stage1_curve._train": "replaced by a stub that writes a stage's files (no real training)",
+    f"{PACKAGE}.ops.window_attention.lse_attention._use_flash_cpu": "forces the non-flash CPU route",
+    f"{PACKAGE}.ops.window_attention.composite.pieces._loop_per_head": "forces the per-head loop",
+    f"{PACKAGE}.ops.window_attention.lse_attention._MATH_ROW_CHUNK": "shrunk so tiny shapes span several chunks",
+    f"{PACKAGE}.ops.window_attention.lse_attention._TILE_ROWS": "shrunk so tiny shapes span several tiles",
+    f"{PACKAGE}.ops.window_attention.triton.configs._capability": "plants a GPU capability on CPU",
+    f"{PACKAGE}.ops.window_attention.triton.configs._capabilities": "plants the GPUs' capabilities on CPU",
+    f"{PACKAGE}.ops.window_attention.triton.plan_device._capturing": "plants a CUDA-graph capture on CPU",
+    f"{PACKAGE}.ops.window_attention.op._plain_eager": "which entry a call under a mode takes: no mode-free probe",
+    # the Triton launcher's internals, compiled against a stub driver on CPU (tests) or timed (bench/gpu)
+    f"{PACKAGE}.ops.window_attention.triton.launch._launch": "recorded / timed per launch (host cost, dispatch)",
+    f"{PACKAGE}.ops.window_attention.triton.launch._direct": "the direct-launch cache, emptied under the stub",
+    f"{PACKAGE}.ops.window_attention.triton.launch._tuned": "the autotuners, emptied when tile tables change",
+    f"{PACKAGE}.ops.window_attention.triton.launch._tuned_kernel": "the autotuner a key builds, checked per key",
+    f"{PACKAGE}.ops.window_attention.triton.launch._tune_key": "the autotune key, checked per shape",
+    f"{PACKAGE}.ops.window_attention.triton.launch._resolve_tiles": "the tile choice, checked per switch",
+    f"{PACKAGE}.ops.window_attention.triton.launch._check_shapes": "the launcher's own shape checks (no GPU)",
+    f"{PACKAGE}.tools.aot_report._constexprs": "the AOT report's constexpr table, checked against the kernels",
+    f"{PACKAGE}.tools.aot_report._signature": "the AOT report's signature, checked against the kernels",
+    # pure helpers tested on their own (unit tests of a step the public function hides)
+    f"{PACKAGE}.ops.window_attention.composite._element_layout": "composite's element layout, against the mask",
+    f"{PACKAGE}.ops.window_attention.composite.pieces._prefix_chunks": "the chunking rule, on edge lengths",
+    f"{PACKAGE}.parallel.context_parallel._all_gather_single": "the collective's single-process path",
+    f"{PACKAGE}.parallel.context_parallel._reduce_scatter_single": "the collective's single-process path",
+    f"{PACKAGE}.app.data._train_tokenizer": "a small tokenizer trained in the test (the CLI trains one per run)",
+    f"{PACKAGE}.app.training.stage._optimizer": "the optimizer a stage builds, checked per option",
+    f"{PACKAGE}.app.evaluation.evaluate._hf_generate": "the HF generation call, checked on a tiny model",
+    f"{PACKAGE}.app.hf_recipe.export._hf_tokenizer": "the exported tokenizer, checked on its own",
+}
+_OUTSIDE_PACKAGES = (PACKAGE, "bench")
+
+
+def _outside_module_file(dotted: str) -> str | None:
+    """The file of module ``dotted`` of the package or of bench/, or None (a name that is not a module)."""
+    base = os.path.join(ROOT, *dotted.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _outside_private_reads(path: str) -> list[str]:
+    """``"module._name"`` for each private name (``_x``, not ``__x__``) of a package or bench module that the file
+    at ``path`` imports (``from m import _x``), reads (``m._x``, ``m.sub._x``) or patches (``setattr(m, "_x")``,
+    ``setattr("m._x")``), ``m`` bound by an import; a Triton kernel of the module is exempt."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    here = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not attr.startswith("__")
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = here[: len(here) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    found, module_names = set(), {name: name for name in _OUTSIDE_PACKAGES}
+
+    def hit(module: str, attr: str) -> None:
+        file = _outside_module_file(module)
+        if file and private(attr) and not _outside_module_file(f"{module}.{attr}"):
+            if attr not in _private_definitions_exempt(file):
+                found.add(f"{module}.{attr}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = resolve(node)
+            if module.split(".")[0] not in _OUTSIDE_PACKAGES:
+                continue
+            for alias in node.names:
+                if _outside_module_file(f"{module}.{alias.name}"):
+                    module_names[alias.asname or alias.name] = f"{module}.{alias.name}"
+                else:
+                    hit(module, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name.split(".")[0] in _OUTSIDE_PACKAGES:
+                    module_names[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in module_names:
+                hit(".".join([module_names[value.id], *reversed(chain)]), node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr":
+            args = node.args
+            if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
+                module, _, attr = args[0].value.rpartition(".")
+                if module.split(".")[0] in _OUTSIDE_PACKAGES:
+                    hit(module, attr)
+            elif len(args) > 1 and isinstance(args[0], ast.Name) and args[0].id in module_names:
+                if isinstance(args[1], ast.Constant) and isinstance(args[1].value, str):
+                    hit(module_names[args[0].id], args[1].value)
+    return sorted(found)
+
+
+def _outside_files() -> list[str]:
+    return sorted(
+        os.path.join(folder, name)
+        for top in ("python_tests", "bench")
+        for folder, _, names in os.walk(os.path.join(ROOT, top))
+        if "results" not in os.path.relpath(folder, ROOT).split(os.sep)
+        for name in names
+        if name.endswith(".py")
+    )
+
+
+def test_tests_and_bench_read_no_private_state_of_the_package():
+    seen: dict[str, list[str]] = {}
+    for path in _outside_files():
+        for target in _outside_private_reads(path):
+            seen.setdefault(target, []).append(os.path.relpath(path, ROOT))
+    unlisted = {target: files for target, files in seen.items() if target not in _OUTSIDE_READS_ALLOWED}
+    assert unlisted == {}, "a public hook (or the behaviour) instead, or an _OUTSIDE_READS_ALLOWED entry with a reason"
+    stale = sorted(set(_OUTSIDE_READS_ALLOWED) - set(seen))
+    assert stale == [], "allow-list entries nothing reads any more"
+
+
+def test_the_outside_private_read_finder_sees_every_form(tmp_path):
+    planted = tmp_path / "test_planted.py"
+    planted.write_text(
+        "from kforcing_kernels.ops.window_attention import op\n"
+        "import kforcing_kernels.ops.window_attention.triton.plan_device as pd\n"
+        "from kforcing_kernels.app.data import _train_tokenizer\n"
+        "from kforcing_kernels import _extension\n"  # a private module: not counted
+        "import kforcing_kernels\n"
+        "op._eager_cache.clear()\n"
+        "kforcing_kernels.layouts.derived._interned\n"
+        "monkeypatch.setattr(pd, '_capturing', None)\n"
+        "monkeypatch.setattr('kforcing_kernels.app.train._evaluate', None)\n"
+        "from kforcing_kernels.ops.sampling.triton_kernels import _block_stats\n"  # a Triton kernel: exempt
+        "op.eager_cache_info().size\n"
+    )
+    assert _outside_private_reads(str(planted)) == [
+        f"{PACKAGE}.app.data._train_tokenizer",
+        f"{PACKAGE}.app.train._evaluate",
+        f"{PACKAGE}.layouts.derived._interned",
+        f"{PACKAGE}.ops.window_attention.op._eager_cache",
+        f"{PACKAGE}.ops.window_attention.triton.plan_device._capturing",
+    ]

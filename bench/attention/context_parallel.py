@@ -35,7 +35,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from kforcing_kernels.app.cli import make_parser, positive_int
+from kforcing_kernels.app.cli import positive_int
 from kforcing_kernels.layouts import WindowLayout
 from kforcing_kernels.model import KForcingLM, ModelConfig
 from kforcing_kernels.ops.window_attention.composite.query_rows import GROUP_ROWS
@@ -279,9 +279,3 @@ def execute(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
-
-
-def main(argv=None) -> int:
-    p = make_parser("python -m bench context-parallel", __doc__.split("\n\n")[0])
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -13,7 +13,6 @@ metrics.jsonl after the first step (compiles and caches warm there); "per rank" 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -77,8 +76,7 @@ def steady_tokens_per_s(run: Path) -> tuple[float, list[float]]:
     return statistics.median(rates[1:]), rates
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench cp-throughput", description=__doc__.split("\n\n")[0])
+def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="context tokens N per sequence")
     p.add_argument("--k", type=int, default=4, help="Stage-1 window k (noise inversion)")
     p.add_argument("--batch-size", type=int, default=2)
@@ -86,9 +84,15 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=[2], help="context-parallel world sizes")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores in all (split over the ranks)")
     p.add_argument("--json", help="also write the numbers here")
-    args = p.parse_args(argv)
+
+
+def finish_args(p, args, argv=None, prog=None):
     if any(w < 2 or args.threads % w for w in args.worlds):
         p.error(f"--worlds: expected sizes >= 2 that divide --threads {args.threads}, got {args.worlds}")
+    return args
+
+
+def execute(args) -> int:
     stage1 = ["stage1", "--supervision", "noise-inversion", "--k", str(args.k), "--steps", str(args.steps)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

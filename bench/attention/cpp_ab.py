@@ -22,7 +22,6 @@ row intervals; 0794c87 added the scan).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -136,10 +135,7 @@ def measure(path: Path, cfg: dict) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(p) -> None:
     p.add_argument(
         "--commits",
         nargs="+",
@@ -160,7 +156,9 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--jobs", type=int, default=2, help="MAX_JOBS for the builds (default 2)")
     p.add_argument("--json", default="cpp_ab.json", help="where the results go (default ./cpp_ab.json)")
-    args = p.parse_args(argv)
+
+
+def execute(args) -> None:
 
     sides = [chr(ord("A") + i) for i in range(len(args.commits))]
     commits = {side: git("rev-parse", c + "^{commit}") for side, c in zip(sides, args.commits)}

@@ -20,7 +20,6 @@ other jobs on a shared machine disturb much less.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -197,8 +196,7 @@ def format_sampler(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--only", choices=("attention", "sampler"), default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
@@ -219,12 +217,10 @@ def parse_args(argv=None):
         help="cpu: process CPU time, robust to other jobs on the machine; use with --threads 1",
     )
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
 
 
-def main(argv=None):
+def execute(args) -> dict:
     global CLOCK
-    args = parse_args(argv)
     threads = pin_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     report = {"machine": machine_info(), "threads": threads, "clock": args.clock}

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from kforcing_kernels.app.cli import make_parser, positive_int
+from kforcing_kernels.app.cli import positive_int
 from kforcing_kernels.layouts import WindowLayout, derived
 from kforcing_kernels.ops.window_attention import window_attention
 
@@ -36,7 +36,7 @@ def specforge_mask_mod(length: int):
 def build_step(length: int, step: int):
     """A step's layout and what the cpp kernels read, built from nothing: equal layouts share derived data
     (layouts/derived.py), so the table of registered contents is emptied first, as for a new step's shapes."""
-    derived._interned.clear()
+    derived.clear_interned()
     layout = WindowLayout.eagle3_ttt(length, step)
     _ = layout.row_intervals_int32, layout.cpu_query_tiles  # what the cpp kernels read, built (and cached) here
     return layout
@@ -110,9 +110,3 @@ def execute(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
-
-
-def main(argv=None) -> int:
-    p = make_parser("python -m bench eagle3", __doc__.split("\n\n")[0])
-    add_arguments(p)
-    return execute(p.parse_args(argv))

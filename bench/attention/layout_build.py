@@ -22,7 +22,7 @@ import time
 import torch
 
 from kforcing_kernels import WindowLayout
-from kforcing_kernels.app.cli import make_parser, positive_int
+from kforcing_kernels.app.cli import positive_int
 
 from .._timing import pin_threads
 
@@ -147,9 +147,3 @@ def execute(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
-
-
-def main(argv=None) -> int:
-    p = make_parser("python -m bench layout-build", __doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -21,7 +21,6 @@ from kforcing_kernels.app.cli import (
     add_batch_size,
     add_device,
     add_threads,
-    make_parser,
     non_negative_int,
     positive_int,
 )
@@ -154,8 +153,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser():
-    p = make_parser("python -m bench peers", __doc__)
+def add_arguments(p) -> None:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="single", help="mask layout")
     p.add_argument("--n", type=positive_int, default=1024, help="context length N")
     p.add_argument("--k", type=positive_int, default=4, help="window size k (block size for sbd)")
@@ -171,15 +169,9 @@ def build_parser():
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention (saves the compile time)")
     p.add_argument("--skip-dense", action="store_true", help="skip dense-mask SDPA")
     p.add_argument("--json", default=None, help="write the report as JSON here")
-    return p
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
+def execute(args) -> dict:
     report = run(args)
     print(format_table(report))
     if args.json:

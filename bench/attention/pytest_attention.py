@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from kforcing_kernels import window_attention
 from kforcing_kernels.layouts import ideal_causal_pairs
 
+from ..__main__ import parse_command
 from .._timing import phase_step, pin_threads
 from .peers import LAYOUTS
-from .sweep import OURS, method_availability, parse_args
+from .sweep import OURS, method_availability
 
 N = int(os.environ.get("KF_BENCH_N", 512))
 K = int(os.environ.get("KF_BENCH_K", 4))
@@ -42,7 +43,7 @@ def problem():
     def rand(length, grad=True):
         return torch.randn(1, HEADS, length, D, generator=gen).to(DEVICE, DTYPE).requires_grad_(grad)
 
-    avail = method_availability(parse_args(["--device", DEVICE.type]), DEVICE, DTYPE)
+    avail = method_availability(parse_command("attention", ["--device", DEVICE.type]), DEVICE, DTYPE)
     return layout, rand, avail
 
 

@@ -17,7 +17,7 @@ PHASE_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}
 MIN_WORK_SPREAD = 1.5
 
 
-def _slope(xs: list[float], ys: list[float]) -> float:
+def log_log_slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log(y) against log(x)."""
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
@@ -61,12 +61,12 @@ def fit_exponents(report: dict) -> list[dict]:
                 "median_ms": medians,
                 "min_ms": mins,
                 "causal_units": units,
-                "slope_k": _slope(ks, medians),
-                "slope_k_min": _slope(ks, mins),
-                "slope_k_norm": _slope(ks, units),
-                "slope_work": _slope(work, medians) if spread else None,
-                "slope_work_min": _slope(work, mins) if spread else None,
-                "slope_work_norm": _slope(work, units) if spread else None,
+                "slope_k": log_log_slope(ks, medians),
+                "slope_k_min": log_log_slope(ks, mins),
+                "slope_k_norm": log_log_slope(ks, units),
+                "slope_work": log_log_slope(work, medians) if spread else None,
+                "slope_work_min": log_log_slope(work, mins) if spread else None,
+                "slope_work_norm": log_log_slope(work, units) if spread else None,
             }
         )
     return fits
@@ -407,12 +407,3 @@ def execute(args) -> int:
     for path in write_plots(report, out):
         print(f"drew {path}")
     return 0
-
-
-def main(argv=None, prog="python -m bench report") -> int:
-    """Reprint an attention report and redraw its plots."""
-    from kforcing_kernels.app.cli import make_parser
-
-    p = make_parser(prog, main.__doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

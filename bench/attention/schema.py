@@ -295,12 +295,3 @@ def execute(args) -> int:
             print("  " + err)
         status |= bool(errors)
     return status
-
-
-def main(argv=None, prog="python -m bench validate") -> int:
-    """Check attention JSON reports against this schema."""
-    from kforcing_kernels.app.cli import make_parser
-
-    p = make_parser(prog, main.__doc__)
-    add_arguments(p)
-    return execute(finish_args(p, p.parse_args(argv)))

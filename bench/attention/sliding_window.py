@@ -12,13 +12,12 @@ back each row reaches, so a sliding layer's work grows as N * W instead of N^2 /
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from kforcing_kernels import WindowLayout, window_attention
-from kforcing_kernels.app.cli import make_parser, positive_int
+from kforcing_kernels.app.cli import positive_int
 
 from .._timing import measure
 
@@ -28,8 +27,7 @@ def _summary(fn, reps: int) -> dict:
     return {key: round(t[key], 2) for key in ("median_ms", "min_ms", "max_ms")}
 
 
-def main(argv=None) -> dict:
-    p: argparse.ArgumentParser = make_parser("python -m bench sliding-window", __doc__)
+def add_arguments(p) -> None:
     p.add_argument("--n", type=positive_int, default=2048, help="context length N")
     p.add_argument("--k", type=positive_int, default=4, help="window slots per context token")
     p.add_argument("--window", type=positive_int, default=512, help="the model's sliding window W")
@@ -40,7 +38,9 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
+
+
+def execute(args) -> dict:
     torch.set_num_threads(args.threads)
     full = WindowLayout.kforcing_single(args.n, args.k)
     layouts = {"global": full, f"sliding W={args.window}": full.with_sliding_window(args.window)}

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels import backends_available, window_attention
-from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_size, add_device, add_threads, positive_int
 from kforcing_kernels.layouts import ideal_causal_pairs
 
 from .._cli import add_progress_args, add_timing_args, apply_profile, command_line, default_out, progress_bar
@@ -446,12 +446,6 @@ def finish_args(p, args, argv, prog):
     return args
 
 
-def parse_args(argv=None, prog="python -m bench attention"):
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return finish_args(p, p.parse_args(argv), argv, prog)
-
-
 def execute(args) -> dict:
     from .report import print_report, write_outputs
 
@@ -460,7 +454,3 @@ def execute(args) -> dict:
     paths = write_outputs(report, args.out, plots=not args.no_plots)
     print("\nwrote " + ", ".join(paths))
     return report
-
-
-def main(argv=None, prog="python -m bench attention") -> dict:
-    return execute(parse_args(argv, prog))

@@ -50,7 +50,6 @@ from kforcing_kernels.app.cli import (
     add_seed,
     add_threads,
     apply_threads,
-    make_parser,
     positive_int,
 )
 from kforcing_kernels.ops.window_attention import reference
@@ -490,9 +489,3 @@ def execute(args) -> int:
         f"summary {json.dumps(report.data['summary'])}"
     )
     return 1 if failed else 0
-
-
-def main(argv=None) -> int:
-    p = make_parser("python -m bench batch-invariance", __doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -13,7 +13,6 @@ of each (``aot_report.compile_one``: ``triton.compile`` for the target, ``cuobjd
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import sys
 
@@ -338,16 +337,19 @@ def _compile(item):
     return label, aot_report.compile_one(job, KINDS[label])
 
 
-def main(argv=None) -> int:
+def add_arguments(p) -> None:
     from kforcing_kernels.ops.window_attention.triton import configs
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, choices=aot_report.TARGETS)
-    parser.add_argument("--tiles", nargs="*", default=["base", "wide", "hopper"], choices=sorted(configs.TILE_SETS))
-    parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
-    parser.add_argument("--dtype", default="bf16", choices=aot_report.DTYPES)
-    parser.add_argument("--workers", type=int, default=2)
-    args = parser.parse_args(argv)
+    p.add_argument("--arch", type=int, default=90, choices=aot_report.TARGETS)
+    p.add_argument("--tiles", nargs="*", default=["base", "wide", "hopper"], choices=sorted(configs.TILE_SETS))
+    p.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
+    p.add_argument("--dtype", default="bf16", choices=aot_report.DTYPES)
+    p.add_argument("--workers", type=int, default=2)
+
+
+def execute(args) -> int:
+    from kforcing_kernels.ops.window_attention.triton import configs
+
     missing = aot_report.tools_missing()
     if missing:
         print(f"bwd_registers: cannot compile: {missing}", file=sys.stderr)

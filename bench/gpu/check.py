@@ -345,11 +345,3 @@ def execute(args) -> int:
     work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix=f"gpu_check_{label}_")
     budget = args.budget_s if args.budget_s is not None else sum(s.budget_s for s in steps)
     return run_steps(steps, label=label, out=out, work=work, dry=args.dry_run, budget_s=budget)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -9,7 +9,6 @@ check's dry run does).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -327,16 +326,13 @@ def vllm_slot(dry: bool) -> int:
 SCRIPTS = {"versions": versions, "smoke": smoke, "int64": int64_offsets, "sampler": sampler, "vllm": vllm_slot}
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench gpu-script", description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
     p.add_argument("script", choices=sorted(SCRIPTS), help="which check")
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shapes (the Triton interpreter)")
     p.add_argument("--dims", type=int, nargs="+", default=None, help="smoke: head dims (None: 128 64; dry: 64)")
-    return p
 
 
-def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
+def execute(args) -> int:
     if args.dims is not None and args.script != "smoke":
         raise SystemExit(f"--dims: only the smoke script takes head dims, not {args.script!r}")
     if args.script == "smoke":

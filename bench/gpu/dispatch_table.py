@@ -13,7 +13,6 @@ k at one N), the backend must win both to be written, else the key keeps ``trito
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from kforcing_kernels.ops.window_attention import dispatch
@@ -81,12 +80,13 @@ def rows_from_report(report: dict, command: str) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("reports", nargs="+", help="bench/gpu/triton_gpu.py --json reports")
     p.add_argument("--out", default=None, help="the table to update (default: the package's dispatch_table.json)")
     p.add_argument("--command", default="", help="the command that produced the reports, for the provenance")
-    args = p.parse_args(argv)
+
+
+def execute(args) -> int:
     rows = []
     for path in args.reports:
         with open(path) as f:

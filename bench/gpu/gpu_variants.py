@@ -10,7 +10,7 @@ import torch
 
 
 @contextlib.contextmanager
-def _triton_env(tiles: str = "auto", extra: dict | None = None):
+def triton_switches(tiles: str = "auto", extra: dict | None = None):
     """KFORCING_TRITON_TILES (and ``extra`` variables) for the duration ("auto": the dispatcher's own)."""
     want = {"KFORCING_TRITON_TILES": None if tiles == "auto" else tiles, **(extra or {})}
     old = {name: os.environ.pop(name, None) for name in want}
@@ -42,7 +42,7 @@ def read_variants(path: str) -> list[tuple[str, dict]]:
     return variants
 
 
-def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) -> bool:
+def repeats_the_default(assignments: dict, head_dim: int, rows: int, device) -> bool:
     """Whether a variant that only forces a tile set would time nothing new at this shape: the set is the default
     here, or it has no tiles for this head dim or GPU and falls back to ``base`` (which the default or the
     ``tiles_base`` variant times; the H200 run timed ``hopper128`` at D=128 as a second copy of ``base``)."""
@@ -50,9 +50,9 @@ def _repeats_the_default(assignments: dict, head_dim: int, rows: int, device) ->
 
     if set(assignments) != {"KFORCING_TRITON_TILES"}:
         return False
-    with _triton_env():
+    with triton_switches():
         default = tile_set_for(head_dim, rows, device)
-    with _triton_env(extra=assignments):
+    with triton_switches(extra=assignments):
         forced = tile_set_for(head_dim, rows, device)
     return forced == default or forced != assignments["KFORCING_TRITON_TILES"]
 
@@ -79,7 +79,7 @@ def variant_problem(assignments: dict) -> str | None:
         if var == "KFORCING_FLEX_BACKEND":
             from kforcing_kernels.ops.window_attention import flex
 
-            with _triton_env(extra={var: value}):
+            with triton_switches(extra={var: value}):
                 try:
                     flex.kernel_options()
                 except ValueError as exc:

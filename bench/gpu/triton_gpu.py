@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import functools
 import math
-import sys
 import time
 
 import torch
@@ -54,13 +53,13 @@ import torch.nn.functional as F
 from kforcing_kernels import WindowLayout, window_attention
 from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
-from .._cli import write_json
+from .._cli import command_line, write_json
 from .._timing import machine_info
 from ..attention import peers as attention
 from ..training.train_step_gpu import TRAIN_VARIANTS
 from . import sampler_gpu
 from .gpu_table import render_markdown
-from .gpu_variants import _repeats_the_default, _triton_env, read_variants, variant_backend, variant_problem
+from .gpu_variants import read_variants, repeats_the_default, triton_switches, variant_backend, variant_problem
 
 LAYOUTS = {name: attention.LAYOUTS[name] for name in ("single", "double")}
 FWD_BWD_FACTOR = 3.5
@@ -121,7 +120,7 @@ def time_ms(fn) -> float:
 _WIDE_DKDV_DEFAULT: list = []  # [(tiles, configs)] of the shipped wide D=128 set, saved on first use
 
 
-def _use_wide_dkdv(spec: str | None) -> None:
+def use_wide_dkdv(spec: str | None) -> None:
     """Make the "wide" D=128 set's dK/dV tiles and configs ``spec`` (KEYS:STEP:W.S[,W.S...]: keys per program,
     rows per step, autotuned (warps, stages)), or the shipped ones for None, until the next other spec."""
     import dataclasses
@@ -145,11 +144,11 @@ def _use_wide_dkdv(spec: str | None) -> None:
 
 @contextlib.contextmanager
 def _setting(tiles: str = "auto", extra: dict | None = None, wide_dkdv=False):
-    """A method's switches (``_triton_env``) and wide dK/dV tiles (``_use_wide_dkdv``: a spec, None for the
+    """A method's switches (``triton_switches``) and wide dK/dV tiles (``use_wide_dkdv``: a spec, None for the
     shipped ones, False to leave them), set once around all of its calls: never inside a timed call."""
     if wide_dkdv is not False:
-        _use_wide_dkdv(wide_dkdv)
-    with _triton_env(tiles, extra):
+        use_wide_dkdv(wide_dkdv)
+    with triton_switches(tiles, extra):
         yield
 
 
@@ -177,7 +176,7 @@ def _methods(layout, q, kk, v, args, extras):
         backend = variant_backend(assignments)
         if backend not in args.methods and not (backend == "flex" and "flex_backend" in args.methods):
             continue
-        if _repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
+        if repeats_the_default(assignments, q.shape[-1], layout.n_queries, q.device):
             continue  # the dispatcher picks that tile set here anyway: the default's run measures it
 
         out[f"{backend}[{vname}]"] = (
@@ -329,8 +328,7 @@ def train_step(args) -> list[dict]:
     return rows(args, _timer(args))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -403,11 +401,15 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def finish_args(p, args, argv, prog):
+    """The command as typed, for the report."""
+    args.command_line = command_line(prog, argv)
+    return args
+
+
+def execute(args) -> int:
     if args.render:
         print(render_markdown(args.render))
         return 0
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
         "rows": [],
         "started": time.time(),
         "capability": capability(args.device),
-        "command": "python -m bench gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": args.command_line,
     }
     if args.sampler:
         report["sampler"] = sampler_gpu.rows(args, time_ms)

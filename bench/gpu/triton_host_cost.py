@@ -332,9 +332,3 @@ def execute(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -20,7 +20,6 @@ so the parts say only that the path ran).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 
@@ -60,7 +59,7 @@ def profile_one(
     assignments: dict | None = None,
     dry_run: bool = False,
 ) -> dict:
-    from .gpu_variants import _triton_env
+    from .gpu_variants import triton_switches
 
     layout = attention.LAYOUTS[layout_name](n, k)
     dev, dt = (torch.device("cpu"), torch.float32) if dry_run else (torch.device("cuda"), torch.bfloat16)
@@ -85,7 +84,7 @@ def profile_one(
     device_type = torch.autograd.DeviceType.CUDA if dev.type == "cuda" else torch.autograd.DeviceType.CPU
     # The variant's switches are set once around every call, never inside a timed step (setting them costs
     # host time and empties the launchers' cached host state per call).
-    with _triton_env(extra=assignments):
+    with triton_switches(extra=assignments):
         for _ in range(warmups):  # compile, autotune, caches
             step()
         sync()
@@ -124,8 +123,7 @@ def profile_one(
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--layout", nargs="+", choices=sorted(attention.LAYOUTS), default=["single"])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--k", type=int, nargs="+", default=[4])
@@ -142,7 +140,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes (no numbers)")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+
+
+def execute(args) -> int:
     if args.dry_run:
         from .triton_gpu import DRY_RUN_N
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench/gpu/triton_profile.py: skipped, no CUDA device here; nothing was measured.")
         return 0
-    from .gpu_variants import _repeats_the_default, read_variants, variant_backend, variant_problem
+    from .gpu_variants import read_variants, repeats_the_default, variant_backend, variant_problem
 
     runs = [(m, m, None) for m in args.methods]
     for name, assignments in read_variants(args.variants) if args.variants else ():
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                     for label, method, assignments in runs:
                         layout = attention.LAYOUTS[layout_name](n, k)
                         device = torch.device("cpu" if args.dry_run else "cuda")
-                        if assignments and _repeats_the_default(assignments, d, layout.n_queries, device):
+                        if assignments and repeats_the_default(assignments, d, layout.n_queries, device):
                             continue  # the dispatcher's own tile set here: the default's run profiles it
                         try:
                             r = profile_one(

@@ -49,7 +49,7 @@ import time
 import torch
 
 from kforcing_kernels import default_backend
-from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_sizes, add_new_tokens, int_list, positive_int
 
 from .._cli import (
     add_model_args,
@@ -620,12 +620,6 @@ def finish_args(p, args, argv, prog):
     return args
 
 
-def parse_args(argv=None, prog="python -m bench infer"):
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return finish_args(p, p.parse_args(argv), argv, prog)
-
-
 def execute(args) -> dict:
     if args.host_cost:
         report = host_cost(args)
@@ -636,7 +630,3 @@ def execute(args) -> dict:
     print(format_report(report))
     write_report_files(report, args.out, "inference")
     return report
-
-
-def main(argv=None, prog="python -m bench infer") -> dict:
-    return execute(parse_args(argv, prog))

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from kforcing_kernels.app.cli import add_device, make_parser, positive_int
+from kforcing_kernels.app.cli import add_device, positive_int
 
 from .._cli import command_line, default_out
 
@@ -242,9 +242,3 @@ def execute(args) -> dict:
     Path(args.out, "allocation.json").write_text(json.dumps(report, indent=1))
     Path(args.out, "allocation.md").write_text(format_report(report) + "\n")
     return report
-
-
-def main(argv=None, prog="python -m bench allocation") -> dict:
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return execute(finish_args(p, p.parse_args(argv), argv, prog))

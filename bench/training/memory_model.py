@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from kforcing_kernels.app.cli import add_batch_size, int_list, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_size, int_list, positive_int
 
 GIB = 2**30
 PARTS = ("weights+optimizer", "activations", "attention", "loss", "teacher", "backward")
@@ -250,9 +250,3 @@ def execute(args) -> int:
         with open(args.out, "w") as f:
             json.dump({"calibration": dataclasses.asdict(cal), "rows": rows}, f, indent=1)
     return 0
-
-
-def main(argv=None, prog="python -m bench memory-model") -> int:
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

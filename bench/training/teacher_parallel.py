@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kforcing_kernels.app.cli import add_threads, make_parser, positive_int
+from kforcing_kernels.app.cli import add_threads, positive_int
 
 from ._train_models import (
     Collectives,
@@ -226,9 +226,3 @@ def execute(args) -> int:
     if args.native:
         args.hf_llama = None
     return execute_launcher(args, _worker, run, format_report, lambda report: report)
-
-
-def main(argv=None, prog="python -m bench teacher") -> int:
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -465,11 +465,3 @@ def execute(args) -> int:
         )
         return 1
     return 0
-
-
-def main(argv=None, prog="python -m bench train-gpu") -> int:
-    from kforcing_kernels.app.cli import make_parser
-
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return execute(finish_args(p, p.parse_args(argv), argv, prog))

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kforcing_kernels.app.cli import add_threads, int_list, make_parser, positive_int
+from kforcing_kernels.app.cli import add_threads, int_list, positive_int
 from kforcing_kernels.app.training.parallel import decoder_layers
 
 from ._train_models import (
@@ -307,9 +307,3 @@ def format_report(rows: list[dict]) -> str:
 
 def execute(args) -> int:
     return execute_launcher(args, _worker, run, format_report, lambda rows: {"schema": SCHEMA_ID, "rows": rows})
-
-
-def main(argv=None, prog="python -m bench memory") -> int:
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return execute(p.parse_args(argv))

@@ -32,7 +32,7 @@ import time
 import torch
 
 from kforcing_kernels import default_backend
-from kforcing_kernels.app.cli import add_batch_size, make_parser, positive_int
+from kforcing_kernels.app.cli import add_batch_size, positive_int
 
 from .._cli import (
     add_model_args,
@@ -54,7 +54,7 @@ from .._timing import (
     row_stamp,
     timing_fields,
 )
-from ..attention.report import _slope
+from ..attention.report import log_log_slope
 
 SCHEMA_ID = "kforcing-bench/train-step/v1"
 FULL = {"k": [1, 2, 4, 8], "seq_len": 512, "batch": 2, "reps": 3, "warmup": 1, "max_seconds": 30.0}
@@ -213,7 +213,7 @@ def run(args) -> dict:
     for label in variants:
         pts = [(r["teacher_k"], r["median_ms"]) for r in rows if r["variant"] == label and r["status"] == "ok"]
         if len(pts) >= 2:
-            fits[label] = _slope([p[0] for p in pts], [p[1] for p in pts])
+            fits[label] = log_log_slope([p[0] for p in pts], [p[1] for p in pts])
     return {"schema": SCHEMA_ID, "meta": meta, "rows": rows, "exponent_vs_k": fits}
 
 
@@ -300,18 +300,8 @@ def finish_args(p, args, argv, prog):
     return args
 
 
-def parse_args(argv=None, prog="python -m bench train"):
-    p = make_parser(prog, __doc__)
-    add_arguments(p)
-    return finish_args(p, p.parse_args(argv), argv, prog)
-
-
 def execute(args) -> dict:
     report = run(args)
     print(format_report(report))
     write_report_files(report, args.out, "train_step")
     return report
-
-
-def main(argv=None, prog="python -m bench train") -> dict:
-    return execute(parse_args(argv, prog))

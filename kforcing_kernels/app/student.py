@@ -351,6 +351,15 @@ def register_kind(name: str, where: str | ModelKind) -> None:
         _LOADED[name] = where
 
 
+def unregister_kind(name: str) -> None:
+    """Remove the kind called ``name`` (one :func:`register_kind` added: tests, a plugin unloaded; removing a
+    built-in kind removes it for the process). An unknown name: ValueError naming the known ones."""
+    if name not in _SPECS:
+        raise ValueError(f"kind: expected one of {kind_names()}, got {name!r}")
+    del _SPECS[name]
+    _LOADED.pop(name, None)
+
+
 def kind_names() -> tuple[str, ...]:
     return tuple(_SPECS)
 

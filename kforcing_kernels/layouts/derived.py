@@ -46,6 +46,13 @@ _interned: "collections.OrderedDict[tuple, LayoutBase]" = collections.OrderedDic
 _lock = threading.Lock()
 
 
+def clear_interned() -> None:
+    """Empty the table of registered contents: equal layouts made afterwards build their derived data again
+    (benchmarks timing a layout's construction from nothing; the layouts that exist keep their stores)."""
+    with _lock:
+        _interned.clear()
+
+
 def content_key(
     n_ctx: int,
     num_windows: int,

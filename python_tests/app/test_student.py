@@ -112,26 +112,30 @@ class _MarkerKind(ModelKind):
         return torch.full((tokens.shape[0], kw["max_new_tokens"]), 5), None
 
 
-def test_a_registered_kind_serves_every_caller(tmp_path, monkeypatch):
+def test_a_registered_kind_serves_every_caller(tmp_path):
     from kforcing_kernels.app.generation.inference import generate_ar, generate_kforcing
     from kforcing_kernels.app.training.provenance import teacher_sha256
 
-    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
-    monkeypatch.setattr(registry, "_LOADED", dict(registry._LOADED))
     registry.register_kind("marker", _MarkerKind())
-    (tmp_path / "marker.txt").write_text("")
-    assert registry.find_kind(tmp_path).name == "marker"
-    assert teacher_sha256(str(tmp_path)) == "marker"  # the trainer's resume check asks the kind
-    model = KForcingLM(CONFIG)
-    model.kind = "marker"
-    model.k_train = 2
-    assert generate_kforcing(model, [[1, 2]], 2, 3, temperature=1.0).tolist() == [[7, 7, 7]]
-    model.k_train = 0
-    assert generate_ar(model, [[1, 2]], 3, temperature=1.0).tolist() == [[5, 5, 5]]
+    try:
+        (tmp_path / "marker.txt").write_text("")
+        assert registry.find_kind(tmp_path).name == "marker"
+        assert teacher_sha256(str(tmp_path)) == "marker"  # the trainer's resume check asks the kind
+        model = KForcingLM(CONFIG)
+        model.kind = "marker"
+        model.k_train = 2
+        assert generate_kforcing(model, [[1, 2]], 2, 3, temperature=1.0).tolist() == [[7, 7, 7]]
+        model.k_train = 0
+        assert generate_ar(model, [[1, 2]], 3, temperature=1.0).tolist() == [[5, 5, 5]]
+        with pytest.raises(ValueError, match="kind: expected one of"):
+            registry.kind_named("nothing")
+        with pytest.raises(ValueError, match="where: expected a ModelKind"):
+            registry.register_kind("bad", 3)
+    finally:
+        registry.unregister_kind("marker")
+    assert "marker" not in registry.kind_names() and registry.find_kind(tmp_path) is None
     with pytest.raises(ValueError, match="kind: expected one of"):
-        registry.kind_named("nothing")
-    with pytest.raises(ValueError, match="where: expected a ModelKind"):
-        registry.register_kind("bad", 3)
+        registry.unregister_kind("marker")
 
 
 def test_both_models_take_the_protocols_arguments():
@@ -270,7 +274,6 @@ def test_a_kind_without_a_capability_refuses_it_by_name():
         kind.export_sharded("ckpt", "out", {}, {})
     # Through the public entry points: a model of that kind.
     model.kind, model.k_train = "marker", 2
-    saved = dict(registry._SPECS), dict(registry._LOADED)
     registry.register_kind("marker", kind)
     try:
         with pytest.raises(ValueError, match="^cache: "):
@@ -278,5 +281,4 @@ def test_a_kind_without_a_capability_refuses_it_by_name():
         with pytest.raises(registry.CapabilityError, match="PagedGenerator"):
             PagedGenerator(model, 2, num_pages=4)
     finally:
-        registry._SPECS.clear(), registry._SPECS.update(saved[0])
-        registry._LOADED.clear(), registry._LOADED.update(saved[1])
+        registry.unregister_kind("marker")

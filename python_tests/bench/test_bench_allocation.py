@@ -41,13 +41,10 @@ def test_parse_variant_refuses_what_it_cannot_run(text):
 
 
 def test_duplicate_names_are_refused(capsys):
-    from bench.__main__ import build_parser
-    from bench.training.demo_allocation import finish_args
+    from bench.__main__ import parse_command
 
-    argv = ["allocation", "--variant", "a=1,2,3,4", "--variant", "a=1,2,3,5"]
-    args = build_parser().parse_args(argv)
     with pytest.raises(SystemExit):
-        finish_args(args.bench_parser, args, argv[1:], "python -m bench allocation")
+        parse_command("allocation", ["--variant", "a=1,2,3,4", "--variant", "a=1,2,3,5"])
     assert "expected distinct names" in capsys.readouterr().err
 
 

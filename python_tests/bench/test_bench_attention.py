@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 
+from bench.__main__ import parse_command
 from bench.attention.report import fit_exponents
 from bench.attention.schema import check_report, validate_schema
-from bench.attention.sweep import METHODS, configurations, method_availability, parse_args
+from bench.attention.sweep import METHODS, configurations, method_availability
 from helpers import REPO
 
 
@@ -185,7 +186,7 @@ def test_fit_exponents_recovers_known_power_laws():
 def test_configurations_and_availability():
     got = [(name, n, k) for name, n, k, _ in configurations(["single", "jacobi", "sbd"], [64], [1, 4], {"sbd": [2]})]
     assert got == [("single", 64, 1), ("single", 64, 4), ("jacobi", 64, None), ("sbd", 64, 2)]
-    args = parse_args(["--quick", "--backends", "composite", "--device", "cpu"])
+    args = parse_command("attention", ["--quick", "--backends", "composite", "--device", "cpu"])
     import torch
 
     avail = method_availability(args, torch.device("cpu"), torch.float32)
@@ -193,5 +194,5 @@ def test_configurations_and_availability():
     assert avail["ideal"] is None and avail["composite"] is None
     assert avail["cpp"] == "not selected (--backends)"
     assert "CUDA" in avail["flash_attn_ideal"]
-    args = parse_args(["--device", "cpu"])
+    args = parse_command("attention", ["--device", "cpu"])
     assert method_availability(args, torch.device("cpu"), torch.float32)["triton"]  # never timed on CPU

@@ -38,3 +38,65 @@ def test_validate_a_real_report():
         pytest.skip("no stored report")
     proc = _bench("validate", report)
     assert proc.returncode == 0 and "valid" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------- one command style
+
+# A command whose module may still own its parser (``main(argv)``), with the reason; bench/__main__.py's OWN_PARSER.
+OWN_PARSER_ALLOWED = {
+    "vllm": "bench/inference/vllm_serving.py belongs to the vLLM integration's owner this round (issue 55)",
+}
+
+
+def _module_functions(module: str) -> dict[str, object]:
+    import ast
+
+    path = os.path.join(ROOT, "bench", *module.split(".")) + ".py"
+    tree = ast.parse(open(path).read(), path)
+    return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def test_every_bench_command_has_the_one_style():
+    """Every command module gives ``add_arguments(p)`` and ``execute(args)`` (optionally ``finish_args(p, args,
+    argv, prog)``) to the dispatcher, and builds no parser or entry of its own (no ``main`` / ``parse_args`` /
+    ``build_parser`` / ``make_parser`` function): one way to add a command, one parser per command."""
+    from bench.__main__ import COMMANDS, OWN_PARSER
+
+    assert set(OWN_PARSER) == set(OWN_PARSER_ALLOWED)
+    for name, (module, _) in COMMANDS.items():
+        functions = _module_functions(module)
+        if name in OWN_PARSER:
+            assert "main" in functions and "add_arguments" not in functions, name
+            continue
+        own = sorted(set(functions) & {"main", "parse_args", "build_parser", "make_parser"})
+        assert own == [], f"{name} (bench/{module}): {own}"
+        assert {"add_arguments", "execute"} <= set(functions), f"{name} (bench/{module})"
+        assert [len(functions[f].args.args) for f in ("add_arguments", "execute")] == [1, 1], name
+        if "finish_args" in functions:
+            assert len(functions["finish_args"].args.args) == 4, name
+        text = open(os.path.join(ROOT, "bench", *module.split(".")) + ".py").read()
+        assert "ArgumentParser(" not in text, f"{name} (bench/{module}) builds a parser of its own"
+
+
+def test_a_command_parses_alike_alone_and_under_the_dispatcher():
+    """command_parser / parse_command (what tests and the GPU check use in-process) give the options of the
+    dispatcher's subcommand, finish_args included, and a usage error exits 2 as on the command line."""
+    from bench.__main__ import COMMANDS, OWN_PARSER, build_parser, command_parser, parse_command
+
+    top = build_parser()
+    (sub,) = [a for a in top._actions if a.dest == "bench_command"]  # argparse keeps subparsers only there
+    for name in COMMANDS:
+        if name in OWN_PARSER:
+            with pytest.raises(ValueError, match="^name: "):
+                command_parser(name)
+            continue
+        alone, under = command_parser(name), sub.choices[name]
+        assert alone.prog == under.prog == f"python -m bench {name}"
+        assert alone.format_help() == under.format_help(), name
+    argv = ["--layouts", "single", "--n", "16", "--k", "2", "--device", "cpu", "--out", "x"]
+    args = parse_command("attention", argv)
+    assert args.layouts == ["single"] and args.n == [16]  # finish_args ran: the lists are parsed
+    assert args.command == "python -m bench attention " + " ".join(argv)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_command("attention", ["--layouts", "nosuch", "--device", "cpu"])
+    assert exit_info.value.code == 2

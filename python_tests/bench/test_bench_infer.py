@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("kforcing_kernels.model", reason="the reference model is not in this checkout")
 
 from bench import _cli  # noqa: E402
+from bench.__main__ import parse_command, run_command  # noqa: E402
 from bench.inference import serving as inference  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def test_quick_run_writes_each_row_as_it_finishes(tmp_path, monkeypatch, capsys)
         real(report, path, **kw)
 
     monkeypatch.setattr(inference, "write_json", spy)
-    report = inference.main(SMALL + ["--hf", "eager", "--hf-reps", "1", "--out", str(tmp_path)])
+    report = run_command("infer", SMALL + ["--hf", "eager", "--hf-reps", "1", "--out", str(tmp_path)])
     rows = report["rows"]
     methods = [(r["method"], r["k"], r["cache"]) for r in rows]
     assert methods == [
@@ -67,12 +68,12 @@ def test_quick_run_writes_each_row_as_it_finishes(tmp_path, monkeypatch, capsys)
 
 
 def test_the_paper_profile_is_table_1(tmp_path):
-    args = inference.parse_args(["--paper", "--device", "cpu", "--out", str(tmp_path)])
+    args = parse_command("infer", ["--paper", "--device", "cpu", "--out", str(tmp_path)])
     assert (args.preset, args.dtype, args.k) == ("paper", "bfloat16", [2, 4])
     assert (args.batch_sizes, args.prompt_len) == ([4, 16, 128], [64])
     assert args.prompt_len[0] + args.new_tokens == 1024 and (args.warmup, args.reps) == (1, 3)
     assert set(args.cache) == {"contiguous", "paged"}
-    args = inference.parse_args(["--paper", "--device", "cpu", "--dtype", "float32", "--reps", "5"])
+    args = parse_command("infer", ["--paper", "--device", "cpu", "--dtype", "float32", "--reps", "5"])
     assert (args.dtype, args.reps) == ("float32", 5)  # the command line wins over the profile
 
 
@@ -80,15 +81,18 @@ def test_compile_flag(tmp_path, monkeypatch):
     from kforcing_kernels.app.generation import static_step
 
     with pytest.raises(SystemExit):
-        inference.parse_args(["--compile", "cudagraph", "--device", "cpu"])
+        parse_command("infer", ["--compile", "cudagraph", "--device", "cpu"])
     monkeypatch.setattr(static_step, "COMPILE_BACKEND", "aot_eager")  # inductor would take minutes here
-    report = inference.main(SMALL + ["--k", "2", "--cache", "paged", "--compile", "compile", "--out", str(tmp_path)])
+    report = run_command(
+        "infer", SMALL + ["--k", "2", "--cache", "paged", "--compile", "compile", "--out", str(tmp_path)]
+    )
     assert report["meta"]["compile"] == "compile"
     assert [(r["status"], r["compile"]) for r in report["rows"]] == [("ok", "compile")] * 2
 
 
 def test_host_cost_mode(tmp_path, capsys):
-    report = inference.main(
+    report = run_command(
+        "infer",
         [
             "--host-cost",
             "--threads",
@@ -104,7 +108,7 @@ def test_host_cost_mode(tmp_path, capsys):
             "--no-progress",
             "--out",
             str(tmp_path),
-        ]
+        ],
     )
     rows = report["rows"]
     assert [(r["method"], r["k"], r["forward_passes"]) for r in rows] == [("ar", None, 8), ("kforcing", 4, 2)]

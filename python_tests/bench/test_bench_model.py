@@ -9,8 +9,8 @@ pytest.importorskip(
     "kforcing_kernels.model", reason="the reference model (kforcing_kernels.model) is not in this checkout"
 )
 
+from bench.__main__ import parse_command, run_command
 from bench.inference import serving as inference
-from bench.training import train_step
 
 TINY = ["--preset", "micro", "--threads", "1", "--warmup", "0", "--reps", "1"]
 
@@ -26,7 +26,7 @@ def _keep_thread_count():
 
 
 def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
-    report = train_step.main(TINY + ["--k", "1,2", "--seq-len", "16", "--batch-size", "2", "--out", str(tmp_path)])
+    report = run_command("train", TINY + ["--k", "1,2", "--seq-len", "16", "--batch-size", "2", "--out", str(tmp_path)])
     rows = report["rows"]
     assert [(r["teacher_k"], r["variant"]) for r in rows] == [(1, "dense"), (1, "ours"), (2, "dense"), (2, "ours")]
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
@@ -45,8 +45,9 @@ def test_train_step_bench_compares_the_same_step(tmp_path, capsys):
 
 
 def test_inference_bench_rows(tmp_path, capsys):
-    report = inference.main(
-        TINY + ["--k", "1,2", "--batch-sizes", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)]
+    report = run_command(
+        "infer",
+        TINY + ["--k", "1,2", "--batch-sizes", "2,3", "--prompt-len", "5", "--new-tokens", "4", "--out", str(tmp_path)],
     )
     rows = report["rows"]
     expected = [
@@ -77,7 +78,8 @@ def test_inference_bench_rows(tmp_path, capsys):
 
 def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
     """--dtype sets the weights and so the KV caches (the paper's serving table runs bf16)."""
-    report = inference.main(
+    report = run_command(
+        "infer",
         TINY
         + [
             "--k",
@@ -93,7 +95,7 @@ def test_inference_bench_runs_the_model_in_bfloat16(tmp_path):
             "--out",
             str(tmp_path),
             "--no-progress",
-        ]
+        ],
     )
     assert report["meta"]["dtype"] == "bfloat16"
     assert len(report["rows"]) == 4 and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in report["rows"])
@@ -126,7 +128,7 @@ def test_gpu_check_serving_step_follows_the_papers_protocol(tmp_path):
             mock.patch.object(torch.cuda, "is_available", lambda: True),
             mock.patch.object(torch.cuda, "device_count", lambda: 1),
         ):  # parsing checks the device exists
-            return inference.parse_args(argv[3:])
+            return parse_command("infer", argv[3:])
 
     first, more = parsed("serving"), parsed("serving_more")
     for args in (first, more):

@@ -266,10 +266,10 @@ def test_a_forced_tile_set_equal_to_the_dispatchers_choice_is_not_timed_twice():
     from bench.gpu import gpu_variants
 
     cpu = torch.device("cpu")  # the interpreter's choice: base at every head dim
-    assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "base"}, 64, 1000, cpu)
-    assert not gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 128, 1000, cpu)
-    assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 64, 1000, cpu)  # no D=64 tiles: base
-    assert gpu_variants._repeats_the_default({"KFORCING_TRITON_TILES": "hopper128"}, 128, 1000, cpu)  # base again
-    assert not gpu_variants._repeats_the_default(
+    assert gpu_variants.repeats_the_default({"KFORCING_TRITON_TILES": "base"}, 64, 1000, cpu)
+    assert not gpu_variants.repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 128, 1000, cpu)
+    assert gpu_variants.repeats_the_default({"KFORCING_TRITON_TILES": "wide"}, 64, 1000, cpu)  # no D=64 tiles: base
+    assert gpu_variants.repeats_the_default({"KFORCING_TRITON_TILES": "hopper128"}, 128, 1000, cpu)  # base again
+    assert not gpu_variants.repeats_the_default(
         {"KFORCING_TRITON_TILES": "base", "KFORCING_FLEX_BACKEND": "TRITON"}, 64, 1000, cpu
     )

@@ -50,7 +50,7 @@ def test_parts_and_paper_targets():
 
 def test_bench_train_with_ac_reports_memory(tmp_path, capsys):
     """bench train --ac: the same loss as without it, and the memory fields of every variant (CPU)."""
-    from bench.training import train_step
+    from bench.__main__ import run_command
 
     base = [
         "--preset",
@@ -68,9 +68,9 @@ def test_bench_train_with_ac_reports_memory(tmp_path, capsys):
         "--threads",
         "1",
     ]
-    plain = train_step.main(base + ["--out", str(tmp_path / "plain")])
-    ac = train_step.main(base + ["--ac", "--out", str(tmp_path / "ac")])
-    unchunked = train_step.main(base + ["--unchunked-loss", "--out", str(tmp_path / "unchunked")])
+    plain = run_command("train", base + ["--out", str(tmp_path / "plain")])
+    ac = run_command("train", base + ["--ac", "--out", str(tmp_path / "ac")])
+    unchunked = run_command("train", base + ["--unchunked-loss", "--out", str(tmp_path / "unchunked")])
     assert ac["meta"]["activation_checkpointing"] and not plain["meta"]["activation_checkpointing"]
     for a, b, c in zip(plain["rows"], ac["rows"], unchunked["rows"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["loss"] == pytest.approx(c["loss"], rel=1e-5)

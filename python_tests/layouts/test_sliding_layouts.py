@@ -151,9 +151,12 @@ def test_backends_run_the_sliding_layout_like_a_dense_softmax(backend):
 
 
 def test_bench_sliding_window_counts_the_pairs_of_the_masks():
-    from bench.attention.sliding_window import main
+    from bench.__main__ import run_command
 
-    got = main(["--n", "16", "--k", "2", "--window", "8", "--reps", "1", "--backend", "reference", "--threads", "1"])
+    got = run_command(
+        "sliding-window",
+        ["--n", "16", "--k", "2", "--window", "8", "--reps", "1", "--backend", "reference", "--threads", "1"],
+    )
     full = WindowLayout.kforcing_single(16, 2)
     slid = windowed(P.kforcing_single_elementwise(16, 2), single_positions(16, 2), single_positions(16, 2), 8)
     assert got["layouts"]["global"]["pairs"] == int(full.dense_mask().sum())

@@ -205,6 +205,7 @@ def test_the_memory_estimate_counts_every_buffer_of_the_backward():
 def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_path):
     """bench.attention.cp_throughput: the median tokens/s after the first logged step (its compiles), from
     metrics.jsonl; a world size that does not divide the cores is refused by name."""
+    from bench.__main__ import run_command
     from bench.attention import cp_throughput
 
     lines = [
@@ -218,7 +219,7 @@ def test_cp_throughput_bench_reads_the_steady_rate_and_checks_its_worlds(tmp_pat
     with pytest.raises(RuntimeError, match="expected >= 2 logged steps"):
         cp_throughput.steady_tokens_per_s(tmp_path)
     with pytest.raises(SystemExit):
-        cp_throughput.main(["--threads", "2", "--worlds", "4"])
+        run_command("cp-throughput", ["--threads", "2", "--worlds", "4"])
 
 
 @pytest.mark.parametrize("backend", ["reference", "composite", "cpp"])

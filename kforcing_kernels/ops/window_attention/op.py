@@ -279,6 +279,7 @@ class _EagerEntry(NamedTuple):
 EAGER_CACHE_MAX = 64
 _eager_cache: dict[tuple, _EagerEntry] = {}
 _eager_lock = threading.Lock()
+_eager_hits = 0  # calls answered by a cached entry since the last clear_eager_cache (eager_cache_info)
 
 
 def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
@@ -295,6 +296,7 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
     functorch transforms (those calls take the custom op). An input that differs in anything a check
     reads misses, and is validated (and refused by name) like a first call.
     """
+    global _eager_hits
     if torch.compiler.is_compiling():  # traced: the custom op (first, so that dynamo traces nothing else here)
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
@@ -328,6 +330,7 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
     )
     entry = _eager_cache.get(key)
     if entry is not None:
+        _eager_hits += 1  # a diagnostic count (eager_cache_info): unlocked, so concurrent hits may undercount
         return entry
     if q.device.type == "meta" or k.device.type == "meta" or v.device.type == "meta":
         return None
@@ -349,9 +352,34 @@ def _eager_entry(q, k, v, layout, scale, backend) -> Optional[_EagerEntry]:
 
 
 def clear_eager_cache() -> None:
-    """Forget every cached eager resolution (tests; a backend module reloaded)."""
+    """Forget every cached eager resolution and reset the hit count (tests; a backend module reloaded)."""
+    global _eager_hits
     with _eager_lock:
         _eager_cache.clear()
+        _eager_hits = 0
+
+
+class EagerCacheInfo(NamedTuple):
+    """A snapshot of the eager fast path's cache (:func:`eager_cache_info`).
+
+    ``size``: entries held (validated plain eager calls, one per key), at most ``max_size``
+    (:data:`EAGER_CACHE_MAX`); ``hits``: calls answered by an entry since the last :func:`clear_eager_cache`;
+    ``backends``: the backend each entry resolved to, oldest first (the next one evicted is ``backends[0]``).
+    A plain eager call that misses adds an entry; one that takes the general path (torch.compile, a mode or
+    functorch transform, a non-plain argument) leaves both ``size`` and ``hits`` as they were."""
+
+    size: int
+    max_size: int
+    hits: int
+    backends: tuple[str, ...]
+
+
+def eager_cache_info() -> EagerCacheInfo:
+    """What the eager fast path holds now (tests, benchmarks: whether calls hit, and what they resolved to)."""
+    with _eager_lock:
+        return EagerCacheInfo(
+            len(_eager_cache), EAGER_CACHE_MAX, _eager_hits, tuple(e.backend for e in _eager_cache.values())
+        )
 
 
 def default_backend_for(device: torch.device, dtype: torch.dtype, head_dim, layout: WindowLayout) -> str:

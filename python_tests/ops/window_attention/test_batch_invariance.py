@@ -192,13 +192,12 @@ def test_command_line_writes_the_json_and_is_a_bench_command(tmp_path, capsys):
 
 
 def test_gpu_check_runs_the_step_with_arguments_the_bench_accepts(tmp_path):
+    from bench.__main__ import parse_command
     from bench.gpu import check
 
     (step,) = [s for s in check.STEPS if s.command == "batch-invariance"]
     assert step.call == 1
-    parser = bi.make_parser("x")
-    bi.add_arguments(parser)
-    args = parser.parse_args(check.expand(step.argv, str(tmp_path))[3:])
+    args = parse_command("batch-invariance", check.expand(step.argv, str(tmp_path))[3:])
     assert args.json == str(tmp_path / "batch_invariance.json")
     # N=8192: where the dispatch table may pick flex at D=128 (issue 53), so its invariance is checked there.
     assert args.n == 8192 and sorted(args.dims) == [64, 128]

@@ -1,7 +1,7 @@
-"""window_attention's eager fast path (op._eager_entry): a validated plain eager call's resolution is cached
-under a key of everything its checks read; a hit gives the general path's results, and an input that differs
-in any checked property misses and is refused by name, as on a first call. CPU backends (the path is the
-same for every backend; the triton launchers' side is python_tests/ops/window_attention/triton/)."""
+"""window_attention's eager fast path, observed through op.eager_cache_info: a validated plain eager call's
+resolution is cached under a key of everything its checks read; a hit gives the general path's results, and an
+input that differs in any checked property misses and is refused by name, as on a first call. CPU backends (the
+path is the same for every backend; the triton launchers' side is python_tests/ops/window_attention/triton/)."""
 
 import pytest
 import torch
@@ -16,6 +16,12 @@ def _fresh_cache():
     op.clear_eager_cache()
     yield
     op.clear_eager_cache()
+
+
+def _size_and_hits() -> tuple[int, int]:
+    info = op.eager_cache_info()
+    assert info.max_size == op.EAGER_CACHE_MAX and len(info.backends) == info.size
+    return info.size, info.hits
 
 
 def _qkv(layout, dtype=torch.float32, d=16, batch=2, heads=4, kv_heads=2, seed=0):
@@ -40,9 +46,9 @@ def test_a_cached_call_gives_the_general_paths_results(backend):
     ref = _fwd_bwd(*(t.detach().double().requires_grad_(True) for t in (q, k, v)), layout, backend="reference")
     op.clear_eager_cache()
     first = _fwd_bwd(q, k, v, layout, backend=backend)
-    assert len(op._eager_cache) == 1
+    assert _size_and_hits() == (1, 0)
     again = _fwd_bwd(q, k, v, layout, backend=backend)  # a hit
-    assert len(op._eager_cache) == 1
+    assert _size_and_hits() == (1, 1)
     for a, b, r in zip(first, again, ref):
         assert torch.equal(a, b)
         torch.testing.assert_close(a.double(), r, atol=1e-5, rtol=1e-5)
@@ -57,13 +63,13 @@ def test_scale_and_strides_are_part_of_the_key():
     op.clear_eager_cache()
     base = _fwd_bwd(q, k, v, layout, backend="composite")
     scaled = _fwd_bwd(q, k, v, layout, backend="composite", scale=0.5)
-    assert len(op._eager_cache) == 2 and not torch.equal(base[0], scaled[0])
+    assert op.eager_cache_info().size == 2 and not torch.equal(base[0], scaled[0])
     torch.testing.assert_close(scaled[0].double(), ref[0], atol=1e-5, rtol=1e-5)
     # The same values through a transposed layout in memory: another key, the same numbers.
     qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
     assert qt.shape == q.shape and qt.stride() != q.stride()
     strided = _fwd_bwd(qt, k, v, layout, backend="composite")
-    assert len(op._eager_cache) == 3
+    assert _size_and_hits() == (3, 0)  # three keys, no hit
     for a, b in zip(base, strided):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
@@ -94,7 +100,7 @@ def test_bad_inputs_are_still_refused_by_name_after_a_cached_call():
         window_attention(q, k, v, "single", backend="composite")
     with pytest.raises(ValueError, match=r"^q: expected a head count"):  # GQA: 3 heads over 2 kv heads
         window_attention(q[:, :3], k, v, layout, backend="composite")
-    assert len(op._eager_cache) == 1  # nothing refused was cached
+    assert op.eager_cache_info().size == 1  # nothing refused was cached
 
 
 def test_the_environment_switches_are_part_of_the_key(monkeypatch):
@@ -102,10 +108,10 @@ def test_the_environment_switches_are_part_of_the_key(monkeypatch):
     q, k, v = _qkv(layout)
     monkeypatch.delenv("KFORCING_BACKEND", raising=False)
     window_attention(q, k, v, layout)
-    assert {e.backend for e in op._eager_cache.values()} == {op.default_backend_for(q.device, q.dtype, 16, layout)}
+    assert op.eager_cache_info().backends == (op.default_backend_for(q.device, q.dtype, 16, layout),)
     monkeypatch.setenv("KFORCING_BACKEND", "reference")
     window_attention(q, k, v, layout)
-    assert "reference" in {e.backend for e in op._eager_cache.values()}
+    assert op.eager_cache_info().backends[1:] == ("reference",) and op.eager_cache_info().hits == 0
     monkeypatch.setenv("KFORCING_BACKEND", "bogus")
     with pytest.raises(ValueError, match="KFORCING_BACKEND"):
         window_attention(q, k, v, layout)
@@ -119,11 +125,17 @@ def test_modes_and_non_tensors_take_the_general_path():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    with Passthrough():
-        assert op._eager_entry(q, k, v, layout, None, "composite") is None
-    assert op._eager_entry(q, k, v, layout, 1, "composite") is None  # an int scale: not a float
-    assert op._eager_entry(q, k, v, layout.restrict_rows(torch.arange(5)), None, "composite") is None
-    assert op._eager_entry(q, k, v, layout, None, "composite") is not None
+    window_attention(q, k, v, layout, scale=1.0, backend="composite")  # plain: cached
+    assert _size_and_hits() == (1, 0)
+    with Passthrough():  # the same call under a mode: the general path, although its key is cached
+        window_attention(q, k, v, layout, scale=1.0, backend="composite")
+    # An int scale equals (and hashes as) the cached float 1.0, yet is not a float: the general path too.
+    window_attention(q, k, v, layout, scale=1, backend="composite")
+    rows = layout.restrict_rows(torch.arange(5))  # a QueryRowsLayout: eager, never cached
+    window_attention(q[:, :, :5], k, v, rows, backend="composite")
+    assert _size_and_hits() == (1, 0)
+    window_attention(q, k, v, layout, scale=1.0, backend="composite")  # plain again: the hit
+    assert _size_and_hits() == (1, 1)
 
 
 def test_the_cache_is_bounded(monkeypatch):
@@ -131,8 +143,8 @@ def test_the_cache_is_bounded(monkeypatch):
     for n in range(8, 16):
         layout = WindowLayout.kforcing_single(n, 4)
         window_attention(*_qkv(layout), layout, backend="composite")
-        assert len(op._eager_cache) <= 4
-    assert len(op._eager_cache) == 4
+        assert op.eager_cache_info()[:2] == (min(n - 7, 4), 4)  # (size, max_size)
+    assert op.eager_cache_info().size == 4
 
 
 def test_a_backend_function_replaced_after_a_cached_call_is_the_one_that_runs(monkeypatch):
@@ -144,4 +156,4 @@ def test_a_backend_function_replaced_after_a_cached_call_is_the_one_that_runs(mo
     calls, real = [], composite.forward
     monkeypatch.setattr(composite, "forward", lambda *a: calls.append(1) or real(*a))
     window_attention(q, k, v, layout, backend="composite")
-    assert calls == [1] and len(op._eager_cache) == 1
+    assert calls == [1] and _size_and_hits() == (1, 1)

@@ -339,7 +339,7 @@ def test_a_row_whose_backend_is_absent_here_is_ignored(tmp_path, monkeypatch, ta
 
 
 def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path):
-    from bench.gpu import dispatch_table
+    from bench.__main__ import run_command
 
     def result(ms):
         return {"fwd_ms": ms / 3, "fwd_bwd_ms": ms, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0}
@@ -375,7 +375,7 @@ def test_gpu_check_writer_turns_measurements_into_rows_with_provenance(tmp_path)
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(report))
     out = tmp_path / "table.json"
-    assert dispatch_table.main([str(src), "--out", str(out), "--command", "bash bench/gpu/gpu_check.sh"]) == 0
+    assert run_command("dispatch-table", [str(src), "--out", str(out), "--command", "bash bench/gpu/gpu_check.sh"]) == 0
     table = dispatch.load(out)
     got = {dispatch.row_key(r): r["backend"] for r in table["rows"]}
     assert got == {

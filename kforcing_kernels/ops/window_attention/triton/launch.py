@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
@@ -188,7 +188,12 @@ def _device_guard(t: torch.Tensor):
 HOST_STATE_MAX = 64
 
 
-class _HostState:
+class HostState:
+    """What a launch needs besides its tensors: ``tiles`` and ``tile_set`` (the tile choice for q's head dim and
+    the ``KFORCING_TRITON_TILES`` switch), ``plan`` (``plan.tile_plan`` of the layout for those tiles), ``key``
+    (the autotune key), ``pt`` (the plan's device copies, ``plan_device.device_plan``), ``counters`` and the
+    ``layout`` / ``device`` / ``stream`` it was made for."""
+
     __slots__ = ("tiles", "tile_set", "plan", "key", "pt", "counters", "layout", "device", "stream", "_steps")
 
     def __init__(self, layout, q, tiles, counters):
@@ -209,19 +214,25 @@ class _HostState:
         return self._steps
 
 
-_host_states: dict[tuple, _HostState] = {}
+_host_states: dict[tuple, HostState] = {}
 _host_lock = threading.Lock()
 
 
-def _host_state(layout, q: torch.Tensor, tiles: Optional[Tiles], counters: Optional[torch.Tensor]) -> _HostState:
-    """The launch's host state, cached when the tiles and counters are the defaults (bounded, oldest out)."""
+def host_state(
+    layout, q: torch.Tensor, tiles: Optional[Tiles] = None, counters: Optional[torch.Tensor] = None
+) -> HostState:
+    """The host state a launch for ``layout`` and queries ``q [B, H, Lq, D]`` uses (its device and current
+    stream). With the default tiles and no counters it is cached per (layout, D, Lq, device, stream,
+    ``KFORCING_TRITON_TILES``): batch and heads are not in the key; at most :data:`HOST_STATE_MAX` states, the
+    oldest out (:func:`host_state_info`, :func:`clear_host_states`). Explicit ``tiles`` or ``counters``: a state
+    built for the call, never cached."""
     if tiles is not None or counters is not None:
-        return _HostState(layout, q, tiles, counters)
+        return HostState(layout, q, tiles, counters)
     device = q.device
     key = (layout, q.shape[-1], q.shape[2], device, stream_id(device), env.triton_tiles())
     state = _host_states.get(key)
     if state is None:
-        state = _HostState(layout, q, None, None)
+        state = HostState(layout, q, None, None)
         with _host_lock:
             while len(_host_states) >= HOST_STATE_MAX:
                 del _host_states[next(iter(_host_states))]
@@ -233,6 +244,21 @@ def clear_host_states() -> None:
     """Forget the cached host states (tests; tile tables changed in place)."""
     with _host_lock:
         _host_states.clear()
+
+
+class HostStateInfo(NamedTuple):
+    """A snapshot of the cached host states (:func:`host_state_info`): ``size`` held, at most ``max_size``
+    (:data:`HOST_STATE_MAX`); ``tile_sets``: each state's tile set, oldest first."""
+
+    size: int
+    max_size: int
+    tile_sets: tuple[str, ...]
+
+
+def host_state_info() -> HostStateInfo:
+    """What the host-state cache holds now (tests, benchmarks)."""
+    with _host_lock:
+        return HostStateInfo(len(_host_states), HOST_STATE_MAX, tuple(s.tile_set for s in _host_states.values()))
 
 
 def attention_forward(
@@ -267,7 +293,7 @@ def forward_checked(q, k, v, layout: WindowLayout, scale: float):
 
 def _forward(q, k, v, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
-    hs = _host_state(layout, q, tiles, counters)
+    hs = host_state(layout, q, tiles, counters)
     tiles, plan, key, pt, counters = hs.tiles, hs.plan, hs.key, hs.pt, hs.counters
     g = plan.geometry
     instrument = counters.numel() > 1
@@ -342,7 +368,7 @@ def backward_checked(dout, q, k, v, out, lse, layout: WindowLayout, scale: float
 def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
     bsz, n_heads, lq, d = q.shape
     n_kv = k.shape[1]
-    hs = _host_state(layout, q, tiles, counters)
+    hs = host_state(layout, q, tiles, counters)
     tiles, plan, key, pt, counters = hs.tiles, hs.plan, hs.key, hs.pt, hs.counters
     g = plan.geometry
     instrument = counters.numel() > 1
@@ -428,6 +454,12 @@ def _backward(dout, q, k, v, out, lse, layout, scale, tiles, counters):
 
 __all__ = [
     "attention_forward",
+    "host_state",
+    "host_state_info",
+    "clear_host_states",
+    "HostState",
+    "HostStateInfo",
+    "HOST_STATE_MAX",
     "attention_backward",
     "interpreting",
     "check_head_dim",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,32 @@ def device_copy(layout, name: tuple, device: torch.device, build) -> dict:
         while len(_latest_copies) > DEVICE_COPIES_MAX:
             _latest_copies.popitem(last=False)
     return value
+
+
+class DeviceCopiesInfo(NamedTuple):
+    """A snapshot of the device copies a CUDA-graph capture may read (:func:`device_copies_info`): ``latest``
+    (the latest copy per layout content, artifact and device, at most ``max_latest`` = :data:`DEVICE_COPIES_MAX`)
+    and ``captured`` (those a capture used, kept for the process)."""
+
+    latest: int
+    max_latest: int
+    captured: int
+
+
+def device_copies_info() -> DeviceCopiesInfo:
+    """How many device copies this module keeps now (tests, benchmarks)."""
+    with _copies_lock:
+        return DeviceCopiesInfo(len(_latest_copies), DEVICE_COPIES_MAX, len(_captured_copies))
+
+
+def clear_device_copies(*, captured: bool = False) -> None:
+    """Forget the latest copies (a later capture then needs a new warm-up; the layouts' stores keep theirs), and
+    with ``captured=True`` the ones a capture used too: only when no graph captured with them will replay
+    (tests)."""
+    with _copies_lock:
+        _latest_copies.clear()
+        if captured:
+            _captured_copies.clear()
 
 
 def device_plan(plan: TilePlan, layout: WindowLayout, device: torch.device) -> dict:

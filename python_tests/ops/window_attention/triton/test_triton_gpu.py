@@ -75,22 +75,22 @@ def test_cuda_tensors_dispatch_to_triton():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmark")
 def test_gpu_benchmark_skips_cleanly_without_cuda(capsys):
-    from bench.gpu import triton_gpu
+    from bench.__main__ import run_command
 
-    assert triton_gpu.main([]) == 0
+    assert run_command("gpu", []) == 0
     out = capsys.readouterr().out
     assert "skipped, no CUDA device" in out and "TFLOP/s" not in out
-    assert triton_gpu.main(["--list", "--n", "1024", "--k", "4", "--dim", "64"]) == 0
+    assert run_command("gpu", ["--list", "--n", "1024", "--k", "4", "--dim", "64"]) == 0
     assert "|M|=2634240" in capsys.readouterr().out  # SingleForward N=1024, k=4: ~5 x causal + intra
 
 
 @pytest.mark.parametrize("name", ["bench_ab", "bench_single_d128", "bench_composite_dense"])
 def test_gpu_tables_render_from_the_committed_h200_json(capsys, name):
     """The README's GPU tables are `--render` of bench/results/gpu-h200/gc/*.json (the H200 run of 6f25b35)."""
-    from bench.gpu import triton_gpu
+    from bench.__main__ import run_command
 
     path = os.path.join(ROOT, "bench", "results", "gpu-h200", "gc", f"{name}.json")
-    assert triton_gpu.main(["--render", path]) == 0
+    assert run_command("gpu", ["--render", path]) == 0
     table = capsys.readouterr().out.strip()
     assert table.count("\n") >= 5  # header, rule, shapes
     with open(os.path.join(ROOT, "README.md")) as f:
@@ -103,10 +103,10 @@ def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
 
     shipped = tk.TILE_SETS["wide"][128], list(tk.KERNEL_CONFIGS["bwd"][("wide", 128)])
     try:
-        triton_gpu._use_wide_dkdv("64:32:8.1,8.2")
+        triton_gpu.use_wide_dkdv("64:32:8.1,8.2")
         assert (tk.TILE_SETS["wide"][128].block_n_dkdv, tk.TILE_SETS["wide"][128].block_m_dkdv) == (64, 32)
         assert tk.KERNEL_CONFIGS["bwd"][("wide", 128)] == [(8, 1), (8, 2)]
-        triton_gpu._use_wide_dkdv(None)
+        triton_gpu.use_wide_dkdv(None)
         assert (tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)]) == shipped
     finally:
         tk.TILE_SETS["wide"][128], tk.KERNEL_CONFIGS["bwd"][("wide", 128)] = shipped
@@ -114,6 +114,7 @@ def test_wide_dkdv_variants_swap_and_restore_the_tile_set():
 
 def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
     """bench_one's methods, FLOP accounting and failure capture, with the timer replaced (do_bench needs CUDA)."""
+    from bench.__main__ import parse_command
     from bench.gpu import triton_gpu
 
     calls = []
@@ -124,7 +125,8 @@ def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
         return 2.0  # ms
 
     monkeypatch.setattr(triton_gpu, "time_ms", fake_time)
-    args = triton_gpu.parse_args(
+    args = parse_command(
+        "gpu",
         [
             "--n",
             "64",
@@ -141,7 +143,7 @@ def test_gpu_benchmark_row_logic_on_cpu(monkeypatch):
             "sdpa_flash_causal",
             "composite",
             "dense_sdpa",
-        ]
+        ],
     )
     row = triton_gpu.bench_one("single", 64, 2, 32, args, {})
     layout = WindowLayout.kforcing_single(64, 2)
@@ -267,13 +269,14 @@ def test_composite_cuda_path_matches_reference_with_fused_kernels(name):
 def test_gpu_check_bench_commands_parse(tmp_path):
     """bench/gpu/check.py's `python -m bench gpu` command lines parse (python_tests/bench/test_gpu_check.py parses
     every step's, and its dry run runs them all on CPU): the README table's grid with its baselines."""
-    from bench.gpu import check, triton_gpu
+    from bench.__main__ import parse_command
+    from bench.gpu import check
 
     tables = 0
     for step in check.STEPS:
         if step.command != "gpu":
             continue
-        args = triton_gpu.parse_args(check.expand(step.argv, str(tmp_path))[3:])  # accepted, and what it asks
+        args = parse_command("gpu", check.expand(step.argv, str(tmp_path))[3:])  # accepted, and what it asks
         # The README tables render from the A/B steps (issue 53): the full grid, every baseline beside ours.
         if os.path.basename(args.json) in ("ab_d64.json", "ab_d128.json"):
             assert (sorted(args.n), sorted(args.k)) == ([1024, 4096, 8192], [2, 4, 8])
@@ -287,6 +290,7 @@ def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(mon
     replaced: three variants of one step, the ratios from their times, and a zero-cost variant that
     really runs no attention (while the others do). "Ours" is backend "cpp": without the C++ extension (a
     source-tree import, as on the H200 run) the test skips, naming why."""
+    from bench.__main__ import parse_command
     from bench.gpu import triton_gpu
     from kforcing_kernels import backends_available
     from kforcing_kernels.model import gpt
@@ -312,7 +316,8 @@ def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(mon
         return {0: 40.0, 1: 10.0, 2: 8.0}[len(seen) - 1]  # dense, ours, zero
 
     monkeypatch.setattr(triton_gpu, "time_ms", fake_time)
-    args = triton_gpu.parse_args(
+    args = parse_command(
+        "gpu",
         [
             "--train-step",
             "--n",
@@ -327,7 +332,7 @@ def test_training_step_bench_times_dense_ours_and_the_zero_cost_limit_on_cpu(mon
             "micro",
             "--train-ours",
             "cpp",
-        ]
+        ],
     )
     (row,) = triton_gpu.train_step(args)
     assert (row["dense_ms"], row["ours_ms"], row["zero_ms"]) == (40.0, 10.0, 8.0)

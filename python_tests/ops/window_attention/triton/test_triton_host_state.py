@@ -23,9 +23,17 @@ from kforcing_kernels.tools import aot_report  # noqa: E402
 def _fresh(monkeypatch):
     monkeypatch.delenv("KFORCING_TRITON_TILES", raising=False)
     launch.clear_host_states()
+    op.clear_eager_cache()
     yield
     launch.clear_host_states()
     op.clear_eager_cache()
+    plan_device.clear_device_copies(captured=True)  # CPU copies only: no graph was captured
+
+
+def _copies() -> tuple[int, int]:
+    """(latest, captured) device copies plan_device keeps."""
+    info = plan_device.device_copies_info()
+    return info.latest, info.captured
 
 
 def _q(layout, d=64, batch=2, heads=4, dtype=torch.float16):
@@ -35,29 +43,29 @@ def _q(layout, d=64, batch=2, heads=4, dtype=torch.float16):
 def test_host_state_is_cached_per_key_and_follows_the_switches(monkeypatch):
     layout = WindowLayout.kforcing_single(200, 4)
     q = _q(layout)
-    state = launch._host_state(layout, q, None, None)
-    assert launch._host_state(layout, q, None, None) is state
-    assert launch._host_state(layout, _q(layout, batch=5), None, None) is state  # batch and heads: not in the plan
+    state = launch.host_state(layout, q)
+    assert launch.host_state(layout, q) is state
+    assert launch.host_state(layout, _q(layout, batch=5)) is state  # batch and heads: not in the plan
     assert state.plan is plan_mod.tile_plan(layout, state.tiles)
-    assert launch._host_state(WindowLayout.kforcing_single(200, 4), q, None, None) is not state  # another layout
-    assert launch._host_state(layout, _q(layout, d=32), None, None).tiles == launch.tiles_for(32)
+    assert launch.host_state(WindowLayout.kforcing_single(200, 4), q) is not state  # another layout
+    assert launch.host_state(layout, _q(layout, d=32)).tiles == launch.tiles_for(32)
     monkeypatch.setenv("KFORCING_TRITON_TILES", "hopper")  # a switch the tiles depend on: another state
-    forced = launch._host_state(layout, q, None, None)
+    forced = launch.host_state(layout, q)
     assert forced is not state and forced.tile_set == "hopper" and forced.tiles == launch.TILE_SETS["hopper"][64]
     monkeypatch.delenv("KFORCING_TRITON_TILES")
-    assert launch._host_state(layout, q, None, None) is state
+    assert launch.host_state(layout, q) is state
     # Explicit tiles or counters: built for the call, never cached.
-    n = len(launch._host_states)
-    assert launch._host_state(layout, q, launch.TILE_SETS["base"][64], None) is not state
-    assert len(launch._host_states) == n
+    n = launch.host_state_info().size
+    assert launch.host_state(layout, q, launch.TILE_SETS["base"][64]) is not state
+    assert launch.host_state_info().size == n
 
 
 def test_host_states_are_bounded(monkeypatch):
     monkeypatch.setattr(launch, "HOST_STATE_MAX", 3)
     for n in range(40, 46):
         layout = WindowLayout.kforcing_single(n, 4)
-        launch._host_state(layout, _q(layout), None, None)
-        assert len(launch._host_states) <= 3
+        launch.host_state(layout, _q(layout))
+        assert launch.host_state_info()[:2] == (min(n - 39, 3), 3)
 
 
 def test_a_capture_uses_the_warm_up_copies_and_never_uploads(monkeypatch):
@@ -66,31 +74,27 @@ def test_a_capture_uses_the_warm_up_copies_and_never_uploads(monkeypatch):
     plan = plan_mod.tile_plan(layout, tiles)
     steps = steps_mod.step_plan(layout, plan)
     cpu = torch.device("cpu")
-    uploads = []
-    real_upload = plan_device._upload
-    monkeypatch.setattr(plan_device, "_upload", lambda *a: uploads.append(a) or real_upload(*a))
+    plan_device.clear_device_copies(captured=True)
     monkeypatch.setattr(plan_device, "stream_id", lambda device: 11)  # the warm-up's stream
     warm = plan_device.device_plan(plan, layout, cpu)
     warm_steps = steps_mod.device_steps(steps, layout, tiles, cpu)
-    assert len(uploads) == 1
-    # A capture on another stream: the warm-up's copies, no upload, and they stay alive for the process.
+    assert _copies() == (2, 0)  # latest: the plan's and the steps' copies
+    # A capture on another stream: the warm-up's copies (another stream would upload new ones), and they stay
+    # alive for the process.
     monkeypatch.setattr(plan_device, "stream_id", lambda device: 22)
-    monkeypatch.setattr(plan_device, "_capturing", lambda device: True)
+    monkeypatch.setattr(plan_device, "_capturing", lambda device: True)  # no CUDA graph on CPU: planted
     assert plan_device.device_plan(plan, layout, cpu) is warm
     assert steps_mod.device_steps(steps, layout, tiles, cpu) is warm_steps
-    assert len(uploads) == 1
-    assert any(value is warm for value in plan_device._captured_copies.values())
-    # The same for an equal layout made later (copies are keyed by content) even once the layout's store is emptied.
+    assert _copies() == (2, 2)
+    # The same for an equal layout made later (copies are keyed by content) once the latest copies are forgotten.
     twin = WindowLayout.kforcing_single(96, 4)
-    plan_device._latest_copies.clear()
+    plan_device.clear_device_copies()
     assert plan_device.device_plan(plan_mod.tile_plan(twin, tiles), twin, cpu) is warm
     # A layout no call has warmed up: refused, naming the capture and the fix, instead of a copy inside the graph.
     cold = WindowLayout.kforcing_single(97, 4)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph.*warm-up"):
         plan_device.device_plan(plan_mod.tile_plan(cold, tiles), cold, cpu)
-    assert len(uploads) == 1
-    for key in [key for key, value in plan_device._captured_copies.items() if value is warm or value is warm_steps]:
-        del plan_device._captured_copies[key]
+    assert _copies() == (0, 2)
 
 
 def _launch_record(record):
@@ -121,7 +125,10 @@ def test_the_eager_fast_path_launches_what_the_checked_launchers_do(monkeypatch)
             records.clear()
             torch.autograd.grad(window_attention(q, k, v, layout, scale=0.125, backend="triton"), (q, k, v), dout)
             assert records == checked
-        assert len(op._eager_cache) == 1
+        assert (op.eager_cache_info().size, op.eager_cache_info().hits) == (
+            1,
+            2,
+        )  # one entry; the two calls after the first hit
         # The same shapes in another dtype or head count: refused by name, as on a first call.
         with pytest.raises(ValueError, match=r"^q: the triton backend takes dtype"):
             window_attention(q.detach().float(), k.detach().float(), v.detach().float(), layout, backend="triton")
