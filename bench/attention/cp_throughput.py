@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kforcing_kernels.app.cli import add_batch_size, add_threads, positive_int
+
 from .._cli import write_json
 
 
@@ -77,16 +79,24 @@ def steady_tokens_per_s(run: Path) -> tuple[float, list[float]]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--seq-len", type=int, default=512, help="context tokens N per sequence")
-    p.add_argument("--k", type=int, default=4, help="Stage-1 window k (noise inversion)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="timed run length (the first step is not counted)")
-    p.add_argument("--worlds", type=int, nargs="+", default=[2], help="context-parallel world sizes")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores in all (split over the ranks)")
+    p.add_argument("--seq-len", type=positive_int, default=512, help="context tokens N per sequence")
+    p.add_argument("--k", type=positive_int, default=4, help="Stage-1 window k (noise inversion)")
+    add_batch_size(p, 2)
+    p.add_argument(
+        "--steps", type=positive_int, default=6, help="timed run length, >= 2 (the first step is not counted)"
+    )
+    p.add_argument(
+        "--worlds", type=positive_int, nargs="+", default=[2], help="context-parallel world sizes, each >= 2"
+    )
+    add_threads(p, none="all cores (os.cpu_count()). The count in all: each of W ranks runs threads / W")
     p.add_argument("--json", help="also write the numbers here")
 
 
 def finish_args(p, args, argv=None, prog=None):
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
+    if args.steps < 2:
+        p.error(f"--steps: expected >= 2 (the first step is not counted), got {args.steps}")
     if any(w < 2 or args.threads % w for w in args.worlds):
         p.error(f"--worlds: expected sizes >= 2 that divide --threads {args.threads}, got {args.worlds}")
     return args

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kforcing_kernels.app.cli import add_batch_size, add_threads, checked, non_negative_int, positive_int
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BASE = "2e66b3e"
 
@@ -135,27 +137,46 @@ def measure(path: Path, cfg: dict) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+DEFAULT_THREADS = 2  # as BENCHMARKS.md's A/B ran
+CHILD_LAYOUTS = ("single", "double")  # CHILD's ``make``
+layout_list = checked(
+    lambda text: [item.strip() for item in str(text).split(",")],
+    lambda names: bool(names) and set(names) <= set(CHILD_LAYOUTS),
+    "comma-separated layouts of " + ", ".join(CHILD_LAYOUTS),
+)
+
+
 def add_arguments(p) -> None:
     p.add_argument(
         "--commits",
         nargs="+",
         default=[DEFAULT_BASE, "HEAD"],
-        help=f"the commits to compare, the first is the baseline (default {DEFAULT_BASE} HEAD, see the "
-        "module docstring)",
+        help="the commits to compare, the first is the baseline (see the module docstring for the default base)",
     )
     p.add_argument("--workdir", default="/tmp/kforcing_cpp_ab", help="where the worktrees go")
-    p.add_argument("--threads", type=int, default=2, help="torch threads in the children (default 2)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating A/B rounds (default 5)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per case and round (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
-    p.add_argument("--layouts", default="single,double", help="comma-separated: single, double (default both)")
-    p.add_argument("--n", type=int, default=1024, help="context length N (default 1024)")
-    p.add_argument("--k", type=int, default=4, help="window k (default 4)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--jobs", type=int, default=2, help="MAX_JOBS for the builds (default 2)")
-    p.add_argument("--json", default="cpp_ab.json", help="where the results go (default ./cpp_ab.json)")
+    add_threads(p, none=f"{DEFAULT_THREADS} (in each measuring child)")
+    p.add_argument("--rounds", type=positive_int, default=5, help="alternating A/B rounds")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed calls per case and round")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed calls per case first")
+    p.add_argument(
+        "--layouts",
+        type=layout_list,
+        default="single,double",
+        help="the layouts timed, comma-separated: single, double",
+    )
+    p.add_argument("--n", type=positive_int, default=1024, help="context length N")
+    p.add_argument("--k", type=positive_int, default=4, help="window k")
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=12, help="attention heads H")
+    p.add_argument("--dim", type=positive_int, default=64, help="head dim D")
+    p.add_argument("--jobs", type=positive_int, default=2, help="MAX_JOBS for the builds")
+    p.add_argument("--json", default="cpp_ab.json", help="where the results go")
+
+
+def finish_args(p, args, argv, prog):
+    if args.threads is None:
+        args.threads = DEFAULT_THREADS
+    return args
 
 
 def execute(args) -> None:
@@ -169,7 +190,7 @@ def execute(args) -> None:
         threads=args.threads,
         iters=args.iters,
         warmup=args.warmup,
-        layouts=args.layouts.split(","),
+        layouts=args.layouts,
         n=args.n,
         k=args.k,
         batch=args.batch_size,

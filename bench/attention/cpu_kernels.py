@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels import _extension, backends_available, window_attention
+from kforcing_kernels.app.cli import add_threads, non_negative_int, positive_int
 from kforcing_kernels.layouts import ideal_causal_pairs
 from kforcing_kernels.ops import sampling
 
@@ -196,27 +197,49 @@ def format_sampler(report: dict) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_THREADS = 2  # the README's and BENCHMARKS.md's CPU numbers
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--only", choices=("attention", "sampler"), default=None)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="single")
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--k", type=int, default=4)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--rows", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--sampler-reps", type=int, default=3)
+    p.add_argument(
+        "--only", choices=("attention", "sampler"), default=None, help="run one part only (None: both, attention first)"
+    )
+    add_threads(p, none=f"{DEFAULT_THREADS}")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="single", help="attention: the layout")
+    p.add_argument("--n", type=positive_int, default=1024, help="attention: context length N")
+    p.add_argument("--k", type=positive_int, default=4, help="attention: window k")
+    p.add_argument("--heads", type=positive_int, default=12, help="attention: heads H (batch 1)")
+    p.add_argument("--dim", type=positive_int, default=64, help="attention: head dim D")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        default="float32",
+        help="attention: q/k/v dtype",
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="attention: untimed calls of each method before timing"
+    )
+    p.add_argument(
+        "--reps", type=positive_int, default=7, help="attention: timed calls of each method, interleaved (median)"
+    )
+    p.add_argument("--rows", type=positive_int, default=4096, help="sampler: rows of fp32 logits sampled at once")
+    p.add_argument("--vocab", type=positive_int, default=50257, help="sampler: vocabulary size V")
+    p.add_argument(
+        "--sampler-reps", type=positive_int, default=3, help="sampler: timed calls of each method, interleaved (median)"
+    )
     p.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
         help="cpu: process CPU time, robust to other jobs on the machine; use with --threads 1",
     )
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+
+
+def finish_args(p, args, argv, prog):
+    if args.threads is None:
+        args.threads = DEFAULT_THREADS
+    return args
 
 
 def execute(args) -> dict:

@@ -16,8 +16,8 @@ import json
 
 import torch
 
-from kforcing_kernels import WindowLayout, window_attention
-from kforcing_kernels.app.cli import positive_int
+from kforcing_kernels import BACKENDS, WindowLayout, window_attention
+from kforcing_kernels.app.cli import add_batch_size, add_threads, positive_int
 
 from .._timing import measure
 
@@ -27,17 +27,31 @@ def _summary(fn, reps: int) -> dict:
     return {key: round(t[key], 2) for key in ("median_ms", "min_ms", "max_ms")}
 
 
+DEFAULT_THREADS = 2  # the README's numbers
+
+
 def add_arguments(p) -> None:
     p.add_argument("--n", type=positive_int, default=2048, help="context length N")
     p.add_argument("--k", type=positive_int, default=4, help="window slots per context token")
     p.add_argument("--window", type=positive_int, default=512, help="the model's sliding window W")
-    p.add_argument("--batch-size", type=positive_int, default=1)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--head-dim", type=positive_int, default=64)
-    p.add_argument("--backend", default="cpp")
-    p.add_argument("--reps", type=positive_int, default=5)
-    p.add_argument("--threads", type=positive_int, default=2)
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads H")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim D")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="cpp",
+        help="window_attention backend, on CPU tensors",
+    )
+    p.add_argument("--reps", type=positive_int, default=5, help="timed runs of each case after one untimed")
+    add_threads(p, none=f"{DEFAULT_THREADS}")
     p.add_argument("--json", default=None, help="also write the results here")
+
+
+def finish_args(p, args, argv, prog):
+    if args.threads is None:
+        args.threads = DEFAULT_THREADS
+    return args
 
 
 def execute(args) -> dict:

@@ -338,13 +338,28 @@ def _compile(item):
 
 
 def add_arguments(p) -> None:
+    from kforcing_kernels.app.cli import positive_int
     from kforcing_kernels.ops.window_attention.triton import configs
 
-    p.add_argument("--arch", type=int, default=90, choices=aot_report.TARGETS)
-    p.add_argument("--tiles", nargs="*", default=["base", "wide", "hopper"], choices=sorted(configs.TILE_SETS))
-    p.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
-    p.add_argument("--dtype", default="bf16", choices=aot_report.DTYPES)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--arch", type=int, default=90, choices=aot_report.TARGETS, help="compute capability compiled for (90: sm_90a)"
+    )
+    p.add_argument(
+        "--tiles",
+        nargs="*",
+        default=["base", "wide", "hopper"],
+        choices=sorted(configs.TILE_SETS),
+        help="tile sets, each at its default bwd config (one below --arch's capability is skipped)",
+    )
+    p.add_argument(
+        "--head-dims",
+        type=positive_int,
+        nargs="*",
+        default=[64, 128],
+        help="head dims D (one a tile set has no tiles for is skipped)",
+    )
+    p.add_argument("--dtype", default="bf16", choices=aot_report.DTYPES, help="q/k/v dtype compiled for")
+    p.add_argument("--workers", type=positive_int, default=2, help="compiles run at once (processes)")
 
 
 def execute(args) -> int:

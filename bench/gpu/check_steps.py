@@ -64,7 +64,6 @@ SIZE_KEYS = frozenset(
         "k",
         "dim",
         "dims",
-        "batch",
         "batch_size",
         "batch_sizes",
         "heads",

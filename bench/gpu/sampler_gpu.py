@@ -16,9 +16,9 @@ def rows(args, time_ms) -> list[dict]:
     rows = []
     for vocab in args.sampler_vocab:
         for n_rows in args.sampler_rows:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            logits = (torch.randn(n_rows, vocab, device="cuda", generator=gen) * 2).to(torch.bfloat16)
-            z = torch.rand(n_rows, device="cuda", generator=gen)
+            gen = torch.Generator(device=args.device).manual_seed(0)
+            logits = (torch.randn(n_rows, vocab, device=args.device, generator=gen) * 2).to(torch.bfloat16)
+            z = torch.rand(n_rows, device=args.device, generator=gen)
             tau = 0.8
             methods = {
                 "triton": lambda logits=logits, z=z, tau=tau: sampling.inverse_cdf_sample(logits, z, tau),

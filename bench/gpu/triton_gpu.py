@@ -41,7 +41,6 @@ why and measures nothing.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import math
@@ -51,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from kforcing_kernels import WindowLayout, window_attention
+from kforcing_kernels.app.cli import add_batch_size, add_device, non_negative_int, positive_int
 from kforcing_kernels.ops.window_attention.triton.configs import TILE_SETS
 
 from .._cli import command_line, write_json
@@ -222,7 +222,7 @@ def _methods(layout, q, kk, v, args, extras):
 
 def bench_one(layout_name, n, k, d, args, extras) -> dict:
     layout = LAYOUTS[layout_name](n, k)
-    b, h = args.batch, args.heads
+    b, h = args.batch_size, args.heads
     dev, dt = torch.device(args.device), (torch.float32 if getattr(args, "dry_run", False) else torch.bfloat16)
     timer = _timer(args)
     torch.manual_seed(0)
@@ -329,13 +329,19 @@ def train_step(args) -> list[dict]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"])
-    p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--dim", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["single"], help="attention layouts")
+    p.add_argument("--n", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192], help="context lengths N")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="windows k")
+    p.add_argument("--dim", type=positive_int, nargs="+", default=[64, 128], help="head dims D")
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=16, help="attention heads H")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=list(METHODS),
+        help="the methods timed, each on the same q/k/v (the module docstring says what each is)",
+    )
     p.add_argument(
         "--triton-tiles",
         nargs="+",
@@ -372,12 +378,14 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--slot-window-max",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="override triton/plan.py's SLOT_WINDOW_MAX for this run (0: every window's intra part in-tile; "
         "python -m kforcing_kernels.tools.slot_cost predicts the trade-off)",
     )
-    p.add_argument("--dense-max-elems", type=int, default=2**30, help="skip dense_sdpa above Lq*Lk mask elements")
+    p.add_argument(
+        "--dense-max-elems", type=positive_int, default=2**30, help="skip dense_sdpa above Lq*Lk mask elements"
+    )
     p.add_argument("--train-step", action="store_true", help="time the self-forcing training step instead")
     p.add_argument("--train-preset", default="paper", help="model preset for --train-step (paper: 12 layers, 768)")
     p.add_argument("--train-ours", default="triton", help="our backend for --train-step")
@@ -389,8 +397,16 @@ def add_arguments(p) -> None:
         help="--train-step variants: dense-mask SDPA, ours, attention replaced by a zero-cost op (the limit)",
     )
     p.add_argument("--sampler", action="store_true", help="time the Triton sampler instead")
-    p.add_argument("--sampler-vocab", type=int, nargs="+", default=[32000, 152064])
-    p.add_argument("--sampler-rows", type=int, nargs="+", default=[256, 4096])
+    p.add_argument(
+        "--sampler-vocab", type=positive_int, nargs="+", default=[32000, 152064], help="--sampler: vocabulary sizes V"
+    )
+    p.add_argument(
+        "--sampler-rows",
+        type=positive_int,
+        nargs="+",
+        default=[256, 4096],
+        help="--sampler: rows of bf16 logits sampled at once",
+    )
     p.add_argument(
         "--render",
         nargs="+",
@@ -399,7 +415,11 @@ def add_arguments(p) -> None:
         help="print a markdown table of the rows in these --json reports, measure nothing",
     )
     p.add_argument("--list", action="store_true", help="print the shapes and useful FLOPs, measure nothing")
-    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests run the row logic on CPU
+    add_device(
+        p,
+        help_extra="; the timing needs CUDA: without a CUDA device nothing is measured, and cpu where there is one "
+        "is an error (cpu runs the rows' logic in tests; --dry-run runs on cpu whatever is given)",
+    )
     p.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every row)")
 
 
@@ -416,7 +436,7 @@ def execute(args) -> int:
     if args.list:
         for layout_name, n, k, d in shapes(args):
             layout = LAYOUTS[layout_name](n, k)
-            fwd, fb = useful_flops(layout, args.batch, args.heads, d)
+            fwd, fb = useful_flops(layout, args.batch_size, args.heads, d)
             print(
                 f"{layout_name} N={n} k={k} D={d}: |M|={int(layout.num_pairs())} "
                 f"L'={equivalent_causal_length(int(layout.num_pairs()))} fwd {fwd / 1e9:.2f} GFLOP, "
@@ -436,6 +456,11 @@ def execute(args) -> int:
     elif not torch.cuda.is_available():
         print("bench/gpu/triton_gpu.py: skipped, no CUDA device here; nothing was measured (GPU-only benchmark).")
         return 0
+    elif torch.device(args.device).type != "cuda":
+        raise SystemExit(
+            f"--device {args.device}: bench gpu times on CUDA only (--dry-run runs the same code on cpu; --list and "
+            "--render need no device)"
+        )
     from kforcing_kernels import backends_available
 
     reason = backends_available().get("triton")
@@ -522,7 +547,7 @@ def dry_run_shapes(args) -> None:
     args.n = [min(DRY_RUN_N // 2 if args.train_step else DRY_RUN_N, n) for n in args.n[:1]]
     args.k = [min(args.k + ([2] if args.train_step else []))]  # the step's students run k = 4 at most
     args.dim = [min(args.dim)]
-    args.batch, args.heads = (2, args.heads) if args.train_step else (1, 2)
+    args.batch_size, args.heads = (2, args.heads) if args.train_step else (1, 2)
     args.train_preset = "micro" if args.train_step else args.train_preset
     args.train_overrides = {"n_embd": 64, "n_head": 2}  # head dim 32: the smallest the triton backend takes
     args.train_dtype = "float16"

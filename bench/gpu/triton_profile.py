@@ -26,6 +26,7 @@ import time
 import torch
 
 from kforcing_kernels import window_attention
+from kforcing_kernels.app.cli import add_batch_size, positive_int
 
 from .._cli import write_json
 from ..attention import peers as attention
@@ -124,14 +125,24 @@ def profile_one(
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--layout", nargs="+", choices=sorted(attention.LAYOUTS), default=["single"])
-    p.add_argument("--n", type=int, nargs="+", default=[1024, 8192])
-    p.add_argument("--k", type=int, nargs="+", default=[4])
-    p.add_argument("--dim", type=int, nargs="+", default=[128])
-    p.add_argument("--batch-size", dest="batch", type=int, default=1, help="batch size")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--methods", nargs="+", choices=("triton", "flex_backend"), default=["triton"])
+    p.add_argument(
+        "--layout", nargs="+", choices=sorted(attention.LAYOUTS), default=["single"], help="attention layouts"
+    )
+    p.add_argument("--n", type=positive_int, nargs="+", default=[1024, 8192], help="context lengths N")
+    p.add_argument("--k", type=positive_int, nargs="+", default=[4], help="windows k")
+    p.add_argument("--dim", type=positive_int, nargs="+", default=[128], help="head dims D")
+    add_batch_size(p, 1)
+    p.add_argument("--heads", type=positive_int, default=16, help="attention heads H")
+    p.add_argument(
+        "--reps", type=positive_int, default=10, help="profiled fwd+bwd steps per shape, after an untimed warm-up"
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("triton", "flex_backend"),
+        default=["triton"],
+        help="window_attention(backend='triton') and/or backend='flex'",
+    )
     p.add_argument(
         "--variants",
         default=None,
@@ -139,14 +150,14 @@ def add_arguments(p) -> None:
         help="also profile every triton variant of FILE (bench/gpu/gpu_variants.txt); unknown ones are skipped",
     )
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, fp32, tiny shapes (no numbers)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the rows as JSON here (rewritten after every row)")
 
 
 def execute(args) -> int:
     if args.dry_run:
         from .triton_gpu import DRY_RUN_N
 
-        args.n, args.k, args.batch, args.heads = [min(DRY_RUN_N, args.n[0])], [min(args.k)], 1, 2
+        args.n, args.k, args.batch_size, args.heads = [min(DRY_RUN_N, args.n[0])], [min(args.k)], 1, 2
         args.dim = [min(args.dim)]  # the interpreter's tile set is base at every head dim: one is the same Python
     elif not torch.cuda.is_available():
         print("bench/gpu/triton_profile.py: skipped, no CUDA device here; nothing was measured.")
@@ -178,7 +189,7 @@ def execute(args) -> int:
                                 n,
                                 k,
                                 d,
-                                args.batch,
+                                args.batch_size,
                                 args.heads,
                                 args.reps,
                                 method,
@@ -195,7 +206,7 @@ def execute(args) -> int:
                             f"{part} {ms:.3f}" for part, ms in sorted(r["parts_ms"].items(), key=lambda x: -x[1])
                         )
                         print(
-                            f"{label} {layout_name} N={n} k={k} D={d} B={args.batch} H={args.heads}: wall "
+                            f"{label} {layout_name} N={n} k={k} D={d} B={args.batch_size} H={args.heads}: wall "
                             f"{r['wall_ms']:.3f} ms, host enqueue {r['enqueue_ms']:.3f} ms, kernels "
                             f"{r['kernel_sum_ms']:.3f} ms ({parts})"
                         )

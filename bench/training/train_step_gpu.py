@@ -81,9 +81,9 @@ def rows(args, time_ms) -> list[dict]:
         state = {"teacher": teacher.state_dict(), "student": teacher.state_dict()}
         del teacher
         batch = Batch(
-            tokens=torch.randint(0, cfg.vocab_size, (args.batch, args.n[0]), generator=gen),
-            noise=torch.rand(args.batch, args.n[0], 2 * k, generator=gen),
-            tau=0.5 + 0.5 * torch.rand(args.batch, generator=gen),
+            tokens=torch.randint(0, cfg.vocab_size, (args.batch_size, args.n[0]), generator=gen),
+            noise=torch.rand(args.batch_size, args.n[0], 2 * k, generator=gen),
+            tau=0.5 + 0.5 * torch.rand(args.batch_size, generator=gen),
         ).to(device)
         times = {}
         for label in args.train_variants:
@@ -111,7 +111,7 @@ def rows(args, time_ms) -> list[dict]:
             "n_layer": cfg.n_layer,
             "n_embd": cfg.n_embd,
             "n": args.n[0],
-            "batch": args.batch,
+            "batch": args.batch_size,
             "teacher_k": k,
             "student_k": 2 * k,
             "ours": args.train_ours,
@@ -134,8 +134,8 @@ def rows(args, time_ms) -> list[dict]:
             if row[key] is not None
         )
         print(
-            f"train step {args.train_preset} ({cfg.n_layer} layers, width {cfg.n_embd}) N={args.n[0]} B={args.batch} "
-            f"k {k}->{2 * k}: {cells}{ratios}",
+            f"train step {args.train_preset} ({cfg.n_layer} layers, width {cfg.n_embd}) N={args.n[0]} "
+            f"B={args.batch_size} k {k}->{2 * k}: {cells}{ratios}",
             flush=True,
         )
     return rows

@@ -129,13 +129,15 @@ resolve_device.__name__ = "device"
 # ---------------------------------------------------------------------- the shared options
 
 
-def add_device(p: argparse.ArgumentParser) -> None:
+def add_device(p: argparse.ArgumentParser, *, help_extra: str = "") -> None:
+    """``help_extra``: what this command does with the device, after the shared text (e.g. that it times on
+    CUDA only); the name, type and default stay the shared ones."""
     # argparse runs string defaults through ``type``: args.device is always resolved ("cpu", "cuda", ...).
     p.add_argument(
         "--device",
         type=resolve_device,
         default=DEFAULT_DEVICE,
-        help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...",
+        help="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ..." + help_extra,
     )
 
 
@@ -152,8 +154,10 @@ def add_seed(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed")
 
 
-def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; None: torch's own choice")
+def add_threads(p: argparse.ArgumentParser, *, none: str = "torch's own choice") -> None:
+    """``none``: what the command runs with when ``--threads`` is not given (the default stays None everywhere, so
+    a command's own count, e.g. 2 for the README's CPU numbers, is set where it reads the option)."""
+    p.add_argument("--threads", type=positive_int, default=None, help=f"torch CPU threads; None: {none}")
 
 
 def add_new_tokens(

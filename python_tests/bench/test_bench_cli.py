@@ -100,3 +100,47 @@ def test_a_command_parses_alike_alone_and_under_the_dispatcher():
     with pytest.raises(SystemExit) as exit_info:
         parse_command("attention", ["--layouts", "nosuch", "--device", "cpu"])
     assert exit_info.value.code == 2
+
+
+def test_a_cpu_benchmarks_own_thread_count_stands_when_threads_is_not_given():
+    """--threads defaults to None everywhere (the shared option); cpu-kernels, cpp-ab and sliding-window still run
+    with 2 threads when it is not given (their BENCHMARKS.md / README numbers), cp-throughput with all cores, and
+    a given count wins."""
+    from bench.__main__ import parse_command
+
+    for name in ("cpu-kernels", "cpp-ab", "sliding-window"):
+        assert parse_command(name, []).threads == 2, name
+        assert parse_command(name, ["--threads", "1"]).threads == 1, name
+    cores = os.cpu_count()
+    if cores % 2 == 0:  # the default --worlds 2 must divide the cores
+        assert parse_command("cp-throughput", []).threads == cores
+    assert parse_command("cp-throughput", ["--threads", "4", "--worlds", "2", "4"]).threads == 4
+    for name, argv in (
+        ("cpu-kernels", ["--threads", "0"]),
+        ("cpp-ab", ["--layouts", "single,triple"]),
+        ("cp-throughput", ["--threads", "4", "--steps", "1"]),
+        ("gpu", ["--n", "0"]),
+        ("profile", ["--batch-size", "0"]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_command(name, argv)
+        assert exit_info.value.code == 2, (name, argv)
+    assert parse_command("cpp-ab", ["--layouts", "double"]).layouts == ["double"]
+
+
+def test_bench_gpu_refuses_to_time_on_a_cpu_device_when_cuda_is_there(monkeypatch, capsys):
+    """bench gpu's --device is the shared one (auto), but its timing is CUDA only: --device cpu on a machine with
+    CUDA is a named error before anything runs; without CUDA the sweep says so and measures nothing."""
+    import torch
+
+    from bench.__main__ import parse_command
+    from bench.gpu import triton_gpu
+
+    args = parse_command("gpu", ["--device", "cpu", "--n", "64", "--k", "2", "--dim", "32"])
+    assert (args.device, args.batch_size) == ("cpu", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert triton_gpu.execute(args) == 0
+    assert "no CUDA device here; nothing was measured" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="^--device cpu: bench gpu times on CUDA only"):
+        triton_gpu.execute(args)
