@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=positive_int, default=2, help="ranks (one torchrun launch)")
     p.add_argument("--reps", type=positive_int, default=7, help="timed rounds (each: every callable once)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed calls of each callable first")
-    add_threads(p)
+    add_threads(p, none="1 per worker process (OMP_NUM_THREADS=1)")
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
     p.add_argument(
         "--worker-out", default=None, help="internal: run as a torchrun worker and write rank 0's numbers here"

@@ -93,7 +93,7 @@ def add_arguments(p) -> None:
         default="off,on",
         help="activation checkpointing settings (comma-separated)",
     )
-    add_threads(p)
+    add_threads(p, none="1 per worker process (OMP_NUM_THREADS=1)")
     p.add_argument("--out", default=None, help="write the report as JSON here (None: only print it)")
     p.add_argument(
         "--worker-out", default=None, help="internal: run as a torchrun worker and write this rank's numbers here"
