@@ -47,6 +47,21 @@ def _is_package(name: str) -> bool:
     return MODULES.get(name, "").endswith("__init__.py")
 
 
+def _private(name: str) -> bool:
+    """A private name: ``_x``, not a dunder."""
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module ``from ... import`` reads in a file of the dotted ``package`` (relative imports resolve
+    against it)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: str, typing_only: bool = True) -> set[str]:
     """The package modules ``name`` imports (module level, inside functions and, with ``typing_only``, under
     ``TYPE_CHECKING``)."""
@@ -71,12 +86,7 @@ def _imports(name: str, path: str, typing_only: bool = True) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _from_module(node, here)
             # `from pkg import sub` imports the submodule pkg.sub when there is one.
             targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module for a in node.names]
         else:
@@ -312,25 +322,15 @@ def _private_imports(name: str, path: str) -> list[str]:
         tree = ast.parse(f.read(), path)
     here = name if _is_package(name) else name.rpartition(".")[0]
 
-    def private(attr: str) -> bool:
-        return attr.startswith("_") and not attr.startswith("__")
-
-    def resolve(node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        base = here.split(".")
-        base = base[: len(base) - (node.level - 1)]
-        return ".".join(base + ([node.module] if node.module else []))
-
     found, module_names = [], {}  # module_names: local name -> the package module it is bound to
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            module = resolve(node)
+            module = _from_module(node, here)
             for alias in node.names:
                 target = f"{module}.{alias.name}"
                 if target in MODULES:  # `from pkg import sub`: a module, bound under its local name
                     module_names[alias.asname or alias.name] = target
-                elif module in MODULES and module != name and private(alias.name):
+                elif module in MODULES and module != name and _private(alias.name):
                     if alias.name not in _private_definitions_exempt(MODULES[module]):
                         found.append(f"{name}:{node.lineno}: {module}.{alias.name}")
         elif isinstance(node, ast.Import):
@@ -342,7 +342,7 @@ def _private_imports(name: str, path: str) -> list[str]:
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
             and node.value.id in module_names
-            and private(node.attr)
+            and _private(node.attr)
             and MODULES.get(f"{module_names[node.value.id]}.{node.attr}") is None
         ):
             module = module_names[node.value.id]
@@ -412,7 +412,7 @@ def _private_torch_uses(path: str) -> dict[str, int]:
         if parts[0] != "torch":
             return None
         for i, part in enumerate(parts[1:], 1):
-            if part.startswith("_") and not part.startswith("__"):
+            if _private(part):
                 return ".".join(parts[: i + 1])
         return None
 
@@ -566,11 +566,7 @@ def _top_level_bindings(path: str) -> tuple[set[str], dict[str, tuple[str, int]]
                             if n.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
                                 exported.extend(e.value for e in node.value.elts if isinstance(e, ast.Constant))
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = here.split(".")
-                    module = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
-                else:
-                    module = node.module or ""
+                module = _from_module(node, here)
                 for alias in node.names:
                     if module in MODULES and f"{module}.{alias.name}" not in MODULES:
                         imported[alias.asname or alias.name] = (module, node.lineno)
@@ -622,11 +618,7 @@ def _imports_through_another_home(path: str, importer: str = "") -> list[str]:
                     module_names[alias.asname] = alias.name
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            base = here.split(".")
-            module = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
-        else:
-            module = node.module or ""
+        module = _from_module(node, here)
         for alias in node.names:
             if f"{module}.{alias.name}" in MODULES:
                 module_names[alias.asname or alias.name] = f"{module}.{alias.name}"
@@ -803,28 +795,19 @@ def _outside_private_reads(path: str) -> list[str]:
     ``setattr("m._x")``), ``m`` bound by an import; a Triton kernel of the module is exempt."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
-    here = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
-
-    def private(attr: str) -> bool:
-        return attr.startswith("_") and not attr.startswith("__")
-
-    def resolve(node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        base = here[: len(here) - (node.level - 1)]
-        return ".".join(base + ([node.module] if node.module else []))
+    here = ".".join(os.path.relpath(os.path.dirname(path), ROOT).split(os.sep))
 
     found, module_names = set(), {name: name for name in _OUTSIDE_PACKAGES}
 
     def hit(module: str, attr: str) -> None:
         file = _outside_module_file(module)
-        if file and private(attr) and not _outside_module_file(f"{module}.{attr}"):
+        if file and _private(attr) and not _outside_module_file(f"{module}.{attr}"):
             if attr not in _private_definitions_exempt(file):
                 found.add(f"{module}.{attr}")
 
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            module = resolve(node)
+            module = _from_module(node, here)
             if module.split(".")[0] not in _OUTSIDE_PACKAGES:
                 continue
             for alias in node.names:
@@ -837,7 +820,7 @@ def _outside_private_reads(path: str) -> list[str]:
                 if alias.asname and alias.name.split(".")[0] in _OUTSIDE_PACKAGES:
                     module_names[alias.asname] = alias.name
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and private(node.attr):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
             chain, value = [], node.value
             while isinstance(value, ast.Attribute):
                 chain.append(value.attr)
