@@ -22,7 +22,7 @@ import time
 import torch
 
 from kforcing_kernels import WindowLayout
-from kforcing_kernels.app.cli import positive_int
+from kforcing_kernels.app.cli import add_batch_size, add_threads, positive_int
 
 from .._timing import pin_threads
 
@@ -119,18 +119,13 @@ def run(args) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=positive_int, default=4096, help="context length S (default 4096)")
-    p.add_argument("--blocks", type=positive_int, default=16, help="anchor blocks per sequence (default 16)")
-    p.add_argument("--block", type=positive_int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--window", type=positive_int, default=512, help="SpecForge sliding window W (default 512)")
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads (None: all cores; the numbers in BENCHMARKS used 2)",
-    )
-    p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions (default 10)")
+    p.add_argument("--n", type=positive_int, default=4096, help="context length S")
+    p.add_argument("--blocks", type=positive_int, default=16, help="anchor blocks per sequence")
+    p.add_argument("--block", type=positive_int, default=16, help="tokens per block")
+    add_batch_size(p, 8, help="sequences per step")
+    p.add_argument("--window", type=positive_int, default=512, help="SpecForge sliding window W")
+    add_threads(p, none="all cores; the numbers in BENCHMARKS used 2")
+    p.add_argument("--reps", type=positive_int, default=10, help="timed repetitions")
     p.add_argument("--existing", action="store_true", help="also time the K-Forcing layouts' intervals + plan")
     p.add_argument("--json", help="write the results here")
 

@@ -383,7 +383,14 @@ def format_summary(s: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kforcing_kernels.app.cli import add_device, add_preset, non_negative_int, positive_float, positive_int
+    from kforcing_kernels.app.cli import (
+        add_batch_size,
+        add_device,
+        add_preset,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
 
     add_device(p)  # auto: cuda on the GPU machine; --dry-run runs on cpu whatever is given
     add_preset(p, "paper")
@@ -398,7 +405,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N:K",
         help=f"N and teacher k (the student gets 2k), in run order (default: {' '.join(DEFAULT_SHAPES)})",
     )
-    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
+    add_batch_size(p, 4, help="sequences per step")
     p.add_argument(
         "--variants",
         nargs="+",
