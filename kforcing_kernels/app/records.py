@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Optional
 
+from ..integrations.vllm.stage import is_native_export
 from ..model import PRESETS
 from ..model.decoding import DECODE_RULES
 from .files import NON_NEGATIVE_INT, POSITIVE_INT, SHA256, CheckpointError, Field, check_fields, read_json
@@ -118,7 +119,7 @@ def read_model_json(folder, fields: Optional[Mapping[str, Field]] = None) -> dic
     ``model.json`` is vLLM's record, not a model the package loads."""
     path = Path(folder) / "model.json"
     record = read_json(path)
-    if "native_export" in record:  # integrations/vllm/export.py's marker (stage.read_stage reads it)
+    if is_native_export(record):
         raise CheckpointError(
             f"{folder}: a vLLM export of {record.get('source')!r} (python -m kforcing_kernels.app.vllm_export), "
             "served by vLLM, not loaded by the package; load the source stage folder"

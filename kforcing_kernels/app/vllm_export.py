@@ -32,7 +32,7 @@ from ..integrations.vllm.export import (
     vllm_config,
     vllm_tensors,
 )
-from ..integrations.vllm.stage import NOISE_FILE
+from ..integrations.vllm.stage import NOISE_FILE, is_native_export
 from .files import CheckpointError, atomic_write_file, hf_literal_specials, save_tensors, sha256_file, write_json
 
 
@@ -117,7 +117,7 @@ def _is_export(folder: Path) -> bool:
         record = json.loads((folder / "model.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(record, dict) and "native_export" in record
+    return isinstance(record, dict) and is_native_export(record)
 
 
 def _save_tokenizer(path: Path, out: Path, eos: str) -> dict:

@@ -115,7 +115,7 @@ def _check_files(folder: Path, json_path: Path, files: dict) -> None:
 
 
 def is_native_export(info: dict) -> bool:
-    """Whether a :func:`read_stage` record is a native stage's export (else an HF recipe stage)."""
+    """Whether a model.json record is a native stage's vLLM export (its marker; else an HF recipe stage or a model)."""
     return "native_export" in info
 
 
