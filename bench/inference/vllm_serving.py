@@ -2,6 +2,7 @@
 k = 2, 4 (``kforcing_kernels.integrations.vllm``) on the same backbone, weights and prompts.
 
     python -m bench vllm                                  # CPU: paper backbone with 2 layers, batch 16, fp32, eager
+    python -m bench vllm --compile                        # the same, both engines' backbones torch.compile'd
     python -m bench vllm --batches 4 16 128 --layers 12 --device cuda --dtype bfloat16   # the GPU check
     python -m bench vllm --backbone native                # the package's own model, through its vLLM exports
 
@@ -18,9 +19,10 @@ GELU MLP 4x width, vocabulary 50257), a K-Forced stage and an AR stage (k = 0) o
 through its vLLM export (``app/vllm_export.py``: ``KForcingNativeForCausalLM`` / ``KForcingNativeARForCausalLM``).
 
 Prompts of ``--prompt`` tokens, ``--new-tokens`` generated, EOS ignored. vLLM runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model is reachable for the step count); ``--device cuda`` runs the AR
-baseline with CUDA graphs (the K-Forcing model refuses them: it reads per-request metadata on the host, see the
-README's "Serve with vLLM").
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model is reachable for the step count). On the CPU both engines run
+eager, or with ``--compile`` both compiled (vLLM's torch.compile of the backbone; the CPU has no CUDA graphs);
+``--device cuda`` runs the AR baseline compiled with CUDA graphs and K-Forcing compiled without them (it refuses
+captured graphs: its per-step work is built on the host, see the README's "Serve with vLLM").
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--compile", action="store_true", help="CPU: torch.compile both engines' backbones (default eager)")
     p.add_argument("--no-package", action="store_true", help="skip the package's own generate_* rows")
     p.add_argument("--out", default="bench/results/vllm.jsonl")
     p.add_argument("--workdir", default=None, help="where the model folders are built (default: a temp folder)")
@@ -119,6 +122,7 @@ def _vllm_row(llm, method, k, prompts, args, extra):
         "method": method,
         "k": k,
         "batch": len(prompts),
+        "compiled": not llm.llm_engine.vllm_config.model_config.enforce_eager,
         "tokens_per_s": tokens / wall,
         "steps_per_token": steps / args.new_tokens,  # engine steps per generated token of one request
         "wall_ms_per_step": 1e3 * wall / steps,
@@ -187,7 +191,7 @@ def main(argv=None) -> None:
     for batch in args.batches:
         prompts = torch.randint(0, 50000, (batch, args.prompt), generator=g).tolist()
         num = dict(max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt, 8192))
-        eager = args.device == "cpu"
+        eager = args.device == "cpu" and not args.compile
         if args.backbone == "native":  # the AR stage's export: its registered architecture, stock decoding
             llm = vllm.LLM(**engine_kwargs(served_ar, enforce_eager=eager, **common, **num))
         else:
@@ -196,7 +200,7 @@ def main(argv=None) -> None:
         del llm
         gc.collect()
         for k in args.ks:
-            llm = vllm.LLM(**engine_kwargs(served_stage, k, **common, **num))
+            llm = vllm.LLM(**engine_kwargs(served_stage, k, enforce_eager=eager, **common, **num))
             _emit(_vllm_row(llm, f"kforcing_k{k}", k, prompts, args, {"extra_args": {"kforcing_tau": 1.0}}), out, rows)
             del llm
             gc.collect()

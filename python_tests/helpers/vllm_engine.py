@@ -5,9 +5,15 @@ import os
 
 import pytest
 
-# An engine's size on a 2-core CPU: fp32 (the package's own decoding is the oracle), a short context, a small KV cache.
+# An engine's size on a 2-core CPU: fp32 (the package's own decoding is the oracle), a short context, a small KV
+# cache, eager (a compiled backbone adds ~30 s to each start; test_compiled_engine runs one).
 SMALL_ENGINE = dict(
-    dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 27, seed=0
+    dtype="float32",
+    max_model_len=256,
+    gpu_memory_utilization=0.1,
+    kv_cache_memory_bytes=1 << 27,
+    seed=0,
+    enforce_eager=True,
 )
 
 

@@ -24,14 +24,17 @@ as the package's ``generate_kforcing(..., generator=torch.Generator().manual_see
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
+import weakref
 from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.config import CUDAGraphMode
 
 from ...model.decoding import decode_slots
 from . import PROPOSER
@@ -87,11 +90,14 @@ def check_engine(vllm_config, k_train: int) -> int:
             "not supported: drafts are the previous step's window, read after it; pass async_scheduling=False "
             "(--no-async-scheduling)",
         )
-    if not vllm_config.model_config.enforce_eager:
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode != CUDAGraphMode.NONE and compilation.cudagraph_capture_sizes:
         _refuse(
-            "enforce_eager",
-            "expected True: the forward reads per-request metadata on the host and adds the prefill window's "
-            "rows (variable shapes), which torch.compile / CUDA graphs would freeze",
+            "cudagraph_mode",
+            f"expected NONE (compilation_config={{'cudagraph_mode': 'NONE'}}; torch.compile itself is served), got "
+            f"{compilation.cudagraph_mode.name}: the step's per-request work (the noise rows' embeddings, the "
+            "prefill window's extra rows, the one-hot targets) is built on the host around the compiled backbone "
+            "with shapes and buffers of its own, which captured graphs would replay stale",
         )
     par = vllm_config.parallel_config
     if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
@@ -243,7 +249,9 @@ class KForcingMixin:
         batch = None if runner is None else runner.input_batch
         if batch is None or batch.num_reqs == 0 or inputs_embeds is not None:  # vLLM's dummy / profiling runs
             self.kf_last = None
-            return super().forward(input_ids.clamp(0, self.kf_vocab - 1), positions, intermediate_tensors)
+            if inputs_embeds is None:  # the backbone always takes embeddings: a compiled one is traced once
+                inputs_embeds = self.embed_input_ids(input_ids.clamp(0, self.kf_vocab - 1))
+            return super().forward(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
         self.kf_steps += 1
         k, vocab, device = self.kf_k, self.kf_vocab, input_ids.device
         r = batch.num_reqs
@@ -379,19 +387,28 @@ def _decode_targets(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class _WindowAttention(nn.Module):
-    """vLLM's attention for the scheduled rows; the prefill window's extra rows attend here (SDPA, block mask)."""
+    """vLLM's attention for the scheduled rows; the prefill window's extra rows attend here (SDPA, block mask).
+
+    The split between the two is made inside one opaque custom op (:func:`_window_attention`), so that a compiled
+    backbone (``enforce_eager=False``: vLLM traces the model once, guards dropped) neither freezes whether a step
+    has extra rows nor how many: the graph sees ``[rows, heads * head_size]`` in, the same shape out."""
 
     def __init__(self, inner: nn.Module, owner: KForcingMixin):
         super().__init__()
         self.inner = inner
         object.__setattr__(self, "_owner", owner)  # not a submodule: no cycle in the module tree
+        self.kf_key = f"{next(_LAYER_KEYS)}:{getattr(inner, 'layer_name', '')}"
+        _LAYERS[self.kf_key] = self
 
-    def forward(self, query, key, value, *args, **kwargs):
+    def forward(self, query, key, value):
+        return torch.ops.kforcing_vllm.window_attention(query, key, value, self.kf_key)
+
+    def attend(self, query, key, value):
         extra = self._owner.kf_extra
         if extra is None:
-            return self.inner(query, key, value, *args, **kwargs)
+            return self.inner(query, key, value)
         n, mask = extra
-        main = self.inner(query[:n], key[:n], value[:n], *args, **kwargs)
+        main = self.inner(query[:n], key[:n], value[:n])
         heads, kv_heads, d = self.inner.num_heads, self.inner.num_kv_heads, self.inner.head_size
         e = query.shape[0] - n
         q = query[n:].view(e, heads, d).transpose(0, 1)
@@ -399,6 +416,23 @@ class _WindowAttention(nn.Module):
         vv = value.view(-1, kv_heads, d).repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=self.inner.impl.scale)
         return torch.cat([main.view(n, -1), out.transpose(0, 1).reshape(e, heads * d).to(main.dtype)])
+
+
+# The live window-attention modules by key (a process may build several engines one after another).
+_LAYERS: "weakref.WeakValueDictionary[str, _WindowAttention]" = weakref.WeakValueDictionary()
+_LAYER_KEYS = itertools.count()
+
+
+@torch.library.custom_op("kforcing_vllm::window_attention", mutates_args=())
+def _window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: str) -> torch.Tensor:
+    """``[rows, heads * head_size]``: the layer's attention for this step (its KV-cache writes are vLLM's own op's,
+    called from here, as vLLM's attention op is opaque itself)."""
+    return _LAYERS[layer].attend(query, key, value)
+
+
+@_window_attention.register_fake
+def _(query, key, value, layer):
+    return torch.empty_like(query)
 
 
 def _make(base):

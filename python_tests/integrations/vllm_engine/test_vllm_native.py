@@ -183,7 +183,7 @@ def test_an_ar_stage_is_served_as_plain_autoregressive_decoding(native, tmp_path
         return [generate_ar(model, [p], n, temperature=0.0)[0].tolist() for p in ps]
 
     want = package(teacher)
-    llm = vllm.LLM(**engine_kwargs(tmp_path / "export", enforce_eager=True, max_num_seqs=4, **SMALL_ENGINE))
+    llm = vllm.LLM(**engine_kwargs(tmp_path / "export", max_num_seqs=4, **SMALL_ENGINE))
     try:
         params = vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
@@ -205,7 +205,7 @@ def test_an_ar_stage_is_served_as_plain_autoregressive_decoding(native, tmp_path
     with pytest.raises(Exception, match="KForcingNativeForCausalLM does not serve .* an AR stage's export"):
         vllm.LLM(**kwargs)
     gc.collect()
-    kwargs = engine_kwargs(tmp_path / "export", enforce_eager=True, **SMALL_ENGINE)
+    kwargs = engine_kwargs(tmp_path / "export", **SMALL_ENGINE)
     kwargs.update(model=str(native[1]))
     with pytest.raises(Exception, match="KForcingNativeARForCausalLM serves a native AR stage's export .* a K-Forced"):
         vllm.LLM(**kwargs)
