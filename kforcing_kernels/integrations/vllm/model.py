@@ -4,8 +4,8 @@ paper Algorithm 1 through vLLM's V1 speculative-decoding path.
 How one engine step is Algorithm 1's step (``num_speculative_tokens = 2k - 1``, the proposer of
 :mod:`.proposer`): a decoding request is scheduled as ``[t_0 | t_1..t_{m-1} | k noise placeholders]`` where
 ``t_0`` is vLLM's last sampled token, ``t_1..t_{m-1}`` the rest of the window decoded last step (drafts) and the
-placeholders' ids carry the window's noise (``-2 - round(z * 2^24)``: torch.rand's float32 uniforms are
-multiples of 2^-24, so z travels exactly). vLLM's causal paged attention is then exactly the window mask: the
+placeholders are vLLM's invalid-draft id (always rejected); the window's noise is looked up per request in the
+model's :class:`NoiseBook`. vLLM's causal paged attention is then exactly the window mask: the
 noise slots come last and see every token before them. The placeholders' input embeddings are the noise
 embedding of (z, tau), tau the request's temperature. The step's logits are one-hot: on ``t_j`` rows the next
 draft (accepted), on the last token row the window's first token (the placeholder draft is rejected there), so
@@ -40,10 +40,57 @@ from ...model.decoding import decode_slots
 from . import PROPOSER
 from .stage import is_native_export, load_noise_embedding, noise_tensor_names, read_stage
 
-NOISE_SCALE = 1 << 24  # float32 uniforms from torch.rand are multiples of 2^-24
 # The draft id of a noise slot: vLLM's "invalid draft" marker, always rejected without reading its probability
 # (and fed to the model as id 0). The noise itself is looked up per request (the model's book, by request id).
 NOISE_DRAFT = -1
+
+
+class NoiseBook:
+    """Each live request's tau and noise windows as rows of two tables, so a step reads its whole batch's with one
+    gather (one dict lookup per request finds its row; a request's noise is drawn once, when it is first seen).
+
+    ``tau`` is float32 ``[rows]``; ``z`` float32 ``[rows, windows, k]``, ``windows`` one more than the longest live
+    request's window count, so a read past a request's last window gives zeros (its row is zero there)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.row_of: dict[str, int] = {}
+        self.free: list[int] = []
+        self.tau = np.zeros(0, dtype=np.float32)
+        self.z = np.zeros((0, 1, k), dtype=np.float32)
+
+    def rows(self, req_ids: list[str], draw) -> np.ndarray:
+        """int64 ``[len(req_ids)]``: each request's row, adding those not yet in the book with
+        ``draw(req_id) -> (tau, z [windows, k])``."""
+        rows = np.array([self.row_of.get(r, -1) for r in req_ids], dtype=np.int64)
+        for i in np.flatnonzero(rows < 0):
+            rows[i] = self._add(req_ids[i], *draw(req_ids[i]))
+        return rows
+
+    def noise(self, rows: np.ndarray, windows: np.ndarray) -> np.ndarray:
+        """float32 ``[len(rows), k]``: request ``rows[i]``'s noise for window ``windows[i]`` (zeros past its last)."""
+        return self.z[rows, np.minimum(windows, self.z.shape[1] - 1)]
+
+    def prune(self, live) -> None:
+        """Free the rows of requests not in ``live`` (finished or aborted)."""
+        for req_id in [r for r in self.row_of if r not in live]:
+            self.free.append(self.row_of.pop(req_id))
+
+    def _add(self, req_id: str, tau: float, z: np.ndarray) -> int:
+        if z.shape[0] + 1 > self.z.shape[1]:
+            self.z = np.pad(self.z, ((0, 0), (0, z.shape[0] + 1 - self.z.shape[1]), (0, 0)))
+        if not self.free:
+            have = len(self.tau)
+            grow = max(have, 8)
+            self.tau = np.concatenate([self.tau, np.zeros(grow, dtype=np.float32)])
+            self.z = np.concatenate([self.z, np.zeros((grow, *self.z.shape[1:]), dtype=np.float32)])
+            self.free = list(range(have + grow - 1, have - 1, -1))
+        row = self.free.pop()
+        self.row_of[req_id] = row
+        self.tau[row] = tau
+        self.z[row] = 0.0
+        self.z[row, : z.shape[0]] = z
+        return row
 
 
 class KForcingConfigError(ValueError):
@@ -200,7 +247,7 @@ class KForcingMixin:
         self.kf_noise_names = noise_tensor_names(folder)
         self.kf_decode = info.get("decode", "argmax")  # the slot rule (model/decoding.py); HF stages decode by argmax
         self.kf_runner: Any = None  # the model runner, set by the proposer (it owns the per-request state)
-        self.kf_book: dict[str, tuple[np.float32, np.ndarray]] = {}  # request id -> (tau, noise codes)
+        self.kf_book = NoiseBook(self_k)  # each live request's tau and noise
         self.kf_last: Optional[dict] = None  # this step's windows, for the proposer
         self.kf_steps = 0  # forwards with requests (engine steps), for tests and the bench
         self.kf_extra: Optional[tuple[int, torch.Tensor]] = None  # (rows vLLM attends, the extra rows' mask)
@@ -220,27 +267,19 @@ class KForcingMixin:
 
     # ------------------------------------------------------------------ per-request noise
 
-    def _codes(self, req_id: str, window: int) -> np.ndarray:
-        """int64 ``[k]``: the request's noise for window ``window`` as 24-bit codes (zeros past its last window)."""
-        entry = self.kf_book.get(req_id)
-        if entry is None:
-            state = self.kf_runner.requests[req_id]
-            params = state.sampling_params
-            check_request(params)
-            steps = math.ceil(params.max_tokens / self.kf_k)
-            tau = request_tau(params)
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-            noise = torch.rand((1, steps, self.kf_k), generator=torch.Generator().manual_seed(seed))[0]
-            codes = (noise.double() * NOISE_SCALE).round().long().numpy()
-            entry = self.kf_book[req_id] = (np.float32(tau), codes)
-        codes = entry[1]
-        return codes[window] if window < len(codes) else np.zeros(self.kf_k, dtype=np.int64)
+    def _draw(self, req_id: str) -> tuple[float, np.ndarray]:
+        """A new request's (tau, noise ``[ceil(max_tokens / k), k]``), after checking its parameters: the noise as
+        ``generate_kforcing(..., generator=torch.Generator().manual_seed(seed))`` draws it for one prompt."""
+        params = self.kf_runner.requests[req_id].sampling_params
+        check_request(params)
+        steps = math.ceil(params.max_tokens / self.kf_k)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        noise = torch.rand((1, steps, self.kf_k), generator=torch.Generator().manual_seed(seed))[0]
+        return request_tau(params), noise.numpy()
 
     def kf_prune(self) -> None:
         """Forget the noise of requests the runner no longer holds (finished or aborted)."""
-        live = self.kf_runner.requests
-        for req_id in [r for r in self.kf_book if r not in live]:
-            del self.kf_book[req_id]
+        self.kf_book.prune(self.kf_runner.requests)
 
     # ------------------------------------------------------------------ the step
 
@@ -261,9 +300,8 @@ class KForcingMixin:
         prompt = batch.num_prompt_tokens[:r].astype(np.int64)
         total = batch.num_tokens_no_spec[:r].astype(np.int64)
         req_ids = list(batch.req_ids[:r])
-        for req_id in req_ids:  # a request's parameters are checked and its noise drawn once, at its first step
-            self._codes(req_id, 0)
-        tau = np.array([self.kf_book[req_id][0] for req_id in req_ids], dtype=np.float32)
+        book_rows = self.kf_book.rows(req_ids, self._draw)  # a new request is checked and its noise drawn here
+        tau = self.kf_book.tau[book_rows]
         prefill = computed == 0
         if (prefill & (sched != total)).any() or ((computed > 0) & (computed < prompt)).any():
             _refuse("enable_chunked_prefill / enable_prefix_caching", "a prompt was scheduled in parts")
@@ -284,8 +322,7 @@ class KForcingMixin:
         if len(dec):
             rows = (first_noise[:, None] + np.arange(k)).reshape(-1)
             noise_np[rows] = True
-            codes = np.stack([self._codes(req_ids[i], int(windows_of[i])) for i in dec])
-            z_np[rows] = codes.reshape(-1).astype(np.float32) / NOISE_SCALE
+            z_np[rows] = self.kf_book.noise(book_rows[dec], windows_of[dec]).reshape(-1)
         is_noise = torch.from_numpy(noise_np).to(device)
 
         # Prefilling requests: k extra rows each, the window the next token belongs to.
@@ -304,8 +341,7 @@ class KForcingMixin:
             embeds = torch.where(is_noise[:, None], noise_embeds, embeds)
         all_positions = positions
         if e:
-            codes = np.stack([self._codes(req_ids[i], int(windows_of[i])) for i in pre])  # one lookup per new request
-            extra_z = torch.from_numpy(codes.reshape(-1)).to(device, torch.float32) / NOISE_SCALE
+            extra_z = torch.from_numpy(self.kf_book.noise(book_rows[pre], windows_of[pre]).reshape(-1)).to(device)
             z_rows = torch.cat([z_rows, extra_z])
             extra_tau = torch.from_numpy(np.repeat(tau[pre], k)).to(device)
             embeds = torch.cat([embeds, self._embed_noise(extra_z, extra_tau)])

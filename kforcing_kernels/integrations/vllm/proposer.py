@@ -58,8 +58,6 @@ class KForcingProposer:
             if not sampled:
                 drafts.append([])
                 continue
-            req = last["req_ids"][i]
-            model._codes(req, 0)  # the request's noise is drawn (and its parameters checked) once
             drafts.append(windows[i][int(last["emit"][i]) + 1 :] + [NOISE_DRAFT] * model.kf_k)
         model.kf_prune()
         return drafts

@@ -214,3 +214,34 @@ def test_vllm_serve_completions(stage):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_noise_book_rows_reads_and_reuse():
+    import numpy as np
+
+    from kforcing_kernels.integrations.vllm.model import NoiseBook
+
+    rng = np.random.default_rng(0)
+    drawn = {f"r{i}": (0.5 + i, rng.random((2 + i % 3, 4), dtype=np.float32)) for i in range(20)}
+    book = NoiseBook(4)
+    ids = [f"r{i}" for i in range(12)]
+    rows = book.rows(ids, drawn.__getitem__)
+    assert len(set(rows.tolist())) == 12 and book.tau[rows].tolist() == [drawn[r][0] for r in ids]
+    windows = np.array([i % 5 for i in range(12)])
+    got = book.noise(rows, windows)
+    for i, r in enumerate(ids):  # a window past the request's last reads zeros
+        z = drawn[r][1]
+        want = z[windows[i]] if windows[i] < len(z) else np.zeros(4, np.float32)
+        assert np.array_equal(got[i], want)
+    assert book.rows(ids[:3], None).tolist() == rows[:3].tolist()  # known requests draw nothing
+    book.prune(set(ids[6:]))  # six finish; new requests reuse their rows, with none of their noise left
+    late = [f"r{i}" for i in range(12, 20)]
+    long = {**drawn, "r19": (3.0, rng.random((9, 4), dtype=np.float32))}  # a longer request widens the table
+    new_rows = book.rows(late, long.__getitem__)
+    assert set(rows[:6].tolist()) <= set(new_rows.tolist())
+    for r, row in zip(late, new_rows):
+        z = long[r][1]
+        assert np.array_equal(
+            book.noise(np.array([row] * 10), np.arange(10)), np.vstack([z, np.zeros((10 - len(z), 4))])
+        )
+    assert np.array_equal(book.noise(rows[6:], windows[6:]), got[6:])  # the survivors' noise is unchanged
