@@ -245,3 +245,16 @@ def test_noise_book_rows_reads_and_reuse():
             book.noise(np.array([row] * 10), np.arange(10)), np.vstack([z, np.zeros((10 - len(z), 4))])
         )
     assert np.array_equal(book.noise(rows[6:], windows[6:]), got[6:])  # the survivors' noise is unchanged
+
+
+def test_the_readme_command_is_serve_args(stage):
+    # README "Serve with vLLM" gives the server command by hand: its flags are serve_args' for a Llama stage at k=4.
+    import shlex
+
+    from helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("python -m vllm.entrypoints.openai.api_server --model") :].split("```")[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "runs/llama/stage2_k4"]
+    assert words[5:] == serve_args(stage, 4)[1:]
